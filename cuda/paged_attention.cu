@@ -1,0 +1,1 @@
+// paged attention decode + varlen prefill (placeholder until the kernels land)

@@ -1,0 +1,1 @@
+"""pagedrs: PagedAttention LLM inference and serving engine."""

@@ -1,0 +1,33 @@
+//! Thin PyO3 layer over pagedrs-core: type conversion and delegation only.
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+/// Kernel sources embedded at build time, so a wheel carries exactly the kernels it was built with.
+const KERNELS: &[(&str, &str)] = &[
+    ("cache_kernels", include_str!("../../../cuda/cache_kernels.cu")),
+    ("paged_attention", include_str!("../../../cuda/paged_attention.cu")),
+];
+
+#[pyfunction]
+fn kernel_source(name: &str) -> PyResult<&'static str> {
+    KERNELS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, src)| *src)
+        .ok_or_else(|| {
+            let known: Vec<&str> = KERNELS.iter().map(|(n, _)| *n).collect();
+            PyValueError::new_err(format!("unknown kernel {name:?}; known: {known:?}"))
+        })
+}
+
+#[pyfunction]
+fn kernel_names() -> Vec<&'static str> {
+    KERNELS.iter().map(|(n, _)| *n).collect()
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(kernel_source, m)?)?;
+    m.add_function(wrap_pyfunction!(kernel_names, m)?)?;
+    Ok(())
+}
