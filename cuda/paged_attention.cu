@@ -1,1 +1,798 @@
-// paged attention decode + varlen prefill (placeholder until the kernels land)
+#line 1 "cuda/paged_attention.cu"
+// Paged attention over the KV cache: decode (one query token per request, split-K) and varlen
+// prefill (several query tokens per request, causal over the cached prefix plus the new tokens).
+//
+// Shapes (T = tokens in the step, B = requests, H query heads, KVH kv heads, G = H / KVH):
+//   q            [T, H, HEAD]  head and dim contiguous; token stride q_stride (elements)
+//   out          [T, H, HEAD]  contiguous
+//   k/v cache    [num_blocks, block_size, KVH, HEAD]  (one half of a layer's [2, ...] tensor)
+//   block_tables [B, block_table_stride] int32;  seq_lens [B] int32;  query_start_loc [B+1] int32
+// Request b owns tokens query_start_loc[b] .. query_start_loc[b+1]-1; its context is seq_lens[b]
+// keys and its query i sits at position seq_lens[b] - q_len + i. A query at position p sees keys
+// [p - sliding_window + 1, p] (all of [0, p] when sliding_window <= 0).
+// Requests with q_len == 1 belong to the decode kernel, the others to a prefill kernel; each
+// kernel skips the other's requests, so both can be launched on a mixed batch with no host-side
+// split. A request with seq_len 0 (CUDA-graph padding) gets a zero output.
+// Softmax runs in fp32 in base 2: logits are pre-multiplied by scale * log2(e) (scale_log2).
+//
+// Header-free: the 16-bit types are storage structs converted with PTX, so NVRTC compiles this
+// file without a CUDA include directory. PAGEDRS_EMU builds it as host C++ for the CPU emulator
+// in tests/kernels/emu, which supplies the PTX-level helpers.
+
+namespace pagedrs {
+
+struct half_t { unsigned short bits; };
+struct bf16_t { unsigned short bits; };
+template <typename T> struct is_bf16 { static constexpr bool value = false; };
+template <> struct is_bf16<bf16_t> { static constexpr bool value = true; };
+
+constexpr int kThreads = 128;  // every kernel here runs 4 warps
+constexpr int kWarps = kThreads / 32;
+constexpr unsigned kFull = 0xffffffffu;
+
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(bf16_t x) {
+    return __uint_as_float(static_cast<unsigned>(x.bits) << 16);
+}
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16_t from_float<bf16_t>(float x) {
+    // round to nearest even, like cvt.rn.bf16.f32, but valid on every architecture
+    unsigned u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return bf16_t{static_cast<unsigned short>(0x7fc0)};
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return bf16_t{static_cast<unsigned short>(u >> 16)};
+}
+
+#ifdef PAGEDRS_EMU
+__device__ __forceinline__ float to_float(half_t x) { return emu::half_to_float(x.bits); }
+template <> __device__ __forceinline__ half_t from_float<half_t>(float x) {
+    return half_t{emu::float_to_half(x)};
+}
+using emu::cp_async16;
+using emu::cp_async_commit;
+using emu::cp_async_wait;
+using emu::ldmatrix_x4;
+using emu::ldmatrix_x4_trans;
+using emu::mma_16816;
+#else
+__device__ __forceinline__ float to_float(half_t x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+template <> __device__ __forceinline__ half_t from_float<half_t>(float x) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return half_t{h};
+}
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+// 16-byte global -> shared copy; bytes < 16 zero-fills the rest (bytes = 0: pure zero fill).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_u32(smem)), "l"(gmem), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* smem) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(smem)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* smem) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(smem)));
+}
+// d += a (16x16, row) * b (16x8, col), fp32 accumulate.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                          unsigned b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if constexpr (is_bf16<T>::value) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+#else
+    __trap();  // the loader only picks the mma kernel on sm_80 and newer
+#endif
+}
+#endif  // PAGEDRS_EMU
+
+// Two floats -> one 32-bit register of two 16-bit values, lo in the low half (lower k index).
+template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    return static_cast<unsigned>(from_float<T>(lo).bits) |
+           (static_cast<unsigned>(from_float<T>(hi).bits) << 16);
+}
+
+// Loads BYTES (8 or 16) bytes at p, which is BYTES-aligned, as floats.
+template <typename T, int BYTES>
+__device__ __forceinline__ void load_floats(const T* p, float* out) {
+    unsigned u[BYTES / 4];
+    if constexpr (BYTES == 16) {
+        const uint4 w = *reinterpret_cast<const uint4*>(p);
+        u[0] = w.x; u[1] = w.y; u[2] = w.z; u[3] = w.w;
+    } else {
+        const uint2 w = *reinterpret_cast<const uint2*>(p);
+        u[0] = w.x; u[1] = w.y;
+    }
+#pragma unroll
+    for (int i = 0; i < BYTES / 4; ++i) {
+        if constexpr (sizeof(T) == 4) {
+            out[i] = __uint_as_float(u[i]);
+        } else {
+            out[2 * i] = to_float(T{static_cast<unsigned short>(u[i] & 0xffffu)});
+            out[2 * i + 1] = to_float(T{static_cast<unsigned short>(u[i] >> 16)});
+        }
+    }
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(kFull, x, o));
+    return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(kFull, x, o);
+    return x;
+}
+
+// Slot (block * block_size + offset) of token position t of a request, through its block table.
+__device__ __forceinline__ long long slot_of(const int* bt, int t, int block_shift) {
+    return (static_cast<long long>(bt[t >> block_shift]) << block_shift) +
+           (t & ((1 << block_shift) - 1));
+}
+
+// Keys [start, ctx) that a decode query (position ctx - 1) sees.
+__device__ __forceinline__ int window_start(int ctx, int sliding_window) {
+    return sliding_window > 0 ? imax(0, ctx - sliding_window) : 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode. grid: (B, KVH * chunks, max_parts), block: 128, chunks = ceil(G / GP).
+// A CTA computes up to GP query heads sharing kv head kh over partition p, keys
+// [start + p * partition_size, ...), so each K/V row is read once per GP heads.
+// max_parts == 1: writes out directly. Otherwise writes tmp_out [B, H, max_parts, HEAD]
+// (normalized by its own sum), max_logits and exp_sums [B, H, max_parts], and
+// paged_attention_reduce combines them. CTAs past a request's partition count exit, so the grid
+// may be sized for the longest possible context (CUDA graphs).
+// Dynamic smem (floats): q_s[GP*HEAD] | logits[max(GP*partition_size, kWarps*GP*HEAD)] | max[GP] | sum[GP]
+template <typename T, int HEAD, int GP>
+__global__ void __launch_bounds__(kThreads) paged_attention_decode(
+    T* __restrict__ out, float* __restrict__ tmp_out, float* __restrict__ max_logits,
+    float* __restrict__ exp_sums, const T* __restrict__ q, long long q_stride,
+    const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const int* __restrict__ block_tables, int block_table_stride, const int* __restrict__ seq_lens,
+    const int* __restrict__ query_start_loc, int num_heads, int num_kv_heads, int block_shift,
+    int sliding_window, float scale_log2, int partition_size, int max_parts)
+{
+    extern __shared__ __align__(16) unsigned char pg_smem[];
+    const int b = blockIdx.x;
+    const int q_begin = query_start_loc[b];
+    if (query_start_loc[b + 1] - q_begin != 1) return;  // a prefill request
+
+    const int G = num_heads / num_kv_heads;
+    const int chunks = (G + GP - 1) / GP;
+    const int kh = blockIdx.y / chunks;
+    const int g0 = (blockIdx.y % chunks) * GP;
+    const int ng = imin(GP, G - g0);  // real heads in this CTA; rows ng..GP-1 are padding
+    const int h0 = kh * G + g0;
+    const int ctx = seq_lens[b];
+    const int start = window_start(ctx, sliding_window);
+    const int num_parts = (ctx - start + partition_size - 1) / partition_size;
+    const int p = blockIdx.z;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    T* out_row = out + (static_cast<long long>(q_begin) * num_heads + h0) * HEAD;
+
+    if (num_parts == 0) {  // empty context (padding): zero output; split mode leaves it to reduce
+        if (max_parts == 1 && p == 0)
+            for (int i = tid; i < ng * HEAD; i += kThreads) out_row[i] = from_float<T>(0.f);
+        return;
+    }
+    if (p >= num_parts) return;
+
+    const int ts = start + p * partition_size;
+    const int te = imin(ts + partition_size, ctx);
+    const int n = te - ts;
+
+    float* q_s = reinterpret_cast<float*>(pg_smem);
+    float* logits = q_s + GP * HEAD;  // [GP][partition_size], later the cross-warp buffer
+    const int logits_size = imax(GP * partition_size, kWarps * GP * HEAD);
+    float* s_max = logits + logits_size;
+    float* s_sum = s_max + GP;
+
+    const T* q_row = q + static_cast<long long>(q_begin) * q_stride + static_cast<long long>(h0) * HEAD;
+    for (int i = tid; i < GP * HEAD; i += kThreads)
+        q_s[i] = i / HEAD < ng ? to_float(q_row[i]) * scale_log2 : 0.f;
+    __syncthreads();
+
+    const int* bt = block_tables + static_cast<long long>(b) * block_table_stride;
+    const long long kv_row = static_cast<long long>(num_kv_heads) * HEAD;  // elements per slot
+    const T* k_head = k_cache + static_cast<long long>(kh) * HEAD;
+    const T* v_head = v_cache + static_cast<long long>(kh) * HEAD;
+
+    // Logits. KL lanes share one key row, each loading 16-byte chunks kl, kl + KL, ...;
+    // a warp covers KTW keys per step. The loop bound is warp-uniform (shuffles inside).
+    constexpr int KV = 16 / sizeof(T);       // elements per 16-byte chunk
+    constexpr int KC = HEAD / KV;            // chunks per row
+    constexpr int KL = 4;                    // lanes per key
+    constexpr int KCL = (KC + KL - 1) / KL;  // chunks per lane
+    constexpr int KTW = 32 / KL;             // keys per warp step
+    const int kl = lane % KL;
+    for (int base = ts + warp * KTW; base < te; base += kWarps * KTW) {
+        const int t = base + lane / KL;
+        const bool valid = t < te;
+        float kf[KCL * KV];
+        const T* k_row = k_head + (valid ? slot_of(bt, t, block_shift) * kv_row : 0);
+#pragma unroll
+        for (int c = 0; c < KCL; ++c) {
+            const int chunk = kl + c * KL;
+            if (valid && chunk < KC) {
+                load_floats<T, 16>(k_row + chunk * KV, kf + c * KV);
+            } else {
+#pragma unroll
+                for (int e = 0; e < KV; ++e) kf[c * KV + e] = 0.f;
+            }
+        }
+#pragma unroll
+        for (int gi = 0; gi < GP; ++gi) {
+            float acc = 0.f;
+#pragma unroll
+            for (int c = 0; c < KCL; ++c) {
+                const int chunk = kl + c * KL;
+                if (chunk < KC) {
+#pragma unroll
+                    for (int e = 0; e < KV; ++e)
+                        acc += q_s[gi * HEAD + chunk * KV + e] * kf[c * KV + e];
+                }
+            }
+            acc += __shfl_xor_sync(kFull, acc, 1);
+            acc += __shfl_xor_sync(kFull, acc, 2);
+            if (valid && kl == 0) logits[gi * partition_size + (t - ts)] = acc;
+        }
+    }
+    __syncthreads();
+
+    // Softmax numerators in place, one warp per head.
+    for (int gi = warp; gi < ng; gi += kWarps) {
+        float* l = logits + gi * partition_size;
+        float m = neg_inf();
+        for (int i = lane; i < n; i += 32) m = fmaxf(m, l[i]);
+        m = warp_max(m);
+        float s = 0.f;
+        for (int i = lane; i < n; i += 32) {
+            const float e = exp2f(l[i] - m);
+            l[i] = e;
+            s += e;
+        }
+        s = warp_sum(s);
+        if (lane == 0) {
+            s_max[gi] = m;
+            s_sum[gi] = s;
+        }
+    }
+    __syncthreads();
+
+    // Weighted V. VL lanes share one value row (8-byte chunks vl, vl + VL, ...); VTW rows per
+    // warp step; each lane accumulates its chunks for all GP heads.
+    constexpr int VV = 8 / sizeof(T);  // elements per 8-byte chunk
+    constexpr int VC = HEAD / VV;
+    constexpr int VL = VC >= 32 ? 32 : VC > 8 ? 16 : VC > 4 ? 8 : VC > 2 ? 4 : VC > 1 ? 2 : 1;
+    constexpr int VCL = (VC + VL - 1) / VL;
+    constexpr int VTW = 32 / VL;
+    const int vl = lane % VL;
+    float acc[GP][VCL * VV];
+#pragma unroll
+    for (int gi = 0; gi < GP; ++gi)
+#pragma unroll
+        for (int e = 0; e < VCL * VV; ++e) acc[gi][e] = 0.f;
+    for (int base = ts + warp * VTW; base < te; base += kWarps * VTW) {
+        const int t = base + lane / VL;
+        if (t < te) {
+            const T* v_row = v_head + slot_of(bt, t, block_shift) * kv_row;
+            float vf[VCL * VV];
+#pragma unroll
+            for (int c = 0; c < VCL; ++c) {
+                const int chunk = vl + c * VL;
+                if (chunk < VC) {
+                    load_floats<T, 8>(v_row + chunk * VV, vf + c * VV);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < VV; ++e) vf[c * VV + e] = 0.f;
+                }
+            }
+#pragma unroll
+            for (int gi = 0; gi < GP; ++gi) {
+                const float w = logits[gi * partition_size + (t - ts)];
+#pragma unroll
+                for (int e = 0; e < VCL * VV; ++e) acc[gi][e] += w * vf[e];
+            }
+        }
+    }
+    // Sum the VTW key groups of each warp, then the warps through shared memory.
+#pragma unroll
+    for (int o = VL; o < 32; o <<= 1)
+#pragma unroll
+        for (int gi = 0; gi < GP; ++gi)
+#pragma unroll
+            for (int e = 0; e < VCL * VV; ++e) acc[gi][e] += __shfl_xor_sync(kFull, acc[gi][e], o);
+    __syncthreads();  // every warp is done reading logits before they are overwritten
+    float* red = logits;  // [kWarps][GP][HEAD]
+    if (lane < VL) {
+#pragma unroll
+        for (int gi = 0; gi < GP; ++gi)
+#pragma unroll
+            for (int c = 0; c < VCL; ++c) {
+                const int chunk = vl + c * VL;
+                if (chunk < VC)
+#pragma unroll
+                    for (int e = 0; e < VV; ++e)
+                        red[(warp * GP + gi) * HEAD + chunk * VV + e] = acc[gi][c * VV + e];
+            }
+    }
+    __syncthreads();
+
+    for (int i = tid; i < ng * HEAD; i += kThreads) {
+        const int gi = i / HEAD;
+        float o = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) o += red[w * GP * HEAD + i];
+        o /= s_sum[gi];  // >= 1: the max key contributes exp2(0)
+        if (max_parts == 1) {
+            out_row[i] = from_float<T>(o);
+        } else {
+            const long long row = (static_cast<long long>(b) * num_heads + h0 + gi) * max_parts + p;
+            tmp_out[row * HEAD + i % HEAD] = o;
+        }
+    }
+    if (max_parts > 1 && tid < ng) {
+        const long long row = (static_cast<long long>(b) * num_heads + h0 + tid) * max_parts + p;
+        max_logits[row] = s_max[tid];
+        exp_sums[row] = s_sum[tid];
+    }
+}
+
+// Combines decode partitions: out = sum_p w_p * tmp_p / sum_p w_p, w_p = sum_p * 2^(max_p - max).
+// grid: (B, H), block: 128, dynamic smem: (max_parts + kWarps) floats.
+template <typename T, int HEAD>
+__global__ void __launch_bounds__(kThreads) paged_attention_reduce(
+    T* __restrict__ out, const float* __restrict__ tmp_out, const float* __restrict__ max_logits,
+    const float* __restrict__ exp_sums, const int* __restrict__ seq_lens,
+    const int* __restrict__ query_start_loc, int num_heads, int sliding_window, int partition_size,
+    int max_parts)
+{
+    extern __shared__ __align__(16) unsigned char pg_smem[];
+    const int b = blockIdx.x, h = blockIdx.y;
+    const int q_begin = query_start_loc[b];
+    if (query_start_loc[b + 1] - q_begin != 1) return;
+    const int ctx = seq_lens[b];
+    const int num_parts = (ctx - window_start(ctx, sliding_window) + partition_size - 1) / partition_size;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    T* o = out + (static_cast<long long>(q_begin) * num_heads + h) * HEAD;
+    if (num_parts == 0) {
+        for (int d = tid; d < HEAD; d += kThreads) o[d] = from_float<T>(0.f);
+        return;
+    }
+    float* w = reinterpret_cast<float*>(pg_smem);
+    float* red = w + max_parts;
+    const long long row = (static_cast<long long>(b) * num_heads + h) * max_parts;
+
+    float m = neg_inf();
+    for (int i = tid; i < num_parts; i += kThreads) m = fmaxf(m, max_logits[row + i]);
+    m = warp_max(m);
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    m = red[0];
+#pragma unroll
+    for (int i = 1; i < kWarps; ++i) m = fmaxf(m, red[i]);
+    __syncthreads();  // red is reused below
+
+    float s = 0.f;
+    for (int i = tid; i < num_parts; i += kThreads) {
+        const float wi = exp_sums[row + i] * exp2f(max_logits[row + i] - m);
+        w[i] = wi;
+        s += wi;
+    }
+    s = warp_sum(s);
+    if (lane == 0) red[warp] = s;
+    __syncthreads();  // also publishes w
+    s = 0.f;
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) s += red[i];
+    const float inv = 1.f / s;
+    for (int d = tid; d < HEAD; d += kThreads) {
+        float acc = 0.f;
+        for (int i = 0; i < num_parts; ++i) acc += w[i] * tmp_out[(row + i) * HEAD + d];
+        o[d] = from_float<T>(acc * inv);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill tile scheduling. A request with q_len > 1 has q_len * G rows (row r = query r / G,
+// head kh * G + r % G) cut into tiles of rows_per_tile; tiles are numbered request after request
+// and CTA x takes tile x. The grid is an upper bound (ceil(T * G / rows) + B), so a CTA may find
+// no tile and exits. Block-wide prefix sum over the requests, kThreads at a time.
+// sched: 6 ints of shared memory. Returns false when there is no tile for this CTA.
+__device__ __forceinline__ bool find_tile(const int* __restrict__ query_start_loc, int num_seqs,
+                                          int G, int rows_per_tile, int* sched, int& b_out,
+                                          int& tile_out)
+{
+    const int x = blockIdx.x;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    if (tid == 0) sched[0] = -1;
+    int base = 0;  // tiles of requests before this chunk
+    for (int c = 0; c < num_seqs; c += kThreads) {
+        const int b = c + tid;
+        int n = 0;
+        if (b < num_seqs) {
+            const int q_len = query_start_loc[b + 1] - query_start_loc[b];
+            if (q_len > 1) n = (q_len * G + rows_per_tile - 1) / rows_per_tile;
+        }
+        int incl = n;  // inclusive scan within the warp
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(kFull, incl, o);
+            if (lane >= o) incl += v;
+        }
+        __syncthreads();  // readers of the previous chunk's sums are done (and sched[0] = -1 seen)
+        if (lane == 31) sched[2 + warp] = incl;
+        __syncthreads();
+        int before = 0, total = 0;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) {
+            const int s = sched[2 + w];
+            before += w < warp ? s : 0;
+            total += s;
+        }
+        const int first = base + before + incl - n;
+        if (n > 0 && x >= first && x < first + n) {  // exactly one thread matches
+            sched[0] = b;
+            sched[1] = x - first;
+        }
+        base += total;
+        __syncthreads();
+        if (sched[0] >= 0 || base > x) break;  // uniform: shared value read after a barrier
+    }
+    __syncthreads();  // also covers num_seqs == 0
+    b_out = sched[0];
+    tile_out = sched[1];
+    return b_out >= 0;
+}
+
+// Rows [r0, r0 + rows) of the tile's request, keys [kv_begin, kv_end) visible to any of them.
+struct TileRange {
+    int b, q_begin, q_len, ctx, rows, r0, pos0, kv_begin, kv_end;
+};
+__device__ __forceinline__ TileRange tile_range(int b, int tile, int rows_per_tile, int G,
+                                                const int* query_start_loc, const int* seq_lens,
+                                                int sliding_window)
+{
+    TileRange r;
+    r.b = b;
+    r.q_begin = query_start_loc[b];
+    r.q_len = query_start_loc[b + 1] - r.q_begin;
+    r.ctx = seq_lens[b];
+    r.rows = r.q_len * G;
+    r.r0 = tile * rows_per_tile;
+    const int r_last = imin(r.r0 + rows_per_tile, r.rows) - 1;
+    r.pos0 = r.ctx - r.q_len;  // position of query 0
+    r.kv_end = r.pos0 + r_last / G + 1;
+    r.kv_begin = sliding_window > 0 ? imax(0, r.pos0 + r.r0 / G - sliding_window + 1) : 0;
+    return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Varlen prefill with tensor cores (sm_80+, fp16/bf16). grid: (ceil(T*G/64) + B, KVH), block 128.
+// Each warp owns 16 of the tile's 64 rows; K/V tiles of 64 keys go through shared memory with
+// cp.async (the next K tile loads while P.V runs, the next V tile while Q.K^T runs);
+// S = Q K^T and O += P V with mma.m16n8k16, online softmax in registers (FlashAttention-2).
+// Dynamic smem: 2 * 64 * (HEAD + 8) elements (K buffer, which first holds Q, then V) + 8 ints.
+template <typename T, int HEAD>
+__global__ void __launch_bounds__(kThreads) paged_attention_prefill(
+    T* __restrict__ out, const T* __restrict__ q, long long q_stride,
+    const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const int* __restrict__ block_tables, int block_table_stride, const int* __restrict__ seq_lens,
+    const int* __restrict__ query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
+    int block_shift, int sliding_window, float scale_log2)
+{
+    static_assert(sizeof(T) == 2 && HEAD % 16 == 0, "mma prefill: 16-bit types, HEAD % 16 == 0");
+    constexpr int BM = 64, BN = 64;
+    constexpr int SROW = HEAD + 8;  // padded row: ldmatrix rows hit distinct banks
+    constexpr int CH = HEAD / 8;    // 16-byte chunks per row
+    extern __shared__ __align__(16) unsigned char pg_smem[];
+    T* sK = reinterpret_cast<T*>(pg_smem);
+    T* sV = sK + BN * SROW;
+    int* sched = reinterpret_cast<int*>(sV + BN * SROW);
+
+    const int G = num_heads / num_kv_heads;
+    int b, tile;
+    if (!find_tile(query_start_loc, num_seqs, G, BM, sched, b, tile)) return;
+    const TileRange tr = tile_range(b, tile, BM, G, query_start_loc, seq_lens, sliding_window);
+    const int kh = blockIdx.y;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int* bt = block_tables + static_cast<long long>(b) * block_table_stride;
+    const long long kv_row = static_cast<long long>(num_kv_heads) * HEAD;
+
+    // Q tile -> sK -> registers (A fragments, one per 16 columns).
+    for (int c = tid; c < BM * CH; c += kThreads) {
+        const int row = c / CH, part = c % CH;
+        const int r = tr.r0 + row;
+        const T* src = q;
+        int bytes = 0;
+        if (r < tr.rows) {
+            src = q + static_cast<long long>(tr.q_begin + r / G) * q_stride +
+                  static_cast<long long>(kh * G + r % G) * HEAD + part * 8;
+            bytes = 16;
+        }
+        cp_async16(sK + row * SROW + part * 8, src, bytes);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    const int mi = lane / 8, mr = lane % 8;  // ldmatrix: this lane addresses row mr of matrix mi
+    unsigned qf[HEAD / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < HEAD / 16; ++ks)
+        ldmatrix_x4(qf[ks], sK + (warp * 16 + mr + (mi & 1) * 8) * SROW + ks * 16 + (mi >> 1) * 8);
+    __syncthreads();
+
+    auto load_tile = [&](T* dst, const T* cache, int j0) {
+        for (int c = tid; c < BN * CH; c += kThreads) {
+            const int row = c / CH, part = c % CH;
+            const int j = j0 + row;
+            const T* src = cache;
+            int bytes = 0;
+            if (j < tr.kv_end) {
+                src = cache + slot_of(bt, j, block_shift) * kv_row + kh * HEAD + part * 8;
+                bytes = 16;
+            }
+            cp_async16(dst + row * SROW + part * 8, src, bytes);  // keys past kv_end: zeros
+        }
+    };
+
+    // This thread's two rows: warp * 16 + lane / 4 (+ 8). Invalid rows see no key.
+    int row_hi[2], row_lo[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = tr.r0 + warp * 16 + lane / 4 + h * 8;
+        row_hi[h] = r < tr.rows ? tr.pos0 + r / G : -1;
+        row_lo[h] = sliding_window > 0 ? row_hi[h] - sliding_window + 1 : 0;
+    }
+    float o[HEAD / 8][4];
+#pragma unroll
+    for (int i = 0; i < HEAD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
+
+    const int num_tiles = (tr.kv_end - tr.kv_begin + BN - 1) / BN;
+    load_tile(sK, k_cache, tr.kv_begin);
+    cp_async_commit();
+    load_tile(sV, v_cache, tr.kv_begin);
+    cp_async_commit();
+    // cp.async groups are committed K0, V0, then K(j+1) and V(j+1) (possibly empty) per tile,
+    // so "wait until at most one group is pending" always means the buffer about to be read.
+    for (int jt = 0; jt < num_tiles; ++jt) {
+        const int j0 = tr.kv_begin + jt * BN;
+        cp_async_wait<1>();
+        __syncthreads();
+        float s[BN / 8][4];
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < HEAD / 16; ++ks) {
+#pragma unroll
+            for (int np = 0; np < BN / 16; ++np) {
+                unsigned kb[4];
+                ldmatrix_x4(kb, sK + (np * 16 + mr + (mi >> 1) * 8) * SROW + ks * 16 + (mi & 1) * 8);
+                mma_16816<T>(s[2 * np], qf[ks], kb[0], kb[1]);
+                mma_16816<T>(s[2 * np + 1], qf[ks], kb[2], kb[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with sK
+        if (jt + 1 < num_tiles) load_tile(sK, k_cache, j0 + BN);
+        cp_async_commit();
+
+        // Mask, then online softmax; a row's 4 owner lanes (same lane / 4) agree on max and scale.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float mx = neg_inf();
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int j = j0 + nt * 8 + (lane % 4) * 2 + e;
+                    float& v = s[nt][h * 2 + e];
+                    v = (j <= row_hi[h] && j >= row_lo[h]) ? v * scale_log2 : neg_inf();
+                    mx = fmaxf(mx, v);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
+            const float m_new = fmaxf(row_max[h], mx);
+            const float ref = m_new == neg_inf() ? 0.f : m_new;  // nothing seen yet: stay at 0
+            const float alpha = exp2f(row_max[h] - ref);
+            row_max[h] = m_new;
+            float sum = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float pv = exp2f(s[nt][h * 2 + e] - ref);
+                    s[nt][h * 2 + e] = pv;
+                    sum += pv;
+                }
+            row_sum[h] = row_sum[h] * alpha + sum;  // this lane's columns; quad-summed at the end
+#pragma unroll
+            for (int dt = 0; dt < HEAD / 8; ++dt) {
+                o[dt][h * 2] *= alpha;
+                o[dt][h * 2 + 1] *= alpha;
+            }
+        }
+
+        cp_async_wait<1>();
+        __syncthreads();  // sV holds tile jt
+#pragma unroll
+        for (int ks = 0; ks < BN / 16; ++ks) {
+            // The S accumulators of key tiles 2ks, 2ks+1 are exactly the A fragment of P.
+            const unsigned pa[4] = {pack2<T>(s[2 * ks][0], s[2 * ks][1]),
+                                    pack2<T>(s[2 * ks][2], s[2 * ks][3]),
+                                    pack2<T>(s[2 * ks + 1][0], s[2 * ks + 1][1]),
+                                    pack2<T>(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+#pragma unroll
+            for (int dp = 0; dp < HEAD / 16; ++dp) {
+                unsigned vb[4];
+                ldmatrix_x4_trans(vb, sV + (ks * 16 + mr + (mi & 1) * 8) * SROW + dp * 16 + (mi >> 1) * 8);
+                mma_16816<T>(o[2 * dp], pa, vb[0], vb[1]);
+                mma_16816<T>(o[2 * dp + 1], pa, vb[2], vb[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with sV
+        if (jt + 1 < num_tiles) load_tile(sV, v_cache, j0 + BN);
+        cp_async_commit();
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float sum = row_sum[h];
+        sum += __shfl_xor_sync(kFull, sum, 1);
+        sum += __shfl_xor_sync(kFull, sum, 2);
+        const int r = tr.r0 + warp * 16 + lane / 4 + h * 8;
+        if (r < tr.rows) {
+            const float inv = sum > 0.f ? 1.f / sum : 0.f;
+            T* dst = out + (static_cast<long long>(tr.q_begin + r / G) * num_heads + kh * G + r % G) * HEAD;
+#pragma unroll
+            for (int dt = 0; dt < HEAD / 8; ++dt) {
+                const int d = dt * 8 + (lane % 4) * 2;
+                dst[d] = from_float<T>(o[dt][h * 2] * inv);
+                dst[d + 1] = from_float<T>(o[dt][h * 2 + 1] * inv);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Varlen prefill without tensor cores: fp32 (exactness checks) and fp16/bf16 before sm_80.
+// grid: (ceil(T*G/16) + B, KVH), block 128. 16 rows per CTA, 4 per warp; keys in tiles of 32
+// staged as floats; lane j scores key j of the tile, lane d accumulates output dims d, d+32, ...
+// Dynamic smem (floats): q_s[16*HEAD] | k_s[32*(HEAD+1)] | v_s[32*(HEAD+1)] | 8 ints.
+template <typename T, int HEAD>
+__global__ void __launch_bounds__(kThreads) paged_attention_prefill_scalar(
+    T* __restrict__ out, const T* __restrict__ q, long long q_stride,
+    const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const int* __restrict__ block_tables, int block_table_stride, const int* __restrict__ seq_lens,
+    const int* __restrict__ query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
+    int block_shift, int sliding_window, float scale_log2)
+{
+    constexpr int BM = 16, BN = 32, RW = BM / kWarps;
+    constexpr int KROW = HEAD + 1;           // odd stride: lane j reading row j is conflict-free
+    constexpr int DL = (HEAD + 31) / 32;     // output dims per lane
+    extern __shared__ __align__(16) unsigned char pg_smem[];
+    float* q_s = reinterpret_cast<float*>(pg_smem);
+    float* k_s = q_s + BM * HEAD;
+    float* v_s = k_s + BN * KROW;
+    int* sched = reinterpret_cast<int*>(v_s + BN * KROW);
+
+    const int G = num_heads / num_kv_heads;
+    int b, tile;
+    if (!find_tile(query_start_loc, num_seqs, G, BM, sched, b, tile)) return;
+    const TileRange tr = tile_range(b, tile, BM, G, query_start_loc, seq_lens, sliding_window);
+    const int kh = blockIdx.y;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int* bt = block_tables + static_cast<long long>(b) * block_table_stride;
+    const long long kv_row = static_cast<long long>(num_kv_heads) * HEAD;
+
+    for (int i = tid; i < BM * HEAD; i += kThreads) {
+        const int r = tr.r0 + i / HEAD, d = i % HEAD;
+        q_s[i] = r < tr.rows ? to_float(q[static_cast<long long>(tr.q_begin + r / G) * q_stride +
+                                          static_cast<long long>(kh * G + r % G) * HEAD + d]) * scale_log2
+                             : 0.f;
+    }
+    float m[RW], l[RW], acc[RW][DL];
+#pragma unroll
+    for (int rr = 0; rr < RW; ++rr) {
+        m[rr] = neg_inf();
+        l[rr] = 0.f;
+#pragma unroll
+        for (int k = 0; k < DL; ++k) acc[rr][k] = 0.f;
+    }
+
+    for (int j0 = tr.kv_begin; j0 < tr.kv_end; j0 += BN) {
+        __syncthreads();  // previous tile fully consumed (and q_s written on the first pass)
+        for (int i = tid; i < BN * HEAD; i += kThreads) {
+            const int jr = i / HEAD, d = i % HEAD, j = j0 + jr;
+            float kv = 0.f, vv = 0.f;
+            if (j < tr.kv_end) {
+                const long long off = slot_of(bt, j, block_shift) * kv_row + kh * HEAD + d;
+                kv = to_float(k_cache[off]);
+                vv = to_float(v_cache[off]);
+            }
+            k_s[jr * KROW + d] = kv;
+            v_s[jr * KROW + d] = vv;
+        }
+        __syncthreads();
+        const int j = j0 + lane;
+#pragma unroll
+        for (int rr = 0; rr < RW; ++rr) {
+            const int lr = warp * RW + rr;
+            const int r = tr.r0 + lr;
+            if (r >= tr.rows) break;  // warp-uniform
+            const int hi = tr.pos0 + r / G;
+            const int lo = sliding_window > 0 ? hi - sliding_window + 1 : 0;
+            float sc = 0.f;
+            for (int d = 0; d < HEAD; ++d) sc += q_s[lr * HEAD + d] * k_s[lane * KROW + d];
+            sc = (j <= hi && j >= lo) ? sc : neg_inf();
+            const float m_new = fmaxf(m[rr], warp_max(sc));
+            const float ref = m_new == neg_inf() ? 0.f : m_new;
+            const float alpha = exp2f(m[rr] - ref);
+            const float p = exp2f(sc - ref);
+            l[rr] = l[rr] * alpha + warp_sum(p);
+            m[rr] = m_new;
+#pragma unroll
+            for (int k = 0; k < DL; ++k) acc[rr][k] *= alpha;
+            for (int jj = 0; jj < BN; ++jj) {
+                const float pj = __shfl_sync(kFull, p, jj);
+#pragma unroll
+                for (int k = 0; k < DL; ++k) {
+                    const int d = lane + 32 * k;
+                    if (d < HEAD) acc[rr][k] += pj * v_s[jj * KROW + d];
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int rr = 0; rr < RW; ++rr) {
+        const int r = tr.r0 + warp * RW + rr;
+        if (r >= tr.rows) break;
+        const float inv = l[rr] > 0.f ? 1.f / l[rr] : 0.f;
+        T* dst = out + (static_cast<long long>(tr.q_begin + r / G) * num_heads + kh * G + r % G) * HEAD;
+#pragma unroll
+        for (int k = 0; k < DL; ++k) {
+            const int d = lane + 32 * k;
+            if (d < HEAD) dst[d] = from_float<T>(acc[rr][k] * inv);
+        }
+    }
+}
+
+}  // namespace pagedrs

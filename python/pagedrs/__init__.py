@@ -1,1 +1,179 @@
-"""pagedrs: PagedAttention LLM inference and serving engine."""
+"""pagedrs: PagedAttention LLM inference and serving engine.
+
+from pagedrs import LLM, SamplingParams
+llm = LLM()                                   # the embedded default model (SmolLM2-135M-Instruct)
+outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from pagedrs.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedrs.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineArgs",
+    "LLMEngine",
+    "Logprob",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+]
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from pagedrs.engine.llm_engine import EngineArgs, LLMEngine
+
+
+def __getattr__(name: str) -> Any:
+    # The engine (torch, the Rust core, the models) loads on first use, so `import pagedrs._core` or
+    # `from pagedrs import SamplingParams` stays light.
+    if name in ("LLMEngine", "EngineArgs"):
+        from pagedrs.engine import llm_engine
+
+        return getattr(llm_engine, name)
+    raise AttributeError(f"module 'pagedrs' has no attribute {name!r}")
+
+
+def _configure_logging() -> None:
+    """INFO lines of the "pagedrs" logger go to stderr, like vLLM's (PAGEDRS_CONFIGURE_LOGGING=0: leave it)."""
+    if os.environ.get("PAGEDRS_CONFIGURE_LOGGING", "1") == "0":
+        return
+    log = logging.getLogger("pagedrs")
+    if log.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s", "%m-%d %H:%M:%S")
+    )
+    log.addHandler(handler)
+    log.setLevel(os.environ.get("PAGEDRS_LOGGING_LEVEL", "INFO"))
+    log.propagate = False
+
+
+_configure_logging()
+
+PromptInput = str | list[int] | dict
+
+
+def _is_token_list(x: object) -> bool:
+    return (
+        isinstance(x, list) and len(x) > 0 and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    )
+
+
+class LLM:
+    """Offline generation over an `LLMEngine` (vLLM's `LLM`); keyword arguments are `EngineArgs` fields."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        from pagedrs.engine.llm_engine import EngineArgs, LLMEngine
+
+        unknown = sorted(set(kwargs) - set(EngineArgs.field_names()))
+        if unknown:
+            raise ValueError(f"unknown LLM argument(s): {', '.join(unknown)}")
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text, token ids or {"prompt"/"prompt_token_ids": ...}); outputs in
+        prompt order."""
+        if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
+            prompt_list: list[PromptInput] = [prompts]  # type: ignore[list-item]
+        else:
+            prompt_list = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries but there are {len(prompt_list)} prompts"
+                )
+        return self._run(prompt_list, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"}) or a list of them, through
+        the tokenizer's chat template."""
+        if not messages:
+            raise ValueError("messages is empty")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        prompts: list[PromptInput] = []
+        for conv in conversations:
+            ids = self.llm_engine.apply_chat_template(
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),  # type: ignore[arg-type]
+            )
+            prompts.append({"prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(
+        self, prompts: list[PromptInput], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params, strict=True):
+                rid = str(next(self._counter))
+                engine.add_request(rid, prompt, sp)
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        in_toks = out_toks = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine._step(final_only=True):
+                    if out.request_id not in order:
+                        continue
+                    results[order[out.request_id]] = out
+                    if bar is not None:
+                        in_toks += len(out.prompt_token_ids)
+                        out_toks += sum(len(c.token_ids) for c in out.outputs)
+                        elapsed = bar.format_dict["elapsed"] or 1e-9
+                        bar.set_postfix_str(
+                            f"est. speed input: {in_toks / elapsed:.2f} toks/s, output: {out_toks / elapsed:.2f} toks/s",
+                            refresh=False,
+                        )
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([rid for rid in ids if results[order[rid]] is None])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [r for r in results if r is not None]

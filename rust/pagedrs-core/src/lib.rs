@@ -1,1 +1,29 @@
 //! pagedrs-core: block pool, prefix cache, requests, scheduler, step plan. No pyo3 here.
+//!
+//! One step: [`Scheduler::schedule`] decides who runs and returns a [`StepPlan`] of flat arrays;
+//! the runner executes it; [`Scheduler::update`] appends the sampled tokens, applies the stop
+//! checks, frees finished sequences and caches newly full blocks.
+
+pub mod block_pool;
+pub mod config;
+pub mod error;
+pub mod free_queue;
+mod invariants;
+pub mod plan;
+pub mod prefix_cache;
+pub mod request;
+mod resize;
+mod schedule;
+pub mod scheduler;
+pub mod swap_pool;
+mod update;
+
+pub use config::{Config, NewRequest};
+pub use error::{Error, Result};
+pub use plan::StepPlan;
+pub use request::{FinishReason, Finished, Status};
+pub use scheduler::{Scheduler, Stats};
+
+/// Index of a device block in the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BlockId(pub u32);

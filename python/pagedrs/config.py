@@ -1,0 +1,208 @@
+"""Engine configuration: frozen, validated once at the edge, then passed down through constructors.
+
+Every check raises a `ValueError` that names the field and the offending value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "CacheConfig",
+    "DeviceConfig",
+    "EngineConfig",
+    "ModelConfig",
+    "ObservabilityConfig",
+    "SchedulerConfig",
+    "resolve_device",
+]
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16", "float", "half")
+
+
+def _require(cond: bool, field: str, value: object, why: str) -> None:
+    if not cond:
+        raise ValueError(f"{field} {why}, got {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """ "auto" -> cuda when available, else cpu. ValueError for an unknown name or an absent CUDA."""
+    if isinstance(device, torch.device):
+        dev = device
+    else:
+        _require(isinstance(device, str), "device", device, "must be a string")
+        if device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            dev = torch.device(device)
+        except RuntimeError as e:
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from e
+    _require(dev.type in ("cpu", "cuda"), "device", str(device), "must be 'auto', 'cpu' or 'cuda[:N]'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} was asked for but CUDA is not available")
+    return dev
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which model, in which dtype, and how long a sequence (prompt + output) may be."""
+
+    model: str | None = None  # None -> the embedded default model
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None -> the model's own limit
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(
+            self.model is None or isinstance(self.model, str), "model", self.model, "must be a str or None"
+        )
+        _require(
+            self.tokenizer is None or isinstance(self.tokenizer, str),
+            "tokenizer",
+            self.tokenizer,
+            "must be a str or None",
+        )
+        if not isinstance(self.dtype, torch.dtype):
+            _require(self.dtype in _DTYPES, "dtype", self.dtype, f"must be one of {', '.join(_DTYPES)}")
+        if self.max_model_len is not None:
+            _require(
+                _is_int(self.max_model_len) and self.max_model_len >= 2,
+                "max_model_len",
+                self.max_model_len,
+                "must be an int >= 2",
+            )
+        _require(_is_int(self.seed), "seed", self.seed, "must be an int")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The paged KV pool: block size, how many blocks (or how much memory), and the CPU swap pool."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides both memory-based sizings
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gb: float | None = None  # None -> up to 4 GiB, no more than max_num_seqs full sequences
+    swap_space: float = 0.0  # GiB of CPU memory for preemption by swap
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        _require(_is_int(bs) and bs > 0 and not bs & (bs - 1), "block_size", bs, "must be a power of two")
+        if self.num_kv_blocks is not None:
+            _require(
+                _is_int(self.num_kv_blocks) and self.num_kv_blocks >= 1,
+                "num_kv_blocks",
+                self.num_kv_blocks,
+                "must be an int >= 1",
+            )
+        u = self.gpu_memory_utilization
+        _require(_is_number(u) and 0 < u <= 1, "gpu_memory_utilization", u, "must be in (0, 1]")
+        if self.cpu_kv_cache_gb is not None:
+            g = self.cpu_kv_cache_gb
+            _require(_is_number(g) and g > 0, "cpu_kv_cache_gb", g, "must be > 0")
+        s = self.swap_space
+        _require(_is_number(s) and s >= 0, "swap_space", s, "must be >= 0 (GiB)")
+        _require(
+            isinstance(self.enable_prefix_caching, bool),
+            "enable_prefix_caching",
+            self.enable_prefix_caching,
+            "must be a bool",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous batching limits. `max_model_len` here is the resolved one (model limit applied)."""
+
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _require(
+            _is_int(self.max_model_len) and self.max_model_len >= 2,
+            "max_model_len",
+            self.max_model_len,
+            "must be an int >= 2",
+        )
+        _require(
+            _is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
+            "max_num_seqs",
+            self.max_num_seqs,
+            "must be an int >= 1",
+        )
+        _require(
+            _is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            "must be an int >= 1",
+        )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= max_model_len ({self.max_model_len}) when chunked "
+                f"prefill is disabled, got {self.max_num_batched_tokens}"
+            )
+
+    @staticmethod
+    def default_max_num_batched_tokens(max_model_len: int, enable_chunked_prefill: bool) -> int:
+        return 2048 if enable_chunked_prefill else max(2048, max_model_len)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceConfig:
+    """Where the model and its KV pool live, the attention backend and the CPU thread count."""
+
+    device: torch.device
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.device, torch.device), "device", self.device, "must be a torch.device")
+        _require(
+            self.attention_backend in ("auto", "torch", "cupy"),
+            "attention_backend",
+            self.attention_backend,
+            "must be one of auto, torch, cupy",
+        )
+        if self.num_threads is not None:
+            _require(
+                _is_int(self.num_threads) and self.num_threads >= 1,
+                "num_threads",
+                self.num_threads,
+                "must be an int >= 1",
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ObservabilityConfig:
+    """The periodic stats line and the per-step batch picture."""
+
+    log_stats: bool = True
+    stats_log_interval: float = 5.0  # seconds between two stats lines
+    enable_log_batch_visualization: bool = False
+
+    def __post_init__(self) -> None:
+        i = self.stats_log_interval
+        _require(_is_number(i) and i > 0, "stats_log_interval", i, "must be > 0 (seconds)")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: DeviceConfig
+    observability: ObservabilityConfig

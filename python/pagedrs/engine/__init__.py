@@ -1,0 +1,1 @@
+"""The engine: LLMEngine (sync step loop) and AsyncLLMEngine (server side)."""

@@ -1,0 +1,264 @@
+"""Per-request and per-sequence state kept by the engine, incremental detokenization and stop strings.
+
+The scheduler (Rust) owns blocks and token counts; Python keeps what it needs to build outputs: the
+sampled tokens, their logprobs, the text decoded so far and the finish reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+
+from pagedrs.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
+from pagedrs.sampling_params import SamplingParams
+
+__all__ = ["IncrementalDetokenizer", "Request", "Sequence", "check_stop_strings"]
+
+
+def check_stop_strings(
+    text: str, new_char_count: int, stop: Seq[str], include_in_output: bool
+) -> tuple[str, int] | None:
+    """vLLM's stop-string check over the newly decoded tail of `text`.
+
+    Returns (stop string, index to cut the text at; -1 for no cut) or None."""
+    if not new_char_count or not stop:
+        return None
+    for stop_str in stop:
+        # Only the text that could contain a match involving the new characters is searched.
+        start = max(0, len(text) - new_char_count - len(stop_str) + 1)
+        idx = text.find(stop_str, start)
+        if idx == -1:
+            continue
+        if include_in_output:
+            idx += len(stop_str)
+            if idx >= len(text):
+                return stop_str, -1
+        return stop_str, idx
+    return None
+
+
+class IncrementalDetokenizer:
+    """Text of a sequence's output tokens, decoded as they arrive.
+
+    With a fast (Rust) tokenizer it uses `tokenizers.decoders.DecodeStream` primed with the end of the
+    prompt (so a leading space or a multi-byte character split across the prompt boundary decodes the way
+    a full decode would); otherwise it re-decodes the output behind a short prompt prefix."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Seq[int], skip_special_tokens: bool) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.text = ""
+        prefix = list(prompt_token_ids[-4:])
+        if len(prompt_token_ids) > 4:
+            for i in range(4, min(len(prompt_token_ids), 24) + 1):
+                suffix = list(prompt_token_ids[-i:])
+                if "\ufffd" not in tokenizer.decode(suffix, skip_special_tokens=skip_special_tokens):
+                    prefix = suffix
+                    break
+        self._prefix = prefix
+        rust_tok = getattr(tokenizer, "_tokenizer", None)
+        self._stream = None
+        if rust_tok is not None and type(rust_tok).__module__.startswith("tokenizers"):
+            from tokenizers.decoders import DecodeStream
+
+            self._rust = rust_tok
+            self._stream = DecodeStream(ids=prefix, skip_special_tokens=skip_special_tokens)
+        else:
+            self._ids: list[int] = []
+            self._prefix_text = tokenizer.decode(prefix, skip_special_tokens=skip_special_tokens)
+
+    def add(self, token_ids: Seq[int]) -> int:
+        """Decode newly sampled tokens; returns how many characters were appended to `text`."""
+        before = len(self.text)
+        if self._stream is not None:
+            for tid in token_ids:
+                try:
+                    chunk = self._stream.step(self._rust, tid)
+                except Exception:  # an id the decoder cannot handle (out of vocab): skip it like vLLM
+                    chunk = None
+                if chunk:
+                    self.text += chunk
+        else:
+            self._ids.extend(token_ids)
+            full = self.tokenizer.decode(
+                self._prefix + self._ids, skip_special_tokens=self.skip_special_tokens
+            )
+            new = full[len(self._prefix_text) :]
+            if not new.endswith("\ufffd"):
+                self.text = new
+        return len(self.text) - before
+
+
+class Request:
+    """One add_request: a prompt and its n sequences."""
+
+    __slots__ = (
+        "request_id",
+        "prompt",
+        "prompt_token_ids",
+        "params",
+        "seqs",
+        "metrics",
+        "prompt_logprobs",
+        "num_cached_tokens",
+        "num_unfinished",
+        "priority",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        priority: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.seqs: list[Sequence] = []
+        self.metrics = RequestMetrics(arrival_time=arrival_time, last_token_time=arrival_time)
+        self.prompt_logprobs: PromptLogprobs | None = (
+            [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None
+        )
+        self.num_cached_tokens: int | None = None
+        self.num_unfinished = 0
+        self.priority = priority
+
+    @property
+    def finished(self) -> bool:
+        return self.num_unfinished == 0
+
+    def to_output(self) -> RequestOutput:
+        finished = self.finished
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=self.prompt_logprobs,
+            outputs=[s.to_output() for s in self.seqs],
+            finished=finished,
+            metrics=self.metrics,
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+
+class Sequence:
+    """One of a request's n samples: the sampler's view (`SamplingRow`) and the output's."""
+
+    __slots__ = (
+        "seq_id",
+        "index",
+        "request",
+        "params",
+        "generator",
+        "prompt_token_ids",
+        "output_token_ids",
+        "logprobs",
+        "cumulative_logprob",
+        "detokenizer",
+        "finish_reason",
+        "stop_reason",
+        "is_simple_greedy",
+        "text_cut",
+    )
+
+    def __init__(
+        self,
+        seq_id: int,
+        index: int,
+        request: Request,
+        params: SamplingParams,
+        tokenizer: Any,
+        device: torch.device,
+    ) -> None:
+        self.seq_id = seq_id
+        self.index = index
+        self.request = request
+        self.params = params
+        self.generator: torch.Generator | None = None
+        if params.seed is not None and params.temperature > 0:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(params.seed)
+        self.prompt_token_ids = request.prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.detokenizer = (
+            IncrementalDetokenizer(tokenizer, request.prompt_token_ids, params.skip_special_tokens)
+            if tokenizer is not None and params.detokenize
+            else None
+        )
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.is_simple_greedy = (
+            params.temperature == 0.0
+            and not params.needs_penalties
+            and not params.logit_bias
+            and params.min_tokens == 0
+            and params.logprobs is None
+        )
+        self.text_cut: int | None = None  # where a stop string cut the text
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        if self.detokenizer is None:
+            return ""
+        text = self.detokenizer.text
+        if self.text_cut is not None:
+            return text[: self.text_cut]
+        if not self.finished:
+            hold = self.params.output_text_buffer_length
+            if hold:
+                return text[: max(0, len(text) - hold)]
+        return text
+
+    def to_output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.text,
+            token_ids=list(self.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+    def add_logprobs(
+        self, token_ids: Seq[int], logprobs: Seq[float], rank: int, num: int, tokenizer: Any
+    ) -> None:
+        """Record the sampled token (first entry) and the top `num` alternatives at this position."""
+        assert self.logprobs is not None and self.cumulative_logprob is not None
+        self.cumulative_logprob += float(logprobs[0])
+        self.logprobs.append(make_logprob_dict(token_ids, logprobs, rank, num, tokenizer))
+
+
+def make_logprob_dict(
+    token_ids: Seq[int], logprobs: Seq[float], rank: int, num: int, tokenizer: Any
+) -> dict[int, Logprob]:
+    """{token id: Logprob} for one position: the chosen token (rank `rank`), then the top `num` (ranks 1..)."""
+
+    def text(t: int) -> str | None:
+        return tokenizer.decode([t]) if tokenizer is not None else None
+
+    out = {int(token_ids[0]): Logprob(float(logprobs[0]), int(rank), text(int(token_ids[0])))}
+    for r in range(num):
+        t = int(token_ids[1 + r])
+        if t not in out:
+            out[t] = Logprob(float(logprobs[1 + r]), r + 1, text(t))
+    return out

@@ -1,0 +1,78 @@
+"""Runs the API server: ``python -m pagedrs.entrypoints.openai.api_server [flags]``
+(the same flags as ``pagedrs serve``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from pagedrs.entrypoints.cli_args import make_engine_args, make_serve_parser
+
+logger = logging.getLogger("pagedrs.server")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server that starts the app's drain as soon as SIGTERM/SIGINT arrives."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Any) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        logger.info("received signal %d: shutting down", sig)
+        self._on_exit()
+        super().handle_exit(sig, frame)
+
+
+def _ignore_signal(sig: int, frame: FrameType | None) -> None:
+    # uvicorn re-raises the signal after its graceful shutdown; by then the work is done and the
+    # process exits 0 on its own.
+    return None
+
+
+def run_server(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    if args.api_key is None:
+        args.api_key = os.environ.get("PAGEDRS_API_KEY") or None
+    if args.data_dir is None:
+        args.data_dir = os.path.abspath("pagedrs-data")
+
+    from pagedrs.engine.async_engine import AsyncLLMEngine
+    from pagedrs.entrypoints.openai.app import build_app
+
+    logging.getLogger("pagedrs.access").disabled = not args.access_log
+    # The model loads before the port opens, so /health answers 200 as soon as it answers.
+    engine = AsyncLLMEngine.from_engine_args(make_engine_args(args))
+    app = build_app(engine, args)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
+                            log_level=args.log_level, access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=max(1, int(args.shutdown_grace)),
+                            timeout_keep_alive=5)
+    server = _Server(config, app.state.server.begin_drain)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _ignore_signal)
+    server.run()
+    return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_serve_parser(argparse.ArgumentParser(
+        prog="python -m pagedrs.entrypoints.openai.api_server",
+        description="pagedrs OpenAI-compatible API server")).parse_args(argv)
+    return run_server(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

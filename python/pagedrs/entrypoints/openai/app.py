@@ -1,0 +1,185 @@
+"""The FastAPI application: ``build_app(engine, args)``."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedrs.engine.async_engine import AsyncLLMEngine
+from pagedrs.entrypoints.openai.batch_store import BatchStore
+from pagedrs.entrypoints.openai.batch_worker import BatchRunner
+from pagedrs.entrypoints.openai.errors import APIError, error_body, internal, not_found, unavailable
+from pagedrs.entrypoints.openai.files_batches import build_router
+from pagedrs.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from pagedrs.entrypoints.openai.middleware import ServerMiddleware
+from pagedrs.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_body,
+)
+from pagedrs.entrypoints.openai.serving_base import ClientDisconnected
+from pagedrs.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedrs.entrypoints.openai.serving_completions import OpenAIServingCompletion
+
+logger = logging.getLogger("pagedrs.server")
+
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ServerState:
+    """What the routes and the shutdown path share (``app.state.server``)."""
+
+    def __init__(self, engine: AsyncLLMEngine, metrics: ServerMetrics, store: BatchStore,
+                 runner: BatchRunner, grace_s: float) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.store = store
+        self.runner = runner
+        self.grace_s = grace_s
+        self.draining = False
+        self.drain_started = 0.0
+
+    def begin_drain(self) -> None:
+        """SIGTERM: no new requests or batch lines; what is in flight goes on."""
+        if self.draining:
+            return
+        self.draining = True
+        self.drain_started = time.monotonic()
+        logger.info("draining: finishing in-flight requests (grace %.0fs)", self.grace_s)
+        self.engine.begin_drain()
+        self.runner.begin_drain()
+
+
+def _arg(args: Any, name: str, default: Any) -> Any:
+    value = getattr(args, name, None) if args is not None else None
+    return default if value is None else value
+
+
+def build_app(engine: Any, args: Any = None) -> FastAPI:
+    """The server app around an ``AsyncLLMEngine`` (an ``LLMEngine`` is wrapped).
+
+    ``args`` (an argparse namespace or any object) may carry served_model_name (str or list),
+    api_key, data_dir, max_body_bytes, max_batch_concurrency, shutdown_grace.
+    """
+    if not isinstance(engine, AsyncLLMEngine):
+        engine = AsyncLLMEngine(engine)
+    names = _arg(args, "served_model_name", None) or [engine.model_name]
+    served_model_names = [names] if isinstance(names, str) else list(names)
+    metrics = ServerMetrics(served_model_names[0], engine.get_stats)
+    engine.observer = metrics
+    completions = OpenAIServingCompletion(engine, served_model_names)
+    chat = OpenAIServingChat(engine, served_model_names, tokenizer=completions.tokenizer)
+    data_dir = _arg(args, "data_dir", None) or tempfile.mkdtemp(prefix="pagedrs-data-")
+    store = BatchStore(data_dir)
+    runner = BatchRunner(store, completions, chat,
+                         max_concurrency=int(_arg(args, "max_batch_concurrency", 64)))
+    state = ServerState(engine, metrics, store, runner, float(_arg(args, "shutdown_grace", 30.0)))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        runner.start()
+        logger.info("serving %s (max_model_len %d), data dir %s", served_model_names[0],
+                    engine.max_model_len, data_dir)
+        try:
+            yield
+        finally:
+            state.begin_drain()
+            left = max(0.0, state.grace_s - (time.monotonic() - state.drain_started))
+            await runner.stop(timeout=left)
+            await engine.drain(timeout=max(0.0, state.grace_s - (time.monotonic() - state.drain_started)))
+            engine.shutdown()
+            store.close()
+
+    app = FastAPI(title="pagedrs", version="0.1.0", lifespan=lifespan)
+    app.state.server = state
+
+    @app.exception_handler(APIError)
+    async def api_error_handler(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_handler(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x not in ("query", "path", "body")]
+        param = ".".join(loc) or None
+        return JSONResponse(error_body(f"{param}: {first.get('msg', 'invalid value')}", param=param,
+                                       code="invalid_value"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error_handler(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = APIError(exc.status_code, str(exc.detail))
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unhandled_handler(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return internal(f"{type(exc).__name__}: {exc}").response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_healthy:
+            return Response(status_code=200)
+        if engine.errored:
+            return unavailable(f"The engine has failed: {engine.dead_error!r}").response()
+        return unavailable("The server is shutting down." if state.draining
+                           else "The engine is not running.").response()
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": "0.1.0"})
+
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "pagedrs",
+                "root": engine.model_name, "parent": None, "max_model_len": engine.max_model_len}
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [model_card(n) for n in served_model_names]})
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> JSONResponse:
+        if model not in served_model_names:
+            raise not_found(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return JSONResponse(model_card(model))
+
+    async def respond(result: Any) -> Response:
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        req = parse_body(CompletionRequest, await request.body())
+        try:
+            return await respond(await completions.create(req, request))
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        req = parse_body(ChatCompletionRequest, await request.body())
+        try:
+            return await respond(await chat.create(req, request))
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    app.include_router(build_router(store, runner))
+    max_body = int(_arg(args, "max_body_bytes", DEFAULT_MAX_BODY_BYTES))
+    app.add_middleware(ServerMiddleware, api_key=_arg(args, "api_key", None) or None,
+                       max_body_bytes=max_body, on_response=metrics.observe_http)
+    return app

@@ -1,0 +1,100 @@
+"""Prometheus metrics of the server: engine gauges and counters, per-request latency histograms."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0)
+
+
+class _EngineStatsCollector(Collector):
+    """Reads the engine's latest stats snapshot at scrape time (cumulative counters included)."""
+
+    def __init__(self, get_stats: Callable[[], Any], model_name: str) -> None:
+        self._get_stats = get_stats
+        self._model = model_name
+
+    def collect(self) -> Iterator[Any]:
+        s = self._get_stats()
+        labels = ["model_name"]
+        values = [self._model]
+
+        def g(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            m = GaugeMetricFamily(name, doc, labels=labels)
+            m.add_metric(values, value)
+            return m
+
+        def c(name: str, doc: str, value: float) -> CounterMetricFamily:
+            m = CounterMetricFamily(name, doc, labels=labels)
+            m.add_metric(values, value)
+            return m
+
+        def get(key: str) -> float:
+            return float(getattr(s, key, 0) or 0) if s is not None else 0.0
+
+        yield g("pagedrs:num_requests_running", "Requests in the running batch.", get("num_running"))
+        yield g("pagedrs:num_requests_waiting", "Requests waiting to be scheduled.", get("num_waiting"))
+        yield g("pagedrs:num_requests_swapped", "Requests swapped out to CPU.", get("num_swapped"))
+        yield g("pagedrs:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
+                get("kv_usage"))
+        yield c("pagedrs:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                get("prefix_cache_queries"))
+        yield c("pagedrs:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                get("prefix_cache_hits"))
+        yield c("pagedrs:prompt_tokens", "Prompt tokens processed.", get("prompt_tokens_total"))
+        yield c("pagedrs:generation_tokens", "Generated tokens.", get("generation_tokens_total"))
+        yield c("pagedrs:num_preemptions", "Preemptions.", get("num_preemptions"))
+
+
+class ServerMetrics:
+    """One registry per app; also the AsyncLLMEngine's RequestObserver."""
+
+    def __init__(self, model_name: str, get_stats: Callable[[], Any]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        labels = ["model_name"]
+        self.ttft = Histogram("pagedrs:time_to_first_token_seconds", "Time to first token.",
+                              labels, buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("pagedrs:inter_token_latency_seconds", "Time between output tokens.",
+                             labels, buckets=_ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("pagedrs:e2e_request_latency_seconds", "End-to-end request latency.",
+                             labels, buckets=_E2E_BUCKETS, registry=self.registry)
+        self.finished = Counter("pagedrs:request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self.http = Counter("pagedrs:http_requests", "HTTP requests by route and status.",
+                            ["method", "route", "status"], registry=self.registry)
+        for reason in ("stop", "length", "abort"):
+            self.finished.labels(model_name, reason)
+        self.registry.register(_EngineStatsCollector(get_stats, model_name))
+
+    # RequestObserver (called from the engine thread; prometheus_client is thread-safe)
+    def on_first_token(self, ttft_s: float) -> None:
+        self.ttft.labels(self.model_name).observe(ttft_s)
+
+    def on_tokens(self, itl_s: float, num_tokens: int) -> None:
+        child = self.itl.labels(self.model_name)
+        for _ in range(num_tokens):
+            child.observe(itl_s / num_tokens)
+
+    def on_finished(self, reason: str, e2e_s: float) -> None:
+        self.finished.labels(self.model_name, reason).inc()
+        if reason != "abort":
+            self.e2e.labels(self.model_name).observe(e2e_s)
+
+    def observe_http(self, method: str, route: str, status: int) -> None:
+        self.http.labels(method, route, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

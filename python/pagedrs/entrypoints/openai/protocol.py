@@ -1,0 +1,208 @@
+"""Request models of the OpenAI-compatible API (pydantic), validated once at the edge."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from pagedrs.entrypoints.openai.errors import APIError, bad_request, from_validation_error
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP = 16
+MAX_SEED = 2**63 - 1
+
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+class OpenAIModel(BaseModel):
+    # Unknown fields are ignored (as vLLM does); NaN and infinities are rejected; no coercion
+    # ("5" is not a number, "yes" not a bool), as JSON types are what the API documents.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True, protected_namespaces=())
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(OpenAIModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=2**31 - 1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=1024)
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else list(v)
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed, got {len(stops)}")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stops or None
+
+    def check_common(self) -> None:
+        """Cross-field checks pydantic's per-field constraints cannot express."""
+        if self.logit_bias:
+            for key in self.logit_bias:
+                if not (key.isascii() and key.strip().isdigit()):
+                    raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true",
+                              param="stream_options")
+        if self.top_k == 0:
+            self.top_k = -1
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(16, ge=1, le=2**31 - 1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    def check(self) -> None:
+        self.check_common()
+        if self.suffix:
+            raise bad_request("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of other than n is not supported", param="best_of")
+        prompts = self.prompts()
+        if not prompts:
+            raise bad_request("prompt must not be empty", param="prompt")
+        for p in prompts:
+            if len(p) == 0:
+                raise bad_request("prompt must not be empty", param="prompt")
+        if len(prompts) * self.n > 1024:
+            raise bad_request("too many choices: len(prompt) * n must be at most 1024", param="n")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts (strings or token id lists)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            return []
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(OpenAIModel):
+    type: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=4096)
+    max_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.tools:
+            raise bad_request("tools are not supported", param="tools")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise bad_request("only response_format type 'text' is supported",
+                              param="response_format")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        out = []
+        for m in self.messages:
+            role = "system" if m.role == "developer" else m.role
+            out.append({"role": role, "content": m.text()})
+        return out
+
+
+class BatchCreateRequest(OpenAIModel):
+    input_file_id: str = Field(..., min_length=1, max_length=256)
+    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    completion_window: Literal["24h"] = "24h"
+    metadata: dict[str, str] | None = None
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """Decodes a request body; 400 for invalid JSON or a body that is not an object."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(f"Invalid JSON body: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"The request body must be a JSON object, got {type(body).__name__}",
+                          code="invalid_body")
+    return body
+
+
+def parse_request(model: type[M], body: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None
+
+
+def parse_body(model: type[M], raw: bytes) -> M:
+    req = parse_request(model, parse_json_object(raw))
+    check = getattr(req, "check", None)
+    if check is not None:
+        check()
+    return req
+
+
+__all__ = [
+    "APIError", "BatchCreateRequest", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
+    "StreamOptions", "parse_body", "parse_json_object", "parse_request",
+]

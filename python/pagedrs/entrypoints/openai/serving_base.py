@@ -1,0 +1,291 @@
+"""What completions and chat completions share: model names, prompt checks, sampling params,
+submitting to the engine, collecting outputs, streaming text deltas, client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+from pagedrs.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineDrainingError,
+    RequestAbortedError,
+    RequestStream,
+)
+from pagedrs.entrypoints.openai.errors import (
+    APIError,
+    bad_request,
+    error_body,
+    internal,
+    not_found,
+    unavailable,
+)
+from pagedrs.entrypoints.openai.protocol import SamplingFields
+
+logger = logging.getLogger("pagedrs.serving")
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was ready."""
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    err = exc if isinstance(exc, APIError) else to_api_error(exc)
+    return sse(err.body())
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Maps engine-side failures to HTTP errors."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDrainingError):
+        return unavailable("The server is shutting down.")
+    if isinstance(exc, EngineDeadError):
+        return unavailable(f"The engine has failed: {exc}")
+    if isinstance(exc, RequestAbortedError):
+        return unavailable(str(exc))
+    if isinstance(exc, (ValueError, TypeError, KeyError, OverflowError)):
+        return bad_request(str(exc) or type(exc).__name__)
+    return internal(f"{type(exc).__name__}: {exc}")
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: Sequence[str], *,
+                 tokenizer: Any = None) -> None:
+        self.engine = engine
+        self.served_model_names = list(served_model_names)
+        self.max_model_len = engine.max_model_len
+        tok = tokenizer if tokenizer is not None else engine.get_tokenizer()
+        # The server tokenizes on the event loop while the engine thread detokenizes: give the
+        # server its own copy so the two never share a Rust tokenizer object.
+        try:
+            self.tokenizer = copy.deepcopy(tok)
+        except Exception:  # noqa: BLE001 - fall back to sharing
+            self.tokenizer = tok
+        # The model's vocabulary (embedding rows) bounds token ids; the tokenizer's when unknown.
+        self.vocab_size = int(getattr(engine.engine, "vocab_size", 0) or len(self.tokenizer))
+
+    # ----------------------------------------------------------- checks
+    def check_model(self, name: str | None) -> str:
+        if name is None or name in self.served_model_names:
+            return self.served_model_names[0]
+        raise not_found(f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def tokenize(self, text: str) -> list[int]:
+        try:
+            return list(self.tokenizer.encode(text))
+        except Exception as exc:  # noqa: BLE001 - undecodable input (lone surrogates, ...)
+            raise bad_request(f"prompt cannot be tokenized: {exc}", param="prompt") from None
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        for t in ids:
+            if not 0 <= t < self.vocab_size:
+                raise bad_request(f"token id {t} is out of range [0, {self.vocab_size})", param=param)
+
+    def resolve_max_tokens(self, num_prompt: int, requested: int | None, param: str,
+                           prompt_param: str) -> int:
+        """Checks prompt + max_tokens against max_model_len (the message gives both numbers)."""
+        limit = self.max_model_len
+        if num_prompt == 0:
+            raise bad_request("prompt must not be empty", param=prompt_param)
+        if num_prompt >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{num_prompt} tokens, which leaves no room for a completion.", param=prompt_param,
+                code="context_length_exceeded")
+        if requested is None:
+            return limit - num_prompt
+        if num_prompt + requested > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + requested} tokens ({num_prompt} in the prompt, {requested} for the "
+                f"completion). Please reduce the prompt or max_tokens.", param=param,
+                code="context_length_exceeded")
+        return requested
+
+    def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None) -> Any:
+        from pagedrs import SamplingParams
+
+        if req.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens ({req.min_tokens}) must be at most max_tokens "
+                              f"({max_tokens})", param="min_tokens")
+        kwargs: dict[str, Any] = {"n": req.n, "max_tokens": max_tokens,
+                                  "min_tokens": req.min_tokens, "ignore_eos": req.ignore_eos}
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "seed"):
+            value = getattr(req, name)
+            if value is not None:
+                kwargs[name] = value
+        if req.stop:
+            kwargs["stop"] = list(req.stop)
+        if req.stop_token_ids:
+            self.check_token_ids(req.stop_token_ids, "stop_token_ids")
+            kwargs["stop_token_ids"] = list(req.stop_token_ids)
+        if logprobs is not None:
+            kwargs["logprobs"] = logprobs
+        if req.logit_bias:
+            bias = {int(k): float(v) for k, v in req.logit_bias.items()}
+            self.check_token_ids(list(bias), "logit_bias")
+            kwargs["logit_bias"] = bias
+        try:
+            return SamplingParams(**kwargs)
+        except (ValueError, TypeError) as exc:
+            raise bad_request(str(exc), param=_param_in_message(str(exc), kwargs)) from None
+
+    # ----------------------------------------------------------- engine
+    async def submit(self, request_id: str, prompt_ids: list[int], params: Any) -> RequestStream:
+        try:
+            return await self.engine.add_request(request_id, prompt_ids, params)
+        except Exception as exc:  # noqa: BLE001 - mapped to an HTTP status
+            raise to_api_error(exc) from None
+
+    async def submit_all(self, base_id: str, prompts: list[list[int]], params: Any) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(prompts):
+                streams.append(await self.submit(f"{base_id}-{i}", ids, params))
+        except BaseException:
+            self.release_all(streams)
+            raise
+        return streams
+
+    def release_all(self, streams: Sequence[RequestStream]) -> None:
+        for s in streams:
+            self.engine.release(s)
+
+    async def collect(self, streams: Sequence[RequestStream]) -> list[Any]:
+        """The final output of each stream (raises APIError if one fails)."""
+        async def last(stream: RequestStream) -> Any:
+            final = None
+            async for out in stream:
+                final = out
+            return final
+
+        try:
+            return list(await asyncio.gather(*(last(s) for s in streams)))
+        except Exception as exc:  # noqa: BLE001
+            raise to_api_error(exc) from None
+
+    async def until_disconnect(self, raw_request: Request | None, work: Awaitable[T]) -> T:
+        """Runs ``work``; cancels it (which aborts its requests) if the client disconnects."""
+        task = asyncio.ensure_future(work)
+        if raw_request is None:
+            return await task
+        watcher = asyncio.ensure_future(_wait_disconnect(raw_request))
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            watcher.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        raise ClientDisconnected()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _param_in_message(message: str, kwargs: dict[str, Any]) -> str | None:
+    for name in kwargs:
+        if name in message:
+            return name
+    return None
+
+
+async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+    """Yields (stream index, output) from several streams as outputs arrive."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done_marker = object()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except Exception as exc:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((i, exc))
+        await queue.put((i, done_marker))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done_marker:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class TextDeltas:
+    """Turns cumulative choice text into deltas; holds back text that may still change
+    (a possible stop-string prefix, an incomplete UTF-8 character) until the choice finishes."""
+
+    def __init__(self, num_choices: int, stops: Sequence[str] | None) -> None:
+        self.sent_text = [0] * num_choices
+        self.sent_tokens = [0] * num_choices
+        self.finished = [False] * num_choices
+        self.holdback = max((len(s) for s in stops), default=1) - 1 if stops else 0
+
+    def step(self, index: int, text: str, token_ids: Sequence[int], finished: bool
+             ) -> tuple[str, list[int]]:
+        end = len(text)
+        if not finished:
+            end = max(self.sent_text[index], end - self.holdback)
+            while end > self.sent_text[index] and text[end - 1] == "\ufffd":
+                end -= 1
+        delta = text[self.sent_text[index]:end]
+        self.sent_text[index] = max(self.sent_text[index], end)
+        new_ids = list(token_ids[self.sent_tokens[index]:])
+        self.sent_tokens[index] = len(token_ids)
+        return delta, new_ids
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def error_response_body(exc: BaseException) -> dict[str, Any]:
+    return to_api_error(exc).body() if not isinstance(exc, APIError) else exc.body()
+
+
+__all__ = ["ClientDisconnected", "OpenAIServing", "SSE_DONE", "TextDeltas", "error_body",
+           "merge_streams", "random_id", "sse", "sse_error", "to_api_error"]

@@ -1,0 +1,132 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+
+from pagedrs.entrypoints.openai.errors import bad_request
+from pagedrs.entrypoints.openai.logprobs import TokenText, chat_logprobs
+from pagedrs.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedrs.entrypoints.openai.serving_base import (
+    SSE_DONE,
+    OpenAIServing,
+    TextDeltas,
+    merge_streams,
+    now_s,
+    random_id,
+    sse,
+    sse_error,
+)
+
+
+class OpenAIServingChat(OpenAIServing):
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool
+                            ) -> list[int]:
+        """The tokenizer's chat template, rendered to text and tokenized without extra specials."""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            if not isinstance(text, str):
+                raise TypeError("chat template did not render to text")
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        except Exception as exc:  # noqa: BLE001 - template errors are the caller's input
+            raise bad_request(f"messages cannot be rendered with the chat template: {exc}",
+                              param="messages") from None
+
+    def prepare(self, req: ChatCompletionRequest) -> tuple[str, list[int], Any, int | None]:
+        model = self.check_model(req.model)
+        ids = self.apply_chat_template(req.chat_messages(), req.add_generation_prompt)
+        requested = req.requested_max_tokens()
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self.resolve_max_tokens(len(ids), requested, param, "messages")
+        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req, max_tokens, num_logprobs)
+        return model, ids, params, num_logprobs
+
+    async def create(self, req: ChatCompletionRequest, raw_request: Request | None = None
+                     ) -> dict[str, Any] | AsyncIterator[str]:
+        model, ids, params, num_logprobs = self.prepare(req)
+        request_id = random_id("chatcmpl")
+        streams = await self.submit_all(request_id, [ids], params)
+        if req.stream:
+            return self._stream(req, request_id, model, ids, streams, num_logprobs)
+        try:
+            outputs = await self.until_disconnect(raw_request, self.collect(streams))
+        finally:
+            self.release_all(streams)
+        out = outputs[0]
+        text_of = TokenText(self.tokenizer)
+        choices = []
+        completion_tokens = 0
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            logprobs = None
+            if num_logprobs is not None:
+                logprobs = chat_logprobs(c.token_ids, c.logprobs, num_logprobs, text_of)
+            choices.append({"index": c.index,
+                            "message": {"role": "assistant", "content": c.text},
+                            "logprobs": logprobs, "finish_reason": c.finish_reason})
+            completion_tokens += len(c.token_ids)
+        return {
+            "id": request_id, "object": "chat.completion", "created": now_s(), "model": model,
+            "choices": choices,
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
+                      "total_tokens": len(ids) + completion_tokens},
+        }
+
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, model: str,
+                      ids: list[int], streams: list[Any], num_logprobs: int | None
+                      ) -> AsyncIterator[str]:
+        created = now_s()
+        n = req.n
+        deltas = TextDeltas(n, req.stop)
+        completion_tokens = [0] * n
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        text_of = TokenText(self.tokenizer)
+
+        def chunk(index: int, delta: dict[str, Any], finish_reason: str | None,
+                  logprobs: dict[str, Any] | None = None) -> str:
+            body: dict[str, Any] = {
+                "id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": model,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                             "finish_reason": finish_reason}],
+            }
+            if include_usage:
+                body["usage"] = None
+            return sse(body)
+
+        try:
+            for i in range(n):
+                yield chunk(i, {"role": "assistant", "content": ""}, None)
+            async for _, out in merge_streams(streams):
+                for c in out.outputs:
+                    idx = c.index
+                    if deltas.finished[idx]:
+                        continue
+                    finished = c.finish_reason is not None
+                    delta, new_ids = deltas.step(idx, c.text, c.token_ids, finished)
+                    completion_tokens[idx] = len(c.token_ids)
+                    logprobs = None
+                    if num_logprobs is not None and new_ids:
+                        start = len(c.token_ids) - len(new_ids)
+                        lps = list(c.logprobs[start:]) if c.logprobs is not None else None
+                        logprobs = chat_logprobs(new_ids, lps, num_logprobs, text_of)
+                    if delta or logprobs is not None:
+                        yield chunk(idx, {"content": delta}, None, logprobs)
+                    if finished:
+                        deltas.finished[idx] = True
+                        yield chunk(idx, {}, c.finish_reason)
+            if include_usage:
+                total = sum(completion_tokens)
+                yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                           "model": model, "choices": [],
+                           "usage": {"prompt_tokens": len(ids), "completion_tokens": total,
+                                     "total_tokens": len(ids) + total}})
+        except Exception as exc:  # noqa: BLE001 - after the stream started: SSE error event
+            yield sse_error(exc)
+        finally:
+            self.release_all(streams)
+        yield SSE_DONE

@@ -1,0 +1,141 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+
+from pagedrs.entrypoints.openai.errors import bad_request
+from pagedrs.entrypoints.openai.logprobs import TokenText, completion_logprobs
+from pagedrs.entrypoints.openai.protocol import CompletionRequest
+from pagedrs.entrypoints.openai.serving_base import (
+    SSE_DONE,
+    OpenAIServing,
+    TextDeltas,
+    merge_streams,
+    now_s,
+    random_id,
+    sse,
+    sse_error,
+)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    def prepare(self, req: CompletionRequest) -> tuple[str, list[list[int]], list[str], Any]:
+        """Validates and tokenizes; returns (model, prompt ids, prompt texts, sampling params)."""
+        model = self.check_model(req.model)
+        ids_list: list[list[int]] = []
+        texts: list[str] = []
+        for i, p in enumerate(req.prompts()):
+            if isinstance(p, str):
+                ids = self.tokenize(p)
+                text = p
+            else:
+                ids = list(p)
+                self.check_token_ids(ids, "prompt")
+                text = self.tokenizer.decode(ids) if req.echo else ""
+            if not ids:
+                raise bad_request("prompt must not be empty", param="prompt" if i == 0 else f"prompt[{i}]")
+            ids_list.append(ids)
+            texts.append(text)
+        max_tokens = min(self.resolve_max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt")
+                         for ids in ids_list)
+        params = self.sampling_params(req, max_tokens, req.logprobs)
+        return model, ids_list, texts, params
+
+    async def create(self, req: CompletionRequest, raw_request: Request | None = None
+                     ) -> dict[str, Any] | AsyncIterator[str]:
+        """A response body, or an SSE text iterator when ``req.stream``."""
+        model, ids_list, texts, params = self.prepare(req)
+        request_id = random_id("cmpl")
+        streams = await self.submit_all(request_id, ids_list, params)
+        if req.stream:
+            return self._stream(req, request_id, model, ids_list, texts, streams)
+        try:
+            outputs = await self.until_disconnect(raw_request, self.collect(streams))
+        finally:
+            self.release_all(streams)
+        return self._response(req, request_id, model, ids_list, texts, outputs)
+
+    def _response(self, req: CompletionRequest, request_id: str, model: str,
+                  ids_list: list[list[int]], texts: list[str], outputs: list[Any]) -> dict[str, Any]:
+        text_of = TokenText(self.tokenizer)
+        choices = []
+        completion_tokens = 0
+        for p_idx, out in enumerate(outputs):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                prefix = texts[p_idx] if req.echo else ""
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = completion_logprobs(c.token_ids, c.logprobs, req.logprobs, text_of,
+                                                   len(prefix))
+                choices.append({"index": p_idx * req.n + c.index, "text": prefix + c.text,
+                                "logprobs": logprobs, "finish_reason": c.finish_reason})
+                completion_tokens += len(c.token_ids)
+        prompt_tokens = sum(len(ids) for ids in ids_list)
+        return {
+            "id": request_id, "object": "text_completion", "created": now_s(), "model": model,
+            "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
+        }
+
+    async def _stream(self, req: CompletionRequest, request_id: str, model: str,
+                      ids_list: list[list[int]], texts: list[str], streams: list[Any]
+                      ) -> AsyncIterator[str]:
+        created = now_s()
+        n = req.n
+        num_choices = len(ids_list) * n
+        deltas = TextDeltas(num_choices, req.stop)
+        echoed = [not req.echo] * num_choices
+        text_offsets = [0] * num_choices
+        completion_tokens = [0] * num_choices
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        text_of = TokenText(self.tokenizer)
+
+        def chunk(choices: list[dict[str, Any]]) -> str:
+            body: dict[str, Any] = {"id": request_id, "object": "text_completion",
+                                    "created": created, "model": model, "choices": choices}
+            if include_usage:
+                body["usage"] = None
+            return sse(body)
+
+        try:
+            async for p_idx, out in merge_streams(streams):
+                for c in out.outputs:
+                    idx = p_idx * n + c.index
+                    if deltas.finished[idx]:
+                        continue
+                    finished = c.finish_reason is not None
+                    delta, new_ids = deltas.step(idx, c.text, c.token_ids, finished)
+                    completion_tokens[idx] = len(c.token_ids)
+                    if not echoed[idx]:
+                        delta = texts[p_idx] + delta
+                        echoed[idx] = True
+                    if not delta and not finished and not (req.logprobs is not None and new_ids):
+                        continue
+                    logprobs = None
+                    if req.logprobs is not None:
+                        start = len(c.token_ids) - len(new_ids)
+                        lps = list(c.logprobs[start:]) if c.logprobs is not None else None
+                        offset = text_offsets[idx] + (len(texts[p_idx]) if req.echo and start == 0 else 0)
+                        logprobs = completion_logprobs(new_ids, lps, req.logprobs, text_of, offset)
+                        text_offsets[idx] = offset + sum(len(t) for t in logprobs["tokens"])
+                    if finished:
+                        deltas.finished[idx] = True
+                    yield chunk([{"index": idx, "text": delta, "logprobs": logprobs,
+                                  "finish_reason": c.finish_reason}])
+            if include_usage:
+                prompt_tokens = sum(len(ids) for ids in ids_list)
+                total_completion = sum(completion_tokens)
+                yield sse({"id": request_id, "object": "text_completion", "created": created,
+                           "model": model, "choices": [],
+                           "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": total_completion,
+                                     "total_tokens": prompt_tokens + total_completion}})
+        except Exception as exc:  # noqa: BLE001 - after the stream started: SSE error event
+            yield sse_error(exc)
+        finally:
+            self.release_all(streams)
+        yield SSE_DONE

@@ -1,0 +1,1 @@
+"""Model building blocks: attention over the paged KV cache, RoPE, norms, activations, linear layers."""

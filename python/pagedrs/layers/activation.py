@@ -1,0 +1,71 @@
+"""Activations, including the gated form used by Llama-style MLPs (act(gate) * up on a fused input)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["SiluAndMul", "GeluAndMul", "GeluTanh", "ReLU", "get_act_fn", "get_act_and_mul_fn"]
+
+
+class SiluAndMul(torch.nn.Module):
+    """x [..., 2*d] = [gate | up] -> silu(gate) * up [..., d]."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
+
+
+class GeluAndMul(torch.nn.Module):
+    """x [..., 2*d] = [gate | up] -> gelu(gate) * up, exact or tanh approximation."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: Tensor) -> Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]
+
+
+class GeluTanh(torch.nn.Module):
+    """GELU with the tanh approximation (GPT-2's "gelu_new")."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.gelu(x, approximate="tanh")
+
+
+class ReLU(torch.nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(x)
+
+
+_ACTS: dict[str, type[torch.nn.Module]] = {
+    "gelu_new": GeluTanh,
+    "gelu_pytorch_tanh": GeluTanh,
+    "gelu_fast": GeluTanh,
+    "relu": ReLU,
+    "silu": torch.nn.SiLU,
+    "swish": torch.nn.SiLU,
+    "gelu": torch.nn.GELU,
+}
+
+
+def get_act_fn(name: str) -> torch.nn.Module:
+    """The activation an HF config names (`hidden_act`, `activation_function`)."""
+    try:
+        return _ACTS[name]()
+    except KeyError:
+        raise ValueError(f"unsupported activation {name!r}; supported: {', '.join(sorted(_ACTS))}") from None
+
+
+def get_act_and_mul_fn(name: str) -> torch.nn.Module:
+    """The gated activation for a fused [gate | up] input."""
+    if name in ("silu", "swish"):
+        return SiluAndMul()
+    if name in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
+        return GeluAndMul("tanh")
+    if name == "gelu":
+        return GeluAndMul("none")
+    raise ValueError(f"unsupported gated activation {name!r}; supported: silu, gelu, gelu_pytorch_tanh")

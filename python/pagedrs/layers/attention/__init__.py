@@ -1,0 +1,173 @@
+"""Attention over the paged KV cache: step metadata, the per-forward context, the backend protocol and the
+`Attention` module every model uses.
+
+KV cache layout (one tensor per layer): ``[2, num_blocks, block_size, num_kv_heads, head_size]``,
+index 0 = K, 1 = V. Token slot ``s`` lives at block ``s // block_size``, offset ``s % block_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "Attention",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "ForwardContext",
+    "causal_attention",
+    "get_attention_backend",
+    "token_seq_lens",
+]
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the tokens of one flattened varlen batch go and what they attend to.
+
+    Request ``b`` owns tokens ``query_start_loc[b]:query_start_loc[b+1]``; its context after this step is
+    ``seq_lens[b]`` tokens, so its query ``i`` sits at position ``seq_lens[b] - q_len + i``.
+    """
+
+    slot_mapping: Tensor  # [T] int64 on device
+    query_start_loc: Tensor  # [B+1] int32 on device
+    seq_lens: Tensor  # [B] int32 on device
+    block_tables: Tensor  # [B, M] int32 on device, padded (seq_lens bounds the reads)
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # No ordering guarantee between decodes and prefills: backends must not assume decodes come first.
+    num_decode_tokens: int = 0
+    # Per-backend scratch (index tensors built once per step and shared by every layer).
+    cache: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        kv_cache: Tensor,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None,
+    ) -> Tensor:
+        """q [T,H,D], k/v [T,KVH,D]: write k/v at meta.slot_mapping, then paged causal attention.
+
+        Returns [T,H,D]."""
+        ...
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata | None  # None: no KV cache (profiling) -> plain causal attention
+    kv_caches: list[Tensor]  # per layer [2, num_blocks, block_size, num_kv_heads, head_size]
+    backend: AttentionBackend | None = None
+
+
+def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """Re-exported from `selector` (imported lazily to keep this module dependency-free)."""
+    from pagedrs.layers.attention.selector import get_attention_backend as _get
+
+    return _get(name, device)
+
+
+def token_seq_lens(meta: AttentionMetadata) -> Tensor:
+    """Per token, the context length of its request after this step ([T], int64, on device)."""
+    cached = meta.cache.get("token_seq_lens")
+    if cached is None:
+        q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+        cached = torch.repeat_interleave(meta.seq_lens.long(), q_lens.long(), output_size=meta.num_tokens)
+        meta.cache["token_seq_lens"] = cached
+    assert isinstance(cached, Tensor)
+    return cached
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, sliding_window: int | None) -> Tensor:
+    """Plain causal attention of one sequence with no cache: q [T,H,D], k/v [T,KVH,D] -> [T,H,D]."""
+    t = q.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    gqa = q.shape[1] != k.shape[1]
+    if sliding_window is None or sliding_window >= t:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        i = torch.arange(t, device=q.device)
+        rel = i[:, None] - i[None, :]
+        mask = (rel >= 0) & (rel < sliding_window)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.transpose(0, 1)
+
+
+class Attention(torch.nn.Module):
+    """Multi-head / grouped-query attention of one layer over its slice of the paged KV cache.
+
+    With tensor parallelism each rank builds this with its own share of the heads; the cache holds only
+    those KV heads, so the block tables are identical on every rank.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        num_kv_heads: int,
+        layer_idx: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.layer_idx = layer_idx
+        self.scale = scale
+        self.sliding_window = sliding_window
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: ForwardContext) -> Tensor:
+        """q [T, H*D], k/v [T, KVH*D] -> [T, H*D]."""
+        t = q.shape[0]
+        q3 = q.view(t, self.num_heads, self.head_size)
+        k3 = k.view(t, self.num_kv_heads, self.head_size)
+        v3 = v.view(t, self.num_kv_heads, self.head_size)
+        meta = ctx.attn_metadata
+        if meta is None:
+            out = causal_attention(q3, k3, v3, scale=self.scale, sliding_window=self.sliding_window)
+        else:
+            if ctx.backend is None:
+                raise ValueError("ForwardContext.backend is required when attn_metadata is given")
+            out = ctx.backend.forward(
+                q3,
+                k3,
+                v3,
+                ctx.kv_caches[self.layer_idx],
+                meta,
+                scale=self.scale,
+                sliding_window=self.sliding_window,
+            )
+        return out.reshape(t, self.num_heads * self.head_size)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
+            f"sliding_window={self.sliding_window}"
+        )

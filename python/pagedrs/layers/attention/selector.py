@@ -1,0 +1,51 @@
+"""Picks the attention backend by name: "auto", "torch" or "cupy"."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from pagedrs.layers.attention import AttentionBackend
+
+__all__ = ["get_attention_backend", "BACKEND_NAMES"]
+
+BACKEND_NAMES = ("auto", "torch", "cupy")
+
+
+def _cupy_available() -> bool:
+    try:
+        importlib.import_module("cupy")
+    except Exception:
+        return False
+    return True
+
+
+def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """ "auto": "cupy" on CUDA when cupy imports, else "torch"; "torch": the reference; "cupy": CUDA kernels."""
+    device = torch.device(device)
+    if name == "auto":
+        name = "cupy" if device.type == "cuda" and _cupy_available() else "torch"
+    if name == "torch":
+        from pagedrs.layers.attention.torch_ref import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "cupy":
+        if device.type != "cuda":
+            raise ValueError(f"attention backend 'cupy' needs a CUDA device, got {device}")
+        module = importlib.import_module("pagedrs.layers.attention.cupy")
+        backend_cls = getattr(module, "CupyAttentionBackend", None)
+        if backend_cls is None:
+            raise ValueError("pagedrs.layers.attention.cupy defines no CupyAttentionBackend")
+        return backend_cls(device) if _takes_device(backend_cls) else backend_cls()
+    raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+
+
+def _takes_device(cls: type) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return False
+    return len(params) > 0

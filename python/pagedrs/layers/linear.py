@@ -1,0 +1,362 @@
+"""Linear layers that know how they split across tensor-parallel ranks (world size 1 for now).
+
+- ColumnParallelLinear splits its output dim (weight dim 0): each rank computes a slice of the outputs.
+- RowParallelLinear splits its input dim (weight dim 1): each rank computes a partial sum, then an
+  all-reduce (torch.distributed) adds them; the bias is added once, after the reduce.
+- MergedColumnParallelLinear / QKVParallelLinear are column layers whose output is several HF tensors
+  stacked (gate|up, q|k|v); each rank holds its slice of every piece, so the pieces stay contiguous.
+- VocabParallelEmbedding / ParallelLMHead split the vocabulary.
+
+Every parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that takes the *full* HF
+tensor, cuts this rank's share and checks the shape (ValueError on a mismatch; the model adds the name).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "QKVParallelLinear",
+    "ReplicatedLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "ParallelLMHead",
+    "default_weight_loader",
+]
+
+
+def _copy_checked(param: Tensor, loaded: Tensor, what: str = "") -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        where = f" ({what})" if what else ""
+        raise ValueError(f"shape mismatch{where}: expected {tuple(param.shape)}, got {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+def default_weight_loader(param: Tensor, loaded_weight: Tensor, shard_id: object = None) -> None:
+    """Replicated parameter: the HF tensor must match exactly."""
+    if shard_id is not None:
+        raise ValueError(f"unexpected shard {shard_id!r} for a replicated parameter")
+    _copy_checked(param, loaded_weight)
+
+
+def _param(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str, loader: Callable) -> Tensor:
+    p = torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    return p
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size ({d})")
+    return n // d
+
+
+class _LinearBase(torch.nn.Module):
+    def __init__(self, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.weight: Tensor
+        self.bias: Tensor | None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(_LinearBase):
+    """The full weight on every rank."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(0, 1)
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = _param((output_size, input_size), dtype, device, default_weight_loader)
+        self.bias = _param((output_size,), dtype, device, default_weight_loader) if bias else None
+
+
+class ColumnParallelLinear(_LinearBase):
+    """Y = X W^T + b with W split along its output dim (dim 0); the output stays split."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(tp_rank, tp_size)
+        self.input_size = input_size
+        self.output_size = output_size
+        self.output_size_per_partition = _divide(output_size, tp_size, "output size")
+        n = self.output_size_per_partition
+        self.weight = _param((n, input_size), dtype, device, self.weight_loader)
+        self.bias = _param((n,), dtype, device, self.weight_loader) if bias else None
+
+    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: object = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"unexpected shard {shard_id!r} for {type(self).__name__}")
+        n = param.shape[0]
+        if loaded_weight.shape[0] != n * self.tp_size:
+            raise ValueError(
+                f"shape mismatch: expected dim 0 of {n * self.tp_size}, got {tuple(loaded_weight.shape)}"
+            )
+        _copy_checked(param, loaded_weight.narrow(0, self.tp_rank * n, n))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column layers stacked along the output dim (e.g. gate_proj | up_proj); shard_id = index."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        bias: bool = False,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        for s in self.output_sizes:
+            _divide(s, tp_size, "output size")
+        super().__init__(
+            input_size,
+            sum(self.output_sizes),
+            bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            dtype=dtype,
+            device=device,
+        )
+        self.shard_ids: tuple[object, ...] = tuple(range(len(self.output_sizes)))
+
+    def _shard_range(self, shard_id: object) -> tuple[int, int, int]:
+        """(offset in this rank's param, size per rank, full HF size) of one piece."""
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"unknown shard {shard_id!r}")
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        full = self.output_sizes[shard_id]
+        return offset, full // self.tp_size, full
+
+    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: object = None) -> None:
+        if shard_id is None:
+            # A checkpoint that already stores the fused tensor (e.g. Phi-3's gate_up_proj).
+            if loaded_weight.shape[0] != sum(self._full_sizes()):
+                raise ValueError(
+                    f"shape mismatch: expected dim 0 of {sum(self._full_sizes())}, got {tuple(loaded_weight.shape)}"
+                )
+            start = 0
+            for sid, full in zip(self.shard_ids, self._full_sizes(), strict=True):
+                self.weight_loader(param, loaded_weight.narrow(0, start, full), sid)
+                start += full
+            return
+        offset, n, full = self._shard_range(shard_id)
+        if loaded_weight.shape[0] != full:
+            raise ValueError(
+                f"shape mismatch (shard {shard_id}): expected dim 0 of {full}, got {tuple(loaded_weight.shape)}"
+            )
+        _copy_checked(
+            param.data.narrow(0, offset, n), loaded_weight.narrow(0, self.tp_rank * n, n), f"shard {shard_id}"
+        )
+
+    def _full_sizes(self) -> list[int]:
+        return self.output_sizes
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q_proj | k_proj | v_proj stacked; shard_id in {"q", "k", "v"}. Heads are split across ranks; when
+    there are fewer KV heads than ranks, each KV head is replicated on several ranks."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        bias: bool = False,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        total_num_kv_heads = total_num_kv_heads or total_num_heads
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = _divide(total_num_heads, tp_size, "number of attention heads")
+        if total_num_kv_heads >= tp_size:
+            self.num_kv_heads = _divide(total_num_kv_heads, tp_size, "number of KV heads")
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = _divide(tp_size, total_num_kv_heads, "tp size over KV heads")
+        q_size = total_num_heads * head_size
+        kv_size = self.num_kv_heads * tp_size * head_size  # per-rank size x ranks (counts replicas)
+        super().__init__(
+            hidden_size,
+            [q_size, kv_size, kv_size],
+            bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            dtype=dtype,
+            device=device,
+        )
+        self.shard_ids = ("q", "k", "v")
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+
+    def _full_sizes(self) -> list[int]:
+        kv = self.total_num_kv_heads * self.head_size
+        return [self.total_num_heads * self.head_size, kv, kv]
+
+    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: object = None) -> None:
+        if shard_id is None:
+            super().weight_loader(param, loaded_weight, None)
+            return
+        if shard_id not in self.shard_ids:
+            raise ValueError(f"unknown shard {shard_id!r}")
+        if shard_id == "q":
+            offset, n, full, start = (
+                0,
+                self.q_size,
+                self.total_num_heads * self.head_size,
+                self.tp_rank * self.q_size,
+            )
+        else:
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            n, full = self.kv_size, self.total_num_kv_heads * self.head_size
+            start = (self.tp_rank // self.kv_replicas) * n
+        if loaded_weight.shape[0] != full:
+            raise ValueError(
+                f"shape mismatch (shard {shard_id}): expected dim 0 of {full}, got {tuple(loaded_weight.shape)}"
+            )
+        _copy_checked(param.data.narrow(0, offset, n), loaded_weight.narrow(0, start, n), f"shard {shard_id}")
+
+    def split_qkv(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(_LinearBase):
+    """Y = X W^T + b with W split along its input dim (dim 1); partial sums are all-reduced."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        *,
+        reduce_results: bool = True,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(tp_rank, tp_size)
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_size_per_partition = _divide(input_size, tp_size, "input size")
+        self.reduce_results = reduce_results
+        self.weight = _param((output_size, self.input_size_per_partition), dtype, device, self.weight_loader)
+        self.bias = _param((output_size,), dtype, device, self.weight_loader) if bias else None
+
+    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: object = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"unexpected shard {shard_id!r} for RowParallelLinear")
+        if param.dim() == 1:  # bias: replicated, added once after the reduce
+            _copy_checked(param, loaded_weight)
+            return
+        n = param.shape[1]
+        if loaded_weight.dim() != 2 or loaded_weight.shape[1] != n * self.tp_size:
+            raise ValueError(
+                f"shape mismatch: expected dim 1 of {n * self.tp_size}, got {tuple(loaded_weight.shape)}"
+            )
+        _copy_checked(param, loaded_weight.narrow(1, self.tp_rank * n, n))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight)
+        if self.reduce_results:
+            torch.distributed.all_reduce(out)
+        return out + self.bias if self.bias is not None else out
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Token embedding with the vocabulary split across ranks (padded to a multiple of tp_size)."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.num_embeddings_per_partition = -(-num_embeddings // tp_size)
+        self.vocab_start = tp_rank * self.num_embeddings_per_partition
+        self.weight = _param(
+            (self.num_embeddings_per_partition, embedding_dim), dtype, device, self.weight_loader
+        )
+
+    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: object = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"unexpected shard {shard_id!r} for an embedding")
+        if tuple(loaded_weight.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(
+                f"shape mismatch: expected {(self.num_embeddings, self.embedding_dim)}, got {tuple(loaded_weight.shape)}"
+            )
+        n = min(self.num_embeddings_per_partition, self.num_embeddings - self.vocab_start)
+        param.data[:n].copy_(loaded_weight.narrow(0, self.vocab_start, n))
+        param.data[n:].zero_()
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mask = (local < 0) | (local >= self.num_embeddings_per_partition)
+        out = F.embedding(local.masked_fill(mask, 0), self.weight)
+        out.masked_fill_(mask[:, None], 0)
+        torch.distributed.all_reduce(out)
+        return out
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection hidden -> vocab (this rank's slice of the vocabulary)."""
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            torch.distributed.all_gather(parts, logits)
+            logits = torch.cat(parts, dim=-1)
+        return logits[..., : self.num_embeddings].float()
+
+    def forward(self, hidden: Tensor) -> Tensor:  # type: ignore[override]
+        return self.compute_logits(hidden)

@@ -1,0 +1,75 @@
+"""Normalization layers (weights replicated on every tensor-parallel rank)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["RMSNorm", "LayerNorm"]
+
+
+class RMSNorm(torch.nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * weight, computed in float32 like HF's LlamaRMSNorm.
+
+    `forward(x, residual)` first adds the residual and returns (normed, new residual)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(
+            torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def _norm(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class LayerNorm(torch.nn.Module):
+    """torch LayerNorm with weight and (optional) bias as plain parameters named like HF's."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        *,
+        bias: bool = True,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.hidden_size = hidden_size
+        self.weight = torch.nn.Parameter(
+            torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+        self.bias = (
+            torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"

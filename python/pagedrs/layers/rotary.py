@@ -1,0 +1,183 @@
+"""Rotary position embeddings (RoPE), neox style (rotate halves), as HF transformers computes them.
+
+Scalings: default, linear, dynamic (NTK, recomputed past max_position_embeddings like HF), llama3
+(Llama 3.1) and longrope (Phi-3 128k: short factors while a request fits in the original context, long
+factors once it grows past it; cos/sin multiplied by the attention factor).
+
+cos/sin are cached in float32 per position and indexed by `positions`, so a step costs one gather.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["RotaryEmbedding", "get_rope", "rope_parameters"]
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The config's RoPE settings as one dict with at least "rope_type" and "rope_theta".
+
+    Accepts transformers >= 5 (`rope_parameters`, theta inside) and older configs (`rope_scaling` +
+    `rope_theta`, "type" instead of "rope_type")."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    if "rope_type" not in params:
+        params["rope_type"] = params.pop("type", "default")
+    if params.get("rope_theta") is None:
+        theta = getattr(config, "rope_theta", None)
+        params["rope_theta"] = float(theta) if theta is not None else 10000.0
+    if "partial_rotary_factor" not in params and getattr(config, "partial_rotary_factor", None) is not None:
+        params["partial_rotary_factor"] = config.partial_rotary_factor
+    if params["rope_type"] == "su":  # old Phi-3 name for longrope
+        params["rope_type"] = "longrope"
+    return params
+
+
+def _inv_freq(base: float, rotary_dim: int) -> Tensor:
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    return 1.0 / (base**exponent)
+
+
+def _llama3_inv_freq(inv_freq: Tensor, p: dict[str, Any]) -> Tensor:
+    factor = p["factor"]
+    low, high = p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _cos_sin(inv_freq: Tensor, num_positions: int, scaling: float = 1.0) -> Tensor:
+    """[num_positions, rotary_dim] float32: cos in the first half of the last dim, sin in the second."""
+    t = torch.arange(num_positions, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq.float())
+    return torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int) -> Tensor:
+    """x [T, heads, D]; cos/sin [T, rotary_dim/2] float32. Neox style on the first rotary_dim dims."""
+    half = rotary_dim // 2
+    cos = torch.cat([cos, cos], dim=-1)[:, None, :].to(x.dtype)
+    sin = torch.cat([sin, sin], dim=-1)[:, None, :].to(x.dtype)
+    rot = x[..., :rotary_dim]
+    x1, x2 = rot[..., :half], rot[..., half:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    out = rot * cos + rotated * sin
+    if rotary_dim == x.shape[-1]:
+        return out
+    return torch.cat([out, x[..., rotary_dim:]], dim=-1)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Applies RoPE to q [T, H*D] and k [T, KVH*D] at `positions` [T].
+
+    `seq_lens` ([T], per token the context length of its request) is only read by longrope, which picks the
+    long factors for a request once its length exceeds `original_max_position_embeddings`; without it the
+    whole batch is treated as one sequence (HF's rule)."""
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position: int,
+        params: dict[str, Any],
+        *,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        self.max_position = max_position
+        self.rope_type: str = params.get("rope_type", "default")
+        self.params = params
+        base = float(params.get("rope_theta", 10000.0))
+        inv_freq = _inv_freq(base, rotary_dim)
+        scaling = 1.0
+        self.original_max_position: int | None = None
+        long_cache: Tensor | None = None
+        if self.rope_type == "linear":
+            inv_freq = inv_freq / float(params["factor"])
+        elif self.rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, params)
+        elif self.rope_type == "longrope":
+            orig = int(params.get("original_max_position_embeddings") or max_position)
+            self.original_max_position = orig
+            factor = params.get("factor") or max_position / orig
+            scaling = params.get("attention_factor")
+            if scaling is None:
+                scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+            exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+            short = torch.tensor(params["short_factor"], dtype=torch.float32)
+            long = torch.tensor(params["long_factor"], dtype=torch.float32)
+            inv_freq = 1.0 / (short * base**exponent)
+            long_cache = _cos_sin(1.0 / (long * base**exponent), max(max_position, orig + 1), scaling)
+        elif self.rope_type == "dynamic":
+            self.base = base
+            self.factor = float(params["factor"])
+        elif self.rope_type != "default":
+            raise ValueError(f"unsupported rope_type {self.rope_type!r}")
+        self.attention_scaling = float(scaling)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        cache = _cos_sin(inv_freq, max_position, scaling)
+        self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)
+        self.long_cos_sin_cache: Tensor | None
+        if long_cache is not None:
+            self.register_buffer("long_cos_sin_cache", long_cache.to(device), persistent=False)
+        else:
+            self.long_cos_sin_cache = None
+
+    def _lookup(self, positions: Tensor, seq_lens: Tensor | None) -> Tensor:
+        if self.long_cos_sin_cache is not None:
+            orig = self.original_max_position
+            assert orig is not None
+            if seq_lens is None:
+                use_long = bool(positions.numel()) and int(positions.max()) + 1 > orig
+                cache = self.long_cos_sin_cache if use_long else self.cos_sin_cache
+                return cache[positions]
+            use_long = (seq_lens > orig)[:, None]
+            return torch.where(use_long, self.long_cos_sin_cache[positions], self.cos_sin_cache[positions])
+        if self.rope_type == "dynamic":
+            seq_len = int(positions.max()) + 1 if positions.numel() else 0
+            if seq_len > self.max_position:
+                d = self.rotary_dim
+                base = self.base * ((self.factor * seq_len / self.max_position) - (self.factor - 1)) ** (
+                    d / (d - 2)
+                )
+                cache = _cos_sin(_inv_freq(base, d), seq_len).to(positions.device)
+                return cache[positions]
+        return self.cos_sin_cache[positions]
+
+    def forward(
+        self, positions: Tensor, q: Tensor, k: Tensor, seq_lens: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        cos_sin = self._lookup(positions, seq_lens)
+        half = self.rotary_dim // 2
+        cos, sin = cos_sin[:, :half], cos_sin[:, half:]
+        t = positions.shape[0]
+        q3 = q.view(t, -1, self.head_size)
+        k3 = k.view(t, -1, self.head_size)
+        q_out = _rotate(q3, cos, sin, self.rotary_dim).reshape(q.shape)
+        k_out = _rotate(k3, cos, sin, self.rotary_dim).reshape(k.shape)
+        return q_out, k_out
+
+    def extra_repr(self) -> str:
+        return f"rope_type={self.rope_type}, rotary_dim={self.rotary_dim}, max_position={self.max_position}"
+
+
+def get_rope(
+    config: Any, head_size: int, max_position: int | None = None, *, device: torch.device | str = "cpu"
+) -> RotaryEmbedding:
+    """A RotaryEmbedding for an HF config (any of the supported rope types)."""
+    params = rope_parameters(config)
+    rotary_dim = int(head_size * float(params.get("partial_rotary_factor", 1.0)))
+    if max_position is None:
+        max_position = int(getattr(config, "max_position_embeddings", 2048))
+    return RotaryEmbedding(head_size, rotary_dim, max_position, params, device=device)

@@ -1,0 +1,313 @@
+"""The batched sampler: one row of logits per sampled sequence -> one token id each (+ logprobs).
+
+Order and definitions follow vLLM V1:
+  raw logprobs (log-softmax of the model's logits, what `logprobs` reports)
+  -> logit_bias, min_tokens (stop tokens masked until min_tokens outputs)
+  -> penalties: repetition (prompt + output tokens: positive logits / p, negative * p),
+     frequency (- f * count in output), presence (- p * [count > 0])
+  -> greedy rows: argmax; random rows: / temperature -> min_p -> top-k -> top-p
+     -> exponential race argmax(probs / q), q ~ Exp(1) drawn from the row's own generator when seeded.
+A seeded row draws exactly one vocab-sized sample from its own generator per token, so its tokens do not
+depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from pagedrs.sampling_params import SamplingParams
+
+__all__ = [
+    "LogprobsTensors",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "SamplingRow",
+    "apply_min_p",
+    "apply_penalties",
+    "apply_top_k_top_p",
+    "compute_token_logprobs",
+]
+
+_EPS = 1e-5
+
+
+class SamplingRow(Protocol):
+    """What the sampler needs to know of the sequence a logits row belongs to."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: Sequence[int]
+    output_token_ids: list[int]
+    is_simple_greedy: bool  # greedy, no penalties / bias / min_tokens / logprobs
+
+
+@dataclass
+class LogprobsTensors:
+    """Per row: [sampled token, top-k tokens] ids and logprobs ([S, 1 + k]) and the sampled token's rank."""
+
+    token_ids: Tensor
+    logprobs: Tensor
+    ranks: Tensor
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: Tensor  # [S] int64
+    logprobs: LogprobsTensors | None = None
+
+
+@dataclass
+class SamplingMetadata:
+    """Batched sampling parameters, one entry per logits row."""
+
+    num_rows: int
+    all_greedy: bool
+    temperature: Tensor | None = None  # [S] float32, 0 = greedy row
+    top_k: Tensor | None = None  # [S] int64, vocab size = off
+    top_p: Tensor | None = None  # [S] float32
+    min_p: Tensor | None = None  # [S] float32
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> its own generator
+    default_generator: torch.Generator | None = None
+    prompt_token_ids: Tensor | None = None  # [S, Lp] int64 padded with vocab_size
+    output_token_ids: Tensor | None = None  # [S, Lo] int64 padded with vocab_size
+    presence_penalties: Tensor | None = None
+    frequency_penalties: Tensor | None = None
+    repetition_penalties: Tensor | None = None
+    # (rows, token ids) pairs whose logits are set to -inf (min_tokens) / get a bias added (logit_bias)
+    banned: tuple[Tensor, Tensor] | None = None
+    bias: tuple[Tensor, Tensor, Tensor] | None = None
+    max_num_logprobs: int | None = None
+
+    @classmethod
+    def greedy(cls, num_rows: int) -> SamplingMetadata:
+        return cls(num_rows=num_rows, all_greedy=True)
+
+    @classmethod
+    def from_rows(
+        cls,
+        rows: Sequence[SamplingRow],
+        *,
+        vocab_size: int,
+        device: torch.device,
+        eos_token_ids: Sequence[int] = (),
+        default_generator: torch.Generator | None = None,
+    ) -> SamplingMetadata:
+        n = len(rows)
+        if all(r.is_simple_greedy for r in rows):
+            return cls.greedy(n)
+        params = [r.params for r in rows]
+        meta = cls(num_rows=n, all_greedy=all(p.temperature < _EPS for p in params))
+        meta.default_generator = default_generator
+
+        def col(values: list, dtype: torch.dtype) -> Tensor:
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        if not meta.all_greedy:
+            meta.temperature = col([p.temperature for p in params], torch.float32)
+            if any(p.top_k > 0 for p in params):
+                meta.top_k = col([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64)
+            if any(p.top_p < 1.0 for p in params):
+                meta.top_p = col([p.top_p for p in params], torch.float32)
+            if any(p.min_p > 0.0 for p in params):
+                meta.min_p = col([p.min_p for p in params], torch.float32)
+            meta.generators = {i: r.generator for i, r in enumerate(rows) if r.generator is not None}
+        if any(p.needs_penalties for p in params):
+            meta.presence_penalties = col([p.presence_penalty for p in params], torch.float32)
+            meta.frequency_penalties = col([p.frequency_penalty for p in params], torch.float32)
+            meta.repetition_penalties = col([p.repetition_penalty for p in params], torch.float32)
+            pen = [p.needs_penalties for p in params]
+            meta.prompt_token_ids = _pad(
+                [r.prompt_token_ids if u else () for r, u in zip(rows, pen, strict=True)], vocab_size
+            )
+            meta.output_token_ids = _pad(
+                [r.output_token_ids if u else () for r, u in zip(rows, pen, strict=True)], vocab_size
+            )
+            meta.prompt_token_ids = meta.prompt_token_ids.to(device)
+            meta.output_token_ids = meta.output_token_ids.to(device)
+        ban_rows: list[int] = []
+        ban_ids: list[int] = []
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_vals: list[float] = []
+        for i, (r, p) in enumerate(zip(rows, params, strict=True)):
+            if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
+                stops = set(p.stop_token_ids or ())
+                if not p.ignore_eos:
+                    stops.update(eos_token_ids)
+                ids = [t for t in stops if 0 <= t < vocab_size]
+                ban_rows += [i] * len(ids)
+                ban_ids += ids
+            if p.logit_bias:
+                for t, b in p.logit_bias.items():
+                    if 0 <= t < vocab_size:
+                        bias_rows.append(i)
+                        bias_ids.append(t)
+                        bias_vals.append(b)
+        if ban_rows:
+            meta.banned = (col(ban_rows, torch.int64), col(ban_ids, torch.int64))
+        if bias_rows:
+            meta.bias = (
+                col(bias_rows, torch.int64),
+                col(bias_ids, torch.int64),
+                col(bias_vals, torch.float32),
+            )
+        nums = [p.logprobs for p in params if p.logprobs is not None]
+        meta.max_num_logprobs = min(max(nums), vocab_size) if nums else None
+        return meta
+
+
+def _pad(seqs: Sequence[Sequence[int]], pad: int) -> Tensor:
+    width = max((len(s) for s in seqs), default=0)
+    out = np.full((len(seqs), max(width, 1)), pad, dtype=np.int64)
+    for i, s in enumerate(seqs):
+        if len(s):
+            out[i, : len(s)] = s
+    return torch.from_numpy(out)
+
+
+def _bin_counts(tokens: Tensor, vocab_size: int) -> Tensor:
+    """[S, L] ids padded with vocab_size -> [S, V] counts."""
+    counts = torch.zeros(tokens.shape[0], vocab_size + 1, dtype=torch.int64, device=tokens.device)
+    counts.scatter_add_(1, tokens, torch.ones_like(tokens))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: Tensor,
+    prompt_token_ids: Tensor,
+    output_token_ids: Tensor,
+    presence_penalties: Tensor,
+    frequency_penalties: Tensor,
+    repetition_penalties: Tensor,
+) -> Tensor:
+    """vLLM's penalties, in place on float32 logits [S, V]."""
+    vocab_size = logits.shape[1]
+    prompt_mask = _bin_counts(prompt_token_ids, vocab_size) > 0
+    output_counts = _bin_counts(output_token_ids, vocab_size)
+    output_mask = output_counts > 0
+    rep = repetition_penalties.unsqueeze(1).expand_as(logits)
+    penalties = torch.where(prompt_mask | output_mask, rep, torch.ones_like(rep))
+    logits *= torch.where(logits > 0, 1.0 / penalties, penalties)
+    logits -= frequency_penalties.unsqueeze(1) * output_counts.to(logits.dtype)
+    logits -= presence_penalties.unsqueeze(1) * output_mask.to(logits.dtype)
+    return logits
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
+    """Drop tokens whose probability is below min_p times the top token's probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: Tensor, k: Tensor | None, p: Tensor | None) -> Tensor:
+    """Keep the k largest logits of each row (k = vocab size: off), then the smallest set of tokens whose
+    probability sums to at least p (always at least one)."""
+    if p is None:
+        if k is None:
+            return logits
+        vocab_size = logits.shape[1]
+        off = k >= vocab_size
+        k = k.masked_fill(off, 1)
+        kth = logits.topk(int(k.max()), dim=1).values.gather(1, (k - 1).unsqueeze(1))
+        kth.masked_fill_(off.unsqueeze(1), float("-inf"))
+        return logits.masked_fill_(logits < kth, float("-inf"))
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    if k is not None:
+        kth = logits_sort.gather(1, (logits_sort.shape[1] - k).clamp(min=0).unsqueeze(1))
+        logits_sort.masked_fill_(logits_sort < kth, float("-inf"))
+    probs_sum = logits_sort.softmax(dim=-1).cumsum(dim=-1)
+    top_p_mask = probs_sum <= 1 - p.unsqueeze(1)
+    top_p_mask[:, -1] = False
+    logits_sort.masked_fill_(top_p_mask, float("-inf"))
+    return logits.scatter_(dim=-1, index=logits_idx, src=logits_sort)
+
+
+def compute_token_logprobs(logprobs: Tensor, token_ids: Tensor, num_logprobs: int) -> LogprobsTensors:
+    """The sampled token's logprob and rank, and the top `num_logprobs` alternatives, from [S, V] logprobs."""
+    token_ids = token_ids.long().unsqueeze(-1)
+    token_logprobs = logprobs.gather(-1, token_ids)
+    ranks = (logprobs >= token_logprobs).sum(-1)
+    if num_logprobs > 0:
+        top_lp, top_ids = logprobs.topk(num_logprobs, dim=-1)
+        token_ids = torch.cat((token_ids, top_ids), dim=1)
+        token_logprobs = torch.cat((token_logprobs, top_lp), dim=1)
+    return LogprobsTensors(token_ids=token_ids, logprobs=token_logprobs, ranks=ranks)
+
+
+class Sampler(torch.nn.Module):
+    """logits [S, V] + SamplingMetadata -> SamplerOutput."""
+
+    def forward(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if (
+            meta.all_greedy
+            and meta.max_num_logprobs is None
+            and meta.banned is None
+            and meta.bias is None
+            and meta.repetition_penalties is None
+        ):
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1))
+        raw_logprobs = None
+        if meta.max_num_logprobs is not None:
+            raw_logprobs = logits.float().log_softmax(dim=-1)
+        logits = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+        if meta.bias is not None:
+            rows, ids, vals = meta.bias
+            logits.index_put_((rows, ids), vals, accumulate=True)
+        if meta.banned is not None:
+            logits.index_put_(meta.banned, torch.tensor(float("-inf"), device=logits.device))
+        if meta.repetition_penalties is not None:
+            assert meta.presence_penalties is not None and meta.frequency_penalties is not None
+            assert meta.prompt_token_ids is not None and meta.output_token_ids is not None
+            apply_penalties(
+                logits,
+                meta.prompt_token_ids,
+                meta.output_token_ids,
+                meta.presence_penalties,
+                meta.frequency_penalties,
+                meta.repetition_penalties,
+            )
+        sampled = self._sample(logits, meta)
+        lp = None
+        if raw_logprobs is not None:
+            lp = compute_token_logprobs(raw_logprobs, sampled, meta.max_num_logprobs or 0)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=lp)
+
+    @staticmethod
+    def _sample(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+        greedy = logits.argmax(dim=-1)
+        if meta.all_greedy:
+            return greedy
+        assert meta.temperature is not None
+        temp = meta.temperature
+        random_rows = (temp >= _EPS).nonzero().squeeze(1)
+        all_random = random_rows.numel() == meta.num_rows
+        sub = logits if all_random else logits.index_select(0, random_rows)
+        sub = sub / temp.index_select(0, random_rows).unsqueeze(1)
+        pick = (lambda t: t) if all_random else (lambda t: t.index_select(0, random_rows))
+        if meta.min_p is not None:
+            sub = apply_min_p(sub, pick(meta.min_p))
+        sub = apply_top_k_top_p(
+            sub,
+            None if meta.top_k is None else pick(meta.top_k),
+            None if meta.top_p is None else pick(meta.top_p),
+        )
+        probs = sub.softmax(dim=-1)
+        q = torch.empty_like(probs)
+        row_of = {r: j for j, r in enumerate(random_rows.tolist())}
+        seeded = {row_of[r]: g for r, g in meta.generators.items() if r in row_of}
+        if len(seeded) < q.shape[0]:
+            q.exponential_(generator=meta.default_generator)
+        for j, gen in seeded.items():
+            q[j].exponential_(generator=gen)
+        random_sampled = probs.div_(q).argmax(dim=-1)
+        if all_random:
+            return random_sampled
+        return greedy.index_copy_(0, random_rows, random_sampled)

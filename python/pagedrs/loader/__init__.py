@@ -1,0 +1,157 @@
+"""Model loading: a local HF folder (config.json + safetensors or PyTorch .bin, sharded or not, tokenizer
+files), a GGUF file (converted once into a cache folder), or None for the default model.
+
+Every check happens here, at load time: unknown path or architecture, a checkpoint missing a tensor or
+holding one of the wrong shape -> ValueError naming it, before any request can be accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from torch import Tensor
+
+from pagedrs.loader.default_model import default_model_path
+from pagedrs.loader.gguf import cache_root, convert_gguf
+from pagedrs.loader.pytorch_bin import iter_pytorch_bin, pytorch_bin_files
+from pagedrs.loader.safetensors import iter_safetensors, safetensors_files
+
+__all__ = [
+    "LoadedModel",
+    "cache_root",
+    "iter_checkpoint",
+    "load_model",
+    "model_folder",
+    "resolve_dtype",
+    "resolve_model_path",
+]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    hf_config: transformers.PretrainedConfig
+    tokenizer: transformers.PreTrainedTokenizerBase
+    model_path: str  # what was resolved: the folder, or the GGUF file
+
+
+def resolve_model_path(model: str | None) -> str:
+    """Absolute path of a local model folder or GGUF file; None -> the default model's GGUF file.
+
+    A name like "org/model" that is not a local path is looked up in the local Hugging Face cache only
+    (pagedrs never downloads). ValueError naming the path when nothing is found."""
+    if model is None:
+        return str(default_model_path())
+    path = Path(model).expanduser()
+    if path.exists():
+        return str(path.resolve())
+    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return snapshot_download(model, local_files_only=True)
+        except Exception:
+            pass
+    raise ValueError(
+        f"model {model!r} not found: pass a local HF model folder (config.json + weights), a .gguf file, "
+        "or nothing for the default model"
+    )
+
+
+def model_folder(path: str) -> str:
+    """The HF-style folder for a resolved path: the folder itself, or the GGUF cache folder."""
+    p = Path(path)
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise ValueError(f"model file {path!r} is not a .gguf file; pass the model folder instead")
+        return str(convert_gguf(p))
+    if not (p / "config.json").is_file():
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return str(convert_gguf(ggufs[0]))
+        raise ValueError(f"model folder {path!r} has no config.json")
+    return str(p)
+
+
+def iter_checkpoint(folder: str | Path) -> Iterator[tuple[str, Tensor]]:
+    """(HF name, tensor) of a folder's checkpoint: safetensors preferred, else PyTorch .bin."""
+    files = safetensors_files(folder)
+    if files:
+        return iter_safetensors(files)
+    bins = pytorch_bin_files(folder)
+    if bins:
+        return iter_pytorch_bin(bins)
+    raise ValueError(
+        f"model folder {str(folder)!r} has no weights (model.safetensors, pytorch_model.bin or a sharded index)"
+    )
+
+
+def resolve_dtype(
+    dtype: str | torch.dtype, config: transformers.PretrainedConfig, device: torch.device
+) -> torch.dtype:
+    """ "auto": float32 on CPU; on CUDA the checkpoint's half type, bfloat16 for float32 checkpoints."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        try:
+            return _DTYPES[dtype]
+        except KeyError:
+            raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}") from None
+    if device.type == "cpu":
+        return torch.float32
+    cfg = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(cfg, str):
+        cfg = _DTYPES.get(cfg)
+    if cfg in (torch.float16, torch.bfloat16):
+        return cfg
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
+
+
+def load_model(
+    model: str | None,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    tokenizer: str | None = None,
+) -> LoadedModel:
+    """Build the model for `model` (folder, GGUF file or None), load and check its weights, load the
+    tokenizer (from `tokenizer` when given, else from the model)."""
+    from pagedrs.models.registry import get_model_class
+
+    path = resolve_model_path(model)
+    folder = model_folder(path)
+    device = torch.device(device)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    model_cls = get_model_class(config)
+    torch_dtype = resolve_dtype(dtype, config, device)
+    with torch.device(device):
+        net = model_cls(config, dtype=torch_dtype, device=device)  # type: ignore[call-arg]
+    net.load_weights(iter_checkpoint(folder))  # type: ignore[operator]
+    net.eval()
+    tok_source = folder if tokenizer is None else resolve_model_path(tokenizer)
+    try:
+        if tok_source.lower().endswith(".gguf"):
+            p = Path(tok_source)
+            tok = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        else:
+            tok = transformers.AutoTokenizer.from_pretrained(tok_source)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load a tokenizer from {tok_source!r}: {e}") from e
+    return LoadedModel(model=net, hf_config=config, tokenizer=tok, model_path=path)

@@ -1,0 +1,136 @@
+"""Engine statistics: the `EngineStats` snapshot, the periodic stats log line (vLLM's format) and the
+per-step batch picture (`enable_log_batch_visualization`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["EngineStats", "StatLogger", "format_stats_line", "visualize_batch"]
+
+logger = logging.getLogger("pagedrs.engine")
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine: scheduler queues, the KV pool and cumulative token counters."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    kv_usage: float = 0.0  # 0..1 of the device pool
+    prefix_cache_queries: int = 0  # prompt tokens looked up (cumulative)
+    prefix_cache_hits: int = 0  # of which found in the cache (cumulative)
+    prompt_tokens_total: int = 0  # prompt tokens computed (prefill, recompute included)
+    generation_tokens_total: int = 0  # tokens sampled
+    num_preemptions: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    num_swap_blocks: int = 0
+    num_free_swap_blocks: int = 0
+    num_steps: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+def format_stats_line(
+    prompt_tps: float,
+    gen_tps: float,
+    stats: EngineStats,
+    hit_rate: float,
+) -> str:
+    return (
+        f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, "
+        f"Avg generation throughput: {gen_tps:.1f} tokens/s, "
+        f"Running: {stats.num_running} reqs, Swapped: {stats.num_swapped} reqs, "
+        f"Pending: {stats.num_waiting} reqs, KV cache usage: {100.0 * stats.kv_usage:.1f}%, "
+        f"Prefix cache hit rate: {100.0 * hit_rate:.1f}%"
+    )
+
+
+class StatLogger:
+    """Logs one stats line every `interval` seconds (checked after each step)."""
+
+    def __init__(self, interval: float, log: logging.Logger | None = None) -> None:
+        self.interval = interval
+        self.log = log or logger
+        self.last_time = time.monotonic()
+        self.last_prompt = 0
+        self.last_gen = 0
+        self.last_queries = 0
+        self.last_hits = 0
+        self.last_line: str | None = None
+
+    def maybe_log(self, stats: EngineStats, now: float | None = None) -> str | None:
+        now = time.monotonic() if now is None else now
+        elapsed = now - self.last_time
+        if elapsed < self.interval:
+            return None
+        return self.log_now(stats, now)
+
+    def log_now(self, stats: EngineStats, now: float | None = None) -> str:
+        now = time.monotonic() if now is None else now
+        elapsed = max(now - self.last_time, 1e-9)
+        prompt_tps = (stats.prompt_tokens_total - self.last_prompt) / elapsed
+        gen_tps = (stats.generation_tokens_total - self.last_gen) / elapsed
+        dq = stats.prefix_cache_queries - self.last_queries
+        dh = stats.prefix_cache_hits - self.last_hits
+        # Hit rate over this interval's lookups; the cumulative one when nothing was looked up.
+        hit_rate = dh / dq if dq > 0 else stats.prefix_cache_hit_rate
+        line = format_stats_line(prompt_tps, gen_tps, stats, hit_rate)
+        self.log.info(line)
+        self.last_time = now
+        self.last_prompt = stats.prompt_tokens_total
+        self.last_gen = stats.generation_tokens_total
+        self.last_queries = stats.prefix_cache_queries
+        self.last_hits = stats.prefix_cache_hits
+        self.last_line = line
+        return line
+
+
+_UPPER = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def visualize_batch(plan: object, step: int, token_budget: int, width: int = 64) -> str:
+    """A compact picture of one step: a bar over the token budget where each sequence's tokens are drawn
+    with its letter (UPPERCASE = prefill chunk, lowercase = decode, '.' = unused budget), then a legend.
+
+    e.g. ``step 7 |AAAAAAAAAAAAAAbcd.............| 18/64 tok: A=seq 3 prefill 0..14/20, decode b=4 c=5 d=6``
+    """
+    req_ids = np.asarray(plan.req_ids).tolist()  # type: ignore[attr-defined]
+    num_sched = np.asarray(plan.num_scheduled_tokens).tolist()  # type: ignore[attr-defined]
+    computed = np.asarray(plan.num_computed_tokens).tolist()  # type: ignore[attr-defined]
+    prompt_lens = np.asarray(plan.num_prompt_tokens).tolist()  # type: ignore[attr-defined]
+    total = int(sum(num_sched))
+    budget = max(token_budget, total, 1)
+    scale = width / budget
+    bar: list[str] = []
+    prefills: list[str] = []
+    decodes: list[str] = []
+    pos = 0.0
+    for i, (sid, n, c, p) in enumerate(zip(req_ids, num_sched, computed, prompt_lens, strict=True)):
+        letter = _UPPER[i % 26]
+        is_decode = n == 1 and c >= p
+        ch = letter.lower() if is_decode else letter
+        end = pos + n * scale
+        cells = max(1, round(end) - round(pos))
+        bar.append(ch * cells)
+        pos = end
+        if is_decode:
+            decodes.append(f"{ch}={sid}")
+        else:
+            prefills.append(f"{ch}=seq {sid} prefill {c}..{c + n}/{p}")
+    body = "".join(bar)
+    body += "." * max(0, width - len(body))
+    legend = ", ".join(prefills)
+    if decodes:
+        legend += (", " if legend else "") + "decode " + " ".join(decodes)
+    preempted = np.asarray(plan.preempted).tolist()  # type: ignore[attr-defined]
+    if preempted:
+        legend += f"; preempted {preempted}"
+    return f"step {step} |{body}| {total}/{token_budget} tok: {legend or 'idle'}"

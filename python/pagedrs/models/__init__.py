@@ -1,0 +1,1 @@
+"""Model implementations (one module per family) and the architecture registry."""

@@ -1,0 +1,217 @@
+"""The Llama family in one module: Llama 2, Llama 3 / 3.1 (rope scaling), Mistral (sliding window),
+Qwen2 (q/k/v bias), SmolLM2 (tied embeddings).
+
+Same structure as HF's LlamaForCausalLM and the same parameter names, except that q/k/v are fused into
+`qkv_proj` and gate/up into `gate_up_proj` (load_weights maps HF's separate tensors into the shards).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+from transformers import PretrainedConfig
+
+from pagedrs.layers.activation import get_act_and_mul_fn
+from pagedrs.layers.attention import Attention, ForwardContext, token_seq_lens
+from pagedrs.layers.linear import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from pagedrs.layers.norm import RMSNorm
+from pagedrs.layers.rotary import RotaryEmbedding, get_rope
+from pagedrs.models.utils import StackedParam, load_weights_into
+
+__all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"]
+
+
+def _layer_windows(config: PretrainedConfig) -> list[int | None]:
+    """Per layer, its sliding window (None = full attention)."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return [None] * n
+    if getattr(config, "use_sliding_window", True) is False:  # Qwen2 ships a window it does not use
+        return [None] * n
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    return [int(window)] * n
+
+
+class LlamaAttention(torch.nn.Module):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        sliding_window: int | None,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        head_size = getattr(config, "head_dim", None) or hidden // num_heads
+        qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
+        self.qkv_proj = QKVParallelLinear(
+            hidden, head_size, num_heads, num_kv_heads, bias=qkv_bias, dtype=dtype, device=device
+        )
+        self.o_proj = RowParallelLinear(
+            num_heads * head_size, hidden, bias=o_bias, dtype=dtype, device=device
+        )
+        self.rotary_emb = rotary_emb  # shared by every layer; registered on the model
+        self.attn = Attention(
+            num_heads,
+            head_size,
+            num_kv_heads,
+            layer_idx,
+            scale=head_size**-0.5,
+            sliding_window=sliding_window,
+        )
+
+    def forward(
+        self, positions: Tensor, hidden: Tensor, ctx: ForwardContext, seq_lens: Tensor | None
+    ) -> Tensor:
+        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
+        q, k = self.rotary_emb(positions, q, k, seq_lens)
+        return self.o_proj(self.attn(q, k, v, ctx))
+
+
+class LlamaMLP(torch.nn.Module):
+    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [inter, inter], bias=bias, dtype=dtype, device=device
+        )
+        self.down_proj = RowParallelLinear(inter, hidden, bias=bias, dtype=dtype, device=device)
+        self.act_fn = get_act_and_mul_fn(getattr(config, "hidden_act", "silu"))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(torch.nn.Module):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        sliding_window: int | None,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = LlamaAttention(
+            config, layer_idx, rotary_emb, sliding_window, dtype=dtype, device=device
+        )
+        self.mlp = LlamaMLP(config, dtype=dtype, device=device)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        positions: Tensor,
+        hidden: Tensor,
+        residual: Tensor | None,
+        ctx: ForwardContext,
+        seq_lens: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, ctx, seq_lens)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(torch.nn.Module):
+    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary_emb = get_rope(config, head_size, device=device)
+        windows = _layer_windows(config)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, dtype=dtype, device=device
+        )
+        self.layers = torch.nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.rotary_emb, windows[i], dtype=dtype, device=device)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
+        seq_lens = None
+        if self.rotary_emb.long_cos_sin_cache is not None and ctx.attn_metadata is not None:
+            seq_lens = token_seq_lens(ctx.attn_metadata)
+        hidden = self.embed_tokens(input_ids)
+        residual: Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, ctx, seq_lens)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    # HF tensor name piece -> (fused parameter name piece, shard id)
+    stacked_params = (
+        StackedParam(".q_proj.", ".qkv_proj.", "q"),
+        StackedParam(".k_proj.", ".qkv_proj.", "k"),
+        StackedParam(".v_proj.", ".qkv_proj.", "v"),
+        StackedParam(".gate_proj.", ".gate_up_proj.", 0),
+        StackedParam(".up_proj.", ".gate_up_proj.", 1),
+    )
+
+    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = config
+        self.dtype = dtype
+        self.model = LlamaModel(config, dtype=dtype, device=device)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        attn = self.model.layers[0].self_attn.attn
+        self.num_layers: int = config.num_hidden_layers
+        self.num_kv_heads: int = attn.num_kv_heads
+        self.head_size: int = attn.head_size
+        windows = [w for w in _layer_windows(config) if w is not None]
+        self.sliding_window: int | None = max(windows) if windows else None
+        self.max_position: int = int(getattr(config, "max_position_embeddings", 2048))
+
+    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden]."""
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Load HF-named tensors; every parameter must be covered (ValueError naming what is missing)."""
+        skip: tuple[str, ...] = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+        if self.tie_word_embeddings:
+            skip = (*skip, "lm_head.weight")
+        load_weights_into(self, weights, self.stacked_params, skip=skip)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama with a sliding window (read from config.sliding_window)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with q/k/v biases (config.model_type == "qwen2")."""

@@ -1,0 +1,51 @@
+"""Model classes by `config.architectures`, imported lazily (a model's module loads only when used)."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from transformers import PretrainedConfig
+
+__all__ = ["MODEL_REGISTRY", "get_model_class", "supported_architectures"]
+
+# architecture name -> (module under pagedrs.models, class name)
+MODEL_REGISTRY: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
+    "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
+    "OPTForCausalLM": ("opt", "OPTForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+}
+
+# config.model_type -> architecture, for configs that name no architectures (e.g. built in code)
+MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+    "opt": "OPTForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(MODEL_REGISTRY)
+
+
+def get_model_class(config: PretrainedConfig) -> type[torch.nn.Module]:
+    """The class for the first of `config.architectures` pagedrs supports; ValueError listing the
+    supported ones otherwise. A config naming no architectures falls back on its model_type."""
+    archs = list(getattr(config, "architectures", None) or [])
+    if not archs and getattr(config, "model_type", None) in MODEL_TYPES:
+        archs = [MODEL_TYPES[config.model_type]]
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            module_name, class_name = MODEL_REGISTRY[arch]
+            module = importlib.import_module(f"pagedrs.models.{module_name}")
+            return getattr(module, class_name)
+    raise ValueError(
+        f"unsupported model architecture {archs or '(config.json names none)'}; "
+        f"supported: {', '.join(supported_architectures())}"
+    )

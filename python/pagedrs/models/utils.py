@@ -1,0 +1,97 @@
+"""Weight loading shared by the model classes: HF tensor names -> parameters (fused shards included),
+with every parameter checked to be covered and every shape checked."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pagedrs.layers.linear import default_weight_loader
+
+__all__ = ["StackedParam", "load_weights_into"]
+
+
+@dataclass(frozen=True)
+class StackedParam:
+    """An HF tensor whose name contains `hf_piece` is one shard (`shard_id`) of the parameter named with
+    `param_piece` instead (e.g. ".q_proj." -> ".qkv_proj.", "q")."""
+
+    hf_piece: str
+    param_piece: str
+    shard_id: object
+
+
+def load_weights_into(
+    model: torch.nn.Module,
+    weights: Iterable[tuple[str, Tensor]],
+    stacked: Sequence[StackedParam] = (),
+    *,
+    skip: Sequence[str] = (),
+    renames: Sequence[tuple[str, str]] = (),
+    ignore_unexpected: bool = False,
+) -> None:
+    """Copy HF-named `weights` into `model`'s parameters through their `weight_loader`.
+
+    `skip`: name suffixes ignored (tied heads, rotary buffers). `renames`: (old prefix, new prefix) applied
+    first. Raises ValueError naming the tensor on a shape mismatch or a tensor with no parameter (unless
+    `ignore_unexpected`), and naming the parameters no tensor covered."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: dict[str, set[object]] = {}
+    for name, tensor in weights:
+        if any(name.endswith(s) for s in skip):
+            continue
+        for old, new in renames:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        target, shard_id = name, None
+        for sp in stacked:
+            if sp.hf_piece in name:
+                target, shard_id = name.replace(sp.hf_piece, sp.param_piece), sp.shard_id
+                break
+        param = params.get(target)
+        if param is None:
+            if ignore_unexpected:
+                continue
+            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            with torch.no_grad():
+                loader(param, tensor, shard_id) if shard_id is not None else loader(param, tensor)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+        loaded.setdefault(target, set()).add(shard_id)
+    missing: list[str] = []
+    seen: set[int] = set()
+    for pname, param in model.named_parameters():  # duplicates (tied weights) removed
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        got = loaded.get(pname, set())
+        shard_ids = _owner_shard_ids(model, pname)
+        if None in got or (got and not shard_ids):
+            continue
+        for sid in shard_ids or (None,):
+            if sid is None or sid not in got:
+                missing.append(_hf_name(pname, sid, stacked))
+    if missing:
+        raise ValueError(f"checkpoint is missing tensor(s): {', '.join(missing)}")
+
+
+def _hf_name(pname: str, shard_id: object, stacked: Sequence[StackedParam]) -> str:
+    """The HF name a missing (shard of a) parameter is loaded from."""
+    if shard_id is not None:
+        for sp in stacked:
+            if sp.param_piece in pname and sp.shard_id == shard_id:
+                return pname.replace(sp.param_piece, sp.hf_piece)
+        return f"{pname} (shard {shard_id})"
+    return pname
+
+
+def _owner_shard_ids(model: torch.nn.Module, pname: str) -> tuple[object, ...]:
+    module_name = pname.rsplit(".", 1)[0] if "." in pname else ""
+    owner = model.get_submodule(module_name) if module_name else model
+    return tuple(getattr(owner, "shard_ids", ()))

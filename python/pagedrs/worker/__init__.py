@@ -1,0 +1,1 @@
+"""The worker: model runner and KV cache pools."""

@@ -1,0 +1,181 @@
+"""The paged KV pool on the model's device and the swap pool in CPU memory.
+
+Per layer one tensor ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (index 0 = K, 1 = V); the swap
+pool has the same shape with its own block count (pinned on CUDA). The scheduler owns which block is whose;
+this module only moves bytes as a step plan asks: block moves (pool compaction), swap out, swap in,
+copy-on-write copies, grow and shrink.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["KVCachePool", "block_bytes", "num_blocks_for_bytes", "profile_num_gpu_blocks"]
+
+logger = logging.getLogger(__name__)
+
+_GiB = 1 << 30
+
+
+def block_bytes(
+    num_layers: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
+) -> int:
+    """Bytes one block takes over all layers, K and V."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_size * elem
+
+
+def num_blocks_for_bytes(num_bytes: float, per_block: int) -> int:
+    return int(num_bytes // per_block)
+
+
+def profile_num_gpu_blocks(
+    model: torch.nn.Module,
+    run_profile: object,
+    *,
+    device: torch.device,
+    gpu_memory_utilization: float,
+    per_block: int,
+) -> int:
+    """Blocks that fit in `gpu_memory_utilization` of the device after a forward at the largest batch.
+
+    `run_profile` is a callable that runs that forward (no KV cache); its peak activation memory plus the
+    weights already resident is what the pool must leave free."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    run_profile()  # type: ignore[operator]
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    free, total = torch.cuda.mem_get_info(device)
+    # Memory other processes (and the CUDA context) hold is not ours to take.
+    used_by_others = total - free - torch.cuda.memory_reserved(device)
+    budget = total * gpu_memory_utilization - peak - max(used_by_others, 0)
+    torch.cuda.empty_cache()
+    num = num_blocks_for_bytes(budget, per_block)
+    if num < 1:
+        raise ValueError(
+            f"gpu_memory_utilization={gpu_memory_utilization} leaves no room for the KV cache "
+            f"(total {total / _GiB:.1f} GiB, peak {peak / _GiB:.1f} GiB); raise it or lower max_num_batched_tokens"
+        )
+    logger.info(
+        "KV cache: %d blocks after profiling (peak %.2f GiB of %.2f GiB)", num, peak / _GiB, total / _GiB
+    )
+    return num
+
+
+def _pairs(pairs: np.ndarray, device: torch.device) -> tuple[Tensor, Tensor]:
+    t = torch.from_numpy(np.ascontiguousarray(pairs, dtype=np.int64))
+    return t[:, 0].to(device), t[:, 1].to(device)
+
+
+class KVCachePool:
+    """Device KV blocks (one tensor per layer) and optional CPU swap blocks."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_size: int,
+        block_size: int,
+        num_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_swap_blocks: int = 0,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        self.bytes_per_block = block_bytes(num_layers, block_size, num_kv_heads, head_size, dtype)
+        # Zero-filled: padded reads of a block table must never see NaN garbage (NaN * 0 is NaN).
+        self.kv_caches: list[Tensor] = [self._alloc(num_blocks, device) for _ in range(num_layers)]
+        pin = device.type == "cuda"
+        self.swap_caches: list[Tensor] = (
+            [self._alloc(num_swap_blocks, torch.device("cpu"), pin=pin) for _ in range(num_layers)]
+            if num_swap_blocks
+            else []
+        )
+        self.num_swap_blocks = num_swap_blocks
+
+    def _alloc(self, n: int, device: torch.device, pin: bool = False) -> Tensor:
+        shape = (2, n, self.block_size, self.num_kv_heads, self.head_size)
+        t = torch.zeros(shape, dtype=self.dtype, device=device)
+        return t.pin_memory() if pin else t
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_caches[0].shape[1] if self.kv_caches else 0
+
+    # Block ops, in the runner's order: grow, moves, swap out, swap in, copies, (forward), shrink.
+    def resize(self, num_blocks: int) -> None:
+        """Grow (new blocks zeroed) or shrink (blocks past num_blocks dropped; the plan moved any in use)."""
+        cur = self.num_blocks
+        if num_blocks == cur:
+            return
+        if num_blocks > cur:
+            new = []
+            for kv in self.kv_caches:
+                t = self._alloc(num_blocks, self.device)
+                t[:, :cur].copy_(kv)
+                new.append(t)
+        else:
+            new = [kv[:, :num_blocks].clone() for kv in self.kv_caches]
+        self.kv_caches = new
+
+    def move_blocks(self, pairs: np.ndarray) -> None:
+        """(src, dst) device blocks; all sources are read before any destination is written."""
+        self.copy_blocks(pairs)
+
+    def copy_blocks(self, pairs: np.ndarray) -> None:
+        if len(pairs) == 0:
+            return
+        src, dst = _pairs(pairs, self.device)
+        for kv in self.kv_caches:
+            kv[:, dst] = kv[:, src]
+
+    def swap_out(self, pairs: np.ndarray) -> None:
+        """(device_block, swap_block) pairs: device -> CPU swap pool."""
+        if len(pairs) == 0:
+            return
+        self._check_swap(len(pairs))
+        src, dst = _pairs(pairs, self.device)
+        dst_cpu = dst.cpu()
+        for kv, swap in zip(self.kv_caches, self.swap_caches, strict=True):
+            swap[:, dst_cpu] = kv[:, src].to("cpu")
+
+    def swap_in(self, pairs: np.ndarray) -> None:
+        """(swap_block, device_block) pairs: CPU swap pool -> device."""
+        if len(pairs) == 0:
+            return
+        self._check_swap(len(pairs))
+        src, dst = _pairs(pairs, torch.device("cpu"))
+        dst_dev = dst.to(self.device)
+        for kv, swap in zip(self.kv_caches, self.swap_caches, strict=True):
+            kv[:, dst_dev] = swap[:, src].to(self.device, non_blocking=True)
+
+    def _check_swap(self, n: int) -> None:
+        if not self.swap_caches:
+            raise RuntimeError(f"the plan swaps {n} blocks but there is no swap pool (swap_space=0)")
+
+    def apply_plan_ops(self, plan: object) -> None:
+        """Everything a step plan asks before its forward."""
+        num_blocks = int(plan.num_blocks)  # type: ignore[attr-defined]
+        if num_blocks > self.num_blocks:
+            self.resize(num_blocks)
+        self.move_blocks(plan.block_moves)  # type: ignore[attr-defined]
+        self.swap_out(plan.swap_out)  # type: ignore[attr-defined]
+        self.swap_in(plan.swap_in)  # type: ignore[attr-defined]
+        self.copy_blocks(plan.copies)  # type: ignore[attr-defined]
+
+    def apply_plan_shrink(self, plan: object) -> None:
+        num_blocks = int(plan.num_blocks)  # type: ignore[attr-defined]
+        if num_blocks < self.num_blocks:
+            self.resize(num_blocks)

@@ -1,0 +1,177 @@
+//! Intrusive doubly linked list of free blocks over index arrays.
+//!
+//! Node 0 is the sentinel of a circular list; block `b` is node `b + 1`. A node that is not in the
+//! queue has `next == NIL`, so membership, removal from the middle, push and pop are all O(1).
+
+use crate::BlockId;
+
+const NIL: u32 = u32::MAX;
+const SENTINEL: usize = 0;
+
+#[derive(Debug, Clone)]
+pub struct FreeQueue {
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    len: usize,
+}
+
+impl FreeQueue {
+    /// A queue holding blocks `0..num_blocks` in ascending order.
+    pub fn new(num_blocks: usize) -> Self {
+        let mut q = Self { prev: vec![SENTINEL as u32], next: vec![SENTINEL as u32], len: 0 };
+        q.grow(num_blocks);
+        for b in 0..num_blocks {
+            q.push_back(BlockId(b as u32));
+        }
+        q
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Number of blocks the queue can index.
+    pub fn capacity(&self) -> usize {
+        self.next.len() - 1
+    }
+
+    pub fn contains(&self, b: BlockId) -> bool {
+        self.next[b.node()] != NIL
+    }
+
+    pub fn front(&self) -> Option<BlockId> {
+        let n = self.next[SENTINEL] as usize;
+        (n != SENTINEL).then(|| BlockId::from_node(n))
+    }
+
+    pub fn push_back(&mut self, b: BlockId) {
+        let last = self.prev[SENTINEL] as usize;
+        self.link(last, b.node(), SENTINEL);
+    }
+
+    pub fn push_front(&mut self, b: BlockId) {
+        let first = self.next[SENTINEL] as usize;
+        self.link(SENTINEL, b.node(), first);
+    }
+
+    pub fn pop_front(&mut self) -> Option<BlockId> {
+        let b = self.front()?;
+        self.remove(b);
+        Some(b)
+    }
+
+    /// Removes `b` from anywhere in the queue. Panics (debug) if `b` is not queued.
+    pub fn remove(&mut self, b: BlockId) {
+        let n = b.node();
+        debug_assert!(self.next[n] != NIL, "block {} is not in the free queue", b.0);
+        let (p, nx) = (self.prev[n] as usize, self.next[n] as usize);
+        self.next[p] = nx as u32;
+        self.prev[nx] = p as u32;
+        self.prev[n] = NIL;
+        self.next[n] = NIL;
+        self.len -= 1;
+    }
+
+    /// Makes room for blocks up to `num_blocks`; the new blocks are not queued.
+    pub fn grow(&mut self, num_blocks: usize) {
+        self.prev.resize(num_blocks + 1, NIL);
+        self.next.resize(num_blocks + 1, NIL);
+    }
+
+    /// Drops blocks `num_blocks..`; none of them may be queued.
+    pub fn truncate(&mut self, num_blocks: usize) {
+        debug_assert!((num_blocks + 1..self.next.len()).all(|n| self.next[n] == NIL));
+        self.prev.truncate(num_blocks + 1);
+        self.next.truncate(num_blocks + 1);
+    }
+
+    /// Blocks from front (next to be reused) to back.
+    pub fn iter(&self) -> impl Iterator<Item = BlockId> + '_ {
+        let mut n = self.next[SENTINEL] as usize;
+        std::iter::from_fn(move || {
+            if n == SENTINEL || n == NIL as usize {
+                return None;
+            }
+            let b = BlockId::from_node(n);
+            n = self.next[n] as usize;
+            Some(b)
+        })
+    }
+
+    fn link(&mut self, p: usize, n: usize, nx: usize) {
+        debug_assert!(self.next[n] == NIL, "block {} is already in the free queue", n - 1);
+        self.next[p] = n as u32;
+        self.prev[n] = p as u32;
+        self.next[n] = nx as u32;
+        self.prev[nx] = n as u32;
+        self.len += 1;
+    }
+}
+
+impl BlockId {
+    fn node(self) -> usize {
+        self.0 as usize + 1
+    }
+
+    fn from_node(n: usize) -> Self {
+        BlockId((n - 1) as u32)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(q: &FreeQueue) -> Vec<u32> {
+        q.iter().map(|b| b.0).collect()
+    }
+
+    #[test]
+    fn new_queue_is_ascending() {
+        let q = FreeQueue::new(4);
+        assert_eq!(ids(&q), vec![0, 1, 2, 3]);
+        assert_eq!(q.len(), 4);
+    }
+
+    #[test]
+    fn pop_push_remove() {
+        let mut q = FreeQueue::new(5);
+        assert_eq!(q.pop_front(), Some(BlockId(0)));
+        q.remove(BlockId(2));
+        assert!(!q.contains(BlockId(2)));
+        q.push_back(BlockId(2));
+        q.push_front(BlockId(0));
+        assert_eq!(ids(&q), vec![0, 1, 3, 4, 2]);
+        q.remove(BlockId(4));
+        q.remove(BlockId(0));
+        assert_eq!(ids(&q), vec![1, 3, 2]);
+        assert_eq!(q.len(), 3);
+    }
+
+    #[test]
+    fn drain_to_empty() {
+        let mut q = FreeQueue::new(3);
+        while q.pop_front().is_some() {}
+        assert!(q.is_empty());
+        assert_eq!(q.front(), None);
+        q.push_back(BlockId(1));
+        assert_eq!(ids(&q), vec![1]);
+    }
+
+    #[test]
+    fn grow_and_truncate() {
+        let mut q = FreeQueue::new(2);
+        q.grow(4);
+        assert_eq!(q.capacity(), 4);
+        q.push_back(BlockId(3));
+        assert_eq!(ids(&q), vec![0, 1, 3]);
+        q.remove(BlockId(3));
+        q.truncate(3);
+        assert_eq!(q.capacity(), 3);
+        assert_eq!(ids(&q), vec![0, 1]);
+    }
+}

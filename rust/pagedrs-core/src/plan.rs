@@ -1,0 +1,183 @@
+//! The step plan: flat arrays the runner turns into tensors, built once per step.
+
+use crate::scheduler::Scheduler;
+
+/// Block operations and preemptions decided during one step. Pairs are flattened `[a0, b0, a1, ..]`.
+#[derive(Debug, Default, Clone)]
+pub struct PlanOps {
+    pub swap_out: Vec<i64>,
+    pub swap_in: Vec<i64>,
+    pub copies: Vec<i64>,
+    pub preempted: Vec<i64>,
+}
+
+/// One step. Row `b` of the batch is sequence `req_ids[b]`; tokens are flattened over rows.
+/// Runner order: grow the pool, `block_moves`, `swap_out`, `swap_in`, `copies`, forward, shrink.
+#[derive(Debug, Default, Clone)]
+pub struct StepPlan {
+    pub step_id: u64,
+    pub req_ids: Vec<i64>,
+    pub num_scheduled_tokens: Vec<i32>,
+    pub num_computed_tokens: Vec<i32>,
+    pub num_prompt_tokens: Vec<i32>,
+    pub seq_lens: Vec<i32>,
+    /// `B + 1` entries.
+    pub query_start_loc: Vec<i32>,
+    pub input_ids: Vec<i64>,
+    pub positions: Vec<i64>,
+    pub slot_mapping: Vec<i64>,
+    /// Row-major `[B, max_blocks]`, padded with 0.
+    pub block_tables: Vec<i32>,
+    pub max_blocks: usize,
+    pub logits_indices: Vec<i64>,
+    pub sampled_seq_ids: Vec<i64>,
+    /// `[k, 2]` pairs, flattened: (device, swap), (swap, device), (src, dst), (src, dst).
+    pub swap_out: Vec<i64>,
+    pub swap_in: Vec<i64>,
+    pub copies: Vec<i64>,
+    pub block_moves: Vec<i64>,
+    pub preempted: Vec<i64>,
+    /// Pool size after this plan.
+    pub num_blocks: usize,
+    pub num_prefill_tokens: usize,
+    pub num_decode_tokens: usize,
+    pub num_tokens: usize,
+}
+
+impl StepPlan {
+    pub fn num_reqs(&self) -> usize {
+        self.req_ids.len()
+    }
+
+    /// Block-table row `b` (padded).
+    pub fn block_table_row(&self, b: usize) -> &[i32] {
+        &self.block_tables[b * self.max_blocks..(b + 1) * self.max_blocks]
+    }
+}
+
+impl Scheduler {
+    /// Turns the step's decisions into arrays, advances `num_computed`, forks children whose
+    /// parent finishes its prompt, and records what `update()` must expect.
+    pub(crate) fn build_plan(&mut self, sched: &[(u32, usize)], ops: PlanOps) -> StepPlan {
+        let bs = self.cfg.block_size;
+        let shift = bs.trailing_zeros();
+        let b = sched.len();
+        let t: usize = sched.iter().map(|&(_, n)| n).sum();
+        let max_blocks = sched.iter().map(|&(s, _)| self.seqs[s as usize].block_table.len()).max().unwrap_or(0);
+
+        let mut p = StepPlan {
+            step_id: self.step,
+            req_ids: Vec::with_capacity(b),
+            num_scheduled_tokens: Vec::with_capacity(b),
+            num_computed_tokens: Vec::with_capacity(b),
+            num_prompt_tokens: Vec::with_capacity(b),
+            seq_lens: Vec::with_capacity(b),
+            query_start_loc: Vec::with_capacity(b + 1),
+            input_ids: Vec::with_capacity(t),
+            positions: Vec::with_capacity(t),
+            slot_mapping: Vec::with_capacity(t),
+            block_tables: Vec::with_capacity(b * max_blocks),
+            max_blocks,
+            logits_indices: Vec::with_capacity(b),
+            sampled_seq_ids: Vec::with_capacity(b),
+            swap_out: ops.swap_out,
+            swap_in: ops.swap_in,
+            copies: ops.copies,
+            block_moves: std::mem::take(&mut self.pending_moves),
+            preempted: ops.preempted,
+            num_blocks: self.pool.num_blocks(),
+            num_prefill_tokens: 0,
+            num_decode_tokens: 0,
+            num_tokens: t,
+        };
+        self.rows.clear();
+        self.samples.clear();
+        p.query_start_loc.push(0);
+        let mut start = 0usize;
+        for &(slot, n) in sched {
+            let seq = &mut self.seqs[slot as usize];
+            let nc = seq.num_computed;
+            let end = nc + n;
+            p.req_ids.push(seq.seq_id);
+            p.num_scheduled_tokens.push(n as i32);
+            p.num_computed_tokens.push(nc as i32);
+            p.num_prompt_tokens.push(seq.prompt_len as i32);
+            p.seq_lens.push(end as i32);
+            p.query_start_loc.push((start + n) as i32);
+            p.input_ids.extend(seq.tokens[nc..end].iter().map(|&x| i64::from(x)));
+            p.positions.extend((nc..end).map(|x| x as i64));
+            let table = &seq.block_table;
+            p.slot_mapping.extend(
+                (nc..end).map(|pos| (i64::from(table[pos >> shift]) << shift) | (pos & (bs - 1)) as i64),
+            );
+            p.block_tables.extend(table.iter().map(|&x| x as i32));
+            p.block_tables.resize(p.block_tables.len() + max_blocks - table.len(), 0);
+            let completes = end == seq.num_tokens();
+            if n == 1 && completes && nc >= seq.prompt_len {
+                p.num_decode_tokens += 1;
+            } else {
+                p.num_prefill_tokens += n;
+            }
+            seq.num_computed = end;
+            self.rows.push((slot, seq.gen));
+            if completes {
+                let row = (start + n - 1) as i64;
+                p.logits_indices.push(row);
+                p.sampled_seq_ids.push(seq.seq_id);
+                self.samples.push((slot, seq.gen));
+                if !seq.children.is_empty() {
+                    self.fork_children(slot, row, &mut p);
+                }
+            }
+            start += n;
+        }
+        self.step += 1;
+        if !self.rows.is_empty() {
+            self.pending = Some(p.step_id);
+        }
+        p
+    }
+
+    /// Children of `slot` become running sequences sharing every block; each gets a logits row
+    /// on the parent's last prompt token.
+    fn fork_children(&mut self, slot: u32, row: i64, p: &mut StepPlan) {
+        let children = std::mem::take(&mut self.seqs[slot as usize].children);
+        for &(id, child) in &children {
+            let c = self.new_slot();
+            let (parent, kid) = if (c as usize) < slot as usize {
+                let (a, b) = self.seqs.split_at_mut(slot as usize);
+                (&b[0], &mut a[c as usize])
+            } else {
+                let (a, b) = self.seqs.split_at_mut(c as usize);
+                (&a[slot as usize], &mut b[0])
+            };
+            kid.seq_id = id;
+            kid.status = parent.status;
+            kid.key = parent.key;
+            kid.key.child = child;
+            kid.tokens.extend_from_slice(&parent.tokens);
+            kid.prompt_len = parent.prompt_len;
+            kid.num_computed = parent.num_computed;
+            kid.block_table.clear();
+            kid.block_table.extend_from_slice(&parent.block_table);
+            kid.block_hashes.extend_from_slice(&parent.block_hashes);
+            kid.num_cached_blocks = parent.num_cached_blocks;
+            kid.extra_key = parent.extra_key;
+            kid.skip_prefix_cache = parent.skip_prefix_cache;
+            kid.stop = parent.stop.clone();
+            kid.num_cached_tokens = parent.num_cached_tokens;
+            kid.admitted = true;
+            for &b in &kid.block_table {
+                self.pool.incref(crate::BlockId(b));
+            }
+            self.ids.insert(id, crate::scheduler::SeqRef { slot: c, child: false });
+            self.insert_running(c);
+            p.logits_indices.push(row);
+            p.sampled_seq_ids.push(id);
+            self.samples.push((c, self.seqs[c as usize].gen));
+        }
+        let mut children = children;
+        children.clear();
+        self.seqs[slot as usize].children = children;
+    }
+}

@@ -1,0 +1,38 @@
+//! Resizing the device pool while serving.
+
+use crate::error::{Error, Result};
+use crate::scheduler::Scheduler;
+
+impl Scheduler {
+    /// Grows the pool, or shrinks it by moving in-use blocks above `num_blocks` into free low
+    /// blocks; the moves ride on the next plan (`block_moves`, applied before its forward).
+    pub fn resize(&mut self, num_blocks: usize) -> Result<()> {
+        let old = self.pool.num_blocks();
+        if num_blocks == 0 || num_blocks >= u32::MAX as usize {
+            return Err(Error::Resize(format!("num_blocks must be in [1, {}), got {num_blocks}", u32::MAX)));
+        }
+        if num_blocks >= old {
+            self.pool.grow(num_blocks);
+        } else {
+            let in_use = self.pool.num_used();
+            let moves = self
+                .pool
+                .shrink(num_blocks)
+                .ok_or(Error::ResizeTooSmall { requested: num_blocks, in_use })?;
+            if !moves.is_empty() {
+                let mut remap: Vec<u32> = (0..old as u32).collect();
+                for &(src, dst) in &moves {
+                    remap[src.0 as usize] = dst.0;
+                    self.pending_moves.extend([i64::from(src.0), i64::from(dst.0)]);
+                }
+                for seq in self.seqs.iter_mut().filter(|s| s.alive) {
+                    for b in &mut seq.block_table {
+                        *b = remap[*b as usize];
+                    }
+                }
+            }
+        }
+        self.watermark_blocks = self.cfg.watermark_blocks(num_blocks);
+        Ok(())
+    }
+}

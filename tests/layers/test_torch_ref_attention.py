@@ -1,0 +1,128 @@
+"""The reference paged attention backend against a naive dense causal attention (float64)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedrs.layers.attention import Attention, AttentionBackend, ForwardContext, causal_attention
+from pagedrs.layers.attention.selector import get_attention_backend
+from pagedrs.layers.attention.torch_ref import TorchAttentionBackend, gather_kv, write_kv_cache
+from tests.helpers import make_step_metadata
+
+
+def naive_attention(q, k, v, q_start: int, scale: float, window: int | None):
+    """q [Q,H,D] at positions q_start.., k/v [L,KVH,D] at 0..L-1 -> [Q,H,D], float64, explicit loops."""
+    h, kvh = q.shape[1], k.shape[1]
+    g = h // kvh
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for i in range(q.shape[0]):
+        p = q_start + i
+        lo = 0 if window is None else max(0, p - window + 1)
+        for head in range(h):
+            kk = k[lo : p + 1, head // g].double()
+            vv = v[lo : p + 1, head // g].double()
+            s = (kk @ q[i, head].double()) * scale
+            out[i, head] = torch.softmax(s, 0) @ vv
+    return out
+
+
+def run_case(seq_lens, query_lens, *, h=4, kvh=2, d=16, block_size=4, window=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
+    meta, positions = make_step_metadata(seq_lens, query_lens, block_size=block_size, num_blocks=num_blocks, seed=seed)
+    cache = torch.zeros(2, num_blocks, block_size, kvh, d)
+    # Full context of every request; the prefix (not new this step) is already in the cache.
+    ks = [torch.randn(s, kvh, d, generator=gen) for s in seq_lens]
+    vs = [torch.randn(s, kvh, d, generator=gen) for s in seq_lens]
+    qs = [torch.randn(q, h, d, generator=gen) for q in query_lens]
+    for b, (s, q) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        table = meta.block_tables[b].long()
+        prefix = torch.arange(s - q)
+        slots = table[prefix // block_size] * block_size + prefix % block_size
+        write_kv_cache(ks[b][: s - q], vs[b][: s - q], cache, slots)
+    q_new = torch.cat(qs)
+    k_new = torch.cat([k[s - q :] for k, s, q in zip(ks, seq_lens, query_lens, strict=True)])
+    v_new = torch.cat([v[s - q :] for v, s, q in zip(vs, seq_lens, query_lens, strict=True)])
+    scale = 1 / math.sqrt(d)
+    out = TorchAttentionBackend().forward(q_new, k_new, v_new, cache, meta, scale=scale, sliding_window=window)
+    start = 0
+    for b, (s, q) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        ref = naive_attention(qs[b], ks[b], vs[b], s - q, scale, window)
+        torch.testing.assert_close(out[start : start + q].double(), ref, atol=1e-5, rtol=1e-5)
+        kb, vb = gather_kv(cache, meta.block_tables[b], s)  # the whole context is in the cache now
+        torch.testing.assert_close(kb, ks[b])
+        torch.testing.assert_close(vb, vs[b])
+        start += q
+    return positions
+
+
+def test_backend_satisfies_protocol():
+    backend = get_attention_backend("torch", "cpu")
+    assert isinstance(backend, AttentionBackend) and backend.name == "torch"
+    assert get_attention_backend("auto", "cpu").name == "torch"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_attention_backend("flash", "cpu")
+    with pytest.raises(ValueError, match="CUDA"):
+        get_attention_backend("cupy", "cpu")
+
+
+def test_single_prefill_no_cache():
+    run_case([13], [13])
+
+
+def test_ragged_mixed_batch():
+    # decodes, a fresh prefill, chunked prefills over cached prefixes, in no particular order
+    run_case([9, 1, 17, 30, 5, 8], [1, 1, 17, 7, 1, 3])
+
+
+def test_decodes_only_with_padded_tables():
+    run_case([1, 4, 5, 33, 16], [1, 1, 1, 1, 1], block_size=8)
+
+
+@pytest.mark.parametrize("h,kvh", [(4, 4), (4, 2), (6, 1)])
+def test_gqa_and_mqa(h, kvh):
+    run_case([12, 20, 7], [12, 1, 3], h=h, kvh=kvh)
+
+
+@pytest.mark.parametrize("window", [1, 3, 8, 64])
+def test_sliding_window(window):
+    run_case([20, 9, 25, 6], [20, 1, 5, 1], window=window)
+
+
+def test_block_boundaries():
+    # contexts ending exactly on a block boundary and chunks starting/ending on one
+    run_case([8, 9, 16, 4, 12], [4, 1, 8, 4, 5], block_size=4)
+    run_case([16, 17], [16, 1], block_size=16)
+
+
+def test_reuses_plan_across_layers():
+    meta, _ = make_step_metadata([5, 3], [1, 3], block_size=4, num_blocks=4)
+    cache = torch.zeros(2, 4, 4, 1, 8)
+    backend = TorchAttentionBackend()
+    q, k = torch.randn(4, 2, 8), torch.randn(4, 1, 8)
+    a = backend.forward(q, k, k, cache, meta, scale=0.3, sliding_window=None)
+    b = backend.forward(q, k, k, cache.clone(), meta, scale=0.3, sliding_window=None)
+    torch.testing.assert_close(a, b)
+
+
+def test_attention_module_no_cache_is_causal():
+    torch.manual_seed(0)
+    attn = Attention(num_heads=4, head_size=8, num_kv_heads=2, layer_idx=0, scale=0.25, sliding_window=3)
+    q, k, v = torch.randn(10, 32), torch.randn(10, 16), torch.randn(10, 16)
+    out = attn(q, k, v, ForwardContext(attn_metadata=None, kv_caches=[], backend=None))
+    ref = naive_attention(q.view(10, 4, 8), k.view(10, 2, 8), v.view(10, 2, 8), 0, 0.25, 3)
+    torch.testing.assert_close(out.view(10, 4, 8).double(), ref, atol=1e-5, rtol=1e-5)
+    direct = causal_attention(q.view(10, 4, 8), k.view(10, 2, 8), v.view(10, 2, 8), scale=0.25, sliding_window=3)
+    torch.testing.assert_close(out.view(10, 4, 8), direct)
+
+
+def test_attention_module_uses_layer_cache():
+    meta, _ = make_step_metadata([6], [6], block_size=4, num_blocks=3)
+    caches = [torch.zeros(2, 3, 4, 2, 8) for _ in range(2)]
+    attn = Attention(num_heads=2, head_size=8, num_kv_heads=2, layer_idx=1, scale=0.3)
+    q = torch.randn(6, 16)
+    attn(q, q, q, ForwardContext(meta, caches, TorchAttentionBackend()))
+    assert caches[0].abs().sum() == 0 and caches[1].abs().sum() > 0

@@ -1,0 +1,90 @@
+"""KV pool block operations: copies, moves, swap out/in round trip, grow and shrink, sizing."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from pagedrs.worker.kv_cache import KVCachePool, block_bytes
+
+
+def make_pool(num_blocks: int = 8, num_swap_blocks: int = 4) -> KVCachePool:
+    pool = KVCachePool(
+        num_layers=2, num_kv_heads=2, head_size=4, block_size=4, num_blocks=num_blocks,
+        dtype=torch.float32, device=torch.device("cpu"), num_swap_blocks=num_swap_blocks,
+    )
+    for layer, kv in enumerate(pool.kv_caches):
+        for b in range(num_blocks):
+            kv[:, b] = 100 * layer + b
+    return pool
+
+
+def block_values(pool: KVCachePool, layer: int = 0) -> list[float]:
+    return pool.kv_caches[layer][0, :, 0, 0, 0].tolist()
+
+
+def pairs(*p: tuple[int, int]) -> np.ndarray:
+    return np.array(p, dtype=np.int64).reshape(-1, 2)
+
+
+def test_layout_and_zero_init() -> None:
+    pool = KVCachePool(num_layers=3, num_kv_heads=2, head_size=8, block_size=16, num_blocks=5,
+                       dtype=torch.float32, device=torch.device("cpu"))
+    assert len(pool.kv_caches) == 3
+    assert pool.kv_caches[0].shape == (2, 5, 16, 2, 8)
+    assert not pool.kv_caches[0].any()
+    assert pool.swap_caches == [] and pool.num_blocks == 5
+    assert pool.bytes_per_block == block_bytes(3, 16, 2, 8, torch.float32) == 2 * 3 * 16 * 2 * 8 * 4
+
+
+def test_copy_blocks_every_layer() -> None:
+    pool = make_pool()
+    pool.copy_blocks(pairs((1, 5), (2, 6)))
+    assert block_values(pool, 0) == [0, 1, 2, 3, 4, 1, 2, 7]
+    assert block_values(pool, 1) == [100, 101, 102, 103, 104, 101, 102, 107]
+
+
+def test_moves_read_all_sources_first() -> None:
+    pool = make_pool()
+    pool.move_blocks(pairs((7, 1), (1, 2)))  # chain: block 2 must get the old block 1
+    assert block_values(pool)[:3] == [0, 7, 1]
+
+
+def test_swap_round_trip() -> None:
+    pool = make_pool()
+    pool.swap_out(pairs((3, 0), (5, 2)))
+    assert pool.swap_caches[1][0, [0, 2], 0, 0, 0].tolist() == [103, 105]
+    pool.kv_caches[0][:, 3] = -1
+    pool.swap_in(pairs((2, 3), (0, 6)))
+    assert block_values(pool)[3] == 5 and block_values(pool)[6] == 3
+
+
+def test_swap_without_pool_is_an_error() -> None:
+    pool = make_pool(num_swap_blocks=0)
+    with pytest.raises(RuntimeError, match="swap_space"):
+        pool.swap_out(pairs((0, 0)))
+
+
+def test_grow_and_shrink_keep_contents() -> None:
+    pool = make_pool()
+    pool.resize(12)
+    assert pool.num_blocks == 12 and block_values(pool)[:8] == list(range(8)) and block_values(pool)[8:] == [0] * 4
+    pool.resize(3)
+    assert pool.num_blocks == 3 and block_values(pool) == [0, 1, 2]
+
+
+def test_plan_ops_order() -> None:
+    pool = make_pool()
+    empty = np.zeros((0, 2), dtype=np.int64)
+    plan = SimpleNamespace(num_blocks=10, block_moves=pairs((7, 0)), swap_out=pairs((0, 1)), swap_in=empty,
+                           copies=pairs((0, 9)))
+    pool.apply_plan_ops(plan)  # grow, then move 7->0, then swap out 0 (now 7), then copy 0->9
+    assert pool.num_blocks == 10
+    assert block_values(pool)[0] == 7 and block_values(pool)[9] == 7
+    assert pool.swap_caches[0][0, 1, 0, 0, 0].item() == 7
+    plan.num_blocks = 4
+    pool.apply_plan_shrink(plan)
+    assert pool.num_blocks == 4
