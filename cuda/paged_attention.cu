@@ -448,7 +448,7 @@ __device__ __forceinline__ bool find_tile(const int* __restrict__ query_start_lo
         int n = 0;
         if (b < num_seqs) {
             const int q_len = query_start_loc[b + 1] - query_start_loc[b];
-            if (q_len > 1) n = (q_len * G + rows_per_tile - 1) / rows_per_tile;
+            if (q_len > 1) n = (q_len * G) / rows_per_tile + 1;
         }
         int incl = n;  // inclusive scan within the warp
 #pragma unroll
@@ -760,6 +760,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_prefill_scalar(
             const int hi = tr.pos0 + r / G;
             const int lo = sliding_window > 0 ? hi - sliding_window + 1 : 0;
             float sc = 0.f;
+#pragma unroll 8
             for (int d = 0; d < HEAD; ++d) sc += q_s[lr * HEAD + d] * k_s[lane * KROW + d];
             sc = (j <= hi && j >= lo) ? sc : neg_inf();
             const float m_new = fmaxf(m[rr], warp_max(sc));

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from pagedrs import SamplingParams
 from pagedrs.sampling_params import SamplingType
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 import random
 from collections.abc import Iterator
@@ -13,12 +12,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
 from pagedrs import EngineArgs, LLMEngine, RequestOutput, SamplingParams
+
 from tests.helpers import load_hf_model, make_tiny_llama
 
 if os.environ.get("PAGEDRS_TEST_FAKE_SCHEDULER") == "1":  # develop without the Rust scheduler
     import pagedrs._core as _core
+
     from tests.engine.fake_scheduler import FakeScheduler
 
     _core.Scheduler = FakeScheduler  # type: ignore[attr-defined,misc]
@@ -42,14 +42,18 @@ class HFReference:
     def __call__(self, prompt: list[int], max_tokens: int) -> list[int]:
         key = (tuple(prompt), max_tokens)
         if key not in self.cache:
-            cfg = copy.deepcopy(self.model.generation_config)
-            cfg.eos_token_id = None
-            cfg.do_sample = False
-            cfg.max_new_tokens = max_tokens
-            cfg.min_new_tokens = None
-            cfg.pad_token_id = 0
-            with torch.inference_mode():
-                out = self.model.generate(torch.tensor([prompt]), generation_config=cfg)
+            ids = torch.tensor([prompt])
+            with (
+                torch.inference_mode()
+            ):  # eos_token_id=[]: never stop early (None falls back to the config's)
+                out = self.model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=False,
+                    max_new_tokens=max_tokens,
+                    eos_token_id=[],
+                    pad_token_id=0,
+                )
             self.cache[key] = out[0, len(prompt) :].tolist()
         return self.cache[key]
 

@@ -29,25 +29,50 @@ class _Seq:
 
 
 class FakeScheduler:
-    def __init__(self, *, num_blocks: int, block_size: int = 16, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 256, max_model_len: int = 2048, **_: object) -> None:
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        max_model_len: int = 2048,
+        **_: object,
+    ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.budget, self.max_num_seqs, self.max_model_len = max_num_batched_tokens, max_num_seqs, max_model_len
+        self.budget, self.max_num_seqs, self.max_model_len = (
+            max_num_batched_tokens,
+            max_num_seqs,
+            max_model_len,
+        )
         self.free = list(range(num_blocks))
         self.waiting: list[_Seq] = []
         self.running: list[_Seq] = []
         self.pending_children: dict[int, list[_Seq]] = {}
         self.num_preemptions = 0
+        self.deferred_copies: list[tuple[int, int]] = []  # fork copies run before the children's first step
 
-    def add_request(self, seq_ids, prompt_token_ids, *, max_tokens, min_tokens=0, eos_token_ids=(),
-                    stop_token_ids=(), ignore_eos=False, **_: object) -> None:
+    def add_request(
+        self,
+        seq_ids,
+        prompt_token_ids,
+        *,
+        max_tokens,
+        min_tokens=0,
+        eos_token_ids=(),
+        stop_token_ids=(),
+        ignore_eos=False,
+        **_: object,
+    ) -> None:
         prompt = [int(t) for t in prompt_token_ids]
         if len(prompt) + 1 > self.max_model_len:
             raise ValueError(f"prompt {len(prompt)} + 1 > max_model_len {self.max_model_len}")
         max_tokens = min(max_tokens, self.max_model_len - len(prompt))
         stops = set() if ignore_eos else set(eos_token_ids)
-        seqs = [_Seq(s, list(prompt), len(prompt), max_tokens, min_tokens, stops, set(stop_token_ids))
-                for s in seq_ids]
+        seqs = [
+            _Seq(s, list(prompt), len(prompt), max_tokens, min_tokens, stops, set(stop_token_ids))
+            for s in seq_ids
+        ]
         self.waiting.append(seqs[0])
         self.pending_children[seqs[0].seq_id] = seqs[1:]
 
@@ -66,7 +91,7 @@ class FakeScheduler:
     def schedule(self):
         budget = self.budget
         sched: list[tuple[_Seq, int]] = []
-        copies: list[tuple[int, int]] = []
+        copies, self.deferred_copies = self.deferred_copies, []
         preempted: list[int] = []
         queue = self.running + self.waiting
         for seq in queue:
@@ -74,7 +99,10 @@ class FakeScheduler:
                 break
             n = min(len(seq.tokens) - seq.num_computed, budget)
             while not self._alloc(seq, seq.num_computed + n):
-                victim = next((s for s in reversed(self.running) if s is not seq and all(s is not x for x, _ in sched)), None)
+                victim = next(
+                    (s for s in reversed(self.running) if s is not seq and all(s is not x for x, _ in sched)),
+                    None,
+                )
                 if victim is None:
                     n = 0
                     break
@@ -104,7 +132,7 @@ class FakeScheduler:
                 sampled.append(seq.seq_id)
                 for child in self.pending_children.pop(seq.seq_id, []):
                     self._alloc(child, start + n)
-                    copies += list(zip(seq.blocks, child.blocks, strict=False))
+                    self.deferred_copies += list(zip(seq.blocks, child.blocks, strict=False))
                     child.num_computed = start + n
                     self.running.append(child)
                     logits_idx.append(qsl[-1] - 1)
@@ -117,18 +145,27 @@ class FakeScheduler:
         computed = np.array([s.num_computed for s, _ in sched], dtype=np.int32)
         plan = SimpleNamespace(
             req_ids=np.array([s.seq_id for s, _ in sched], dtype=np.int64),
-            num_scheduled_tokens=num_sched, num_computed_tokens=computed,
+            num_scheduled_tokens=num_sched,
+            num_computed_tokens=computed,
             num_prompt_tokens=np.array([s.num_prompt for s, _ in sched], dtype=np.int32),
-            seq_lens=(computed + num_sched).astype(np.int32), query_start_loc=np.array(qsl, dtype=np.int32),
-            input_ids=np.array(ids, dtype=np.int64), positions=np.array(pos, dtype=np.int64),
-            slot_mapping=np.array(slots, dtype=np.int64), block_tables=tables,
-            logits_indices=np.array(logits_idx, dtype=np.int64), sampled_seq_ids=np.array(sampled, dtype=np.int64),
-            swap_out=np.zeros((0, 2), np.int64), swap_in=np.zeros((0, 2), np.int64),
-            copies=np.array(copies, dtype=np.int64).reshape(-1, 2), block_moves=np.zeros((0, 2), np.int64),
-            preempted=np.array(preempted, dtype=np.int64), num_blocks=self.num_blocks,
+            seq_lens=(computed + num_sched).astype(np.int32),
+            query_start_loc=np.array(qsl, dtype=np.int32),
+            input_ids=np.array(ids, dtype=np.int64),
+            positions=np.array(pos, dtype=np.int64),
+            slot_mapping=np.array(slots, dtype=np.int64),
+            block_tables=tables,
+            logits_indices=np.array(logits_idx, dtype=np.int64),
+            sampled_seq_ids=np.array(sampled, dtype=np.int64),
+            swap_out=np.zeros((0, 2), np.int64),
+            swap_in=np.zeros((0, 2), np.int64),
+            copies=np.array(copies, dtype=np.int64).reshape(-1, 2),
+            block_moves=np.zeros((0, 2), np.int64),
+            preempted=np.array(preempted, dtype=np.int64),
+            num_blocks=self.num_blocks,
             num_prefill_tokens=int(sum(n for s, n in sched if n > 1 or s.num_computed < s.num_prompt)),
             num_decode_tokens=int(sum(1 for s, n in sched if n == 1 and s.num_computed >= s.num_prompt)),
-            num_tokens=len(ids), _sched=sched,
+            num_tokens=len(ids),
+            _sched=sched,
         )
         for seq, n in sched:
             seq.num_computed += n
@@ -137,7 +174,9 @@ class FakeScheduler:
     def update(self, plan, sampled_token_ids):
         by_id = {s.seq_id: s for s in self.running}
         finished = []
-        for sid, tok in zip(plan.sampled_seq_ids.tolist(), np.asarray(sampled_token_ids).tolist(), strict=True):
+        for sid, tok in zip(
+            plan.sampled_seq_ids.tolist(), np.asarray(sampled_token_ids).tolist(), strict=True
+        ):
             seq = by_id[sid]
             seq.tokens.append(int(tok))
             reason, stop_tok = None, None
@@ -170,7 +209,16 @@ class FakeScheduler:
         return 0
 
     def stats(self) -> dict:
-        return dict(num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=0,
-                    num_blocks=self.num_blocks, num_free_blocks=len(self.free),
-                    kv_usage=1 - len(self.free) / self.num_blocks, num_swap_blocks=0, num_free_swap_blocks=0,
-                    prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=self.num_preemptions)
+        return dict(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_swapped=0,
+            num_blocks=self.num_blocks,
+            num_free_blocks=len(self.free),
+            kv_usage=1 - len(self.free) / self.num_blocks,
+            num_swap_blocks=0,
+            num_free_swap_blocks=0,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            num_preemptions=self.num_preemptions,
+        )

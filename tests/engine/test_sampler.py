@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-
 from pagedrs import SamplingParams
 from pagedrs.layers.sampler import (
     Sampler,
@@ -34,7 +33,10 @@ class Row:
         if p.seed is not None and p.temperature > 0:
             self.generator = torch.Generator().manual_seed(p.seed)
         self.is_simple_greedy = (
-            p.temperature == 0 and not p.needs_penalties and p.logprobs is None and not p.min_tokens
+            p.temperature == 0
+            and not p.needs_penalties
+            and p.logprobs is None
+            and not p.min_tokens
             and not p.logit_bias
         )
 
@@ -183,9 +185,10 @@ def test_logit_bias() -> None:
 
 def test_logprobs_are_raw_log_softmax_with_ranks() -> None:
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 1.0]])
-    rows = [Row(SamplingParams(temperature=0, logprobs=2)), Row(SamplingParams(temperature=0, logprobs=0,
-                                                                                 repetition_penalty=2.0),
-                                                                  prompt_token_ids=[2])]
+    rows = [
+        Row(SamplingParams(temperature=0, logprobs=2)),
+        Row(SamplingParams(temperature=0, logprobs=0, repetition_penalty=2.0), prompt_token_ids=[2]),
+    ]
     meta = SamplingMetadata.from_rows(rows, vocab_size=4, device=torch.device("cpu"))
     out = Sampler()(logits.clone(), meta)
     ref = logits.log_softmax(-1)

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from pagedrs.engine.sequence import IncrementalDetokenizer, check_stop_strings
 from pagedrs.metrics import EngineStats, StatLogger, visualize_batch
+
 from tests.helpers import make_tokenizer
 
 
@@ -51,8 +51,16 @@ def test_stats_line_format() -> None:
     log = logging.getLogger("test.stats")
     sl = StatLogger(interval=5.0, log=log)
     sl.last_time = 0.0
-    stats = EngineStats(num_running=3, num_waiting=2, num_swapped=1, kv_usage=0.25, prefix_cache_queries=100,
-                        prefix_cache_hits=40, prompt_tokens_total=500, generation_tokens_total=50)
+    stats = EngineStats(
+        num_running=3,
+        num_waiting=2,
+        num_swapped=1,
+        kv_usage=0.25,
+        prefix_cache_queries=100,
+        prefix_cache_hits=40,
+        prompt_tokens_total=500,
+        generation_tokens_total=50,
+    )
     assert sl.maybe_log(stats, now=4.0) is None
     line = sl.maybe_log(stats, now=10.0)
     assert line == (
@@ -66,8 +74,10 @@ def test_stats_line_format() -> None:
 
 def test_batch_picture() -> None:
     plan = SimpleNamespace(
-        req_ids=np.array([3, 4, 5]), num_scheduled_tokens=np.array([14, 1, 1]),
-        num_computed_tokens=np.array([0, 30, 8]), num_prompt_tokens=np.array([20, 10, 8]),
+        req_ids=np.array([3, 4, 5]),
+        num_scheduled_tokens=np.array([14, 1, 1]),
+        num_computed_tokens=np.array([0, 30, 8]),
+        num_prompt_tokens=np.array([20, 10, 8]),
         preempted=np.array([], dtype=np.int64),
     )
     line = visualize_batch(plan, step=7, token_budget=32, width=32)

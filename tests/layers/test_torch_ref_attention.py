@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
-
 from pagedrs.layers.attention import Attention, AttentionBackend, ForwardContext, causal_attention
 from pagedrs.layers.attention.selector import get_attention_backend
-from pagedrs.layers.attention.torch_ref import TorchAttentionBackend, gather_kv, write_kv_cache
+from pagedrs.layers.attention.torch_ref import (
+    MAX_GROUPS,
+    TorchAttentionBackend,
+    _group_bounds,
+    _plan,
+    gather_kv,
+    write_kv_cache,
+)
+
 from tests.helpers import make_step_metadata
 
 
@@ -32,7 +40,9 @@ def naive_attention(q, k, v, q_start: int, scale: float, window: int | None):
 def run_case(seq_lens, query_lens, *, h=4, kvh=2, d=16, block_size=4, window=None, seed=0):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
-    meta, positions = make_step_metadata(seq_lens, query_lens, block_size=block_size, num_blocks=num_blocks, seed=seed)
+    meta, positions = make_step_metadata(
+        seq_lens, query_lens, block_size=block_size, num_blocks=num_blocks, seed=seed
+    )
     cache = torch.zeros(2, num_blocks, block_size, kvh, d)
     # Full context of every request; the prefix (not new this step) is already in the cache.
     ks = [torch.randn(s, kvh, d, generator=gen) for s in seq_lens]
@@ -47,7 +57,9 @@ def run_case(seq_lens, query_lens, *, h=4, kvh=2, d=16, block_size=4, window=Non
     k_new = torch.cat([k[s - q :] for k, s, q in zip(ks, seq_lens, query_lens, strict=True)])
     v_new = torch.cat([v[s - q :] for v, s, q in zip(vs, seq_lens, query_lens, strict=True)])
     scale = 1 / math.sqrt(d)
-    out = TorchAttentionBackend().forward(q_new, k_new, v_new, cache, meta, scale=scale, sliding_window=window)
+    out = TorchAttentionBackend().forward(
+        q_new, k_new, v_new, cache, meta, scale=scale, sliding_window=window
+    )
     start = 0
     for b, (s, q) in enumerate(zip(seq_lens, query_lens, strict=True)):
         ref = naive_attention(qs[b], ks[b], vs[b], s - q, scale, window)
@@ -115,7 +127,9 @@ def test_attention_module_no_cache_is_causal():
     out = attn(q, k, v, ForwardContext(attn_metadata=None, kv_caches=[], backend=None))
     ref = naive_attention(q.view(10, 4, 8), k.view(10, 2, 8), v.view(10, 2, 8), 0, 0.25, 3)
     torch.testing.assert_close(out.view(10, 4, 8).double(), ref, atol=1e-5, rtol=1e-5)
-    direct = causal_attention(q.view(10, 4, 8), k.view(10, 2, 8), v.view(10, 2, 8), scale=0.25, sliding_window=3)
+    direct = causal_attention(
+        q.view(10, 4, 8), k.view(10, 2, 8), v.view(10, 2, 8), scale=0.25, sliding_window=3
+    )
     torch.testing.assert_close(out.view(10, 4, 8), direct)
 
 
@@ -126,3 +140,20 @@ def test_attention_module_uses_layer_cache():
     q = torch.randn(6, 16)
     attn(q, q, q, ForwardContext(meta, caches, TorchAttentionBackend()))
     assert caches[0].abs().sum() == 0 and caches[1].abs().sum() > 0
+
+
+def test_decodes_grouped_by_length():
+    lens = [1, 2, 5, 9, 17, 33, 65, 100, 130, 200, 3, 64, 64, 7]
+    run_case(lens, [1] * len(lens), block_size=4, window=None)
+    run_case(lens, [1] * len(lens), block_size=4, window=20)
+    meta, _ = make_step_metadata(lens, [1] * len(lens), block_size=4, num_blocks=200)
+    groups = _plan(meta).decode_groups
+    assert 1 < len(groups) <= MAX_GROUPS
+    assert sorted(int(i) for g in groups for i in g.token_idx) == list(range(len(lens)))
+    for g in groups:  # each group pads to its own longest context only
+        assert g.num_blocks == max(-(-int(s) // 4) for s in g.seq_lens)
+
+
+def test_group_bounds():
+    assert _group_bounds(np.array([10, 9, 8, 7, 3, 2, 1])) == [(0, 3), (3, 4), (4, 7)]
+    assert len(_group_bounds(np.arange(1000, 0, -1))) == MAX_GROUPS

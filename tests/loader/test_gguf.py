@@ -24,14 +24,15 @@ def logits_of(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
         return m.compute_logits(m(torch.tensor(ids), torch.arange(len(ids)), ForwardContext(None, [], None)))
 
 
-def hf_gguf_logits(gguf_path: str | Path, ids: list[int]) -> torch.Tensor:
+def hf_gguf_logits(gguf_path: str | Path, ids: list[int], config=None) -> torch.Tensor:
     """HF transformers' own GGUF load (its dequantization, renaming and Q/K un-permutation), float32.
 
     Same as AutoModelForCausalLM.from_pretrained(dir, gguf_file=...), which also needs `accelerate`."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     p = Path(gguf_path)
-    config = transformers.AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
+    if config is None:  # (the default model passes the config AutoConfig read from it at conversion)
+        config = transformers.AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     tensors = load_gguf_checkpoint(str(p), return_tensors=True, model_to_load=model)["tensors"]
     result = model.load_state_dict(tensors, strict=False)
@@ -123,7 +124,9 @@ def test_default_model_matches_hf_gguf_load():
     assert (m.num_layers, m.num_kv_heads, m.head_size, m.sliding_window) == (30, 3, 64, None)
     ids = loaded.tokenizer("The capital of France is")["input_ids"]
     ours = logits_of(loaded, ids)
-    torch.testing.assert_close(ours, hf_gguf_logits(loaded.model_path, ids), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        ours, hf_gguf_logits(loaded.model_path, ids, loaded.hf_config), atol=1e-4, rtol=1e-4
+    )
     assert loaded.tokenizer.decode(int(ours[-1].argmax())).strip() == "Paris"
     chat = loaded.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False

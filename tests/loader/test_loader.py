@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from pagedrs.layers.attention import ForwardContext
 from pagedrs.loader import LoadedModel, load_model, resolve_dtype, resolve_model_path
+from safetensors.torch import load_file, save_file
+
 from tests.helpers import load_hf_model, make_config, make_tiny_llama
 
 
@@ -39,7 +39,11 @@ def reference(tmp_path_factory):
 def test_formats_load_same_weights(reference, fmt):
     folders, ids, ref = reference
     if fmt.endswith("sharded"):
-        index = "model.safetensors.index.json" if fmt.startswith("safetensors") else "pytorch_model.bin.index.json"
+        index = (
+            "model.safetensors.index.json"
+            if fmt.startswith("safetensors")
+            else "pytorch_model.bin.index.json"
+        )
         assert len(set(json.loads((folders[fmt] / index).read_text())["weight_map"].values())) > 1
     loaded = load_model(str(folders[fmt]))
     assert isinstance(loaded, LoadedModel)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
 from pagedrs.layers.attention import ForwardContext
 from pagedrs.loader import load_model
 from pagedrs.models.llama import LlamaForCausalLM
 from pagedrs.models.registry import MODEL_REGISTRY, get_model_class
+
 from tests.helpers import load_hf_model, make_config, make_step_metadata, make_tiny_llama
 from tests.models.paged_harness import PagedHarness
 
@@ -61,7 +61,11 @@ def test_paged_chunked_prefill_and_decode_match_hf(pair):
     got: dict[int, list[torch.Tensor]] = {r: [] for r in prompts}
     # step 1: request 0 prefills a chunk, request 1 its whole prompt; step 2: 0 continues over its cached
     # prefix, 2 starts; then every request decodes a few tokens, in a shuffled batch order
-    schedule = [{0: prompts[0][:8], 1: prompts[1]}, {2: prompts[2][:6], 0: prompts[0][8:]}, {2: prompts[2][6:]}]
+    schedule = [
+        {0: prompts[0][:8], 1: prompts[1]},
+        {2: prompts[2][:6], 0: prompts[0][8:]},
+        {2: prompts[2][6:]},
+    ]
     for chunks in schedule:
         for r, lg in h.step(chunks).items():
             got[r].append(lg)
@@ -83,7 +87,9 @@ def test_model_attributes(tmp_path):
     model = load_model(str(path)).model
     assert (model.num_layers, model.num_kv_heads, model.head_size) == (2, 1, 32)
     assert model.sliding_window == 16 and model.max_position == 1024
-    qwen = LlamaForCausalLM(make_config("qwen2", sliding_window=8, use_sliding_window=False), dtype=torch.float32, device="cpu")
+    qwen = LlamaForCausalLM(
+        make_config("qwen2", sliding_window=8, use_sliding_window=False), dtype=torch.float32, device="cpu"
+    )
     assert qwen.sliding_window is None
     assert qwen.model.layers[0].self_attn.qkv_proj.bias is not None
     assert qwen.model.layers[0].self_attn.o_proj.bias is None

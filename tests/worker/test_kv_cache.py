@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
 from pagedrs.worker.kv_cache import KVCachePool, block_bytes
 
 

@@ -273,18 +273,24 @@ class AsyncLLMEngine:
 
     def _handle_commands(self, block: bool) -> bool:
         """Applies queued commands; returns False on stop."""
-        while True:
-            try:
-                cmd = self._commands.get(timeout=1.0) if block else self._commands.get_nowait()
-            except queue.Empty:
-                return True
-            block = False
-            if cmd.kind == "stop":
-                return False
-            if cmd.kind == "add":
-                self._apply_add(cmd)
-            elif cmd.kind == "abort":
-                self._apply_abort(cmd.request_id)
+        changed = False
+        try:
+            while True:
+                try:
+                    cmd = self._commands.get(timeout=1.0) if block else self._commands.get_nowait()
+                except queue.Empty:
+                    return True
+                block = False
+                if cmd.kind == "stop":
+                    return False
+                changed = True
+                if cmd.kind == "add":
+                    self._apply_add(cmd)
+                elif cmd.kind == "abort":
+                    self._apply_abort(cmd.request_id)
+        finally:
+            if changed:  # queues and blocks changed: publish before the (long) next step
+                self._refresh_stats()
 
     def _apply_add(self, cmd: _Command) -> None:
         stream = cmd.stream
@@ -309,7 +315,6 @@ class AsyncLLMEngine:
         if self.observer is not None and tracker is not None:
             self.observer.on_finished("abort", time.time() - tracker.arrival)
         stream._put(RequestAbortedError(f"request {request_id} aborted"))
-        self._refresh_stats()
 
     def _dispatch(self, out: Any, now: float) -> None:
         rid = out.request_id

@@ -57,13 +57,14 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.text = ""
-        prefix = list(prompt_token_ids[-4:])
-        if len(prompt_token_ids) > 4:
-            for i in range(4, min(len(prompt_token_ids), 24) + 1):
-                suffix = list(prompt_token_ids[-i:])
-                if "\ufffd" not in tokenizer.decode(suffix, skip_special_tokens=skip_special_tokens):
-                    prefix = suffix
-                    break
+        # Prime with the shortest prompt suffix (4..24 tokens) that decodes cleanly; none if there is none
+        # (a prompt cut inside a multi-byte character would leak its bytes into the output text).
+        prefix: list[int] = []
+        for i in range(min(4, len(prompt_token_ids)), min(len(prompt_token_ids), 24) + 1):
+            suffix = list(prompt_token_ids[-i:])
+            if "\ufffd" not in tokenizer.decode(suffix, skip_special_tokens=skip_special_tokens):
+                prefix = suffix
+                break
         self._prefix = prefix
         rust_tok = getattr(tokenizer, "_tokenizer", None)
         self._stream = None

@@ -32,8 +32,11 @@ def rope_parameters(config: Any) -> dict[str, Any]:
         params["rope_theta"] = float(theta) if theta is not None else 10000.0
     if "partial_rotary_factor" not in params and getattr(config, "partial_rotary_factor", None) is not None:
         params["partial_rotary_factor"] = config.partial_rotary_factor
-    if params["rope_type"] == "su":  # old Phi-3 name for longrope
+    if params["rope_type"] in ("su", "yarn") and "short_factor" in params:  # old Phi-3 names
         params["rope_type"] = "longrope"
+    orig = getattr(config, "original_max_position_embeddings", None)
+    if params.get("original_max_position_embeddings") is None and orig is not None:
+        params["original_max_position_embeddings"] = orig
     return params
 
 

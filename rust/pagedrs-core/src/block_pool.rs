@@ -159,7 +159,10 @@ impl BlockPool {
             if r == 0 {
                 continue;
             }
-            let dst = self.free.pop_front().expect("enough free blocks below the new size");
+            let dst = self
+                .free
+                .pop_front()
+                .expect("enough free blocks below the new size");
             self.cache.evict(dst);
             self.cache.move_block(src, dst);
             self.ref_cnt[dst.idx()] = r;
@@ -195,15 +198,24 @@ impl BlockPool {
             }
         }
         if count != self.free.len() {
-            return Err(format!("free queue length {} but {count} linked", self.free.len()));
+            return Err(format!(
+                "free queue length {} but {count} linked",
+                self.free.len()
+            ));
         }
         for (b, &r) in self.ref_cnt.iter().enumerate() {
             if r == 0 && !seen[b] {
-                return Err(format!("block {b} has no refs but is not in the free queue"));
+                return Err(format!(
+                    "block {b} has no refs but is not in the free queue"
+                ));
             }
         }
         if self.num_free() + self.num_used() != n {
-            return Err(format!("free {} + used {} != pool {n}", self.num_free(), self.num_used()));
+            return Err(format!(
+                "free {} + used {} != pool {n}",
+                self.num_free(),
+                self.num_used()
+            ));
         }
         self.cache.check()
     }
@@ -243,7 +255,10 @@ mod tests {
         p.free_table(&[blocks[0].0, blocks[1].0]);
         p.free(blocks[2]);
         // Uncached block 2 is reused first, then the tail block 1, then the head block 0.
-        assert_eq!(p.free_queue().iter().map(|b| b.0).collect::<Vec<_>>(), vec![2, 1, 0]);
+        assert_eq!(
+            p.free_queue().iter().map(|b| b.0).collect::<Vec<_>>(),
+            vec![2, 1, 0]
+        );
         assert_eq!(p.lookup(h0, r, &[1, 2]), Some(blocks[0]));
         p.incref(blocks[0]); // a hit takes it off the queue
         assert_eq!(p.num_free(), 2);

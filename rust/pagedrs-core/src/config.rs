@@ -71,7 +71,9 @@ impl Config {
             ("max_model_len", self.max_model_len),
         ] {
             if v >= limit {
-                return Err(Error::InvalidConfig(format!("{name} must be < {limit}, got {v}")));
+                return Err(Error::InvalidConfig(format!(
+                    "{name} must be < {limit}, got {v}"
+                )));
             }
         }
         Ok(())
@@ -119,14 +121,39 @@ mod tests {
     #[test]
     fn validation_names_the_value() {
         assert!(Config::default().validate().is_ok());
-        let e = Config { block_size: 12, ..Config::default() }.validate().unwrap_err();
+        let e = Config {
+            block_size: 12,
+            ..Config::default()
+        }
+        .validate()
+        .unwrap_err();
         assert!(e.to_string().contains("12"), "{e}");
-        let e = Config { watermark: 1.0, ..Config::default() }.validate().unwrap_err();
+        let e = Config {
+            watermark: 1.0,
+            ..Config::default()
+        }
+        .validate()
+        .unwrap_err();
         assert!(e.to_string().contains("watermark"), "{e}");
-        let e = Config { num_blocks: 0, ..Config::default() }.validate().unwrap_err();
+        let e = Config {
+            num_blocks: 0,
+            ..Config::default()
+        }
+        .validate()
+        .unwrap_err();
         assert!(e.to_string().contains("num_blocks"), "{e}");
-        assert!(Config { watermark: f64::NAN, ..Config::default() }.validate().is_err());
-        assert!(Config { vocab_size: Some(0), ..Config::default() }.validate().is_err());
+        assert!(Config {
+            watermark: f64::NAN,
+            ..Config::default()
+        }
+        .validate()
+        .is_err());
+        assert!(Config {
+            vocab_size: Some(0),
+            ..Config::default()
+        }
+        .validate()
+        .is_err());
     }
 
     #[test]

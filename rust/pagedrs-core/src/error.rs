@@ -15,9 +15,18 @@ pub enum Error {
         "prompt has {prompt_len} tokens; prompt + 1 output token = {} > max_model_len {max_model_len}",
         prompt_len + 1
     )]
-    PromptTooLong { prompt_len: usize, max_model_len: usize },
-    #[error("prompt of {prompt_len} tokens needs {needed} blocks but the pool has only {num_blocks}")]
-    PromptExceedsPool { prompt_len: usize, needed: usize, num_blocks: usize },
+    PromptTooLong {
+        prompt_len: usize,
+        max_model_len: usize,
+    },
+    #[error(
+        "prompt of {prompt_len} tokens needs {needed} blocks but the pool has only {num_blocks}"
+    )]
+    PromptExceedsPool {
+        prompt_len: usize,
+        needed: usize,
+        num_blocks: usize,
+    },
     #[error("token id {token_id} is out of range [0, {limit})")]
     TokenOutOfRange { token_id: i64, limit: u64 },
     #[error("unknown seq id {seq_id}")]

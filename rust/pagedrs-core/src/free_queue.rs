@@ -18,7 +18,11 @@ pub struct FreeQueue {
 impl FreeQueue {
     /// A queue holding blocks `0..num_blocks` in ascending order.
     pub fn new(num_blocks: usize) -> Self {
-        let mut q = Self { prev: vec![SENTINEL as u32], next: vec![SENTINEL as u32], len: 0 };
+        let mut q = Self {
+            prev: vec![SENTINEL as u32],
+            next: vec![SENTINEL as u32],
+            len: 0,
+        };
         q.grow(num_blocks);
         for b in 0..num_blocks {
             q.push_back(BlockId(b as u32));
@@ -67,7 +71,11 @@ impl FreeQueue {
     /// Removes `b` from anywhere in the queue. Panics (debug) if `b` is not queued.
     pub fn remove(&mut self, b: BlockId) {
         let n = b.node();
-        debug_assert!(self.next[n] != NIL, "block {} is not in the free queue", b.0);
+        debug_assert!(
+            self.next[n] != NIL,
+            "block {} is not in the free queue",
+            b.0
+        );
         let (p, nx) = (self.prev[n] as usize, self.next[n] as usize);
         self.next[p] = nx as u32;
         self.prev[nx] = p as u32;
@@ -103,7 +111,11 @@ impl FreeQueue {
     }
 
     fn link(&mut self, p: usize, n: usize, nx: usize) {
-        debug_assert!(self.next[n] == NIL, "block {} is already in the free queue", n - 1);
+        debug_assert!(
+            self.next[n] == NIL,
+            "block {} is already in the free queue",
+            n - 1
+        );
         self.next[p] = n as u32;
         self.prev[n] = p as u32;
         self.next[n] = nx as u32;

@@ -52,7 +52,9 @@ impl Scheduler {
                     self.waiting.contains(&(seq.key, slot as u32))
                 }
                 Status::Swapped => {
-                    if !seq.block_table.is_empty() || seq.swap_table.len() < seq.num_computed.div_ceil(bs) {
+                    if !seq.block_table.is_empty()
+                        || seq.swap_table.len() < seq.num_computed.div_ceil(bs)
+                    {
                         return Err(format!("swapped seq {id} has a bad block table"));
                     }
                     self.swapped.contains(&(seq.key, slot as u32))
@@ -65,12 +67,20 @@ impl Scheduler {
                 return Err(format!("seq {id} holds swap blocks while {:?}", seq.status));
             }
             // Cached blocks a sequence reads hold exactly its tokens (prefix hits included).
-            for (i, &b) in seq.block_table.iter().enumerate().take(seq.num_computed / bs) {
+            for (i, &b) in seq
+                .block_table
+                .iter()
+                .enumerate()
+                .take(seq.num_computed / bs)
+            {
                 let b = BlockId(b);
                 if self.pool.cache().is_cached(b)
                     && self.pool.cache().tokens_of(b) != &seq.tokens[i * bs..(i + 1) * bs]
                 {
-                    return Err(format!("seq {id} block {i} (pool block {}) caches other tokens", b.0));
+                    return Err(format!(
+                        "seq {id} block {i} (pool block {}) caches other tokens",
+                        b.0
+                    ));
                 }
             }
             match self.ids.get(&id) {
@@ -87,13 +97,17 @@ impl Scheduler {
         for (b, (&want, got)) in refs.iter().zip(0..).enumerate() {
             let have = self.pool.ref_count(BlockId(got));
             if want != have {
-                return Err(format!("block {b}: ref count {have} but {want} block-table entries"));
+                return Err(format!(
+                    "block {b}: ref count {have} but {want} block-table entries"
+                ));
             }
         }
         for (s, &want) in swap_refs.iter().enumerate() {
             let have = self.swap.ref_count(s as u32);
             if want != have {
-                return Err(format!("swap block {s}: ref count {have} but {want} swap-table entries"));
+                return Err(format!(
+                    "swap block {s}: ref count {have} but {want} swap-table entries"
+                ));
             }
         }
         if running != self.running.len() || width != self.num_running_seqs {
@@ -104,9 +118,16 @@ impl Scheduler {
             ));
         }
         if ids != self.ids.len() {
-            return Err(format!("id map has {} entries, live sequences {ids}", self.ids.len()));
+            return Err(format!(
+                "id map has {} entries, live sequences {ids}",
+                self.ids.len()
+            ));
         }
-        let keys: Vec<_> = self.running.iter().map(|&s| self.seqs[s as usize].key).collect();
+        let keys: Vec<_> = self
+            .running
+            .iter()
+            .map(|&s| self.seqs[s as usize].key)
+            .collect();
         if keys.windows(2).any(|w| w[0] >= w[1]) {
             return Err("running list is not sorted by (priority, arrival)".into());
         }

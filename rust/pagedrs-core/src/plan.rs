@@ -63,7 +63,11 @@ impl Scheduler {
         let shift = bs.trailing_zeros();
         let b = sched.len();
         let t: usize = sched.iter().map(|&(_, n)| n).sum();
-        let max_blocks = sched.iter().map(|&(s, _)| self.seqs[s as usize].block_table.len()).max().unwrap_or(0);
+        let max_blocks = sched
+            .iter()
+            .map(|&(s, _)| self.seqs[s as usize].block_table.len())
+            .max()
+            .unwrap_or(0);
 
         let mut p = StepPlan {
             step_id: self.step,
@@ -98,21 +102,27 @@ impl Scheduler {
             let seq = &mut self.seqs[slot as usize];
             let nc = seq.num_computed;
             let end = nc + n;
+            let completes = end == seq.num_tokens();
             p.req_ids.push(seq.seq_id);
             p.num_scheduled_tokens.push(n as i32);
             p.num_computed_tokens.push(nc as i32);
             p.num_prompt_tokens.push(seq.prompt_len as i32);
             p.seq_lens.push(end as i32);
             p.query_start_loc.push((start + n) as i32);
-            p.input_ids.extend(seq.tokens[nc..end].iter().map(|&x| i64::from(x)));
+            // The row is copied first: the slot mapping then reads it from cache.
+            let row = p.block_tables.len();
+            p.block_tables.extend(seq.block_table.iter().map(|&x| x as i32));
+            p.block_tables.resize(row + max_blocks, 0);
+            let table = &p.block_tables[row..];
+            if n == 1 && completes {
+                p.input_ids.push(i64::from(seq.last_token));
+            } else {
+                p.input_ids.extend(seq.tokens[nc..end].iter().map(|&x| i64::from(x)));
+            }
             p.positions.extend((nc..end).map(|x| x as i64));
-            let table = &seq.block_table;
             p.slot_mapping.extend(
                 (nc..end).map(|pos| (i64::from(table[pos >> shift]) << shift) | (pos & (bs - 1)) as i64),
             );
-            p.block_tables.extend(table.iter().map(|&x| x as i32));
-            p.block_tables.resize(p.block_tables.len() + max_blocks - table.len(), 0);
-            let completes = end == seq.num_tokens();
             if n == 1 && completes && nc >= seq.prompt_len {
                 p.num_decode_tokens += 1;
             } else {
@@ -125,7 +135,8 @@ impl Scheduler {
                 p.logits_indices.push(row);
                 p.sampled_seq_ids.push(seq.seq_id);
                 self.samples.push((slot, seq.gen));
-                if !seq.children.is_empty() {
+                // Only a first prompt completion can have children waiting to fork.
+                if nc < seq.prompt_len && !seq.children.is_empty() {
                     self.fork_children(slot, row, &mut p);
                 }
             }
@@ -165,12 +176,21 @@ impl Scheduler {
             kid.extra_key = parent.extra_key;
             kid.skip_prefix_cache = parent.skip_prefix_cache;
             kid.stop = parent.stop.clone();
+            kid.last_token = parent.last_token;
+            // A partial last prompt block is shared: the first write to it copies it.
+            kid.shared_tail = parent.num_computed % self.cfg.block_size != 0;
             kid.num_cached_tokens = parent.num_cached_tokens;
             kid.admitted = true;
             for &b in &kid.block_table {
                 self.pool.incref(crate::BlockId(b));
             }
-            self.ids.insert(id, crate::scheduler::SeqRef { slot: c, child: false });
+            self.ids.insert(
+                id,
+                crate::scheduler::SeqRef {
+                    slot: c,
+                    child: false,
+                },
+            );
             self.insert_running(c);
             p.logits_indices.push(row);
             p.sampled_seq_ids.push(id);
@@ -178,6 +198,8 @@ impl Scheduler {
         }
         let mut children = children;
         children.clear();
-        self.seqs[slot as usize].children = children;
+        let parent = &mut self.seqs[slot as usize];
+        parent.children = children;
+        parent.shared_tail = parent.num_computed % self.cfg.block_size != 0;
     }
 }

@@ -188,7 +188,10 @@ impl PrefixCache {
         }
         let n = self.cached.iter().filter(|&&c| c).count();
         if n != self.map.len() {
-            return Err(format!("{n} blocks flagged cached but the map has {}", self.map.len()));
+            return Err(format!(
+                "{n} blocks flagged cached but the map has {}",
+                self.map.len()
+            ));
         }
         Ok(())
     }
@@ -210,7 +213,10 @@ mod tests {
         let a = block_hash(r, &[1, 2, 3, 4]);
         assert_eq!(a, block_hash(r, &[1, 2, 3, 4]));
         assert_ne!(a, block_hash(r, &[1, 2, 3, 5]));
-        assert_ne!(a, block_hash(root_hash(extra_key_of("salt")), &[1, 2, 3, 4]));
+        assert_ne!(
+            a,
+            block_hash(root_hash(extra_key_of("salt")), &[1, 2, 3, 4])
+        );
         assert_ne!(block_hash(a, &[1, 2, 3, 4]), a);
         assert_ne!(block_hash(r, &[0]), block_hash(r, &[0, 0]));
         assert_ne!(extra_key_of("a"), extra_key_of("b"));

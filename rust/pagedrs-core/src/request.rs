@@ -36,31 +36,69 @@ pub struct Finished {
     pub stop_token: Option<i64>,
 }
 
-/// Stop conditions shared by every sequence of one request.
+/// Stop conditions of one request, stored inline in each sequence (checked every step, so no
+/// pointer is followed unless a request has more than `INLINE_IDS` eos + stop ids).
 #[derive(Debug, Clone, Default)]
 pub struct StopParams {
-    pub max_tokens: usize,
-    pub min_tokens: usize,
-    pub eos_token_ids: Vec<u32>,
-    pub stop_token_ids: Vec<u32>,
+    pub max_tokens: u32,
+    pub min_tokens: u32,
     pub ignore_eos: bool,
-    pub max_model_len: usize,
+    n_eos: u8,
+    n_stop: u8,
+    inline: [u32; INLINE_IDS],
+    /// (eos ids, stop ids) when they do not fit inline.
+    overflow: Option<Arc<(Vec<u32>, Vec<u32>)>>,
 }
 
+const INLINE_IDS: usize = 4;
+
 impl StopParams {
+    pub fn new(max_tokens: usize, min_tokens: usize, eos: Vec<u32>, stop: Vec<u32>, ignore_eos: bool) -> Self {
+        let mut p = Self {
+            max_tokens: max_tokens.min(u32::MAX as usize) as u32,
+            min_tokens: min_tokens.min(u32::MAX as usize) as u32,
+            ignore_eos,
+            ..Self::default()
+        };
+        if eos.len() + stop.len() <= INLINE_IDS {
+            p.n_eos = eos.len() as u8;
+            p.n_stop = stop.len() as u8;
+            for (d, &t) in p.inline.iter_mut().zip(eos.iter().chain(&stop)) {
+                *d = t;
+            }
+        } else {
+            p.overflow = Some(Arc::new((eos, stop)));
+        }
+        p
+    }
+
+    fn is_eos(&self, token: u32) -> bool {
+        match &self.overflow {
+            None => self.inline[..self.n_eos as usize].contains(&token),
+            Some(o) => o.0.contains(&token),
+        }
+    }
+
+    fn is_stop(&self, token: u32) -> bool {
+        match &self.overflow {
+            None => self.inline[self.n_eos as usize..(self.n_eos + self.n_stop) as usize].contains(&token),
+            Some(o) => o.1.contains(&token),
+        }
+    }
+
     /// The stop check after `token` was appended, with `num_output` output tokens and `num_tokens`
     /// tokens in all.
-    pub fn check(&self, token: u32, num_output: usize, num_tokens: usize) -> Option<Finished> {
+    pub fn check(&self, token: u32, num_output: usize, num_tokens: usize, max_model_len: usize) -> Option<Finished> {
         let done = |reason, stop_token| Some(Finished { seq_id: 0, reason, stop_token });
-        if num_output >= self.min_tokens {
-            if !self.ignore_eos && self.eos_token_ids.contains(&token) {
+        if num_output >= self.min_tokens as usize {
+            if !self.ignore_eos && self.is_eos(token) {
                 return done(FinishReason::Stop, None);
             }
-            if self.stop_token_ids.contains(&token) {
+            if self.is_stop(token) {
                 return done(FinishReason::Stop, Some(i64::from(token)));
             }
         }
-        if num_output >= self.max_tokens || num_tokens >= self.max_model_len {
+        if num_output >= self.max_tokens as usize || num_tokens >= max_model_len {
             return done(FinishReason::Length, None);
         }
         None
@@ -76,29 +114,36 @@ pub struct SeqKey {
 }
 
 /// One sequence. Slots are reused; `gen` tells a reused slot from the sequence a plan named.
+/// Fields read on every step come first (`repr(C)`), so a decode touches about two cache lines.
 #[derive(Debug, Clone)]
+#[repr(C, align(64))]
 pub struct Seq {
+    /// Prompt followed by the output tokens so far.
+    pub tokens: Vec<u32>,
+    /// Device blocks; covers at least `num_computed` tokens while running.
+    pub block_table: Vec<u32>,
     pub seq_id: i64,
+    /// Tokens whose KV is in the cache (or scheduled into it by the pending plan).
+    pub num_computed: usize,
+    /// Leading full blocks already offered to the prefix cache.
+    pub num_cached_blocks: usize,
+    pub prompt_len: usize,
+    /// `tokens.last()`, kept here so a decode step does not read the token buffer.
+    pub last_token: u32,
     pub gen: u32,
     pub alive: bool,
     pub status: Status,
+    /// The block the next token goes into may be shared with a sibling (copy on write).
+    pub shared_tail: bool,
+    pub stop: StopParams,
+    // Cold fields.
     pub key: SeqKey,
-    /// Prompt followed by the output tokens so far.
-    pub tokens: Vec<u32>,
-    pub prompt_len: usize,
-    /// Tokens whose KV is in the cache (or scheduled into it by the pending plan).
-    pub num_computed: usize,
-    /// Device blocks; covers at least `num_computed` tokens while running.
-    pub block_table: Vec<u32>,
     /// Swap blocks while swapped out.
     pub swap_table: Vec<u32>,
     /// Chained hashes of the full blocks of `tokens` computed so far (a cache of pure values).
     pub block_hashes: Vec<u64>,
-    /// Leading full blocks already offered to the prefix cache.
-    pub num_cached_blocks: usize,
     pub extra_key: u64,
     pub skip_prefix_cache: bool,
-    pub stop: Arc<StopParams>,
     /// Sibling ids (and child index) that fork from this one when its prompt is computed.
     pub children: Vec<(i64, u32)>,
     /// Prefix-cache hit tokens at first admission.
@@ -126,40 +171,51 @@ mod tests {
     use super::*;
 
     fn params() -> StopParams {
-        StopParams {
-            max_tokens: 5,
-            min_tokens: 2,
-            eos_token_ids: vec![2],
-            stop_token_ids: vec![9],
-            ignore_eos: false,
-            max_model_len: 100,
-        }
+        StopParams::new(5, 2, vec![2], vec![9], false)
     }
 
     #[test]
     fn eos_and_stop_tokens_respect_min_tokens() {
         let p = params();
-        assert_eq!(p.check(2, 1, 10), None);
-        assert_eq!(p.check(9, 1, 10), None);
-        let f = p.check(2, 2, 10).unwrap();
+        assert_eq!(p.check(2, 1, 10, 100), None);
+        assert_eq!(p.check(9, 1, 10, 100), None);
+        let f = p.check(2, 2, 10, 100).unwrap();
         assert_eq!((f.reason, f.stop_token), (FinishReason::Stop, None));
-        let f = p.check(9, 3, 10).unwrap();
+        let f = p.check(9, 3, 10, 100).unwrap();
         assert_eq!((f.reason, f.stop_token), (FinishReason::Stop, Some(9)));
-        assert_eq!(p.check(4, 3, 10), None);
+        assert_eq!(p.check(4, 3, 10, 100), None);
     }
 
     #[test]
     fn length_limits() {
         let p = params();
-        assert_eq!(p.check(4, 5, 10).unwrap().reason, FinishReason::Length);
-        assert_eq!(p.check(4, 3, 100).unwrap().reason, FinishReason::Length);
-        let p = StopParams { ignore_eos: true, ..params() };
-        assert_eq!(p.check(2, 3, 10), None);
+        assert_eq!(p.check(4, 5, 10, 100).unwrap().reason, FinishReason::Length);
+        assert_eq!(p.check(4, 3, 100, 100).unwrap().reason, FinishReason::Length);
+        let p = StopParams {
+            ignore_eos: true,
+            ..params()
+        };
+        assert_eq!(p.check(2, 3, 10, 100), None);
+    }
+
+    #[test]
+    fn many_ids_overflow_inline_storage() {
+        let p = StopParams::new(9, 0, vec![1, 2, 3], vec![4, 5, 6], false);
+        assert_eq!(p.check(3, 1, 2, 100).unwrap().stop_token, None);
+        assert_eq!(p.check(6, 1, 2, 100).unwrap().stop_token, Some(6));
+        assert_eq!(p.check(7, 1, 2, 100), None);
+        let p = StopParams::new(9, 0, vec![], vec![4, 5, 6, 7], false);
+        assert_eq!(p.check(7, 1, 2, 100).unwrap().stop_token, Some(7));
+        assert_eq!(p.check(3, 1, 2, 100), None);
     }
 
     #[test]
     fn keys_order_by_priority_then_arrival() {
-        let k = |priority, arrival, child| SeqKey { priority, arrival, child };
+        let k = |priority, arrival, child| SeqKey {
+            priority,
+            arrival,
+            child,
+        };
         let mut v = vec![k(1, 0, 0), k(0, 5, 1), k(0, 5, 0), k(-1, 9, 0)];
         v.sort();
         assert_eq!(v, vec![k(-1, 9, 0), k(0, 5, 0), k(0, 5, 1), k(1, 0, 0)]);

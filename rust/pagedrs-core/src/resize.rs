@@ -9,21 +9,24 @@ impl Scheduler {
     pub fn resize(&mut self, num_blocks: usize) -> Result<()> {
         let old = self.pool.num_blocks();
         if num_blocks == 0 || num_blocks >= u32::MAX as usize {
-            return Err(Error::Resize(format!("num_blocks must be in [1, {}), got {num_blocks}", u32::MAX)));
+            return Err(Error::Resize(format!(
+                "num_blocks must be in [1, {}), got {num_blocks}",
+                u32::MAX
+            )));
         }
         if num_blocks >= old {
             self.pool.grow(num_blocks);
         } else {
             let in_use = self.pool.num_used();
-            let moves = self
-                .pool
-                .shrink(num_blocks)
-                .ok_or(Error::ResizeTooSmall { requested: num_blocks, in_use })?;
+            let moves = self.pool.shrink(num_blocks).ok_or(Error::ResizeTooSmall {
+                requested: num_blocks,
+                in_use,
+            })?;
+            self.compose_moves(&moves, num_blocks);
             if !moves.is_empty() {
                 let mut remap: Vec<u32> = (0..old as u32).collect();
                 for &(src, dst) in &moves {
                     remap[src.0 as usize] = dst.0;
-                    self.pending_moves.extend([i64::from(src.0), i64::from(dst.0)]);
                 }
                 for seq in self.seqs.iter_mut().filter(|s| s.alive) {
                     for b in &mut seq.block_table {
@@ -34,5 +37,28 @@ impl Scheduler {
         }
         self.watermark_blocks = self.cfg.watermark_blocks(num_blocks);
         Ok(())
+    }
+
+    /// Folds a shrink's moves into the moves not yet handed to a plan, so that every source
+    /// names a block as the runner last saw it and every destination appears once. A runner may
+    /// apply them all at once by gather-then-scatter (`cache[:, dst] = cache[:, src]`).
+    fn compose_moves(&mut self, moves: &[(crate::BlockId, crate::BlockId)], num_blocks: usize) {
+        let mut pm: Vec<(i64, i64)> = self
+            .pending_moves
+            .chunks_exact(2)
+            .map(|m| (m[0], m[1]))
+            .collect();
+        for &(src, dst) in moves {
+            let (src, dst) = (i64::from(src.0), i64::from(dst.0));
+            // `dst` was free: whatever moved into it earlier is dead.
+            pm.retain(|m| m.1 != dst);
+            match pm.iter_mut().find(|m| m.1 == src) {
+                Some(m) => m.1 = dst,
+                None => pm.push((src, dst)),
+            }
+        }
+        // Moves into blocks now cut off (and not moved on) carried data nobody holds any more.
+        pm.retain(|m| (m.1 as usize) < num_blocks && m.0 != m.1);
+        self.pending_moves = pm.into_iter().flat_map(|(s, d)| [s, d]).collect();
     }
 }

@@ -31,7 +31,9 @@ impl Scheduler {
         self.schedule_running(&mut sched, &mut budget, &mut ops);
         if ops.preempted.is_empty() {
             while budget > 0 {
-                let Some(&(_, slot)) = self.swapped.first() else { break };
+                let Some(&(_, slot)) = self.swapped.first() else {
+                    break;
+                };
                 match self.try_swap_in(slot, &mut sched, &mut budget, &mut ops) {
                     Admit::Yes => {}
                     Admit::No => break,
@@ -40,7 +42,9 @@ impl Scheduler {
             }
             if self.swapped.is_empty() {
                 while budget > 0 {
-                    let Some(&(_, slot)) = self.waiting.first() else { break };
+                    let Some(&(_, slot)) = self.waiting.first() else {
+                        break;
+                    };
                     match self.try_admit(slot, &mut sched, &mut budget) {
                         Admit::Yes => {}
                         Admit::No => break,
@@ -59,7 +63,12 @@ impl Scheduler {
         Ok(plan)
     }
 
-    fn schedule_running(&mut self, sched: &mut Vec<(u32, usize)>, budget: &mut usize, ops: &mut PlanOps) {
+    fn schedule_running(
+        &mut self,
+        sched: &mut Vec<(u32, usize)>,
+        budget: &mut usize,
+        ops: &mut PlanOps,
+    ) {
         let bs = self.cfg.block_size;
         let capacity = self.pool.num_blocks() * bs;
         let mut i = 0;
@@ -68,7 +77,11 @@ impl Scheduler {
             let seq = &self.seqs[slot as usize];
             let nc = seq.num_computed;
             let remaining = seq.num_tokens() - nc;
-            debug_assert!(remaining > 0, "running seq {} has nothing to compute", seq.seq_id);
+            debug_assert!(
+                remaining > 0,
+                "running seq {} has nothing to compute",
+                seq.seq_id
+            );
             if remaining > *budget
                 && !self.cfg.enable_chunked_prefill
                 && remaining <= self.cfg.max_num_batched_tokens
@@ -111,10 +124,14 @@ impl Scheduler {
         let total = (nc + num_new).div_ceil(bs);
         let new = total.saturating_sub(seq.block_table.len());
         let idx = nc / bs;
-        let cow = nc % bs != 0 && idx < seq.block_table.len() && {
+        let cow = seq.shared_tail && nc % bs != 0 && idx < seq.block_table.len() && {
             let b = seq.block_table[idx];
             // Copies decided this step still hold their source; do not count those references.
-            let deferred = ops.copies.chunks_exact(2).filter(|c| c[0] == i64::from(b)).count();
+            let deferred = ops
+                .copies
+                .chunks_exact(2)
+                .filter(|c| c[0] == i64::from(b))
+                .count();
             self.pool.ref_count(BlockId(b)) as usize - deferred > 1
         };
         (new, cow)
@@ -124,6 +141,8 @@ impl Scheduler {
         let bs = self.cfg.block_size;
         let (new, _) = self.blocks_needed(slot, num_new, ops);
         let seq = &mut self.seqs[slot as usize];
+        // After this step the block written next is private: copied now, or never shared again.
+        seq.shared_tail = false;
         if cow {
             let idx = seq.num_computed / bs;
             let src = seq.block_table[idx];
@@ -162,6 +181,7 @@ impl Scheduler {
             seq.status = Status::Waiting;
             self.waiting.insert((seq.key, slot));
         }
+        seq.shared_tail = false;
         ops.preempted.push(seq.seq_id);
         self.num_preemptions += 1;
         slot
@@ -176,7 +196,11 @@ impl Scheduler {
             self.ids.remove(&id);
         }
         for id in ids {
-            self.pending_finished.push(Finished { seq_id: id, reason: FinishReason::Length, stop_token: None });
+            self.pending_finished.push(Finished {
+                seq_id: id,
+                reason: FinishReason::Length,
+                stop_token: None,
+            });
         }
         self.release_slot(slot);
     }
@@ -192,7 +216,13 @@ impl Scheduler {
         }
     }
 
-    fn try_swap_in(&mut self, slot: u32, sched: &mut Vec<(u32, usize)>, budget: &mut usize, ops: &mut PlanOps) -> Admit {
+    fn try_swap_in(
+        &mut self,
+        slot: u32,
+        sched: &mut Vec<(u32, usize)>,
+        budget: &mut usize,
+        ops: &mut PlanOps,
+    ) -> Admit {
         let bs = self.cfg.block_size;
         let capacity = self.pool.num_blocks() * bs;
         let seq = &self.seqs[slot as usize];
@@ -205,7 +235,9 @@ impl Scheduler {
             self.finish_unfittable(slot);
             return Admit::Dropped;
         }
-        let Some(num_new) = self.chunk(seq.num_tokens() - nc, *budget) else { return Admit::No };
+        let Some(num_new) = self.chunk(seq.num_tokens() - nc, *budget) else {
+            return Admit::No;
+        };
         let total = (nc + num_new).div_ceil(bs).max(seq.swap_table.len());
         if self.pool.num_free() < total + self.admission_watermark() {
             return Admit::No;
@@ -220,7 +252,8 @@ impl Scheduler {
         }
         seq.swap_table.clear();
         while seq.block_table.len() < total {
-            seq.block_table.push(self.pool.allocate().expect("checked free blocks").0);
+            seq.block_table
+                .push(self.pool.allocate().expect("checked free blocks").0);
         }
         seq.status = Status::Running;
         self.num_running_seqs += seq.width();
@@ -264,7 +297,10 @@ impl Scheduler {
             return Admit::No;
         };
         let new_blocks = (nc + num_new).div_ceil(bs) - hits.len();
-        let evictable = hits.iter().filter(|&&b| self.pool.ref_count(BlockId(b)) == 0).count();
+        let evictable = hits
+            .iter()
+            .filter(|&&b| self.pool.ref_count(BlockId(b)) == 0)
+            .count();
         if self.pool.num_free() < new_blocks + evictable + self.admission_watermark() {
             self.hit_scratch = hits;
             return Admit::No;
@@ -280,7 +316,8 @@ impl Scheduler {
             seq.block_table.push(b);
         }
         for _ in 0..new_blocks {
-            seq.block_table.push(self.pool.allocate().expect("checked free blocks").0);
+            seq.block_table
+                .push(self.pool.allocate().expect("checked free blocks").0);
         }
         seq.num_computed = nc;
         seq.num_cached_blocks = hits.len();
@@ -305,7 +342,11 @@ impl Scheduler {
         let max_blocks = (seq.num_tokens() - 1) / bs;
         let root = root_hash(seq.extra_key);
         for i in 0..max_blocks {
-            let parent = if i == 0 { root } else { seq.block_hashes[i - 1] };
+            let parent = if i == 0 {
+                root
+            } else {
+                seq.block_hashes[i - 1]
+            };
             let tokens = &seq.tokens[i * bs..(i + 1) * bs];
             if seq.block_hashes.len() == i {
                 seq.block_hashes.push(block_hash(parent, tokens));
@@ -323,11 +364,22 @@ mod tests {
     use crate::{Config, FinishReason, NewRequest, Scheduler};
 
     fn sched(num_blocks: usize, block_size: usize) -> Scheduler {
-        Scheduler::new(Config { num_blocks, block_size, watermark: 0.0, ..Config::default() }).unwrap()
+        Scheduler::new(Config {
+            num_blocks,
+            block_size,
+            watermark: 0.0,
+            ..Config::default()
+        })
+        .unwrap()
     }
 
     fn req(ids: &[i64], prompt: &[i64], max_tokens: i64) -> NewRequest {
-        NewRequest { seq_ids: ids.to_vec(), prompt_token_ids: prompt.to_vec(), max_tokens, ..Default::default() }
+        NewRequest {
+            seq_ids: ids.to_vec(),
+            prompt_token_ids: prompt.to_vec(),
+            max_tokens,
+            ..Default::default()
+        }
     }
 
     #[test]

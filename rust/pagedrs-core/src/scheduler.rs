@@ -2,7 +2,6 @@
 //! The step itself lives in `schedule.rs` (decisions), `plan.rs` (arrays) and `update.rs`.
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::Arc;
 
 use crate::block_pool::BlockPool;
 use crate::config::{to_token_ids, Config, NewRequest};
@@ -137,7 +136,9 @@ impl Scheduler {
         }
         let prompt_len = req.prompt_token_ids.len();
         if prompt_len == 0 {
-            return Err(Error::EmptyPrompt { seq_id: req.seq_ids[0] });
+            return Err(Error::EmptyPrompt {
+                seq_id: req.seq_ids[0],
+            });
         }
         let tokens = to_token_ids(&req.prompt_token_ids, self.cfg.vocab_size)?;
         let eos_token_ids = to_token_ids(&req.eos_token_ids, None)?;
@@ -156,7 +157,10 @@ impl Scheduler {
         }
         let max_model_len = self.cfg.max_model_len;
         if prompt_len + 1 > max_model_len {
-            return Err(Error::PromptTooLong { prompt_len, max_model_len });
+            return Err(Error::PromptTooLong {
+                prompt_len,
+                max_model_len,
+            });
         }
         let needed = prompt_len.div_ceil(self.cfg.block_size);
         if needed > self.pool.num_blocks() {
@@ -167,28 +171,37 @@ impl Scheduler {
             });
         }
         let max_tokens = (req.max_tokens as u64).min((max_model_len - prompt_len) as u64) as usize;
-        let stop = Arc::new(StopParams {
+        let stop = StopParams::new(
             max_tokens,
-            min_tokens: (req.min_tokens as usize).min(max_tokens),
+            (req.min_tokens as usize).min(max_tokens),
             eos_token_ids,
             stop_token_ids,
-            ignore_eos: req.ignore_eos,
-            max_model_len,
-        });
-        let key = SeqKey { priority: req.priority, arrival: self.next_arrival, child: 0 };
+            req.ignore_eos,
+        );
+        let key = SeqKey {
+            priority: req.priority,
+            arrival: self.next_arrival,
+            child: 0,
+        };
         self.next_arrival += 1;
         let slot = self.new_slot();
         let seq = &mut self.seqs[slot as usize];
         seq.seq_id = req.seq_ids[0];
         seq.status = Status::Waiting;
         seq.key = key;
+        seq.last_token = *tokens.last().expect("non-empty prompt");
         seq.tokens = tokens;
         seq.prompt_len = prompt_len;
         seq.extra_key = req.cache_salt.as_deref().map_or(0, extra_key_of);
         seq.skip_prefix_cache = req.skip_prefix_cache;
         seq.stop = stop;
-        seq.children = req.seq_ids[1..].iter().zip(1u32..).map(|(&id, c)| (id, c)).collect();
-        self.ids.insert(req.seq_ids[0], SeqRef { slot, child: false });
+        seq.children = req.seq_ids[1..]
+            .iter()
+            .zip(1u32..)
+            .map(|(&id, c)| (id, c))
+            .collect();
+        self.ids
+            .insert(req.seq_ids[0], SeqRef { slot, child: false });
         for &id in &req.seq_ids[1..] {
             self.ids.insert(id, SeqRef { slot, child: true });
         }
@@ -198,8 +211,14 @@ impl Scheduler {
 
     /// Aborts sequences in any state, freeing everything they hold. Unknown ids are ignored.
     pub fn abort(&mut self, seq_ids: &[i64]) {
+        if !self.pending_finished.is_empty() {
+            self.pending_finished
+                .retain(|f| !seq_ids.contains(&f.seq_id));
+        }
         for &id in seq_ids {
-            let Some(r) = self.ids.remove(&id) else { continue };
+            let Some(r) = self.ids.remove(&id) else {
+                continue;
+            };
             let slot = r.slot as usize;
             let running = self.seqs[slot].status == Status::Running;
             if r.child {
@@ -212,7 +231,13 @@ impl Scheduler {
                 let seq = &mut self.seqs[slot];
                 let (child, _) = seq.children.remove(0);
                 seq.seq_id = child;
-                self.ids.insert(child, SeqRef { slot: r.slot, child: false });
+                self.ids.insert(
+                    child,
+                    SeqRef {
+                        slot: r.slot,
+                        child: false,
+                    },
+                );
                 if running {
                     self.num_running_seqs -= 1;
                 }
@@ -258,7 +283,11 @@ impl Scheduler {
         seq.swap_table.clear();
         seq.alive = false;
         seq.gen = seq.gen.wrapping_add(1);
-        if self.ids.get(&seq.seq_id).is_some_and(|r| r.slot == slot && !r.child) {
+        if self
+            .ids
+            .get(&seq.seq_id)
+            .is_some_and(|r| r.slot == slot && !r.child)
+        {
             self.ids.remove(&seq.seq_id);
         }
         self.free_slots.push(slot);
@@ -274,7 +303,11 @@ impl Scheduler {
                     gen: 0,
                     alive: false,
                     status: Status::Waiting,
-                    key: SeqKey { priority: 0, arrival: 0, child: 0 },
+                    key: SeqKey {
+                        priority: 0,
+                        arrival: 0,
+                        child: 0,
+                    },
                     tokens: Vec::new(),
                     prompt_len: 0,
                     num_computed: 0,
@@ -284,7 +317,9 @@ impl Scheduler {
                     num_cached_blocks: 0,
                     extra_key: 0,
                     skip_prefix_cache: false,
-                    stop: Arc::default(),
+                    stop: StopParams::default(),
+                    last_token: 0,
+                    shared_tail: false,
                     children: Vec::new(),
                     num_cached_tokens: 0,
                     admitted: false,
@@ -296,6 +331,7 @@ impl Scheduler {
         seq.alive = true;
         seq.tokens.clear();
         seq.num_computed = 0;
+        seq.shared_tail = false;
         seq.block_hashes.clear();
         seq.num_cached_blocks = 0;
         seq.children.clear();
@@ -326,21 +362,34 @@ impl Scheduler {
 
     /// Prefix-cache hit tokens at the first admission of `seq_id`'s request.
     pub fn num_cached_tokens(&self, seq_id: i64) -> Result<usize> {
-        let r = self.ids.get(&seq_id).ok_or(Error::UnknownSeqId { seq_id })?;
+        let r = self
+            .ids
+            .get(&seq_id)
+            .ok_or(Error::UnknownSeqId { seq_id })?;
         Ok(self.seqs[r.slot as usize].num_cached_tokens)
     }
 
     /// Status of a live seq id (children not yet forked report their parent's).
     pub fn status(&self, seq_id: i64) -> Result<Status> {
-        let r = self.ids.get(&seq_id).ok_or(Error::UnknownSeqId { seq_id })?;
+        let r = self
+            .ids
+            .get(&seq_id)
+            .ok_or(Error::UnknownSeqId { seq_id })?;
         Ok(self.seqs[r.slot as usize].status)
     }
 
     /// Token ids (prompt + output) of a live seq id.
     pub fn token_ids(&self, seq_id: i64) -> Result<&[u32]> {
-        let r = self.ids.get(&seq_id).ok_or(Error::UnknownSeqId { seq_id })?;
+        let r = self
+            .ids
+            .get(&seq_id)
+            .ok_or(Error::UnknownSeqId { seq_id })?;
         let seq = &self.seqs[r.slot as usize];
-        Ok(if r.child { &seq.tokens[..seq.prompt_len] } else { &seq.tokens })
+        Ok(if r.child {
+            &seq.tokens[..seq.prompt_len]
+        } else {
+            &seq.tokens
+        })
     }
 
     /// Drops every prefix-cache entry; false (nothing done) while blocks are in use.
@@ -350,7 +399,9 @@ impl Scheduler {
 
     pub fn stats(&self) -> Stats {
         let width = |set: &BTreeSet<(SeqKey, u32)>| -> usize {
-            set.iter().map(|&(_, s)| self.seqs[s as usize].width()).sum()
+            set.iter()
+                .map(|&(_, s)| self.seqs[s as usize].width())
+                .sum()
         };
         Stats {
             num_running: self.num_running_seqs,

@@ -9,7 +9,10 @@ pub struct SwapPool {
 
 impl SwapPool {
     pub fn new(num_blocks: usize) -> Self {
-        Self { ref_cnt: vec![0; num_blocks], free: (0..num_blocks as u32).rev().collect() }
+        Self {
+            ref_cnt: vec![0; num_blocks],
+            free: (0..num_blocks as u32).rev().collect(),
+        }
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -44,7 +47,9 @@ impl SwapPool {
         for &b in &self.free {
             let i = b as usize;
             if i >= seen.len() || seen[i] || self.ref_cnt[i] != 0 {
-                return Err(format!("swap block {b} is free twice, out of range or referenced"));
+                return Err(format!(
+                    "swap block {b} is free twice, out of range or referenced"
+                ));
             }
             seen[i] = true;
         }

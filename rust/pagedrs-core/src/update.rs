@@ -26,7 +26,10 @@ impl Scheduler {
             }
         }
         if sampled.len() != self.samples.len() {
-            return Err(Error::SampledLength { got: sampled.len(), expected: self.samples.len() });
+            return Err(Error::SampledLength {
+                got: sampled.len(),
+                expected: self.samples.len(),
+            });
         }
         let limit = self.cfg.vocab_size.map_or(1u64 << 32, |v| v as u64);
         if let Some(&t) = sampled.iter().find(|&&t| t < 0 || t as u64 >= limit) {
@@ -43,6 +46,7 @@ impl Scheduler {
         }
         let mut finished = std::mem::take(&mut self.pending_finished);
         let mut any_finished = false;
+        let max_model_len = self.cfg.max_model_len;
         for (i, &token) in sampled.iter().enumerate() {
             let (slot, gen) = self.samples[i];
             let seq = &mut self.seqs[slot as usize];
@@ -51,7 +55,8 @@ impl Scheduler {
             }
             let token = token as u32;
             seq.tokens.push(token);
-            if let Some(mut f) = seq.stop.check(token, seq.num_output(), seq.num_tokens()) {
+            seq.last_token = token;
+            if let Some(mut f) = seq.stop.check(token, seq.num_output(), seq.num_tokens(), max_model_len) {
                 f.seq_id = seq.seq_id;
                 finished.push(f);
                 self.num_running_seqs -= 1;
@@ -73,12 +78,21 @@ impl Scheduler {
         let full = seq.num_computed / bs;
         while seq.num_cached_blocks < full {
             let i = seq.num_cached_blocks;
-            let parent = if i == 0 { root_hash(seq.extra_key) } else { seq.block_hashes[i - 1] };
+            let parent = if i == 0 {
+                root_hash(seq.extra_key)
+            } else {
+                seq.block_hashes[i - 1]
+            };
             let tokens = &seq.tokens[i * bs..(i + 1) * bs];
             if seq.block_hashes.len() == i {
                 seq.block_hashes.push(block_hash(parent, tokens));
             }
-            self.pool.cache_block(BlockId(seq.block_table[i]), seq.block_hashes[i], parent, tokens);
+            self.pool.cache_block(
+                BlockId(seq.block_table[i]),
+                seq.block_hashes[i],
+                parent,
+                tokens,
+            );
             seq.num_cached_blocks += 1;
         }
     }

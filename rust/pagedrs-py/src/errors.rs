@@ -43,14 +43,35 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         (&PAGEDRS_ERROR, base.clone_ref(py)),
         (
             &INVALID_REQUEST,
-            make_class(py, "InvalidRequestError", &[b.clone(), value.clone()], "A bad value from the caller.")?,
+            make_class(
+                py,
+                "InvalidRequestError",
+                &[b.clone(), value.clone()],
+                "A bad value from the caller.",
+            )?,
         ),
-        (&OUT_OF_BLOCKS, make_class(py, "OutOfBlocksError", &[b.clone()], "The pool cannot hold what is asked.")?),
+        (
+            &OUT_OF_BLOCKS,
+            make_class(
+                py,
+                "OutOfBlocksError",
+                std::slice::from_ref(&b),
+                "The pool cannot hold what is asked.",
+            )?,
+        ),
         (
             &RESIZE_ERROR,
-            make_class(py, "ResizeError", &[b.clone(), value], "The pool cannot be resized as asked.")?,
+            make_class(
+                py,
+                "ResizeError",
+                &[b.clone(), value],
+                "The pool cannot be resized as asked.",
+            )?,
         ),
-        (&UNKNOWN_REQUEST, make_class(py, "UnknownRequestError", &[b, key], "No such seq id.")?),
+        (
+            &UNKNOWN_REQUEST,
+            make_class(py, "UnknownRequestError", &[b, key], "No such seq id.")?,
+        ),
     ];
     for (cell, cls) in classes {
         let cls = cell.get_or_init(py, || cls).bind(py);
@@ -59,8 +80,11 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-fn class(py: Python<'_>, cell: &PyOnceLock<Py<PyType>>) -> Bound<'_, PyType> {
-    cell.get(py).expect("pagedrs._core exception classes are registered").bind(py).clone()
+fn class<'py>(py: Python<'py>, cell: &PyOnceLock<Py<PyType>>) -> Bound<'py, PyType> {
+    cell.get(py)
+        .expect("pagedrs._core exception classes are registered")
+        .bind(py)
+        .clone()
 }
 
 /// The Python exception for a core error.

@@ -2,10 +2,20 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+mod errors;
+mod plan;
+mod scheduler;
+
 /// Kernel sources embedded at build time, so a wheel carries exactly the kernels it was built with.
 const KERNELS: &[(&str, &str)] = &[
-    ("cache_kernels", include_str!("../../../cuda/cache_kernels.cu")),
-    ("paged_attention", include_str!("../../../cuda/paged_attention.cu")),
+    (
+        "cache_kernels",
+        include_str!("../../../cuda/cache_kernels.cu"),
+    ),
+    (
+        "paged_attention",
+        include_str!("../../../cuda/paged_attention.cu"),
+    ),
 ];
 
 #[pyfunction]
@@ -29,5 +39,8 @@ fn kernel_names() -> Vec<&'static str> {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernel_source, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_names, m)?)?;
+    errors::register(m)?;
+    m.add_class::<scheduler::PyScheduler>()?;
+    m.add_class::<plan::PyStepPlan>()?;
     Ok(())
 }

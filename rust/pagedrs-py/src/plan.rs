@@ -17,12 +17,11 @@ impl<T: numpy::Element> Arr<T> {
     fn get(&mut self, py: Python<'_>, cols: usize) -> Py<PyAny> {
         if let Arr::Raw(v) = self {
             let v = std::mem::take(v);
-            let arr = if cols == 0 {
-                v.into_pyarray(py).into_any().unbind()
-            } else {
-                let rows = v.len() / cols;
+            let arr = if let Some(rows) = v.len().checked_div(cols) {
                 let a = Array2::from_shape_vec((rows, cols), v).expect("plan array shape");
                 PyArray2::from_owned_array(py, a).into_any().unbind()
+            } else {
+                v.into_pyarray(py).into_any().unbind()
             };
             *self = Arr::Py(arr);
         }
@@ -176,10 +175,6 @@ impl PyStepPlan {
     #[getter]
     fn preempted(&mut self, py: Python<'_>) -> Py<PyAny> {
         self.preempted.get(py, 0)
-    }
-
-    fn __len__(&self) -> usize {
-        self.num_reqs
     }
 
     fn __repr__(&self) -> String {

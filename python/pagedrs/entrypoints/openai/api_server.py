@@ -19,8 +19,11 @@ logger = logging.getLogger("pagedrs.server")
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    """uvicorn's lines go through the root logger; pagedrs's own logger has its handler already."""
+    lvl = getattr(logging, level.upper(), logging.INFO)
+    logging.basicConfig(level=lvl, format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+                        datefmt="%m-%d %H:%M:%S", force=True)
+    logging.getLogger("pagedrs").setLevel(lvl)
 
 
 class _Server(uvicorn.Server):

@@ -9,7 +9,7 @@ request at a time, which is a short loop since a step holds few of them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -43,15 +43,64 @@ def gather_kv(kv_cache: Tensor, block_table: Tensor, num_positions: int) -> tupl
     return k.reshape(shape)[..., :num_positions, :, :], v.reshape(shape)[..., :num_positions, :, :]
 
 
+# Decodes are grouped by context length so each group pads only to its own longest context: a group
+# holds requests needing at least GROUP_FILL of its longest request's blocks, or at most GROUP_SLACK
+# fewer (at most MAX_GROUPS groups).
+GROUP_FILL = 0.75
+GROUP_SLACK = 2
+MAX_GROUPS = 8
+
+
+@dataclass
+class _DecodeGroup:
+    """Single-token queries batched together, padded to `num_blocks` blocks each."""
+
+    token_idx: Tensor  # [Bd] flat token index of each decode
+    blocks: Tensor  # [Bd * nb] int64: each decode's first nb blocks, flattened
+    seq_lens: Tensor  # [Bd] int64
+    num_blocks: int  # nb: blocks that cover the longest context of the group
+    masks: dict[int | None, Tensor] = field(default_factory=dict)  # sliding window -> additive mask
+
+    def mask(self, sliding_window: int | None, block_size: int, dtype: torch.dtype) -> Tensor:
+        """[Bd, 1, nb*block_size] additive mask: 0 where a decode may attend, -inf elsewhere."""
+        mask = self.masks.get(sliding_window)
+        if mask is None or mask.dtype != dtype:
+            k_pos = torch.arange(self.num_blocks * block_size, device=self.seq_lens.device)
+            last = (self.seq_lens - 1)[:, None]  # the query's own position
+            valid = k_pos[None, :] <= last
+            if sliding_window is not None:
+                valid &= k_pos[None, :] > last - sliding_window
+            mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
+            mask.masked_fill_(~valid, float("-inf"))
+            mask = mask[:, None, :]
+            self.masks[sliding_window] = mask
+        return mask
+
+
 @dataclass
 class _StepPlan:
-    """How this step's requests split into the batched decode path and the per-request prefill path."""
+    """How this step's requests split into batched decode groups and per-request prefills."""
 
-    decode_token_idx: Tensor | None  # [Bd] flat token index of each decode
-    decode_block_tables: Tensor | None  # [Bd, M]
-    decode_seq_lens: Tensor | None  # [Bd] int64
-    decode_max_len: int
+    decode_groups: list[_DecodeGroup]
     prefills: list[tuple[int, int, int]]  # (request index, token start, token end)
+
+
+def _group_bounds(num_blocks_desc: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) ranges over contexts sorted longest first."""
+    bounds = []
+    start, n = 0, len(num_blocks_desc)
+    neg = -num_blocks_desc  # ascending, for searchsorted
+    while start < n:
+        if len(bounds) == MAX_GROUPS - 1:
+            end = n
+        else:
+            longest = num_blocks_desc[start]
+            threshold = min(GROUP_FILL * longest, longest - GROUP_SLACK)
+            end = int(np.searchsorted(neg, -threshold, side="right"))
+            end = max(end, start + 1)
+        bounds.append((start, end))
+        start = end
+    return bounds
 
 
 def _plan(meta: AttentionMetadata) -> _StepPlan:
@@ -65,19 +114,25 @@ def _plan(meta: AttentionMetadata) -> _StepPlan:
     seq_lens = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
     q_lens = qsl[1:] - qsl[:-1]
     is_decode = q_lens == 1
-    dec = np.nonzero(is_decode)[0]
     device = meta.block_tables.device
+    plan = _StepPlan([], [])
+    dec = np.nonzero(is_decode)[0]
     if len(dec):
-        dec_t = torch.from_numpy(dec).to(device)
-        plan = _StepPlan(
-            decode_token_idx=torch.from_numpy(qsl[dec]).to(device),
-            decode_block_tables=meta.block_tables.index_select(0, dec_t),
-            decode_seq_lens=torch.from_numpy(seq_lens[dec]).to(device),
-            decode_max_len=int(seq_lens[dec].max()),
-            prefills=[],
-        )
-    else:
-        plan = _StepPlan(None, None, None, 0, [])
+        nblocks = -(-seq_lens[dec] // meta.block_size)
+        order = np.argsort(-nblocks, kind="stable")
+        dec, nblocks = dec[order], nblocks[order]
+        for start, end in _group_bounds(nblocks):
+            reqs = dec[start:end]
+            nb = int(nblocks[start])
+            rows = meta.block_tables.index_select(0, torch.from_numpy(reqs).to(device))
+            plan.decode_groups.append(
+                _DecodeGroup(
+                    token_idx=torch.from_numpy(qsl[reqs]).to(device),
+                    blocks=rows[:, :nb].reshape(-1).long(),
+                    seq_lens=torch.from_numpy(seq_lens[reqs]).to(device),
+                    num_blocks=nb,
+                )
+            )
     for b in np.nonzero((~is_decode) & (q_lens > 0))[0].tolist():
         plan.prefills.append((b, int(qsl[b]), int(qsl[b + 1])))
     meta.cache["torch_ref_plan"] = (key, plan)
@@ -98,6 +153,9 @@ class TorchAttentionBackend:
 
     name = "torch"
 
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[torch.device, torch.dtype, tuple[int, ...]], tuple[Tensor, Tensor]] = {}
+
     def forward(
         self,
         q: Tensor,
@@ -112,8 +170,8 @@ class TorchAttentionBackend:
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         plan = _plan(meta)
         out = torch.empty_like(q)
-        if plan.decode_token_idx is not None:
-            out[plan.decode_token_idx] = self._decode(q, kv_cache, plan, scale, sliding_window)
+        for group in plan.decode_groups:
+            out[group.token_idx] = self._decode(q, kv_cache, group, scale, sliding_window)
         for b, start, end in plan.prefills:
             seq_len = meta.seq_lens_cpu[b]
             q_len = end - start
@@ -143,28 +201,41 @@ class TorchAttentionBackend:
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
         return o.transpose(0, 1)
 
-    @staticmethod
+    def _scratch(self, kv_cache: Tensor, num_blocks: int) -> tuple[Tensor, Tensor]:
+        """Two reusable [num_blocks, block_size, KVH, D] buffers for the decode gather (fresh large
+        allocations cost page faults on every layer of every step)."""
+        shape = tuple(kv_cache.shape[2:])
+        key = (kv_cache.device, kv_cache.dtype, shape)
+        bufs = self._buffers.get(key)
+        if bufs is None or bufs[0].shape[0] < num_blocks:
+            n = max(num_blocks, 2 * bufs[0].shape[0] if bufs is not None else 0)
+            bufs = tuple(
+                torch.empty((n, *shape), dtype=kv_cache.dtype, device=kv_cache.device) for _ in range(2)
+            )
+            self._buffers[key] = bufs  # type: ignore[assignment]
+        return bufs[0][:num_blocks], bufs[1][:num_blocks]
+
     def _decode(
-        q: Tensor, kv_cache: Tensor, plan: _StepPlan, scale: float, sliding_window: int | None
+        self, q: Tensor, kv_cache: Tensor, group: _DecodeGroup, scale: float, sliding_window: int | None
     ) -> Tensor:
-        """All single-token queries at once: padded gather [Bd, Lmax] + a length (and window) mask."""
-        assert plan.decode_token_idx is not None and plan.decode_block_tables is not None
-        assert plan.decode_seq_lens is not None
-        max_len = plan.decode_max_len
-        kd, vd = gather_kv(kv_cache, plan.decode_block_tables, max_len)  # [Bd, L, KVH, D]
-        qd = q[plan.decode_token_idx]  # [Bd, H, D]
-        bd, h, d = qd.shape
-        kvh = kd.shape[2]
-        g = h // kvh
-        k_pos = torch.arange(max_len, device=q.device)
-        last = (plan.decode_seq_lens - 1)[:, None]  # the query's own position
-        valid = k_pos[None, :] <= last
-        if sliding_window is not None:
-            valid &= k_pos[None, :] > last - sliding_window
-        # [Bd, KVH, G, D] @ [Bd, KVH, D, L] -> [Bd, KVH, G, L]: GQA without expanding K/V.
-        qg = qd.view(bd, kvh, g, d).float()
-        scores = torch.matmul(qg, kd.permute(0, 2, 3, 1).float()) * scale
-        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.matmul(probs, vd.permute(0, 2, 1, 3).float())  # [Bd, KVH, G, D]
-        return o.reshape(bd, h, d).to(q.dtype)
+        """A group of single-token queries at once: padded gather [Bd, L] through the block tables + a length (and
+        window) mask; per KV head one batched matmul, so K/V are never expanded or transposed in memory."""
+        _, _, block_size, kvh, d = kv_cache.shape
+        nb = group.num_blocks
+        bd = group.token_idx.shape[0]
+        kbuf, vbuf = self._scratch(kv_cache, bd * nb)
+        torch.index_select(kv_cache[0], 0, group.blocks, out=kbuf)
+        torch.index_select(kv_cache[1], 0, group.blocks, out=vbuf)
+        k = kbuf.view(bd, nb * block_size, kvh, d)
+        v = vbuf.view(bd, nb * block_size, kvh, d)
+        dtype = kv_cache.dtype
+        qd = q.index_select(0, group.token_idx).to(dtype)  # [Bd, H, D]
+        g = qd.shape[1] // kvh
+        mask = group.mask(sliding_window, block_size, dtype)  # [Bd, 1, L]
+        out = torch.empty(bd, kvh, g, d, dtype=dtype, device=q.device)
+        for h in range(kvh):
+            # [Bd, G, D] @ [Bd, D, L] (a strided view of the gather) -> scores [Bd, G, L]
+            scores = torch.baddbmm(mask, qd[:, h * g : (h + 1) * g], k[:, :, h].transpose(1, 2), alpha=scale)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+            torch.bmm(probs, v[:, :, h], out=out[:, h])
+        return out.view(bd, kvh * g, d).to(q.dtype)

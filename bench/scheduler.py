@@ -1,0 +1,168 @@
+"""Scheduler step cost: median wall time of one schedule() + update() round, Python call included.
+
+Cases: 64 / 256 / 1024 / 4096 running decode requests with contexts of 512-2048 tokens, and a
+prefill-heavy mix (256 decodes sharing each step with 512-2048-token prompts under a 2048-token
+budget). One line per case; `--json PATH` writes a list of objects with the keys case, running,
+median_us (plus p90_us, median_us_arrays, tokens_per_step).
+
+    python bench/scheduler.py [--rounds 300] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from pagedrs._core import Scheduler, StepPlan
+
+BLOCK_SIZE = 16
+ARRAYS = (
+    "req_ids", "num_scheduled_tokens", "num_computed_tokens", "num_prompt_tokens", "seq_lens",
+    "query_start_loc", "input_ids", "positions", "slot_mapping", "block_tables", "logits_indices",
+    "sampled_seq_ids", "swap_out", "swap_in", "copies", "block_moves", "preempted",
+)
+
+
+@dataclass
+class Result:
+    case: str
+    running: int
+    median_us: float
+    p90_us: float
+    median_us_arrays: float
+    tokens_per_step: float
+
+
+def _touch(plan: StepPlan) -> None:
+    for name in ARRAYS:
+        getattr(plan, name)
+
+
+def _prompt(rng: np.random.Generator, lo: int, hi: int) -> np.ndarray:
+    return rng.integers(100, 30000, size=int(rng.integers(lo, hi + 1)), dtype=np.int64)
+
+
+def _decode_scheduler(n: int, rng: np.random.Generator) -> Scheduler:
+    """n requests, prefilled until every one is decoding."""
+    max_model_len = 4096
+    num_blocks = n * (max_model_len // BLOCK_SIZE) // 2 + 1024
+    s = Scheduler(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=max(n, 8192),
+                  max_num_seqs=n, max_model_len=max_model_len, watermark=0.0)
+    for i in range(n):
+        s.add_request([i], _prompt(rng, 512, 2048), max_tokens=max_model_len, ignore_eos=True)
+    while True:
+        plan = s.schedule()
+        s.update(plan, np.full(len(plan.sampled_seq_ids), 7, dtype=np.int64))
+        if plan.num_prefill_tokens == 0 and plan.num_decode_tokens == n:
+            return s
+
+
+def bench_decode(n: int, rounds: int, seed: int) -> Result:
+    rng = np.random.default_rng(seed)
+    s = _decode_scheduler(n, rng)
+    _time_decode(s, n, 10, touch=False)  # warm-up
+    plain: list[float] = []
+    arrays: list[float] = []
+    # Interleave the two variants so both see the same context lengths.
+    for _ in range(rounds // 10):
+        plain += _time_decode(s, n, 10, touch=False)
+        arrays += _time_decode(s, n, 10, touch=True)
+    return _result(f"decode-{n}", n, plain, arrays, float(n))
+
+
+def _time_decode(s: Scheduler, n: int, rounds: int, touch: bool) -> list[float]:
+    sampled = np.full(n, 7, dtype=np.int64)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        plan = s.schedule()
+        if touch:
+            _touch(plan)
+        s.update(plan, sampled)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def bench_prefill_mix(rounds: int, seed: int, running: int = 256) -> Result:
+    """256 decodes plus a queue of 512-2048-token prompts under a 2048-token budget."""
+    rng = np.random.default_rng(seed)
+    s = Scheduler(num_blocks=200_000, block_size=BLOCK_SIZE, max_num_batched_tokens=2048,
+                  max_num_seqs=running + 64, max_model_len=4096, watermark=0.0)
+    next_id = 0
+
+    def add(k: int, max_tokens: int) -> None:
+        nonlocal next_id
+        for _ in range(k):
+            s.add_request([next_id], _prompt(rng, 512, 2048), max_tokens=max_tokens, ignore_eos=True)
+            next_id += 1
+
+    add(running, 4096 - 2048)  # long-lived decodes
+    for _ in range(400):
+        plan = s.schedule()
+        s.update(plan, np.full(len(plan.sampled_seq_ids), 7, dtype=np.int64))
+
+    def refill() -> None:
+        if s.stats()["num_waiting"] < 4:
+            add(4, 8)  # short requests: prefill-dominated
+
+    times: list[float] = []
+    arrays: list[float] = []
+    tokens = 0.0
+    for _ in range(rounds // 10):
+        t, tok = _time_mix(s, 10, False, refill)
+        times += t
+        tokens += tok
+        t, _ = _time_mix(s, 10, True, refill)
+        arrays += t
+    return _result("prefill-mix", running, times, arrays, tokens / max(1, rounds // 10))
+
+
+def _time_mix(s: Scheduler, rounds: int, touch: bool, refill) -> tuple[list[float], float]:
+    times: list[float] = []
+    tokens = 0
+    for _ in range(rounds):
+        refill()
+        t0 = time.perf_counter()
+        plan = s.schedule()
+        if touch:
+            _touch(plan)
+        sampled = np.full(len(plan.sampled_seq_ids), 7, dtype=np.int64)
+        s.update(plan, sampled)
+        times.append(time.perf_counter() - t0)
+        tokens += plan.num_tokens
+    return times, tokens / rounds
+
+
+def _result(case: str, running: int, plain: list[float], arrays: list[float], tokens: float) -> Result:
+    q = statistics.quantiles(plain, n=10)
+    return Result(case, running, round(statistics.median(plain) * 1e6, 1), round(q[-1] * 1e6, 1),
+                  round(statistics.median(arrays) * 1e6, 1), round(tokens, 1))
+
+
+def main(argv: list[str] | None = None) -> list[Result]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=300, help="timed rounds per case (default 300)")
+    ap.add_argument("--cases", default="64,256,1024,4096,mix", help="comma-separated: sizes and/or 'mix'")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
+    args = ap.parse_args(argv)
+    results: list[Result] = []
+    for case in args.cases.split(","):
+        r = bench_prefill_mix(args.rounds, args.seed) if case == "mix" else bench_decode(int(case), args.rounds, args.seed)
+        results.append(r)
+        print(f"{r.case:>12}: running={r.running:5d}  schedule+update median {r.median_us:8.1f} us  "
+              f"p90 {r.p90_us:8.1f} us  with all arrays read {r.median_us_arrays:8.1f} us  "
+              f"({r.tokens_per_step:.0f} tokens/step)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Kernel sources, their template instantiations, the cached CuPy loader and an NVRTC compile check.
+
+Sources come from the extension (`pagedrs._core.kernel_source`), so a wheel runs exactly the kernels it
+was built with. Setting ``PAGEDRS_CUDA_SRC_DIR`` to a folder of ``NAME.cu`` files reads those instead
+(kernel development without rebuilding the extension).
+
+The kernels include no CUDA header, so NVRTC needs no include directory: the NVRTC library alone
+(pip: ``nvidia-cuda-nvrtc-cu12`` or ``nvidia-cuda-nvrtc`` 13, found through CuPy's cuda-pathfinder)
+compiles them, with or without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "COMPILE_CHECK_ARCHS",
+    "CTYPES",
+    "GROUP_SIZES",
+    "HEAD_SIZES",
+    "KernelCompileError",
+    "NVRTC_OPTIONS",
+    "SOURCES",
+    "WORD_TYPES",
+    "attention_names",
+    "cache_names",
+    "compile_check",
+    "get_kernel",
+    "instantiation_groups",
+    "kernel_source",
+    "nvrtc_version",
+]
+
+SOURCES = ("cache_kernels", "paged_attention")
+HEAD_SIZES = (16, 32, 64, 80, 96, 128)
+# Query heads per decode CTA: the group size G = num_heads / num_kv_heads rounded up to one of these
+# (larger groups take ceil(G / 8) CTAs per kv head).
+GROUP_SIZES = (1, 2, 4, 8)
+CTYPES = {"float16": "pagedrs::half_t", "bfloat16": "pagedrs::bf16_t", "float32": "float"}
+WORD_TYPES = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short"}
+NVRTC_OPTIONS = ("-std=c++17",)
+COMPILE_CHECK_ARCHS = ("sm_80", "sm_90")
+
+_NVRTC_HINT = (
+    "NVRTC is needed to compile the CUDA kernels: pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12 "
+    "(or cupy-cuda13x with nvidia-cuda-nvrtc 13)"
+)
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected a kernel source; the message carries NVRTC's log."""
+
+
+def kernel_source(name: str) -> str:
+    """The CUDA source `name` (see SOURCES)."""
+    src_dir = os.environ.get("PAGEDRS_CUDA_SRC_DIR")
+    if src_dir:
+        return (Path(src_dir) / f"{name}.cu").read_text()
+    from pagedrs._core import kernel_source as embedded
+
+    return embedded(name)
+
+
+def cache_names() -> tuple[str, ...]:
+    """Every instantiation in cache_kernels.cu (one per copy word; dtype-agnostic)."""
+    words = WORD_TYPES.values()
+    return tuple(f"pagedrs::reshape_and_cache<{w}>" for w in words) + tuple(
+        f"pagedrs::copy_blocks<{w}>" for w in words
+    )
+
+
+def decode_name(ctype: str, head_size: int, group: int) -> str:
+    return f"pagedrs::paged_attention_decode<{ctype}, {head_size}, {group}>"
+
+
+def reduce_name(ctype: str, head_size: int) -> str:
+    return f"pagedrs::paged_attention_reduce<{ctype}, {head_size}>"
+
+
+def prefill_name(ctype: str, head_size: int, *, mma: bool) -> str:
+    kernel = "paged_attention_prefill" if mma else "paged_attention_prefill_scalar"
+    return f"pagedrs::{kernel}<{ctype}, {head_size}>"
+
+
+def attention_names(ctype: str, head_size: int) -> tuple[str, ...]:
+    """The instantiations one model needs (one dtype, one head size), compiled together as one module:
+    decode for every group size, the split-K reduction, and the prefill kernels (tensor-core for 16-bit
+    types, scalar for all: fp32, and fp16/bf16 before sm_80)."""
+    names = [decode_name(ctype, head_size, g) for g in GROUP_SIZES]
+    names.append(reduce_name(ctype, head_size))
+    if ctype != "float":
+        names.append(prefill_name(ctype, head_size, mma=True))
+    names.append(prefill_name(ctype, head_size, mma=False))
+    return tuple(names)
+
+
+def instantiation_groups() -> list[tuple[str, tuple[str, ...]]]:
+    """Every (source, names) module the package can load; together: every instantiation."""
+    groups: list[tuple[str, tuple[str, ...]]] = [("cache_kernels", cache_names())]
+    for ctype in CTYPES.values():
+        for head_size in HEAD_SIZES:
+            groups.append(("paged_attention", attention_names(ctype, head_size)))
+    return groups
+
+
+# ---- run time (CuPy) --------------------------------------------------------------------------------------
+@functools.cache
+def _module(source: str, names: tuple[str, ...], device_index: int) -> Any:
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        return cupy.RawModule(code=kernel_source(source), options=NVRTC_OPTIONS, name_expressions=list(names))
+
+
+@functools.cache
+def get_kernel(source: str, names: tuple[str, ...], name: str, device_index: int) -> Any:
+    """The cupy.RawKernel `name` from the module of `names` (compiled once per process and device; CuPy
+    also keeps the binary in its on-disk cache across processes)."""
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        return _module(source, names, device_index).get_function(name)
+
+
+# ---- compile check (NVRTC only, no GPU) ------------------------------------------------------------------
+def _nvrtc() -> Any:
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(_NVRTC_HINT) from e
+    try:
+        nvrtc.getVersion()
+    except Exception as e:  # libnvrtc not found
+        raise ImportError(f"{_NVRTC_HINT} ({e})") from e
+    return nvrtc
+
+
+def nvrtc_version() -> tuple[int, int]:
+    major, minor = _nvrtc().getVersion()
+    return int(major), int(minor)
+
+
+def compile_check(
+    source: str, names: Sequence[str], arch: str, *, code: str | None = None
+) -> dict[str, str]:
+    """Compile `names` of `source` to a cubin for `arch` (e.g. "sm_80") with NVRTC, without a GPU.
+
+    Returns each name expression's lowered (mangled) name. Raises KernelCompileError with NVRTC's log."""
+    nvrtc = _nvrtc()
+    text = kernel_source(source) if code is None else code
+    prog = nvrtc.createProgram(text, f"{source}.cu", [], [])
+    try:
+        for name in names:
+            nvrtc.addNameExpression(prog, name)
+        try:
+            nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, f"-arch={arch}"])
+        except nvrtc.NVRTCError as e:
+            log = nvrtc.getProgramLog(prog)
+            raise KernelCompileError(f"{source}.cu for {arch}: {e}\n{log}") from e
+        lowered = {name: nvrtc.getLoweredName(prog, name) for name in names}
+        if not nvrtc.getCUBIN(prog):
+            raise KernelCompileError(f"{source}.cu for {arch}: NVRTC produced an empty cubin")
+        return lowered
+    finally:
+        nvrtc.destroyProgram(prog)

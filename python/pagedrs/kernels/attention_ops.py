@@ -1,0 +1,183 @@
+"""Launch wrappers for cuda/paged_attention.cu: decode (split-K + reduction) and varlen prefill.
+
+`paged_attention` runs one flattened varlen batch: the decode kernel takes the requests whose query is one
+token, a prefill kernel the others (each kernel skips the other's requests on the device, so the host
+needs no per-request split and the launch sequence depends only on host integers: CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from pagedrs.kernels._launch import Launch, launch, ptr
+from pagedrs.kernels._loader import (
+    CTYPES,
+    GROUP_SIZES,
+    HEAD_SIZES,
+    attention_names,
+    decode_name,
+    prefill_name,
+    reduce_name,
+)
+
+__all__ = ["PrefillImpl", "decode_partitions", "paged_attention", "supports"]
+
+_SOURCE = "paged_attention"
+_THREADS = (128, 1, 1)
+_LOG2E = 1.4426950408889634
+_MMA_ROWS, _SCALAR_ROWS = 64, 16  # query rows (token x head) per prefill CTA
+_MAX_PARTITION = 512
+PrefillImpl = Literal["auto", "mma", "scalar"]
+
+
+def supports(head_size: int, dtype: torch.dtype) -> bool:
+    """Whether the kernels are instantiated for this head size and dtype."""
+    return head_size in HEAD_SIZES and str(dtype).removeprefix("torch.") in CTYPES
+
+
+@functools.cache
+def _device_info(device: torch.device) -> tuple[int, int]:
+    """(SM count, compute capability major*10+minor); a CPU (emulator) poses as an sm_90 with 132 SMs."""
+    if device.type != "cuda":
+        return 132, 90
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, props.major * 10 + props.minor
+
+
+def decode_partitions(num_ctas: int, max_span: int, num_sms: int) -> tuple[int, int]:
+    """(partition_size, max_parts) for the decode kernel. max_span bounds the keys a decode query reads
+    (max_seq_len, or the sliding window). One partition when it fits the shared-memory logits buffer;
+    otherwise 512-key partitions, halved (down to 128) while the grid would not fill the device twice."""
+    if max_span <= _MAX_PARTITION:
+        return max(64, -(-max_span // 64) * 64), 1
+    size = _MAX_PARTITION
+    while size > 128 and num_ctas * math.ceil(max_span / size) < 2 * num_sms:
+        size //= 2
+    return size, math.ceil(max_span / size)
+
+
+def _check(name: str, t: Tensor, dtype: torch.dtype, dims: int, device: torch.device) -> None:
+    if t.dtype != dtype or t.dim() != dims:
+        raise ValueError(f"{name} must be a {dims}-d {dtype} tensor, got {t.dim()}-d {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+def paged_attention(
+    out: Tensor,
+    q: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    max_query_len: int,
+    max_seq_len: int,
+    prefill_impl: PrefillImpl = "auto",
+) -> Tensor:
+    """out[t] = attention of query q[t] over its request's cached keys/values.
+
+    out, q [T, H, D]; key_cache, value_cache [num_blocks, block_size, KVH, D]; block_tables [B, M] int32;
+    seq_lens [B] int32; query_start_loc [B+1] int32 (all on one device). max_query_len and max_seq_len are
+    upper bounds (a CUDA graph passes its capacity); the kernels read the true lengths on the device."""
+    device = q.device
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, H, D], got {tuple(q.shape)}")
+    num_tokens, num_heads, head_size = q.shape
+    if key_cache.dim() != 4 or not key_cache.is_contiguous() or not value_cache.is_contiguous():
+        raise ValueError("key/value caches must be contiguous [num_blocks, block_size, KVH, D]")
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"value_cache {tuple(value_cache.shape)} != key_cache {tuple(key_cache.shape)}")
+    _, block_size, num_kv_heads, cache_head = key_cache.shape
+    if cache_head != head_size or num_heads % num_kv_heads:
+        raise ValueError(f"q [T, {num_heads}, {head_size}] does not fit a cache of {num_kv_heads} kv heads "
+                         f"of size {cache_head}")
+    if not supports(head_size, q.dtype):
+        raise ValueError(f"no paged attention kernel for head_size={head_size}, dtype={q.dtype}; "
+                         f"head sizes {HEAD_SIZES}, dtypes float16/bfloat16/float32")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache), ("out", out)):
+        _check(name, t, q.dtype, t.dim(), device)
+    if out.shape != q.shape or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {tuple(q.shape)}, got {tuple(out.shape)}")
+    _check("block_tables", block_tables, torch.int32, 2, device)
+    _check("seq_lens", seq_lens, torch.int32, 1, device)
+    _check("query_start_loc", query_start_loc, torch.int32, 1, device)
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] < num_seqs:
+        raise ValueError(f"query_start_loc must be [{num_seqs + 1}] and block_tables [>={num_seqs}, M]")
+    if not (seq_lens.is_contiguous() and query_start_loc.is_contiguous()) or block_tables.stride(1) != 1:
+        raise ValueError("seq_lens, query_start_loc and block_tables rows must be contiguous")
+    if q.stride(2) != 1 or q.stride(1) != head_size or (q.stride(0) * q.element_size()) % 16 \
+            or q.data_ptr() % 16:
+        q = q.contiguous()
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    ctype = CTYPES[str(q.dtype).removeprefix("torch.")]
+    names = attention_names(ctype, head_size)
+    window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
+    scale_log2 = np.float32(scale * _LOG2E)
+    common = (
+        ptr(key_cache), ptr(value_cache), ptr(block_tables), np.int32(block_tables.stride(0)),
+        ptr(seq_lens), ptr(query_start_loc),
+    )
+    num_sms, arch = _device_info(device)
+    block_shift = np.int32(block_size.bit_length() - 1)
+    group = num_heads // num_kv_heads
+
+    # Decode: every request; the ones with q_len != 1 exit at once.
+    gp = next((g for g in GROUP_SIZES if g >= group), GROUP_SIZES[-1])
+    chunks = -(-group // gp)
+    max_span = min(max_seq_len, window) if window else max_seq_len
+    part, max_parts = decode_partitions(num_seqs * num_kv_heads * chunks, max(max_span, 1), num_sms)
+    if max_parts > 1:
+        tmp_out = torch.empty((num_seqs, num_heads, max_parts, head_size), dtype=torch.float32, device=device)
+        stats = torch.empty((2, num_seqs, num_heads, max_parts), dtype=torch.float32, device=device)
+        tmp_args = (ptr(tmp_out), ptr(stats[0]), ptr(stats[1]))
+    else:
+        tmp_args = (ptr(out), ptr(out), ptr(out))  # unused by the single-partition path
+    smem = 4 * (gp * head_size + max(gp * part, 4 * gp * head_size) + 2 * gp)
+    launch(Launch(
+        _SOURCE, names, decode_name(ctype, head_size, gp),
+        (num_seqs, num_kv_heads * chunks, max_parts), _THREADS, smem,
+        (ptr(out), *tmp_args, ptr(q), np.int64(q.stride(0)), *common,
+         np.int32(num_heads), np.int32(num_kv_heads), block_shift, np.int32(window), scale_log2,
+         np.int32(part), np.int32(max_parts)),
+    ), device)
+    if max_parts > 1:
+        launch(Launch(
+            _SOURCE, names, reduce_name(ctype, head_size), (num_seqs, num_heads, 1), _THREADS,
+            4 * (max_parts + 4),
+            (ptr(out), *tmp_args, ptr(seq_lens), ptr(query_start_loc), np.int32(num_heads),
+             np.int32(window), np.int32(part), np.int32(max_parts)),
+        ), device)
+
+    # Prefill: requests with q_len > 1; the grid is an upper bound on their row tiles.
+    if max_query_len > 1:
+        mma = prefill_impl == "mma" or (prefill_impl == "auto" and ctype != "float" and arch >= 80)
+        if mma and ctype == "float":
+            raise ValueError("the tensor-core prefill kernel takes float16/bfloat16 only")
+        rows = _MMA_ROWS if mma else _SCALAR_ROWS
+        if mma:
+            smem = 2 * 64 * (head_size + 8) * 2 + 32
+        else:
+            smem = 4 * (16 * head_size + 2 * 32 * (head_size + 1)) + 32
+        tiles = -(-num_tokens * group // rows) + num_seqs
+        launch(Launch(
+            _SOURCE, names, prefill_name(ctype, head_size, mma=mma), (tiles, num_kv_heads, 1), _THREADS,
+            smem,
+            (ptr(out), ptr(q), np.int64(q.stride(0)), *common, np.int32(num_seqs), np.int32(num_heads),
+             np.int32(num_kv_heads), block_shift, np.int32(window), scale_log2),
+        ), device)
+    return out

@@ -1,0 +1,414 @@
+//! A model runner that executes plans against a simulated KV memory and checks them.
+//!
+//! Every slot holds a hash of the token prefix that produced it (0 = garbage). After each
+//! forward, every row's whole context is read back through its block table and compared with
+//! what the row's own tokens say it must be: this checks prefix hits, copy-on-write, swap and
+//! resize moves end to end.
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, HashSet};
+
+use pagedrs_core::{Config, FinishReason, Finished, NewRequest, Scheduler, StepPlan};
+
+pub fn prefix_hash(prev: u64, token: u32, pos: usize) -> u64 {
+    let mut x = prev ^ (u64::from(token) << 20) ^ (pos as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    x ^= x >> 29;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    (x ^ (x >> 32)) | 1
+}
+
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// What the simulator knows about a live seq id.
+#[derive(Debug, Clone)]
+pub struct Mirror {
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    pub max_tokens: usize,
+    pub eos: Vec<u32>,
+    pub stop: Vec<u32>,
+    pub min_tokens: usize,
+}
+
+pub struct Sim {
+    pub s: Scheduler,
+    pub cfg: Config,
+    pub mem: Vec<u64>,
+    pub swap_mem: Vec<u64>,
+    pub live: BTreeMap<i64, Mirror>,
+    pub next_id: i64,
+    pub rng: Rng,
+    pub vocab: u32,
+    pub steps: usize,
+    pub preemptions_seen: usize,
+    pub copies_seen: usize,
+    pub swaps_seen: usize,
+    pub hits_seen: usize,
+    pub moves_seen: usize,
+    /// Pool capacity in tokens when the pending plan was scheduled.
+    pub sched_cap: usize,
+}
+
+impl Sim {
+    pub fn new(cfg: Config, seed: u64) -> Self {
+        let s = Scheduler::new(cfg.clone()).expect("valid config");
+        Self {
+            mem: vec![0; cfg.num_blocks * cfg.block_size],
+            swap_mem: vec![0; cfg.num_swap_blocks * cfg.block_size],
+            s,
+            cfg,
+            live: BTreeMap::new(),
+            next_id: 1,
+            rng: Rng(seed | 1),
+            vocab: 8,
+            steps: 0,
+            preemptions_seen: 0,
+            copies_seen: 0,
+            swaps_seen: 0,
+            hits_seen: 0,
+            moves_seen: 0,
+            sched_cap: 0,
+        }
+    }
+
+    /// Adds a request with `n` sequences; returns the ids, or the error.
+    pub fn add(
+        &mut self,
+        prompt: &[u32],
+        n: usize,
+        max_tokens: usize,
+        priority: i64,
+        salt: Option<String>,
+        skip: bool,
+    ) -> Result<Vec<i64>, pagedrs_core::Error> {
+        let ids: Vec<i64> = (0..n as i64).map(|i| self.next_id + i).collect();
+        let min_tokens = (self.rng.below(3) as usize).min(max_tokens);
+        let req = NewRequest {
+            seq_ids: ids.clone(),
+            prompt_token_ids: prompt.iter().map(|&t| i64::from(t)).collect(),
+            max_tokens: max_tokens as i64,
+            min_tokens: min_tokens as i64,
+            eos_token_ids: vec![0],
+            stop_token_ids: vec![1],
+            ignore_eos: false,
+            priority,
+            cache_salt: salt,
+            skip_prefix_cache: skip,
+        };
+        let before = self.s.stats();
+        match self.s.add_request(req) {
+            Ok(()) => {
+                self.next_id += n as i64;
+                let max_tokens = max_tokens.min(self.cfg.max_model_len - prompt.len());
+                for &id in &ids {
+                    self.live.insert(
+                        id,
+                        Mirror {
+                            tokens: prompt.to_vec(),
+                            prompt_len: prompt.len(),
+                            max_tokens,
+                            eos: vec![0],
+                            stop: vec![1],
+                            min_tokens: min_tokens.min(max_tokens),
+                        },
+                    );
+                }
+                Ok(ids)
+            }
+            Err(e) => {
+                assert_eq!(
+                    before,
+                    self.s.stats(),
+                    "a rejected request changed the state"
+                );
+                Err(e)
+            }
+        }
+    }
+
+    pub fn abort(&mut self, ids: &[i64]) {
+        self.s.abort(ids);
+        for id in ids {
+            self.live.remove(id);
+        }
+    }
+
+    /// Resizes; checks that it fails exactly when the blocks in use do not fit.
+    pub fn resize(&mut self, n: usize) {
+        let used = self.s.pool().num_used();
+        match self.s.resize(n) {
+            Ok(()) => assert!(used <= n, "resize to {n} with {used} used succeeded"),
+            Err(e) => {
+                assert!(used > n, "resize to {n} with {used} used failed: {e}");
+                assert!(
+                    e.to_string().contains(&n.to_string())
+                        && e.to_string().contains(&used.to_string())
+                );
+            }
+        }
+    }
+
+    /// schedule + execute; returns the plan (update not yet called).
+    pub fn schedule_and_run(&mut self) -> StepPlan {
+        self.sched_cap = self.s.num_blocks() * self.cfg.block_size;
+        let p = self.s.schedule().expect("schedule");
+        self.execute(&p);
+        p
+    }
+
+    /// update with random tokens; checks the finished list against the mirrors.
+    pub fn update(&mut self, p: &StepPlan) -> Vec<Finished> {
+        let sampled: Vec<i64> = (0..p.sampled_seq_ids.len())
+            .map(|_| self.rng.below(u64::from(self.vocab)) as i64)
+            .collect();
+        self.update_with(p, &sampled)
+    }
+
+    pub fn update_with(&mut self, p: &StepPlan, sampled: &[i64]) -> Vec<Finished> {
+        let fin = self.s.update(p.step_id, sampled).expect("update");
+        for (i, &id) in p.sampled_seq_ids.iter().enumerate() {
+            if let Some(m) = self.live.get_mut(&id) {
+                m.tokens.push(sampled[i] as u32);
+            }
+        }
+        let finished_ids: HashSet<i64> = fin.iter().map(|f| f.seq_id).collect();
+        assert_eq!(finished_ids.len(), fin.len(), "a seq finished twice");
+        for f in &fin {
+            let m = self.live.remove(&f.seq_id).expect("finished seq was live");
+            let out = m.tokens.len() - m.prompt_len;
+            let last = *m.tokens.last().unwrap();
+            match (f.reason, f.stop_token) {
+                (FinishReason::Stop, None) => assert!(m.eos.contains(&last) && out >= m.min_tokens),
+                (FinishReason::Stop, Some(t)) => {
+                    assert!(t == i64::from(last) && m.stop.contains(&last) && out >= m.min_tokens)
+                }
+                (FinishReason::Length, _) => {
+                    let cap = self.sched_cap;
+                    assert!(
+                        out >= m.max_tokens
+                            || m.tokens.len() >= self.cfg.max_model_len
+                            || m.tokens.len() > cap,
+                        "seq {} finished by length early: {out} outputs of {}",
+                        f.seq_id,
+                        m.max_tokens
+                    );
+                }
+            }
+        }
+        // Everything still live must still be known to the scheduler, and vice versa.
+        assert_eq!(self.s.num_unfinished(), self.live.len(), "unfinished count");
+        self.s.check_invariants().unwrap();
+        fin
+    }
+
+    pub fn step(&mut self) -> (StepPlan, Vec<Finished>) {
+        let p = self.schedule_and_run();
+        let f = self.update(&p);
+        (p, f)
+    }
+
+    /// Runs the plan's block ops and forward on the simulated memory, checking everything.
+    pub fn execute(&mut self, p: &StepPlan) {
+        let bs = self.cfg.block_size;
+        self.steps += 1;
+        self.preemptions_seen += p.preempted.len();
+        self.copies_seen += p.copies.len() / 2;
+        self.swaps_seen += p.swap_out.len() / 2;
+        self.moves_seen += p.block_moves.len() / 2;
+        // Shapes and limits.
+        let b = p.req_ids.len();
+        let t = p.num_tokens;
+        assert!(
+            t <= self.cfg.max_num_batched_tokens,
+            "token budget: {t} > {}",
+            self.cfg.max_num_batched_tokens
+        );
+        assert!(
+            b <= self.cfg.max_num_seqs && p.sampled_seq_ids.len() <= self.cfg.max_num_seqs,
+            "max_num_seqs"
+        );
+        assert_eq!(p.input_ids.len(), t);
+        assert_eq!(p.positions.len(), t);
+        assert_eq!(p.slot_mapping.len(), t);
+        assert_eq!(p.query_start_loc.len(), b + 1);
+        assert_eq!(p.block_tables.len(), b * p.max_blocks);
+        assert_eq!(p.num_prefill_tokens + p.num_decode_tokens, t);
+        assert_eq!(p.logits_indices.len(), p.sampled_seq_ids.len());
+        let rows: HashSet<i64> = p.req_ids.iter().copied().collect();
+        assert_eq!(rows.len(), b, "a seq appears twice in one batch");
+        // Pool resize and block ops, in the runner's order.
+        let nb = p.num_blocks;
+        if nb * bs > self.mem.len() {
+            self.mem.resize(nb * bs, 0);
+        }
+        // Moves run as one gather-then-scatter: sources read the pool as the last plan left it.
+        let mut move_dsts = HashSet::new();
+        let snapshot: Vec<Vec<u64>> = p
+            .block_moves
+            .chunks_exact(2)
+            .map(|c| self.mem[c[0] as usize * bs..(c[0] as usize + 1) * bs].to_vec())
+            .collect();
+        for (m, data) in p.block_moves.chunks_exact(2).zip(snapshot) {
+            assert!(move_dsts.insert(m[1]), "move destination {} repeats", m[1]);
+            assert!(
+                (m[1] as usize) < nb,
+                "move into block {} >= pool {nb}",
+                m[1]
+            );
+            let d = m[1] as usize;
+            self.mem[d * bs..(d + 1) * bs].copy_from_slice(&data);
+        }
+        let mut dsts = HashSet::new();
+        for m in p.swap_out.chunks_exact(2) {
+            let (d, s) = (m[0] as usize, m[1] as usize);
+            assert!(
+                dsts.insert(("swap", s)),
+                "swap block {s} written twice in one step"
+            );
+            for o in 0..bs {
+                self.swap_mem[s * bs + o] = self.mem[d * bs + o];
+            }
+        }
+        for m in p.swap_in.chunks_exact(2) {
+            let (s, d) = (m[0] as usize, m[1] as usize);
+            assert!(d < nb);
+            for o in 0..bs {
+                self.mem[d * bs + o] = self.swap_mem[s * bs + o];
+            }
+        }
+        // Copies run in parallel on a GPU: no destination may be a source or repeat.
+        let srcs: HashSet<i64> = p.copies.chunks_exact(2).map(|c| c[0]).collect();
+        let mut copy_dsts = HashSet::new();
+        let snapshot: Vec<Vec<u64>> = p
+            .copies
+            .chunks_exact(2)
+            .map(|c| self.mem[c[0] as usize * bs..(c[0] as usize + 1) * bs].to_vec())
+            .collect();
+        for (c, data) in p.copies.chunks_exact(2).zip(snapshot) {
+            assert!(
+                !srcs.contains(&c[1]) && copy_dsts.insert(c[1]),
+                "copy destination {} is reused",
+                c[1]
+            );
+            let d = c[1] as usize;
+            self.mem[d * bs..(d + 1) * bs].copy_from_slice(&data);
+        }
+        // Forward: write every new token's slot, then read every row's context.
+        let mut all_slots = HashSet::new();
+        for r in 0..b {
+            let id = p.req_ids[r];
+            let m = self
+                .live
+                .get(&id)
+                .unwrap_or_else(|| panic!("plan row for unknown seq {id}"));
+            let nc = p.num_computed_tokens[r] as usize;
+            let n = p.num_scheduled_tokens[r] as usize;
+            assert!(n > 0);
+            assert_eq!(p.seq_lens[r] as usize, nc + n);
+            assert_eq!(p.num_prompt_tokens[r] as usize, m.prompt_len);
+            assert!(
+                nc + n <= m.tokens.len(),
+                "seq {id} schedules past its tokens"
+            );
+            let q0 = p.query_start_loc[r] as usize;
+            assert_eq!(p.query_start_loc[r + 1] as usize, q0 + n);
+            let row = p.block_table_row(r);
+            let mut h = 0u64;
+            for pos in 0..nc {
+                h = prefix_hash(h, m.tokens[pos], pos);
+            }
+            for j in 0..n {
+                let pos = nc + j;
+                h = prefix_hash(h, m.tokens[pos], pos);
+                assert_eq!(p.input_ids[q0 + j], i64::from(m.tokens[pos]));
+                assert_eq!(p.positions[q0 + j], pos as i64);
+                let blk = row[pos / bs] as usize;
+                assert!(blk < nb, "block {blk} >= pool {nb}");
+                let slot = blk * bs + pos % bs;
+                assert_eq!(p.slot_mapping[q0 + j], slot as i64);
+                assert!(
+                    all_slots.insert(slot),
+                    "slot {slot} written twice in one step"
+                );
+                self.mem[slot] = h;
+            }
+        }
+        for r in 0..b {
+            let id = p.req_ids[r];
+            let m = &self.live[&id];
+            let len = p.seq_lens[r] as usize;
+            let row = p.block_table_row(r);
+            let mut h = 0u64;
+            for pos in 0..len {
+                h = prefix_hash(h, m.tokens[pos], pos);
+                let slot = row[pos / bs] as usize * bs + pos % bs;
+                assert_eq!(
+                    self.mem[slot], h,
+                    "seq {id} reads wrong KV at position {pos} (step {})",
+                    p.step_id
+                );
+            }
+            if p.num_computed_tokens[r] > 0 && m.tokens.len() == m.prompt_len {
+                self.hits_seen += 1;
+            }
+        }
+        // Logits rows sample the last known token of their sequence.
+        for (i, &id) in p.sampled_seq_ids.iter().enumerate() {
+            let m = &self.live[&id];
+            let idx = p.logits_indices[i] as usize;
+            assert!(idx < t);
+            assert_eq!(
+                p.positions[idx] as usize,
+                m.tokens.len() - 1,
+                "logits row of seq {id}"
+            );
+            assert_eq!(p.input_ids[idx], i64::from(*m.tokens.last().unwrap()));
+        }
+        if nb * bs < self.mem.len() {
+            self.mem.truncate(nb * bs);
+        }
+    }
+
+    /// Steps until nothing is unfinished; panics if that takes more than `max_steps`.
+    pub fn drain(&mut self, max_steps: usize) {
+        let mut n = 0;
+        while self.s.has_unfinished() {
+            n += 1;
+            assert!(
+                n <= max_steps,
+                "no progress after {max_steps} steps: {:?}",
+                self.s.stats()
+            );
+            self.step();
+        }
+        assert!(
+            self.live.is_empty(),
+            "live mirrors left: {:?}",
+            self.live.keys()
+        );
+        self.assert_all_free();
+    }
+
+    pub fn assert_all_free(&self) {
+        let st = self.s.stats();
+        assert_eq!(st.num_free_blocks, st.num_blocks, "blocks leaked");
+        assert_eq!(
+            st.num_free_swap_blocks, st.num_swap_blocks,
+            "swap blocks leaked"
+        );
+        assert_eq!((st.num_running, st.num_waiting, st.num_swapped), (0, 0, 0));
+        self.s.check_invariants().unwrap();
+    }
+}

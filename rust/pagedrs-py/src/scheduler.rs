@@ -1,0 +1,251 @@
+//! `Scheduler`: argument conversion and delegation to `pagedrs_core::Scheduler`.
+
+use std::sync::{Mutex, TryLockError};
+
+use numpy::PyReadonlyArray1;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use pagedrs_core::{Config, NewRequest, Scheduler};
+
+use crate::errors::{invalid, to_py};
+use crate::plan::PyStepPlan;
+
+/// Continuous-batching scheduler over a paged KV-cache block pool. Thread-safe: calls from other
+/// threads wait (with the GIL released) while `schedule()` / `update()` run.
+#[pyclass(module = "pagedrs._core", name = "Scheduler", frozen)]
+pub struct PyScheduler {
+    inner: Mutex<Scheduler>,
+}
+
+impl PyScheduler {
+    /// Runs `f` on the scheduler; waits for the lock without holding the GIL.
+    fn with<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Scheduler) -> R + Send) -> R {
+        match self.inner.try_lock() {
+            Ok(mut g) => f(&mut g),
+            Err(TryLockError::Poisoned(p)) => f(&mut p.into_inner()),
+            Err(TryLockError::WouldBlock) => {
+                py.detach(|| f(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner())))
+            }
+        }
+    }
+
+    /// Always releases the GIL: for work that grows with the batch.
+    fn detached<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Scheduler) -> R + Send) -> R {
+        py.detach(|| f(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner())))
+    }
+}
+
+fn size(name: &str, v: i64, min: i64) -> PyResult<usize> {
+    if v < min {
+        return Err(invalid(format!("{name} must be >= {min}, got {v}")));
+    }
+    Ok(v as usize)
+}
+
+/// Token ids from a numpy integer array (no per-element Python objects) or any int sequence.
+fn token_ids(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i64>> {
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
+        if let Ok(s) = a.as_slice() {
+            return Ok(s.to_vec());
+        }
+    }
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
+        if let Ok(s) = a.as_slice() {
+            return Ok(s.iter().map(|&x| i64::from(x)).collect());
+        }
+    }
+    if obj.is_instance_of::<pyo3::types::PyString>() {
+        return Err(invalid(format!(
+            "{what} must be a sequence of ints, got a str"
+        )));
+    }
+    obj.extract::<Vec<i64>>()
+        .map_err(|e| invalid(format!("{what} must be a sequence of ints: {e}")))
+}
+
+#[pymethods]
+impl PyScheduler {
+    #[new]
+    #[pyo3(signature = (*, num_blocks, block_size=16, max_num_batched_tokens=2048, max_num_seqs=256,
+                        max_model_len=2048, enable_prefix_caching=true, enable_chunked_prefill=true,
+                        num_swap_blocks=0, watermark=0.01, vocab_size=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        num_blocks: i64,
+        block_size: i64,
+        max_num_batched_tokens: i64,
+        max_num_seqs: i64,
+        max_model_len: i64,
+        enable_prefix_caching: bool,
+        enable_chunked_prefill: bool,
+        num_swap_blocks: i64,
+        watermark: f64,
+        vocab_size: Option<i64>,
+    ) -> PyResult<Self> {
+        let cfg = Config {
+            num_blocks: size("num_blocks", num_blocks, 1)?,
+            block_size: size("block_size", block_size, 1)?,
+            max_num_batched_tokens: size("max_num_batched_tokens", max_num_batched_tokens, 1)?,
+            max_num_seqs: size("max_num_seqs", max_num_seqs, 1)?,
+            max_model_len: size("max_model_len", max_model_len, 1)?,
+            enable_prefix_caching,
+            enable_chunked_prefill,
+            num_swap_blocks: size("num_swap_blocks", num_swap_blocks, 0)?,
+            watermark,
+            vocab_size: vocab_size.map(|v| size("vocab_size", v, 1)).transpose()?,
+        };
+        let inner = Scheduler::new(cfg).map_err(to_py)?;
+        Ok(Self {
+            inner: Mutex::new(inner),
+        })
+    }
+
+    #[pyo3(signature = (seq_ids, prompt_token_ids, *, max_tokens, min_tokens=0, eos_token_ids=Vec::new(),
+                        stop_token_ids=Vec::new(), ignore_eos=false, priority=0, cache_salt=None,
+                        skip_prefix_cache=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn add_request(
+        &self,
+        py: Python<'_>,
+        seq_ids: Vec<i64>,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        max_tokens: i64,
+        min_tokens: i64,
+        eos_token_ids: Vec<i64>,
+        stop_token_ids: Vec<i64>,
+        ignore_eos: bool,
+        priority: i64,
+        cache_salt: Option<String>,
+        skip_prefix_cache: bool,
+    ) -> PyResult<()> {
+        let req = NewRequest {
+            seq_ids,
+            prompt_token_ids: token_ids(prompt_token_ids, "prompt_token_ids")?,
+            max_tokens,
+            min_tokens,
+            eos_token_ids,
+            stop_token_ids,
+            ignore_eos,
+            priority,
+            cache_salt,
+            skip_prefix_cache,
+        };
+        self.with(py, |s| s.add_request(req)).map_err(to_py)
+    }
+
+    fn schedule(&self, py: Python<'_>) -> PyResult<PyStepPlan> {
+        let plan = self.detached(py, |s| s.schedule()).map_err(to_py)?;
+        Ok(PyStepPlan::from(plan))
+    }
+
+    /// Returns finished sequences: (seq_id, "stop" | "length", stop_token_id or None).
+    fn update(
+        &self,
+        py: Python<'_>,
+        plan: PyRef<'_, PyStepPlan>,
+        sampled_token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<(i64, &'static str, Option<i64>)>> {
+        let step = plan.step_id;
+        drop(plan);
+        let arr = sampled_token_ids
+            .extract::<PyReadonlyArray1<'_, i64>>()
+            .ok();
+        let owned;
+        let ids: &[i64] = match arr.as_ref().and_then(|a| a.as_slice().ok()) {
+            Some(s) => s,
+            None => {
+                owned = token_ids(sampled_token_ids, "sampled_token_ids")?;
+                &owned
+            }
+        };
+        let finished = self.detached(py, |s| s.update(step, ids)).map_err(to_py)?;
+        Ok(finished
+            .into_iter()
+            .map(|f| (f.seq_id, f.reason.as_str(), f.stop_token))
+            .collect())
+    }
+
+    fn abort(&self, py: Python<'_>, seq_ids: Vec<i64>) {
+        self.with(py, |s| s.abort(&seq_ids));
+    }
+
+    fn resize(&self, py: Python<'_>, num_blocks: i64) -> PyResult<()> {
+        if num_blocks < 1 {
+            return Err(to_py(pagedrs_core::Error::Resize(format!(
+                "num_blocks must be >= 1, got {num_blocks}"
+            ))));
+        }
+        self.with(py, |s| s.resize(num_blocks as usize))
+            .map_err(to_py)
+    }
+
+    fn reset_prefix_cache(&self, py: Python<'_>) -> bool {
+        self.with(py, |s| s.reset_prefix_cache())
+    }
+
+    fn has_unfinished(&self, py: Python<'_>) -> bool {
+        self.with(py, |s| s.has_unfinished())
+    }
+
+    fn num_unfinished(&self, py: Python<'_>) -> usize {
+        self.with(py, |s| s.num_unfinished())
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let st = self.with(py, |s| s.stats());
+        let d = PyDict::new(py);
+        d.set_item("num_running", st.num_running)?;
+        d.set_item("num_waiting", st.num_waiting)?;
+        d.set_item("num_swapped", st.num_swapped)?;
+        d.set_item("num_blocks", st.num_blocks)?;
+        d.set_item("num_free_blocks", st.num_free_blocks)?;
+        d.set_item("kv_usage", st.kv_usage)?;
+        d.set_item("num_swap_blocks", st.num_swap_blocks)?;
+        d.set_item("num_free_swap_blocks", st.num_free_swap_blocks)?;
+        d.set_item("prefix_cache_queries", st.prefix_cache_queries)?;
+        d.set_item("prefix_cache_hits", st.prefix_cache_hits)?;
+        d.set_item("num_preemptions", st.num_preemptions)?;
+        Ok(d)
+    }
+
+    fn num_cached_tokens(&self, py: Python<'_>, seq_id: i64) -> PyResult<usize> {
+        self.with(py, |s| s.num_cached_tokens(seq_id))
+            .map_err(to_py)
+    }
+
+    /// Raises PagedrsError naming the first broken invariant (debugging; O(pool + tokens)).
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        self.detached(py, |s| s.check_invariants()).map_err(to_py)
+    }
+
+    #[getter]
+    fn block_size(&self, py: Python<'_>) -> usize {
+        self.with(py, |s| s.block_size())
+    }
+
+    #[getter]
+    fn num_blocks(&self, py: Python<'_>) -> usize {
+        self.with(py, |s| s.num_blocks())
+    }
+
+    #[getter]
+    fn max_model_len(&self, py: Python<'_>) -> usize {
+        self.with(py, |s| s.max_model_len())
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        self.with(py, |s| {
+            let st = s.stats();
+            format!(
+                "Scheduler(num_blocks={}, block_size={}, running={}, waiting={}, swapped={}, free_blocks={})",
+                st.num_blocks,
+                s.block_size(),
+                st.num_running,
+                st.num_waiting,
+                st.num_swapped,
+                st.num_free_blocks
+            )
+        })
+    }
+}
