@@ -448,7 +448,7 @@ __device__ __forceinline__ bool find_tile(const int* __restrict__ query_start_lo
         int n = 0;
         if (b < num_seqs) {
             const int q_len = query_start_loc[b + 1] - query_start_loc[b];
-            if (q_len > 1) n = (q_len * G) / rows_per_tile + 1;
+            if (q_len > 1) n = (q_len * G + rows_per_tile - 1) / rows_per_tile;
         }
         int incl = n;  // inclusive scan within the warp
 #pragma unroll

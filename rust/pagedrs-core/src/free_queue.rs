@@ -10,19 +10,18 @@ const SENTINEL: usize = 0;
 
 #[derive(Debug, Clone)]
 pub struct FreeQueue {
-    prev: Vec<u32>,
-    next: Vec<u32>,
+    /// `[prev, next]` per node, side by side: one cache line per touched node.
+    links: Vec<[u32; 2]>,
     len: usize,
 }
+
+const PREV: usize = 0;
+const NEXT: usize = 1;
 
 impl FreeQueue {
     /// A queue holding blocks `0..num_blocks` in ascending order.
     pub fn new(num_blocks: usize) -> Self {
-        let mut q = Self {
-            prev: vec![SENTINEL as u32],
-            next: vec![SENTINEL as u32],
-            len: 0,
-        };
+        let mut q = Self { links: vec![[SENTINEL as u32; 2]], len: 0 };
         q.grow(num_blocks);
         for b in 0..num_blocks {
             q.push_back(BlockId(b as u32));
@@ -40,25 +39,25 @@ impl FreeQueue {
 
     /// Number of blocks the queue can index.
     pub fn capacity(&self) -> usize {
-        self.next.len() - 1
+        self.links.len() - 1
     }
 
     pub fn contains(&self, b: BlockId) -> bool {
-        self.next[b.node()] != NIL
+        self.links[b.node()][NEXT] != NIL
     }
 
     pub fn front(&self) -> Option<BlockId> {
-        let n = self.next[SENTINEL] as usize;
+        let n = self.links[SENTINEL][NEXT] as usize;
         (n != SENTINEL).then(|| BlockId::from_node(n))
     }
 
     pub fn push_back(&mut self, b: BlockId) {
-        let last = self.prev[SENTINEL] as usize;
+        let last = self.links[SENTINEL][PREV] as usize;
         self.link(last, b.node(), SENTINEL);
     }
 
     pub fn push_front(&mut self, b: BlockId) {
-        let first = self.next[SENTINEL] as usize;
+        let first = self.links[SENTINEL][NEXT] as usize;
         self.link(SENTINEL, b.node(), first);
     }
 
@@ -72,54 +71,52 @@ impl FreeQueue {
     pub fn remove(&mut self, b: BlockId) {
         let n = b.node();
         debug_assert!(
-            self.next[n] != NIL,
+            self.links[n][NEXT] != NIL,
             "block {} is not in the free queue",
             b.0
         );
-        let (p, nx) = (self.prev[n] as usize, self.next[n] as usize);
-        self.next[p] = nx as u32;
-        self.prev[nx] = p as u32;
-        self.prev[n] = NIL;
-        self.next[n] = NIL;
+        let (p, nx) = (self.links[n][PREV] as usize, self.links[n][NEXT] as usize);
+        self.links[p][NEXT] = nx as u32;
+        self.links[nx][PREV] = p as u32;
+        self.links[n][PREV] = NIL;
+        self.links[n][NEXT] = NIL;
         self.len -= 1;
     }
 
     /// Makes room for blocks up to `num_blocks`; the new blocks are not queued.
     pub fn grow(&mut self, num_blocks: usize) {
-        self.prev.resize(num_blocks + 1, NIL);
-        self.next.resize(num_blocks + 1, NIL);
+        self.links.resize(num_blocks + 1, [NIL; 2]);
     }
 
     /// Drops blocks `num_blocks..`; none of them may be queued.
     pub fn truncate(&mut self, num_blocks: usize) {
-        debug_assert!((num_blocks + 1..self.next.len()).all(|n| self.next[n] == NIL));
-        self.prev.truncate(num_blocks + 1);
-        self.next.truncate(num_blocks + 1);
+        debug_assert!(self.links[num_blocks + 1..].iter().all(|l| l[NEXT] == NIL));
+        self.links.truncate(num_blocks + 1);
     }
 
     /// Blocks from front (next to be reused) to back.
     pub fn iter(&self) -> impl Iterator<Item = BlockId> + '_ {
-        let mut n = self.next[SENTINEL] as usize;
+        let mut n = self.links[SENTINEL][NEXT] as usize;
         std::iter::from_fn(move || {
             if n == SENTINEL || n == NIL as usize {
                 return None;
             }
             let b = BlockId::from_node(n);
-            n = self.next[n] as usize;
+            n = self.links[n][NEXT] as usize;
             Some(b)
         })
     }
 
     fn link(&mut self, p: usize, n: usize, nx: usize) {
         debug_assert!(
-            self.next[n] == NIL,
+            self.links[n][NEXT] == NIL,
             "block {} is already in the free queue",
             n - 1
         );
-        self.next[p] = n as u32;
-        self.prev[n] = p as u32;
-        self.next[n] = nx as u32;
-        self.prev[nx] = n as u32;
+        self.links[p][NEXT] = n as u32;
+        self.links[n][PREV] = p as u32;
+        self.links[n][NEXT] = nx as u32;
+        self.links[nx][PREV] = n as u32;
         self.len += 1;
     }
 }

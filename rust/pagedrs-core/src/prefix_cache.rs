@@ -76,11 +76,16 @@ type IdMap = HashMap<u64, u32, BuildHasherDefault<IdentityHasher>>;
 pub struct PrefixCache {
     block_size: usize,
     map: IdMap,
-    // INVARIANT: cached[b] iff map[hash[b]] == b.
-    cached: Vec<bool>,
-    hash: Vec<u64>,
-    parent: Vec<u64>,
+    // INVARIANT: meta[b].cached iff map[meta[b].hash] == b.
+    meta: Vec<Meta>,
     tokens: Vec<u32>,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Meta {
+    hash: u64,
+    parent: u64,
+    cached: bool,
 }
 
 impl PrefixCache {
@@ -88,9 +93,7 @@ impl PrefixCache {
         Self {
             block_size,
             map: IdMap::default(),
-            cached: vec![false; num_blocks],
-            hash: vec![0; num_blocks],
-            parent: vec![0; num_blocks],
+            meta: vec![Meta::default(); num_blocks],
             tokens: vec![0; num_blocks * block_size],
         }
     }
@@ -104,11 +107,11 @@ impl PrefixCache {
     }
 
     pub fn is_cached(&self, b: BlockId) -> bool {
-        self.cached[b.idx()]
+        self.meta[b.idx()].cached
     }
 
     pub fn hash_of(&self, b: BlockId) -> Option<u64> {
-        self.cached[b.idx()].then(|| self.hash[b.idx()])
+        self.meta[b.idx()].cached.then(|| self.meta[b.idx()].hash)
     }
 
     pub fn tokens_of(&self, b: BlockId) -> &[u32] {
@@ -120,20 +123,18 @@ impl PrefixCache {
     pub fn lookup(&self, hash: u64, parent: u64, tokens: &[u32]) -> Option<BlockId> {
         let &b = self.map.get(&hash)?;
         let b = BlockId(b);
-        (self.parent[b.idx()] == parent && self.tokens_of(b) == tokens).then_some(b)
+        (self.meta[b.idx()].parent == parent && self.tokens_of(b) == tokens).then_some(b)
     }
 
     /// Registers full block `b`. Returns false (and changes nothing) when `b` is already cached or
     /// another block already holds `hash`.
     pub fn insert(&mut self, b: BlockId, hash: u64, parent: u64, tokens: &[u32]) -> bool {
         debug_assert_eq!(tokens.len(), self.block_size);
-        if self.cached[b.idx()] || self.map.contains_key(&hash) {
+        if self.meta[b.idx()].cached || self.map.contains_key(&hash) {
             return false;
         }
         self.map.insert(hash, b.0);
-        self.cached[b.idx()] = true;
-        self.hash[b.idx()] = hash;
-        self.parent[b.idx()] = parent;
+        self.meta[b.idx()] = Meta { hash, parent, cached: true };
         let s = b.idx() * self.block_size;
         self.tokens[s..s + self.block_size].copy_from_slice(tokens);
         true
@@ -141,40 +142,36 @@ impl PrefixCache {
 
     /// Forgets block `b` (it is about to be reused). Returns whether it was cached.
     pub fn evict(&mut self, b: BlockId) -> bool {
-        if !self.cached[b.idx()] {
+        if !self.meta[b.idx()].cached {
             return false;
         }
-        self.cached[b.idx()] = false;
-        self.map.remove(&self.hash[b.idx()]);
+        self.meta[b.idx()].cached = false;
+        self.map.remove(&self.meta[b.idx()].hash);
         true
     }
 
     pub fn clear(&mut self) {
         self.map.clear();
-        self.cached.iter_mut().for_each(|c| *c = false);
+        self.meta.iter_mut().for_each(|m| m.cached = false);
     }
 
     /// Moves the cache entry of `src` (if any) to `dst`, which must not be cached.
     pub fn move_block(&mut self, src: BlockId, dst: BlockId) {
-        debug_assert!(!self.cached[dst.idx()]);
-        if !self.cached[src.idx()] {
+        debug_assert!(!self.meta[dst.idx()].cached);
+        if !self.meta[src.idx()].cached {
             return;
         }
         let (s, d) = (src.idx(), dst.idx());
-        self.cached[s] = false;
-        self.cached[d] = true;
-        self.hash[d] = self.hash[s];
-        self.parent[d] = self.parent[s];
+        self.meta[d] = self.meta[s];
+        self.meta[s].cached = false;
         let bs = self.block_size;
         self.tokens.copy_within(s * bs..(s + 1) * bs, d * bs);
-        self.map.insert(self.hash[d], dst.0);
+        self.map.insert(self.meta[d].hash, dst.0);
     }
 
     pub fn resize(&mut self, num_blocks: usize) {
-        debug_assert!((num_blocks..self.cached.len()).all(|b| !self.cached[b]));
-        self.cached.resize(num_blocks, false);
-        self.hash.resize(num_blocks, 0);
-        self.parent.resize(num_blocks, 0);
+        debug_assert!(self.meta.iter().skip(num_blocks).all(|m| !m.cached));
+        self.meta.resize(num_blocks, Meta::default());
         self.tokens.resize(num_blocks * self.block_size, 0);
     }
 
@@ -182,11 +179,11 @@ impl PrefixCache {
     pub fn check(&self) -> Result<(), String> {
         for (&h, &b) in &self.map {
             let i = b as usize;
-            if i >= self.cached.len() || !self.cached[i] || self.hash[i] != h {
+            if i >= self.meta.len() || !self.meta[i].cached || self.meta[i].hash != h {
                 return Err(format!("cache map entry {h:#x} -> block {b} is stale"));
             }
         }
-        let n = self.cached.iter().filter(|&&c| c).count();
+        let n = self.meta.iter().filter(|m| m.cached).count();
         if n != self.map.len() {
             return Err(format!(
                 "{n} blocks flagged cached but the map has {}",

@@ -72,14 +72,19 @@ def internal(message: str) -> APIError:
     return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, message, code="internal_error")
 
 
+# Union branch tags pydantic puts in an error's loc; they are types, not field names.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "list", "dict", "tuple", "set", "none"})
+
+
 def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
-    # pydantic's loc holds union branch names ("str", "list[int]", "function-after[...]"); keep
-    # the field path: strings that look like identifiers and list indices.
+    # Keep the field path (API fields are lowercase identifiers, list positions are ints); drop
+    # union tags such as "str", "list[int]", "function-after[...]" or a model's class name.
     parts: list[str] = []
     for item in loc:
         if isinstance(item, int):
             parts.append(f"[{item}]")
-        elif isinstance(item, str) and item.isidentifier():
+        elif (isinstance(item, str) and item.isidentifier() and item not in _TYPE_TAGS
+              and not item[:1].isupper()):
             parts.append(("." if parts else "") + item)
     return "".join(parts) or None
 

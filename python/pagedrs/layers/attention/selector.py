@@ -1,8 +1,12 @@
-"""Picks the attention backend by name: "auto", "torch" or "cupy"."""
+"""Picks the attention backend by name: "auto", "torch" or "cupy".
+
+The "cupy" backend is the class `CupyAttentionBackend` of `pagedrs.layers.attention.cupy` (imported only
+when asked for); its constructor takes the device, or nothing."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 import torch
 
@@ -25,7 +29,7 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
     """ "auto": "cupy" on CUDA when cupy imports, else "torch"; "torch": the reference; "cupy": CUDA kernels."""
     device = torch.device(device)
     if name == "auto":
-        name = "cupy" if device.type == "cuda" and _cupy_available() else "torch"
+        name = "cupy" if device.type == "cuda" and _cupy_available() and _has_cupy_backend() else "torch"
     if name == "torch":
         from pagedrs.layers.attention.torch_ref import TorchAttentionBackend
 
@@ -39,6 +43,10 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
             raise ValueError("pagedrs.layers.attention.cupy defines no CupyAttentionBackend")
         return backend_cls(device) if _takes_device(backend_cls) else backend_cls()
     raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+
+
+def _has_cupy_backend() -> bool:
+    return importlib.util.find_spec("pagedrs.layers.attention.cupy") is not None
 
 
 def _takes_device(cls: type) -> bool:

@@ -2,9 +2,11 @@
 tested against.
 
 Per step: K/V of the new tokens are written into their slots; then every request's queries attend to its
-own context, read back from the cache through its block table. Single-token queries (decodes) are batched
-together through one padded gather and a length mask; longer queries (prefill chunks) are handled one
-request at a time, which is a short loop since a step holds few of them.
+own context, read back from the cache through its block table. Single-token queries (decodes) are batched:
+grouped by context length, each group goes through one padded gather into reused buffers, a length (and
+window) mask and one batched matmul per KV head. Longer queries (prefill chunks) are handled one request
+at a time, a short loop since a step holds few of them; a chunk with nothing cached before it attends to
+its own k/v directly.
 """
 
 from __future__ import annotations

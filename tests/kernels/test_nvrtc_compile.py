@@ -1,0 +1,86 @@
+"""Every kernel and every template instantiation compiles with NVRTC for sm_80 and sm_90. No GPU needed:
+this runs (and must not skip) in CI. NVRTC comes from pip: cupy-cuda12x plus nvidia-cuda-nvrtc-cu12
+(or the CUDA 13 pair); the kernels include no CUDA header, so no include directory is needed."""
+
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from pagedrs import kernels
+from pagedrs.kernels import _loader
+
+REPO = Path(__file__).resolve().parents[2]
+CUDA_DIR = REPO / "cuda"
+
+
+def _disk_source(name: str) -> str:
+    return (CUDA_DIR / f"{name}.cu").read_text()
+
+
+@pytest.fixture(scope="module")
+def nvrtc_ok() -> tuple[int, int]:
+    try:
+        version = kernels.nvrtc_version()
+    except ImportError as e:  # not a skip: CI must have NVRTC
+        pytest.fail(f"NVRTC unavailable ({e}). Install: pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12")
+    assert version >= (11, 8), f"NVRTC {version} cannot target sm_90; need CUDA 11.8 or newer"
+    return version
+
+
+def test_sources_start_with_line_directive() -> None:
+    for name in _loader.SOURCES:
+        first = _disk_source(name).splitlines()[0]
+        assert first == f'#line 1 "cuda/{name}.cu"', f"{name}.cu must start with its #line directive"
+
+
+def test_sources_include_no_headers() -> None:
+    """Header-free sources need no CUDA include directory at run time or in CI."""
+    for name in _loader.SOURCES:
+        assert not re.search(r"^\s*#\s*include", _disk_source(name), re.M), f"{name}.cu includes a header"
+
+
+def test_embedded_sources_match_disk() -> None:
+    """The extension embeds cuda/*.cu at build time; a mismatch means it needs a rebuild
+    (pip install -e . --no-build-isolation --no-deps)."""
+    from pagedrs._core import kernel_names, kernel_source
+
+    assert set(_loader.SOURCES) <= set(kernel_names())
+    for name in _loader.SOURCES:
+        assert kernel_source(name) == _disk_source(name), f"embedded {name}.cu is stale: rebuild the extension"
+
+
+def test_every_kernel_template_is_instantiated() -> None:
+    instantiated = {re.sub(r"<.*", "", n) for _, names in _loader.instantiation_groups() for n in names}
+    for name in _loader.SOURCES:
+        for kernel in re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)", _disk_source(name)):
+            assert f"pagedrs::{kernel}" in instantiated, f"{kernel} in {name}.cu has no instantiation"
+
+
+@pytest.mark.parametrize("arch", _loader.COMPILE_CHECK_ARCHS)
+def test_every_instantiation_compiles(arch: str, nvrtc_ok: tuple[int, int]) -> None:
+    groups = _loader.instantiation_groups()
+
+    def compile_group(group: tuple[str, tuple[str, ...]]) -> str | None:
+        source, names = group
+        try:
+            lowered = _loader.compile_check(source, names, arch, code=_disk_source(source))
+        except _loader.KernelCompileError as e:
+            return str(e)
+        missing = [n for n in names if not lowered.get(n)]
+        return f"{source}: no lowered name for {missing}" if missing else None
+
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        errors = [e for e in pool.map(compile_group, groups) if e]
+    assert not errors, "\n\n".join(errors[:3])
+    assert sum(len(n) for _, n in groups) > 100
+
+
+def test_compile_errors_name_the_real_file(nvrtc_ok: tuple[int, int]) -> None:
+    broken = _disk_source("cache_kernels").replace("const long long slot = slot_mapping[t];",
+                                                   "const long long slot = slot_mapping[t] +;")
+    with pytest.raises(kernels.KernelCompileError, match=r"cuda/cache_kernels\.cu\(\d+\)"):
+        _loader.compile_check("cache_kernels", _loader.cache_names(), "sm_80", code=broken)
