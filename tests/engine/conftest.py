@@ -12,13 +12,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from pagedrs import EngineArgs, LLMEngine, RequestOutput, SamplingParams
 
+from pagedrs import EngineArgs, LLMEngine, RequestOutput, SamplingParams
 from tests.helpers import load_hf_model, make_tiny_llama
 
 if os.environ.get("PAGEDRS_TEST_FAKE_SCHEDULER") == "1":  # develop without the Rust scheduler
     import pagedrs._core as _core
-
     from tests.engine.fake_scheduler import FakeScheduler
 
     _core.Scheduler = FakeScheduler  # type: ignore[attr-defined,misc]
@@ -150,6 +149,15 @@ def make_engine(model: str | Path | None, **kwargs: Any) -> LLMEngine:
     kwargs.setdefault("disable_log_stats", True)
     kwargs.setdefault("device", "cpu")
     return LLMEngine.from_engine_args(EngineArgs(model=None if model is None else str(model), **kwargs))
+
+
+def engine_from_loaded(loaded: Any, **kwargs: Any) -> LLMEngine:
+    """A fresh engine (own KV pool and scheduler) over an already loaded model."""
+    kwargs.setdefault("disable_log_stats", True)
+    kwargs.setdefault("device", "cpu")
+    max_len = int(getattr(loaded.model, "max_position", 0) or loaded.hf_config.max_position_embeddings)
+    args = EngineArgs(model=loaded.model_path, **kwargs)
+    return LLMEngine(args.create_engine_config(max_len), loaded, max_logprobs=args.max_logprobs)
 
 
 def run_all(engine: LLMEngine, max_steps: int = 100_000) -> dict[str, RequestOutput]:

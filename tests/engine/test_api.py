@@ -6,8 +6,8 @@ import logging
 from pathlib import Path
 
 import pytest
-from pagedrs import LLM, CompletionOutput, EngineArgs, LLMEngine, RequestOutput, SamplingParams
 
+from pagedrs import LLM, CompletionOutput, EngineArgs, LLMEngine, RequestOutput, SamplingParams
 from tests.engine.conftest import assert_pool_free, greedy, make_engine, random_prompts, run_all
 
 

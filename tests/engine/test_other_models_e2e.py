@@ -115,10 +115,10 @@ def test_server_completions_match_llm(tmp_path: Path) -> None:
     """`python -m pagedrs.entrypoints.openai.api_server --model DIR` on a tiny GPT-2 folder answers
     /v1/completions (greedy) exactly as LLM.generate does."""
     from pagedrs import LLM
-
     from tests.entrypoints.conftest import SubprocessServer
 
-    folder = make_tiny_model(tmp_path / "gpt2", gpt2_config())
+    # vocab_size 259 = the byte tokenizer's size, so every generated token has text (or is special).
+    folder = make_tiny_model(tmp_path / "gpt2", gpt2_config(vocab_size=259))
     prompts = ["Hello, paged world", "GPT-2 says"]
     llm = LLM(model=str(folder), device="cpu", dtype="float32", disable_log_stats=True)
     expected = [o.outputs[0].text for o in llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)]
@@ -139,5 +139,20 @@ def test_server_completions_match_llm(tmp_path: Path) -> None:
                 resp = http.post("/v1/completions", json=body)
                 assert resp.status_code == 200, resp.text
                 assert resp.json()["choices"][0]["text"] == want
+                assert resp.json()["usage"]["completion_tokens"] == MAX_TOKENS
     finally:
         server.kill()
+
+
+def test_bad_checkpoint_fails_at_engine_start(tmp_path: Path) -> None:
+    """The engine refuses a checkpoint missing a tensor when it is built, before any request."""
+    from safetensors.torch import load_file, save_file
+
+    from pagedrs import LLM
+
+    folder = make_tiny_model(tmp_path / "opt", opt_config())
+    state = load_file(str(folder / "model.safetensors"))
+    del state["model.decoder.layers.1.fc2.bias"]
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.decoder.layers.1.fc2.bias"):
+        LLM(model=str(folder), device="cpu", dtype="float32", disable_log_stats=True)

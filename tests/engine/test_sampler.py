@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+
 from pagedrs import SamplingParams
 from pagedrs.layers.sampler import (
     Sampler,

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from pagedrs import SamplingParams
 
+from pagedrs import SamplingParams
 from tests.engine.conftest import HFReference, assert_pool_free, greedy, make_engine, random_prompts, run_all
 from tests.helpers import make_tokenizer
 

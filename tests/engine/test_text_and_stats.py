@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+
 from pagedrs.engine.sequence import IncrementalDetokenizer, check_stop_strings
 from pagedrs.metrics import EngineStats, StatLogger, visualize_batch
-
 from tests.helpers import make_tokenizer
 
 

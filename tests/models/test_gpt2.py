@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from pagedrs.layers.attention import ForwardContext
-from pagedrs.loader import load_model
 from safetensors.torch import load_file, save_file
 
+from pagedrs.layers.attention import ForwardContext
+from pagedrs.loader import load_model
 from tests.helpers import BOS_ID, EOS_ID, VOCAB_SIZE, load_hf_model, make_tiny_model
 from tests.models.paged_harness import PagedHarness
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import transformers
-from pagedrs.loader import load_model
 
+from pagedrs.loader import load_model
 from tests.helpers import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, make_tiny_model
 from tests.models.test_gpt2 import assert_load_errors, assert_matches_hf, random_prompts
 

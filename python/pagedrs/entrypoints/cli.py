@@ -38,7 +38,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("pagedrs generate: give --prompt or prompts on stdin, one a line", file=sys.stderr)
         return 2
     llm = _make_llm(args)
-    for out in llm.generate(prompts, _sampling_params(args)):
+    for out in llm.generate(prompts, _sampling_params(args), use_tqdm=False):
         if len(prompts) > 1:
             print(f"### {out.prompt!r}")
         print(out.outputs[0].text)
@@ -53,7 +53,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "system", "content": args.system})
     if args.message:
         messages.append({"role": "user", "content": args.message})
-        print(llm.chat(messages, params)[0].outputs[0].text)
+        print(llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text)
         return 0
     print("pagedrs chat: type a message, an empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
@@ -64,7 +64,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
-        reply = llm.chat(messages, params)[0].outputs[0].text
+        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
         print(reply)
         messages.append({"role": "assistant", "content": reply})
     return 0

@@ -9,7 +9,7 @@ use crate::BlockId;
 pub struct BlockPool {
     block_size: usize,
     // INVARIANT: a block is in the free queue iff its ref count is 0.
-    ref_cnt: Vec<u32>,
+    // Ref counts and cached flags live in the free queue's per-block records.
     free: FreeQueue,
     cache: PrefixCache,
     /// Cached blocks evicted to make room (cumulative).
@@ -20,7 +20,6 @@ impl BlockPool {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
         Self {
             block_size,
-            ref_cnt: vec![0; num_blocks],
             free: FreeQueue::new(num_blocks),
             cache: PrefixCache::new(num_blocks, block_size),
             num_evictions: 0,
@@ -28,7 +27,7 @@ impl BlockPool {
     }
 
     pub fn num_blocks(&self) -> usize {
-        self.ref_cnt.len()
+        self.free.capacity()
     }
 
     pub fn block_size(&self) -> usize {
@@ -53,7 +52,11 @@ impl BlockPool {
     }
 
     pub fn ref_count(&self, b: BlockId) -> u32 {
-        self.ref_cnt[b.idx()]
+        self.free.node(b).ref_cnt
+    }
+
+    pub fn is_cached(&self, b: BlockId) -> bool {
+        self.free.node(b).cached
     }
 
     pub fn cache(&self) -> &PrefixCache {
@@ -67,30 +70,33 @@ impl BlockPool {
     /// Takes the least recently used free block (evicting its cache entry). None when empty.
     pub fn allocate(&mut self) -> Option<BlockId> {
         let b = self.free.pop_front()?;
-        if self.cache.evict(b) {
+        let node = self.free.node_mut(b);
+        node.ref_cnt = 1;
+        if node.cached {
+            node.cached = false;
+            self.cache.remove(b);
             self.num_evictions += 1;
         }
-        self.ref_cnt[b.idx()] = 1;
         Some(b)
     }
 
     /// Adds a reference to `b` (a prefix-cache hit or a fork), taking it off the free queue.
     pub fn incref(&mut self, b: BlockId) {
-        let r = &mut self.ref_cnt[b.idx()];
-        if *r == 0 {
+        let node = self.free.node_mut(b);
+        node.ref_cnt += 1;
+        if node.ref_cnt == 1 {
             self.free.remove(b);
         }
-        *r += 1;
     }
 
     /// Drops one reference. A block reaching 0 is queued: cached blocks at the back (they survive
     /// longest), others at the front (reused first).
     pub fn free(&mut self, b: BlockId) {
-        let r = &mut self.ref_cnt[b.idx()];
-        debug_assert!(*r > 0, "double free of block {}", b.0);
-        *r -= 1;
-        if *r == 0 {
-            if self.cache.is_cached(b) {
+        let node = self.free.node_mut(b);
+        debug_assert!(node.ref_cnt > 0, "double free of block {}", b.0);
+        node.ref_cnt -= 1;
+        if node.ref_cnt == 0 {
+            if node.cached {
                 self.free.push_back(b);
             } else {
                 self.free.push_front(b);
@@ -112,8 +118,13 @@ impl BlockPool {
 
     /// Caches full, in-use block `b`. False if it or its hash is already cached.
     pub fn cache_block(&mut self, b: BlockId, hash: u64, parent: u64, tokens: &[u32]) -> bool {
-        debug_assert!(self.ref_cnt[b.idx()] > 0);
-        self.cache.insert(b, hash, parent, tokens)
+        let node = self.free.node_mut(b);
+        debug_assert!(node.ref_cnt > 0);
+        if node.cached || !self.cache.insert(b, hash, parent, tokens) {
+            return false;
+        }
+        self.free.node_mut(b).cached = true;
+        true
     }
 
     /// Drops every cache entry. Only when no block is in use; returns whether it did.
@@ -122,6 +133,9 @@ impl BlockPool {
             return false;
         }
         self.cache.clear();
+        for b in 0..self.num_blocks() {
+            self.free.node_mut(BlockId(b as u32)).cached = false;
+        }
         true
     }
 
@@ -129,7 +143,6 @@ impl BlockPool {
     pub fn grow(&mut self, n: usize) {
         let old = self.num_blocks();
         debug_assert!(n >= old);
-        self.ref_cnt.resize(n, 0);
         self.free.grow(n);
         self.cache.resize(n);
         for b in (old..n).rev() {
@@ -147,32 +160,39 @@ impl BlockPool {
         }
         for b in n..old {
             let b = BlockId(b as u32);
-            if self.ref_cnt[b.idx()] == 0 {
+            if self.ref_count(b) == 0 {
                 self.free.remove(b);
-                self.cache.evict(b);
+                self.uncache(b);
             }
         }
         let mut moves = Vec::new();
         for b in n..old {
             let src = BlockId(b as u32);
-            let r = self.ref_cnt[src.idx()];
+            let r = self.ref_count(src);
             if r == 0 {
                 continue;
             }
-            let dst = self
-                .free
-                .pop_front()
-                .expect("enough free blocks below the new size");
-            self.cache.evict(dst);
-            self.cache.move_block(src, dst);
-            self.ref_cnt[dst.idx()] = r;
-            self.ref_cnt[src.idx()] = 0;
+            let dst = self.free.pop_front().expect("enough free blocks below the new size");
+            self.uncache(dst);
+            if self.is_cached(src) {
+                self.cache.move_block(src, dst);
+                self.free.node_mut(src).cached = false;
+                self.free.node_mut(dst).cached = true;
+            }
+            self.free.node_mut(dst).ref_cnt = r;
+            self.free.node_mut(src).ref_cnt = 0;
             moves.push((src, dst));
         }
-        self.ref_cnt.truncate(n);
         self.free.truncate(n);
         self.cache.resize(n);
         Some(moves)
+    }
+
+    fn uncache(&mut self, b: BlockId) {
+        if self.is_cached(b) {
+            self.cache.remove(b);
+            self.free.node_mut(b).cached = false;
+        }
     }
 
     /// Checks the free queue against the ref counts and the cache map.
@@ -189,35 +209,22 @@ impl BlockPool {
             }
             seen[b.idx()] = true;
             count += 1;
-            if self.ref_cnt[b.idx()] != 0 {
-                return Err(format!(
-                    "block {} is free and referenced ({} refs)",
-                    b.0,
-                    self.ref_cnt[b.idx()]
-                ));
+            if self.ref_count(b) != 0 {
+                return Err(format!("block {} is free and referenced ({} refs)", b.0, self.ref_count(b)));
             }
         }
         if count != self.free.len() {
-            return Err(format!(
-                "free queue length {} but {count} linked",
-                self.free.len()
-            ));
+            return Err(format!("free queue length {} but {count} linked", self.free.len()));
         }
-        for (b, &r) in self.ref_cnt.iter().enumerate() {
-            if r == 0 && !seen[b] {
-                return Err(format!(
-                    "block {b} has no refs but is not in the free queue"
-                ));
+        for (b, &free) in seen.iter().enumerate() {
+            if self.ref_count(BlockId(b as u32)) == 0 && !free {
+                return Err(format!("block {b} has no refs but is not in the free queue"));
             }
         }
         if self.num_free() + self.num_used() != n {
-            return Err(format!(
-                "free {} + used {} != pool {n}",
-                self.num_free(),
-                self.num_used()
-            ));
+            return Err(format!("free {} + used {} != pool {n}", self.num_free(), self.num_used()));
         }
-        self.cache.check()
+        self.cache.check(|b| self.is_cached(b), n)
     }
 }
 

@@ -1,7 +1,9 @@
-//! Intrusive doubly linked list of free blocks over index arrays.
+//! Intrusive doubly linked list of free blocks over an index array.
 //!
 //! Node 0 is the sentinel of a circular list; block `b` is node `b + 1`. A node that is not in the
 //! queue has `next == NIL`, so membership, removal from the middle, push and pop are all O(1).
+//! Each node also carries the pool's per-block state (ref count, cached flag), so allocating or
+//! freeing a block touches one 16-byte record instead of several arrays.
 
 use crate::BlockId;
 
@@ -10,18 +12,26 @@ const SENTINEL: usize = 0;
 
 #[derive(Debug, Clone)]
 pub struct FreeQueue {
-    /// `[prev, next]` per node, side by side: one cache line per touched node.
-    links: Vec<[u32; 2]>,
+    nodes: Vec<Node>,
     len: usize,
 }
 
-const PREV: usize = 0;
-const NEXT: usize = 1;
+/// One block's record: free-list links plus the owner's per-block state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Node {
+    prev: u32,
+    next: u32,
+    pub ref_cnt: u32,
+    pub cached: bool,
+}
+
+const EMPTY: Node = Node { prev: NIL, next: NIL, ref_cnt: 0, cached: false };
 
 impl FreeQueue {
     /// A queue holding blocks `0..num_blocks` in ascending order.
     pub fn new(num_blocks: usize) -> Self {
-        let mut q = Self { links: vec![[SENTINEL as u32; 2]], len: 0 };
+        let sentinel = Node { prev: SENTINEL as u32, next: SENTINEL as u32, ref_cnt: 0, cached: false };
+        let mut q = Self { nodes: vec![sentinel], len: 0 };
         q.grow(num_blocks);
         for b in 0..num_blocks {
             q.push_back(BlockId(b as u32));
@@ -39,25 +49,34 @@ impl FreeQueue {
 
     /// Number of blocks the queue can index.
     pub fn capacity(&self) -> usize {
-        self.links.len() - 1
+        self.nodes.len() - 1
     }
 
     pub fn contains(&self, b: BlockId) -> bool {
-        self.links[b.node()][NEXT] != NIL
+        self.nodes[b.node()].next != NIL
+    }
+
+    /// The record of block `b`.
+    pub fn node(&self, b: BlockId) -> &Node {
+        &self.nodes[b.node()]
+    }
+
+    pub fn node_mut(&mut self, b: BlockId) -> &mut Node {
+        &mut self.nodes[b.node()]
     }
 
     pub fn front(&self) -> Option<BlockId> {
-        let n = self.links[SENTINEL][NEXT] as usize;
+        let n = self.nodes[SENTINEL].next as usize;
         (n != SENTINEL).then(|| BlockId::from_node(n))
     }
 
     pub fn push_back(&mut self, b: BlockId) {
-        let last = self.links[SENTINEL][PREV] as usize;
+        let last = self.nodes[SENTINEL].prev as usize;
         self.link(last, b.node(), SENTINEL);
     }
 
     pub fn push_front(&mut self, b: BlockId) {
-        let first = self.links[SENTINEL][NEXT] as usize;
+        let first = self.nodes[SENTINEL].next as usize;
         self.link(SENTINEL, b.node(), first);
     }
 
@@ -71,52 +90,52 @@ impl FreeQueue {
     pub fn remove(&mut self, b: BlockId) {
         let n = b.node();
         debug_assert!(
-            self.links[n][NEXT] != NIL,
+            self.nodes[n].next != NIL,
             "block {} is not in the free queue",
             b.0
         );
-        let (p, nx) = (self.links[n][PREV] as usize, self.links[n][NEXT] as usize);
-        self.links[p][NEXT] = nx as u32;
-        self.links[nx][PREV] = p as u32;
-        self.links[n][PREV] = NIL;
-        self.links[n][NEXT] = NIL;
+        let (p, nx) = (self.nodes[n].prev as usize, self.nodes[n].next as usize);
+        self.nodes[p].next = nx as u32;
+        self.nodes[nx].prev = p as u32;
+        self.nodes[n].prev = NIL;
+        self.nodes[n].next = NIL;
         self.len -= 1;
     }
 
     /// Makes room for blocks up to `num_blocks`; the new blocks are not queued.
     pub fn grow(&mut self, num_blocks: usize) {
-        self.links.resize(num_blocks + 1, [NIL; 2]);
+        self.nodes.resize(num_blocks + 1, EMPTY);
     }
 
     /// Drops blocks `num_blocks..`; none of them may be queued.
     pub fn truncate(&mut self, num_blocks: usize) {
-        debug_assert!(self.links[num_blocks + 1..].iter().all(|l| l[NEXT] == NIL));
-        self.links.truncate(num_blocks + 1);
+        debug_assert!(self.nodes[num_blocks + 1..].iter().all(|l| l.next == NIL));
+        self.nodes.truncate(num_blocks + 1);
     }
 
     /// Blocks from front (next to be reused) to back.
     pub fn iter(&self) -> impl Iterator<Item = BlockId> + '_ {
-        let mut n = self.links[SENTINEL][NEXT] as usize;
+        let mut n = self.nodes[SENTINEL].next as usize;
         std::iter::from_fn(move || {
             if n == SENTINEL || n == NIL as usize {
                 return None;
             }
             let b = BlockId::from_node(n);
-            n = self.links[n][NEXT] as usize;
+            n = self.nodes[n].next as usize;
             Some(b)
         })
     }
 
     fn link(&mut self, p: usize, n: usize, nx: usize) {
         debug_assert!(
-            self.links[n][NEXT] == NIL,
+            self.nodes[n].next == NIL,
             "block {} is already in the free queue",
             n - 1
         );
-        self.links[p][NEXT] = n as u32;
-        self.links[n][PREV] = p as u32;
-        self.links[n][NEXT] = nx as u32;
-        self.links[nx][PREV] = n as u32;
+        self.nodes[p].next = n as u32;
+        self.nodes[n].prev = p as u32;
+        self.nodes[n].next = nx as u32;
+        self.nodes[nx].prev = n as u32;
         self.len += 1;
     }
 }

@@ -74,7 +74,7 @@ impl Scheduler {
                 .take(seq.num_computed / bs)
             {
                 let b = BlockId(b);
-                if self.pool.cache().is_cached(b)
+                if self.pool.is_cached(b)
                     && self.pool.cache().tokens_of(b) != &seq.tokens[i * bs..(i + 1) * bs]
                 {
                     return Err(format!(

@@ -112,7 +112,9 @@ impl Scheduler {
             p.query_start_loc.push((start + n) as i32);
             // The row is copied first: the slot mapping then reads it from cache.
             let row = p.block_tables.len();
-            let table = &seq.block_table;
+            p.block_tables.extend(seq.block_table.iter().map(|&x| x as i32));
+            p.block_tables.resize(row + max_blocks, 0);
+            let table = &p.block_tables[row..];
             if n == 1 && completes {
                 p.input_ids.push(i64::from(seq.last_token));
             } else {
@@ -181,7 +183,7 @@ impl Scheduler {
             kid.num_computed = parent.num_computed;
             kid.block_table.clear();
             kid.block_table.extend_from_slice(&parent.block_table);
-            kid.block_hashes.extend_from_slice(&parent.block_hashes);
+            kid.last_hash = parent.last_hash;
             kid.num_cached_blocks = parent.num_cached_blocks;
             kid.extra_key = parent.extra_key;
             kid.skip_prefix_cache = parent.skip_prefix_cache;

@@ -71,31 +71,27 @@ impl Hasher for IdentityHasher {
 
 type IdMap = HashMap<u64, u32, BuildHasherDefault<IdentityHasher>>;
 
-/// Cached blocks: hash -> block, and per block its hash, parent hash and tokens.
+/// Cached blocks: hash -> block, and per block one record `[hash, parent hash, tokens]`.
+///
+/// Whether a block is cached is the pool's flag (kept in its block record); this type trusts the
+/// caller on it. INVARIANT: block `b` is flagged cached iff `map[record(b).hash] == b`.
 #[derive(Debug, Clone)]
 pub struct PrefixCache {
     block_size: usize,
     map: IdMap,
-    // INVARIANT: meta[b].cached iff map[meta[b].hash] == b.
-    meta: Vec<Meta>,
-    tokens: Vec<u32>,
+    /// Stride `HEADER + block_size` u32s per block: hash (2), parent hash (2), tokens.
+    records: Vec<u32>,
 }
 
-#[derive(Debug, Clone, Copy, Default)]
-struct Meta {
-    hash: u64,
-    parent: u64,
-    cached: bool,
+const HEADER: usize = 4;
+
+fn join(lo: u32, hi: u32) -> u64 {
+    u64::from(lo) | (u64::from(hi) << 32)
 }
 
 impl PrefixCache {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
-        Self {
-            block_size,
-            map: IdMap::default(),
-            meta: vec![Meta::default(); num_blocks],
-            tokens: vec![0; num_blocks * block_size],
-        }
+        Self { block_size, map: IdMap::default(), records: vec![0; num_blocks * (HEADER + block_size)] }
     }
 
     pub fn len(&self) -> usize {
@@ -106,89 +102,83 @@ impl PrefixCache {
         self.map.is_empty()
     }
 
-    pub fn is_cached(&self, b: BlockId) -> bool {
-        self.meta[b.idx()].cached
+    fn record(&self, b: BlockId) -> &[u32] {
+        let stride = HEADER + self.block_size;
+        &self.records[b.idx() * stride..(b.idx() + 1) * stride]
     }
 
-    pub fn hash_of(&self, b: BlockId) -> Option<u64> {
-        self.meta[b.idx()].cached.then(|| self.meta[b.idx()].hash)
+    fn record_mut(&mut self, b: BlockId) -> &mut [u32] {
+        let stride = HEADER + self.block_size;
+        &mut self.records[b.idx() * stride..(b.idx() + 1) * stride]
     }
 
+    /// Hash recorded for block `b` (meaningful only while it is cached).
+    pub fn hash_of(&self, b: BlockId) -> u64 {
+        let r = self.record(b);
+        join(r[0], r[1])
+    }
+
+    /// Tokens recorded for block `b` (meaningful only while it is cached).
     pub fn tokens_of(&self, b: BlockId) -> &[u32] {
-        let s = b.idx() * self.block_size;
-        &self.tokens[s..s + self.block_size]
+        &self.record(b)[HEADER..]
     }
 
     /// The cached block for `hash`, only if its parent hash and tokens match exactly.
     pub fn lookup(&self, hash: u64, parent: u64, tokens: &[u32]) -> Option<BlockId> {
-        let &b = self.map.get(&hash)?;
-        let b = BlockId(b);
-        (self.meta[b.idx()].parent == parent && self.tokens_of(b) == tokens).then_some(b)
+        let b = BlockId(*self.map.get(&hash)?);
+        let r = self.record(b);
+        (join(r[2], r[3]) == parent && &r[HEADER..] == tokens).then_some(b)
     }
 
-    /// Registers full block `b`. Returns false (and changes nothing) when `b` is already cached or
-    /// another block already holds `hash`.
+    /// Registers full block `b` (not cached). False, changing nothing, when another block
+    /// already holds `hash`.
     pub fn insert(&mut self, b: BlockId, hash: u64, parent: u64, tokens: &[u32]) -> bool {
         debug_assert_eq!(tokens.len(), self.block_size);
-        if self.meta[b.idx()].cached || self.map.contains_key(&hash) {
-            return false;
+        match self.map.entry(hash) {
+            std::collections::hash_map::Entry::Occupied(_) => return false,
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(b.0);
+            }
         }
-        self.map.insert(hash, b.0);
-        self.meta[b.idx()] = Meta { hash, parent, cached: true };
-        let s = b.idx() * self.block_size;
-        self.tokens[s..s + self.block_size].copy_from_slice(tokens);
+        let r = self.record_mut(b);
+        r[..HEADER].copy_from_slice(&[hash as u32, (hash >> 32) as u32, parent as u32, (parent >> 32) as u32]);
+        r[HEADER..].copy_from_slice(tokens);
         true
     }
 
-    /// Forgets block `b` (it is about to be reused). Returns whether it was cached.
-    pub fn evict(&mut self, b: BlockId) -> bool {
-        if !self.meta[b.idx()].cached {
-            return false;
-        }
-        self.meta[b.idx()].cached = false;
-        self.map.remove(&self.meta[b.idx()].hash);
-        true
+    /// Forgets cached block `b` (it is about to be reused).
+    pub fn remove(&mut self, b: BlockId) {
+        let h = self.hash_of(b);
+        let removed = self.map.remove(&h);
+        debug_assert_eq!(removed, Some(b.0));
     }
 
     pub fn clear(&mut self) {
         self.map.clear();
-        self.meta.iter_mut().for_each(|m| m.cached = false);
     }
 
-    /// Moves the cache entry of `src` (if any) to `dst`, which must not be cached.
+    /// Moves cached block `src`'s entry to `dst` (not cached).
     pub fn move_block(&mut self, src: BlockId, dst: BlockId) {
-        debug_assert!(!self.meta[dst.idx()].cached);
-        if !self.meta[src.idx()].cached {
-            return;
-        }
-        let (s, d) = (src.idx(), dst.idx());
-        self.meta[d] = self.meta[s];
-        self.meta[s].cached = false;
-        let bs = self.block_size;
-        self.tokens.copy_within(s * bs..(s + 1) * bs, d * bs);
-        self.map.insert(self.meta[d].hash, dst.0);
+        let stride = HEADER + self.block_size;
+        self.records.copy_within(src.idx() * stride..(src.idx() + 1) * stride, dst.idx() * stride);
+        self.map.insert(self.hash_of(dst), dst.0);
     }
 
     pub fn resize(&mut self, num_blocks: usize) {
-        debug_assert!(self.meta.iter().skip(num_blocks).all(|m| !m.cached));
-        self.meta.resize(num_blocks, Meta::default());
-        self.tokens.resize(num_blocks * self.block_size, 0);
+        self.records.resize(num_blocks * (HEADER + self.block_size), 0);
     }
 
-    /// Checks the map against the per-block flags.
-    pub fn check(&self) -> Result<(), String> {
+    /// Checks the map against the pool's cached flags.
+    pub fn check(&self, is_cached: impl Fn(BlockId) -> bool, num_blocks: usize) -> Result<(), String> {
         for (&h, &b) in &self.map {
-            let i = b as usize;
-            if i >= self.meta.len() || !self.meta[i].cached || self.meta[i].hash != h {
-                return Err(format!("cache map entry {h:#x} -> block {b} is stale"));
+            let b = BlockId(b);
+            if b.idx() >= num_blocks || !is_cached(b) || self.hash_of(b) != h {
+                return Err(format!("cache map entry {h:#x} -> block {} is stale", b.0));
             }
         }
-        let n = self.meta.iter().filter(|m| m.cached).count();
+        let n = (0..num_blocks as u32).filter(|&b| is_cached(BlockId(b))).count();
         if n != self.map.len() {
-            return Err(format!(
-                "{n} blocks flagged cached but the map has {}",
-                self.map.len()
-            ));
+            return Err(format!("{n} blocks flagged cached but the map has {}", self.map.len()));
         }
         Ok(())
     }
@@ -232,12 +222,11 @@ mod tests {
         assert_eq!(c.lookup(h, r ^ 1, &[7, 8]), None);
         // Duplicates are refused.
         assert!(!c.insert(BlockId(2), h, r, &[7, 8]));
-        assert!(!c.insert(BlockId(1), h ^ 1, r, &[7, 8]));
-        c.check().unwrap();
-        assert!(c.evict(BlockId(1)));
-        assert!(!c.evict(BlockId(1)));
+        c.check(|b| b == BlockId(1), 4).unwrap();
+        assert!(c.check(|_| false, 4).is_err());
+        c.remove(BlockId(1));
         assert_eq!(c.lookup(h, r, &[7, 8]), None);
-        c.check().unwrap();
+        c.check(|_| false, 4).unwrap();
     }
 
     #[test]
@@ -248,9 +237,9 @@ mod tests {
         c.insert(BlockId(3), h, r, &[3, 4]);
         c.move_block(BlockId(3), BlockId(0));
         assert_eq!(c.lookup(h, r, &[3, 4]), Some(BlockId(0)));
-        assert!(!c.is_cached(BlockId(3)));
+        assert_eq!(c.tokens_of(BlockId(0)), &[3, 4]);
         c.resize(2);
-        c.check().unwrap();
+        c.check(|b| b == BlockId(0), 2).unwrap();
         assert_eq!(c.len(), 1);
     }
 }

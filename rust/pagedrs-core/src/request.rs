@@ -127,6 +127,8 @@ pub struct Seq {
     pub num_computed: usize,
     /// Leading full blocks already offered to the prefix cache.
     pub num_cached_blocks: usize,
+    /// Chained hash of block `num_cached_blocks - 1` (the parent of the next one to cache).
+    pub last_hash: u64,
     pub prompt_len: usize,
     /// `tokens.last()`, kept here so a decode step does not read the token buffer.
     pub last_token: u32,
@@ -140,8 +142,6 @@ pub struct Seq {
     pub key: SeqKey,
     /// Swap blocks while swapped out.
     pub swap_table: Vec<u32>,
-    /// Chained hashes of the full blocks of `tokens` computed so far (a cache of pure values).
-    pub block_hashes: Vec<u64>,
     pub extra_key: u64,
     pub skip_prefix_cache: bool,
     /// Sibling ids (and child index) that fork from this one when its prompt is computed.

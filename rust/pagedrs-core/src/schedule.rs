@@ -287,9 +287,7 @@ impl Scheduler {
         let lookup = self.cfg.enable_prefix_caching && !seq.skip_prefix_cache;
         let mut hits = std::mem::take(&mut self.hit_scratch);
         hits.clear();
-        if lookup {
-            self.find_cached_prefix(slot, &mut hits);
-        }
+        let last_hash = if lookup { self.find_cached_prefix(slot, &mut hits) } else { 0 };
         let seq = &self.seqs[slot as usize];
         let nc = hits.len() * bs;
         let Some(num_new) = self.chunk(seq.num_tokens() - nc, *budget) else {
@@ -321,6 +319,7 @@ impl Scheduler {
         }
         seq.num_computed = nc;
         seq.num_cached_blocks = hits.len();
+        seq.last_hash = last_hash;
         if !seq.admitted {
             seq.admitted = true;
             seq.num_cached_tokens = nc;
@@ -335,27 +334,22 @@ impl Scheduler {
     }
 
     /// Cached blocks matching the sequence's leading full blocks, never the block holding its
-    /// last token (that token must be computed to yield logits).
-    fn find_cached_prefix(&mut self, slot: u32, hits: &mut Vec<u32>) {
+    /// last token (that token must be computed to yield logits). Returns the last hit's hash.
+    fn find_cached_prefix(&self, slot: u32, hits: &mut Vec<u32>) -> u64 {
         let bs = self.cfg.block_size;
-        let seq = &mut self.seqs[slot as usize];
+        let seq = &self.seqs[slot as usize];
         let max_blocks = (seq.num_tokens() - 1) / bs;
-        let root = root_hash(seq.extra_key);
+        let mut parent = root_hash(seq.extra_key);
         for i in 0..max_blocks {
-            let parent = if i == 0 {
-                root
-            } else {
-                seq.block_hashes[i - 1]
-            };
             let tokens = &seq.tokens[i * bs..(i + 1) * bs];
-            if seq.block_hashes.len() == i {
-                seq.block_hashes.push(block_hash(parent, tokens));
-            }
-            match self.pool.lookup(seq.block_hashes[i], parent, tokens) {
+            let h = block_hash(parent, tokens);
+            match self.pool.lookup(h, parent, tokens) {
                 Some(b) => hits.push(b.0),
                 None => break,
             }
+            parent = h;
         }
+        parent
     }
 }
 

@@ -313,7 +313,7 @@ impl Scheduler {
                     num_computed: 0,
                     block_table: Vec::new(),
                     swap_table: Vec::new(),
-                    block_hashes: Vec::new(),
+                    last_hash: 0,
                     num_cached_blocks: 0,
                     extra_key: 0,
                     skip_prefix_cache: false,
@@ -332,7 +332,6 @@ impl Scheduler {
         seq.tokens.clear();
         seq.num_computed = 0;
         seq.shared_tail = false;
-        seq.block_hashes.clear();
         seq.num_cached_blocks = 0;
         seq.children.clear();
         seq.num_cached_tokens = 0;

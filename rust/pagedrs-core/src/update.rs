@@ -73,26 +73,17 @@ impl Scheduler {
 
     /// Offers the sequence's newly computed full blocks to the prefix cache.
     fn cache_full_blocks(&mut self, slot: u32) {
+        let shift = self.cfg.block_size.trailing_zeros();
         let bs = self.cfg.block_size;
         let seq = &mut self.seqs[slot as usize];
-        let full = seq.num_computed / bs;
+        let full = seq.num_computed >> shift;
         while seq.num_cached_blocks < full {
             let i = seq.num_cached_blocks;
-            let parent = if i == 0 {
-                root_hash(seq.extra_key)
-            } else {
-                seq.block_hashes[i - 1]
-            };
+            let parent = if i == 0 { root_hash(seq.extra_key) } else { seq.last_hash };
             let tokens = &seq.tokens[i * bs..(i + 1) * bs];
-            if seq.block_hashes.len() == i {
-                seq.block_hashes.push(block_hash(parent, tokens));
-            }
-            self.pool.cache_block(
-                BlockId(seq.block_table[i]),
-                seq.block_hashes[i],
-                parent,
-                tokens,
-            );
+            let h = block_hash(parent, tokens);
+            self.pool.cache_block(BlockId(seq.block_table[i]), h, parent, tokens);
+            seq.last_hash = h;
             seq.num_cached_blocks += 1;
         }
     }

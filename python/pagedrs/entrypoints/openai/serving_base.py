@@ -35,6 +35,8 @@ logger = logging.getLogger("pagedrs.serving")
 
 T = TypeVar("T")
 
+_INLINE_CHARS = 8192  # longer texts are tokenized off the event loop
+
 
 class ClientDisconnected(Exception):
     """The HTTP client went away before the response was ready."""
@@ -99,6 +101,12 @@ class OpenAIServing:
             return list(self.tokenizer.encode(text))
         except Exception as exc:  # noqa: BLE001 - undecodable input (lone surrogates, ...)
             raise bad_request(f"prompt cannot be tokenized: {exc}", param="prompt") from None
+
+    async def offload(self, fn: Any, *args: Any, size: int = 0) -> Any:
+        """Runs tokenizer work inline when small, in a worker thread when it could stall the loop."""
+        if size < _INLINE_CHARS:
+            return fn(*args)
+        return await asyncio.to_thread(fn, *args)
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
         for t in ids:

@@ -36,9 +36,11 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request(f"messages cannot be rendered with the chat template: {exc}",
                               param="messages") from None
 
-    def prepare(self, req: ChatCompletionRequest) -> tuple[str, list[int], Any, int | None]:
+    async def prepare(self, req: ChatCompletionRequest) -> tuple[str, list[int], Any, int | None]:
         model = self.check_model(req.model)
-        ids = self.apply_chat_template(req.chat_messages(), req.add_generation_prompt)
+        messages = req.chat_messages()
+        ids = await self.offload(self.apply_chat_template, messages, req.add_generation_prompt,
+                                 size=sum(len(m["content"]) for m in messages))
         requested = req.requested_max_tokens()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.resolve_max_tokens(len(ids), requested, param, "messages")
@@ -48,7 +50,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request | None = None
                      ) -> dict[str, Any] | AsyncIterator[str]:
-        model, ids, params, num_logprobs = self.prepare(req)
+        model, ids, params, num_logprobs = await self.prepare(req)
         request_id = random_id("chatcmpl")
         streams = await self.submit_all(request_id, [ids], params)
         if req.stream:

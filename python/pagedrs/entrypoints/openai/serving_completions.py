@@ -23,14 +23,14 @@ from pagedrs.entrypoints.openai.serving_base import (
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    def prepare(self, req: CompletionRequest) -> tuple[str, list[list[int]], list[str], Any]:
+    async def prepare(self, req: CompletionRequest) -> tuple[str, list[list[int]], list[str], Any]:
         """Validates and tokenizes; returns (model, prompt ids, prompt texts, sampling params)."""
         model = self.check_model(req.model)
         ids_list: list[list[int]] = []
         texts: list[str] = []
         for i, p in enumerate(req.prompts()):
             if isinstance(p, str):
-                ids = self.tokenize(p)
+                ids = await self.offload(self.tokenize, p, size=len(p))
                 text = p
             else:
                 ids = list(p)
@@ -48,7 +48,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw_request: Request | None = None
                      ) -> dict[str, Any] | AsyncIterator[str]:
         """A response body, or an SSE text iterator when ``req.stream``."""
-        model, ids_list, texts, params = self.prepare(req)
+        model, ids_list, texts, params = await self.prepare(req)
         request_id = random_id("cmpl")
         streams = await self.submit_all(request_id, ids_list, params)
         if req.stream:

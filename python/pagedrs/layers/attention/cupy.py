@@ -1,0 +1,72 @@
+"""CUDA attention backend: the kernels of `cuda/` (through pagedrs.kernels) behind the AttentionBackend
+protocol. Chosen by "auto" on CUDA when CuPy imports; the torch backend (torch_ref.py) defines the
+semantics it is tested against.
+
+Per layer and step: `reshape_and_cache` writes the new tokens' K/V into their slots, then one
+`paged_attention` call runs the decode kernel (requests with one query token, split-K over long contexts)
+and, when some request has more than one query token, the varlen prefill kernel. The launches depend only
+on host integers of the metadata (max_query_len, max_seq_len), never on per-request host lists, so a
+decode step can be captured in a CUDA graph (worker/cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from pagedrs.kernels import paged_attention, reshape_and_cache, supports
+from pagedrs.kernels.attention_ops import PrefillImpl
+from pagedrs.layers.attention import AttentionMetadata
+
+__all__ = ["CupyAttentionBackend"]
+
+
+class CupyAttentionBackend:
+    """Paged attention with the pagedrs CUDA kernels (fp16, bf16, fp32; head sizes in
+    pagedrs.kernels.HEAD_SIZES). `prefill_impl` forces the tensor-core or the scalar prefill kernel."""
+
+    name = "cupy"
+
+    def __init__(self, device: torch.device | str | None = None, *, prefill_impl: PrefillImpl = "auto") -> None:
+        self.device = torch.device(device) if device is not None else None
+        self.prefill_impl: PrefillImpl = prefill_impl
+
+    @staticmethod
+    def supports(head_size: int, dtype: torch.dtype) -> bool:
+        return supports(head_size, dtype)
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        kv_cache: Tensor,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None,
+    ) -> Tensor:
+        """q [T,H,D], k/v [T,KVH,D], kv_cache [2, num_blocks, block_size, KVH, D] -> [T,H,D]."""
+        if kv_cache.shape[2] != meta.block_size:
+            raise ValueError(f"kv cache block size {kv_cache.shape[2]} != metadata block_size {meta.block_size}")
+        if k.dtype != kv_cache.dtype:
+            k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+        if q.dtype != kv_cache.dtype:
+            q = q.to(kv_cache.dtype)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return paged_attention(
+            out,
+            q,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            scale=scale,
+            sliding_window=sliding_window,
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
+            prefill_impl=self.prefill_impl,
+        )

@@ -1,0 +1,128 @@
+"""The default model (SmolLM2-135M-Instruct GGUF through pagedrs' loader) against HF transformers reading
+the same GGUF file with its own dequantizer: identical greedy token ids in float32, in each scheduler
+setting (few, short requests: this is the slow model of the suite)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.engine.conftest import (
+    HFReference,
+    PlanSpy,
+    assert_pool_free,
+    engine_from_loaded,
+    greedy,
+    run_all,
+)
+
+TEXTS = [
+    "Hi",
+    "Write a short poem about the sea, the wind and the sailors who cross it every night.",
+    "Explain, step by step, how a bicycle works, from the pedals to the wheels, for a child of ten.",
+    "The history of the printing press begins long before Gutenberg. " * 8,
+]
+MAX_TOKENS = [40, 32, 24, 12]
+
+
+@pytest.fixture(scope="module")
+def loaded() -> Any:
+    from pagedrs.loader import load_model, resolve_model_path
+
+    try:
+        resolve_model_path(None)
+    except ValueError as e:
+        pytest.skip(f"default model not installed: {e}")
+
+    return load_model(None, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def hf_ref(loaded: Any) -> HFReference:
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = Path(loaded.model_path)
+    cfg = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(
+        {k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False
+    )
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    return HFReference(model.eval())
+
+
+@pytest.fixture(scope="module")
+def prompts(loaded: Any) -> list[list[int]]:
+    ids = [loaded.tokenizer.encode(t) for t in TEXTS]
+    assert len(ids[0]) == 1 and len(ids[-1]) > 100
+    return ids
+
+
+SETTINGS = {
+    "recompute": dict(num_kv_blocks=14),
+    "swap": dict(num_kv_blocks=14, swap_space=0.05),
+    "chunked": dict(max_num_batched_tokens=32, num_kv_blocks=64),
+    "step_loop": dict(num_kv_blocks=64),
+    "n2": dict(num_kv_blocks=64),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_default_model_greedy_matches_hf(
+    setting: str, loaded: Any, hf_ref: HFReference, prompts: list[list[int]]
+) -> None:
+    engine = engine_from_loaded(loaded, max_model_len=512, **SETTINGS[setting])
+    spy = PlanSpy().attach(engine)
+    n = 2 if setting == "n2" else 1
+    final: dict = {}
+    if setting == "step_loop":
+        for i in range(len(prompts)):
+            engine.add_request(str(i), prompts[i], greedy(MAX_TOKENS[i]))
+            for _ in range(3):
+                for out in engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+    else:
+        for i in range(len(prompts)):
+            engine.add_request(str(i), prompts[i], greedy(MAX_TOKENS[i], n=n))
+    final.update(run_all(engine))
+    for i, p in enumerate(prompts):
+        expected = hf_ref(p, MAX_TOKENS[i])
+        assert [c.token_ids for c in final[str(i)].outputs] == [expected] * n, f"prompt {i}"
+    text = final["1"].outputs[0].text
+    assert text == loaded.tokenizer.decode(final["1"].outputs[0].token_ids, skip_special_tokens=True)
+    if setting == "recompute":
+        assert spy.preemptions > 0 and spy.swap_outs == 0
+    elif setting == "swap":
+        assert spy.swap_outs > 0 and spy.swap_ins > 0
+    elif setting == "chunked":
+        assert spy.chunked_prefills >= 3
+    elif setting == "step_loop":
+        assert any(1 in p.num_scheduled and max(p.num_scheduled) > 1 for p in spy.plans)
+    elif setting == "n2":
+        assert any(len(p.logits_indices) > len(set(p.logits_indices)) for p in spy.plans)
+    assert_pool_free(engine)
+
+
+def test_default_model_prefix_cache_and_chat(loaded: Any, hf_ref: HFReference) -> None:
+    engine = engine_from_loaded(loaded, max_model_len=512, num_kv_blocks=64)
+    system = {"role": "system", "content": "You are a concise assistant. " * 6}
+    convs = [[system, {"role": "user", "content": q}] for q in ("What is 2+2?", "Name a color.", "Say hi.")]
+    ids = [engine.apply_chat_template(c) for c in convs]
+    engine.add_request("0", ids[0], greedy(8))
+    outs = run_all(engine)
+    for i in (1, 2):
+        engine.add_request(str(i), ids[i], greedy(8))
+    outs.update(run_all(engine))
+    shared = len(ids[0]) - 16  # the system prompt spans several full blocks
+    for i in (1, 2):
+        assert outs[str(i)].num_cached_tokens >= min(shared, 64)
+        assert outs[str(i)].outputs[0].token_ids == hf_ref(ids[i], 8)
+    assert engine.get_stats().prefix_cache_hits > 0
+    assert_pool_free(engine)
