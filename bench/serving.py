@@ -19,10 +19,12 @@ import ipaddress
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -188,10 +190,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(server_args: list[str], log_path: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(server_args: list[str], log_path: str, data_dir: str) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "pagedrs.entrypoints.openai.api_server", "--host", "127.0.0.1",
-           "--port", str(port), *server_args]
+           "--port", str(port), "--data-dir", data_dir, *server_args]
     log = open(log_path, "wb")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -230,11 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     server_args = [a for a in args.server_args if a != "--"]
 
     proc = None
+    data_dir = None
     if args.base_url:
         _check_loopback(args.base_url)
         url = args.base_url.rstrip("/")
     else:
-        proc, url = start_server(server_args, args.server_log)
+        data_dir = tempfile.mkdtemp(prefix="pagedrs-bench-")
+        proc, url = start_server(server_args, args.server_log, data_dir)
     rows = []
     try:
         rng = random.Random(args.seed)
@@ -254,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        if data_dir is not None:
+            shutil.rmtree(data_dir, ignore_errors=True)
     print_table(rows)
     sent = sum(r["sent"] for r in rows)
     completed = sum(r["completed"] for r in rows)

@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
     // warp step; each lane accumulates its chunks for all GP heads.
     constexpr int VV = 8 / sizeof(T);  // elements per 8-byte chunk
     constexpr int VC = HEAD / VV;
-    constexpr int VL = VC >= 32 ? 32 : VC > 8 ? 16 : VC > 4 ? 8 : VC > 2 ? 4 : VC > 1 ? 2 : 1;
+    constexpr int VL = VC > 16 ? 32 : VC > 8 ? 16 : VC > 4 ? 8 : VC > 2 ? 4 : VC > 1 ? 2 : 1;  // pow2 >= VC
     constexpr int VCL = (VC + VL - 1) / VL;
     constexpr int VTW = 32 / VL;
     const int vl = lane % VL;

@@ -23,9 +23,9 @@ TEXTS = [
     "Hi",
     "Write a short poem about the sea, the wind and the sailors who cross it every night.",
     "Explain, step by step, how a bicycle works, from the pedals to the wheels, for a child of ten.",
-    "The history of the printing press begins long before Gutenberg. " * 8,
+    "The history of the printing press begins long before Gutenberg. " * 10,
 ]
-MAX_TOKENS = [40, 32, 24, 12]
+MAX_TOKENS = [24, 16, 12, 8]
 
 
 @pytest.fixture(scope="module")

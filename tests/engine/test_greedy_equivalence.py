@@ -20,7 +20,7 @@ from tests.engine.conftest import (
 )
 
 PROMPT_LENS = [1, 9, 40, 150, 300]
-MAX_TOKENS = [64, 33, 20, 48, 12]
+MAX_TOKENS = [64, 64, 48, 40, 12]
 PROMPTS = random_prompts(PROMPT_LENS, seed=1)
 
 

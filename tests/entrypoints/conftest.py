@@ -123,7 +123,7 @@ class SubprocessServer:
 @pytest.fixture(scope="session")
 def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SubprocessServer]:
     """One server with the default model for the end-to-end modules."""
-    pytest.importorskip("pagedrs._core").Scheduler  # noqa: B018 - the engine must exist
+    pytest.importorskip("pagedrs._core")
     server = SubprocessServer(tmp_path_factory.mktemp("server-data"),
                               ["--served-model-name", "smollm2", "default",
                                "--max-body-bytes", "1000000", "--max-batch-concurrency", "4"])

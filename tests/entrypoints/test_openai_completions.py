@@ -83,8 +83,8 @@ def test_n_2(client: Any) -> None:
                                   seed=3)
     assert sorted(c.index for c in r.choices) == [0, 1]
     assert all(c.text for c in r.choices)
-    assert r.usage.completion_tokens == 12 or all(c.finish_reason == "stop" for c in r.choices
-                                                   if len(c.text) < 6)
+    assert 2 <= r.usage.completion_tokens <= 12
+    assert all(c.finish_reason in ("stop", "length") for c in r.choices)
     chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
                                           max_tokens=4, n=2, temperature=1.0, seed=1)
     assert sorted(c.index for c in chat.choices) == [0, 1]

@@ -13,6 +13,7 @@ import openai
 import pytest
 from conftest import API_KEY, ThreadedServer, wait_until
 from fake_engine import FakeEngine
+
 from pagedrs.entrypoints.openai.app import build_app
 from pagedrs.entrypoints.openai.batch_store import BatchStore
 from pagedrs.entrypoints.openai.batch_worker import parse_input

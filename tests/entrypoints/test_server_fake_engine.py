@@ -14,6 +14,7 @@ import openai
 import pytest
 from conftest import API_KEY, ThreadedServer, metric_value, wait_until
 from fake_engine import FakeEngine
+
 from pagedrs.entrypoints.openai.app import build_app
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

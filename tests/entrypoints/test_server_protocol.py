@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from pagedrs.entrypoints.openai.errors import APIError
 from pagedrs.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 

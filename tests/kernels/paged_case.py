@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from pagedrs.layers.attention import AttentionMetadata
 from torch import Tensor
+
+from pagedrs.layers.attention import AttentionMetadata
 
 # Tolerances against the float64 reference (|out - ref| <= atol + rtol * |ref|), by dtype. fp16/bf16:
 # inputs are rounded to the dtype first, softmax and accumulation are fp32, the tensor-core prefill also
@@ -118,37 +119,38 @@ def write_reference(case: PagedCase) -> Tensor:
 
 
 def attention_reference(
-    case: PagedCase, kv_cache: Tensor, *, scale: float, sliding_window: int | None
+    case: PagedCase, kv_cache: Tensor, *, scale: float, sliding_window: int | None, query_chunk: int = 256
 ) -> Tensor:
-    """float64 paged attention over kv_cache (already holding the step's K/V), [T, H, D]."""
-    q = case.q.double().cpu()
-    cache = kv_cache.double().cpu()
-    tables = case.block_tables.cpu()
+    """float64 paged attention over kv_cache (already holding the step's K/V), [T, H, D], computed on the
+    cache's device, request by request, `query_chunk` queries at a time."""
+    dev = kv_cache.device
+    q = case.q.to(dev, torch.float64)
+    cache = kv_cache.double()
+    tables = case.block_tables.to(dev)
     num_tokens, num_heads, head_size = q.shape
     kvh = cache.shape[3]
     group = num_heads // kvh
     bs = case.block_size
-    out = torch.zeros((num_tokens, num_heads, head_size), dtype=torch.float64)
+    out = torch.zeros((num_tokens, num_heads, head_size), dtype=torch.float64, device=dev)
     start = 0
     for b, (q_len, ctx) in enumerate(zip(case.q_lens, case.ctx_lens, strict=True)):
         if ctx == 0:
             start += q_len
             continue
-        pos = torch.arange(ctx)
+        pos = torch.arange(ctx, device=dev)
         blocks = tables[b, pos // bs].long()
-        k = cache[0, blocks, pos % bs]  # [ctx, KVH, D]
-        v = cache[1, blocks, pos % bs]
-        qb = q[start : start + q_len]  # [Q, H, D]
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", qb, k) * scale
-        q_pos = torch.arange(ctx - q_len, ctx)
-        rel = q_pos[:, None] - pos[None, :]
-        mask = rel >= 0
-        if sliding_window:
-            mask &= rel < sliding_window
-        scores.masked_fill_(~mask[None], float("-inf"))
-        out[start : start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        k = cache[0, blocks, pos % bs].repeat_interleave(group, dim=1)  # [ctx, H, D]
+        v = cache[1, blocks, pos % bs].repeat_interleave(group, dim=1)
+        for c0 in range(0, q_len, query_chunk):
+            c1 = min(q_len, c0 + query_chunk)
+            scores = torch.einsum("qhd,khd->hqk", q[start + c0 : start + c1], k) * scale
+            q_pos = torch.arange(ctx - q_len + c0, ctx - q_len + c1, device=dev)
+            rel = q_pos[:, None] - pos[None, :]
+            mask = rel >= 0
+            if sliding_window:
+                mask &= rel < sliding_window
+            scores.masked_fill_(~mask[None], float("-inf"))
+            out[start + c0 : start + c1] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
         start += q_len
     return out
 

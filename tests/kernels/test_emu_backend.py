@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from pagedrs.kernels._loader import CTYPES, attention_names, cache_names
 from pagedrs.layers.attention.cupy import CupyAttentionBackend
 from pagedrs.layers.attention.torch_ref import TorchAttentionBackend
 from pagedrs.loader import load_model
-
 from tests.helpers import make_tiny_llama
 from tests.kernels.emu.emulator import compiler, host_kernels
 from tests.kernels.paged_case import assert_close, make_case
@@ -35,13 +35,17 @@ def emulator() -> Iterator[None]:
 def test_backend_matches_torch_reference(dtype: torch.dtype, window: int | None) -> None:
     q_lens = [1, 7, 1, 12, 1]
     ctx = [9, 7, 30, 20, 1]
-    case = make_case(q_lens, ctx, num_heads=4, num_kv_heads=2, head_size=16, block_size=8, dtype=dtype, seed=4)
+    case = make_case(
+        q_lens, ctx, num_heads=4, num_kv_heads=2, head_size=16, block_size=8, dtype=dtype, seed=4
+    )
     meta = case.meta()
     ref_cache, our_cache = case.kv_cache.clone(), case.kv_cache.clone()
-    ref = TorchAttentionBackend().forward(case.q, case.k, case.v, ref_cache, meta, scale=0.25,
-                                          sliding_window=window)
-    ours = CupyAttentionBackend().forward(case.q, case.k, case.v, our_cache, meta, scale=0.25,
-                                          sliding_window=window)
+    ref = TorchAttentionBackend().forward(
+        case.q, case.k, case.v, ref_cache, meta, scale=0.25, sliding_window=window
+    )
+    ours = CupyAttentionBackend().forward(
+        case.q, case.k, case.v, our_cache, meta, scale=0.25, sliding_window=window
+    )
     assert torch.equal(our_cache, ref_cache)
     assert ours.shape == ref.shape and ours.dtype == ref.dtype
     assert_close(ours, ref.float(), dtype, "cupy vs torch backend")
@@ -65,5 +69,10 @@ def test_tiny_model_steps_match_torch_backend(arch: str, tmp_path: Path) -> None
         runs.append([harness.step(chunks) for chunks in steps])
     for step, (ref, ours) in enumerate(zip(*runs, strict=True)):
         for rid in ref:
-            torch.testing.assert_close(ours[rid], ref[rid], atol=1e-4, rtol=1e-4,
-                                       msg=lambda m, s=step, r=rid: f"step {s} request {r}: {m}")
+            torch.testing.assert_close(
+                ours[rid],
+                ref[rid],
+                atol=1e-4,
+                rtol=1e-4,
+                msg=lambda m, s=step, r=rid: f"step {s} request {r}: {m}",
+            )

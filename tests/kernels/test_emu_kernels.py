@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+
 from pagedrs.kernels import attention_ops, copy_blocks, paged_attention, reshape_and_cache
 from pagedrs.kernels._loader import CTYPES, attention_names, cache_names
-
 from tests.kernels.emu.emulator import compiler, host_kernels
 from tests.kernels.paged_case import assert_close, attention_reference, make_case, write_reference
 
@@ -38,16 +38,28 @@ def _attention(case, *, scale, window=None, impl="auto", max_partition=None, mon
         monkeypatch.setattr(attention_ops, "_MAX_PARTITION", max_partition)
     cache = write_reference(case)
     meta = case.meta()
-    paged_attention(out, case.q, cache[0], cache[1], case.block_tables, case.seq_lens, case.query_start_loc,
-                    scale=scale, sliding_window=window, max_query_len=meta.max_query_len,
-                    max_seq_len=meta.max_seq_len, prefill_impl=impl)
+    paged_attention(
+        out,
+        case.q,
+        cache[0],
+        cache[1],
+        case.block_tables,
+        case.seq_lens,
+        case.query_start_loc,
+        scale=scale,
+        sliding_window=window,
+        max_query_len=meta.max_query_len,
+        max_seq_len=meta.max_seq_len,
+        prefill_impl=impl,
+    )
     return out, attention_reference(case, cache, scale=scale, sliding_window=window)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_reshape_and_cache(dtype: torch.dtype) -> None:
-    case = make_case([3, 1, 5], [7, 17, 5], num_heads=4, num_kv_heads=2, head_size=16, block_size=4,
-                     dtype=dtype, seed=1)
+    case = make_case(
+        [3, 1, 5], [7, 17, 5], num_heads=4, num_kv_heads=2, head_size=16, block_size=4, dtype=dtype, seed=1
+    )
     case.slot_mapping[1] = -1  # a padding token: written nowhere
     expected = write_reference(case)
     cache = case.kv_cache.clone()
@@ -58,8 +70,9 @@ def test_reshape_and_cache(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("offset", [0, 1, 2, 4])
 def test_reshape_and_cache_strided_views(offset: int) -> None:
     """K/V as views of a fused qkv buffer (token stride > row), at every alignment (all word sizes)."""
-    case = make_case([4, 2], [6, 9], num_heads=2, num_kv_heads=2, head_size=16, block_size=4,
-                     dtype=torch.float16, seed=2)
+    case = make_case(
+        [4, 2], [6, 9], num_heads=2, num_kv_heads=2, head_size=16, block_size=4, dtype=torch.float16, seed=2
+    )
     t, kvh, d = case.k.shape
     fused = torch.zeros(t * (3 * kvh * d) + offset, dtype=torch.float16)[offset:].view(t, 3 * kvh * d)
     fused[:, kvh * d : 2 * kvh * d] = case.k.reshape(t, -1)
@@ -96,8 +109,16 @@ def test_copy_blocks_rejects_out_of_range() -> None:
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (8, 1), (12, 1), (6, 2)])
 def test_decode(dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> None:
     ctx = [1, 5, 16, 17, 40]
-    case = make_case([1] * len(ctx), ctx, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=32,
-                     block_size=16, dtype=dtype, seed=num_heads)
+    case = make_case(
+        [1] * len(ctx),
+        ctx,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=32,
+        block_size=16,
+        dtype=dtype,
+        seed=num_heads,
+    )
     out, ref = _attention(case, scale=32**-0.5)
     assert_close(out, ref, dtype, "decode")
 
@@ -105,8 +126,16 @@ def test_decode(dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> None:
 @pytest.mark.parametrize("head_size", EMU_HEADS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_decode_head_sizes(head_size: int, dtype: torch.dtype) -> None:
-    case = make_case([1, 1, 1], [3, 33, 20], num_heads=4, num_kv_heads=2, head_size=head_size,
-                     block_size=16, dtype=dtype, seed=head_size)
+    case = make_case(
+        [1, 1, 1],
+        [3, 33, 20],
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=head_size,
+        block_size=16,
+        dtype=dtype,
+        seed=head_size,
+    )
     out, ref = _attention(case, scale=head_size**-0.5)
     assert_close(out, ref, dtype, f"decode head_size={head_size}")
 
@@ -116,35 +145,52 @@ def test_decode_head_sizes(head_size: int, dtype: torch.dtype) -> None:
 def test_decode_split_k(dtype: torch.dtype, window: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Partitions of 64 keys (forced): several per request, a ragged last one, one-partition requests."""
     ctx = [300, 64, 65, 1, 129]
-    case = make_case([1] * len(ctx), ctx, num_heads=4, num_kv_heads=2, head_size=16, block_size=32,
-                     dtype=dtype, seed=5)
+    case = make_case(
+        [1] * len(ctx), ctx, num_heads=4, num_kv_heads=2, head_size=16, block_size=32, dtype=dtype, seed=5
+    )
     out, ref = _attention(case, scale=0.3, window=window, max_partition=64, monkeypatch=monkeypatch)
     assert_close(out, ref, dtype, "split-k decode")
 
 
 def test_decode_window_single_partition() -> None:
-    case = make_case([1, 1], [40, 7], num_heads=2, num_kv_heads=1, head_size=16, block_size=16,
-                     dtype=torch.float32, seed=6)
+    case = make_case(
+        [1, 1], [40, 7], num_heads=2, num_kv_heads=1, head_size=16, block_size=16, dtype=torch.float32, seed=6
+    )
     out, ref = _attention(case, scale=0.25, window=9)
     assert_close(out, ref, torch.float32, "windowed decode")
 
 
 def test_decode_empty_context_gives_zeros() -> None:
     """CUDA-graph padding rows: seq_len 0 -> zero output (finite), in both decode modes."""
-    case = make_case([1, 1], [9, 1], num_heads=2, num_kv_heads=1, head_size=16, block_size=16,
-                     dtype=torch.float16, seed=7)
+    case = make_case(
+        [1, 1], [9, 1], num_heads=2, num_kv_heads=1, head_size=16, block_size=16, dtype=torch.float16, seed=7
+    )
     case.seq_lens[1] = 0
     case.ctx_lens[1] = 0
     case.slot_mapping[1] = -1
     for max_seq_len in (9, 5000):  # one partition / split-K with most partitions empty
         out = torch.full_like(case.q, float("nan"))
         cache = write_reference(case)
-        paged_attention(out, case.q, cache[0], cache[1], case.block_tables, case.seq_lens,
-                        case.query_start_loc, scale=0.25, sliding_window=None, max_query_len=1,
-                        max_seq_len=max_seq_len)
+        paged_attention(
+            out,
+            case.q,
+            cache[0],
+            cache[1],
+            case.block_tables,
+            case.seq_lens,
+            case.query_start_loc,
+            scale=0.25,
+            sliding_window=None,
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+        )
         assert torch.equal(out[1], torch.zeros_like(out[1]))
-        assert_close(out, attention_reference(case, cache, scale=0.25, sliding_window=None),
-                     torch.float16, "decode with padding")
+        assert_close(
+            out,
+            attention_reference(case, cache, scale=0.25, sliding_window=None),
+            torch.float16,
+            "decode with padding",
+        )
 
 
 @pytest.mark.parametrize("impl", ["mma", "scalar"])
@@ -154,31 +200,63 @@ def test_prefill(impl: str, dtype: torch.dtype, num_heads: int, num_kv_heads: in
     """Chunks over cached prefixes (chunked prefill / prefix hits), fresh prompts, tiles split mid-token."""
     q_lens = [70, 5, 17]
     ctx = [70, 100, 17 + 33]
-    case = make_case(q_lens, ctx, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=16,
-                     block_size=16, dtype=dtype, seed=num_heads)
+    case = make_case(
+        q_lens,
+        ctx,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=16,
+        block_size=16,
+        dtype=dtype,
+        seed=num_heads,
+    )
     out, ref = _attention(case, scale=0.25, impl=impl)
     assert_close(out, ref, dtype, f"prefill {impl}")
 
 
 @pytest.mark.parametrize("head_size", [32, 80])
 def test_prefill_head_sizes(head_size: int) -> None:
-    case = make_case([9, 3], [9, 20], num_heads=4, num_kv_heads=1, head_size=head_size, block_size=32,
-                     dtype=torch.float16, seed=8)
+    case = make_case(
+        [9, 3],
+        [9, 20],
+        num_heads=4,
+        num_kv_heads=1,
+        head_size=head_size,
+        block_size=32,
+        dtype=torch.float16,
+        seed=8,
+    )
     out, ref = _attention(case, scale=head_size**-0.5, impl="mma")
     assert_close(out, ref, torch.float16, f"prefill head_size={head_size}")
 
 
 def test_prefill_fp32_scalar() -> None:
-    case = make_case([20, 3, 40], [25, 3, 100], num_heads=6, num_kv_heads=2, head_size=32, block_size=16,
-                     dtype=torch.float32, seed=9)
+    case = make_case(
+        [20, 3, 40],
+        [25, 3, 100],
+        num_heads=6,
+        num_kv_heads=2,
+        head_size=32,
+        block_size=16,
+        dtype=torch.float32,
+        seed=9,
+    )
     out, ref = _attention(case, scale=32**-0.5)
     assert_close(out, ref, torch.float32, "prefill fp32")
 
 
 @pytest.mark.parametrize("impl", ["mma", "scalar"])
 def test_prefill_sliding_window(impl: str) -> None:
-    case = make_case([30, 12], [90, 12], num_heads=4, num_kv_heads=2, head_size=16, block_size=16,
-                     dtype=torch.float16, seed=10)
+    case = make_case(
+        [30, 12],
+        [90, 12],
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=16,
+        block_size=16,
+        dtype=torch.float16,
+        seed=10,
+    )
     out, ref = _attention(case, scale=0.25, window=21, impl=impl)
     assert_close(out, ref, torch.float16, f"windowed prefill {impl}")
 
@@ -188,7 +266,8 @@ def test_mixed_batch(dtype: torch.dtype) -> None:
     """Decodes and prefill chunks interleaved in any order, one launch sequence."""
     q_lens = [1, 9, 1, 1, 4, 1]
     ctx = [33, 9, 1, 70, 19, 16]
-    case = make_case(q_lens, ctx, num_heads=8, num_kv_heads=2, head_size=16, block_size=16, dtype=dtype,
-                     seed=11)
+    case = make_case(
+        q_lens, ctx, num_heads=8, num_kv_heads=2, head_size=16, block_size=16, dtype=dtype, seed=11
+    )
     out, ref = _attention(case, scale=0.25)
     assert_close(out, ref, dtype, "mixed batch")

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
 from pagedrs import kernels
 from pagedrs.kernels import _loader
 
@@ -50,13 +51,17 @@ def test_embedded_sources_match_disk() -> None:
 
     assert set(_loader.SOURCES) <= set(kernel_names())
     for name in _loader.SOURCES:
-        assert kernel_source(name) == _disk_source(name), f"embedded {name}.cu is stale: rebuild the extension"
+        assert kernel_source(name) == _disk_source(name), (
+            f"embedded {name}.cu is stale: rebuild the extension"
+        )
 
 
 def test_every_kernel_template_is_instantiated() -> None:
     instantiated = {re.sub(r"<.*", "", n) for _, names in _loader.instantiation_groups() for n in names}
     for name in _loader.SOURCES:
-        for kernel in re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)", _disk_source(name)):
+        for kernel in re.findall(
+            r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)", _disk_source(name)
+        ):
             assert f"pagedrs::{kernel}" in instantiated, f"{kernel} in {name}.cu has no instantiation"
 
 
@@ -80,7 +85,8 @@ def test_every_instantiation_compiles(arch: str, nvrtc_ok: tuple[int, int]) -> N
 
 
 def test_compile_errors_name_the_real_file(nvrtc_ok: tuple[int, int]) -> None:
-    broken = _disk_source("cache_kernels").replace("const long long slot = slot_mapping[t];",
-                                                   "const long long slot = slot_mapping[t] +;")
+    broken = _disk_source("cache_kernels").replace(
+        "const long long slot = slot_mapping[t];", "const long long slot = slot_mapping[t] +;"
+    )
     with pytest.raises(kernels.KernelCompileError, match=r"cuda/cache_kernels\.cu\(\d+\)"):
         _loader.compile_check("cache_kernels", _loader.cache_names(), "sm_80", code=broken)

@@ -107,7 +107,7 @@ class RequestStream:
         """Aborts the request unless it already finished (idempotent)."""
         if not self.finished:
             self.finished = True
-            self._engine.abort(self.request_id)
+            self._engine._abort_stream(self)
 
 
 @dataclass
@@ -137,11 +137,11 @@ class AsyncLLMEngine:
         self._dead: BaseException | None = None
         self._draining = False
         self._stats: Any = None
-        self._stats_time = 0.0
 
     @classmethod
     def from_engine_args(cls, engine_args: Any, **kwargs: Any) -> AsyncLLMEngine:
         from pagedrs import LLMEngine
+
         return cls(LLMEngine.from_engine_args(engine_args), **kwargs)
 
     # ------------------------------------------------------------------ state
@@ -247,6 +247,10 @@ class AsyncLLMEngine:
         """Thread-safe; the engine frees the request's blocks before its next step."""
         self._commands.put(_Command("abort", request_id))
 
+    def _abort_stream(self, stream: RequestStream) -> None:
+        # Names the stream: a rejected duplicate id must not abort the request that owns the id.
+        self._commands.put(_Command("abort", stream.request_id, stream))
+
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
         engine = self.engine
@@ -287,7 +291,7 @@ class AsyncLLMEngine:
                 if cmd.kind == "add":
                     self._apply_add(cmd)
                 elif cmd.kind == "abort":
-                    self._apply_abort(cmd.request_id)
+                    self._apply_abort(cmd.request_id, cmd.stream)
         finally:
             if changed:  # queues and blocks changed: publish before the (long) next step
                 self._refresh_stats()
@@ -306,10 +310,11 @@ class AsyncLLMEngine:
         self._trackers[cmd.request_id] = _Tracker(arrival=cmd.kwargs["arrival_time"])
         stream._set_accepted(None)
 
-    def _apply_abort(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
+    def _apply_abort(self, request_id: str, only: RequestStream | None = None) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None or (only is not None and stream is not only):
             return
+        del self._streams[request_id]
         self.engine.abort_request(request_id)
         tracker = self._trackers.pop(request_id, None)
         if self.observer is not None and tracker is not None:
@@ -351,7 +356,6 @@ class AsyncLLMEngine:
     def _refresh_stats(self) -> None:
         try:
             self._stats = self.engine.get_stats()
-            self._stats_time = time.time()
         except Exception:  # noqa: BLE001 - stats are best effort
             logger.debug("get_stats failed", exc_info=True)
 

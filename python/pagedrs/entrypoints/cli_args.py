@@ -48,7 +48,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) the API answers to (default: the model path)")
     g.add_argument("--data-dir", default=None,
-                   help="where files and batch jobs are kept (default: ./pagedrs-data)")
+                   help="where files and batch jobs are kept (default: $XDG_DATA_HOME/pagedrs, "
+                   "else ~/.local/share/pagedrs)")
     g.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024,
                    help="larger request bodies get 413 (default 64 MiB)")
     g.add_argument("--max-batch-concurrency", type=int, default=64,

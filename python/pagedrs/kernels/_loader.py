@@ -43,6 +43,8 @@ GROUP_SIZES = (1, 2, 4, 8)
 CTYPES = {"float16": "pagedrs::half_t", "bfloat16": "pagedrs::bf16_t", "float32": "float"}
 WORD_TYPES = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short"}
 NVRTC_OPTIONS = ("-std=c++17",)
+# What CuPy's RawModule adds to NVRTC_OPTIONS (besides -arch); the compile check mirrors it.
+_CUPY_ADDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
 COMPILE_CHECK_ARCHS = ("sm_80", "sm_90")
 
 _NVRTC_HINT = (
@@ -144,9 +146,7 @@ def nvrtc_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def compile_check(
-    source: str, names: Sequence[str], arch: str, *, code: str | None = None
-) -> dict[str, str]:
+def compile_check(source: str, names: Sequence[str], arch: str, *, code: str | None = None) -> dict[str, str]:
     """Compile `names` of `source` to a cubin for `arch` (e.g. "sm_80") with NVRTC, without a GPU.
 
     Returns each name expression's lowered (mangled) name. Raises KernelCompileError with NVRTC's log."""
@@ -157,7 +157,7 @@ def compile_check(
         for name in names:
             nvrtc.addNameExpression(prog, name)
         try:
-            nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, f"-arch={arch}"])
+            nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, *_CUPY_ADDED_OPTIONS, f"-arch={arch}"])
         except nvrtc.NVRTCError as e:
             log = nvrtc.getProgramLog(prog)
             raise KernelCompileError(f"{source}.cu for {arch}: {e}\n{log}") from e

@@ -99,11 +99,15 @@ def paged_attention(
         raise ValueError(f"value_cache {tuple(value_cache.shape)} != key_cache {tuple(key_cache.shape)}")
     _, block_size, num_kv_heads, cache_head = key_cache.shape
     if cache_head != head_size or num_heads % num_kv_heads:
-        raise ValueError(f"q [T, {num_heads}, {head_size}] does not fit a cache of {num_kv_heads} kv heads "
-                         f"of size {cache_head}")
+        raise ValueError(
+            f"q [T, {num_heads}, {head_size}] does not fit a cache of {num_kv_heads} kv heads "
+            f"of size {cache_head}"
+        )
     if not supports(head_size, q.dtype):
-        raise ValueError(f"no paged attention kernel for head_size={head_size}, dtype={q.dtype}; "
-                         f"head sizes {HEAD_SIZES}, dtypes float16/bfloat16/float32")
+        raise ValueError(
+            f"no paged attention kernel for head_size={head_size}, dtype={q.dtype}; "
+            f"head sizes {HEAD_SIZES}, dtypes float16/bfloat16/float32"
+        )
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache), ("out", out)):
@@ -118,8 +122,12 @@ def paged_attention(
         raise ValueError(f"query_start_loc must be [{num_seqs + 1}] and block_tables [>={num_seqs}, M]")
     if not (seq_lens.is_contiguous() and query_start_loc.is_contiguous()) or block_tables.stride(1) != 1:
         raise ValueError("seq_lens, query_start_loc and block_tables rows must be contiguous")
-    if q.stride(2) != 1 or q.stride(1) != head_size or (q.stride(0) * q.element_size()) % 16 \
-            or q.data_ptr() % 16:
+    if (
+        q.stride(2) != 1
+        or q.stride(1) != head_size
+        or (q.stride(0) * q.element_size()) % 16
+        or q.data_ptr() % 16
+    ):
         q = q.contiguous()
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -129,8 +137,12 @@ def paged_attention(
     window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
     scale_log2 = np.float32(scale * _LOG2E)
     common = (
-        ptr(key_cache), ptr(value_cache), ptr(block_tables), np.int32(block_tables.stride(0)),
-        ptr(seq_lens), ptr(query_start_loc),
+        ptr(key_cache),
+        ptr(value_cache),
+        ptr(block_tables),
+        np.int32(block_tables.stride(0)),
+        ptr(seq_lens),
+        ptr(query_start_loc),
     )
     num_sms, arch = _device_info(device)
     block_shift = np.int32(block_size.bit_length() - 1)
@@ -148,20 +160,53 @@ def paged_attention(
     else:
         tmp_args = (ptr(out), ptr(out), ptr(out))  # unused by the single-partition path
     smem = 4 * (gp * head_size + max(gp * part, 4 * gp * head_size) + 2 * gp)
-    launch(Launch(
-        _SOURCE, names, decode_name(ctype, head_size, gp),
-        (num_seqs, num_kv_heads * chunks, max_parts), _THREADS, smem,
-        (ptr(out), *tmp_args, ptr(q), np.int64(q.stride(0)), *common,
-         np.int32(num_heads), np.int32(num_kv_heads), block_shift, np.int32(window), scale_log2,
-         np.int32(part), np.int32(max_parts)),
-    ), device)
+    launch(
+        Launch(
+            _SOURCE,
+            names,
+            decode_name(ctype, head_size, gp),
+            (num_seqs, num_kv_heads * chunks, max_parts),
+            _THREADS,
+            smem,
+            (
+                ptr(out),
+                *tmp_args,
+                ptr(q),
+                np.int64(q.stride(0)),
+                *common,
+                np.int32(num_heads),
+                np.int32(num_kv_heads),
+                block_shift,
+                np.int32(window),
+                scale_log2,
+                np.int32(part),
+                np.int32(max_parts),
+            ),
+        ),
+        device,
+    )
     if max_parts > 1:
-        launch(Launch(
-            _SOURCE, names, reduce_name(ctype, head_size), (num_seqs, num_heads, 1), _THREADS,
-            4 * (max_parts + 4),
-            (ptr(out), *tmp_args, ptr(seq_lens), ptr(query_start_loc), np.int32(num_heads),
-             np.int32(window), np.int32(part), np.int32(max_parts)),
-        ), device)
+        launch(
+            Launch(
+                _SOURCE,
+                names,
+                reduce_name(ctype, head_size),
+                (num_seqs, num_heads, 1),
+                _THREADS,
+                4 * (max_parts + 4),
+                (
+                    ptr(out),
+                    *tmp_args,
+                    ptr(seq_lens),
+                    ptr(query_start_loc),
+                    np.int32(num_heads),
+                    np.int32(window),
+                    np.int32(part),
+                    np.int32(max_parts),
+                ),
+            ),
+            device,
+        )
 
     # Prefill: requests with q_len > 1; the grid is an upper bound on their row tiles.
     if max_query_len > 1:
@@ -174,10 +219,27 @@ def paged_attention(
         else:
             smem = 4 * (16 * head_size + 2 * 32 * (head_size + 1)) + 32
         tiles = -(-num_tokens * group // rows) + num_seqs
-        launch(Launch(
-            _SOURCE, names, prefill_name(ctype, head_size, mma=mma), (tiles, num_kv_heads, 1), _THREADS,
-            smem,
-            (ptr(out), ptr(q), np.int64(q.stride(0)), *common, np.int32(num_seqs), np.int32(num_heads),
-             np.int32(num_kv_heads), block_shift, np.int32(window), scale_log2),
-        ), device)
+        launch(
+            Launch(
+                _SOURCE,
+                names,
+                prefill_name(ctype, head_size, mma=mma),
+                (tiles, num_kv_heads, 1),
+                _THREADS,
+                smem,
+                (
+                    ptr(out),
+                    ptr(q),
+                    np.int64(q.stride(0)),
+                    *common,
+                    np.int32(num_seqs),
+                    np.int32(num_heads),
+                    np.int32(num_kv_heads),
+                    block_shift,
+                    np.int32(window),
+                    scale_log2,
+                ),
+            ),
+            device,
+        )
     return out

@@ -28,8 +28,10 @@ def _word_bytes(*sizes: int) -> int:
 
 def _check_cache(cache: Tensor, what: str) -> None:
     if cache.dim() != 4 or not cache.is_contiguous():
-        raise ValueError(f"{what} must be contiguous [num_blocks, block_size, num_kv_heads, head_size], "
-                         f"got shape {tuple(cache.shape)} strides {cache.stride()}")
+        raise ValueError(
+            f"{what} must be contiguous [num_blocks, block_size, num_kv_heads, head_size], "
+            f"got shape {tuple(cache.shape)} strides {cache.stride()}"
+        )
 
 
 def reshape_and_cache(
@@ -42,7 +44,9 @@ def reshape_and_cache(
     _check_cache(value_cache, "value_cache")
     _, _, kvh, d = key_cache.shape
     if value_cache.shape != key_cache.shape:
-        raise ValueError(f"value_cache shape {tuple(value_cache.shape)} != key_cache {tuple(key_cache.shape)}")
+        raise ValueError(
+            f"value_cache shape {tuple(value_cache.shape)} != key_cache {tuple(key_cache.shape)}"
+        )
     num_tokens = key.shape[0]
     for name, t in (("key", key), ("value", value)):
         if t.shape != (num_tokens, kvh, d):
@@ -54,8 +58,9 @@ def reshape_and_cache(
         if t.device != key_cache.device:
             raise ValueError(f"{name} is on {t.device}, the cache on {key_cache.device}")
     if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"slot_mapping must be int64 [{num_tokens}], got {slot_mapping.dtype} "
-                         f"{tuple(slot_mapping.shape)}")
+        raise ValueError(
+            f"slot_mapping must be int64 [{num_tokens}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
     if slot_mapping.device != key_cache.device or not slot_mapping.is_contiguous():
         raise ValueError("slot_mapping must be contiguous and on the cache's device")
     if num_tokens == 0:
@@ -63,17 +68,33 @@ def reshape_and_cache(
     esize = key.element_size()
     row_bytes = kvh * d * esize
     word = _word_bytes(
-        row_bytes, key.stride(0) * esize, value.stride(0) * esize,
-        key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+        row_bytes,
+        key.stride(0) * esize,
+        value.stride(0) * esize,
+        key.data_ptr(),
+        value.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
     )
     row_words = row_bytes // word
     threads = min(256, -(-row_words // 32) * 32)
     spec = Launch(
-        _SOURCE, cache_names(), f"pagedrs::reshape_and_cache<{WORD_TYPES[word]}>",
-        (num_tokens, 1, 1), (threads, 1, 1), 0,
-        (ptr(key), ptr(value), ptr(key_cache), ptr(value_cache), ptr(slot_mapping),
-         np.int64(key.stride(0) * esize // word), np.int64(value.stride(0) * esize // word),
-         np.int32(row_words)),
+        _SOURCE,
+        cache_names(),
+        f"pagedrs::reshape_and_cache<{WORD_TYPES[word]}>",
+        (num_tokens, 1, 1),
+        (threads, 1, 1),
+        0,
+        (
+            ptr(key),
+            ptr(value),
+            ptr(key_cache),
+            ptr(value_cache),
+            ptr(slot_mapping),
+            np.int64(key.stride(0) * esize // word),
+            np.int64(value.stride(0) * esize // word),
+            np.int32(row_words),
+        ),
     )
     launch(spec, key_cache.device)
 
@@ -100,8 +121,9 @@ def copy_blocks(kv_caches: Sequence[Tensor], pairs: Tensor | np.ndarray) -> None
     first = kv_caches[0]
     for c in kv_caches:
         if c.dim() != 5 or c.shape[0] != 2 or not c.is_contiguous():
-            raise ValueError(f"each kv cache must be contiguous [2, num_blocks, block_size, KVH, D], got "
-                             f"{tuple(c.shape)}")
+            raise ValueError(
+                f"each kv cache must be contiguous [2, num_blocks, block_size, KVH, D], got {tuple(c.shape)}"
+            )
         if c.shape != first.shape or c.dtype != first.dtype or c.device != first.device:
             raise ValueError("all layers' kv caches must share shape, dtype and device")
     num_blocks = first.shape[1]
@@ -120,8 +142,12 @@ def copy_blocks(kv_caches: Sequence[Tensor], pairs: Tensor | np.ndarray) -> None
     block_bytes = first[0, 0].numel() * first.element_size()
     word = _word_bytes(block_bytes, *(c.data_ptr() for c in kv_caches))
     spec = Launch(
-        _SOURCE, cache_names(), f"pagedrs::copy_blocks<{WORD_TYPES[word]}>",
-        (pairs_t.shape[0], len(kv_caches), 1), (256, 1, 1), 0,
+        _SOURCE,
+        cache_names(),
+        f"pagedrs::copy_blocks<{WORD_TYPES[word]}>",
+        (pairs_t.shape[0], len(kv_caches), 1),
+        (256, 1, 1),
+        0,
         (ptr(table), ptr(pairs_t), np.int64(block_bytes // word), np.int64(num_blocks)),
     )
     launch(spec, first.device)

@@ -5,6 +5,16 @@ use crate::free_queue::FreeQueue;
 use crate::prefix_cache::PrefixCache;
 use crate::BlockId;
 
+/// A full block to cache, with where its tokens are (`slot`, block index `idx`).
+#[derive(Debug, Clone, Copy)]
+pub struct CacheItem {
+    pub block: BlockId,
+    pub hash: u64,
+    pub parent: u64,
+    pub slot: u32,
+    pub idx: u32,
+}
+
 #[derive(Debug, Clone)]
 pub struct BlockPool {
     block_size: usize,
@@ -127,6 +137,25 @@ impl BlockPool {
         true
     }
 
+    /// Caches many full, in-use blocks at once; `tokens(i)` gives item `i`'s tokens. Each phase
+    /// is one loop of independent random accesses, so their cache misses overlap. Returns how
+    /// many were newly cached.
+    pub fn cache_blocks<'t>(
+        &mut self,
+        items: &mut Vec<CacheItem>,
+        tokens: impl Fn(&CacheItem) -> &'t [u32],
+    ) -> usize {
+        items.retain(|it| !self.free.node(it.block).cached);
+        self.cache.reserve(items.len());
+        items.retain(|it| self.cache.claim(it.block, it.hash));
+        for it in items.iter() {
+            self.cache
+                .write_record(it.block, it.hash, it.parent, tokens(it));
+            self.free.node_mut(it.block).cached = true;
+        }
+        items.len()
+    }
+
     /// Drops every cache entry. Only when no block is in use; returns whether it did.
     pub fn reset_prefix_cache(&mut self) -> bool {
         if self.num_used() > 0 {
@@ -172,7 +201,10 @@ impl BlockPool {
             if r == 0 {
                 continue;
             }
-            let dst = self.free.pop_front().expect("enough free blocks below the new size");
+            let dst = self
+                .free
+                .pop_front()
+                .expect("enough free blocks below the new size");
             self.uncache(dst);
             if self.is_cached(src) {
                 self.cache.move_block(src, dst);
@@ -210,19 +242,32 @@ impl BlockPool {
             seen[b.idx()] = true;
             count += 1;
             if self.ref_count(b) != 0 {
-                return Err(format!("block {} is free and referenced ({} refs)", b.0, self.ref_count(b)));
+                return Err(format!(
+                    "block {} is free and referenced ({} refs)",
+                    b.0,
+                    self.ref_count(b)
+                ));
             }
         }
         if count != self.free.len() {
-            return Err(format!("free queue length {} but {count} linked", self.free.len()));
+            return Err(format!(
+                "free queue length {} but {count} linked",
+                self.free.len()
+            ));
         }
         for (b, &free) in seen.iter().enumerate() {
             if self.ref_count(BlockId(b as u32)) == 0 && !free {
-                return Err(format!("block {b} has no refs but is not in the free queue"));
+                return Err(format!(
+                    "block {b} has no refs but is not in the free queue"
+                ));
             }
         }
         if self.num_free() + self.num_used() != n {
-            return Err(format!("free {} + used {} != pool {n}", self.num_free(), self.num_used()));
+            return Err(format!(
+                "free {} + used {} != pool {n}",
+                self.num_free(),
+                self.num_used()
+            ));
         }
         self.cache.check(|b| self.is_cached(b), n)
     }

@@ -25,13 +25,26 @@ pub struct Node {
     pub cached: bool,
 }
 
-const EMPTY: Node = Node { prev: NIL, next: NIL, ref_cnt: 0, cached: false };
+const EMPTY: Node = Node {
+    prev: NIL,
+    next: NIL,
+    ref_cnt: 0,
+    cached: false,
+};
 
 impl FreeQueue {
     /// A queue holding blocks `0..num_blocks` in ascending order.
     pub fn new(num_blocks: usize) -> Self {
-        let sentinel = Node { prev: SENTINEL as u32, next: SENTINEL as u32, ref_cnt: 0, cached: false };
-        let mut q = Self { nodes: vec![sentinel], len: 0 };
+        let sentinel = Node {
+            prev: SENTINEL as u32,
+            next: SENTINEL as u32,
+            ref_cnt: 0,
+            cached: false,
+        };
+        let mut q = Self {
+            nodes: vec![sentinel],
+            len: 0,
+        };
         q.grow(num_blocks);
         for b in 0..num_blocks {
             q.push_back(BlockId(b as u32));

@@ -140,3 +140,30 @@ impl Scheduler {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::{BlockId, Config, NewRequest, Scheduler};
+
+    #[test]
+    fn detects_a_leaked_reference() {
+        let mut s = Scheduler::new(Config {
+            num_blocks: 4,
+            block_size: 2,
+            ..Config::default()
+        })
+        .unwrap();
+        let req = NewRequest {
+            seq_ids: vec![1],
+            prompt_token_ids: vec![3; 3],
+            max_tokens: 2,
+            ..Default::default()
+        };
+        s.add_request(req).unwrap();
+        let p = s.schedule().unwrap();
+        s.check_invariants().unwrap();
+        s.pool.incref(BlockId(p.block_tables[0] as u32));
+        let e = s.check_invariants().unwrap_err().to_string();
+        assert!(e.contains("ref count 2 but 1"), "{e}");
+    }
+}

@@ -97,7 +97,6 @@ impl Scheduler {
         self.rows.clear();
         self.samples.clear();
         p.query_start_loc.push(0);
-        self.warm_up(sched);
         let mut start = 0usize;
         for &(slot, n) in sched {
             let seq = &mut self.seqs[slot as usize];
@@ -112,18 +111,20 @@ impl Scheduler {
             p.query_start_loc.push((start + n) as i32);
             // The row is copied first: the slot mapping then reads it from cache.
             let row = p.block_tables.len();
-            p.block_tables.extend(seq.block_table.iter().map(|&x| x as i32));
+            p.block_tables
+                .extend(seq.block_table.iter().map(|&x| x as i32));
             p.block_tables.resize(row + max_blocks, 0);
             let table = &p.block_tables[row..];
             if n == 1 && completes {
                 p.input_ids.push(i64::from(seq.last_token));
             } else {
-                p.input_ids.extend(seq.tokens[nc..end].iter().map(|&x| i64::from(x)));
+                seq.extend_tokens(nc, end, &mut p.input_ids);
             }
             p.positions.extend((nc..end).map(|x| x as i64));
-            p.slot_mapping.extend(
-                (nc..end).map(|pos| (i64::from(table[pos >> shift]) << shift) | (pos & (bs - 1)) as i64),
-            );
+            p.slot_mapping
+                .extend((nc..end).map(|pos| {
+                    (i64::from(table[pos >> shift]) << shift) | (pos & (bs - 1)) as i64
+                }));
             if n == 1 && completes && nc >= seq.prompt_len {
                 p.num_decode_tokens += 1;
             } else {
@@ -150,17 +151,6 @@ impl Scheduler {
         p
     }
 
-    /// Touches what the row loop below reads, in a loop with independent iterations, so the
-    /// cache misses overlap instead of stalling the (long) row loop one at a time.
-    fn warm_up(&self, sched: &[(u32, usize)]) {
-        let mut acc = 0u32;
-        for &(slot, _) in sched {
-            let seq = &self.seqs[slot as usize];
-            acc ^= seq.block_table.first().copied().unwrap_or(0);
-        }
-        std::hint::black_box(acc);
-    }
-
     /// Children of `slot` become running sequences sharing every block; each gets a logits row
     /// on the parent's last prompt token.
     fn fork_children(&mut self, slot: u32, row: i64, p: &mut StepPlan) {
@@ -179,6 +169,8 @@ impl Scheduler {
             kid.key = parent.key;
             kid.key.child = child;
             kid.tokens.extend_from_slice(&parent.tokens);
+            kid.tail = parent.tail;
+            kid.tail_len = parent.tail_len;
             kid.prompt_len = parent.prompt_len;
             kid.num_computed = parent.num_computed;
             kid.block_table.clear();
@@ -213,5 +205,65 @@ impl Scheduler {
         let parent = &mut self.seqs[slot as usize];
         parent.children = children;
         parent.shared_tail = parent.num_computed % self.cfg.block_size != 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{Config, NewRequest, Scheduler};
+
+    #[test]
+    fn fork_gives_each_child_a_logits_row_and_shares_blocks() {
+        let mut s = Scheduler::new(Config {
+            num_blocks: 8,
+            block_size: 4,
+            ..Config::default()
+        })
+        .unwrap();
+        let req = NewRequest {
+            seq_ids: vec![1, 2, 3],
+            prompt_token_ids: vec![5; 6],
+            max_tokens: 3,
+            ..Default::default()
+        };
+        s.add_request(req).unwrap();
+        let p = s.schedule().unwrap();
+        assert_eq!(p.req_ids, vec![1]);
+        assert_eq!(p.sampled_seq_ids, vec![1, 2, 3]);
+        assert_eq!(p.logits_indices, vec![5, 5, 5]);
+        assert_eq!(s.pool().num_free(), 6);
+        assert_eq!(
+            s.pool().ref_count(crate::BlockId(p.block_tables[0] as u32)),
+            3
+        );
+        s.update(p.step_id, &[7, 8, 9]).unwrap();
+        let p = s.schedule().unwrap();
+        assert_eq!(p.copies.len(), 4); // two (src, dst) pairs
+        assert_eq!(p.input_ids, vec![7, 8, 9]);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn padded_block_tables_and_query_starts() {
+        let mut s = Scheduler::new(Config {
+            num_blocks: 8,
+            block_size: 2,
+            ..Config::default()
+        })
+        .unwrap();
+        for (id, len) in [(1, 5), (2, 1)] {
+            let req = NewRequest {
+                seq_ids: vec![id],
+                prompt_token_ids: vec![3; len],
+                max_tokens: 2,
+                ..Default::default()
+            };
+            s.add_request(req).unwrap();
+        }
+        let p = s.schedule().unwrap();
+        assert_eq!(p.max_blocks, 3);
+        assert_eq!(p.query_start_loc, vec![0, 5, 6]);
+        assert_eq!(p.block_table_row(1)[1..], [0, 0]);
+        assert_eq!(p.logits_indices, vec![4, 5]);
     }
 }

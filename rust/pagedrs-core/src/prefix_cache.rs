@@ -91,7 +91,11 @@ fn join(lo: u32, hi: u32) -> u64 {
 
 impl PrefixCache {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
-        Self { block_size, map: IdMap::default(), records: vec![0; num_blocks * (HEADER + block_size)] }
+        Self {
+            block_size,
+            map: IdMap::default(),
+            records: vec![0; num_blocks * (HEADER + block_size)],
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -134,16 +138,34 @@ impl PrefixCache {
     /// already holds `hash`.
     pub fn insert(&mut self, b: BlockId, hash: u64, parent: u64, tokens: &[u32]) -> bool {
         debug_assert_eq!(tokens.len(), self.block_size);
+        if !self.claim(b, hash) {
+            return false;
+        }
+        self.write_record(b, hash, parent, tokens);
+        true
+    }
+
+    /// The map half of `insert`: claims `hash` for `b` unless another block holds it.
+    pub fn claim(&mut self, b: BlockId, hash: u64) -> bool {
         match self.map.entry(hash) {
-            std::collections::hash_map::Entry::Occupied(_) => return false,
+            std::collections::hash_map::Entry::Occupied(_) => false,
             std::collections::hash_map::Entry::Vacant(v) => {
                 v.insert(b.0);
+                true
             }
         }
+    }
+
+    /// The record half of `insert`, after a successful `claim`.
+    pub fn write_record(&mut self, b: BlockId, hash: u64, parent: u64, tokens: &[u32]) {
         let r = self.record_mut(b);
-        r[..HEADER].copy_from_slice(&[hash as u32, (hash >> 32) as u32, parent as u32, (parent >> 32) as u32]);
+        r[..HEADER].copy_from_slice(&[
+            hash as u32,
+            (hash >> 32) as u32,
+            parent as u32,
+            (parent >> 32) as u32,
+        ]);
         r[HEADER..].copy_from_slice(tokens);
-        true
     }
 
     /// Forgets cached block `b` (it is about to be reused).
@@ -153,6 +175,10 @@ impl PrefixCache {
         debug_assert_eq!(removed, Some(b.0));
     }
 
+    pub fn reserve(&mut self, n: usize) {
+        self.map.reserve(n);
+    }
+
     pub fn clear(&mut self) {
         self.map.clear();
     }
@@ -160,25 +186,38 @@ impl PrefixCache {
     /// Moves cached block `src`'s entry to `dst` (not cached).
     pub fn move_block(&mut self, src: BlockId, dst: BlockId) {
         let stride = HEADER + self.block_size;
-        self.records.copy_within(src.idx() * stride..(src.idx() + 1) * stride, dst.idx() * stride);
+        self.records.copy_within(
+            src.idx() * stride..(src.idx() + 1) * stride,
+            dst.idx() * stride,
+        );
         self.map.insert(self.hash_of(dst), dst.0);
     }
 
     pub fn resize(&mut self, num_blocks: usize) {
-        self.records.resize(num_blocks * (HEADER + self.block_size), 0);
+        self.records
+            .resize(num_blocks * (HEADER + self.block_size), 0);
     }
 
     /// Checks the map against the pool's cached flags.
-    pub fn check(&self, is_cached: impl Fn(BlockId) -> bool, num_blocks: usize) -> Result<(), String> {
+    pub fn check(
+        &self,
+        is_cached: impl Fn(BlockId) -> bool,
+        num_blocks: usize,
+    ) -> Result<(), String> {
         for (&h, &b) in &self.map {
             let b = BlockId(b);
             if b.idx() >= num_blocks || !is_cached(b) || self.hash_of(b) != h {
                 return Err(format!("cache map entry {h:#x} -> block {} is stale", b.0));
             }
         }
-        let n = (0..num_blocks as u32).filter(|&b| is_cached(BlockId(b))).count();
+        let n = (0..num_blocks as u32)
+            .filter(|&b| is_cached(BlockId(b)))
+            .count();
         if n != self.map.len() {
-            return Err(format!("{n} blocks flagged cached but the map has {}", self.map.len()));
+            return Err(format!(
+                "{n} blocks flagged cached but the map has {}",
+                self.map.len()
+            ));
         }
         Ok(())
     }

@@ -53,7 +53,13 @@ pub struct StopParams {
 const INLINE_IDS: usize = 4;
 
 impl StopParams {
-    pub fn new(max_tokens: usize, min_tokens: usize, eos: Vec<u32>, stop: Vec<u32>, ignore_eos: bool) -> Self {
+    pub fn new(
+        max_tokens: usize,
+        min_tokens: usize,
+        eos: Vec<u32>,
+        stop: Vec<u32>,
+        ignore_eos: bool,
+    ) -> Self {
         let mut p = Self {
             max_tokens: max_tokens.min(u32::MAX as usize) as u32,
             min_tokens: min_tokens.min(u32::MAX as usize) as u32,
@@ -81,15 +87,28 @@ impl StopParams {
 
     fn is_stop(&self, token: u32) -> bool {
         match &self.overflow {
-            None => self.inline[self.n_eos as usize..(self.n_eos + self.n_stop) as usize].contains(&token),
+            None => self.inline[self.n_eos as usize..(self.n_eos + self.n_stop) as usize]
+                .contains(&token),
             Some(o) => o.1.contains(&token),
         }
     }
 
     /// The stop check after `token` was appended, with `num_output` output tokens and `num_tokens`
     /// tokens in all.
-    pub fn check(&self, token: u32, num_output: usize, num_tokens: usize, max_model_len: usize) -> Option<Finished> {
-        let done = |reason, stop_token| Some(Finished { seq_id: 0, reason, stop_token });
+    pub fn check(
+        &self,
+        token: u32,
+        num_output: usize,
+        num_tokens: usize,
+        max_model_len: usize,
+    ) -> Option<Finished> {
+        let done = |reason, stop_token| {
+            Some(Finished {
+                seq_id: 0,
+                reason,
+                stop_token,
+            })
+        };
         if num_output >= self.min_tokens as usize {
             if !self.ignore_eos && self.is_eos(token) {
                 return done(FinishReason::Stop, None);
@@ -118,7 +137,7 @@ pub struct SeqKey {
 #[derive(Debug, Clone)]
 #[repr(C, align(64))]
 pub struct Seq {
-    /// Prompt followed by the output tokens so far.
+    /// Prompt followed by the output tokens so far, except the newest ones still in `tail`.
     pub tokens: Vec<u32>,
     /// Device blocks; covers at least `num_computed` tokens while running.
     pub block_table: Vec<u32>,
@@ -138,6 +157,10 @@ pub struct Seq {
     /// The block the next token goes into may be shared with a sibling (copy on write).
     pub shared_tail: bool,
     pub stop: StopParams,
+    pub tail_len: u8,
+    /// Newest output tokens, moved to `tokens` in batches: a decode step then writes this
+    /// (already hot) line instead of a cache-cold spot in the token buffer.
+    pub tail: [u32; TAIL],
     // Cold fields.
     pub key: SeqKey,
     /// Swap blocks while swapped out.
@@ -151,13 +174,62 @@ pub struct Seq {
     pub admitted: bool,
 }
 
+/// Output tokens buffered inline in a sequence before they are moved to its token buffer.
+pub const TAIL: usize = 16;
+
 impl Seq {
     pub fn num_tokens(&self) -> usize {
-        self.tokens.len()
+        self.tokens.len() + self.tail_len as usize
     }
 
     pub fn num_output(&self) -> usize {
-        self.tokens.len() - self.prompt_len
+        self.num_tokens() - self.prompt_len
+    }
+
+    pub fn push_token(&mut self, token: u32) {
+        if self.tail_len as usize == TAIL {
+            self.flush();
+        }
+        self.tail[self.tail_len as usize] = token;
+        self.tail_len += 1;
+        self.last_token = token;
+    }
+
+    /// Moves the buffered tokens to `tokens`, which then holds every token.
+    pub fn flush(&mut self) {
+        self.tokens
+            .extend_from_slice(&self.tail[..self.tail_len as usize]);
+        self.tail_len = 0;
+    }
+
+    /// Token `i` wherever it is buffered.
+    pub fn token(&self, i: usize) -> u32 {
+        match i.checked_sub(self.tokens.len()) {
+            None => self.tokens[i],
+            Some(j) => self.tail[j],
+        }
+    }
+
+    /// Appends tokens `a..b` (as i64) to `out`.
+    pub fn extend_tokens(&self, a: usize, b: usize, out: &mut Vec<i64>) {
+        let split = self.tokens.len();
+        if a < split {
+            out.extend(self.tokens[a..b.min(split)].iter().map(|&x| i64::from(x)));
+        }
+        if b > split {
+            out.extend(
+                self.tail[a.max(split) - split..b - split]
+                    .iter()
+                    .map(|&x| i64::from(x)),
+            );
+        }
+    }
+
+    /// Every token, prompt first.
+    pub fn all_tokens(&self) -> Vec<u32> {
+        let mut v = self.tokens.clone();
+        v.extend_from_slice(&self.tail[..self.tail_len as usize]);
+        v
     }
 
     /// Sequences this entry stands for (itself plus children not yet forked).
@@ -190,7 +262,10 @@ mod tests {
     fn length_limits() {
         let p = params();
         assert_eq!(p.check(4, 5, 10, 100).unwrap().reason, FinishReason::Length);
-        assert_eq!(p.check(4, 3, 100, 100).unwrap().reason, FinishReason::Length);
+        assert_eq!(
+            p.check(4, 3, 100, 100).unwrap().reason,
+            FinishReason::Length
+        );
         let p = StopParams {
             ignore_eos: true,
             ..params()
@@ -207,6 +282,35 @@ mod tests {
         let p = StopParams::new(9, 0, vec![], vec![4, 5, 6, 7], false);
         assert_eq!(p.check(7, 1, 2, 100).unwrap().stop_token, Some(7));
         assert_eq!(p.check(3, 1, 2, 100), None);
+    }
+
+    #[test]
+    fn tail_buffer_is_transparent() {
+        let mut s = crate::Scheduler::new(crate::Config::default()).unwrap();
+        let slot = s.new_slot();
+        let seq = &mut s.seqs[slot as usize];
+        seq.tokens = vec![1, 2, 3];
+        seq.prompt_len = 3;
+        for t in 0..40 {
+            seq.push_token(100 + t);
+        }
+        assert_eq!(seq.num_tokens(), 43);
+        assert_eq!(seq.num_output(), 40);
+        let all = seq.all_tokens();
+        assert_eq!(all.len(), 43);
+        assert_eq!(all[42], 139);
+        assert_eq!((0..43).map(|i| seq.token(i)).collect::<Vec<_>>(), all);
+        for (a, b) in [(0, 43), (2, 40), (35, 43), (40, 41), (0, 3)] {
+            let mut out = Vec::new();
+            seq.extend_tokens(a, b, &mut out);
+            assert_eq!(
+                out,
+                all[a..b].iter().map(|&x| i64::from(x)).collect::<Vec<_>>()
+            );
+        }
+        seq.flush();
+        assert_eq!(seq.tokens, all);
+        assert_eq!(seq.last_token, 139);
     }
 
     #[test]

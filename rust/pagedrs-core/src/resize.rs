@@ -62,3 +62,43 @@ impl Scheduler {
         self.pending_moves = pm.into_iter().flat_map(|(s, d)| [s, d]).collect();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::{Config, NewRequest, Scheduler};
+
+    #[test]
+    fn shrink_moves_ride_on_the_next_plan_and_compose() {
+        let mut s = Scheduler::new(Config {
+            num_blocks: 4,
+            block_size: 2,
+            ..Config::default()
+        })
+        .unwrap();
+        s.resize(12).unwrap(); // new blocks 4..12 are used first
+        let req = NewRequest {
+            seq_ids: vec![1],
+            prompt_token_ids: vec![3; 5],
+            max_tokens: 8,
+            ..Default::default()
+        };
+        s.add_request(req).unwrap();
+        let p = s.schedule().unwrap();
+        let before: Vec<i32> = p.block_tables.clone();
+        s.update(p.step_id, &[1]).unwrap();
+        s.resize(8).unwrap();
+        s.resize(3).unwrap(); // moves compose: each source is a block as the runner last saw it
+        let p = s.schedule().unwrap();
+        assert_eq!(p.num_blocks, 3);
+        let moves: Vec<(i64, i64)> = p.block_moves.chunks(2).map(|m| (m[0], m[1])).collect();
+        for (i, &b) in before.iter().enumerate() {
+            let now = i64::from(p.block_tables[i]);
+            assert!(now < 3);
+            if i64::from(b) != now {
+                assert!(moves.contains(&(i64::from(b), now)), "{moves:?}");
+            }
+        }
+        assert!(s.resize(2).is_err());
+        s.check_invariants().unwrap();
+    }
+}

@@ -285,9 +285,14 @@ impl Scheduler {
             return Admit::Dropped;
         }
         let lookup = self.cfg.enable_prefix_caching && !seq.skip_prefix_cache;
+        self.seqs[slot as usize].flush();
         let mut hits = std::mem::take(&mut self.hit_scratch);
         hits.clear();
-        let last_hash = if lookup { self.find_cached_prefix(slot, &mut hits) } else { 0 };
+        let last_hash = if lookup {
+            self.find_cached_prefix(slot, &mut hits)
+        } else {
+            0
+        };
         let seq = &self.seqs[slot as usize];
         let nc = hits.len() * bs;
         let Some(num_new) = self.chunk(seq.num_tokens() - nc, *budget) else {

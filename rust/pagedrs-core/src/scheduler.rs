@@ -65,6 +65,7 @@ pub struct Scheduler {
     /// Scratch reused every step: (slot, num_new) in batch order.
     pub(crate) sched: Vec<(u32, usize)>,
     pub(crate) hit_scratch: Vec<u32>,
+    pub(crate) cache_scratch: Vec<crate::block_pool::CacheItem>,
 }
 
 impl Scheduler {
@@ -94,6 +95,7 @@ impl Scheduler {
             num_preemptions: 0,
             sched: Vec::new(),
             hit_scratch: Vec::new(),
+            cache_scratch: Vec::new(),
         })
     }
 
@@ -319,6 +321,8 @@ impl Scheduler {
                     skip_prefix_cache: false,
                     stop: StopParams::default(),
                     last_token: 0,
+                    tail: [0; crate::request::TAIL],
+                    tail_len: 0,
                     shared_tail: false,
                     children: Vec::new(),
                     num_cached_tokens: 0,
@@ -330,6 +334,7 @@ impl Scheduler {
         let seq = &mut self.seqs[slot as usize];
         seq.alive = true;
         seq.tokens.clear();
+        seq.tail_len = 0;
         seq.num_computed = 0;
         seq.shared_tail = false;
         seq.num_cached_blocks = 0;
@@ -415,5 +420,102 @@ impl Scheduler {
             prefix_cache_hits: self.prefix_hits,
             num_preemptions: self.num_preemptions,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sched() -> Scheduler {
+        Scheduler::new(Config {
+            num_blocks: 4,
+            block_size: 4,
+            max_model_len: 32,
+            ..Config::default()
+        })
+        .unwrap()
+    }
+
+    fn req(ids: &[i64], len: usize) -> NewRequest {
+        NewRequest {
+            seq_ids: ids.to_vec(),
+            prompt_token_ids: (1..=len as i64).collect(),
+            max_tokens: 4,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn rejections_leave_no_trace() {
+        let mut s = sched();
+        let e = s.add_request(req(&[1], 32)).unwrap_err();
+        assert!(
+            e.to_string().contains("33") && e.to_string().contains("32"),
+            "{e}"
+        );
+        let e = s.add_request(req(&[1], 17)).unwrap_err();
+        assert!(
+            e.to_string().contains("5 blocks") && e.to_string().contains("only 4"),
+            "{e}"
+        );
+        assert!(matches!(
+            s.add_request(req(&[1, 1], 3)),
+            Err(Error::DuplicateSeqId { seq_id: 1 })
+        ));
+        assert!(matches!(
+            s.add_request(req(&[1], 0)),
+            Err(Error::EmptyPrompt { .. })
+        ));
+        assert!(!s.has_unfinished());
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn max_tokens_is_clipped_to_max_model_len() {
+        let cfg = Config {
+            num_blocks: 16,
+            block_size: 4,
+            max_model_len: 32,
+            ..Config::default()
+        };
+        let mut s = Scheduler::new(cfg).unwrap();
+        s.add_request(NewRequest {
+            max_tokens: 1000,
+            ..req(&[1], 30)
+        })
+        .unwrap();
+        let slot = s.ids[&1].slot as usize;
+        assert_eq!(s.seqs[slot].stop.max_tokens, 2);
+    }
+
+    #[test]
+    fn aborting_a_parent_promotes_its_first_child() {
+        let mut s = sched();
+        s.add_request(req(&[1, 2, 3], 3)).unwrap();
+        assert_eq!(s.num_unfinished(), 3);
+        s.abort(&[1]);
+        assert_eq!(s.status(2).unwrap(), Status::Waiting);
+        assert_eq!(s.stats().num_waiting, 2);
+        s.abort(&[3, 99]);
+        s.check_invariants().unwrap();
+        let p = s.schedule().unwrap();
+        assert_eq!(p.req_ids, vec![2]);
+        assert_eq!(p.sampled_seq_ids, vec![2]);
+        s.abort(&[2]);
+        assert!(!s.has_unfinished());
+        assert_eq!(s.pool().num_free(), 4);
+    }
+
+    #[test]
+    fn token_ids_and_cached_tokens_queries() {
+        let mut s = sched();
+        s.add_request(req(&[1, 2], 3)).unwrap();
+        assert_eq!(s.token_ids(2).unwrap(), vec![1, 2, 3]);
+        assert_eq!(s.num_cached_tokens(1).unwrap(), 0);
+        assert!(matches!(
+            s.num_cached_tokens(5),
+            Err(Error::UnknownSeqId { seq_id: 5 })
+        ));
     }
 }

@@ -1,6 +1,7 @@
 //! After the forward pass: append sampled tokens, stop checks, free finished sequences, cache
 //! newly full blocks.
 
+use crate::block_pool::CacheItem;
 use crate::error::{Error, Result};
 use crate::prefix_cache::{block_hash, root_hash};
 use crate::request::Finished;
@@ -37,12 +38,23 @@ impl Scheduler {
         }
         self.pending = None;
         if self.cfg.enable_prefix_caching {
+            let mut items = std::mem::take(&mut self.cache_scratch);
+            items.clear();
             for i in 0..self.rows.len() {
                 let (slot, gen) = self.rows[i];
                 if self.seqs[slot as usize].alive && self.seqs[slot as usize].gen == gen {
-                    self.cache_full_blocks(slot);
+                    self.collect_full_blocks(slot, &mut items);
                 }
             }
+            if !items.is_empty() {
+                let bs = self.cfg.block_size;
+                let seqs = &self.seqs;
+                self.pool.cache_blocks(&mut items, |it| {
+                    let i = it.idx as usize * bs;
+                    &seqs[it.slot as usize].tokens[i..i + bs]
+                });
+            }
+            self.cache_scratch = items;
         }
         let mut finished = std::mem::take(&mut self.pending_finished);
         let mut any_finished = false;
@@ -54,9 +66,11 @@ impl Scheduler {
                 continue;
             }
             let token = token as u32;
-            seq.tokens.push(token);
-            seq.last_token = token;
-            if let Some(mut f) = seq.stop.check(token, seq.num_output(), seq.num_tokens(), max_model_len) {
+            seq.push_token(token);
+            if let Some(mut f) =
+                seq.stop
+                    .check(token, seq.num_output(), seq.num_tokens(), max_model_len)
+            {
                 f.seq_id = seq.seq_id;
                 finished.push(f);
                 self.num_running_seqs -= 1;
@@ -71,20 +85,90 @@ impl Scheduler {
         Ok(finished)
     }
 
-    /// Offers the sequence's newly computed full blocks to the prefix cache.
-    fn cache_full_blocks(&mut self, slot: u32) {
+    /// Hashes the sequence's newly computed full blocks into `items` (cached by the caller).
+    fn collect_full_blocks(&mut self, slot: u32, items: &mut Vec<CacheItem>) {
         let shift = self.cfg.block_size.trailing_zeros();
         let bs = self.cfg.block_size;
         let seq = &mut self.seqs[slot as usize];
         let full = seq.num_computed >> shift;
+        if seq.num_cached_blocks >= full {
+            return;
+        }
+        seq.flush();
         while seq.num_cached_blocks < full {
             let i = seq.num_cached_blocks;
-            let parent = if i == 0 { root_hash(seq.extra_key) } else { seq.last_hash };
-            let tokens = &seq.tokens[i * bs..(i + 1) * bs];
-            let h = block_hash(parent, tokens);
-            self.pool.cache_block(BlockId(seq.block_table[i]), h, parent, tokens);
-            seq.last_hash = h;
+            let parent = if i == 0 {
+                root_hash(seq.extra_key)
+            } else {
+                seq.last_hash
+            };
+            let hash = block_hash(parent, &seq.tokens[i * bs..(i + 1) * bs]);
+            items.push(CacheItem {
+                block: BlockId(seq.block_table[i]),
+                hash,
+                parent,
+                slot,
+                idx: i as u32,
+            });
+            seq.last_hash = hash;
             seq.num_cached_blocks += 1;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{Config, FinishReason, NewRequest, Scheduler};
+
+    #[test]
+    fn full_blocks_are_cached_and_finished_seqs_freed() {
+        let mut s = Scheduler::new(Config {
+            num_blocks: 8,
+            block_size: 2,
+            ..Config::default()
+        })
+        .unwrap();
+        let req = NewRequest {
+            seq_ids: vec![1],
+            prompt_token_ids: vec![4, 5, 6],
+            max_tokens: 5,
+            stop_token_ids: vec![9],
+            ..Default::default()
+        };
+        s.add_request(req).unwrap();
+        let p = s.schedule().unwrap();
+        s.update(p.step_id, &[7]).unwrap();
+        assert_eq!(s.pool().cache().len(), 1); // [4, 5]
+        let p = s.schedule().unwrap();
+        let f = s.update(p.step_id, &[9]).unwrap();
+        assert_eq!(f[0].reason, FinishReason::Stop);
+        assert_eq!(f[0].stop_token, Some(9));
+        assert_eq!(s.pool().cache().len(), 2); // [4, 5], [6, 7]
+        assert_eq!(s.pool().num_free(), 8);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn aborted_between_schedule_and_update_is_skipped() {
+        let mut s = Scheduler::new(Config {
+            num_blocks: 8,
+            block_size: 2,
+            ..Config::default()
+        })
+        .unwrap();
+        for id in [1, 2] {
+            let req = NewRequest {
+                seq_ids: vec![id],
+                prompt_token_ids: vec![4, 5],
+                max_tokens: 1,
+                ..Default::default()
+            };
+            s.add_request(req).unwrap();
+        }
+        let p = s.schedule().unwrap();
+        s.abort(&[1]);
+        let f = s.update(p.step_id, &[3, 3]).unwrap();
+        assert_eq!(f.iter().map(|f| f.seq_id).collect::<Vec<_>>(), vec![2]);
+        assert!(!s.has_unfinished());
     }
 }

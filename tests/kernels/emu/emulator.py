@@ -85,13 +85,20 @@ extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned g
 }
 """
 
+
 class Emulator:
     def __init__(self, library: Path) -> None:
         self._lib = ctypes.CDLL(str(library))
         fn = self._lib.emu_launch
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_char_p, *([ctypes.c_uint] * 6), ctypes.c_ulong,
-                       ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_ulong]
+        fn.argtypes = [
+            ctypes.c_char_p,
+            *([ctypes.c_uint] * 6),
+            ctypes.c_ulong,
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_char_p,
+            ctypes.c_ulong,
+        ]
         self._launch = fn
 
     def __call__(self, spec: Launch) -> None:
@@ -110,7 +117,11 @@ def build(names: Iterable[str], *, cache_dir: Path | None = None) -> Path:
         raise RuntimeError("no C++ compiler (g++) to build the kernel emulator")
     source = _MAIN.replace("ENTRIES", _entries(names))
     digest = hashlib.sha256()
-    for part in (source, (HERE / "cuda_emu.h").read_text(), *(p.read_text() for p in sorted(CUDA_DIR.glob("*.cu")))):
+    for part in (
+        source,
+        (HERE / "cuda_emu.h").read_text(),
+        *(p.read_text() for p in sorted(CUDA_DIR.glob("*.cu"))),
+    ):
         digest.update(part.encode())
     out_dir = cache_dir or Path(tempfile.gettempdir()) / "pagedrs-kernel-emu"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -119,8 +130,19 @@ def build(names: Iterable[str], *, cache_dir: Path | None = None) -> Path:
         src = out_dir / f"{lib.stem}.cpp"
         src.write_text(source)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-w", f"-I{HERE}", f"-I{CUDA_DIR}",
-               str(src), "-o", str(tmp)]
+        cmd = [
+            cxx,
+            "-std=c++20",
+            "-O1",
+            "-shared",
+            "-fPIC",
+            "-w",
+            f"-I{HERE}",
+            f"-I{CUDA_DIR}",
+            str(src),
+            "-o",
+            str(tmp),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(f"building the kernel emulator failed:\n{proc.stderr[-8000:]}")

@@ -50,7 +50,8 @@ def run_server(args: argparse.Namespace) -> int:
     if args.api_key is None:
         args.api_key = os.environ.get("PAGEDRS_API_KEY") or None
     if args.data_dir is None:
-        args.data_dir = os.path.abspath("pagedrs-data")
+        base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+        args.data_dir = os.path.join(base, "pagedrs")
 
     from pagedrs.engine.async_engine import AsyncLLMEngine
     from pagedrs.entrypoints.openai.app import build_app

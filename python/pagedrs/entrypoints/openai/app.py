@@ -36,6 +36,19 @@ DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+class SSEResponse(StreamingResponse):
+    """Closes its generator however the response ends, so a dropped client's request is aborted
+    at once rather than when the generator is garbage-collected."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
 class ServerState:
     """What the routes and the shutdown path share (``app.state.server``)."""
 
@@ -160,7 +173,7 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
     async def respond(result: Any) -> Response:
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
+        return SSEResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
 
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:

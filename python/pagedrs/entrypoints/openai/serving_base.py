@@ -24,7 +24,6 @@ from pagedrs.engine.async_engine import (
 from pagedrs.entrypoints.openai.errors import (
     APIError,
     bad_request,
-    error_body,
     internal,
     not_found,
     unavailable,
@@ -291,9 +290,5 @@ def now_s() -> int:
     return int(time.time())
 
 
-def error_response_body(exc: BaseException) -> dict[str, Any]:
-    return to_api_error(exc).body() if not isinstance(exc, APIError) else exc.body()
-
-
-__all__ = ["ClientDisconnected", "OpenAIServing", "SSE_DONE", "TextDeltas", "error_body",
-           "merge_streams", "random_id", "sse", "sse_error", "to_api_error"]
+__all__ = ["ClientDisconnected", "OpenAIServing", "SSE_DONE", "TextDeltas", "merge_streams", "random_id",
+           "sse", "sse_error", "to_api_error"]

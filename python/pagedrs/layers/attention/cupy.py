@@ -27,7 +27,9 @@ class CupyAttentionBackend:
 
     name = "cupy"
 
-    def __init__(self, device: torch.device | str | None = None, *, prefill_impl: PrefillImpl = "auto") -> None:
+    def __init__(
+        self, device: torch.device | str | None = None, *, prefill_impl: PrefillImpl = "auto"
+    ) -> None:
         self.device = torch.device(device) if device is not None else None
         self.prefill_impl: PrefillImpl = prefill_impl
 
@@ -48,7 +50,9 @@ class CupyAttentionBackend:
     ) -> Tensor:
         """q [T,H,D], k/v [T,KVH,D], kv_cache [2, num_blocks, block_size, KVH, D] -> [T,H,D]."""
         if kv_cache.shape[2] != meta.block_size:
-            raise ValueError(f"kv cache block size {kv_cache.shape[2]} != metadata block_size {meta.block_size}")
+            raise ValueError(
+                f"kv cache block size {kv_cache.shape[2]} != metadata block_size {meta.block_size}"
+            )
         if k.dtype != kv_cache.dtype:
             k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
         if q.dtype != kv_cache.dtype:

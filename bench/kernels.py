@@ -1,0 +1,256 @@
+"""Kernel benchmark: paged decode attention against the device's copy bandwidth, varlen prefill against
+torch's scaled_dot_product_attention.
+
+    python bench/kernels.py --out bench/results/kernels.json [--update-summary bench/results/gpu-summary.json]
+
+Decode: K/V bytes read per step / kernel time, for batch 1..256 and context 512..32k, as a fraction of the
+measured device-to-device copy bandwidth ((read + write bytes) / time of a large copy). Prefill: causal
+attention FLOP/s of the paged kernel (K/V read through block tables) against SDPA on the same shapes laid
+out contiguously; reported as time ours / SDPA. Kernel times come from CUDA-graph replays timed with CUDA
+events, so Python launch overhead is not counted. Shapes default to Llama-3-8B attention (32 query heads,
+8 KV heads, head size 128, bf16, block size 16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+DECODE_BATCHES = (1, 4, 16, 64, 256)
+DECODE_CONTEXTS = (512, 2048, 4096, 8192, 16384, 32768)
+PREFILL_LENGTHS = (512, 1024, 2048, 4096, 8192)
+PREFILL_TOKENS = 16384
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def time_graph(fn: Callable[[], object], iters: int = 20) -> float:
+    """Median seconds per call of fn, replayed from a CUDA graph (captured after a warm-up)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
+    """Device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(num_bytes // 2, dtype=torch.float16, device="cuda").fill_(1.0)
+    dst = torch.empty_like(src)
+    seconds = time_graph(lambda s=src, d=dst: d.copy_(s), iters=10)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * num_bytes / seconds
+
+
+def _paged_inputs(batch: int, q_len: int, ctx: int, args: argparse.Namespace) -> dict:
+    """A paged batch of `batch` requests, `ctx` context each, last `q_len` tokens queried; blocks in
+    random order (what a long-running pool looks like)."""
+    bs, kvh, d = args.block_size, args.num_kv_heads, args.head_size
+    blocks_per = -(-ctx // bs)
+    num_blocks = batch * blocks_per
+    dtype = getattr(torch, args.dtype)
+    cache = torch.randn(2, num_blocks, bs, kvh, d, device="cuda", dtype=dtype)
+    tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per)
+    q = torch.randn(batch * q_len, args.num_heads, d, device="cuda", dtype=dtype)
+    return {
+        "q": q,
+        "out": torch.empty_like(q),
+        "cache": cache,
+        "block_tables": tables,
+        "seq_lens": torch.full((batch,), ctx, dtype=torch.int32, device="cuda"),
+        "query_start_loc": torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device="cuda"),
+    }
+
+
+def _run_paged(x: dict, q_len: int, ctx: int, head_size: int) -> None:
+    from pagedrs.kernels import paged_attention
+
+    paged_attention(
+        x["out"],
+        x["q"],
+        x["cache"][0],
+        x["cache"][1],
+        x["block_tables"],
+        x["seq_lens"],
+        x["query_start_loc"],
+        scale=head_size**-0.5,
+        sliding_window=None,
+        max_query_len=q_len,
+        max_seq_len=ctx,
+    )
+
+
+def bench_decode(args: argparse.Namespace, copy_bw: float) -> list[dict]:
+    rows = []
+    esize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    for batch in args.decode_batches:
+        for ctx in args.decode_contexts:
+            kv_bytes = 2 * batch * ctx * args.num_kv_heads * args.head_size * esize
+            if kv_bytes > args.max_cache_gb * (1 << 30):
+                continue
+            x = _paged_inputs(batch, 1, ctx, args)
+            seconds = time_graph(lambda x=x, c=ctx: _run_paged(x, 1, c, args.head_size))
+            rows.append(
+                {
+                    "batch": batch,
+                    "context": ctx,
+                    "time_us": seconds * 1e6,
+                    "kv_bytes": kv_bytes,
+                    "GBps": kv_bytes / seconds / 1e9,
+                    "fraction_of_copy_bw": kv_bytes / seconds / copy_bw,
+                }
+            )
+            print(
+                f"decode batch {batch:4d} context {ctx:6d}: {seconds * 1e6:9.1f} us  "
+                f"{kv_bytes / seconds / 1e9:7.1f} GB/s  {kv_bytes / seconds / copy_bw:6.1%} of copy",
+                file=sys.stderr,
+            )
+            del x
+            torch.cuda.empty_cache()
+    return rows
+
+
+def bench_prefill(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    h, kvh, d = args.num_heads, args.num_kv_heads, args.head_size
+    for length in args.prefill_lengths:
+        batch = max(1, args.prefill_tokens // length)
+        x = _paged_inputs(batch, length, length, args)
+        ours = time_graph(lambda x=x, n=length: _run_paged(x, n, n, d))
+        # The same K/V, contiguous [B, H, L, D] for SDPA.
+        k = (
+            x["cache"][0][x["block_tables"].long()]
+            .reshape(batch, length, kvh, d)
+            .transpose(1, 2)
+            .contiguous()
+        )
+        v = (
+            x["cache"][1][x["block_tables"].long()]
+            .reshape(batch, length, kvh, d)
+            .transpose(1, 2)
+            .contiguous()
+        )
+        q = x["q"].view(batch, length, h, d).transpose(1, 2).contiguous()
+        sdpa = time_graph(
+            lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=d**-0.5, enable_gqa=True
+            )
+        )
+        flops = 4 * batch * h * d * length * (length + 1) / 2  # causal: QK^T and PV over half the matrix
+        rows.append(
+            {
+                "batch": batch,
+                "seq_len": length,
+                "ours_ms": ours * 1e3,
+                "sdpa_ms": sdpa * 1e3,
+                "ours_tflops": flops / ours / 1e12,
+                "sdpa_tflops": flops / sdpa / 1e12,
+                "time_vs_sdpa": ours / sdpa,
+            }
+        )
+        print(
+            f"prefill batch {batch:3d} length {length:5d}: {flops / ours / 1e12:6.1f} TFLOP/s (pagedrs) vs "
+            f"{flops / sdpa / 1e12:6.1f} (SDPA), time ratio {ours / sdpa:.2f}x",
+            file=sys.stderr,
+        )
+        del x, k, v, q
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, help="write the JSON results here")
+    p.add_argument("--update-summary", type=Path, help="merge headline figures into this gpu-summary.json")
+    p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
+    p.add_argument("--num-heads", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--decode-batches", type=int, nargs="+", default=list(DECODE_BATCHES))
+    p.add_argument("--decode-contexts", type=int, nargs="+", default=list(DECODE_CONTEXTS))
+    p.add_argument("--prefill-lengths", type=int, nargs="+", default=list(PREFILL_LENGTHS))
+    p.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS, help="tokens per prefill batch")
+    p.add_argument("--max-cache-gb", type=float, default=16.0, help="skip decode shapes with more K/V")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+
+    copy_bw = copy_bandwidth()
+    print(f"device copy bandwidth: {copy_bw / 1e9:.1f} GB/s (read + write)", file=sys.stderr)
+    decode = bench_decode(args, copy_bw)
+    prefill = bench_prefill(args)
+    long = [r for r in decode if r["context"] >= 4096]
+    best = max(long, key=lambda r: r["fraction_of_copy_bw"]) if long else None
+    ratios = sorted(r["time_vs_sdpa"] for r in prefill)
+    median_ratio = ratios[len(ratios) // 2] if ratios else None
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "commit": _commit(),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "shape": {
+            k: getattr(args, k) for k in ("dtype", "num_heads", "num_kv_heads", "head_size", "block_size")
+        },
+        "copy_bandwidth_GBps": copy_bw / 1e9,
+        "decode": decode,
+        "prefill": prefill,
+        "decode_bw_fraction": best["fraction_of_copy_bw"] if best else None,
+        "prefill_time_vs_sdpa": median_ratio,
+    }
+    if best is not None and median_ratio is not None:
+        best_pf = min(prefill, key=lambda r: abs(r["time_vs_sdpa"] - median_ratio))
+        print(
+            f"decode attention: {best['GBps']:.0f} GB/s (pagedrs) vs {copy_bw / 1e9:.0f} GB/s (device copy) = "
+            f"{best['fraction_of_copy_bw']:.2f} x at batch {best['batch']}, context {best['context']}; "
+            f"prefill: {best_pf['ours_tflops']:.0f} TFLOP/s (pagedrs) vs {best_pf['sdpa_tflops']:.0f} TFLOP/s "
+            f"(torch SDPA) = {median_ratio:.2f} x the time (median over lengths)"
+        )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if args.update_summary:
+        summary = json.loads(args.update_summary.read_text()) if args.update_summary.exists() else {}
+        summary.update(
+            {k: result[k] for k in ("device", "commit", "decode_bw_fraction", "prefill_time_vs_sdpa")}
+        )
+        args.update_summary.parent.mkdir(parents=True, exist_ok=True)
+        args.update_summary.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""`pagedrs serve|generate|chat|bench` argument handling (no model is loaded)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedrs.entrypoints.cli import make_parser
+from pagedrs.entrypoints.cli_args import engine_kwargs, make_engine_args
+
+
+def test_serve_flags_map_to_engine_args() -> None:
+    args = make_parser().parse_args([
+        "serve", "--port", "9000", "--api-key", "k", "--served-model-name", "a", "b", "--max-model-len", "256",
+        "--num-kv-blocks", "64", "--disable-prefix-caching", "--no-enable-chunked-prefill", "--device", "cpu",
+        "--dtype", "float32", "--max-num-seqs", "8", "--seed", "3", "--log-stats-interval", "0"])
+    assert (args.host, args.port, args.api_key, args.served_model_name) == ("127.0.0.1", 9000, "k", ["a", "b"])
+    kw = engine_kwargs(args)
+    assert kw["model"] is None and kw["max_model_len"] == 256 and kw["num_kv_blocks"] == 64
+    assert kw["enable_prefix_caching"] is False and kw["enable_chunked_prefill"] is False
+    assert kw["disable_log_stats"] is True and kw["seed"] == 3
+    ea = make_engine_args(args)
+    assert ea.max_num_seqs == 8 and ea.device == "cpu" and ea.enable_prefix_caching is False
+
+
+def test_api_server_module_has_the_same_flags() -> None:
+    from pagedrs.entrypoints.cli_args import make_serve_parser
+
+    serve = {a.dest for a in make_serve_parser()._actions}
+    sub = make_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    assert serve == {a.dest for a in sub._actions}
+
+
+def test_bench_unknown_is_rejected() -> None:
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["bench", "nope"])

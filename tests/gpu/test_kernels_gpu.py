@@ -1,0 +1,225 @@
+"""Each kernel on a GPU against the float64 reference over many shapes: block sizes 16/32, every head size,
+GQA ratios 1/4/8, contexts 1..8k (and 32k for split-K), ragged batches, slots across block boundaries.
+Tolerances (tests/kernels/paged_case.TOLERANCES, |err| <= atol + rtol*|ref|): fp32 2e-5, fp16 4e-3,
+bf16 3e-2. Skipped only where no CUDA GPU is present."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedrs.kernels import HEAD_SIZES, copy_blocks, paged_attention, reshape_and_cache
+from tests.kernels.paged_case import assert_close, attention_reference, make_case, write_reference
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+GQA = [(8, 8), (16, 4), (32, 4)]  # group sizes 1, 4, 8
+
+
+def _run(case, *, scale, window=None, impl="auto", max_seq_len=None):
+    cache = case.kv_cache.clone()
+    reshape_and_cache(case.k, case.v, cache[0], cache[1], case.slot_mapping)
+    torch.testing.assert_close(cache, write_reference(case), atol=0, rtol=0)
+    meta = case.meta()
+    out = torch.full_like(case.q, float("nan"))
+    paged_attention(
+        out,
+        case.q,
+        cache[0],
+        cache[1],
+        case.block_tables,
+        case.seq_lens,
+        case.query_start_loc,
+        scale=scale,
+        sliding_window=window,
+        max_query_len=meta.max_query_len,
+        max_seq_len=max_seq_len or meta.max_seq_len,
+        prefill_impl=impl,
+    )
+    torch.cuda.synchronize()
+    return out, attention_reference(case, cache, scale=scale, sliding_window=window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_reshape_and_cache(dtype: torch.dtype, block_size: int, head_size: int) -> None:
+    rng = random.Random(0)
+    q_lens = [rng.randint(1, 300) for _ in range(8)]
+    ctx = [q + rng.randint(0, 500) for q in q_lens]  # new tokens start mid-block, cross block boundaries
+    case = make_case(
+        q_lens,
+        ctx,
+        num_heads=8,
+        num_kv_heads=8,
+        head_size=head_size,
+        block_size=block_size,
+        dtype=dtype,
+        device="cuda",
+    )
+    case.slot_mapping[::7] = -1  # padding tokens: no write
+    cache = case.kv_cache.clone()
+    reshape_and_cache(case.k, case.v, cache[0], cache[1], case.slot_mapping)
+    assert torch.equal(cache, write_reference(case))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_copy_blocks(dtype: torch.dtype) -> None:
+    caches = [torch.randn(2, 300, 16, 4, 128, device="cuda").to(dtype) for _ in range(30)]
+    expected = [c.clone() for c in caches]
+    perm = torch.randperm(300).tolist()
+    pairs = list(zip(perm[:100], perm[100:200], strict=True))
+    for c in expected:
+        for s, d in pairs:
+            c[:, d] = c[:, s]
+    copy_blocks(caches, torch.tensor(pairs, device="cuda"))
+    for c, e in zip(caches, expected, strict=True):
+        assert torch.equal(c, e)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode(
+    dtype: torch.dtype, head_size: int, num_heads: int, num_kv_heads: int, block_size: int
+) -> None:
+    rng = random.Random(head_size * 100 + num_heads + block_size)
+    ctx = [1, 8192, block_size, block_size + 1] + [rng.randint(1, 8192) for _ in range(6)]
+    case = make_case(
+        [1] * len(ctx),
+        ctx,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        block_size=block_size,
+        dtype=dtype,
+        device="cuda",
+        seed=rng.randint(0, 1 << 30),
+    )
+    out, ref = _run(case, scale=head_size**-0.5)
+    assert_close(
+        out, ref, dtype, f"decode {dtype} D={head_size} H={num_heads}/{num_kv_heads} bs={block_size}"
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 4, 64])
+def test_decode_split_k_long_contexts(dtype: torch.dtype, batch: int) -> None:
+    """Split-K at every partition size the heuristic picks (batch 1 -> 128-key partitions), ragged last
+    partitions, a 32k context, and a grid sized for a larger capacity (what a CUDA graph passes)."""
+    rng = random.Random(batch)
+    ctx = [rng.choice([1, 511, 512, 513, 4096, 4097, 32768, rng.randint(1, 20000)]) for _ in range(batch)]
+    case = make_case(
+        [1] * batch,
+        ctx,
+        num_heads=16,
+        num_kv_heads=2,
+        head_size=128,
+        block_size=16,
+        dtype=dtype,
+        device="cuda",
+        seed=batch,
+    )
+    out, ref = _run(case, scale=0.1)
+    assert_close(out, ref, dtype, "split-k decode")
+    out2, _ = _run(case, scale=0.1, max_seq_len=65536)
+    assert_close(out2, ref, dtype, "split-k decode, oversized grid")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill(
+    dtype: torch.dtype, head_size: int, num_heads: int, num_kv_heads: int, block_size: int
+) -> None:
+    rng = random.Random(head_size * 7 + num_heads + block_size)
+    q_lens = [rng.randint(2, 700) for _ in range(4)] + [2, 1000]
+    ctx = [q + rng.choice([0, 0, rng.randint(1, 4000)]) for q in q_lens[:-1]] + [8192]  # fresh / chunked
+    case = make_case(
+        q_lens,
+        ctx,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        block_size=block_size,
+        dtype=dtype,
+        device="cuda",
+        seed=rng.randint(0, 1 << 30),
+    )
+    out, ref = _run(case, scale=head_size**-0.5)
+    assert_close(
+        out, ref, dtype, f"prefill {dtype} D={head_size} H={num_heads}/{num_kv_heads} bs={block_size}"
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_scalar_fallback(dtype: torch.dtype) -> None:
+    """The pre-sm_80 path for 16-bit types, forced."""
+    case = make_case(
+        [300, 45, 2],
+        [300, 1200, 9],
+        num_heads=32,
+        num_kv_heads=8,
+        head_size=128,
+        block_size=16,
+        dtype=dtype,
+        device="cuda",
+        seed=3,
+    )
+    out, ref = _run(case, scale=128**-0.5, impl="scalar")
+    assert_close(out, ref, dtype, "scalar prefill")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [1, 17, 512, 4096])
+def test_sliding_window(dtype: torch.dtype, window: int) -> None:
+    q_lens = [1, 1, 1, 600, 33, 1]
+    ctx = [5000, 17, 600, 600, 2000, 4097]
+    case = make_case(
+        q_lens,
+        ctx,
+        num_heads=32,
+        num_kv_heads=8,
+        head_size=128,
+        block_size=16,
+        dtype=dtype,
+        device="cuda",
+        seed=window,
+    )
+    out, ref = _run(case, scale=128**-0.5, window=window)
+    assert_close(out, ref, dtype, f"sliding window {window}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_ragged_batch(dtype: torch.dtype) -> None:
+    """Decodes and prefill chunks interleaved, padding rows (seq_len 0) included."""
+    rng = random.Random(5)
+    q_lens = [rng.choice([1, 1, 1, rng.randint(2, 300)]) for _ in range(40)]
+    ctx = [q + rng.randint(0, 3000) for q in q_lens]
+    case = make_case(
+        q_lens,
+        ctx,
+        num_heads=9,
+        num_kv_heads=3,
+        head_size=64,
+        block_size=16,
+        dtype=dtype,
+        device="cuda",
+        seed=6,
+    )
+    pad = [i for i, q in enumerate(q_lens) if q == 1][:3]
+    for i in pad:  # CUDA-graph padding rows
+        case.seq_lens[i] = 0
+        case.ctx_lens[i] = 0
+        case.slot_mapping[int(case.query_start_loc[i])] = -1
+    out, ref = _run(case, scale=0.125)
+    assert_close(out, ref, dtype, "mixed batch")
+    for i in pad:
+        assert torch.equal(out[int(case.query_start_loc[i])], torch.zeros_like(out[0]))
