@@ -18,7 +18,9 @@ from tests.kernels.emu.emulator import compiler, host_kernels
 from tests.kernels.paged_case import assert_close, make_case
 from tests.models.paged_harness import PagedHarness
 
-pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler for the kernel emulator")
+pytestmark = pytest.mark.skipif(
+    compiler() is None, reason="no g++ >= 12 (C++20, _Float16) for the kernel emulator"
+)
 
 
 @pytest.fixture(scope="module", autouse=True)

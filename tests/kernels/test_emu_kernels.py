@@ -17,7 +17,9 @@ from pagedrs.kernels._loader import CTYPES, attention_names, cache_names
 from tests.kernels.emu.emulator import compiler, host_kernels
 from tests.kernels.paged_case import assert_close, attention_reference, make_case, write_reference
 
-pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler for the kernel emulator")
+pytestmark = pytest.mark.skipif(
+    compiler() is None, reason="no g++ >= 12 (C++20, _Float16) for the kernel emulator"
+)
 
 EMU_HEADS = (16, 32, 64, 80)
 

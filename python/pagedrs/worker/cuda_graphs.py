@@ -12,6 +12,18 @@ cache write), so they never touch the cache; their outputs are discarded.
 Only backends whose launches depend on host integers alone (not on per-request host lists) can be
 captured: the "cupy" backend. A model whose forward synchronizes with the host (e.g. dynamic RoPE
 scaling) fails to capture; the runner then logs once and returns None, and the caller runs eagerly.
+
+Use from the model runner (after the KV pool exists; not with enforce_eager)::
+
+    if device.type == "cuda" and not enforce_eager and backend.name == "cupy":
+        graphs = CudaGraphRunner(model, pool.kv_caches, backend, max_batch_size=min(max_num_seqs, 512),
+                                 max_blocks_per_seq=ceil(max_model_len / block_size), block_size=block_size)
+    ...
+    hidden = graphs.run(input_ids, positions, meta, pool.kv_caches) if graphs else None  # per step
+    if hidden is None:
+        hidden = model(input_ids, positions, ctx)
+
+Passing the pool's current caches lets the runner notice a reallocated pool and recapture.
 """
 
 from __future__ import annotations

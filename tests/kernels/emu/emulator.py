@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -26,8 +27,21 @@ REPO = HERE.parents[2]
 CUDA_DIR = REPO / "cuda"
 
 
+@functools.cache
 def compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "g++"))
+    """A C++20 compiler with _Float16 (GCC >= 12 on x86-64), or None (the emulator tests skip)."""
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "probe.cpp"
+        src.write_text(
+            "int main() { _Float16 h = static_cast<_Float16>(1.5f); return static_cast<int>(h) - 1; }\n"
+        )
+        proc = subprocess.run(
+            [cxx, "-std=c++20", str(src), "-o", str(Path(tmp) / "probe")], capture_output=True
+        )
+    return cxx if proc.returncode == 0 else None
 
 
 def _entries(names: Iterable[str]) -> str:
