@@ -173,6 +173,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
                        ("itl_p50_ms", "ITL p50"), ("itl_p99_ms", "ITL p99")):
         ax2.plot(rates, [r[key] for r in rows], marker="o", label=label)
     for ax, title in ((ax1, "request latency"), (ax2, "per-token latency")):
+        ax.set_xscale("log", base=2)
         ax.set_xlabel("arrival rate (req/s, Poisson)")
         ax.set_ylabel("ms")
         ax.set_title(title)
@@ -222,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a PNG of latency vs rate here")
-    p.add_argument("--server-log", default="serving-bench-server.log")
+    p.add_argument("--server-log", default=os.path.join(tempfile.gettempdir(), "pagedrs-serving-bench.log"),
+                   help="the started server's output (default: in the temp dir)")
     p.add_argument("server_args", nargs=argparse.REMAINDER,
                    help="after `--`: flags for the server this script starts (e.g. -- --device cpu)")
     args = p.parse_args(argv)
@@ -240,7 +242,11 @@ def main(argv: list[str] | None = None) -> int:
         data_dir = tempfile.mkdtemp(prefix="pagedrs-bench-")
         proc, url = start_server(server_args, args.server_log, data_dir)
     rows = []
+    served = None
     try:
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        models = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json().get("data", [])
+        served = models[0]["id"] if models else None
         rng = random.Random(args.seed)
         # one warm-up request (not counted): first-call costs are not a rate's latency
         asyncio.run(run_rate(url, args.api_key, 1.0, 1, 4, random.Random(0), args.model))
@@ -271,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"sent": sent, "completed": completed, "failed": failed,
+            json.dump({"sent": sent, "completed": completed, "failed": failed, "model": served,
                        "num_requests_per_rate": args.num_requests, "max_tokens": args.max_tokens,
                        "server_args": server_args, "cpu_count": os.cpu_count(), "rates": rows}, f, indent=2)
     if args.plot:
