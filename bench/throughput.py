@@ -1,0 +1,270 @@
+"""Offline throughput: the same requests through pagedrs and through HF transformers `generate`, one run.
+
+    python bench/throughput.py                       # default model, CPU, 64 requests
+    python bench/throughput.py --num-prompts 8 --json out.json
+
+Requests: random token ids (fixed seed), input lengths uniform in --input-len, output lengths uniform in
+--output-len, greedy, ignore_eos (every request produces exactly its output length). Systems, same dtype
+and torch thread count: pagedrs (`LLMEngine`, continuous batching, paged KV cache); transformers one request
+at a time; transformers statically batched (left padding, each batch runs to its longest output). Output
+throughput counts the requested output tokens only. The KV view compares, over every pagedrs step, the KV
+slots that step's requests hold (pagedrs: whole blocks; a contiguous cache: max_model_len per request) with
+the slots they use (their lengths).
+
+GPU modes (UNTESTED here: no GPU on the machine this was written on): --device cuda, --model-config
+llama-3.2-1b|llama-3-8b (random bf16 weights built on the device from the config dicts below, shared by both
+systems), --hf-cb (transformers' continuous batching manager instead of static batching).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+from pagedrs import EngineArgs, LLMEngine, SamplingParams  # noqa: E402
+
+MODEL_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=8192),
+    ),
+    "llama-3-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
+        rope_parameters=dict(rope_type="default", rope_theta=500000.0),
+    ),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model folder or GGUF file (default: the embedded SmolLM2)")
+    p.add_argument("--model-config", choices=sorted(MODEL_CONFIGS), default=None,
+                   help="random weights of this shape instead of --model (GPU issue; untested)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads for both systems (default: torch's)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--hf-batch-size", type=int, default=None, help="static batch size (default: all requests)")
+    p.add_argument("--hf-sequential-limit", type=int, default=None,
+                   help="time transformers one-at-a-time on the first N requests only (a rate estimate)")
+    p.add_argument("--skip-hf", action="store_true", help="pagedrs only")
+    p.add_argument("--hf-cb", action="store_true", help="transformers continuous batching (untested)")
+    p.add_argument("--json", default=None, metavar="PATH")
+    return p.parse_args(argv)
+
+
+def make_requests(args: argparse.Namespace, vocab_size: int, special: set[int]) -> list[tuple[list[int], int]]:
+    rng = np.random.default_rng(args.seed)
+    allowed = np.array([t for t in range(min(vocab_size, 32000)) if t not in special], dtype=np.int64)
+    reqs = []
+    for _ in range(args.num_prompts):
+        n_in = int(rng.integers(args.input_len[0], args.input_len[1] + 1))
+        n_out = int(rng.integers(args.output_len[0], args.output_len[1] + 1))
+        reqs.append((rng.choice(allowed, size=n_in).tolist(), n_out))
+    return reqs
+
+
+def load_models(args: argparse.Namespace, dtype: torch.dtype, max_len: int) -> tuple[LLMEngine, Any]:
+    """The pagedrs engine and the HF model, holding the same weights."""
+    import transformers
+
+    from pagedrs.loader import LoadedModel, load_model, model_folder, resolve_model_path
+
+    device = torch.device(args.device)
+    eng_args = EngineArgs(
+        model=args.model, dtype=str(dtype).removeprefix("torch."), device=args.device, max_model_len=max_len,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, disable_log_stats=True,
+        cpu_kv_cache_gb=None if args.device == "cuda" else 2.0,
+        gpu_memory_utilization=0.85,
+    )
+    if args.model_config:  # random weights, built once on the device and copied into pagedrs' model
+        from pagedrs.models.registry import get_model_class
+
+        cfg = transformers.LlamaConfig(**MODEL_CONFIGS[args.model_config], architectures=["LlamaForCausalLM"])
+        with torch.device(device):
+            hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+            net = get_model_class(cfg)(cfg, dtype=dtype, device=device)
+        net.load_weights((k, v) for k, v in hf.state_dict().items())
+        loaded = LoadedModel(model=net.eval(), hf_config=cfg, tokenizer=None, model_path=args.model_config)
+        eng_args.model = args.model_config
+    else:
+        loaded = load_model(args.model, dtype=dtype, device=device)
+        folder = model_folder(resolve_model_path(args.model))  # the GGUF default: its converted HF folder
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    config = eng_args.create_engine_config(max_len)
+    return LLMEngine(config, loaded, max_logprobs=0), hf
+
+
+def run_pagedrs(engine: LLMEngine, reqs: list[tuple[list[int], int]]) -> dict[str, float]:
+    kv = {"used": 0, "paged": 0, "contiguous": 0}
+    block_size = engine.config.cache.block_size
+    inner = engine.runner.execute
+
+    def execute(plan: Any, *a: Any, **kw: Any) -> Any:
+        out = inner(plan, *a, **kw)
+        kv["used"] += int(plan.seq_lens.sum())
+        kv["contiguous"] += len(plan.req_ids) * engine.max_model_len
+        return out
+
+    engine.runner.execute = execute  # type: ignore[method-assign]
+    for i, (ids, n) in enumerate(reqs):
+        engine.add_request(str(i), ids, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    total = 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine._step(final_only=True):
+            total += len(out.outputs[0].token_ids)
+        s = engine.scheduler.stats()
+        kv["paged"] += (int(s["num_blocks"]) - int(s["num_free_blocks"])) * block_size
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    engine.runner.execute = inner  # type: ignore[method-assign]
+    return {"tokens": total, "seconds": elapsed, "tok_s": total / elapsed, "stats": engine.get_stats(), **kv}
+
+
+def hf_generate(hf: Any, batch: list[list[int]], max_new: int, pad_id: int) -> torch.Tensor:
+    width = max(len(x) for x in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, x in enumerate(batch):  # left padding
+        ids[i, width - len(x) :] = torch.tensor(x)
+        mask[i, width - len(x) :] = 1
+    dev = next(hf.parameters()).device
+    with torch.inference_mode():
+        return hf.generate(
+            ids.to(dev), attention_mask=mask.to(dev), do_sample=False, max_new_tokens=max_new,
+            eos_token_id=[], pad_token_id=pad_id,
+        )
+
+
+def run_hf_sequential(hf: Any, reqs: list[tuple[list[int], int]], pad_id: int) -> dict[str, float]:
+    total, t0 = 0, time.perf_counter()
+    for ids, n in reqs:
+        out = hf_generate(hf, [ids], n, pad_id)
+        total += out.shape[1] - len(ids)
+    elapsed = time.perf_counter() - t0
+    return {"tokens": total, "seconds": elapsed, "tok_s": total / elapsed}
+
+
+def run_hf_static(hf: Any, reqs: list[tuple[list[int], int]], pad_id: int, batch_size: int) -> dict[str, float]:
+    total, t0 = 0, time.perf_counter()
+    for start in range(0, len(reqs), batch_size):
+        chunk = reqs[start : start + batch_size]
+        hf_generate(hf, [r[0] for r in chunk], max(r[1] for r in chunk), pad_id)
+        total += sum(r[1] for r in chunk)  # the tokens asked for; the rest of each row is padding work
+    elapsed = time.perf_counter() - t0
+    return {"tokens": total, "seconds": elapsed, "tok_s": total / elapsed}
+
+
+def run_hf_cb(hf: Any, reqs: list[tuple[list[int], int]]) -> dict[str, float]:
+    """transformers' continuous batching manager, one request per prompt with its own max_new_tokens.
+    UNTESTED (written for the GPU issue; the API is transformers >= 4.56's ContinuousBatchingManager)."""
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in reqs), eos_token_id=[])
+    mgr = hf.init_continuous_batching(generation_config=cfg)
+    mgr.start()
+    t0 = time.perf_counter()
+    for i, (ids, n) in enumerate(reqs):
+        mgr.add_request(ids, request_id=str(i), max_new_tokens=n)
+    total = 0
+    for _ in reqs:
+        res = mgr.get_result(timeout=600)
+        total += len(res.generated_tokens)
+    elapsed = time.perf_counter() - t0
+    mgr.stop(block=True)
+    return {"tokens": total, "seconds": elapsed, "tok_s": total / elapsed}
+
+
+def line(a: float, b: float, what: str) -> str:
+    return f"output throughput: {a:.1f} tok/s (pagedrs) vs {b:.1f} tok/s (transformers {what}) = {a / b:.2f} x"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
+    max_len = args.input_len[1] + args.output_len[1]
+    engine, hf = load_models(args, dtype, max_len)
+    special = set(engine.eos_token_ids)
+    tok = engine.get_tokenizer()
+    if tok is not None:
+        special |= set(getattr(tok, "all_special_ids", []))
+    reqs = make_requests(args, engine.vocab_size, special)
+    pad_id = sorted(special)[0] if special else 0
+    n_in = sum(len(r[0]) for r in reqs)
+    n_out = sum(r[1] for r in reqs)
+    print(f"model={engine.model_name} device={args.device} dtype={dtype_name} threads={torch.get_num_threads()} "
+          f"requests={len(reqs)} input tokens={n_in} output tokens={n_out} max_model_len={max_len}")
+    run_pagedrs(engine, [(reqs[0][0][:16][::-1], 4)])  # warm-up (one-time kernel and allocator setup)
+    hf_generate(hf, [reqs[0][0][:16]], 4, pad_id)
+    result: dict[str, Any] = {"model": engine.model_name, "device": args.device, "dtype": dtype_name,
+                              "threads": torch.get_num_threads(), "num_prompts": len(reqs),
+                              "input_tokens": n_in, "output_tokens": n_out}
+    pg = run_pagedrs(engine, reqs)
+    assert pg["tokens"] == n_out, (pg["tokens"], n_out)
+    result["pagedrs_tok_s"] = pg["tok_s"]
+    result["pagedrs_seconds"] = pg["seconds"]
+    result["num_preemptions"] = pg["stats"].num_preemptions
+    print(f"pagedrs: {pg['tokens']} tokens in {pg['seconds']:.1f} s = {pg['tok_s']:.1f} tok/s "
+          f"({pg['stats'].num_steps} steps, {pg['stats'].num_preemptions} preemptions)")
+    result["kv_waste_pct_paged"] = 100.0 * (1 - pg["used"] / pg["paged"])
+    result["kv_waste_pct_contiguous"] = 100.0 * (1 - pg["used"] / pg["contiguous"])
+    print(f"KV slots over all steps: used {pg['used']}, reserved by pagedrs blocks {pg['paged']} "
+          f"(waste {result['kv_waste_pct_paged']:.1f}%), by a contiguous max_model_len cache "
+          f"{pg['contiguous']} (waste {result['kv_waste_pct_contiguous']:.1f}%)")
+    if not args.skip_hf:
+        if args.hf_cb:
+            cb = run_hf_cb(hf, reqs)
+            result["hf_cb_tok_s"] = cb["tok_s"]
+            print(line(pg["tok_s"], cb["tok_s"], "continuous batching"))
+        bs = args.hf_batch_size or len(reqs)
+        st = run_hf_static(hf, reqs, pad_id, bs)
+        result["hf_static_tok_s"] = st["tok_s"]
+        result["hf_static_batch_size"] = bs
+        seq_reqs = reqs[: args.hf_sequential_limit] if args.hf_sequential_limit else reqs
+        sq = run_hf_sequential(hf, seq_reqs, pad_id)
+        result["hf_sequential_tok_s"] = sq["tok_s"]
+        result["hf_sequential_requests"] = len(seq_reqs)
+        print(f"transformers one-at-a-time: {sq['tokens']} tokens in {sq['seconds']:.1f} s "
+              f"({len(seq_reqs)} requests); static batch of {bs}: {st['tokens']} tokens in {st['seconds']:.1f} s")
+        print(line(pg["tok_s"], sq["tok_s"], "one-at-a-time"))
+        print(line(pg["tok_s"], st["tok_s"], f"static batch {bs}"))
+        result["speedup_vs_sequential"] = pg["tok_s"] / sq["tok_s"]
+        result["speedup_vs_static"] = pg["tok_s"] / st["tok_s"]
+    if args.json:
+        Path(args.json).write_text(json.dumps({k: v for k, v in result.items() if _jsonable(v)}, indent=2))
+    return result
+
+
+def _jsonable(v: Any) -> bool:
+    return isinstance(v, (int, float, str)) and not (isinstance(v, float) and math.isnan(v))
+
+
+if __name__ == "__main__":
+    main()
