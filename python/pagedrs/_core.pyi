@@ -51,7 +51,20 @@ class StepPlan:
     @property
     def slot_mapping(self) -> npt.NDArray[np.int64]: ...
     @property
-    def block_tables(self) -> npt.NDArray[np.int32]: ...
+    def block_tables(self) -> npt.NDArray[np.int32]:
+        """int32 [B, max_blocks], padded with 0: `block_table_view()[block_table_rows, :max_blocks]`.
+
+        Built on first read (a copy of B rows: read block_table_rows instead where you can). Raises
+        PagedrsError if first read after the next schedule(), which may have rewritten those rows.
+        """
+    @property
+    def block_table_rows(self) -> npt.NDArray[np.int32]:
+        """int32 [B]: the row of Scheduler.block_table_view() holding each batch entry's blocks."""
+    @property
+    def changed_rows(self) -> npt.NDArray[np.int32]:
+        """int32 [k], distinct: rows of Scheduler.block_table_view() that this plan's schedule()
+        rewrote. A device copy of the table that applies them (`dev[rows] = view[rows]`) before
+        every forward stays equal to the view."""
     @property
     def logits_indices(self) -> npt.NDArray[np.int64]: ...
     @property
@@ -107,6 +120,14 @@ class Scheduler:
         skip_prefix_cache: bool = False,
     ) -> None: ...
     def schedule(self) -> StepPlan: ...
+    def block_table_view(self) -> npt.NDArray[np.int32]:
+        """Zero-copy, read-only view of the persistent block table: int32 [max_num_seqs, width],
+        width = ceil(max_model_len / block_size). Row r holds the device blocks of the running
+        sequence that owns it, then zeros. The memory is allocated once and lives as long as the
+        view does (the view keeps the scheduler alive); only schedule() writes it, in place (so
+        not while another thread is inside schedule()). A plan's rows hold its batch's blocks
+        until the next schedule(); plan.changed_rows names the rows that schedule() rewrote.
+        """
     def update(
         self, plan: StepPlan, sampled_token_ids: npt.NDArray[np.int64] | Sequence[int]
     ) -> list[tuple[int, str, int | None]]: ...

@@ -1,7 +1,9 @@
 """A tiny model runner for the core tests: executes plans on a simulated KV memory and checks them.
 
 Each slot holds a hash of the token prefix that produced it; after every forward each row's whole
-context is read back through its block table and compared with what its own tokens say.
+context is read back through its block table and compared with what its own tokens say. Like a real
+runner, the sim keeps its own copy of the persistent block table, updated from plan.changed_rows
+only, and reads the batch's blocks through it (plan.block_tables must agree).
 """
 
 from __future__ import annotations
@@ -39,11 +41,12 @@ class Sim:
     swap_mem: dict[int, int] = field(default_factory=dict)
     next_id: int = 1
     seen: dict[str, int] = field(default_factory=lambda: dict(preempted=0, swap_out=0, copies=0, moves=0))
+    table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int32))
 
     @classmethod
     def make(cls, seed: int = 0, **kw: object) -> Sim:
         s = Scheduler(**kw)  # type: ignore[arg-type]
-        return cls(
+        sim = cls(
             s,
             s.block_size,
             int(kw.get("num_swap_blocks", 0)),
@@ -51,6 +54,12 @@ class Sim:
             int(kw.get("max_num_seqs", 256)),
             random.Random(seed),
         )
+        sim.table = s.block_table_view().copy()
+        return sim
+
+    def check_table(self) -> None:
+        """The sim's copy, updated from changed_rows only, equals the scheduler's table."""
+        assert np.array_equal(self.table, self.sched.block_table_view())
 
     def add(self, prompt: list[int], n: int = 1, max_tokens: int = 8, **kw: object) -> list[int]:
         ids = list(range(self.next_id, self.next_id + n))
@@ -92,12 +101,27 @@ class Sim:
         p = self.schedule_and_run()
         return p, self.update(p)
 
+    def _apply_changed_rows(self, p: StepPlan) -> np.ndarray:
+        """Updates the sim's table copy; returns the batch's padded block tables read through it."""
+        changed, rows = p.changed_rows, p.block_table_rows
+        assert changed.dtype == rows.dtype == np.int32
+        assert len(set(changed.tolist())) == len(changed)
+        self.table[changed] = self.sched.block_table_view()[changed]
+        self.check_table()
+        assert len(set(rows.tolist())) == len(rows) == len(p.req_ids)
+        width = p.block_tables.shape[1]
+        tables = self.table[rows, :width]
+        assert np.array_equal(tables, p.block_tables)
+        assert not self.table[rows, width:].any()
+        return tables
+
     def execute(self, p: StepPlan) -> None:
         bs = self.block_size
         b = len(p.req_ids)
         assert p.num_tokens <= self.max_num_batched_tokens
         assert b <= self.max_num_seqs and len(p.sampled_seq_ids) <= self.max_num_seqs
         assert p.block_tables.shape[0] == b and p.block_tables.dtype == np.int32
+        tables = self._apply_changed_rows(p)
         assert p.num_prefill_tokens + p.num_decode_tokens == p.num_tokens == len(p.input_ids)
         for name in ("swap_out", "swap_in", "copies", "block_moves"):
             assert getattr(p, name).shape[1:] == (2,)
@@ -131,7 +155,7 @@ class Sim:
                 if pos >= nc:
                     t = qsl[r] + pos - nc
                     assert int(p.input_ids[t]) == m.tokens[pos] and int(p.positions[t]) == pos
-                    slot = int(p.block_tables[r, pos // bs]) * bs + pos % bs
+                    slot = int(tables[r, pos // bs]) * bs + pos % bs
                     assert int(p.slot_mapping[t]) == slot
                     self.mem[slot] = h
         for r, sid in enumerate(p.req_ids.tolist()):
@@ -139,7 +163,7 @@ class Sim:
             h = 0
             for pos in range(int(p.seq_lens[r])):
                 h = _h(h, m.tokens[pos], pos)
-                slot = int(p.block_tables[r, pos // bs]) * bs + pos % bs
+                slot = int(tables[r, pos // bs]) * bs + pos % bs
                 assert self.mem.get(slot) == h, f"seq {sid} reads wrong KV at position {pos}"
         for i, sid in enumerate(p.sampled_seq_ids.tolist()):
             t = int(p.logits_indices[i])

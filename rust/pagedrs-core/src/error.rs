@@ -41,6 +41,11 @@ pub enum Error {
     PlanMismatch { given: u64, pending: String },
     #[error("plan for step {step} is still waiting for update(); call update() before schedule()")]
     PlanPending { step: u64 },
+    #[error(
+        "block tables of the plan for step {step} are gone: schedule() for step {latest} has rewritten \
+         the block table since; read plan.block_tables before the next schedule()"
+    )]
+    StalePlan { step: u64, latest: u64 },
     #[error("got {got} sampled token ids, the plan has {expected} logits rows")]
     SampledLength { got: usize, expected: usize },
     #[error("invariant violated: {0}")]

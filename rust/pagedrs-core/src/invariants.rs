@@ -14,6 +14,7 @@ impl Scheduler {
     fn check(&self) -> std::result::Result<(), String> {
         self.pool.check()?;
         self.swap.check()?;
+        self.tables.check(&self.seqs)?;
         let bs = self.cfg.block_size;
         let n = self.pool.num_blocks();
         let mut refs = vec![0u32; n];
@@ -31,6 +32,18 @@ impl Scheduler {
             }
             for &s in &seq.swap_table {
                 swap_refs[s as usize] += 1;
+            }
+            if seq.row.is_some() != (seq.status == Status::Running) {
+                return Err(format!(
+                    "seq {id} ({:?}) has block-table row {:?}",
+                    seq.status, seq.row
+                ));
+            }
+            if seq.last_block != seq.block_table.last().copied().unwrap_or(0) {
+                return Err(format!(
+                    "seq {id}: last_block {} is not its last block",
+                    seq.last_block
+                ));
             }
             let in_queue = match seq.status {
                 Status::Running => {
@@ -162,7 +175,8 @@ mod tests {
         s.add_request(req).unwrap();
         let p = s.schedule().unwrap();
         s.check_invariants().unwrap();
-        s.pool.incref(BlockId(p.block_tables[0] as u32));
+        s.pool
+            .incref(BlockId(s.plan_block_tables(&p).unwrap()[0] as u32));
         let e = s.check_invariants().unwrap_err().to_string();
         assert!(e.contains("ref count 2 but 1"), "{e}");
     }

@@ -5,6 +5,7 @@
 //! checks, frees finished sequences and caches newly full blocks.
 
 pub mod block_pool;
+pub mod block_table;
 pub mod config;
 pub mod error;
 pub mod free_queue;
@@ -18,6 +19,7 @@ pub mod scheduler;
 pub mod swap_pool;
 mod update;
 
+pub use block_table::BlockTable;
 pub use config::{Config, NewRequest};
 pub use error::{Error, Result};
 pub use plan::StepPlan;

@@ -1,5 +1,6 @@
 //! The step plan: flat arrays the runner turns into tensors, built once per step.
 
+use crate::error::{Error, Result};
 use crate::scheduler::Scheduler;
 
 /// Block operations and preemptions decided during one step. Pairs are flattened `[a0, b0, a1, ..]`.
@@ -26,8 +27,12 @@ pub struct StepPlan {
     pub input_ids: Vec<i64>,
     pub positions: Vec<i64>,
     pub slot_mapping: Vec<i64>,
-    /// Row-major `[B, max_blocks]`, padded with 0.
-    pub block_tables: Vec<i32>,
+    /// Row of the persistent block table ([`Scheduler::block_table`]) of each batch entry.
+    pub block_table_rows: Vec<i32>,
+    /// Rows of the persistent block table written by this plan's `schedule()` (each once): a
+    /// device copy of the table that applies these stays equal to it.
+    pub changed_rows: Vec<i32>,
+    /// Longest block table in the batch (the width of [`Scheduler::plan_block_tables`]).
     pub max_blocks: usize,
     pub logits_indices: Vec<i64>,
     pub sampled_seq_ids: Vec<i64>,
@@ -48,14 +53,53 @@ impl StepPlan {
     pub fn num_reqs(&self) -> usize {
         self.req_ids.len()
     }
-
-    /// Block-table row `b` (padded).
-    pub fn block_table_row(&self, b: usize) -> &[i32] {
-        &self.block_tables[b * self.max_blocks..(b + 1) * self.max_blocks]
-    }
 }
 
 impl Scheduler {
+    /// The persistent block table. Only `schedule()` writes it: a plan's rows hold its batch's
+    /// blocks until the next `schedule()`.
+    pub fn block_table(&self) -> &crate::BlockTable {
+        &self.tables
+    }
+
+    /// Plan `step_id`'s padded `[B, max_blocks]` block tables (row `b`: the blocks of batch entry
+    /// `b`, then zeros), gathered from the persistent rows `rows`; an error once a later
+    /// `schedule()` may have rewritten them.
+    pub fn padded_block_tables(
+        &self,
+        step_id: u64,
+        rows: &[i32],
+        max_blocks: usize,
+    ) -> Result<Vec<i32>> {
+        if step_id + 1 != self.step {
+            return Err(Error::StalePlan {
+                step: step_id,
+                latest: self.step.saturating_sub(1),
+            });
+        }
+        let (num_rows, width) = (self.tables.num_rows(), self.tables.width());
+        if max_blocks > width {
+            return Err(Error::InvalidRequest(format!(
+                "max_blocks {max_blocks} exceeds the block-table width {width}"
+            )));
+        }
+        let mut out = Vec::with_capacity(rows.len() * max_blocks);
+        for &r in rows {
+            if r < 0 || r as usize >= num_rows {
+                return Err(Error::InvalidRequest(format!(
+                    "block-table row {r} is out of range [0, {num_rows})"
+                )));
+            }
+            out.extend_from_slice(&self.tables.row(r as u32)[..max_blocks]);
+        }
+        Ok(out)
+    }
+
+    /// [`Self::padded_block_tables`] of plan `p`.
+    pub fn plan_block_tables(&self, p: &StepPlan) -> Result<Vec<i32>> {
+        self.padded_block_tables(p.step_id, &p.block_table_rows, p.max_blocks)
+    }
+
     /// Turns the step's decisions into arrays, advances `num_computed`, forks children whose
     /// parent finishes its prompt, and records what `update()` must expect.
     pub(crate) fn build_plan(&mut self, sched: &[(u32, usize)], ops: PlanOps) -> StepPlan {
@@ -80,7 +124,8 @@ impl Scheduler {
             input_ids: Vec::with_capacity(t),
             positions: Vec::with_capacity(t),
             slot_mapping: Vec::with_capacity(t),
-            block_tables: Vec::with_capacity(b * max_blocks),
+            block_table_rows: Vec::with_capacity(b),
+            changed_rows: Vec::new(),
             max_blocks,
             logits_indices: Vec::with_capacity(b),
             sampled_seq_ids: Vec::with_capacity(b),
@@ -109,22 +154,26 @@ impl Scheduler {
             p.num_prompt_tokens.push(seq.prompt_len as i32);
             p.seq_lens.push(end as i32);
             p.query_start_loc.push((start + n) as i32);
-            // The row is copied first: the slot mapping then reads it from cache.
-            let row = p.block_tables.len();
-            p.block_tables
-                .extend(seq.block_table.iter().map(|&x| x as i32));
-            p.block_tables.resize(row + max_blocks, 0);
-            let table = &p.block_tables[row..];
+            p.block_table_rows
+                .push(seq.row.expect("a scheduled sequence has a block-table row") as i32);
+            let table = &seq.block_table;
             if n == 1 && completes {
                 p.input_ids.push(i64::from(seq.last_token));
             } else {
                 seq.extend_tokens(nc, end, &mut p.input_ids);
             }
             p.positions.extend((nc..end).map(|x| x as i64));
-            p.slot_mapping
-                .extend((nc..end).map(|pos| {
-                    (i64::from(table[pos >> shift]) << shift) | (pos & (bs - 1)) as i64
-                }));
+            let last = table.len().wrapping_sub(1);
+            p.slot_mapping.extend((nc..end).map(|pos| {
+                let idx = pos >> shift;
+                // A decode writes the last block: read it from the sequence, not its table.
+                let block = if idx == last {
+                    seq.last_block
+                } else {
+                    table[idx]
+                };
+                (i64::from(block) << shift) | (pos & (bs - 1)) as i64
+            }));
             if n == 1 && completes && nc >= seq.prompt_len {
                 p.num_decode_tokens += 1;
             } else {
@@ -144,6 +193,9 @@ impl Scheduler {
             }
             start += n;
         }
+        // Forked children got their rows above: they are written now, with everything else that
+        // changed since the last plan.
+        self.tables.flush(&self.seqs, &mut p.changed_rows);
         self.step += 1;
         if !self.rows.is_empty() {
             self.pending = Some(p.step_id);
@@ -175,6 +227,7 @@ impl Scheduler {
             kid.num_computed = parent.num_computed;
             kid.block_table.clear();
             kid.block_table.extend_from_slice(&parent.block_table);
+            kid.last_block = parent.last_block;
             kid.last_hash = parent.last_hash;
             kid.num_cached_blocks = parent.num_cached_blocks;
             kid.extra_key = parent.extra_key;
@@ -232,10 +285,14 @@ mod tests {
         assert_eq!(p.sampled_seq_ids, vec![1, 2, 3]);
         assert_eq!(p.logits_indices, vec![5, 5, 5]);
         assert_eq!(s.pool().num_free(), 6);
-        assert_eq!(
-            s.pool().ref_count(crate::BlockId(p.block_tables[0] as u32)),
-            3
-        );
+        let tables = s.plan_block_tables(&p).unwrap();
+        assert_eq!(s.pool().ref_count(crate::BlockId(tables[0] as u32)), 3);
+        // The children's rows are written by the plan that forks them.
+        assert_eq!(p.block_table_rows, vec![0]);
+        assert_eq!(p.changed_rows, vec![0, 1, 2]);
+        for r in 1..3 {
+            assert_eq!(s.block_table().row(r)[..2], tables[..2]);
+        }
         s.update(p.step_id, &[7, 8, 9]).unwrap();
         let p = s.schedule().unwrap();
         assert_eq!(p.copies.len(), 4); // two (src, dst) pairs
@@ -263,7 +320,61 @@ mod tests {
         let p = s.schedule().unwrap();
         assert_eq!(p.max_blocks, 3);
         assert_eq!(p.query_start_loc, vec![0, 5, 6]);
-        assert_eq!(p.block_table_row(1)[1..], [0, 0]);
+        let tables = s.plan_block_tables(&p).unwrap();
+        assert_eq!(tables.len(), 6);
+        assert_eq!(tables[4..], [0, 0]);
         assert_eq!(p.logits_indices, vec![4, 5]);
+        assert_eq!(s.block_table().width(), 2048 / 2);
+        assert_eq!(s.block_table().row(1)[..3], [tables[3], 0, 0]);
+        s.update(p.step_id, &[1, 1]).unwrap();
+        assert!(s.plan_block_tables(&p).is_ok()); // valid until the next schedule()
+        let q = s.schedule().unwrap();
+        assert!(matches!(
+            s.plan_block_tables(&p),
+            Err(crate::Error::StalePlan { step: 0, latest: 1 })
+        ));
+        // Decodes that stay within their last block change no row.
+        assert!(q.changed_rows.is_empty());
+        assert_eq!(q.block_table_rows, vec![0, 1]);
+    }
+
+    #[test]
+    fn rows_are_recycled_and_rewritten_with_zeros() {
+        let mut s = Scheduler::new(Config {
+            num_blocks: 16,
+            block_size: 2,
+            max_num_seqs: 2,
+            max_model_len: 16,
+            ..Config::default()
+        })
+        .unwrap();
+        for (id, len, max_tokens) in [(1, 7, 1), (2, 1, 4), (3, 2, 4)] {
+            let req = NewRequest {
+                seq_ids: vec![id],
+                prompt_token_ids: vec![3; len],
+                max_tokens,
+                ..Default::default()
+            };
+            s.add_request(req).unwrap();
+        }
+        let p = s.schedule().unwrap();
+        assert_eq!(
+            (p.block_table_rows.clone(), p.changed_rows.clone()),
+            (vec![0, 1], vec![0, 1])
+        );
+        let long = s.block_table().row(0)[..4].to_vec();
+        s.update(p.step_id, &[1, 1]).unwrap(); // seq 1 finishes: row 0 is free
+        assert_eq!(s.block_table().row(0)[..4], long[..]); // untouched until reused
+        let p = s.schedule().unwrap();
+        assert_eq!(p.req_ids, vec![2, 3]);
+        assert_eq!(p.block_table_rows, vec![1, 0]);
+        assert_eq!(p.changed_rows, vec![0]);
+        let row = s.block_table().row(0);
+        assert_eq!(row[1..], [0; 7]);
+        assert_eq!(
+            s.plan_block_tables(&p).unwrap(),
+            vec![s.block_table().row(1)[0], row[0]]
+        );
+        s.check_invariants().unwrap();
     }
 }

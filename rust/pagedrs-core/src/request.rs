@@ -152,6 +152,10 @@ pub struct Seq {
     /// `tokens.last()`, kept here so a decode step does not read the token buffer.
     pub last_token: u32,
     pub gen: u32,
+    /// `block_table.last()` (0 when empty), kept here so a decode reads no block table.
+    pub last_block: u32,
+    /// Row of the persistent block table while running.
+    pub row: Option<u32>,
     pub alive: bool,
     pub status: Status,
     /// The block the next token goes into may be shared with a sibling (copy on write).
@@ -230,6 +234,11 @@ impl Seq {
         let mut v = self.tokens.clone();
         v.extend_from_slice(&self.tail[..self.tail_len as usize]);
         v
+    }
+
+    /// Refreshes `last_block` after `block_table` changed.
+    pub(crate) fn sync_last_block(&mut self) {
+        self.last_block = self.block_table.last().copied().unwrap_or(0);
     }
 
     /// Sequences this entry stands for (itself plus children not yet forked).

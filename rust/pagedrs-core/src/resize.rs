@@ -29,8 +29,18 @@ impl Scheduler {
                     remap[src.0 as usize] = dst.0;
                 }
                 for seq in self.seqs.iter_mut().filter(|s| s.alive) {
-                    for b in &mut seq.block_table {
-                        *b = remap[*b as usize];
+                    let mut first = None;
+                    for (i, b) in seq.block_table.iter_mut().enumerate() {
+                        let to = remap[*b as usize];
+                        if to != *b {
+                            *b = to;
+                            first.get_or_insert(i);
+                        }
+                    }
+                    seq.sync_last_block();
+                    // The row is rewritten by the next schedule(), whose plan carries the moves.
+                    if let (Some(row), Some(i)) = (seq.row, first) {
+                        self.tables.mark(row, i);
                     }
                 }
             }
@@ -84,15 +94,17 @@ mod tests {
         };
         s.add_request(req).unwrap();
         let p = s.schedule().unwrap();
-        let before: Vec<i32> = p.block_tables.clone();
+        let before: Vec<i32> = s.plan_block_tables(&p).unwrap();
         s.update(p.step_id, &[1]).unwrap();
         s.resize(8).unwrap();
         s.resize(3).unwrap(); // moves compose: each source is a block as the runner last saw it
         let p = s.schedule().unwrap();
         assert_eq!(p.num_blocks, 3);
+        assert_eq!(p.changed_rows, vec![0]); // the remapped row is rewritten by this plan
+        let tables = s.plan_block_tables(&p).unwrap();
         let moves: Vec<(i64, i64)> = p.block_moves.chunks(2).map(|m| (m[0], m[1])).collect();
         for (i, &b) in before.iter().enumerate() {
-            let now = i64::from(p.block_tables[i]);
+            let now = i64::from(tables[i]);
             assert!(now < 3);
             if i64::from(b) != now {
                 assert!(moves.contains(&(i64::from(b), now)), "{moves:?}");

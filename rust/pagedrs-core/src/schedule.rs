@@ -141,6 +141,7 @@ impl Scheduler {
         let bs = self.cfg.block_size;
         let (new, _) = self.blocks_needed(slot, num_new, ops);
         let seq = &mut self.seqs[slot as usize];
+        let row = seq.row.expect("a running sequence has a block-table row");
         // After this step the block written next is private: copied now, or never shared again.
         seq.shared_tail = false;
         if cow {
@@ -149,10 +150,17 @@ impl Scheduler {
             let dst = self.pool.allocate().expect("checked free blocks");
             seq.block_table[idx] = dst.0;
             ops.copies.extend([i64::from(src), i64::from(dst.0)]);
+            self.tables.mark(row, idx);
+        }
+        if new > 0 {
+            self.tables.mark(row, seq.block_table.len());
         }
         for _ in 0..new {
             let b = self.pool.allocate().expect("checked free blocks");
             seq.block_table.push(b.0);
+        }
+        if cow || new > 0 {
+            seq.sync_last_block();
         }
     }
 
@@ -162,6 +170,9 @@ impl Scheduler {
         let slot = self.running.pop().expect("a running sequence to preempt");
         let seq = &mut self.seqs[slot as usize];
         self.num_running_seqs -= seq.width();
+        if let Some(row) = seq.row.take() {
+            self.tables.release(row);
+        }
         let n = seq.block_table.len();
         if self.swap.num_blocks() > 0 && n > 0 && self.swap.num_free() >= n {
             for &b in &seq.block_table {
@@ -182,6 +193,7 @@ impl Scheduler {
             self.waiting.insert((seq.key, slot));
         }
         seq.shared_tail = false;
+        seq.last_block = 0;
         ops.preempted.push(seq.seq_id);
         self.num_preemptions += 1;
         slot
@@ -255,6 +267,7 @@ impl Scheduler {
             seq.block_table
                 .push(self.pool.allocate().expect("checked free blocks").0);
         }
+        seq.sync_last_block();
         seq.status = Status::Running;
         self.num_running_seqs += seq.width();
         self.insert_running(slot);
@@ -322,6 +335,7 @@ impl Scheduler {
             seq.block_table
                 .push(self.pool.allocate().expect("checked free blocks").0);
         }
+        seq.sync_last_block();
         seq.num_computed = nc;
         seq.num_cached_blocks = hits.len();
         seq.last_hash = last_hash;
@@ -392,7 +406,7 @@ mod tests {
         assert_eq!(p.query_start_loc, vec![0, 5]);
         assert_eq!(p.logits_indices, vec![4]);
         assert_eq!(p.max_blocks, 2);
-        let b = p.block_tables.clone();
+        let b = s.plan_block_tables(&p).unwrap();
         assert_eq!(p.slot_mapping[4], i64::from(b[1]) * 4);
         assert_eq!((p.num_prefill_tokens, p.num_decode_tokens), (5, 0));
         assert!(s.update(p.step_id, &[9]).unwrap().is_empty());

@@ -4,6 +4,7 @@
 use std::collections::{BTreeSet, HashMap};
 
 use crate::block_pool::BlockPool;
+use crate::block_table::BlockTable;
 use crate::config::{to_token_ids, Config, NewRequest};
 use crate::error::{Error, Result};
 use crate::prefix_cache::extra_key_of;
@@ -38,6 +39,8 @@ pub struct Scheduler {
     pub(crate) cfg: Config,
     pub(crate) pool: BlockPool,
     pub(crate) swap: SwapPool,
+    /// Persistent block table: one row per running sequence (`Seq::row`).
+    pub(crate) tables: BlockTable,
     pub(crate) seqs: Vec<Seq>,
     pub(crate) free_slots: Vec<u32>,
     pub(crate) ids: HashMap<i64, SeqRef>,
@@ -74,6 +77,9 @@ impl Scheduler {
         Ok(Self {
             pool: BlockPool::new(cfg.num_blocks, cfg.block_size),
             swap: SwapPool::new(cfg.num_swap_blocks),
+            // Rows belong to running sequences only, and those never exceed max_num_seqs
+            // (children not yet forked included), so this size is final.
+            tables: BlockTable::new(cfg.max_num_seqs, cfg.max_model_len.div_ceil(cfg.block_size)),
             watermark_blocks: cfg.watermark_blocks(cfg.num_blocks),
             cfg,
             seqs: Vec::new(),
@@ -277,11 +283,15 @@ impl Scheduler {
     /// Frees the blocks of `slot`, forgets its id and recycles the slot. Queues are the caller's.
     pub(crate) fn release_slot(&mut self, slot: u32) {
         let seq = &mut self.seqs[slot as usize];
+        if let Some(row) = seq.row.take() {
+            self.tables.release(row);
+        }
         self.pool.free_table(&seq.block_table);
         for &s in &seq.swap_table {
             self.swap.free(s);
         }
         seq.block_table.clear();
+        seq.last_block = 0;
         seq.swap_table.clear();
         seq.alive = false;
         seq.gen = seq.gen.wrapping_add(1);
@@ -303,6 +313,8 @@ impl Scheduler {
                 self.seqs.push(Seq {
                     seq_id: 0,
                     gen: 0,
+                    last_block: 0,
+                    row: None,
                     alive: false,
                     status: Status::Waiting,
                     key: SeqKey {
@@ -344,8 +356,10 @@ impl Scheduler {
         slot
     }
 
-    /// Inserts `slot` into the running list at its key's place.
+    /// Inserts `slot` into the running list at its key's place and gives it a block-table row.
     pub(crate) fn insert_running(&mut self, slot: u32) {
+        debug_assert!(self.seqs[slot as usize].row.is_none());
+        self.seqs[slot as usize].row = Some(self.tables.acquire(slot));
         let key = self.seqs[slot as usize].key;
         let seqs = &self.seqs;
         let pos = self
@@ -393,6 +407,19 @@ impl Scheduler {
             &seq.tokens[..seq.prompt_len]
         } else {
             &seq.tokens
+        })
+    }
+
+    /// Device blocks of a live seq id (empty for a child not yet forked).
+    pub fn block_table_of(&self, seq_id: i64) -> Result<&[u32]> {
+        let r = self
+            .ids
+            .get(&seq_id)
+            .ok_or(Error::UnknownSeqId { seq_id })?;
+        Ok(if r.child {
+            &[]
+        } else {
+            &self.seqs[r.slot as usize].block_table
         })
     }
 

@@ -157,6 +157,9 @@ fn run(cfg: Config, ops: Vec<Op>, seed: u64) -> Sim {
             }
         }
         sim.s.check_invariants().unwrap();
+        // Only schedule() writes the block table: a runner's copy that applied every plan's
+        // changed rows equals it after any operation.
+        sim.check_mirror();
     }
     // Liveness: everything finishes, and then every block is free.
     sim.drain(2000);
@@ -176,11 +179,12 @@ fn random_runs_cover_preemption_swap_cow_hits_and_moves() {
             any::<u64>()
         ),
     ];
-    let (mut preempt, mut swaps, mut copies, mut hits, mut moves, mut steps) =
-        (0, 0, 0, 0u64, 0, 0);
+    let (mut preempt, mut swaps, mut copies, mut hits, mut moves, mut steps, mut rows) =
+        (0, 0, 0, 0u64, 0, 0, 0);
     for _ in 0..300 {
         let (cfg, ops, seed) = strategy.new_tree(&mut runner).unwrap().current();
         let sim = run(cfg, ops, seed);
+        rows += sim.rows_changed_seen;
         preempt += sim.preemptions_seen;
         swaps += sim.swaps_seen;
         copies += sim.copies_seen;
@@ -188,8 +192,9 @@ fn random_runs_cover_preemption_swap_cow_hits_and_moves() {
         moves += sim.moves_seen;
         steps += sim.steps;
     }
-    eprintln!("steps {steps} preemptions {preempt} swap-outs {swaps} copies {copies} hit tokens {hits} block moves {moves}");
+    eprintln!("steps {steps} preemptions {preempt} swap-outs {swaps} copies {copies} hit tokens {hits} block moves {moves} changed rows {rows}");
     assert!(preempt > 50 && swaps > 20 && copies > 20 && hits > 100 && moves > 20);
+    assert!(rows > 1000, "changed rows {rows}");
 }
 
 proptest! {

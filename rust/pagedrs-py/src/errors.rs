@@ -103,7 +103,9 @@ pub fn to_py(e: Error) -> PyErr {
             Error::UnknownSeqId { .. } => &UNKNOWN_REQUEST,
             Error::ResizeTooSmall { .. } | Error::Resize(_) => &RESIZE_ERROR,
             Error::OutOfBlocks { .. } => &OUT_OF_BLOCKS,
-            Error::PlanPending { .. } | Error::Invariant(_) => &PAGEDRS_ERROR,
+            Error::PlanPending { .. } | Error::StalePlan { .. } | Error::Invariant(_) => {
+                &PAGEDRS_ERROR
+            }
         };
         PyErr::from_type(class(py, cell), e.to_string())
     })

@@ -1,11 +1,15 @@
 //! `StepPlan`: the core plan's arrays, turned into numpy arrays (owning the Rust buffers, no
-//! copy) the first time each is read.
+//! copy) the first time each is read. `block_tables` is gathered from the scheduler's persistent
+//! block table only when read.
 
 use numpy::ndarray::Array2;
-use numpy::{IntoPyArray, PyArray2};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 
 use pagedrs_core::StepPlan;
+
+use crate::errors::to_py;
+use crate::scheduler::PyScheduler;
 
 enum Arr<T> {
     Raw(Vec<T>),
@@ -47,8 +51,12 @@ pub struct PyStepPlan {
     input_ids: Arr<i64>,
     positions: Arr<i64>,
     slot_mapping: Arr<i64>,
-    block_tables: Arr<i32>,
+    block_table_rows: Arr<i32>,
+    changed_rows: Arr<i32>,
+    /// Built from the persistent rows on first read.
+    block_tables: Option<Py<PyAny>>,
     max_blocks: usize,
+    sched: Py<PyScheduler>,
     logits_indices: Arr<i64>,
     sampled_seq_ids: Arr<i64>,
     swap_out: Arr<i64>,
@@ -68,8 +76,8 @@ pub struct PyStepPlan {
     num_sampled: usize,
 }
 
-impl From<StepPlan> for PyStepPlan {
-    fn from(p: StepPlan) -> Self {
+impl PyStepPlan {
+    pub fn new(p: StepPlan, sched: Py<PyScheduler>) -> Self {
         Self {
             step_id: p.step_id,
             num_reqs: p.req_ids.len(),
@@ -83,8 +91,11 @@ impl From<StepPlan> for PyStepPlan {
             input_ids: Arr::Raw(p.input_ids),
             positions: Arr::Raw(p.positions),
             slot_mapping: Arr::Raw(p.slot_mapping),
-            block_tables: Arr::Raw(p.block_tables),
+            block_table_rows: Arr::Raw(p.block_table_rows),
+            changed_rows: Arr::Raw(p.changed_rows),
+            block_tables: None,
             max_blocks: p.max_blocks,
+            sched,
             logits_indices: Arr::Raw(p.logits_indices),
             sampled_seq_ids: Arr::Raw(p.sampled_seq_ids),
             swap_out: Arr::Raw(p.swap_out),
@@ -138,15 +149,44 @@ impl PyStepPlan {
     fn slot_mapping(&mut self, py: Python<'_>) -> Py<PyAny> {
         self.slot_mapping.get(py, 0)
     }
-    /// int32 [B, max_blocks], padded with 0.
+    /// int32 [B, max_blocks], padded with 0: `block_table_view()[block_table_rows, :max_blocks]`,
+    /// built on first read; readable until the next `schedule()`.
     #[getter]
-    fn block_tables(&mut self, py: Python<'_>) -> Py<PyAny> {
-        if self.max_blocks == 0 {
-            // [B, 0]: keep the row count.
-            let a = Array2::<i32>::zeros((self.num_reqs, 0));
-            self.block_tables = Arr::Py(PyArray2::from_owned_array(py, a).into_any().unbind());
+    fn block_tables(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        if let Some(a) = &self.block_tables {
+            return Ok(a.clone_ref(py));
         }
-        self.block_tables.get(py, self.max_blocks)
+        let (step, max_blocks) = (self.step_id, self.max_blocks);
+        let flat = {
+            // Python may write to the rows array once it has it: copy it before the GIL goes.
+            let owned;
+            let rows: &[i32] = match &self.block_table_rows {
+                Arr::Raw(v) => v,
+                Arr::Py(a) => {
+                    owned = a.bind(py).cast::<PyArray1<i32>>()?.to_vec()?;
+                    &owned
+                }
+            };
+            self.sched
+                .get()
+                .detached(py, |s| s.padded_block_tables(step, rows, max_blocks))
+                .map_err(to_py)?
+        };
+        let a =
+            Array2::from_shape_vec((self.num_reqs, max_blocks), flat).expect("plan array shape");
+        let a = PyArray2::from_owned_array(py, a).into_any().unbind();
+        self.block_tables = Some(a.clone_ref(py));
+        Ok(a)
+    }
+    /// int32 [B]: the row of `Scheduler.block_table_view()` holding each batch entry's blocks.
+    #[getter]
+    fn block_table_rows(&mut self, py: Python<'_>) -> Py<PyAny> {
+        self.block_table_rows.get(py, 0)
+    }
+    /// int32 [k]: rows of `Scheduler.block_table_view()` this plan's `schedule()` rewrote.
+    #[getter]
+    fn changed_rows(&mut self, py: Python<'_>) -> Py<PyAny> {
+        self.changed_rows.get(py, 0)
     }
     #[getter]
     fn logits_indices(&mut self, py: Python<'_>) -> Py<PyAny> {

@@ -2,7 +2,8 @@
 
 use std::sync::{Mutex, TryLockError};
 
-use numpy::PyReadonlyArray1;
+use numpy::ndarray::ArrayView2;
+use numpy::{PyArray2, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -20,7 +21,11 @@ pub struct PyScheduler {
 
 impl PyScheduler {
     /// Runs `f` on the scheduler; waits for the lock without holding the GIL.
-    fn with<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Scheduler) -> R + Send) -> R {
+    pub(crate) fn with<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut Scheduler) -> R + Send,
+    ) -> R {
         match self.inner.try_lock() {
             Ok(mut g) => f(&mut g),
             Err(TryLockError::Poisoned(p)) => f(&mut p.into_inner()),
@@ -31,7 +36,11 @@ impl PyScheduler {
     }
 
     /// Always releases the GIL: for work that grows with the batch.
-    fn detached<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Scheduler) -> R + Send) -> R {
+    pub(crate) fn detached<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut Scheduler) -> R + Send,
+    ) -> R {
         py.detach(|| f(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner())))
     }
 }
@@ -134,9 +143,32 @@ impl PyScheduler {
         self.with(py, |s| s.add_request(req)).map_err(to_py)
     }
 
-    fn schedule(&self, py: Python<'_>) -> PyResult<PyStepPlan> {
-        let plan = self.detached(py, |s| s.schedule()).map_err(to_py)?;
-        Ok(PyStepPlan::from(plan))
+    fn schedule(slf: &Bound<'_, Self>) -> PyResult<PyStepPlan> {
+        let plan = slf
+            .get()
+            .detached(slf.py(), |s| s.schedule())
+            .map_err(to_py)?;
+        Ok(PyStepPlan::new(plan, slf.clone().unbind()))
+    }
+
+    /// Zero-copy read-only view of the persistent block table, int32 [max_num_seqs, width].
+    #[allow(unsafe_code)]
+    fn block_table_view<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let py = slf.py();
+        let (addr, rows, width) = slf.get().with(py, |s| {
+            let t = s.block_table();
+            (t.as_slice().as_ptr() as usize, t.num_rows(), t.width())
+        });
+        // SAFETY: the table is one allocation of `rows * width` i32 made when the scheduler was
+        // built and never reallocated or freed before the scheduler is (`BlockTable` has no
+        // method that replaces it). The array's base object is this scheduler, so the memory
+        // outlives the array. Only `schedule()` writes it, in place; the array is read-only.
+        let arr = unsafe {
+            let view = ArrayView2::from_shape_ptr((rows, width), addr as *const i32);
+            PyArray2::borrow_from_array(&view, slf.clone().into_any())
+        };
+        arr.getattr("flags")?.setattr("writeable", false)?;
+        Ok(arr)
     }
 
     /// Returns finished sequences: (seq_id, "stop" | "length", stop_token_id or None).

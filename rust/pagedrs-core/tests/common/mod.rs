@@ -59,12 +59,22 @@ pub struct Sim {
     pub moves_seen: usize,
     /// Pool capacity in tokens when the pending plan was scheduled.
     pub sched_cap: usize,
+    /// The runner's copy of the persistent block table, updated from `changed_rows` only.
+    pub table: Vec<i32>,
+    pub width: usize,
+    pub rows_changed_seen: usize,
 }
 
 impl Sim {
     pub fn new(cfg: Config, seed: u64) -> Self {
         let s = Scheduler::new(cfg.clone()).expect("valid config");
+        let width = s.block_table().width();
+        assert_eq!(width, cfg.max_model_len.div_ceil(cfg.block_size));
+        assert_eq!(s.block_table().num_rows(), cfg.max_num_seqs);
         Self {
+            table: s.block_table().as_slice().to_vec(),
+            width,
+            rows_changed_seen: 0,
             mem: vec![0; cfg.num_blocks * cfg.block_size],
             swap_mem: vec![0; cfg.num_swap_blocks * cfg.block_size],
             s,
@@ -219,9 +229,61 @@ impl Sim {
         (p, f)
     }
 
+    /// The runner's copy of the block table equals the scheduler's.
+    pub fn check_mirror(&self) {
+        assert!(
+            self.table == self.s.block_table().as_slice(),
+            "the runner's block table (changed rows applied) differs from the scheduler's"
+        );
+    }
+
+    /// Copies the plan's changed rows, as a runner does to its device table; checks every batch
+    /// row against its sequence's block table.
+    fn apply_changed_rows(&mut self, p: &StepPlan) {
+        let w = self.width;
+        let num_rows = self.s.block_table().num_rows();
+        let mut seen = HashSet::new();
+        for &r in &p.changed_rows {
+            assert!((r as usize) < num_rows, "changed row {r} out of range");
+            assert!(seen.insert(r), "changed row {r} repeats");
+            let r = r as usize;
+            self.table[r * w..(r + 1) * w].copy_from_slice(self.s.block_table().row(r as u32));
+        }
+        self.rows_changed_seen += p.changed_rows.len();
+        self.check_mirror();
+        let b = p.req_ids.len();
+        assert_eq!(p.block_table_rows.len(), b);
+        let rows: HashSet<i32> = p.block_table_rows.iter().copied().collect();
+        assert_eq!(rows.len(), b, "two batch entries share a block-table row");
+        let mut max_blocks = 0;
+        for (&id, &r) in p.req_ids.iter().zip(&p.block_table_rows) {
+            let blocks = self.s.block_table_of(id).expect("scheduled seq is live");
+            let row = &self.table[r as usize * w..(r as usize + 1) * w];
+            let n = blocks.len();
+            max_blocks = max_blocks.max(n);
+            assert!(
+                row[..n].iter().zip(blocks).all(|(&a, &b)| a == b as i32)
+                    && row[n..].iter().all(|&x| x == 0),
+                "row {r} of seq {id} is not its block table {blocks:?}"
+            );
+        }
+        assert_eq!(p.max_blocks, max_blocks);
+        let padded = self.s.plan_block_tables(p).expect("fresh plan");
+        assert_eq!(padded.len(), b * max_blocks);
+        for (i, &r) in p.block_table_rows.iter().enumerate() {
+            let r = r as usize * w;
+            assert_eq!(
+                padded[i * max_blocks..(i + 1) * max_blocks],
+                self.table[r..r + max_blocks]
+            );
+        }
+    }
+
     /// Runs the plan's block ops and forward on the simulated memory, checking everything.
     pub fn execute(&mut self, p: &StepPlan) {
+        self.apply_changed_rows(p);
         let bs = self.cfg.block_size;
+        let w = self.width;
         self.steps += 1;
         self.preemptions_seen += p.preempted.len();
         self.copies_seen += p.copies.len() / 2;
@@ -243,7 +305,6 @@ impl Sim {
         assert_eq!(p.positions.len(), t);
         assert_eq!(p.slot_mapping.len(), t);
         assert_eq!(p.query_start_loc.len(), b + 1);
-        assert_eq!(p.block_tables.len(), b * p.max_blocks);
         assert_eq!(p.num_prefill_tokens + p.num_decode_tokens, t);
         assert_eq!(p.logits_indices.len(), p.sampled_seq_ids.len());
         let rows: HashSet<i64> = p.req_ids.iter().copied().collect();
@@ -324,7 +385,8 @@ impl Sim {
             );
             let q0 = p.query_start_loc[r] as usize;
             assert_eq!(p.query_start_loc[r + 1] as usize, q0 + n);
-            let row = p.block_table_row(r);
+            let rr = p.block_table_rows[r] as usize;
+            let row = &self.table[rr * w..(rr + 1) * w];
             let mut h = 0u64;
             for pos in 0..nc {
                 h = prefix_hash(h, m.tokens[pos], pos);
@@ -349,7 +411,8 @@ impl Sim {
             let id = p.req_ids[r];
             let m = &self.live[&id];
             let len = p.seq_lens[r] as usize;
-            let row = p.block_table_row(r);
+            let rr = p.block_table_rows[r] as usize;
+            let row = &self.table[rr * w..(rr + 1) * w];
             let mut h = 0u64;
             for pos in 0..len {
                 h = prefix_hash(h, m.tokens[pos], pos);
