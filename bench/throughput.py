@@ -35,16 +35,40 @@ from pagedrs import EngineArgs, LLMEngine, SamplingParams  # noqa: E402
 
 MODEL_CONFIGS: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
-        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
-        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
-                             high_freq_factor=4.0, original_max_position_embeddings=8192),
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
     ),
     "llama-3-8b": dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_id=128001,
         rope_parameters=dict(rope_type="default", rope_theta=500000.0),
     ),
 }
@@ -53,28 +77,42 @@ MODEL_CONFIGS: dict[str, dict[str, Any]] = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model folder or GGUF file (default: the embedded SmolLM2)")
-    p.add_argument("--model-config", choices=sorted(MODEL_CONFIGS), default=None,
-                   help="random weights of this shape instead of --model (GPU issue; untested)")
+    p.add_argument(
+        "--model-config",
+        choices=sorted(MODEL_CONFIGS),
+        default=None,
+        help="random weights of this shape instead of --model (GPU issue; untested)",
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch threads for both systems (default: torch's)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads for both systems (default: torch's)"
+    )
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--hf-batch-size", type=int, default=None, help="static batch size (default: all requests)")
-    p.add_argument("--hf-sequential-limit", type=int, default=None,
-                   help="time transformers one-at-a-time on the first N requests only (a rate estimate)")
+    p.add_argument(
+        "--hf-batch-size", type=int, default=None, help="static batch size (default: all requests)"
+    )
+    p.add_argument(
+        "--hf-sequential-limit",
+        type=int,
+        default=None,
+        help="time transformers one-at-a-time on the first N requests only (a rate estimate)",
+    )
     p.add_argument("--skip-hf", action="store_true", help="pagedrs only")
     p.add_argument("--hf-cb", action="store_true", help="transformers continuous batching (untested)")
     p.add_argument("--json", default=None, metavar="PATH")
     return p.parse_args(argv)
 
 
-def make_requests(args: argparse.Namespace, vocab_size: int, special: set[int]) -> list[tuple[list[int], int]]:
+def make_requests(
+    args: argparse.Namespace, vocab_size: int, special: set[int]
+) -> list[tuple[list[int], int]]:
     rng = np.random.default_rng(args.seed)
     allowed = np.array([t for t in range(min(vocab_size, 32000)) if t not in special], dtype=np.int64)
     reqs = []
@@ -93,9 +131,14 @@ def load_models(args: argparse.Namespace, dtype: torch.dtype, max_len: int) -> t
 
     device = torch.device(args.device)
     eng_args = EngineArgs(
-        model=args.model, dtype=str(dtype).removeprefix("torch."), device=args.device, max_model_len=max_len,
-        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, disable_log_stats=True,
+        model=args.model,
+        dtype=str(dtype).removeprefix("torch."),
+        device=args.device,
+        max_model_len=max_len,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        disable_log_stats=True,
         cpu_kv_cache_gb=None if args.device == "cuda" else 2.0,
         gpu_memory_utilization=0.85,
     )
@@ -155,8 +198,12 @@ def hf_generate(hf: Any, batch: list[list[int]], max_new: int, pad_id: int) -> t
     dev = next(hf.parameters()).device
     with torch.inference_mode():
         return hf.generate(
-            ids.to(dev), attention_mask=mask.to(dev), do_sample=False, max_new_tokens=max_new,
-            eos_token_id=[], pad_token_id=pad_id,
+            ids.to(dev),
+            attention_mask=mask.to(dev),
+            do_sample=False,
+            max_new_tokens=max_new,
+            eos_token_id=[],
+            pad_token_id=pad_id,
         )
 
 
@@ -169,7 +216,9 @@ def run_hf_sequential(hf: Any, reqs: list[tuple[list[int], int]], pad_id: int) -
     return {"tokens": total, "seconds": elapsed, "tok_s": total / elapsed}
 
 
-def run_hf_static(hf: Any, reqs: list[tuple[list[int], int]], pad_id: int, batch_size: int) -> dict[str, float]:
+def run_hf_static(
+    hf: Any, reqs: list[tuple[list[int], int]], pad_id: int, batch_size: int
+) -> dict[str, float]:
     total, t0 = 0, time.perf_counter()
     for start in range(0, len(reqs), batch_size):
         chunk = reqs[start : start + batch_size]
@@ -200,7 +249,9 @@ def run_hf_cb(hf: Any, reqs: list[tuple[list[int], int]]) -> dict[str, float]:
 
 
 def line(a: float, b: float, what: str) -> str:
-    return f"output throughput: {a:.1f} tok/s (pagedrs) vs {b:.1f} tok/s (transformers {what}) = {a / b:.2f} x"
+    return (
+        f"output throughput: {a:.1f} tok/s (pagedrs) vs {b:.1f} tok/s (transformers {what}) = {a / b:.2f} x"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -216,28 +267,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if tok is not None:
         special |= set(getattr(tok, "all_special_ids", []))
     reqs = make_requests(args, engine.vocab_size, special)
-    pad_id = sorted(special)[0] if special else 0
+    pad_id = min((t for t in special if t < engine.vocab_size), default=0)
     n_in = sum(len(r[0]) for r in reqs)
     n_out = sum(r[1] for r in reqs)
-    print(f"model={engine.model_name} device={args.device} dtype={dtype_name} threads={torch.get_num_threads()} "
-          f"requests={len(reqs)} input tokens={n_in} output tokens={n_out} max_model_len={max_len}")
+    print(
+        f"model={engine.model_name} device={args.device} dtype={dtype_name} threads={torch.get_num_threads()} "
+        f"requests={len(reqs)} input tokens={n_in} output tokens={n_out} max_model_len={max_len}"
+    )
     run_pagedrs(engine, [(reqs[0][0][:16][::-1], 4)])  # warm-up (one-time kernel and allocator setup)
     hf_generate(hf, [reqs[0][0][:16]], 4, pad_id)
-    result: dict[str, Any] = {"model": engine.model_name, "device": args.device, "dtype": dtype_name,
-                              "threads": torch.get_num_threads(), "num_prompts": len(reqs),
-                              "input_tokens": n_in, "output_tokens": n_out}
+    result: dict[str, Any] = {
+        "model": engine.model_name,
+        "device": args.device,
+        "dtype": dtype_name,
+        "threads": torch.get_num_threads(),
+        "num_prompts": len(reqs),
+        "input_tokens": n_in,
+        "output_tokens": n_out,
+    }
     pg = run_pagedrs(engine, reqs)
     assert pg["tokens"] == n_out, (pg["tokens"], n_out)
     result["pagedrs_tok_s"] = pg["tok_s"]
     result["pagedrs_seconds"] = pg["seconds"]
     result["num_preemptions"] = pg["stats"].num_preemptions
-    print(f"pagedrs: {pg['tokens']} tokens in {pg['seconds']:.1f} s = {pg['tok_s']:.1f} tok/s "
-          f"({pg['stats'].num_steps} steps, {pg['stats'].num_preemptions} preemptions)")
+    print(
+        f"pagedrs: {pg['tokens']} tokens in {pg['seconds']:.1f} s = {pg['tok_s']:.1f} tok/s "
+        f"({pg['stats'].num_steps} steps, {pg['stats'].num_preemptions} preemptions)"
+    )
     result["kv_waste_pct_paged"] = 100.0 * (1 - pg["used"] / pg["paged"])
     result["kv_waste_pct_contiguous"] = 100.0 * (1 - pg["used"] / pg["contiguous"])
-    print(f"KV slots over all steps: used {pg['used']}, reserved by pagedrs blocks {pg['paged']} "
-          f"(waste {result['kv_waste_pct_paged']:.1f}%), by a contiguous max_model_len cache "
-          f"{pg['contiguous']} (waste {result['kv_waste_pct_contiguous']:.1f}%)")
+    print(
+        f"KV slots over all steps: used {pg['used']}, reserved by pagedrs blocks {pg['paged']} "
+        f"(waste {result['kv_waste_pct_paged']:.1f}%), by a contiguous max_model_len cache "
+        f"{pg['contiguous']} (waste {result['kv_waste_pct_contiguous']:.1f}%)"
+    )
     if not args.skip_hf:
         if args.hf_cb:
             cb = run_hf_cb(hf, reqs)
@@ -251,8 +314,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sq = run_hf_sequential(hf, seq_reqs, pad_id)
         result["hf_sequential_tok_s"] = sq["tok_s"]
         result["hf_sequential_requests"] = len(seq_reqs)
-        print(f"transformers one-at-a-time: {sq['tokens']} tokens in {sq['seconds']:.1f} s "
-              f"({len(seq_reqs)} requests); static batch of {bs}: {st['tokens']} tokens in {st['seconds']:.1f} s")
+        print(
+            f"transformers one-at-a-time: {sq['tokens']} tokens in {sq['seconds']:.1f} s "
+            f"({len(seq_reqs)} requests); static batch of {bs}: {st['tokens']} tokens in {st['seconds']:.1f} s"
+        )
         print(line(pg["tok_s"], sq["tok_s"], "one-at-a-time"))
         print(line(pg["tok_s"], st["tok_s"], f"static batch {bs}"))
         result["speedup_vs_sequential"] = pg["tok_s"] / sq["tok_s"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pagedrs import SamplingParams
 from pagedrs.sampling_params import SamplingType
 

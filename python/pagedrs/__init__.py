@@ -46,11 +46,13 @@ def __getattr__(name: str) -> Any:
 
 
 def _configure_logging() -> None:
-    """INFO lines of the "pagedrs" logger go to stderr, like vLLM's (PAGEDRS_CONFIGURE_LOGGING=0: leave it)."""
+    """INFO lines of the "pagedrs" logger go to stderr, like vLLM's, unless the application configured
+    logging itself (the root logger has handlers) or PAGEDRS_CONFIGURE_LOGGING=0."""
     if os.environ.get("PAGEDRS_CONFIGURE_LOGGING", "1") == "0":
         return
     log = logging.getLogger("pagedrs")
-    if log.handlers:
+    if log.handlers or logging.getLogger().handlers:
+        log.setLevel(os.environ.get("PAGEDRS_LOGGING_LEVEL", "INFO"))
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(

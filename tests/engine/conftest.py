@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,12 +14,6 @@ import torch
 
 from pagedrs import EngineArgs, LLMEngine, RequestOutput, SamplingParams
 from tests.helpers import load_hf_model, make_tiny_llama
-
-if os.environ.get("PAGEDRS_TEST_FAKE_SCHEDULER") == "1":  # develop without the Rust scheduler
-    import pagedrs._core as _core
-    from tests.engine.fake_scheduler import FakeScheduler
-
-    _core.Scheduler = FakeScheduler  # type: ignore[attr-defined,misc]
 
 TINY_ARCHS = ("llama", "qwen2", "mistral")
 

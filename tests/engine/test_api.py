@@ -58,6 +58,7 @@ def test_chat_uses_the_template(llm: LLM) -> None:
     assert outs[0].prompt_token_ids == expected
     two = llm.chat([conv, conv + [{"role": "assistant", "content": "yo"}]], greedy(4), use_tqdm=False)
     assert len(two) == 2 and two[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    assert_pool_free(llm.llm_engine)
 
 
 def test_llm_rejects_unknown_argument() -> None:
@@ -150,6 +151,7 @@ def test_step_outputs_are_cumulative(tiny_models: dict[str, Path]) -> None:
         for out in engine.step():
             lengths.append(len(out.outputs[0].token_ids))
     assert lengths == [1, 2, 3, 4, 5, 6]
+    assert_pool_free(engine)
 
 
 def test_stats_log_line_and_batch_picture(
@@ -186,4 +188,9 @@ def test_stats_log_line_and_batch_picture(
     )
     assert pics and any("prefill" in p and "decode" in p for p in pics)
     st = engine.get_stats()
-    assert st.prompt_tokens_total >= 42 and st.generation_tokens_total == 9 and st.num_steps == len(pics)
+    assert (
+        st.prompt_tokens_total + st.prefix_cache_hits == 62
+        and st.generation_tokens_total == 9
+        and st.num_steps == len(pics)
+    )
+    assert_pool_free(engine)

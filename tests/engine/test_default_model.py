@@ -46,14 +46,19 @@ def hf_ref(loaded: Any) -> HFReference:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     path = Path(loaded.model_path)
-    cfg = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(
-        {k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False
-    )
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    model.tie_weights()
+    try:  # transformers' GGUF loading (it wants `accelerate`)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+    except (ImportError, ValueError):  # without accelerate: the same dequantizer, called directly
+        cfg = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+        missing, unexpected = model.load_state_dict(
+            {k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False
+        )
+        assert not unexpected and set(missing) <= {"lm_head.weight"}
+        model.tie_weights()
     return HFReference(model.eval())
 
 

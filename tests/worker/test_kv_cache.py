@@ -7,13 +7,20 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+
 from pagedrs.worker.kv_cache import KVCachePool, block_bytes
 
 
 def make_pool(num_blocks: int = 8, num_swap_blocks: int = 4) -> KVCachePool:
     pool = KVCachePool(
-        num_layers=2, num_kv_heads=2, head_size=4, block_size=4, num_blocks=num_blocks,
-        dtype=torch.float32, device=torch.device("cpu"), num_swap_blocks=num_swap_blocks,
+        num_layers=2,
+        num_kv_heads=2,
+        head_size=4,
+        block_size=4,
+        num_blocks=num_blocks,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        num_swap_blocks=num_swap_blocks,
     )
     for layer, kv in enumerate(pool.kv_caches):
         for b in range(num_blocks):
@@ -30,8 +37,15 @@ def pairs(*p: tuple[int, int]) -> np.ndarray:
 
 
 def test_layout_and_zero_init() -> None:
-    pool = KVCachePool(num_layers=3, num_kv_heads=2, head_size=8, block_size=16, num_blocks=5,
-                       dtype=torch.float32, device=torch.device("cpu"))
+    pool = KVCachePool(
+        num_layers=3,
+        num_kv_heads=2,
+        head_size=8,
+        block_size=16,
+        num_blocks=5,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     assert len(pool.kv_caches) == 3
     assert pool.kv_caches[0].shape == (2, 5, 16, 2, 8)
     assert not pool.kv_caches[0].any()
@@ -70,7 +84,11 @@ def test_swap_without_pool_is_an_error() -> None:
 def test_grow_and_shrink_keep_contents() -> None:
     pool = make_pool()
     pool.resize(12)
-    assert pool.num_blocks == 12 and block_values(pool)[:8] == list(range(8)) and block_values(pool)[8:] == [0] * 4
+    assert (
+        pool.num_blocks == 12
+        and block_values(pool)[:8] == list(range(8))
+        and block_values(pool)[8:] == [0] * 4
+    )
     pool.resize(3)
     assert pool.num_blocks == 3 and block_values(pool) == [0, 1, 2]
 
@@ -78,8 +96,9 @@ def test_grow_and_shrink_keep_contents() -> None:
 def test_plan_ops_order() -> None:
     pool = make_pool()
     empty = np.zeros((0, 2), dtype=np.int64)
-    plan = SimpleNamespace(num_blocks=10, block_moves=pairs((7, 0)), swap_out=pairs((0, 1)), swap_in=empty,
-                           copies=pairs((0, 9)))
+    plan = SimpleNamespace(
+        num_blocks=10, block_moves=pairs((7, 0)), swap_out=pairs((0, 1)), swap_in=empty, copies=pairs((0, 9))
+    )
     pool.apply_plan_ops(plan)  # grow, then move 7->0, then swap out 0 (now 7), then copy 0->9
     assert pool.num_blocks == 10
     assert block_values(pool)[0] == 7 and block_values(pool)[9] == 7

@@ -1,5 +1,5 @@
 """LLMEngine: tokenization, request validation, the step loop over the Rust scheduler, detokenization,
-stop strings, outputs and statistics. EngineArgs: the engine's keyword arguments (= LLM's)."""
+stop strings, outputs and statistics."""
 
 from __future__ import annotations
 
@@ -8,22 +8,14 @@ import logging
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 import torch
 
 from pagedrs import _core
-from pagedrs.config import (
-    CacheConfig,
-    DeviceConfig,
-    EngineConfig,
-    ModelConfig,
-    ObservabilityConfig,
-    SchedulerConfig,
-    resolve_device,
-)
+from pagedrs.config import EngineConfig
+from pagedrs.engine.arg_utils import EngineArgs
 from pagedrs.engine.sequence import Request, Sequence, check_stop_strings, make_logprob_dict
 from pagedrs.metrics import EngineStats, StatLogger, visualize_batch
 from pagedrs.outputs import RequestOutput
@@ -35,91 +27,18 @@ __all__ = ["EngineArgs", "LLMEngine"]
 logger = logging.getLogger("pagedrs.engine")
 
 
-@dataclass
-class EngineArgs:
-    """Everything the engine can be configured with (the keyword arguments of `LLM`)."""
-
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_gb: float | None = None
-    swap_space: float = 0.0
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    enforce_eager: bool = False
-    attention_backend: str = "auto"
-    seed: int = 0
-    num_threads: int | None = None
-    max_logprobs: int = 20
-    disable_log_stats: bool = False
-    stats_log_interval: float = 5.0
-    enable_log_batch_visualization: bool = False
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
-
-    def early_configs(self) -> tuple[ModelConfig, CacheConfig, DeviceConfig, ObservabilityConfig]:
-        """The configs that do not depend on the model (checked before any weight is loaded)."""
-        model = ModelConfig(
-            model=self.model,
-            tokenizer=self.tokenizer,
-            dtype=self.dtype,
-            max_model_len=self.max_model_len,
-            seed=self.seed,
-        )
-        cache = CacheConfig(
-            block_size=self.block_size,
-            num_kv_blocks=self.num_kv_blocks,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            cpu_kv_cache_gb=self.cpu_kv_cache_gb,
-            swap_space=self.swap_space,
-            enable_prefix_caching=self.enable_prefix_caching,
-        )
-        device = DeviceConfig(
-            device=resolve_device(self.device),
-            attention_backend=self.attention_backend,
-            enforce_eager=self.enforce_eager,
-            num_threads=self.num_threads,
-        )
-        obs = ObservabilityConfig(
-            log_stats=not self.disable_log_stats,
-            stats_log_interval=self.stats_log_interval,
-            enable_log_batch_visualization=self.enable_log_batch_visualization,
-        )
-        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
-        return model, cache, device, obs
-
-    def create_engine_config(self, model_max_len: int) -> EngineConfig:
-        model, cache, device, obs = self.early_configs()
-        max_len = model.max_model_len if model.max_model_len is not None else model_max_len
-        if max_len > model_max_len:
-            raise ValueError(
-                f"max_model_len ({max_len}) is larger than the model's maximum length ({model_max_len})"
-            )
-        tokens = self.max_num_batched_tokens
-        if tokens is None:
-            tokens = SchedulerConfig.default_max_num_batched_tokens(max_len, self.enable_chunked_prefill)
-        sched = SchedulerConfig(
-            max_model_len=max_len,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=tokens,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-        )
-        return EngineConfig(model=model, cache=cache, scheduler=sched, device=device, observability=obs)
-
-
-def _eos_token_ids(tokenizer: Any, hf_config: Any) -> list[int]:
+def _eos_token_ids(tokenizer: Any, hf_config: Any, model_path: str) -> list[int]:
+    """The tokenizer's eos plus the config's and generation_config.json's (e.g. Llama 3's <|eot_id|>)."""
     ids: set[int] = set()
-    for src in (getattr(tokenizer, "eos_token_id", None), getattr(hf_config, "eos_token_id", None)):
+    gen_eos = None
+    if os.path.isfile(os.path.join(model_path, "generation_config.json")):
+        try:
+            import transformers
+
+            gen_eos = transformers.GenerationConfig.from_pretrained(model_path).eos_token_id
+        except (OSError, ValueError):
+            gen_eos = None
+    for src in (getattr(tokenizer, "eos_token_id", None), getattr(hf_config, "eos_token_id", None), gen_eos):
         if isinstance(src, int):
             ids.add(src)
         elif isinstance(src, (list, tuple)):
@@ -141,7 +60,7 @@ class LLMEngine:
         self.max_logprobs = max_logprobs
         self.vocab_size = int(getattr(self.hf_config, "vocab_size", 0) or 0)
         self.device = config.device.device
-        self.eos_token_ids = _eos_token_ids(self.tokenizer, self.hf_config)
+        self.eos_token_ids = _eos_token_ids(self.tokenizer, self.hf_config, str(loaded.model_path))
         self.runner = ModelRunner(config, self.model, eos_token_ids=self.eos_token_ids)
         num_blocks = self.runner.determine_num_blocks()
         pool = self.runner.init_kv_cache(num_blocks)
@@ -155,6 +74,7 @@ class LLMEngine:
             enable_prefix_caching=config.cache.enable_prefix_caching,
             enable_chunked_prefill=sched.enable_chunked_prefill,
             num_swap_blocks=pool.num_swap_blocks,
+            vocab_size=self.vocab_size or None,
         )
         self._requests: dict[str, Request] = {}
         self._seqs: dict[int, Sequence] = {}

@@ -282,16 +282,19 @@ class Sampler(torch.nn.Module):
 
     @staticmethod
     def _sample(logits: Tensor, meta: SamplingMetadata) -> Tensor:
-        greedy = logits.argmax(dim=-1)
         if meta.all_greedy:
-            return greedy
+            return logits.argmax(dim=-1)
         assert meta.temperature is not None
         temp = meta.temperature
         random_rows = (temp >= _EPS).nonzero().squeeze(1)
         all_random = random_rows.numel() == meta.num_rows
+        greedy = None if all_random else logits.argmax(dim=-1)  # before `logits` is changed below
         sub = logits if all_random else logits.index_select(0, random_rows)
         sub = sub / temp.index_select(0, random_rows).unsqueeze(1)
-        pick = (lambda t: t) if all_random else (lambda t: t.index_select(0, random_rows))
+
+        def pick(t: Tensor) -> Tensor:
+            return t if all_random else t.index_select(0, random_rows)
+
         if meta.min_p is not None:
             sub = apply_min_p(sub, pick(meta.min_p))
         sub = apply_top_k_top_p(
@@ -308,6 +311,6 @@ class Sampler(torch.nn.Module):
         for j, gen in seeded.items():
             q[j].exponential_(generator=gen)
         random_sampled = probs.div_(q).argmax(dim=-1)
-        if all_random:
+        if greedy is None:
             return random_sampled
         return greedy.index_copy_(0, random_rows, random_sampled)

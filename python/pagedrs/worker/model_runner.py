@@ -10,6 +10,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -81,6 +82,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.model.seed)
         self.kv_pool: KVCachePool | None = None
+        self.cuda_graphs: Any = None  # CudaGraphRunner for decode-only steps (CUDA + cupy backend)
 
     # ---- KV pool sizing -------------------------------------------------------------------------------
     @property
@@ -130,6 +132,19 @@ class ModelRunner:
             device=self.device,
             num_swap_blocks=num_swap,
         )
+        dev_cfg = self.config.device
+        if self.device.type == "cuda" and not dev_cfg.enforce_eager and self.backend.name == "cupy":
+            from pagedrs.worker.cuda_graphs import CudaGraphRunner
+
+            sched = self.config.scheduler
+            self.cuda_graphs = CudaGraphRunner(
+                self.model,
+                self.kv_pool.kv_caches,
+                self.backend,
+                max_batch_size=min(sched.max_num_seqs, 512),
+                max_blocks_per_seq=math.ceil(sched.max_model_len / self.block_size),
+                block_size=self.block_size,
+            )
         return self.kv_pool
 
     @torch.inference_mode()
@@ -178,25 +193,28 @@ class ModelRunner:
         out = RunnerOutput(np.zeros(0, dtype=np.int64), None, {})
         if plan.num_tokens > 0:  # type: ignore[attr-defined]
             dev = self.device
-            ctx = ForwardContext(
-                attn_metadata=self._attn_metadata(plan), kv_caches=pool.kv_caches, backend=self.backend
-            )
+            meta = self._attn_metadata(plan)
+            ctx = ForwardContext(attn_metadata=meta, kv_caches=pool.kv_caches, backend=self.backend)
             input_ids = _tensor(plan.input_ids, dev)  # type: ignore[attr-defined]
             positions = _tensor(plan.positions, dev)  # type: ignore[attr-defined]
-            hidden = self.model(input_ids, positions, ctx)
+            hidden = None
+            if self.cuda_graphs is not None:  # decode-only steps replay a captured graph
+                hidden = self.cuda_graphs.run(input_ids, positions, meta, pool.kv_caches)
+            if hidden is None:
+                hidden = self.model(input_ids, positions, ctx)
             if prompt_logprobs:
                 out.prompt_logprobs = self._prompt_logprobs(plan, hidden, prompt_logprobs)
             if num_rows:
                 logits_idx = _tensor(plan.logits_indices, dev)  # type: ignore[attr-defined]
                 logits = self.model.compute_logits(hidden.index_select(0, logits_idx))
-                meta = SamplingMetadata.from_rows(
+                sampling = SamplingMetadata.from_rows(
                     rows,
                     vocab_size=logits.shape[-1],
                     device=dev,
                     eos_token_ids=self.eos_token_ids,
                     default_generator=self.generator,
                 )
-                sampled = self.sampler(logits, meta)
+                sampled = self.sampler(logits, sampling)
                 out.sampled_token_ids = (
                     sampled.sampled_token_ids.to("cpu").numpy().astype(np.int64, copy=False)
                 )
