@@ -76,6 +76,7 @@ class LLMEngine:
             num_swap_blocks=pool.num_swap_blocks,
             vocab_size=self.vocab_size or None,
         )
+        self.runner.attach_block_table(self.scheduler.block_table_view())
         self._requests: dict[str, Request] = {}
         self._seqs: dict[int, Sequence] = {}
         self._unscheduled: dict[int, Request] = {}  # first seq id -> request not yet scheduled

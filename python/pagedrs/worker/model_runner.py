@@ -83,6 +83,32 @@ class ModelRunner:
         self.generator.manual_seed(config.model.seed)
         self.kv_pool: KVCachePool | None = None
         self.cuda_graphs: Any = None  # CudaGraphRunner for decode-only steps (CUDA + cupy backend)
+        # The scheduler's persistent block table (read-only numpy view) and, off the CPU, its device
+        # mirror. INVARIANT: after each plan's changed rows are copied, the mirror equals the view.
+        self._bt_view: np.ndarray | None = None
+        self._bt_device: Tensor | None = None
+
+    def attach_block_table(self, view: np.ndarray, *, mirror: bool | None = None) -> None:
+        """Use the scheduler's persistent block table. With a mirror (the default off the CPU) only the rows
+        a plan changed are copied to the device each step, instead of the whole padded table."""
+        self._bt_view = view
+        if mirror if mirror is not None else self.device.type != "cpu":
+            self._bt_device = torch.as_tensor(np.array(view), device=self.device)
+
+    def _sync_block_table(self, plan: object) -> None:
+        # Every plan, empty ones included, or the mirror drifts from the view.
+        changed = plan.changed_rows  # type: ignore[attr-defined]
+        if self._bt_device is None or self._bt_view is None or not len(changed):
+            return
+        idx = torch.from_numpy(changed.astype(np.int64)).to(self.device, non_blocking=True)
+        rows_now = torch.from_numpy(self._bt_view[changed]).to(self.device, non_blocking=True)
+        self._bt_device.index_copy_(0, idx, rows_now)
+
+    def _block_tables(self, plan: object) -> Tensor:
+        if self._bt_device is None:
+            return _tensor(plan.block_tables, self.device)  # type: ignore[attr-defined]
+        rows = torch.from_numpy(plan.block_table_rows.astype(np.int64))  # type: ignore[attr-defined]
+        return self._bt_device.index_select(0, rows.to(self.device, non_blocking=True))
 
     # ---- KV pool sizing -------------------------------------------------------------------------------
     @property
@@ -168,7 +194,7 @@ class ModelRunner:
             slot_mapping=_tensor(plan.slot_mapping, dev),  # type: ignore[attr-defined]
             query_start_loc=_tensor(qsl_np, dev),
             seq_lens=_tensor(seq_lens_np, dev),
-            block_tables=_tensor(plan.block_tables, dev),  # type: ignore[attr-defined]
+            block_tables=self._block_tables(plan),
             query_start_loc_cpu=qsl_np.tolist(),
             seq_lens_cpu=seq_lens_np.tolist(),
             max_query_len=int(num_sched.max()) if len(num_sched) else 0,
@@ -189,6 +215,7 @@ class ModelRunner:
         pool = self.kv_pool
         assert pool is not None, "init_kv_cache() first"
         pool.apply_plan_ops(plan)
+        self._sync_block_table(plan)
         num_rows = len(plan.logits_indices)  # type: ignore[attr-defined]
         out = RunnerOutput(np.zeros(0, dtype=np.int64), None, {})
         if plan.num_tokens > 0:  # type: ignore[attr-defined]

@@ -2,6 +2,7 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+mod cpu_kernels;
 mod errors;
 mod plan;
 mod scheduler;
@@ -39,6 +40,7 @@ fn kernel_names() -> Vec<&'static str> {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernel_source, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_names, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_kernels::paged_decode_attention, m)?)?;
     errors::register(m)?;
     m.add_class::<scheduler::PyScheduler>()?;
     m.add_class::<plan::PyStepPlan>()?;

@@ -1,0 +1,118 @@
+//! `paged_decode_attention`: numpy arrays checked and converted, then `pagedrs_cpu` with the GIL released.
+
+use numpy::{
+    dtype, Element, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyUntypedArray,
+    PyUntypedArrayMethods,
+};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use pagedrs_cpu::{paged_decode_f32, DecodeDims};
+
+/// `obj` as a C-contiguous numpy array of `T` with `ndim` dimensions, else a ValueError naming it.
+fn array<'py, T: Element>(
+    obj: &Bound<'py, PyAny>,
+    name: &str,
+    ndim: usize,
+    dtype_name: &str,
+) -> PyResult<Bound<'py, PyArrayDyn<T>>> {
+    let py = obj.py();
+    let untyped = obj.cast::<PyUntypedArray>().map_err(|_| {
+        PyValueError::new_err(format!(
+            "{name} must be a numpy array (use tensor.numpy() for a CPU tensor)"
+        ))
+    })?;
+    if !untyped.dtype().is_equiv_to(&dtype::<T>(py)) {
+        return Err(PyValueError::new_err(format!(
+            "{name} must be {dtype_name}, got {}",
+            untyped.dtype()
+        )));
+    }
+    if untyped.ndim() != ndim {
+        return Err(PyValueError::new_err(format!(
+            "{name} must have {ndim} dimensions, got shape {:?}",
+            untyped.shape()
+        )));
+    }
+    if !untyped.is_c_contiguous() {
+        return Err(PyValueError::new_err(format!(
+            "{name} (shape {:?}) must be C-contiguous",
+            untyped.shape()
+        )));
+    }
+    Ok(untyped.cast::<PyArrayDyn<T>>()?.clone())
+}
+
+fn shape_error(what: &str, detail: String) -> PyErr {
+    PyValueError::new_err(format!("{what}: {detail}"))
+}
+
+/// Decode attention over the paged KV cache, one query token per sequence, written into `out`.
+/// q/out float32 [B, H, D], kv_cache float32 [2, num_blocks, block_size, KVH, D], block_tables int32
+/// [B, M], seq_lens int32 [B] (context length including the query token).
+#[pyfunction]
+#[pyo3(signature = (q, kv_cache, block_tables, seq_lens, out, scale, sliding_window=None, num_threads=1))]
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode_attention(
+    py: Python<'_>,
+    q: &Bound<'_, PyAny>,
+    kv_cache: &Bound<'_, PyAny>,
+    block_tables: &Bound<'_, PyAny>,
+    seq_lens: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    scale: f32,
+    sliding_window: Option<usize>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let q = array::<f32>(q, "q", 3, "float32")?;
+    let kv = array::<f32>(kv_cache, "kv_cache", 5, "float32")?;
+    let bt = array::<i32>(block_tables, "block_tables", 2, "int32")?;
+    let lens = array::<i32>(seq_lens, "seq_lens", 1, "int32")?;
+    let out = array::<f32>(out, "out", 3, "float32")?;
+    let (qs, ks, bs) = (q.shape().to_vec(), kv.shape().to_vec(), bt.shape().to_vec());
+    if ks[0] != 2 || ks[4] != qs[2] {
+        return Err(shape_error(
+            "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_size]",
+            format!("got {ks:?} for q {qs:?}"),
+        ));
+    }
+    if bs[0] != qs[0] || lens.shape()[0] != qs[0] || out.shape() != qs.as_slice() {
+        return Err(shape_error(
+            "block_tables [B, M], seq_lens [B] and out must match q [B, H, D]",
+            format!(
+                "got q {qs:?}, block_tables {bs:?}, seq_lens {:?}, out {:?}",
+                lens.shape(),
+                out.shape()
+            ),
+        ));
+    }
+    let dims = DecodeDims {
+        num_seqs: qs[0],
+        num_heads: qs[1],
+        num_kv_heads: ks[3],
+        head_size: qs[2],
+        num_blocks: ks[1],
+        block_size: ks[2],
+        max_blocks_per_seq: bs[1],
+    };
+    let (q, kv, bt, lens) = (q.readonly(), kv.readonly(), bt.readonly(), lens.readonly());
+    let mut out = out
+        .try_readwrite()
+        .map_err(|e| PyValueError::new_err(format!("out cannot be written: {e}")))?;
+    let (q, kv, bt, lens) = (q.as_slice()?, kv.as_slice()?, bt.as_slice()?, lens.as_slice()?);
+    let out = out.as_slice_mut()?;
+    py.detach(|| {
+        paged_decode_f32(
+            q,
+            kv,
+            bt,
+            lens,
+            out,
+            &dims,
+            scale,
+            sliding_window,
+            num_threads,
+        )
+    })
+    .map_err(|e| PyValueError::new_err(e.to_string()))
+}
