@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagedrs.layers.activation import get_act_and_mul_fn, get_act_fn
-from pagedrs.layers.norm import LayerNorm, RMSNorm
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from pagedrs.layers.activation import get_act_and_mul_fn, get_act_fn
+from pagedrs.layers.norm import LayerNorm, RMSNorm
 
 
 def test_rmsnorm_matches_hf_and_fuses_residual():

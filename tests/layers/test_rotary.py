@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from pagedrs.layers.rotary import get_rope, rope_parameters
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+from pagedrs.layers.rotary import get_rope, rope_parameters
 
 HEAD, HEADS, KV_HEADS = 16, 4, 2
 

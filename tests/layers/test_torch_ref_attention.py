@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+
 from pagedrs.layers.attention import Attention, AttentionBackend, ForwardContext, causal_attention
 from pagedrs.layers.attention.selector import get_attention_backend
 from pagedrs.layers.attention.torch_ref import (
@@ -17,7 +18,6 @@ from pagedrs.layers.attention.torch_ref import (
     gather_kv,
     write_kv_cache,
 )
-
 from tests.helpers import make_step_metadata
 
 

@@ -6,15 +6,15 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-import pagedrs.loader.default_model as default_model
-import pagedrs.loader.gguf as gguf_loader
 import pytest
 import torch
 import transformers
+
+import pagedrs.loader.default_model as default_model
+import pagedrs.loader.gguf as gguf_loader
 from pagedrs.layers.attention import ForwardContext
 from pagedrs.loader import LoadedModel, load_model
 from pagedrs.loader.gguf import convert_gguf, gguf_cache_dir, hf_tensor_name, unpermute_qk
-
 from tests.helpers import load_hf_model, make_tiny_gguf
 
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
-from pagedrs.layers.attention import ForwardContext
-from pagedrs.loader import LoadedModel, load_model, resolve_dtype, resolve_model_path
 from safetensors.torch import load_file, save_file
 
+from pagedrs.layers.attention import ForwardContext
+from pagedrs.loader import LoadedModel, load_model, resolve_dtype, resolve_model_path
 from tests.helpers import load_hf_model, make_config, make_tiny_llama
 
 

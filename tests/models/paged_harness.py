@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import torch
+
 from pagedrs.layers.attention import AttentionMetadata, ForwardContext
 from pagedrs.layers.attention.torch_ref import TorchAttentionBackend
 

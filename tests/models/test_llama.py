@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+
 from pagedrs.layers.attention import ForwardContext
 from pagedrs.loader import load_model
 from pagedrs.models.llama import LlamaForCausalLM
 from pagedrs.models.registry import MODEL_REGISTRY, get_model_class
-
 from tests.helpers import load_hf_model, make_config, make_step_metadata, make_tiny_llama
 from tests.models.paged_harness import PagedHarness
 
