@@ -12,7 +12,7 @@ import itertools
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pagedrs.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -99,18 +99,31 @@ class LLM:
         prompt order."""
         if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
             prompt_list: list[PromptInput] = [prompts]  # type: ignore[list-item]
+        elif isinstance(prompts, Iterable):
+            prompt_list = list(prompts)
         else:
-            prompt_list = list(prompts)  # type: ignore[arg-type]
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:
+            # A dict or str would otherwise be iterated into its keys or characters.
+            if not isinstance(sampling_params, (list, tuple)):
+                raise ValueError(
+                    "sampling_params must be a SamplingParams or a list of them, "
+                    f"got {type(sampling_params).__name__}"
+                )
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries but there are {len(prompt_list)} prompts"
                 )
+            for i, sp in enumerate(params_list):
+                if not isinstance(sp, SamplingParams):
+                    raise ValueError(
+                        f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}"
+                    )
         return self._run(prompt_list, params_list, use_tqdm)
 
     def chat(
@@ -123,6 +136,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"}) or a list of them, through
         the tokenizer's chat template."""
+        if not isinstance(messages, list):
+            raise ValueError(
+                f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}"
+            )
         if not messages:
             raise ValueError("messages is empty")
         conversations = [messages] if isinstance(messages[0], dict) else messages

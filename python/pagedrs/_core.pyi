@@ -22,6 +22,20 @@ class UnknownRequestError(PagedrsError, KeyError):
 
 def kernel_source(name: str) -> str: ...
 def kernel_names() -> list[str]: ...
+def paged_decode_attention(
+    q: npt.NDArray[np.float32],
+    kv_cache: npt.NDArray[np.float32],
+    block_tables: npt.NDArray[np.int32],
+    seq_lens: npt.NDArray[np.int32],
+    out: npt.NDArray[np.float32],
+    scale: float,
+    sliding_window: int | None = None,
+    num_threads: int = 1,
+) -> None:
+    """Paged decode attention on CPU (one query token per sequence), written into ``out``; GIL released.
+
+    q/out float32 [B, H, D]; kv_cache float32 [2, num_blocks, block_size, KVH, D]; block_tables int32 [B, M];
+    seq_lens int32 [B] (context including the query token). All C-contiguous; ValueError otherwise."""
 
 class StepPlan:
     """One scheduler step. Every array is a numpy array owned by the plan.

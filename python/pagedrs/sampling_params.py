@@ -11,6 +11,8 @@ __all__ = ["SamplingParams", "SamplingType"]
 
 _SAMPLING_EPS = 1e-5
 _MIN_TEMP = 1e-2  # vLLM clamps positive temperatures below this up to it (numerical stability)
+# Token counts, token ids and seeds cross into the Rust core (and torch.Generator) as int64.
+_INT64_MAX = 2**63 - 1
 
 
 class SamplingType(enum.IntEnum):
@@ -105,18 +107,22 @@ class SamplingParams:
             raise _bad("top_k", self.top_k, "must be 0 or -1 (disabled), or at least 1")
         if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise _bad("min_p", self.min_p, "must be in [0, 1]")
-        if self.seed is not None and not _is_int(self.seed):
-            raise _bad("seed", self.seed, "must be an int or None")
+        if self.seed is not None and (
+            not _is_int(self.seed) or not -_INT64_MAX - 1 <= self.seed <= _INT64_MAX
+        ):
+            raise _bad("seed", self.seed, "must be a 64-bit int or None")
         if not all(isinstance(s, str) for s in self.stop):  # type: ignore[union-attr]
             raise _bad("stop", self.stop, "must be a string or a list of strings")
         if any(s == "" for s in self.stop):  # type: ignore[union-attr]
             raise _bad("stop", self.stop, "cannot contain an empty string")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):  # type: ignore[union-attr]
-            raise _bad("stop_token_ids", self.stop_token_ids, "must be a list of non-negative ints")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise _bad("max_tokens", self.max_tokens, "must be an int >= 1 or None")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise _bad("min_tokens", self.min_tokens, "must be an int >= 0")
+        if not all(_is_int(t) and 0 <= t <= _INT64_MAX for t in self.stop_token_ids):  # type: ignore[union-attr]
+            raise _bad("stop_token_ids", self.stop_token_ids, "must be a list of non-negative 64-bit ints")
+        if self.max_tokens is not None and (
+            not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= _INT64_MAX
+        ):
+            raise _bad("max_tokens", self.max_tokens, "must be an int >= 1 (64-bit) or None")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= _INT64_MAX:
+            raise _bad("min_tokens", self.min_tokens, "must be an int >= 0 (64-bit)")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _bad("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):

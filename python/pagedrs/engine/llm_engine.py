@@ -191,6 +191,14 @@ class LLMEngine:
                 raise ValueError(f"{name} ({v}) is larger than max_logprobs ({self.max_logprobs})")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         seq_ids = [next(self._seq_counter) for _ in range(params.n)]
+        req = Request(
+            request_id, text, ids, params, time.time() if arrival_time is None else arrival_time, priority
+        )
+        # Built before the scheduler knows the request, so a failure here leaves no half-added state.
+        req.seqs = [
+            Sequence(sid, i, req, params.child(i), self.tokenizer, self.device)
+            for i, sid in enumerate(seq_ids)
+        ]
         self.scheduler.add_request(
             seq_ids,
             np.asarray(ids, dtype=np.int64),
@@ -202,13 +210,8 @@ class LLMEngine:
             priority=priority,
             skip_prefix_cache=params.prompt_logprobs is not None,
         )  # raises InvalidRequestError (a ValueError) before any state changes here
-        req = Request(
-            request_id, text, ids, params, time.time() if arrival_time is None else arrival_time, priority
-        )
-        for i, sid in enumerate(seq_ids):
-            seq = Sequence(sid, i, req, params.child(i), self.tokenizer, self.device)
-            req.seqs.append(seq)
-            self._seqs[sid] = seq
+        for seq in req.seqs:
+            self._seqs[seq.seq_id] = seq
         req.num_unfinished = len(seq_ids)
         self._requests[request_id] = req
         self._unscheduled[seq_ids[0]] = req

@@ -38,10 +38,23 @@ def _copy_checked(param: Tensor, loaded: Tensor, what: str = "") -> None:
     param.data.copy_(loaded)
 
 
+def _check_dim(loaded: Tensor, dim: int, expected: int, what: str = "") -> None:
+    """The HF tensor's size along `dim` (the split dim) must be `expected`."""
+    if loaded.dim() <= dim or loaded.shape[dim] != expected:
+        where = f" ({what})" if what else ""
+        raise ValueError(
+            f"shape mismatch{where}: expected dim {dim} of {expected}, got {tuple(loaded.shape)}"
+        )
+
+
+def _no_shard(shard_id: object, owner: str) -> None:
+    if shard_id is not None:
+        raise ValueError(f"unexpected shard {shard_id!r} for {owner}")
+
+
 def default_weight_loader(param: Tensor, loaded_weight: Tensor, shard_id: object = None) -> None:
     """Replicated parameter: the HF tensor must match exactly."""
-    if shard_id is not None:
-        raise ValueError(f"unexpected shard {shard_id!r} for a replicated parameter")
+    _no_shard(shard_id, "a replicated parameter")
     _copy_checked(param, loaded_weight)
 
 
@@ -112,13 +125,9 @@ class ColumnParallelLinear(_LinearBase):
         self.bias = _param((n,), dtype, device, self.weight_loader) if bias else None
 
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: object = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"unexpected shard {shard_id!r} for {type(self).__name__}")
+        _no_shard(shard_id, type(self).__name__)
         n = param.shape[0]
-        if loaded_weight.shape[0] != n * self.tp_size:
-            raise ValueError(
-                f"shape mismatch: expected dim 0 of {n * self.tp_size}, got {tuple(loaded_weight.shape)}"
-            )
+        _check_dim(loaded_weight, 0, n * self.tp_size)
         _copy_checked(param, loaded_weight.narrow(0, self.tp_rank * n, n))
 
 
@@ -161,23 +170,22 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: object = None) -> None:
         if shard_id is None:
             # A checkpoint that already stores the fused tensor (e.g. Phi-3's gate_up_proj).
-            if loaded_weight.shape[0] != sum(self._full_sizes()):
-                raise ValueError(
-                    f"shape mismatch: expected dim 0 of {sum(self._full_sizes())}, got {tuple(loaded_weight.shape)}"
-                )
+            _check_dim(loaded_weight, 0, sum(self._full_sizes()))
             start = 0
             for sid, full in zip(self.shard_ids, self._full_sizes(), strict=True):
                 self.weight_loader(param, loaded_weight.narrow(0, start, full), sid)
                 start += full
             return
         offset, n, full = self._shard_range(shard_id)
-        if loaded_weight.shape[0] != full:
-            raise ValueError(
-                f"shape mismatch (shard {shard_id}): expected dim 0 of {full}, got {tuple(loaded_weight.shape)}"
-            )
-        _copy_checked(
-            param.data.narrow(0, offset, n), loaded_weight.narrow(0, self.tp_rank * n, n), f"shard {shard_id}"
-        )
+        self._load_piece(param, loaded_weight, shard_id, offset, n, full, self.tp_rank * n)
+
+    @staticmethod
+    def _load_piece(
+        param: Tensor, loaded: Tensor, shard_id: object, offset: int, n: int, full: int, start: int
+    ) -> None:
+        """Rows [start, start + n) of the full HF piece (dim 0 of `full`) -> rows [offset, offset + n)."""
+        _check_dim(loaded, 0, full, f"shard {shard_id}")
+        _copy_checked(param.data.narrow(0, offset, n), loaded.narrow(0, start, n), f"shard {shard_id}")
 
     def _full_sizes(self) -> list[int]:
         return self.output_sizes
@@ -247,11 +255,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
             offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
             n, full = self.kv_size, self.total_num_kv_heads * self.head_size
             start = (self.tp_rank // self.kv_replicas) * n
-        if loaded_weight.shape[0] != full:
-            raise ValueError(
-                f"shape mismatch (shard {shard_id}): expected dim 0 of {full}, got {tuple(loaded_weight.shape)}"
-            )
-        _copy_checked(param.data.narrow(0, offset, n), loaded_weight.narrow(0, start, n), f"shard {shard_id}")
+        self._load_piece(param, loaded_weight, shard_id, offset, n, full, start)
 
     def split_qkv(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -281,16 +285,12 @@ class RowParallelLinear(_LinearBase):
         self.bias = _param((output_size,), dtype, device, self.weight_loader) if bias else None
 
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: object = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"unexpected shard {shard_id!r} for RowParallelLinear")
+        _no_shard(shard_id, "RowParallelLinear")
         if param.dim() == 1:  # bias: replicated, added once after the reduce
             _copy_checked(param, loaded_weight)
             return
         n = param.shape[1]
-        if loaded_weight.dim() != 2 or loaded_weight.shape[1] != n * self.tp_size:
-            raise ValueError(
-                f"shape mismatch: expected dim 1 of {n * self.tp_size}, got {tuple(loaded_weight.shape)}"
-            )
+        _check_dim(loaded_weight, 1, n * self.tp_size)
         _copy_checked(param, loaded_weight.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -326,8 +326,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         )
 
     def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: object = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"unexpected shard {shard_id!r} for an embedding")
+        _no_shard(shard_id, "an embedding")
         if tuple(loaded_weight.shape) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(
                 f"shape mismatch: expected {(self.num_embeddings, self.embedding_dim)}, got {tuple(loaded_weight.shape)}"

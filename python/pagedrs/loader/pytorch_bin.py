@@ -4,12 +4,13 @@ containers only, never arbitrary pickled objects."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from pagedrs.loader.index import indexed_files
 
 __all__ = ["pytorch_bin_files", "iter_pytorch_bin"]
 
@@ -18,13 +19,8 @@ INDEX_NAME = "pytorch_model.bin.index.json"
 
 def pytorch_bin_files(folder: str | Path) -> list[Path]:
     folder = Path(folder)
-    index = folder / INDEX_NAME
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [folder / f for f in dict.fromkeys(weight_map.values())]
-        for f in files:
-            if not f.is_file():
-                raise ValueError(f"{index} lists {f.name}, which is missing")
+    files = indexed_files(folder, INDEX_NAME)
+    if files is not None:
         return files
     single = folder / "pytorch_model.bin"
     return [single] if single.is_file() else []

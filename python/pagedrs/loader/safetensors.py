@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 from safetensors import safe_open
 from torch import Tensor
+
+from pagedrs.loader.index import indexed_files
 
 __all__ = ["safetensors_files", "iter_safetensors"]
 
@@ -18,13 +19,8 @@ INDEX_NAME = "model.safetensors.index.json"
 def safetensors_files(folder: str | Path) -> list[Path]:
     """The checkpoint files of a folder (empty list if it has no safetensors checkpoint)."""
     folder = Path(folder)
-    index = folder / INDEX_NAME
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [folder / f for f in dict.fromkeys(weight_map.values())]
-        for f in files:
-            if not f.is_file():
-                raise ValueError(f"{index} lists {f.name}, which is missing")
+    files = indexed_files(folder, INDEX_NAME)
+    if files is not None:
         return files
     single = folder / "model.safetensors"
     if single.is_file():

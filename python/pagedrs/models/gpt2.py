@@ -24,7 +24,7 @@ from pagedrs.layers.linear import (
     VocabParallelEmbedding,
 )
 from pagedrs.layers.norm import LayerNorm
-from pagedrs.models.utils import load_weights_into
+from pagedrs.models.utils import load_weights_into, mha_head_size
 
 __all__ = ["GPT2LMHeadModel"]
 
@@ -41,9 +41,7 @@ class GPT2Attention(torch.nn.Module):
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
-        if hidden % num_heads:
-            raise ValueError(f"hidden_size ({hidden}) must be divisible by num_attention_heads ({num_heads})")
-        head_size = hidden // num_heads
+        head_size = mha_head_size(config)
         scale = head_size**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             scale /= float(layer_idx + 1)

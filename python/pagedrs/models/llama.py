@@ -29,6 +29,11 @@ from pagedrs.models.utils import StackedParam, load_weights_into
 __all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"]
 
 
+def _head_size(config: PretrainedConfig) -> int:
+    """config.head_dim when the config sets one, else hidden_size / num_attention_heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _layer_windows(config: PretrainedConfig) -> list[int | None]:
     """Per layer, its sliding window (None = full attention)."""
     n = config.num_hidden_layers
@@ -58,7 +63,7 @@ class LlamaAttention(torch.nn.Module):
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        head_size = getattr(config, "head_dim", None) or hidden // num_heads
+        head_size = _head_size(config)
         qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
         self.qkv_proj = QKVParallelLinear(
@@ -141,8 +146,7 @@ class LlamaDecoderLayer(torch.nn.Module):
 class LlamaModel(torch.nn.Module):
     def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rotary_emb = get_rope(config, head_size, device=device)
+        self.rotary_emb = get_rope(config, _head_size(config), device=device)
         windows = _layer_windows(config)
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, dtype=dtype, device=device

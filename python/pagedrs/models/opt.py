@@ -26,7 +26,7 @@ from pagedrs.layers.linear import (
     VocabParallelEmbedding,
 )
 from pagedrs.layers.norm import LayerNorm
-from pagedrs.models.utils import StackedParam, load_weights_into
+from pagedrs.models.utils import StackedParam, load_weights_into, mha_head_size
 
 __all__ = ["OPTForCausalLM"]
 
@@ -50,9 +50,7 @@ class OPTAttention(torch.nn.Module):
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
-        if hidden % num_heads:
-            raise ValueError(f"hidden_size ({hidden}) must be divisible by num_attention_heads ({num_heads})")
-        head_size = hidden // num_heads
+        head_size = mha_head_size(config)
         bias = bool(getattr(config, "enable_bias", True))
         self.qkv_proj = QKVParallelLinear(
             hidden, head_size, num_heads, num_heads, bias=bias, dtype=dtype, device=device

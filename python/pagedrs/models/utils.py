@@ -1,5 +1,5 @@
-"""Weight loading shared by the model classes: HF tensor names -> parameters (fused shards included),
-with every parameter checked to be covered and every shape checked."""
+"""Shared by the model classes: weight loading (HF tensor names -> parameters, fused shards included,
+with every parameter checked to be covered and every shape checked) and the head size of MHA configs."""
 
 from __future__ import annotations
 
@@ -8,10 +8,19 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from transformers import PretrainedConfig
 
 from pagedrs.layers.linear import default_weight_loader
 
-__all__ = ["StackedParam", "load_weights_into"]
+__all__ = ["StackedParam", "load_weights_into", "mha_head_size"]
+
+
+def mha_head_size(config: PretrainedConfig) -> int:
+    """hidden_size / num_attention_heads, for models whose heads exactly split the hidden size."""
+    hidden, num_heads = config.hidden_size, config.num_attention_heads
+    if hidden % num_heads:
+        raise ValueError(f"hidden_size ({hidden}) must be divisible by num_attention_heads ({num_heads})")
+    return hidden // num_heads
 
 
 @dataclass(frozen=True)

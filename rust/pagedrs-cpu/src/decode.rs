@@ -66,7 +66,15 @@ pub fn paged_decode_f32(
     sliding_window: Option<usize>,
     num_threads: usize,
 ) -> Result<(), KernelError> {
-    validate(q, kv_cache, block_tables, seq_lens, out, dims, sliding_window)?;
+    validate(
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        out,
+        dims,
+        sliding_window,
+    )?;
     let d = *dims;
     let half = d.num_blocks * d.block_size * d.num_kv_heads * d.head_size;
     let (k, v) = kv_cache.split_at(half);
@@ -352,7 +360,12 @@ mod tests {
     /// Random cache; each sequence gets distinct random blocks (shuffled), padding entries are 0.
     fn case(seed: u64, lens: &[i32], heads: usize, kv_heads: usize, hd: usize, bs: usize) -> Case {
         let mut rng = Rng(seed);
-        let m = lens.iter().map(|&l| (l as usize).div_ceil(bs)).max().unwrap_or(0) + 1;
+        let m = lens
+            .iter()
+            .map(|&l| (l as usize).div_ceil(bs))
+            .max()
+            .unwrap_or(0)
+            + 1;
         let num_blocks = lens.len() * m + 3;
         let d = DecodeDims {
             num_seqs: lens.len(),
@@ -407,7 +420,10 @@ mod tests {
                 let sc: Vec<f64> = (start..len)
                     .map(|p| {
                         let k = &c.kv[row(p)..][..hd];
-                        q.iter().zip(k).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>()
+                        q.iter()
+                            .zip(k)
+                            .map(|(&a, &b)| a as f64 * b as f64)
+                            .sum::<f64>()
                             * scale as f64
                     })
                     .collect();
@@ -505,7 +521,10 @@ mod tests {
         let mut bt = c.bt.clone();
         bt[1] = c.d.num_blocks as i32;
         let err = call(&c.q, &bt, &c.lens, &mut out, &c.d);
-        assert!(matches!(err, Err(KernelError::Block { seq: 0, idx: 1, .. })));
+        assert!(matches!(
+            err,
+            Err(KernelError::Block { seq: 0, idx: 1, .. })
+        ));
         let d = DecodeDims {
             num_heads: 3,
             ..c.d

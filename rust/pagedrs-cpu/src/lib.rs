@@ -18,7 +18,10 @@ pub enum KernelError {
         expected: usize,
     },
     #[error("num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")]
-    Heads { num_heads: usize, num_kv_heads: usize },
+    Heads {
+        num_heads: usize,
+        num_kv_heads: usize,
+    },
     #[error("{name} must be > 0")]
     Zero { name: &'static str },
     #[error("seq_lens[{seq}] = {len} is outside 0..={max} (block table width x block_size)")]

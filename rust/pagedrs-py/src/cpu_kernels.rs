@@ -99,7 +99,12 @@ pub fn paged_decode_attention(
     let mut out = out
         .try_readwrite()
         .map_err(|e| PyValueError::new_err(format!("out cannot be written: {e}")))?;
-    let (q, kv, bt, lens) = (q.as_slice()?, kv.as_slice()?, bt.as_slice()?, lens.as_slice()?);
+    let (q, kv, bt, lens) = (
+        q.as_slice()?,
+        kv.as_slice()?,
+        bt.as_slice()?,
+        lens.as_slice()?,
+    );
     let out = out.as_slice_mut()?;
     py.detach(|| {
         paged_decode_f32(

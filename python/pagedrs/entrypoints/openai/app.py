@@ -170,26 +170,25 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
             raise not_found(f"The model `{model}` does not exist.", param="model", code="model_not_found")
         return JSONResponse(model_card(model))
 
-    async def respond(result: Any) -> Response:
+    async def respond(request: Request, body_type: Any, serving: Any) -> Response:
+        """Parse the body as `body_type`, run `serving.create`: JSON, or SSE when it streams; 499 when
+        the client went away before the response."""
+        req = parse_body(body_type, await request.body())
+        try:
+            result = await serving.create(req, request)
+        except ClientDisconnected:
+            return Response(status_code=499)
         if isinstance(result, dict):
             return JSONResponse(result)
         return SSEResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
 
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
-        req = parse_body(CompletionRequest, await request.body())
-        try:
-            return await respond(await completions.create(req, request))
-        except ClientDisconnected:
-            return Response(status_code=499)
+        return await respond(request, CompletionRequest, completions)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
-        req = parse_body(ChatCompletionRequest, await request.body())
-        try:
-            return await respond(await chat.create(req, request))
-        except ClientDisconnected:
-            return Response(status_code=499)
+        return await respond(request, ChatCompletionRequest, chat)
 
     app.include_router(build_router(store, runner))
     max_body = int(_arg(args, "max_body_bytes", DEFAULT_MAX_BODY_BYTES))

@@ -7,10 +7,15 @@ grouped by context length, each group goes through one padded gather into reused
 window) mask and one batched matmul per KV head. Longer queries (prefill chunks) are handled one request
 at a time, a short loop since a step holds few of them; a chunk with nothing cached before it attends to
 its own k/v directly.
+
+On CPU in float32 the decodes instead go through the fused Rust kernel `pagedrs._core.paged_decode_attention`,
+which reads K/V in place through the block tables (no gather copy); PAGEDRS_CPU_KERNELS=0 (or
+`TorchAttentionBackend(use_cpu_kernels=False)`) keeps the pure-torch path, which stays the reference.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pagedrs import _core
 from pagedrs.layers.attention import AttentionMetadata
 
 __all__ = ["TorchAttentionBackend", "write_kv_cache", "gather_kv"]
@@ -80,11 +86,22 @@ class _DecodeGroup:
 
 
 @dataclass
+class _CpuDecodes:
+    """Every single-token query of the step, as the Rust CPU kernel takes them (host arrays)."""
+
+    token_idx: Tensor  # [Bd] int64 flat token index of each decode
+    block_tables: np.ndarray  # [Bd, M] int32, C-contiguous
+    seq_lens: np.ndarray  # [Bd] int32
+    all_tokens: bool  # the decodes are exactly tokens 0..T-1 in order (no gather/scatter of q/out needed)
+
+
+@dataclass
 class _StepPlan:
     """How this step's requests split into batched decode groups and per-request prefills."""
 
     decode_groups: list[_DecodeGroup]
     prefills: list[tuple[int, int, int]]  # (request index, token start, token end)
+    cpu_decodes: _CpuDecodes | None = None  # set when the block tables live on the CPU
 
 
 def _group_bounds(num_blocks_desc: np.ndarray) -> list[tuple[int, int]]:
@@ -119,6 +136,15 @@ def _plan(meta: AttentionMetadata) -> _StepPlan:
     device = meta.block_tables.device
     plan = _StepPlan([], [])
     dec = np.nonzero(is_decode)[0]
+    if len(dec) and device.type == "cpu":
+        tables = meta.block_tables.numpy()
+        all_tokens = len(dec) == len(qsl) - 1 == qsl[-1]
+        plan.cpu_decodes = _CpuDecodes(
+            token_idx=torch.from_numpy(qsl[dec]),
+            block_tables=np.ascontiguousarray(tables if all_tokens else tables[dec], dtype=np.int32),
+            seq_lens=np.ascontiguousarray(seq_lens[dec], dtype=np.int32),
+            all_tokens=bool(all_tokens),
+        )
     if len(dec):
         nblocks = -(-seq_lens[dec] // meta.block_size)
         order = np.argsort(-nblocks, kind="stable")
@@ -155,7 +181,12 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, *, use_cpu_kernels: bool | None = None) -> None:
+        # None: on unless the environment sets PAGEDRS_CPU_KERNELS=0.
+        if use_cpu_kernels is None:
+            use_cpu_kernels = os.environ.get("PAGEDRS_CPU_KERNELS", "1") != "0"
+        # An extension built before the kernel existed lacks it: fall back to torch.
+        self.use_cpu_kernels = use_cpu_kernels and hasattr(_core, "paged_decode_attention")
         self._buffers: dict[tuple[torch.device, torch.dtype, tuple[int, ...]], tuple[Tensor, Tensor]] = {}
 
     def forward(
@@ -172,8 +203,11 @@ class TorchAttentionBackend:
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         plan = _plan(meta)
         out = torch.empty_like(q)
-        for group in plan.decode_groups:
-            out[group.token_idx] = self._decode(q, kv_cache, group, scale, sliding_window)
+        if plan.cpu_decodes is not None and self._cpu_kernel_applies(q, kv_cache):
+            self._decode_cpu(q, kv_cache, plan.cpu_decodes, out, scale, sliding_window)
+        else:
+            for group in plan.decode_groups:
+                out[group.token_idx] = self._decode(q, kv_cache, group, scale, sliding_window)
         for b, start, end in plan.prefills:
             seq_len = meta.seq_lens_cpu[b]
             q_len = end - start
@@ -184,6 +218,39 @@ class TorchAttentionBackend:
                 kb, vb = gather_kv(kv_cache, meta.block_tables[b], seq_len)
             out[start:end] = self._prefill(q[start:end], kb, vb, seq_len, scale, sliding_window)
         return out
+
+    def _cpu_kernel_applies(self, q: Tensor, kv_cache: Tensor) -> bool:
+        return (
+            self.use_cpu_kernels
+            and q.device.type == "cpu"
+            and q.dtype == torch.float32
+            and kv_cache.dtype == torch.float32
+            and kv_cache.is_contiguous()
+        )
+
+    @staticmethod
+    def _decode_cpu(
+        q: Tensor, kv_cache: Tensor, dec: _CpuDecodes, out: Tensor, scale: float, sliding_window: int | None
+    ) -> None:
+        """All decodes in one call of the Rust kernel, reading K/V in place through the block tables."""
+        if dec.all_tokens:
+            qd = q.contiguous()
+            od = out if out.is_contiguous() else torch.empty_like(qd)
+        else:
+            qd = q.index_select(0, dec.token_idx)
+            od = torch.empty_like(qd)
+        _core.paged_decode_attention(
+            qd.numpy(),
+            kv_cache.numpy(),
+            dec.block_tables,
+            dec.seq_lens,
+            od.numpy(),
+            scale,
+            sliding_window,
+            torch.get_num_threads(),
+        )
+        if od is not out:
+            out[dec.token_idx] = od
 
     @staticmethod
     def _prefill(
