@@ -102,3 +102,30 @@ def test_bad_chat_messages(llm: LLM, messages: Any, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         llm.chat(messages, OK, use_tqdm=False)
     assert_serves(llm)
+
+
+def test_step_failure_aborts_its_requests_and_engine_keeps_serving(
+    tiny_models: dict, hf_refs: dict
+) -> None:
+    """A step that raises between schedule() and update() (e.g. a device error) aborts the requests it
+    held and closes its plan; requests added afterwards are served exactly, and the pool ends free."""
+    from tests.engine.conftest import assert_pool_free, greedy, make_engine, random_prompts, run_all
+
+    engine = make_engine(tiny_models["llama"], num_kv_blocks=64)
+    prompts = random_prompts([12, 30], seed=11)
+    engine.add_request("a", prompts[0], greedy(8))
+    engine.step()
+    inner = engine.runner.execute
+
+    def boom(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("injected device fault")
+
+    engine.runner.execute = boom
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    engine.runner.execute = inner
+    assert not engine.has_unfinished_requests()
+    engine.add_request("b", prompts[1], greedy(10))
+    outs = run_all(engine)
+    assert outs["b"].outputs[0].token_ids == hf_refs["llama"](prompts[1], 10)
+    assert_pool_free(engine)

@@ -236,6 +236,15 @@ class LLMEngine:
             outputs.append(req.to_output())
         return outputs
 
+    def _fail_plan(self, plan: Any) -> None:
+        """A step that raised between schedule() and update(): abort the requests it held and close the plan
+        (aborted rows are skipped), so the engine keeps serving every other request."""
+        seq_ids = plan.req_ids.tolist() + plan.sampled_seq_ids.tolist()
+        failed = {self._seqs[s].request.request_id for s in seq_ids if s in self._seqs}
+        self.abort_request(failed)
+        self.scheduler.update(plan, np.zeros(len(plan.logits_indices), dtype=np.int64))
+        logger.error("step %d failed; aborted requests %s", self._num_steps, sorted(failed))
+
     def _forget(self, req: Request) -> None:
         for s in req.seqs:
             self._seqs.pop(s.seq_id, None)
@@ -277,7 +286,11 @@ class LLMEngine:
                 for s in plan.req_ids.tolist()
                 if s in self._prompt_logprob_seqs
             }
-        out = self.runner.execute(plan, rows, wanted)
+        try:
+            out = self.runner.execute(plan, rows, wanted)
+        except Exception:
+            self._fail_plan(plan)
+            raise
         finished = self.scheduler.update(plan, out.sampled_token_ids)
         self._prompt_tokens_total += int(plan.num_prefill_tokens)
         self._generation_tokens_total += len(rows)
