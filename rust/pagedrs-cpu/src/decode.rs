@@ -40,6 +40,8 @@ struct Ctx<'a> {
     group: usize,
     scale: f32,
     sliding_window: Option<usize>,
+    /// Run the AVX2 + FMA copy (the CPU has both).
+    avx2: bool,
 }
 
 impl Ctx<'_> {
@@ -88,6 +90,7 @@ pub fn paged_decode_f32(
         group: d.num_heads / d.num_kv_heads,
         scale,
         sliding_window,
+        avx2: avx2_available(),
     };
     let item_len = ctx.group * d.head_size;
     let num_items = d.num_seqs * d.num_kv_heads;
@@ -195,41 +198,283 @@ fn validate(
     Ok(())
 }
 
-/// `a * b + c`, fused or not: the fused form is only used inside code compiled with FMA enabled
-/// (elsewhere `mul_add` would be a libm call).
-trait MulAdd {
-    fn mul_add(a: f32, b: f32, c: f32) -> f32;
+/// The two inner loops: a portable version (auto-vectorized for the build target) and, on x86-64, one
+/// written with AVX2 + FMA intrinsics, used only after run-time feature detection.
+trait Vector {
+    fn dot(a: &[f32], b: &[f32]) -> f32;
+    /// `y += alpha * x`.
+    fn axpy(alpha: f32, x: &[f32], y: &mut [f32]);
+    /// `out[i] = scale * dot(q, rows[i])`; `HD` is `q.len()` when known at compile time, else 0.
+    #[inline(always)]
+    fn scores<'a, const HD: usize>(
+        q: &[f32],
+        rows: impl Iterator<Item = &'a [f32]>,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        for (o, row) in out.iter_mut().zip(rows) {
+            *o = Self::dot(q, row) * scale;
+        }
+    }
+    /// `out = sum_i p[i] * rows[i]`; `HD` is `out.len()` when known at compile time, else 0.
+    #[inline(always)]
+    fn weighted_sum<'a, const HD: usize>(
+        p: &[f32],
+        rows: impl Iterator<Item = &'a [f32]>,
+        out: &mut [f32],
+    ) {
+        out.fill(0.0);
+        for (&w, row) in p.iter().zip(rows) {
+            Self::axpy(w, row, out);
+        }
+    }
 }
 
-struct Plain;
-impl MulAdd for Plain {
+struct Portable;
+impl Vector for Portable {
     #[inline(always)]
-    fn mul_add(a: f32, b: f32, c: f32) -> f32 {
-        a * b + c
+    fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+        let mut tail = 0.0f32;
+        for (&x, &y) in ca.remainder().iter().zip(cb.remainder()) {
+            tail += x * y;
+        }
+        // LANES independent accumulators: vectorizable without reassociation.
+        let mut acc = [0.0f32; LANES];
+        for (x, y) in ca.zip(cb) {
+            for l in 0..LANES {
+                acc[l] += x[l] * y[l];
+            }
+        }
+        let mut w = LANES;
+        while w > 1 {
+            w /= 2;
+            for l in 0..w {
+                acc[l] += acc[l + w];
+            }
+        }
+        acc[0] + tail
+    }
+
+    #[inline(always)]
+    fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
+        for (yi, &xi) in y.iter_mut().zip(x) {
+            *yi += alpha * xi;
+        }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-struct Fused;
+struct Avx2;
 #[cfg(target_arch = "x86_64")]
-impl MulAdd for Fused {
+#[allow(unsafe_code)]
+impl Vector for Avx2 {
     #[inline(always)]
-    fn mul_add(a: f32, b: f32, c: f32) -> f32 {
-        a.mul_add(b, c)
+    fn dot(a: &[f32], b: &[f32]) -> f32 {
+        // SAFETY: `Avx2` is only used inside `run_items_avx2`, reached after detecting AVX2 and FMA.
+        unsafe { avx2::dot(a, b) }
     }
+
+    #[inline(always)]
+    fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
+        // SAFETY: as for `dot`.
+        unsafe { avx2::axpy(alpha, x, y) }
+    }
+
+    #[inline(always)]
+    fn scores<'a, const HD: usize>(
+        q: &[f32],
+        rows: impl Iterator<Item = &'a [f32]>,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        if HD == 64 {
+            // SAFETY: as for `dot`.
+            unsafe { avx2::scores_64(q, rows, scale, out) }
+        } else {
+            for (o, row) in out.iter_mut().zip(rows) {
+                *o = Self::dot(q, row) * scale;
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn weighted_sum<'a, const HD: usize>(
+        p: &[f32],
+        rows: impl Iterator<Item = &'a [f32]>,
+        out: &mut [f32],
+    ) {
+        if HD == 64 {
+            // SAFETY: as for `dot`.
+            unsafe { avx2::weighted_sum_64(p, rows, out) }
+        } else {
+            out.fill(0.0);
+            for (&w, row) in p.iter().zip(rows) {
+                Self::axpy(w, row, out);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// Two 8-wide FMA accumulators, then a horizontal sum; scalar FMA tail. Reads `min(len)` elements.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        while i + 16 <= n {
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+            acc1 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(pa.add(i + 8)),
+                _mm256_loadu_ps(pb.add(i + 8)),
+                acc1,
+            );
+            i += 16;
+        }
+        if i + 8 <= n {
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+            i += 8;
+        }
+        let acc = _mm256_add_ps(acc0, acc1);
+        let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        let mut r = _mm_cvtss_f32(s);
+        while i < n {
+            r = (*pa.add(i)).mul_add(*pb.add(i), r);
+            i += 1;
+        }
+        r
+    }
+
+    /// `out[i] = scale * dot(q[..64], rows[i][..64])`: q held in eight registers, rows taken four at a
+    /// time into four accumulators reduced together.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn scores_64<'a>(
+        q: &[f32],
+        mut rows: impl Iterator<Item = &'a [f32]>,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        assert!(q.len() >= 64);
+        let mut qv = [_mm256_setzero_ps(); 8];
+        for (j, v) in qv.iter_mut().enumerate() {
+            *v = _mm256_loadu_ps(q.as_ptr().add(8 * j));
+        }
+        let row_dot = |row: &[f32]| -> __m256 {
+            assert!(row.len() >= 64);
+            let p = row.as_ptr();
+            let mut a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(p));
+            let mut b = _mm256_mul_ps(qv[1], _mm256_loadu_ps(p.add(8)));
+            for j in (2..8).step_by(2) {
+                a = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(p.add(8 * j)), a);
+                b = _mm256_fmadd_ps(qv[j + 1], _mm256_loadu_ps(p.add(8 * j + 8)), b);
+            }
+            _mm256_add_ps(a, b)
+        };
+        let vscale = _mm_set1_ps(scale);
+        let mut chunks = out.chunks_exact_mut(4);
+        for o in &mut chunks {
+            let (Some(r0), Some(r1), Some(r2), Some(r3)) =
+                (rows.next(), rows.next(), rows.next(), rows.next())
+            else {
+                return;
+            };
+            let (a0, a1, a2, a3) = (row_dot(r0), row_dot(r1), row_dot(r2), row_dot(r3));
+            // Lane sums of a0..a3 -> one [4] vector.
+            let h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+            let s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            _mm_storeu_ps(o.as_mut_ptr(), _mm_mul_ps(s, vscale));
+        }
+        for (o, row) in chunks.into_remainder().iter_mut().zip(rows) {
+            let a = row_dot(row);
+            let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+            *o = _mm_cvtss_f32(s) * scale;
+        }
+    }
+
+    /// `out[..64] = sum_i p[i] * rows[i][..64]` with the 64 sums held in eight registers.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn weighted_sum_64<'a>(
+        p: &[f32],
+        rows: impl Iterator<Item = &'a [f32]>,
+        out: &mut [f32],
+    ) {
+        assert!(out.len() >= 64);
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for (&w, row) in p.iter().zip(rows) {
+            assert!(row.len() >= 64);
+            let a = _mm256_set1_ps(w);
+            for (j, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm256_fmadd_ps(a, _mm256_loadu_ps(row.as_ptr().add(8 * j)), *acc);
+            }
+        }
+        for (j, acc) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.as_mut_ptr().add(8 * j), *acc);
+        }
+    }
+
+    /// `y += alpha * x` over `min(len)` elements.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
+        let n = x.len().min(y.len());
+        let (px, py) = (x.as_ptr(), y.as_mut_ptr());
+        let a = _mm256_set1_ps(alpha);
+        let mut i = 0;
+        while i + 8 <= n {
+            let v = _mm256_fmadd_ps(a, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(py.add(i)));
+            _mm256_storeu_ps(py.add(i), v);
+            i += 8;
+        }
+        while i < n {
+            *py.add(i) = alpha.mul_add(*px.add(i), *py.add(i));
+            i += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests set this to check the portable copy on machines that have AVX2.
+    static FORCE_PORTABLE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+fn avx2_available() -> bool {
+    #[cfg(test)]
+    if FORCE_PORTABLE.get() {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 fn run_items(ctx: &Ctx<'_>, first: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU supports the features `run_items_avx2` is compiled for (checked just above).
+    if ctx.avx2 {
+        // SAFETY: `ctx.avx2` is set only when the CPU has the features `run_items_avx2` is compiled for.
         #[allow(unsafe_code)]
         unsafe {
             run_items_avx2(ctx, first, out)
         };
         return;
     }
-    run_items_generic::<Plain>(ctx, first, out);
+    run_items_generic::<Portable>(ctx, first, out);
 }
 
 /// The generic loop compiled for AVX2 + FMA.
@@ -237,23 +482,34 @@ fn run_items(ctx: &Ctx<'_>, first: usize, out: &mut [f32]) {
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn run_items_avx2(ctx: &Ctx<'_>, first: usize, out: &mut [f32]) {
-    run_items_generic::<Fused>(ctx, first, out);
+    run_items_generic::<Avx2>(ctx, first, out);
 }
 
 #[inline(always)]
-fn run_items_generic<M: MulAdd>(ctx: &Ctx<'_>, first: usize, out: &mut [f32]) {
+fn run_items_generic<V: Vector>(ctx: &Ctx<'_>, first: usize, out: &mut [f32]) {
     let mut scores = Vec::new();
     let item_len = ctx.group * ctx.d.head_size;
-    for (j, item_out) in out.chunks_exact_mut(item_len).enumerate() {
-        attend::<M>(ctx, first + j, item_out, &mut scores);
+    let items = out.chunks_exact_mut(item_len).enumerate();
+    // Common head sizes get a copy with the size known at compile time (fully unrolled inner loops).
+    match ctx.d.head_size {
+        64 => items.for_each(|(j, o)| attend::<V, 64>(ctx, first + j, o, &mut scores)),
+        128 => items.for_each(|(j, o)| attend::<V, 128>(ctx, first + j, o, &mut scores)),
+        _ => items.for_each(|(j, o)| attend::<V, 0>(ctx, first + j, o, &mut scores)),
     }
 }
 
 /// One (sequence, KV head): `out` is `[group, head_size]`, the outputs of the group's query heads.
+/// `HD` is the head size when known at compile time, else 0.
 #[inline(always)]
-fn attend<M: MulAdd>(ctx: &Ctx<'_>, item: usize, out: &mut [f32], scores: &mut Vec<f32>) {
+fn attend<V: Vector, const HD: usize>(
+    ctx: &Ctx<'_>,
+    item: usize,
+    out: &mut [f32],
+    scores: &mut Vec<f32>,
+) {
     let d = &ctx.d;
-    let (hd, g) = (d.head_size, ctx.group);
+    let hd = if HD == 0 { d.head_size } else { HD };
+    let g = ctx.group;
     let (seq, kv_head) = (item / d.num_kv_heads, item % d.num_kv_heads);
     let range = ctx.context(seq);
     let n = range.len();
@@ -270,12 +526,10 @@ fn attend<M: MulAdd>(ctx: &Ctx<'_>, item: usize, out: &mut [f32], scores: &mut V
     };
     scores.clear();
     scores.resize(g * n, 0.0);
-    // Scores [g, n]: each key row is read once for the whole group.
-    for (i, pos) in range.clone().enumerate() {
-        let k = &ctx.k[offset(pos)..][..hd];
-        for (h, qh) in q.chunks_exact(hd).enumerate() {
-            scores[h * n + i] = dot::<M>(qh, k) * ctx.scale;
-        }
+    // Scores [g, n], head by head (the item's key rows stay in cache between heads).
+    for (qh, s) in q.chunks_exact(hd).zip(scores.chunks_exact_mut(n)) {
+        let rows = range.clone().map(|pos| &ctx.k[offset(pos)..][..hd]);
+        V::scores::<HD>(qh, rows, ctx.scale, s);
     }
     // Softmax per head, normalized before the value sum (as torch's softmax then bmm).
     for s in scores.chunks_exact_mut(n) {
@@ -290,44 +544,10 @@ fn attend<M: MulAdd>(ctx: &Ctx<'_>, item: usize, out: &mut [f32], scores: &mut V
             *x *= inv;
         }
     }
-    for (i, pos) in range.enumerate() {
-        let v = &ctx.v[offset(pos)..][..hd];
-        for (h, o) in out.chunks_exact_mut(hd).enumerate() {
-            axpy::<M>(scores[h * n + i], v, o);
-        }
-    }
-}
-
-/// Dot product with LANES independent f32 accumulators (vectorizable without reassociation).
-#[inline(always)]
-fn dot<M: MulAdd>(a: &[f32], b: &[f32]) -> f32 {
-    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let mut tail = 0.0f32;
-    for (&x, &y) in ca.remainder().iter().zip(cb.remainder()) {
-        tail = M::mul_add(x, y, tail);
-    }
-    let mut acc = [0.0f32; LANES];
-    for (x, y) in ca.zip(cb) {
-        for l in 0..LANES {
-            acc[l] = M::mul_add(x[l], y[l], acc[l]);
-        }
-    }
-    // Pairwise reduction of the lanes.
-    let mut w = LANES;
-    while w > 1 {
-        w /= 2;
-        for l in 0..w {
-            acc[l] += acc[l + w];
-        }
-    }
-    acc[0] + tail
-}
-
-/// `y += a * x`.
-#[inline(always)]
-fn axpy<M: MulAdd>(a: f32, x: &[f32], y: &mut [f32]) {
-    for (yi, &xi) in y.iter_mut().zip(x) {
-        *yi = M::mul_add(a, xi, *yi);
+    // Head by head, so one output row stays in registers while the value rows stream past.
+    for (o, p) in out.chunks_exact_mut(hd).zip(scores.chunks_exact(n)) {
+        let rows = range.clone().map(|pos| &ctx.v[offset(pos)..][..hd]);
+        V::weighted_sum::<HD>(p, rows, o);
     }
 }
 
@@ -461,12 +681,25 @@ mod tests {
     fn matches_naive_ragged_gqa() {
         let lens = [1, 15, 16, 17, 32, 33, 100, 7];
         for (heads, kv_heads) in [(4, 4), (9, 3), (8, 2), (4, 1)] {
-            for hd in [64, 24, 5] {
+            for hd in [64, 128, 24, 5] {
                 let c = case(7 + hd as u64, &lens, heads, kv_heads, hd, 16);
                 let scale = 1.0 / (hd as f32).sqrt();
                 assert_close(&run(&c, scale, None, 1), &naive(&c, scale, None));
             }
         }
+    }
+
+    #[test]
+    fn portable_copy_matches_naive() {
+        FORCE_PORTABLE.set(true);
+        let lens = [1, 15, 16, 17, 100, 7];
+        for (heads, kv_heads, hd) in [(9, 3, 64), (8, 2, 128), (4, 4, 24), (4, 1, 5)] {
+            let c = case(5, &lens, heads, kv_heads, hd, 16);
+            for window in [None, Some(9)] {
+                assert_close(&run(&c, 0.1, window, 2), &naive(&c, 0.1, window));
+            }
+        }
+        FORCE_PORTABLE.set(false);
     }
 
     #[test]
