@@ -54,7 +54,7 @@ def gather_kv(kv_cache: Tensor, block_table: Tensor, num_positions: int) -> tupl
 # Threads of the Rust decode kernel. One: right after a matmul torch's OpenMP workers keep spinning on the
 # other cores, so threads of our own only compete with them (measured on 2 cores: 2 threads made the engine
 # ~13% slower end to end, 1 thread is never slower than the torch path).
-CPU_KERNEL_THREADS = 1
+CPU_KERNEL_THREADS = int(os.environ.get("PAGEDRS_CPU_KERNEL_THREADS", "1"))
 
 # Decodes are grouped by context length so each group pads only to its own longest context: a group
 # holds requests needing at least GROUP_FILL of its longest request's blocks, or at most GROUP_SLACK
