@@ -100,16 +100,29 @@ async def one_request(client: httpx.AsyncClient, body: dict[str, Any]) -> Result
     return Result(True, ttft=first - start, e2e=end - start, output_tokens=tokens, itl=itl)
 
 
-async def run_rate(base_url: str, api_key: str | None, rate: float, num: int, max_tokens: int,
-                   rng: random.Random, model: str | None) -> tuple[list[Result], float]:
+async def run_rate(
+    base_url: str,
+    api_key: str | None,
+    rate: float,
+    num: int,
+    max_tokens: int,
+    rng: random.Random,
+    model: str | None,
+) -> tuple[list[Result], float]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=num + 4, max_keepalive_connections=num + 4)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=600, limits=limits) as client:
         tasks = []
         start = time.perf_counter()
         for i in range(num):
-            body = {"prompt": rng.choice(PROMPTS), "max_tokens": max_tokens, "temperature": 0.0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "prompt": rng.choice(PROMPTS),
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             if model:
                 body["model"] = model
             tasks.append(asyncio.create_task(one_request(client, body)))
@@ -130,10 +143,15 @@ def summarize(rate: float, results: list[Result], duration: float) -> dict[str, 
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     itl = [x for r in ok for x in r.itl]
     out_tokens = sum(r.output_tokens for r in ok)
-    row: dict[str, Any] = {"rate": rate, "sent": len(results), "completed": len(ok),
-                           "failed": len(results) - len(ok), "duration_s": duration,
-                           "request_throughput": len(ok) / duration,
-                           "output_token_throughput": out_tokens / duration}
+    row: dict[str, Any] = {
+        "rate": rate,
+        "sent": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_token_throughput": out_tokens / duration,
+    }
     for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
         for q in (50, 90, 99):
             row[f"{name}_p{q}_ms"] = _pct(vals, q)
@@ -144,18 +162,22 @@ def summarize(rate: float, results: list[Result], duration: float) -> dict[str, 
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = (f"{'rate':>6} {'done':>5} {'fail':>4} {'req/s':>6} {'tok/s':>7} | {'TTFT p50':>8} {'p90':>7} "
-            f"{'p99':>7} | {'TPOT p50':>8} {'p90':>6} {'p99':>6} | {'ITL p50':>7} {'p90':>6} {'p99':>6} | "
-            f"{'E2E p50':>7} {'p90':>7} {'p99':>7}   (ms)")
+    head = (
+        f"{'rate':>6} {'done':>5} {'fail':>4} {'req/s':>6} {'tok/s':>7} | {'TTFT p50':>8} {'p90':>7} "
+        f"{'p99':>7} | {'TPOT p50':>8} {'p90':>6} {'p99':>6} | {'ITL p50':>7} {'p90':>6} {'p99':>6} | "
+        f"{'E2E p50':>7} {'p90':>7} {'p99':>7}   (ms)"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['rate']:>6.2f} {r['completed']:>5} {r['failed']:>4} {r['request_throughput']:>6.2f} "
-              f"{r['output_token_throughput']:>7.1f} | {r['ttft_p50_ms']:>8.0f} {r['ttft_p90_ms']:>7.0f} "
-              f"{r['ttft_p99_ms']:>7.0f} | {r['tpot_p50_ms']:>8.1f} {r['tpot_p90_ms']:>6.1f} "
-              f"{r['tpot_p99_ms']:>6.1f} | {r['itl_p50_ms']:>7.1f} {r['itl_p90_ms']:>6.1f} "
-              f"{r['itl_p99_ms']:>6.1f} | {r['e2e_p50_ms']:>7.0f} {r['e2e_p90_ms']:>7.0f} "
-              f"{r['e2e_p99_ms']:>7.0f}")
+        print(
+            f"{r['rate']:>6.2f} {r['completed']:>5} {r['failed']:>4} {r['request_throughput']:>6.2f} "
+            f"{r['output_token_throughput']:>7.1f} | {r['ttft_p50_ms']:>8.0f} {r['ttft_p90_ms']:>7.0f} "
+            f"{r['ttft_p99_ms']:>7.0f} | {r['tpot_p50_ms']:>8.1f} {r['tpot_p90_ms']:>6.1f} "
+            f"{r['tpot_p99_ms']:>6.1f} | {r['itl_p50_ms']:>7.1f} {r['itl_p90_ms']:>6.1f} "
+            f"{r['itl_p99_ms']:>6.1f} | {r['e2e_p50_ms']:>7.0f} {r['e2e_p90_ms']:>7.0f} "
+            f"{r['e2e_p99_ms']:>7.0f}"
+        )
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -166,11 +188,19 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
     rates = [r["rate"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for key, label in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"),
-                       ("e2e_p50_ms", "E2E p50"), ("e2e_p99_ms", "E2E p99")):
+    for key, label in (
+        ("ttft_p50_ms", "TTFT p50"),
+        ("ttft_p99_ms", "TTFT p99"),
+        ("e2e_p50_ms", "E2E p50"),
+        ("e2e_p99_ms", "E2E p99"),
+    ):
         ax1.plot(rates, [r[key] for r in rows], marker="o", label=label)
-    for key, label in (("tpot_p50_ms", "TPOT p50"), ("tpot_p99_ms", "TPOT p99"),
-                       ("itl_p50_ms", "ITL p50"), ("itl_p99_ms", "ITL p99")):
+    for key, label in (
+        ("tpot_p50_ms", "TPOT p50"),
+        ("tpot_p99_ms", "TPOT p99"),
+        ("itl_p50_ms", "ITL p50"),
+        ("itl_p99_ms", "ITL p99"),
+    ):
         ax2.plot(rates, [r[key] for r in rows], marker="o", label=label)
     for ax, title in ((ax1, "request latency"), (ax2, "per-token latency")):
         ax.set_xscale("log", base=2)
@@ -193,8 +223,18 @@ def _free_port() -> int:
 
 def start_server(server_args: list[str], log_path: str, data_dir: str) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
-    cmd = [sys.executable, "-m", "pagedrs.entrypoints.openai.api_server", "--host", "127.0.0.1",
-           "--port", str(port), "--data-dir", data_dir, *server_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedrs.entrypoints.openai.api_server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--data-dir",
+        data_dir,
+        *server_args,
+    ]
     log = open(log_path, "wb")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -223,10 +263,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write a PNG of latency vs rate here")
-    p.add_argument("--server-log", default=os.path.join(tempfile.gettempdir(), "pagedrs-serving-bench.log"),
-                   help="the started server's output (default: in the temp dir)")
-    p.add_argument("server_args", nargs=argparse.REMAINDER,
-                   help="after `--`: flags for the server this script starts (e.g. -- --device cpu)")
+    p.add_argument(
+        "--server-log",
+        default=os.path.join(tempfile.gettempdir(), "pagedrs-serving-bench.log"),
+        help="the started server's output (default: in the temp dir)",
+    )
+    p.add_argument(
+        "server_args",
+        nargs=argparse.REMAINDER,
+        help="after `--`: flags for the server this script starts (e.g. -- --device cpu)",
+    )
     args = p.parse_args(argv)
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
     if not rates or any(r <= 0 for r in rates) or args.num_requests < 1:
@@ -251,8 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         # one warm-up request (not counted): first-call costs are not a rate's latency
         asyncio.run(run_rate(url, args.api_key, 1.0, 1, 4, random.Random(0), args.model))
         for rate in rates:
-            results, duration = asyncio.run(run_rate(url, args.api_key, rate, args.num_requests,
-                                                     args.max_tokens, rng, args.model))
+            results, duration = asyncio.run(
+                run_rate(url, args.api_key, rate, args.num_requests, args.max_tokens, rng, args.model)
+            )
             row = summarize(rate, results, duration)
             assert row["completed"] + row["failed"] == row["sent"] == args.num_requests
             rows.append(row)
@@ -271,15 +318,29 @@ def main(argv: list[str] | None = None) -> int:
     completed = sum(r["completed"] for r in rows)
     failed = sum(r["failed"] for r in rows)
     best = max(rows, key=lambda r: r["output_token_throughput"])
-    print(f"serving: {completed}/{sent} completed, {failed} failed over {len(rows)} rates; "
-          f"peak {best['output_token_throughput']:.1f} output tok/s at {best['rate']:g} req/s "
-          f"(TTFT p99 {best['ttft_p99_ms']:.0f} ms, TPOT p50 {best['tpot_p50_ms']:.1f} ms)")
+    print(
+        f"serving: {completed}/{sent} completed, {failed} failed over {len(rows)} rates; "
+        f"peak {best['output_token_throughput']:.1f} output tok/s at {best['rate']:g} req/s "
+        f"(TTFT p99 {best['ttft_p99_ms']:.0f} ms, TPOT p50 {best['tpot_p50_ms']:.1f} ms)"
+    )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"sent": sent, "completed": completed, "failed": failed, "model": served,
-                       "num_requests_per_rate": args.num_requests, "max_tokens": args.max_tokens,
-                       "server_args": server_args, "cpu_count": os.cpu_count(), "rates": rows}, f, indent=2)
+            json.dump(
+                {
+                    "sent": sent,
+                    "completed": completed,
+                    "failed": failed,
+                    "model": served,
+                    "num_requests_per_rate": args.num_requests,
+                    "max_tokens": args.max_tokens,
+                    "server_args": server_args,
+                    "cpu_count": os.cpu_count(),
+                    "rates": rows,
+                },
+                f,
+                indent=2,
+            )
     if args.plot:
         plot(rows, args.plot)
     return 0 if failed == 0 else 1

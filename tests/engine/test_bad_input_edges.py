@@ -104,9 +104,7 @@ def test_bad_chat_messages(llm: LLM, messages: Any, match: str) -> None:
     assert_serves(llm)
 
 
-def test_step_failure_aborts_its_requests_and_engine_keeps_serving(
-    tiny_models: dict, hf_refs: dict
-) -> None:
+def test_step_failure_aborts_its_requests_and_engine_keeps_serving(tiny_models: dict, hf_refs: dict) -> None:
     """A step that raises between schedule() and update() (e.g. a device error) aborts the requests it
     held and closes its plan; requests added afterwards are served exactly, and the pool ends free."""
     from tests.engine.conftest import assert_pool_free, greedy, make_engine, random_prompts, run_all

@@ -38,7 +38,9 @@ def _check_mirror_each_step(engine) -> list[int]:  # noqa: ANN001
     return changed
 
 
-def test_mirror_matches_hf_with_swap_and_n2(tiny_models: dict[str, Path], hf_refs: dict[str, HFReference]) -> None:
+def test_mirror_matches_hf_with_swap_and_n2(
+    tiny_models: dict[str, Path], hf_refs: dict[str, HFReference]
+) -> None:
     prompts = random_prompts([5, 40, 150, 300], seed=3)
     max_tokens = [48, 40, 30, 12]
     engine = _mirror_engine(
@@ -79,4 +81,6 @@ def test_mirror_survives_resize(tiny_models: dict[str, Path], hf_refs: dict[str,
                 final[out.request_id] = out
     for i, p in enumerate(prompts):
         assert final[str(i)].outputs[0].token_ids == hf_refs["qwen2"](p, 24)
-    assert torch.equal(engine.runner._bt_device, torch.from_numpy(np.array(engine.scheduler.block_table_view())))
+    assert torch.equal(
+        engine.runner._bt_device, torch.from_numpy(np.array(engine.scheduler.block_table_view()))
+    )

@@ -20,8 +20,20 @@ import uvicorn
 
 API_KEY = "test-key"
 # The real default model, small limits so CPU tests stay fast.
-SERVER_ENGINE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "512",
-                       "--num-kv-blocks", "256", "--max-num-seqs", "32", "--log-stats-interval", "5"]
+SERVER_ENGINE_FLAGS = [
+    "--device",
+    "cpu",
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "512",
+    "--num-kv-blocks",
+    "256",
+    "--max-num-seqs",
+    "32",
+    "--log-stats-interval",
+    "5",
+]
 
 
 def free_port() -> int:
@@ -36,8 +48,15 @@ class ThreadedServer:
     def __init__(self, app: Any) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_config=None,
-                                log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_config=None,
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=5,
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -58,16 +77,34 @@ class ThreadedServer:
 class SubprocessServer:
     """`python -m pagedrs.entrypoints.openai.api_server` with the given flags."""
 
-    def __init__(self, data_dir: Path, extra: list[str] | None = None, *, port: int | None = None,
-                 api_key: str | None = API_KEY, log_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        extra: list[str] | None = None,
+        *,
+        port: int | None = None,
+        api_key: str | None = API_KEY,
+        log_path: Path | None = None,
+    ) -> None:
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.data_dir = data_dir
         self.api_key = api_key
         self.log_path = log_path or data_dir / f"server-{self.port}.log"
-        self.args = [sys.executable, "-m", "pagedrs.entrypoints.openai.api_server", "--host", "127.0.0.1",
-                     "--port", str(self.port), "--data-dir", str(data_dir), *SERVER_ENGINE_FLAGS,
-                     *(["--api-key", api_key] if api_key else []), *(extra or [])]
+        self.args = [
+            sys.executable,
+            "-m",
+            "pagedrs.entrypoints.openai.api_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--data-dir",
+            str(data_dir),
+            *SERVER_ENGINE_FLAGS,
+            *(["--api-key", api_key] if api_key else []),
+            *(extra or []),
+        ]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 240.0) -> SubprocessServer:
@@ -112,8 +149,13 @@ class SubprocessServer:
     def client(self, **kwargs: Any) -> Any:
         import openai
 
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "none",
-                             max_retries=0, timeout=kwargs.pop("timeout", 120), **kwargs)
+        return openai.OpenAI(
+            base_url=f"{self.base_url}/v1",
+            api_key=self.api_key or "none",
+            max_retries=0,
+            timeout=kwargs.pop("timeout", 120),
+            **kwargs,
+        )
 
     def http(self) -> httpx.Client:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -124,9 +166,18 @@ class SubprocessServer:
 def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SubprocessServer]:
     """One server with the default model for the end-to-end modules."""
     pytest.importorskip("pagedrs._core")
-    server = SubprocessServer(tmp_path_factory.mktemp("server-data"),
-                              ["--served-model-name", "smollm2", "default",
-                               "--max-body-bytes", "1000000", "--max-batch-concurrency", "4"])
+    server = SubprocessServer(
+        tmp_path_factory.mktemp("server-data"),
+        [
+            "--served-model-name",
+            "smollm2",
+            "default",
+            "--max-body-bytes",
+            "1000000",
+            "--max-batch-concurrency",
+            "4",
+        ],
+    )
     server.start()
     yield server
     server.kill()
@@ -146,7 +197,7 @@ def metric_value(text: str, name: str) -> float:
     """The first sample of a metric family in Prometheus text."""
     for line in text.splitlines():
         if line.startswith(name) and not line.startswith("#"):
-            rest = line[len(name):]
+            rest = line[len(name) :]
             if rest[:1] in ("{", " "):
                 return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)

@@ -31,8 +31,9 @@ class ByteTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", "replace")
 
-    def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
-                            add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = True
+    ) -> str:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
@@ -50,8 +51,14 @@ class _Req:
 class FakeEngine:
     """Emits letters 'a', 'b', ... cyclically; the prompt's last byte picks the start letter."""
 
-    def __init__(self, *, max_model_len: int = 128, step_delay: float = 0.005,
-                 num_blocks: int = 64, block_size: int = 16) -> None:
+    def __init__(
+        self,
+        *,
+        max_model_len: int = 128,
+        step_delay: float = 0.005,
+        num_blocks: int = 64,
+        block_size: int = 16,
+    ) -> None:
         self.tokenizer = ByteTokenizer()
         self.max_model_len = max_model_len
         self.model_name = "fake-model"
@@ -69,8 +76,14 @@ class FakeEngine:
     def get_tokenizer(self) -> ByteTokenizer:
         return self.tokenizer
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -78,8 +91,14 @@ class FakeEngine:
             raise ValueError("the prompt is empty (0 tokens)")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds max_model_len ({self.max_model_len})")
-        self.requests[request_id] = _Req(request_id, ids, params, arrival_time or time.time(),
-                                         [[] for _ in range(params.n)], [None] * params.n)
+        self.requests[request_id] = _Req(
+            request_id,
+            ids,
+            params,
+            arrival_time or time.time(),
+            [[] for _ in range(params.n)],
+            [None] * params.n,
+        )
         self.prompt_tokens_total += len(ids)
 
     def abort_request(self, request_id: str | list[str]) -> None:
@@ -132,19 +151,35 @@ class FakeEngine:
                     text = text[: text.index(s)]
             lps = None
             if req.params.logprobs is not None:
-                lps = [{t: Logprob(-0.5, 1, chr(t)), (t + 1) % 256: Logprob(-1.5, 2, chr((t + 1) % 256))}
-                       for t in toks]
-            outputs.append(CompletionOutput(i, text, list(toks), -0.5 * len(toks) if lps else None,
-                                            lps, req.finish[i]))
+                lps = [
+                    {t: Logprob(-0.5, 1, chr(t)), (t + 1) % 256: Logprob(-1.5, 2, chr((t + 1) % 256))}
+                    for t in toks
+                ]
+            outputs.append(
+                CompletionOutput(i, text, list(toks), -0.5 * len(toks) if lps else None, lps, req.finish[i])
+            )
         now = time.time()
-        return RequestOutput(req.request_id, None, req.prompt, None, outputs, finished,
-                             RequestMetrics(arrival_time=req.arrival, last_token_time=now))
+        return RequestOutput(
+            req.request_id,
+            None,
+            req.prompt,
+            None,
+            outputs,
+            finished,
+            RequestMetrics(arrival_time=req.arrival, last_token_time=now),
+        )
 
     def get_stats(self) -> EngineStats:
-        used = sum(-(-(len(r.prompt) + max(len(t) for t in r.outputs)) // self.block_size)
-                   for r in self.requests.values())
-        return EngineStats(num_running=len(self.requests), num_waiting=0,
-                           kv_usage=min(1.0, used / self.num_blocks),
-                           prompt_tokens_total=self.prompt_tokens_total,
-                           generation_tokens_total=self.generation_tokens_total,
-                           num_blocks=self.num_blocks, num_steps=self.num_steps)
+        used = sum(
+            -(-(len(r.prompt) + max(len(t) for t in r.outputs)) // self.block_size)
+            for r in self.requests.values()
+        )
+        return EngineStats(
+            num_running=len(self.requests),
+            num_waiting=0,
+            kv_usage=min(1.0, used / self.num_blocks),
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            num_blocks=self.num_blocks,
+            num_steps=self.num_steps,
+        )

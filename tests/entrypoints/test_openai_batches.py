@@ -20,10 +20,22 @@ def _lines(n: int, max_tokens: Any, endpoint: str = "/v1/completions") -> str:
     rows = []
     for i in range(n):
         mt = max_tokens(i) if callable(max_tokens) else max_tokens
-        body = ({"model": "smollm2", "prompt": f"Item {i}:", "max_tokens": mt, "ignore_eos": True,
-                 "temperature": 0} if endpoint == "/v1/completions" else
-                {"model": "smollm2", "messages": [{"role": "user", "content": f"Count to {i}"}],
-                 "max_tokens": mt, "temperature": 0})
+        body = (
+            {
+                "model": "smollm2",
+                "prompt": f"Item {i}:",
+                "max_tokens": mt,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
+            if endpoint == "/v1/completions"
+            else {
+                "model": "smollm2",
+                "messages": [{"role": "user", "content": f"Count to {i}"}],
+                "max_tokens": mt,
+                "temperature": 0,
+            }
+        )
         rows.append(json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": endpoint, "body": body}))
     return "\n".join(rows) + "\n"
 
@@ -57,8 +69,10 @@ def _jsonl(client: Any, file_id: str | None) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     pytest.importorskip("pagedrs._core")
-    s = SubprocessServer(tmp_path_factory.mktemp("batch-data"),
-                         ["--served-model-name", "smollm2", "--max-batch-concurrency", "2"])
+    s = SubprocessServer(
+        tmp_path_factory.mktemp("batch-data"),
+        ["--served-model-name", "smollm2", "--max-batch-concurrency", "2"],
+    )
     s.start()
     yield s
     s.kill()
@@ -81,8 +95,9 @@ def test_batch_completes_keyed_by_custom_id(server: SubprocessServer) -> None:
     errors = _jsonl(client, done.error_file_id)
     assert len(errors) == 1 and errors[0]["error"]["code"] == "invalid_json"
     # the same prompt through the HTTP API gives the same (greedy) text
-    direct = client.completions.create(model="smollm2", prompt="Item 0:", max_tokens=3, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    direct = client.completions.create(
+        model="smollm2", prompt="Item 0:", max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out["line-0"]["response"]["body"]["choices"][0]["text"] == direct.choices[0].text
     assert b.id in [x.id for x in client.batches.list(limit=100).data]
     client.files.delete(done.output_file_id)
@@ -91,10 +106,15 @@ def test_batch_completes_keyed_by_custom_id(server: SubprocessServer) -> None:
 
 def test_chat_batch(server: SubprocessServer) -> None:
     client = server.client()
-    done, _ = _poll(client, _create(client, _lines(2, 2, "/v1/chat/completions"), "/v1/chat/completions").id,
-                    ("completed", "failed"))
+    done, _ = _poll(
+        client,
+        _create(client, _lines(2, 2, "/v1/chat/completions"), "/v1/chat/completions").id,
+        ("completed", "failed"),
+    )
     assert done.request_counts.completed == 2
-    assert all(x["response"]["body"]["object"] == "chat.completion" for x in _jsonl(client, done.output_file_id))
+    assert all(
+        x["response"]["body"]["object"] == "chat.completion" for x in _jsonl(client, done.output_file_id)
+    )
 
 
 def test_cancel_mid_run_keeps_finished_lines(server: SubprocessServer) -> None:
@@ -117,12 +137,14 @@ def test_sigkill_mid_batch_then_restart(tmp_path: Path) -> None:
     try:
         client = first.client()
         b = _create(client, _lines(n, lambda i: 3 + 3 * i))
-        wait_until(lambda: client.batches.retrieve(b.id).request_counts.completed >= 2, timeout=180,
-                   interval=0.05)
+        wait_until(
+            lambda: client.batches.retrieve(b.id).request_counts.completed >= 2, timeout=180, interval=0.05
+        )
     finally:
         first.kill()  # SIGKILL: no shutdown path runs
-    second = SubprocessServer(tmp_path, ["--served-model-name", "smollm2", "--max-batch-concurrency", "2"],
-                              port=first.port)
+    second = SubprocessServer(
+        tmp_path, ["--served-model-name", "smollm2", "--max-batch-concurrency", "2"], port=first.port
+    )
     second.start()
     try:
         client = second.client()
@@ -141,15 +163,23 @@ def test_sigkill_mid_batch_then_restart(tmp_path: Path) -> None:
 
         def call() -> None:
             with second.http() as h:
-                result["r"] = h.post("/v1/completions", json={"prompt": "Once", "max_tokens": 30,
-                                                              "ignore_eos": True})
+                result["r"] = h.post(
+                    "/v1/completions", json={"prompt": "Once", "max_tokens": 30, "ignore_eos": True}
+                )
 
         t = threading.Thread(target=call)
         t.start()
-        wait_until(lambda: "pagedrs:num_requests_running{" in (txt := httpx.get(
-            f"{second.base_url}/metrics").text) and any(
-            line.startswith("pagedrs:num_requests_running{") and not line.endswith(" 0.0")
-            for line in txt.splitlines()), timeout=30, interval=0.02)
+        wait_until(
+            lambda: (
+                "pagedrs:num_requests_running{" in (txt := httpx.get(f"{second.base_url}/metrics").text)
+                and any(
+                    line.startswith("pagedrs:num_requests_running{") and not line.endswith(" 0.0")
+                    for line in txt.splitlines()
+                )
+            ),
+            timeout=30,
+            interval=0.02,
+        )
         t0 = time.monotonic()
         assert second.terminate(timeout=60) == 0, second.log()
         t.join(30)

@@ -49,11 +49,14 @@ def test_greedy_completions_equal_llm_generate(client: Any, llm: Any) -> None:
 
 
 def test_greedy_chat_equals_llm_chat(client: Any, llm: Any) -> None:
-    messages = [{"role": "system", "content": "You are terse."},
-                {"role": "user", "content": "Name a colour."}]
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour."},
+    ]
     ref = llm.chat(messages, _greedy(max_tokens=MAX_TOKENS), use_tqdm=False)[0]
-    r = client.chat.completions.create(model="default", messages=messages, max_completion_tokens=MAX_TOKENS,
-                                       temperature=0)
+    r = client.chat.completions.create(
+        model="default", messages=messages, max_completion_tokens=MAX_TOKENS, temperature=0
+    )
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == ref.outputs[0].text
     assert r.usage.prompt_tokens == len(llm.llm_engine.apply_chat_template(messages))
@@ -71,26 +74,37 @@ def test_stream_equals_non_stream(client: Any) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == full.usage.total_tokens
 
     msgs = [{"role": "user", "content": "Say hello."}]
-    cfull = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=MAX_TOKENS, temperature=0)
-    stream = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=MAX_TOKENS,
-                                            temperature=0, stream=True)
+    cfull = client.chat.completions.create(
+        model="smollm2", messages=msgs, max_tokens=MAX_TOKENS, temperature=0
+    )
+    stream = client.chat.completions.create(
+        model="smollm2", messages=msgs, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
     ctext = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert ctext == cfull.choices[0].message.content
 
 
 def test_n_2(client: Any) -> None:
-    r = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=6, n=2, temperature=1.0,
-                                  seed=3)
+    r = client.completions.create(
+        model="smollm2", prompt=PROMPTS[0], max_tokens=6, n=2, temperature=1.0, seed=3
+    )
     assert sorted(c.index for c in r.choices) == [0, 1]
     assert all(c.text for c in r.choices)
     assert 2 <= r.usage.completion_tokens <= 12
     assert all(c.finish_reason in ("stop", "length") for c in r.choices)
-    chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
-                                          max_tokens=4, n=2, temperature=1.0, seed=1)
+    chat = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        n=2,
+        temperature=1.0,
+        seed=1,
+    )
     assert sorted(c.index for c in chat.choices) == [0, 1]
     streamed: dict[int, str] = {}
-    for c in client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=4, n=2, stream=True,
-                                       temperature=0):
+    for c in client.completions.create(
+        model="smollm2", prompt=PROMPTS[0], max_tokens=4, n=2, stream=True, temperature=0
+    ):
         for ch in c.choices:
             streamed[ch.index] = streamed.get(ch.index, "") + ch.text
     assert sorted(streamed) == [0, 1] and streamed[0] == streamed[1]  # greedy: both the same
@@ -101,13 +115,18 @@ def test_stop(client: Any) -> None:
     text = full.choices[0].text
     stop = text.strip()[2:5]  # a piece from inside the greedy output
     assert stop and stop in text
-    r = client.completions.create(model="smollm2", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0,
-                                  stop=[stop])
+    r = client.completions.create(
+        model="smollm2", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, stop=[stop]
+    )
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == text[: text.index(stop)]
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="smollm2", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, stop=stop, stream=True)
-        if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="smollm2", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, stop=stop, stream=True
+        )
+        if c.choices
+    )
     assert streamed == r.choices[0].text
 
 
@@ -120,8 +139,14 @@ def test_logprobs(client: Any, llm: Any) -> None:
         assert chosen <= 0 and 1 <= len(top) <= 3
         assert max(top.values()) == pytest.approx(chosen, abs=1e-4)  # greedy picks the top token
     assert lp.text_offset[0] == 0
-    c = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
-                                       max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    c = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = c.choices[0].logprobs.content
     assert len(content) == c.usage.completion_tokens
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)

@@ -44,13 +44,32 @@ def test_invalid_json_and_non_object(http: httpx.Client, path: str) -> None:
     _check(http, _raw(http, path, b""), 400)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("temperature", -1), ("temperature", "hot"), ("top_p", 0), ("top_p", 2), ("top_k", -5),
-    ("min_p", -0.5), ("n", 0), ("n", 10_000), ("max_tokens", 0), ("presence_penalty", 5),
-    ("frequency_penalty", -5), ("repetition_penalty", -1), ("seed", "x"), ("logprobs", 100),
-    ("stop", 5), ("stop", [""]), ("min_tokens", -1), ("logit_bias", {"999999": 1}),
-    ("stop_token_ids", [10**9]), ("ignore_eos", "yes"), ("stream", 3),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -1),
+        ("temperature", "hot"),
+        ("top_p", 0),
+        ("top_p", 2),
+        ("top_k", -5),
+        ("min_p", -0.5),
+        ("n", 0),
+        ("n", 10_000),
+        ("max_tokens", 0),
+        ("presence_penalty", 5),
+        ("frequency_penalty", -5),
+        ("repetition_penalty", -1),
+        ("seed", "x"),
+        ("logprobs", 100),
+        ("stop", 5),
+        ("stop", [""]),
+        ("min_tokens", -1),
+        ("logit_bias", {"999999": 1}),
+        ("stop_token_ids", [10**9]),
+        ("ignore_eos", "yes"),
+        ("stream", 3),
+    ],
+)
 def test_each_invalid_sampling_field(http: httpx.Client, field: str, value: Any) -> None:
     err = _check(http, http.post("/v1/completions", json={**GOOD, field: value}), 400)
     assert err["param"] is not None and err["param"].startswith(field), err
@@ -64,8 +83,12 @@ def test_too_long_names_both_numbers(http: httpx.Client) -> None:
     long_prompt = "hello " * 600
     err = _check(http, http.post("/v1/completions", json={**GOOD, "prompt": long_prompt}), 400, "prompt")
     assert "512" in err["message"]
-    err = _check(http, http.post("/v1/chat/completions", json={**CHAT, "max_completion_tokens": 1000}), 400,
-                 "max_completion_tokens")
+    err = _check(
+        http,
+        http.post("/v1/chat/completions", json={**CHAT, "max_completion_tokens": 1000}),
+        400,
+        "max_completion_tokens",
+    )
     assert "512" in err["message"] and "1000" in err["message"]
 
 
@@ -85,14 +108,29 @@ def test_not_found(http: httpx.Client) -> None:
     _check(http, http.delete("/v1/files/file-nope"), 404)
     _check(http, http.get("/v1/batches/batch_nope"), 404)
     _check(http, http.post("/v1/batches/batch_nope/cancel"), 404)
-    _check(http, http.post("/v1/batches", json={"input_file_id": "file-nope", "endpoint": "/v1/completions",
-                                                "completion_window": "24h"}), 404)
+    _check(
+        http,
+        http.post(
+            "/v1/batches",
+            json={"input_file_id": "file-nope", "endpoint": "/v1/completions", "completion_window": "24h"},
+        ),
+        404,
+    )
 
 
-@pytest.mark.parametrize("path,method", [("/v1/models", "GET"), ("/v1/completions", "POST"),
-                                         ("/v1/chat/completions", "POST"), ("/v1/files", "GET"),
-                                         ("/v1/files", "POST"), ("/v1/batches", "GET"),
-                                         ("/v1/batches", "POST"), ("/v1/batches/b/cancel", "POST")])
+@pytest.mark.parametrize(
+    "path,method",
+    [
+        ("/v1/models", "GET"),
+        ("/v1/completions", "POST"),
+        ("/v1/chat/completions", "POST"),
+        ("/v1/files", "GET"),
+        ("/v1/files", "POST"),
+        ("/v1/batches", "GET"),
+        ("/v1/batches", "POST"),
+        ("/v1/batches/b/cancel", "POST"),
+    ],
+)
 def test_api_key(real_server: SubprocessServer, http: httpx.Client, path: str, method: str) -> None:
     for headers in ({}, {"Authorization": "Bearer " + API_KEY[:-1] + "x"}, {"Authorization": API_KEY}):
         r = httpx.request(method, real_server.base_url + path, headers=headers, json=GOOD)
@@ -108,8 +146,11 @@ def test_body_too_large(http: httpx.Client) -> None:
             yield b" " * 100_000
         yield json.dumps(GOOD).encode()
 
-    _check(http, http.post("/v1/completions", content=chunked(), headers={"Content-Type": "application/json"}),
-           413)
+    _check(
+        http,
+        http.post("/v1/completions", content=chunked(), headers={"Content-Type": "application/json"}),
+        413,
+    )
 
 
 def test_unknown_route_is_openai_shaped(http: httpx.Client) -> None:

@@ -20,8 +20,13 @@ from pagedrs.entrypoints.openai.batch_worker import parse_input
 
 
 def _app(data_dir: Path, step_delay: float = 0.002, concurrency: int = 4) -> Any:
-    args = SimpleNamespace(api_key=API_KEY, data_dir=str(data_dir), served_model_name=["fake"],
-                           max_batch_concurrency=concurrency, shutdown_grace=0.5)
+    args = SimpleNamespace(
+        api_key=API_KEY,
+        data_dir=str(data_dir),
+        served_model_name=["fake"],
+        max_batch_concurrency=concurrency,
+        shutdown_grace=0.5,
+    )
     return build_app(FakeEngine(step_delay=step_delay), args)
 
 
@@ -33,8 +38,11 @@ def _lines(n: int, endpoint: str = "/v1/completions", max_tokens: Any = 4) -> li
     out = []
     for i in range(n):
         mt = max_tokens(i) if callable(max_tokens) else max_tokens
-        body = ({"model": "fake", "prompt": f"p{i}", "max_tokens": mt} if endpoint == "/v1/completions"
-                else {"model": "fake", "messages": [{"role": "user", "content": f"m{i}"}], "max_tokens": mt})
+        body = (
+            {"model": "fake", "prompt": f"p{i}", "max_tokens": mt}
+            if endpoint == "/v1/completions"
+            else {"model": "fake", "messages": [{"role": "user", "content": f"m{i}"}], "max_tokens": mt}
+        )
         out.append({"custom_id": f"req-{i}", "method": "POST", "url": endpoint, "body": body})
     return out
 
@@ -45,8 +53,11 @@ def _upload(client: openai.OpenAI, lines: list[Any]) -> str:
 
 
 def _poll(client: openai.OpenAI, batch_id: str, statuses: tuple[str, ...], timeout: float = 30) -> Any:
-    return wait_until(lambda: (b := client.batches.retrieve(batch_id)).status in statuses and b,
-                      timeout=timeout, interval=0.05)
+    return wait_until(
+        lambda: (b := client.batches.retrieve(batch_id)).status in statuses and b,
+        timeout=timeout,
+        interval=0.05,
+    )
 
 
 def _jsonl(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
@@ -71,9 +82,16 @@ def test_store_answers_a_line_once(tmp_path: Path) -> None:
 
 
 def test_parse_input_bad_lines() -> None:
-    raw = "\n".join([json.dumps(_lines(1)[0]), "{bad", json.dumps({"custom_id": "x", "url": "/v1/other",
-                                                                   "method": "POST", "body": {}}),
-                     "", json.dumps(_lines(1)[0]), "[]"]).encode()
+    raw = "\n".join(
+        [
+            json.dumps(_lines(1)[0]),
+            "{bad",
+            json.dumps({"custom_id": "x", "url": "/v1/other", "method": "POST", "body": {}}),
+            "",
+            json.dumps(_lines(1)[0]),
+            "[]",
+        ]
+    ).encode()
     good, bad = parse_input(raw, "/v1/completions")
     assert [g.line_no for g in good] == [0]
     assert [no for no, _ in bad] == [1, 2, 3, 4]  # blank line skipped; duplicate custom_id is bad
@@ -84,8 +102,12 @@ def test_batch_end_to_end(tmp_path: Path) -> None:
         client = _client(s)
         lines: list[Any] = _lines(6) + ["{not json"]
         lines.append({**_lines(1)[0], "custom_id": "bad-field", "body": {"prompt": "x", "top_p": 7}})
-        batch = client.batches.create(input_file_id=_upload(client, lines), endpoint="/v1/completions",
-                                      completion_window="24h", metadata={"job": "t"})
+        batch = client.batches.create(
+            input_file_id=_upload(client, lines),
+            endpoint="/v1/completions",
+            completion_window="24h",
+            metadata={"job": "t"},
+        )
         assert batch.status == "validating"
         done = _poll(client, batch.id, ("completed", "failed"))
         assert done.status == "completed", done
@@ -106,11 +128,15 @@ def test_chat_batch_and_bad_input(tmp_path: Path) -> None:
         client = _client(s)
         fid = _upload(client, _lines(3, "/v1/chat/completions"))
         with pytest.raises(openai.NotFoundError):
-            client.batches.create(input_file_id="file-missing", endpoint="/v1/chat/completions",
-                                  completion_window="24h")
+            client.batches.create(
+                input_file_id="file-missing", endpoint="/v1/chat/completions", completion_window="24h"
+            )
         with pytest.raises(openai.BadRequestError):
-            client.batches.create(input_file_id=fid, endpoint="/v1/embeddings",  # type: ignore[arg-type]
-                                  completion_window="24h")
+            client.batches.create(
+                input_file_id=fid,
+                endpoint="/v1/embeddings",  # type: ignore[arg-type]
+                completion_window="24h",
+            )
         b = client.batches.create(input_file_id=fid, endpoint="/v1/chat/completions", completion_window="24h")
         done = _poll(client, b.id, ("completed", "failed"))
         assert done.request_counts.completed == 3
@@ -139,8 +165,9 @@ def test_restart_resumes_unanswered_lines(tmp_path: Path) -> None:
     lines = _lines(12, max_tokens=lambda i: 5 + 3 * i)
     with ThreadedServer(_app(tmp_path, step_delay=0.01, concurrency=3)) as s:
         client = _client(s)
-        b = client.batches.create(input_file_id=_upload(client, lines), endpoint="/v1/completions",
-                                  completion_window="24h")
+        b = client.batches.create(
+            input_file_id=_upload(client, lines), endpoint="/v1/completions", completion_window="24h"
+        )
         wait_until(lambda: client.batches.retrieve(b.id).request_counts.completed >= 2, timeout=30)
     # stopped mid-batch (shutdown grace 0.5 s): the rest is unanswered
     first = BatchStore(tmp_path)

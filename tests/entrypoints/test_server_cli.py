@@ -9,11 +9,40 @@ from pagedrs.entrypoints.cli_args import engine_kwargs, make_engine_args
 
 
 def test_serve_flags_map_to_engine_args() -> None:
-    args = make_parser().parse_args([
-        "serve", "--port", "9000", "--api-key", "k", "--served-model-name", "a", "b", "--max-model-len", "256",
-        "--num-kv-blocks", "64", "--disable-prefix-caching", "--no-enable-chunked-prefill", "--device", "cpu",
-        "--dtype", "float32", "--max-num-seqs", "8", "--seed", "3", "--log-stats-interval", "0"])
-    assert (args.host, args.port, args.api_key, args.served_model_name) == ("127.0.0.1", 9000, "k", ["a", "b"])
+    args = make_parser().parse_args(
+        [
+            "serve",
+            "--port",
+            "9000",
+            "--api-key",
+            "k",
+            "--served-model-name",
+            "a",
+            "b",
+            "--max-model-len",
+            "256",
+            "--num-kv-blocks",
+            "64",
+            "--disable-prefix-caching",
+            "--no-enable-chunked-prefill",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--max-num-seqs",
+            "8",
+            "--seed",
+            "3",
+            "--log-stats-interval",
+            "0",
+        ]
+    )
+    assert (args.host, args.port, args.api_key, args.served_model_name) == (
+        "127.0.0.1",
+        9000,
+        "k",
+        ["a", "b"],
+    )
     kw = engine_kwargs(args)
     assert kw["model"] is None and kw["max_model_len"] == 256 and kw["num_kv_blocks"] == 64
     assert kw["enable_prefix_caching"] is False and kw["enable_chunked_prefill"] is False

@@ -21,8 +21,14 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def _args(tmp_path: object, **kw: object) -> SimpleNamespace:
-    base = dict(api_key=API_KEY, data_dir=str(tmp_path), max_body_bytes=20_000,
-                served_model_name=["fake"], max_batch_concurrency=4, shutdown_grace=5.0)
+    base = dict(
+        api_key=API_KEY,
+        data_dir=str(tmp_path),
+        max_body_bytes=20_000,
+        served_model_name=["fake"],
+        max_batch_concurrency=4,
+        shutdown_grace=5.0,
+    )
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -46,9 +52,17 @@ def test_health_models_metrics(server: ThreadedServer, client: openai.OpenAI) ->
     assert "pagedrs:num_requests_running" in text and "pagedrs:time_to_first_token_seconds" in text
 
 
-@pytest.mark.parametrize("method,path", [("GET", "/v1/models"), ("POST", "/v1/completions"),
-                                         ("POST", "/v1/chat/completions"), ("GET", "/v1/files"),
-                                         ("GET", "/v1/batches"), ("GET", "/v1/batches/x")])
+@pytest.mark.parametrize(
+    "method,path",
+    [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/files"),
+        ("GET", "/v1/batches"),
+        ("GET", "/v1/batches/x"),
+    ],
+)
 def test_api_key_required_on_v1(server: ThreadedServer, method: str, path: str) -> None:
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         r = httpx.request(method, server.base_url + path, headers=headers, json={})
@@ -65,8 +79,16 @@ def test_completion_usage_and_text(client: openai.OpenAI) -> None:
 
 def test_stream_equals_non_stream(client: openai.OpenAI) -> None:
     full = client.completions.create(model="fake", prompt=["ab", "cd"], max_tokens=6, n=2)
-    chunks = list(client.completions.create(model="fake", prompt=["ab", "cd"], max_tokens=6, n=2,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="fake",
+            prompt=["ab", "cd"],
+            max_tokens=6,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     texts: dict[int, str] = {}
     for c in chunks[:-1]:
         for ch in c.choices:
@@ -77,30 +99,44 @@ def test_stream_equals_non_stream(client: openai.OpenAI) -> None:
 
 def test_chat_stream_and_logprobs(client: openai.OpenAI) -> None:
     msgs = [{"role": "user", "content": "hi"}]
-    full = client.chat.completions.create(model="fake", messages=msgs, max_tokens=4, logprobs=True,
-                                          top_logprobs=2)
+    full = client.chat.completions.create(
+        model="fake", messages=msgs, max_tokens=4, logprobs=True, top_logprobs=2
+    )
     lp = full.choices[0].logprobs.content
     assert len(lp) == 4 and len(lp[0].top_logprobs) == 2 and lp[0].logprob == -0.5
-    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="fake", messages=msgs, max_tokens=4, stream=True) if c.choices)
+    text = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model="fake", messages=msgs, max_tokens=4, stream=True)
+        if c.choices
+    )
     assert text == full.choices[0].message.content
 
 
 def _post(server: ThreadedServer, path: str, body: object, **kw: object) -> httpx.Response:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(server.base_url + path, content=data,
-                      headers={**AUTH, "Content-Type": "application/json"}, timeout=30, **kw)
+    return httpx.post(
+        server.base_url + path,
+        content=data,
+        headers={**AUTH, "Content-Type": "application/json"},
+        timeout=30,
+        **kw,
+    )
 
 
-@pytest.mark.parametrize("body,status,param", [
-    (b"{not json", 400, None), (b"[1]", 400, None), ({"prompt": ""}, 400, "prompt"),
-    ({"prompt": "x", "temperature": 9}, 400, "temperature"),
-    ({"prompt": "x" * 100, "max_tokens": 100}, 400, "max_tokens"),
-    ({"prompt": "x" * 200}, 400, "prompt"),
-    ({"prompt": [999999]}, 400, "prompt"),
-    ({"prompt": "x", "model": "nope"}, 404, "model"),
-    ({"prompt": "x" * 30_000}, 413, None),
-])
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        (b"{not json", 400, None),
+        (b"[1]", 400, None),
+        ({"prompt": ""}, 400, "prompt"),
+        ({"prompt": "x", "temperature": 9}, 400, "temperature"),
+        ({"prompt": "x" * 100, "max_tokens": 100}, 400, "max_tokens"),
+        ({"prompt": "x" * 200}, 400, "prompt"),
+        ({"prompt": [999999]}, 400, "prompt"),
+        ({"prompt": "x", "model": "nope"}, 404, "model"),
+        ({"prompt": "x" * 30_000}, 413, None),
+    ],
+)
 def test_bad_input_then_good(server: ThreadedServer, body: object, status: int, param: str | None) -> None:
     r = _post(server, "/v1/completions", body)
     assert r.status_code == status, r.text
@@ -129,9 +165,16 @@ def test_disconnects_free_everything(server: ThreadedServer) -> None:
         next(lines)
         clients.append((c, resp, lines))
     # and one non-streaming request that is abandoned mid-way
-    t = threading.Thread(target=lambda: pytest.raises(httpx.TimeoutException, httpx.post,
-                                                       server.base_url + "/v1/completions", headers=AUTH,
-                                                       json={"prompt": "q", "max_tokens": 100}, timeout=0.2))
+    t = threading.Thread(
+        target=lambda: pytest.raises(
+            httpx.TimeoutException,
+            httpx.post,
+            server.base_url + "/v1/completions",
+            headers=AUTH,
+            json={"prompt": "q", "max_tokens": 100},
+            timeout=0.2,
+        )
+    )
     t.start()
     t.join()
     running = metric_value(httpx.get(f"{server.base_url}/metrics").text, "pagedrs:num_requests_running")
@@ -142,8 +185,10 @@ def test_disconnects_free_everything(server: ThreadedServer) -> None:
 
     def idle() -> bool:
         text = httpx.get(f"{server.base_url}/metrics").text
-        return (metric_value(text, "pagedrs:num_requests_running") == 0
-                and metric_value(text, "pagedrs:kv_cache_usage_perc") == 0)
+        return (
+            metric_value(text, "pagedrs:num_requests_running") == 0
+            and metric_value(text, "pagedrs:kv_cache_usage_perc") == 0
+        )
 
     wait_until(idle, timeout=10)
     text = httpx.get(f"{server.base_url}/metrics").text
@@ -175,8 +220,9 @@ def test_drain_finishes_inflight(tmp_path: object) -> None:
     result: dict[str, object] = {}
 
     def call() -> None:
-        result["r"] = httpx.post(f"{s.base_url}/v1/completions", headers=AUTH,
-                                 json={"prompt": "a", "max_tokens": 20}, timeout=30)
+        result["r"] = httpx.post(
+            f"{s.base_url}/v1/completions", headers=AUTH, json={"prompt": "a", "max_tokens": 20}, timeout=30
+        )
 
     t = threading.Thread(target=call)
     t.start()

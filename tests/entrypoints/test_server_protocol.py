@@ -28,15 +28,37 @@ def test_invalid_json_and_non_object() -> None:
     _err(CompletionRequest, b"[" * 100000)  # too deep: still a 400, not a crash
 
 
-@pytest.mark.parametrize("field,value", [
-    ("temperature", -0.1), ("temperature", 2.5), ("temperature", "hot"), ("top_p", 0.0),
-    ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5), ("n", 0), ("n", 1000), ("max_tokens", 0),
-    ("max_tokens", -5), ("presence_penalty", 3), ("frequency_penalty", -3),
-    ("repetition_penalty", 0), ("seed", -1), ("logprobs", 21), ("logprobs", -1), ("stop", [""]),
-    ("stop", ["a"] * 17), ("min_tokens", -1), ("stream", "yes"), ("echo", []),
-    ("logit_bias", {"abc": 1}), ("logit_bias", {"5": 500}), ("stop_token_ids", [-1]),
-    ("stream_options", {"include_usage": True}),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -0.1),
+        ("temperature", 2.5),
+        ("temperature", "hot"),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("n", 0),
+        ("n", 1000),
+        ("max_tokens", 0),
+        ("max_tokens", -5),
+        ("presence_penalty", 3),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("seed", -1),
+        ("logprobs", 21),
+        ("logprobs", -1),
+        ("stop", [""]),
+        ("stop", ["a"] * 17),
+        ("min_tokens", -1),
+        ("stream", "yes"),
+        ("echo", []),
+        ("logit_bias", {"abc": 1}),
+        ("logit_bias", {"5": 500}),
+        ("stop_token_ids", [-1]),
+        ("stream_options", {"include_usage": True}),
+    ],
+)
 def test_each_bad_sampling_field_names_param(field: str, value: object) -> None:
     err = _err(CompletionRequest, {"model": "m", "prompt": "hi", field: value})
     assert err.param is not None and err.param.startswith(field), (err.param, err.message)
@@ -65,22 +87,46 @@ def test_prompt_forms() -> None:
 
 
 def test_chat_validation() -> None:
-    ok = parse_body(ChatCompletionRequest, json.dumps({
-        "messages": [{"role": "developer", "content": "be brief"},
-                     {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-        "max_completion_tokens": 3}).encode())
-    assert ok.chat_messages() == [{"role": "system", "content": "be brief"},
-                                  {"role": "user", "content": "hi"}]
+    ok = parse_body(
+        ChatCompletionRequest,
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "developer", "content": "be brief"},
+                    {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                ],
+                "max_completion_tokens": 3,
+            }
+        ).encode(),
+    )
+    assert ok.chat_messages() == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+    ]
     assert ok.requested_max_tokens() == 3
     assert _err(ChatCompletionRequest, {"messages": []}).param == "messages"
-    assert _err(ChatCompletionRequest, {"messages": [{"role": "robot", "content": "x"}]}).param \
+    assert (
+        _err(ChatCompletionRequest, {"messages": [{"role": "robot", "content": "x"}]}).param
         == "messages[0].role"
-    assert _err(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
-                                        "top_logprobs": 2}).param == "top_logprobs"
-    assert _err(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
-                                        "top_logprobs": 50, "logprobs": True}).param == "top_logprobs"
-    assert _err(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
-                                        "max_completion_tokens": 0}).param == "max_completion_tokens"
+    )
+    assert (
+        _err(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}).param
+        == "top_logprobs"
+    )
+    assert (
+        _err(
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 50, "logprobs": True},
+        ).param
+        == "top_logprobs"
+    )
+    assert (
+        _err(
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+        ).param
+        == "max_completion_tokens"
+    )
 
 
 def test_unknown_fields_ignored() -> None:

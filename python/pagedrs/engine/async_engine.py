@@ -83,6 +83,7 @@ class RequestStream:
                 self._accepted.set_result(None)
             else:
                 self._accepted.set_exception(exc)
+
         self._call(done)
 
     # -- event loop side --
@@ -202,8 +203,9 @@ class AsyncLLMEngine:
         self._thread = None
 
     # --------------------------------------------------------------- requests
-    async def add_request(self, request_id: str, prompt: Any, params: Any, *,
-                          priority: int = 0) -> RequestStream:
+    async def add_request(
+        self, request_id: str, prompt: Any, params: Any, *, priority: int = 0
+    ) -> RequestStream:
         """Submits a request; raises ValueError for invalid input (from the engine),
         EngineDeadError after a fault, EngineDrainingError while shutting down."""
         if self._dead is not None:
@@ -218,8 +220,15 @@ class AsyncLLMEngine:
             with self._cmd_lock:
                 if self._closed:
                     raise EngineDeadError(f"engine is not running: {self._dead!r}")
-                self._commands.put(_Command("add", request_id, stream, (prompt, params),
-                                            {"arrival_time": time.time(), "priority": priority}))
+                self._commands.put(
+                    _Command(
+                        "add",
+                        request_id,
+                        stream,
+                        (prompt, params),
+                        {"arrival_time": time.time(), "priority": priority},
+                    )
+                )
             await stream._accepted
         except BaseException:
             # cancelled while waiting (client gone) or rejected: the engine must not keep it.

@@ -22,8 +22,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 def _sampling_params(args: argparse.Namespace):  # noqa: ANN202 - SamplingParams, imported lazily
     from pagedrs import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k)
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
+    )
 
 
 def _make_llm(args: argparse.Namespace):  # noqa: ANN202 - LLM, imported lazily
@@ -73,8 +74,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     script = Path(__file__).resolve().parents[3] / "bench" / f"{args.which}.py"
     if not script.is_file():
-        print(f"pagedrs bench {args.which}: {script} not found; the benchmarks ship with the source "
-              f"checkout, run them as `python bench/{args.which}.py` there", file=sys.stderr)
+        print(
+            f"pagedrs bench {args.which}: {script} not found; the benchmarks ship with the source "
+            f"checkout, run them as `python bench/{args.which}.py` there",
+            file=sys.stderr,
+        )
         return 2
     sys.argv = [str(script), *args.bench_args]
     runpy.run_path(str(script), run_name="__main__")

@@ -12,8 +12,13 @@ _ENGINE_FLAGS: list[tuple[str, str, Any, Any, str]] = [
     ("--device", "device", str, "auto", "auto, cpu, cuda or cuda:N"),
     ("--block-size", "block_size", int, 16, "KV-cache block size in tokens"),
     ("--num-kv-blocks", "num_kv_blocks", int, None, "KV-cache blocks (overrides memory sizing)"),
-    ("--gpu-memory-utilization", "gpu_memory_utilization", float, 0.9,
-     "fraction of GPU memory for weights + KV cache"),
+    (
+        "--gpu-memory-utilization",
+        "gpu_memory_utilization",
+        float,
+        0.9,
+        "fraction of GPU memory for weights + KV cache",
+    ),
     ("--cpu-kv-cache-gb", "cpu_kv_cache_gb", float, None, "KV-cache size on CPU in GiB"),
     ("--swap-space", "swap_space", float, 0, "CPU swap space for preempted requests in GiB"),
     ("--max-model-len", "max_model_len", int, None, "context length (default: the model's)"),
@@ -26,16 +31,31 @@ _ENGINE_FLAGS: list[tuple[str, str, Any, Any, str]] = [
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="model path or name (default: the embedded SmolLM2-135M-Instruct GGUF)")
+    g.add_argument(
+        "--model", default=None, help="model path or name (default: the embedded SmolLM2-135M-Instruct GGUF)"
+    )
     for flag, dest, typ, default, help_text in _ENGINE_FLAGS:
         g.add_argument(flag, dest=dest, type=typ, default=default, help=help_text)
-    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
-                   action=argparse.BooleanOptionalAction, default=True, help="reuse cached prefixes")
-    g.add_argument("--disable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="same as --no-enable-prefix-caching")
-    g.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill",
-                   action=argparse.BooleanOptionalAction, default=True, help="split long prompts")
+    g.add_argument(
+        "--enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse cached prefixes",
+    )
+    g.add_argument(
+        "--disable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="same as --no-enable-prefix-caching",
+    )
+    g.add_argument(
+        "--enable-chunked-prefill",
+        dest="enable_chunked_prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts",
+    )
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
@@ -43,29 +63,49 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes "
-                   "(default: $PAGEDRS_API_KEY if set)")
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) the API answers to (default: the model path)")
-    g.add_argument("--data-dir", default=None,
-                   help="where files and batch jobs are kept (default: $XDG_DATA_HOME/pagedrs, "
-                   "else ~/.local/share/pagedrs)")
-    g.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024,
-                   help="larger request bodies get 413 (default 64 MiB)")
-    g.add_argument("--max-batch-concurrency", type=int, default=64,
-                   help="batch lines in flight at once")
-    g.add_argument("--shutdown-grace", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM")
-    g.add_argument("--log-stats-interval", type=float, default=10.0,
-                   help="seconds between engine stats lines (0: off)")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1 routes (default: $PAGEDRS_API_KEY if set)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) the API answers to (default: the model path)",
+    )
+    g.add_argument(
+        "--data-dir",
+        default=None,
+        help="where files and batch jobs are kept (default: $XDG_DATA_HOME/pagedrs, "
+        "else ~/.local/share/pagedrs)",
+    )
+    g.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=64 * 1024 * 1024,
+        help="larger request bodies get 413 (default 64 MiB)",
+    )
+    g.add_argument("--max-batch-concurrency", type=int, default=64, help="batch lines in flight at once")
+    g.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM",
+    )
+    g.add_argument(
+        "--log-stats-interval", type=float, default=10.0, help="seconds between engine stats lines (0: off)"
+    )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    g.add_argument("--no-access-log", dest="access_log", action="store_false",
-                   help="no access log line per request")
+    g.add_argument(
+        "--no-access-log", dest="access_log", action="store_false", help="no access log line per request"
+    )
 
 
 def make_serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(
-        prog="pagedrs serve", description="OpenAI-compatible API server")
+        prog="pagedrs serve", description="OpenAI-compatible API server"
+    )
     add_server_args(parser)
     add_engine_args(parser)
     return parser

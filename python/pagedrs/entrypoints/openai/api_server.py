@@ -21,8 +21,12 @@ logger = logging.getLogger("pagedrs.server")
 def setup_logging(level: str) -> None:
     """uvicorn's lines go through the root logger; pagedrs's own logger has its handler already."""
     lvl = getattr(logging, level.upper(), logging.INFO)
-    logging.basicConfig(level=lvl, format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
-                        datefmt="%m-%d %H:%M:%S", force=True)
+    logging.basicConfig(
+        level=lvl,
+        format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+        datefmt="%m-%d %H:%M:%S",
+        force=True,
+    )
     logging.getLogger("pagedrs").setLevel(lvl)
 
 
@@ -60,10 +64,17 @@ def run_server(args: argparse.Namespace) -> int:
     # The model loads before the port opens, so /health answers 200 as soon as it answers.
     engine = AsyncLLMEngine.from_engine_args(make_engine_args(args))
     app = build_app(engine, args)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
-                            log_level=args.log_level, access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=max(1, int(args.shutdown_grace)),
-                            timeout_keep_alive=5)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_config=None,
+        log_level=args.log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=max(1, int(args.shutdown_grace)),
+        timeout_keep_alive=5,
+    )
     server = _Server(config, app.state.server.begin_drain)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _ignore_signal)
@@ -72,9 +83,12 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_serve_parser(argparse.ArgumentParser(
-        prog="python -m pagedrs.entrypoints.openai.api_server",
-        description="pagedrs OpenAI-compatible API server")).parse_args(argv)
+    args = make_serve_parser(
+        argparse.ArgumentParser(
+            prog="python -m pagedrs.entrypoints.openai.api_server",
+            description="pagedrs OpenAI-compatible API server",
+        )
+    ).parse_args(argv)
     return run_server(args)
 
 

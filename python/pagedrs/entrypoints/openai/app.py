@@ -52,8 +52,14 @@ class SSEResponse(StreamingResponse):
 class ServerState:
     """What the routes and the shutdown path share (``app.state.server``)."""
 
-    def __init__(self, engine: AsyncLLMEngine, metrics: ServerMetrics, store: BatchStore,
-                 runner: BatchRunner, grace_s: float) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        metrics: ServerMetrics,
+        store: BatchStore,
+        runner: BatchRunner,
+        grace_s: float,
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.store = store
@@ -94,16 +100,21 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
     chat = OpenAIServingChat(engine, served_model_names, tokenizer=completions.tokenizer)
     data_dir = _arg(args, "data_dir", None) or tempfile.mkdtemp(prefix="pagedrs-data-")
     store = BatchStore(data_dir)
-    runner = BatchRunner(store, completions, chat,
-                         max_concurrency=int(_arg(args, "max_batch_concurrency", 64)))
+    runner = BatchRunner(
+        store, completions, chat, max_concurrency=int(_arg(args, "max_batch_concurrency", 64))
+    )
     state = ServerState(engine, metrics, store, runner, float(_arg(args, "shutdown_grace", 30.0)))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
         runner.start()
-        logger.info("serving %s (max_model_len %d), data dir %s", served_model_names[0],
-                    engine.max_model_len, data_dir)
+        logger.info(
+            "serving %s (max_model_len %d), data dir %s",
+            served_model_names[0],
+            engine.max_model_len,
+            data_dir,
+        )
         try:
             yield
         finally:
@@ -126,8 +137,10 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(x) for x in first.get("loc", ()) if x not in ("query", "path", "body")]
         param = ".".join(loc) or None
-        return JSONResponse(error_body(f"{param}: {first.get('msg', 'invalid value')}", param=param,
-                                       code="invalid_value"), status_code=400)
+        return JSONResponse(
+            error_body(f"{param}: {first.get('msg', 'invalid value')}", param=param, code="invalid_value"),
+            status_code=400,
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error_handler(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -145,8 +158,9 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
             return Response(status_code=200)
         if engine.errored:
             return unavailable(f"The engine has failed: {engine.dead_error!r}").response()
-        return unavailable("The server is shutting down." if state.draining
-                           else "The engine is not running.").response()
+        return unavailable(
+            "The server is shutting down." if state.draining else "The engine is not running."
+        ).response()
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -157,8 +171,15 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
         return JSONResponse({"version": "0.1.0"})
 
     def model_card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "pagedrs",
-                "root": engine.model_name, "parent": None, "max_model_len": engine.max_model_len}
+        return {
+            "id": name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "pagedrs",
+            "root": engine.model_name,
+            "parent": None,
+            "max_model_len": engine.max_model_len,
+        }
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
@@ -192,6 +213,10 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
 
     app.include_router(build_router(store, runner))
     max_body = int(_arg(args, "max_body_bytes", DEFAULT_MAX_BODY_BYTES))
-    app.add_middleware(ServerMiddleware, api_key=_arg(args, "api_key", None) or None,
-                       max_body_bytes=max_body, on_response=metrics.observe_http)
+    app.add_middleware(
+        ServerMiddleware,
+        api_key=_arg(args, "api_key", None) or None,
+        max_body_bytes=max_body,
+        on_response=metrics.observe_http,
+    )
     return app

@@ -37,9 +37,14 @@ CREATE TABLE IF NOT EXISTS batch_results (
 # or (from validating / in_progress) cancelling -> cancelled; terminal states never change.
 TERMINAL = frozenset({"completed", "failed", "cancelled", "expired"})
 ACTIVE = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
-_TIMESTAMP = {"in_progress": "in_progress_at", "finalizing": "finalizing_at",
-              "completed": "completed_at", "failed": "failed_at", "cancelling": "cancelling_at",
-              "cancelled": "cancelled_at"}
+_TIMESTAMP = {
+    "in_progress": "in_progress_at",
+    "finalizing": "finalizing_at",
+    "completed": "completed_at",
+    "failed": "failed_at",
+    "cancelling": "cancelling_at",
+    "cancelled": "cancelled_at",
+}
 
 
 def _now() -> int:
@@ -54,8 +59,9 @@ class BatchStore:
         self.files_dir = self.data_dir / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.data_dir / "pagedrs.sqlite3", check_same_thread=False,
-                                   isolation_level=None)
+        self._db = sqlite3.connect(
+            self.data_dir / "pagedrs.sqlite3", check_same_thread=False, isolation_level=None
+        )
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes
@@ -73,8 +79,9 @@ class BatchStore:
     def file_path(self, file_id: str) -> Path:
         return self.files_dir / file_id
 
-    def create_file(self, content: bytes, filename: str, purpose: str,
-                    file_id: str | None = None) -> dict[str, Any]:
+    def create_file(
+        self, content: bytes, filename: str, purpose: str, file_id: str | None = None
+    ) -> dict[str, Any]:
         file_id = file_id or f"file-{uuid.uuid4().hex}"
         path = self.file_path(file_id)
         tmp = path.with_suffix(".tmp")
@@ -83,8 +90,10 @@ class BatchStore:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        self._exec("INSERT OR REPLACE INTO files (id, filename, purpose, bytes, created_at) "
-                   "VALUES (?, ?, ?, ?, ?)", (file_id, filename, purpose, len(content), _now()))
+        self._exec(
+            "INSERT OR REPLACE INTO files (id, filename, purpose, bytes, created_at) VALUES (?, ?, ?, ?, ?)",
+            (file_id, filename, purpose, len(content), _now()),
+        )
         info = self.get_file(file_id)
         assert info is not None
         return info
@@ -95,8 +104,9 @@ class BatchStore:
 
     def list_files(self, purpose: str | None = None, limit: int = 10000) -> list[dict[str, Any]]:
         if purpose:
-            rows = self._exec("SELECT * FROM files WHERE purpose = ? ORDER BY created_at DESC, id "
-                              "LIMIT ?", (purpose, limit))
+            rows = self._exec(
+                "SELECT * FROM files WHERE purpose = ? ORDER BY created_at DESC, id LIMIT ?", (purpose, limit)
+            )
         else:
             rows = self._exec("SELECT * FROM files ORDER BY created_at DESC, id LIMIT ?", (limit,))
         return [_file_object(r) for r in rows]
@@ -121,15 +131,24 @@ class BatchStore:
         return deleted
 
     # ---------------------------------------------------------------- batches
-    def create_batch(self, endpoint: str, input_file_id: str, completion_window: str,
-                     metadata: dict[str, str] | None) -> dict[str, Any]:
+    def create_batch(
+        self, endpoint: str, input_file_id: str, completion_window: str, metadata: dict[str, str] | None
+    ) -> dict[str, Any]:
         batch_id = f"batch_{uuid.uuid4().hex}"
         now = _now()
         self._exec(
             "INSERT INTO batches (id, endpoint, input_file_id, completion_window, status, created_at, "
             "expires_at, metadata) VALUES (?, ?, ?, ?, 'validating', ?, ?, ?)",
-            (batch_id, endpoint, input_file_id, completion_window, now, now + 24 * 3600,
-             json.dumps(metadata) if metadata is not None else None))
+            (
+                batch_id,
+                endpoint,
+                input_file_id,
+                completion_window,
+                now,
+                now + 24 * 3600,
+                json.dumps(metadata) if metadata is not None else None,
+            ),
+        )
         batch = self.get_batch(batch_id)
         assert batch is not None
         return batch
@@ -148,19 +167,22 @@ class BatchStore:
             rows = self._exec(
                 "SELECT * FROM batches WHERE (created_at < ?) OR (created_at = ? AND id > ?) "
                 "ORDER BY created_at DESC, id LIMIT ?",
-                (ref[0]["created_at"], ref[0]["created_at"], ref[0]["id"], limit + 1))
+                (ref[0]["created_at"], ref[0]["created_at"], ref[0]["id"], limit + 1),
+            )
         else:
             rows = self._exec("SELECT * FROM batches ORDER BY created_at DESC, id LIMIT ?", (limit + 1,))
         return [self._batch_object(r) for r in rows[:limit]], len(rows) > limit
 
     def active_batch_ids(self) -> list[str]:
         marks = ",".join("?" * len(ACTIVE))
-        rows = self._exec(f"SELECT id FROM batches WHERE status IN ({marks}) ORDER BY created_at, id",
-                          tuple(sorted(ACTIVE)))
+        rows = self._exec(
+            f"SELECT id FROM batches WHERE status IN ({marks}) ORDER BY created_at, id", tuple(sorted(ACTIVE))
+        )
         return [r["id"] for r in rows]
 
-    def set_status(self, batch_id: str, status: str, *, only_from: frozenset[str] | None = None,
-                   **fields: Any) -> bool:
+    def set_status(
+        self, batch_id: str, status: str, *, only_from: frozenset[str] | None = None, **fields: Any
+    ) -> bool:
         """Moves a batch to ``status`` (stamping its time); False if it was not in ``only_from``."""
         cols = {"status": status, **fields}
         if status in _TIMESTAMP:
@@ -181,13 +203,16 @@ class BatchStore:
         self._exec("UPDATE batches SET errors = ? WHERE id = ?", (json.dumps(errors), batch_id))
 
     # ---------------------------------------------------------------- results
-    def record_result(self, batch_id: str, line_no: int, custom_id: str | None, ok: bool,
-                      body: dict[str, Any]) -> bool:
+    def record_result(
+        self, batch_id: str, line_no: int, custom_id: str | None, ok: bool, body: dict[str, Any]
+    ) -> bool:
         """Stores a line's answer once; False if the line was already answered."""
         with self._lock:
             cur = self._db.execute(
                 "INSERT OR IGNORE INTO batch_results (batch_id, line_no, custom_id, ok, body) "
-                "VALUES (?, ?, ?, ?, ?)", (batch_id, line_no, custom_id, int(ok), json.dumps(body)))
+                "VALUES (?, ?, ?, ?, ?)",
+                (batch_id, line_no, custom_id, int(ok), json.dumps(body)),
+            )
             return cur.rowcount > 0
 
     def answered_lines(self, batch_id: str) -> set[int]:
@@ -195,14 +220,17 @@ class BatchStore:
         return {r["line_no"] for r in rows}
 
     def results(self, batch_id: str, ok: bool) -> Iterator[str]:
-        rows = self._exec("SELECT body FROM batch_results WHERE batch_id = ? AND ok = ? "
-                          "ORDER BY line_no", (batch_id, int(ok)))
+        rows = self._exec(
+            "SELECT body FROM batch_results WHERE batch_id = ? AND ok = ? ORDER BY line_no",
+            (batch_id, int(ok)),
+        )
         for r in rows:
             yield r["body"]
 
     def counts(self, batch_id: str) -> tuple[int, int]:
-        rows = self._exec("SELECT ok, COUNT(*) AS c FROM batch_results WHERE batch_id = ? GROUP BY ok",
-                          (batch_id,))
+        rows = self._exec(
+            "SELECT ok, COUNT(*) AS c FROM batch_results WHERE batch_id = ? GROUP BY ok", (batch_id,)
+        )
         by = {r["ok"]: r["c"] for r in rows}
         return by.get(1, 0), by.get(0, 0)
 
@@ -210,14 +238,23 @@ class BatchStore:
         completed, failed = self.counts(row["id"])
         errors = json.loads(row["errors"]) if row["errors"] else None
         return {
-            "id": row["id"], "object": "batch", "endpoint": row["endpoint"],
+            "id": row["id"],
+            "object": "batch",
+            "endpoint": row["endpoint"],
             "errors": {"object": "list", "data": errors} if errors else None,
-            "input_file_id": row["input_file_id"], "completion_window": row["completion_window"],
-            "status": row["status"], "output_file_id": row["output_file_id"],
-            "error_file_id": row["error_file_id"], "created_at": row["created_at"],
-            "in_progress_at": row["in_progress_at"], "expires_at": row["expires_at"],
-            "finalizing_at": row["finalizing_at"], "completed_at": row["completed_at"],
-            "failed_at": row["failed_at"], "expired_at": None, "cancelling_at": row["cancelling_at"],
+            "input_file_id": row["input_file_id"],
+            "completion_window": row["completion_window"],
+            "status": row["status"],
+            "output_file_id": row["output_file_id"],
+            "error_file_id": row["error_file_id"],
+            "created_at": row["created_at"],
+            "in_progress_at": row["in_progress_at"],
+            "expires_at": row["expires_at"],
+            "finalizing_at": row["finalizing_at"],
+            "completed_at": row["completed_at"],
+            "failed_at": row["failed_at"],
+            "expired_at": None,
+            "cancelling_at": row["cancelling_at"],
             "cancelled_at": row["cancelled_at"],
             "request_counts": {"total": row["total"], "completed": completed, "failed": failed},
             "metadata": json.loads(row["metadata"]) if row["metadata"] else None,
@@ -225,6 +262,13 @@ class BatchStore:
 
 
 def _file_object(row: sqlite3.Row) -> dict[str, Any]:
-    return {"id": row["id"], "object": "file", "bytes": row["bytes"], "created_at": row["created_at"],
-            "filename": row["filename"], "purpose": row["purpose"], "status": "processed",
-            "status_details": None}
+    return {
+        "id": row["id"],
+        "object": "file",
+        "bytes": row["bytes"],
+        "created_at": row["created_at"],
+        "filename": row["filename"],
+        "purpose": row["purpose"],
+        "status": "processed",
+        "status_details": None,
+    }

@@ -41,13 +41,22 @@ class InputFileError(Exception):
     """The input file as a whole cannot be used (missing or unreadable)."""
 
 
-def _error_line(custom_id: str | None, code: str, message: str, status: int | None = None,
-                body: dict[str, Any] | None = None) -> dict[str, Any]:
+def _error_line(
+    custom_id: str | None,
+    code: str,
+    message: str,
+    status: int | None = None,
+    body: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     response = None
     if status is not None:
         response = {"status_code": status, "request_id": None, "body": body}
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": response,
-            "error": {"code": code, "message": message}}
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "response": response,
+        "error": {"code": code, "message": message},
+    }
 
 
 def parse_input(raw: bytes, endpoint: str) -> tuple[list[BatchLine], list[tuple[int, dict[str, Any]]]]:
@@ -95,8 +104,14 @@ def parse_input(raw: bytes, endpoint: str) -> tuple[list[BatchLine], list[tuple[
 
 
 class BatchRunner:
-    def __init__(self, store: BatchStore, completions: OpenAIServingCompletion,
-                 chat: OpenAIServingChat, *, max_concurrency: int = 64) -> None:
+    def __init__(
+        self,
+        store: BatchStore,
+        completions: OpenAIServingCompletion,
+        chat: OpenAIServingChat,
+        *,
+        max_concurrency: int = 64,
+    ) -> None:
         self.store = store
         self.completions = completions
         self.chat = chat
@@ -169,8 +184,10 @@ class BatchRunner:
         try:
             lines = await asyncio.to_thread(self._load_lines, batch)
         except InputFileError as exc:
-            self.store.set_errors(batch_id, [{"code": "invalid_file", "message": str(exc),
-                                              "param": "input_file_id", "line": None}])
+            self.store.set_errors(
+                batch_id,
+                [{"code": "invalid_file", "message": str(exc), "param": "input_file_id", "line": None}],
+            )
             self.store.set_status(batch_id, "failed", only_from=frozenset({"validating", "in_progress"}))
             return
         if status == "validating":
@@ -215,8 +232,13 @@ class BatchRunner:
             it = iter(lines)
             exhausted = False
             while True:
-                while (not exhausted and len(inflight) < self.max_concurrency and not cancel.is_set()
-                       and not self._draining and not self._engine_down):
+                while (
+                    not exhausted
+                    and len(inflight) < self.max_concurrency
+                    and not cancel.is_set()
+                    and not self._draining
+                    and not self._engine_down
+                ):
                     line = next(it, None)
                     if line is None:
                         exhausted = True
@@ -248,9 +270,12 @@ class BatchRunner:
                 chreq.check()
                 resp = await self.chat.create(chreq)
             assert isinstance(resp, dict)
-            answer = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id,
-                      "response": {"status_code": 200, "request_id": resp["id"], "body": resp},
-                      "error": None}
+            answer = {
+                "id": f"batch_req_{uuid.uuid4().hex}",
+                "custom_id": line.custom_id,
+                "response": {"status_code": 200, "request_id": resp["id"], "body": resp},
+                "error": None,
+            }
             ok = True
         except asyncio.CancelledError:
             raise
@@ -278,8 +303,12 @@ class BatchRunner:
             lines = list(self.store.results(batch_id, ok))
             if lines:
                 file_id = f"file-{batch_id}-{kind}"
-                self.store.create_file(("\n".join(lines) + "\n").encode(), f"{batch_id}_{kind}.jsonl",
-                                       "batch_output", file_id=file_id)
+                self.store.create_file(
+                    ("\n".join(lines) + "\n").encode(),
+                    f"{batch_id}_{kind}.jsonl",
+                    "batch_output",
+                    file_id=file_id,
+                )
                 ids[f"{kind}_file_id"] = file_id
             else:
                 ids[f"{kind}_file_id"] = None

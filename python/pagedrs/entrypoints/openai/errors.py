@@ -12,8 +12,15 @@ from pydantic import ValidationError
 class APIError(Exception):
     """An error the server reports to the client in OpenAI's shape."""
 
-    def __init__(self, status: int, message: str, *, type: str | None = None,
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = int(status)
         self.message = message
@@ -40,8 +47,9 @@ def _default_type(status: int) -> str:
     return "invalid_request_error"
 
 
-def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -54,14 +62,20 @@ def not_found(message: str, param: str | None = None, code: str | None = None) -
 
 
 def unauthorized() -> APIError:
-    return APIError(HTTPStatus.UNAUTHORIZED, "Incorrect or missing API key.",
-                    type="invalid_request_error", code="invalid_api_key")
+    return APIError(
+        HTTPStatus.UNAUTHORIZED,
+        "Incorrect or missing API key.",
+        type="invalid_request_error",
+        code="invalid_api_key",
+    )
 
 
 def too_large(limit: int) -> APIError:
-    return APIError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                    f"Request body is larger than the limit of {limit} bytes.",
-                    code="request_too_large")
+    return APIError(
+        HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+        f"Request body is larger than the limit of {limit} bytes.",
+        code="request_too_large",
+    )
 
 
 def unavailable(message: str = "The engine is not available.") -> APIError:
@@ -83,8 +97,12 @@ def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
     for item in loc:
         if isinstance(item, int):
             parts.append(f"[{item}]")
-        elif (isinstance(item, str) and item.isidentifier() and item not in _TYPE_TAGS
-              and not item[:1].isupper()):
+        elif (
+            isinstance(item, str)
+            and item.isidentifier()
+            and item not in _TYPE_TAGS
+            and not item[:1].isupper()
+        ):
             parts.append(("." if parts else "") + item)
     return "".join(parts) or None
 
@@ -98,6 +116,6 @@ def from_validation_error(exc: ValidationError) -> APIError:
     param = _loc_to_param(tuple(first.get("loc", ())))
     msg = first.get("msg", "invalid value")
     if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
+        msg = msg[len("Value error, ") :]
     message = f"{param}: {msg}" if param else msg
     return bad_request(message, param=param, code="invalid_value")

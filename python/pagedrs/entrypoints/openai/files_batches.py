@@ -92,9 +92,15 @@ def build_router(store: BatchStore, runner: BatchRunner) -> APIRouter:
         if not 1 <= limit <= 100:
             raise bad_request("limit must be between 1 and 100", param="limit")
         data, has_more = store.list_batches(limit, after)
-        return JSONResponse({"object": "list", "data": data,
-                             "first_id": data[0]["id"] if data else None,
-                             "last_id": data[-1]["id"] if data else None, "has_more": has_more})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+                "has_more": has_more,
+            }
+        )
 
     @router.get("/v1/batches/{batch_id}")
     async def retrieve_batch(batch_id: str) -> JSONResponse:
@@ -105,11 +111,11 @@ def build_router(store: BatchStore, runner: BatchRunner) -> APIRouter:
         batch = get_batch_or_404(batch_id)
         if batch["status"] in ("cancelling", "cancelled"):
             return JSONResponse(batch)
-        if not store.set_status(batch_id, "cancelling",
-                                only_from=frozenset({"validating", "in_progress"})):
+        if not store.set_status(batch_id, "cancelling", only_from=frozenset({"validating", "in_progress"})):
             status = get_batch_or_404(batch_id)["status"]
-            raise bad_request(f"cannot cancel a batch whose status is {status}", param="batch_id",
-                              code="invalid_state")
+            raise bad_request(
+                f"cannot cancel a batch whose status is {status}", param="batch_id", code="invalid_state"
+            )
         runner.cancel(batch_id)
         return JSONResponse(get_batch_or_404(batch_id))
 

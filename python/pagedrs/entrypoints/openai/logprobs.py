@@ -48,8 +48,9 @@ class TokenText:
         return s
 
 
-def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[Any] | None, k: int,
-                        text_of: TokenText, text_offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    token_ids: Sequence[int], logprobs: Sequence[Any] | None, k: int, text_of: TokenText, text_offset: int
+) -> dict[str, Any]:
     """OpenAI completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
@@ -66,12 +67,12 @@ def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[Any] | None
         top.append({text_of(t): v for t, v in best} if k > 0 else None)
         offsets.append(pos)
         pos += len(s)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-            "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[Any] | None, k: int,
-                  text_of: TokenText) -> dict[str, Any]:
+def chat_logprobs(
+    token_ids: Sequence[int], logprobs: Sequence[Any] | None, k: int, text_of: TokenText
+) -> dict[str, Any]:
     """OpenAI chat ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}]}."""
     content = []
     steps = list(logprobs) if logprobs is not None else []
@@ -79,11 +80,15 @@ def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[Any] | None, k: i
         step = steps[i] if i < len(steps) else None
         lp, best = _entries(tid, step, k)
         s = text_of(tid)
-        content.append({
-            "token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "replace")),
-            "top_logprobs": [
-                {"token": text_of(t), "logprob": v, "bytes": list(text_of(t).encode("utf-8", "replace"))}
-                for t, v in best
-            ],
-        })
+        content.append(
+            {
+                "token": s,
+                "logprob": lp,
+                "bytes": list(s.encode("utf-8", "replace")),
+                "top_logprobs": [
+                    {"token": text_of(t), "logprob": v, "bytes": list(text_of(t).encode("utf-8", "replace"))}
+                    for t, v in best
+                ],
+            }
+        )
     return {"content": content}

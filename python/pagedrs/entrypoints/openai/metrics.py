@@ -19,12 +19,67 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 disable_created_metrics()  # no *_created series: they double the output and nobody graphs them
 
-_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                 7.5, 10.0, 20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
-                0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                60.0, 120.0, 240.0)
+_TTFT_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_ITL_BUCKETS = (
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
+_E2E_BUCKETS = (
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+)
 
 
 class _EngineStatsCollector(Collector):
@@ -55,12 +110,17 @@ class _EngineStatsCollector(Collector):
         yield g("pagedrs:num_requests_running", "Requests in the running batch.", get("num_running"))
         yield g("pagedrs:num_requests_waiting", "Requests waiting to be scheduled.", get("num_waiting"))
         yield g("pagedrs:num_requests_swapped", "Requests swapped out to CPU.", get("num_swapped"))
-        yield g("pagedrs:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
-                get("kv_usage"))
-        yield c("pagedrs:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                get("prefix_cache_queries"))
-        yield c("pagedrs:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-                get("prefix_cache_hits"))
+        yield g("pagedrs:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", get("kv_usage"))
+        yield c(
+            "pagedrs:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            get("prefix_cache_queries"),
+        )
+        yield c(
+            "pagedrs:prefix_cache_hits",
+            "Prompt tokens served from the prefix cache.",
+            get("prefix_cache_hits"),
+        )
         yield c("pagedrs:prompt_tokens", "Prompt tokens processed.", get("prompt_tokens_total"))
         yield c("pagedrs:generation_tokens", "Generated tokens.", get("generation_tokens_total"))
         yield c("pagedrs:num_preemptions", "Preemptions.", get("num_preemptions"))
@@ -73,16 +133,39 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         labels = ["model_name"]
-        self.ttft = Histogram("pagedrs:time_to_first_token_seconds", "Time to first token.",
-                              labels, buckets=_TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram("pagedrs:inter_token_latency_seconds", "Time between output tokens.",
-                             labels, buckets=_ITL_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("pagedrs:e2e_request_latency_seconds", "End-to-end request latency.",
-                             labels, buckets=_E2E_BUCKETS, registry=self.registry)
-        self.finished = Counter("pagedrs:request_success", "Finished requests by finish reason.",
-                                ["model_name", "finished_reason"], registry=self.registry)
-        self.http = Counter("pagedrs:http_requests", "HTTP requests by route and status.",
-                            ["method", "route", "status"], registry=self.registry)
+        self.ttft = Histogram(
+            "pagedrs:time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "pagedrs:inter_token_latency_seconds",
+            "Time between output tokens.",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "pagedrs:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self.finished = Counter(
+            "pagedrs:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.http = Counter(
+            "pagedrs:http_requests",
+            "HTTP requests by route and status.",
+            ["method", "route", "status"],
+            registry=self.registry,
+        )
         for reason in ("stop", "length", "abort"):
             self.finished.labels(model_name, reason)
         self.registry.register(_EngineStatsCollector(get_stats, model_name))

@@ -27,15 +27,25 @@ _DISCARD_LIMIT = 256 * 1024 * 1024
 
 async def _send_error(send: Send, err: APIError) -> None:
     body = json.dumps(err.body()).encode()
-    await send({"type": "http.response.start", "status": err.status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": err.status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
 class ServerMiddleware:
-    def __init__(self, app: Any, *, api_key: str | None, max_body_bytes: int,
-                 on_response: Callable[[str, str, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        app: Any,
+        *,
+        api_key: str | None,
+        max_body_bytes: int,
+        on_response: Callable[[str, str, int], None] | None = None,
+    ) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
@@ -131,8 +141,15 @@ class ServerMiddleware:
         who = f"{client[0]}:{client[1]}" if client else "-"
         query = scope.get("query_string", b"")
         target = scope.get("path", "") + (f"?{query.decode('latin-1')}" if query else "")
-        access_logger.info('%s "%s %s HTTP/%s" %d %.1fms', who, scope.get("method", "-"), target,
-                           scope.get("http_version", "1.1"), status, elapsed * 1000.0)
+        access_logger.info(
+            '%s "%s %s HTTP/%s" %d %.1fms',
+            who,
+            scope.get("method", "-"),
+            target,
+            scope.get("http_version", "1.1"),
+            status,
+            elapsed * 1000.0,
+        )
         if self.on_response is not None:
             route = scope.get("route")
             route_path = getattr(route, "path", None) or "other"

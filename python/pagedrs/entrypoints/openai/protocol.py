@@ -69,8 +69,7 @@ class SamplingFields(OpenAIModel):
                 if not (key.isascii() and key.strip().isdigit()):
                     raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
         if self.stream_options is not None and not self.stream:
-            raise bad_request("stream_options is only allowed when stream is true",
-                              param="stream_options")
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         if self.top_k == 0:
             self.top_k = -1
 
@@ -149,8 +148,7 @@ class ChatCompletionRequest(SamplingFields):
         if self.tools:
             raise bad_request("tools are not supported", param="tools")
         if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request("only response_format type 'text' is supported",
-                              param="response_format")
+            raise bad_request("only response_format type 'text' is supported", param="response_format")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -180,8 +178,9 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     except (ValueError, RecursionError) as exc:
         raise bad_request(f"Invalid JSON body: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
-        raise bad_request(f"The request body must be a JSON object, got {type(body).__name__}",
-                          code="invalid_body")
+        raise bad_request(
+            f"The request body must be a JSON object, got {type(body).__name__}", code="invalid_body"
+        )
     return body
 
 
@@ -203,6 +202,13 @@ def parse_body(model: type[M], raw: bytes) -> M:
 
 
 __all__ = [
-    "APIError", "BatchCreateRequest", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
-    "StreamOptions", "parse_body", "parse_json_object", "parse_request",
+    "APIError",
+    "BatchCreateRequest",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "StreamOptions",
+    "parse_body",
+    "parse_json_object",
+    "parse_request",
 ]

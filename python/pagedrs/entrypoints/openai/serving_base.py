@@ -74,8 +74,9 @@ def to_api_error(exc: BaseException) -> APIError:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: Sequence[str], *,
-                 tokenizer: Any = None) -> None:
+    def __init__(
+        self, engine: AsyncLLMEngine, served_model_names: Sequence[str], *, tokenizer: Any = None
+    ) -> None:
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.max_model_len = engine.max_model_len
@@ -112,8 +113,9 @@ class OpenAIServing:
             if not 0 <= t < self.vocab_size:
                 raise bad_request(f"token id {t} is out of range [0, {self.vocab_size})", param=param)
 
-    def resolve_max_tokens(self, num_prompt: int, requested: int | None, param: str,
-                           prompt_param: str) -> int:
+    def resolve_max_tokens(
+        self, num_prompt: int, requested: int | None, param: str, prompt_param: str
+    ) -> int:
         """Checks prompt + max_tokens against max_model_len (the message gives both numbers)."""
         limit = self.max_model_len
         if num_prompt == 0:
@@ -121,28 +123,45 @@ class OpenAIServing:
         if num_prompt >= limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                f"{num_prompt} tokens, which leaves no room for a completion.", param=prompt_param,
-                code="context_length_exceeded")
+                f"{num_prompt} tokens, which leaves no room for a completion.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
         if requested is None:
             return limit - num_prompt
         if num_prompt + requested > limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{num_prompt + requested} tokens ({num_prompt} in the prompt, {requested} for the "
-                f"completion). Please reduce the prompt or max_tokens.", param=param,
-                code="context_length_exceeded")
+                f"completion). Please reduce the prompt or max_tokens.",
+                param=param,
+                code="context_length_exceeded",
+            )
         return requested
 
     def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None) -> Any:
         from pagedrs import SamplingParams
 
         if req.min_tokens > max_tokens:
-            raise bad_request(f"min_tokens ({req.min_tokens}) must be at most max_tokens "
-                              f"({max_tokens})", param="min_tokens")
-        kwargs: dict[str, Any] = {"n": req.n, "max_tokens": max_tokens,
-                                  "min_tokens": req.min_tokens, "ignore_eos": req.ignore_eos}
-        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty", "seed"):
+            raise bad_request(
+                f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_tokens})", param="min_tokens"
+            )
+        kwargs: dict[str, Any] = {
+            "n": req.n,
+            "max_tokens": max_tokens,
+            "min_tokens": req.min_tokens,
+            "ignore_eos": req.ignore_eos,
+        }
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "seed",
+        ):
             value = getattr(req, name)
             if value is not None:
                 kwargs[name] = value
@@ -185,6 +204,7 @@ class OpenAIServing:
 
     async def collect(self, streams: Sequence[RequestStream]) -> list[Any]:
         """The final output of each stream (raises APIError if one fails)."""
+
         async def last(stream: RequestStream) -> Any:
             final = None
             async for out in stream:
@@ -272,16 +292,15 @@ class TextDeltas:
         self.finished = [False] * num_choices
         self.holdback = max((len(s) for s in stops), default=1) - 1 if stops else 0
 
-    def step(self, index: int, text: str, token_ids: Sequence[int], finished: bool
-             ) -> tuple[str, list[int]]:
+    def step(self, index: int, text: str, token_ids: Sequence[int], finished: bool) -> tuple[str, list[int]]:
         end = len(text)
         if not finished:
             end = max(self.sent_text[index], end - self.holdback)
             while end > self.sent_text[index] and text[end - 1] == "\ufffd":
                 end -= 1
-        delta = text[self.sent_text[index]:end]
+        delta = text[self.sent_text[index] : end]
         self.sent_text[index] = max(self.sent_text[index], end)
-        new_ids = list(token_ids[self.sent_tokens[index]:])
+        new_ids = list(token_ids[self.sent_tokens[index] :])
         self.sent_tokens[index] = len(token_ids)
         return delta, new_ids
 
@@ -290,5 +309,14 @@ def now_s() -> int:
     return int(time.time())
 
 
-__all__ = ["ClientDisconnected", "OpenAIServing", "SSE_DONE", "TextDeltas", "merge_streams", "random_id",
-           "sse", "sse_error", "to_api_error"]
+__all__ = [
+    "ClientDisconnected",
+    "OpenAIServing",
+    "SSE_DONE",
+    "TextDeltas",
+    "merge_streams",
+    "random_id",
+    "sse",
+    "sse_error",
+    "to_api_error",
+]

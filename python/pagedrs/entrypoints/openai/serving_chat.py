@@ -23,24 +23,29 @@ from pagedrs.entrypoints.openai.serving_base import (
 
 
 class OpenAIServingChat(OpenAIServing):
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool
-                            ) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         """The tokenizer's chat template, rendered to text and tokenized without extra specials."""
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
             if not isinstance(text, str):
                 raise TypeError("chat template did not render to text")
             return list(self.tokenizer.encode(text, add_special_tokens=False))
         except Exception as exc:  # noqa: BLE001 - template errors are the caller's input
-            raise bad_request(f"messages cannot be rendered with the chat template: {exc}",
-                              param="messages") from None
+            raise bad_request(
+                f"messages cannot be rendered with the chat template: {exc}", param="messages"
+            ) from None
 
     async def prepare(self, req: ChatCompletionRequest) -> tuple[str, list[int], Any, int | None]:
         model = self.check_model(req.model)
         messages = req.chat_messages()
-        ids = await self.offload(self.apply_chat_template, messages, req.add_generation_prompt,
-                                 size=sum(len(m["content"]) for m in messages))
+        ids = await self.offload(
+            self.apply_chat_template,
+            messages,
+            req.add_generation_prompt,
+            size=sum(len(m["content"]) for m in messages),
+        )
         requested = req.requested_max_tokens()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.resolve_max_tokens(len(ids), requested, param, "messages")
@@ -48,8 +53,9 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(req, max_tokens, num_logprobs)
         return model, ids, params, num_logprobs
 
-    async def create(self, req: ChatCompletionRequest, raw_request: Request | None = None
-                     ) -> dict[str, Any] | AsyncIterator[str]:
+    async def create(
+        self, req: ChatCompletionRequest, raw_request: Request | None = None
+    ) -> dict[str, Any] | AsyncIterator[str]:
         model, ids, params, num_logprobs = await self.prepare(req)
         request_id = random_id("chatcmpl")
         streams = await self.submit_all(request_id, [ids], params)
@@ -67,20 +73,37 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if num_logprobs is not None:
                 logprobs = chat_logprobs(c.token_ids, c.logprobs, num_logprobs, text_of)
-            choices.append({"index": c.index,
-                            "message": {"role": "assistant", "content": c.text},
-                            "logprobs": logprobs, "finish_reason": c.finish_reason})
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                }
+            )
             completion_tokens += len(c.token_ids)
         return {
-            "id": request_id, "object": "chat.completion", "created": now_s(), "model": model,
+            "id": request_id,
+            "object": "chat.completion",
+            "created": now_s(),
+            "model": model,
             "choices": choices,
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
-                      "total_tokens": len(ids) + completion_tokens},
+            "usage": {
+                "prompt_tokens": len(ids),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(ids) + completion_tokens,
+            },
         }
 
-    async def _stream(self, req: ChatCompletionRequest, request_id: str, model: str,
-                      ids: list[int], streams: list[Any], num_logprobs: int | None
-                      ) -> AsyncIterator[str]:
+    async def _stream(
+        self,
+        req: ChatCompletionRequest,
+        request_id: str,
+        model: str,
+        ids: list[int],
+        streams: list[Any],
+        num_logprobs: int | None,
+    ) -> AsyncIterator[str]:
         created = now_s()
         n = req.n
         deltas = TextDeltas(n, req.stop)
@@ -88,13 +111,20 @@ class OpenAIServingChat(OpenAIServing):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         text_of = TokenText(self.tokenizer)
 
-        def chunk(index: int, delta: dict[str, Any], finish_reason: str | None,
-                  logprobs: dict[str, Any] | None = None) -> str:
+        def chunk(
+            index: int,
+            delta: dict[str, Any],
+            finish_reason: str | None,
+            logprobs: dict[str, Any] | None = None,
+        ) -> str:
             body: dict[str, Any] = {
-                "id": request_id, "object": "chat.completion.chunk", "created": created,
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
                 "model": model,
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                             "finish_reason": finish_reason}],
+                "choices": [
+                    {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+                ],
             }
             if include_usage:
                 body["usage"] = None
@@ -123,10 +153,20 @@ class OpenAIServingChat(OpenAIServing):
                         yield chunk(idx, {}, c.finish_reason)
             if include_usage:
                 total = sum(completion_tokens)
-                yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                           "model": model, "choices": [],
-                           "usage": {"prompt_tokens": len(ids), "completion_tokens": total,
-                                     "total_tokens": len(ids) + total}})
+                yield sse(
+                    {
+                        "id": request_id,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": {
+                            "prompt_tokens": len(ids),
+                            "completion_tokens": total,
+                            "total_tokens": len(ids) + total,
+                        },
+                    }
+                )
         except Exception as exc:  # noqa: BLE001 - after the stream started: SSE error event
             yield sse_error(exc)
         finally:

@@ -40,13 +40,15 @@ class OpenAIServingCompletion(OpenAIServing):
                 raise bad_request("prompt must not be empty", param="prompt" if i == 0 else f"prompt[{i}]")
             ids_list.append(ids)
             texts.append(text)
-        max_tokens = min(self.resolve_max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt")
-                         for ids in ids_list)
+        max_tokens = min(
+            self.resolve_max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt") for ids in ids_list
+        )
         params = self.sampling_params(req, max_tokens, req.logprobs)
         return model, ids_list, texts, params
 
-    async def create(self, req: CompletionRequest, raw_request: Request | None = None
-                     ) -> dict[str, Any] | AsyncIterator[str]:
+    async def create(
+        self, req: CompletionRequest, raw_request: Request | None = None
+    ) -> dict[str, Any] | AsyncIterator[str]:
         """A response body, or an SSE text iterator when ``req.stream``."""
         model, ids_list, texts, params = await self.prepare(req)
         request_id = random_id("cmpl")
@@ -59,8 +61,15 @@ class OpenAIServingCompletion(OpenAIServing):
             self.release_all(streams)
         return self._response(req, request_id, model, ids_list, texts, outputs)
 
-    def _response(self, req: CompletionRequest, request_id: str, model: str,
-                  ids_list: list[list[int]], texts: list[str], outputs: list[Any]) -> dict[str, Any]:
+    def _response(
+        self,
+        req: CompletionRequest,
+        request_id: str,
+        model: str,
+        ids_list: list[list[int]],
+        texts: list[str],
+        outputs: list[Any],
+    ) -> dict[str, Any]:
         text_of = TokenText(self.tokenizer)
         choices = []
         completion_tokens = 0
@@ -69,22 +78,41 @@ class OpenAIServingCompletion(OpenAIServing):
                 prefix = texts[p_idx] if req.echo else ""
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs = completion_logprobs(c.token_ids, c.logprobs, req.logprobs, text_of,
-                                                   len(prefix))
-                choices.append({"index": p_idx * req.n + c.index, "text": prefix + c.text,
-                                "logprobs": logprobs, "finish_reason": c.finish_reason})
+                    logprobs = completion_logprobs(
+                        c.token_ids, c.logprobs, req.logprobs, text_of, len(prefix)
+                    )
+                choices.append(
+                    {
+                        "index": p_idx * req.n + c.index,
+                        "text": prefix + c.text,
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
                 completion_tokens += len(c.token_ids)
         prompt_tokens = sum(len(ids) for ids in ids_list)
         return {
-            "id": request_id, "object": "text_completion", "created": now_s(), "model": model,
+            "id": request_id,
+            "object": "text_completion",
+            "created": now_s(),
+            "model": model,
             "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
         }
 
-    async def _stream(self, req: CompletionRequest, request_id: str, model: str,
-                      ids_list: list[list[int]], texts: list[str], streams: list[Any]
-                      ) -> AsyncIterator[str]:
+    async def _stream(
+        self,
+        req: CompletionRequest,
+        request_id: str,
+        model: str,
+        ids_list: list[list[int]],
+        texts: list[str],
+        streams: list[Any],
+    ) -> AsyncIterator[str]:
         created = now_s()
         n = req.n
         num_choices = len(ids_list) * n
@@ -96,8 +124,13 @@ class OpenAIServingCompletion(OpenAIServing):
         text_of = TokenText(self.tokenizer)
 
         def chunk(choices: list[dict[str, Any]]) -> str:
-            body: dict[str, Any] = {"id": request_id, "object": "text_completion",
-                                    "created": created, "model": model, "choices": choices}
+            body: dict[str, Any] = {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": choices,
+            }
             if include_usage:
                 body["usage"] = None
             return sse(body)
@@ -125,15 +158,33 @@ class OpenAIServingCompletion(OpenAIServing):
                         text_offsets[idx] = offset + sum(len(t) for t in logprobs["tokens"])
                     if finished:
                         deltas.finished[idx] = True
-                    yield chunk([{"index": idx, "text": delta, "logprobs": logprobs,
-                                  "finish_reason": c.finish_reason}])
+                    yield chunk(
+                        [
+                            {
+                                "index": idx,
+                                "text": delta,
+                                "logprobs": logprobs,
+                                "finish_reason": c.finish_reason,
+                            }
+                        ]
+                    )
             if include_usage:
                 prompt_tokens = sum(len(ids) for ids in ids_list)
                 total_completion = sum(completion_tokens)
-                yield sse({"id": request_id, "object": "text_completion", "created": created,
-                           "model": model, "choices": [],
-                           "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": total_completion,
-                                     "total_tokens": prompt_tokens + total_completion}})
+                yield sse(
+                    {
+                        "id": request_id,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": {
+                            "prompt_tokens": prompt_tokens,
+                            "completion_tokens": total_completion,
+                            "total_tokens": prompt_tokens + total_completion,
+                        },
+                    }
+                )
         except Exception as exc:  # noqa: BLE001 - after the stream started: SSE error event
             yield sse_error(exc)
         finally:
