@@ -8,6 +8,7 @@ print(outs[0].outputs[0].text)
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import os
@@ -16,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pagedrs.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedrs.sampling_params import SamplingParams
+from pagedrs.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
@@ -26,6 +27,7 @@ __all__ = [
     "Logprob",
     "RequestMetrics",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
 ]
 
@@ -161,6 +163,9 @@ class LLM:
         try:
             for prompt, sp in zip(prompts, params, strict=True):
                 rid = str(next(self._counter))
+                if sp.output_kind != RequestOutputKind.FINAL_ONLY:
+                    sp = copy.copy(sp)
+                    sp.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, at its end
                 engine.add_request(rid, prompt, sp)
                 ids.append(rid)
         except Exception:
@@ -176,7 +181,7 @@ class LLM:
         in_toks = out_toks = 0
         try:
             while engine.has_unfinished_requests():
-                for out in engine._step(final_only=True):
+                for out in engine.step():
                     if out.request_id not in order:
                         continue
                     results[order[out.request_id]] = out

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 __all__ = ["EngineStats", "StatLogger", "format_stats_line", "visualize_batch"]
@@ -14,9 +14,9 @@ __all__ = ["EngineStats", "StatLogger", "format_stats_line", "visualize_batch"]
 logger = logging.getLogger("pagedrs.engine")
 
 
-@dataclass
-class EngineStats:
-    """A snapshot of the engine: scheduler queues, the KV pool and cumulative token counters."""
+class EngineStats(msgspec.Struct, array_like=True):
+    """A snapshot of the engine after a step: scheduler queues, the KV pool, cumulative token counters and
+    the step's own timings. It travels in every step message of the engine core (msgspec, no pickle)."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -32,6 +32,9 @@ class EngineStats:
     num_swap_blocks: int = 0
     num_free_swap_blocks: int = 0
     num_steps: int = 0
+    step_time_s: float = 0.0  # schedule + execute + update of the latest step
+    batch_size: int = 0  # sequences that sampled a token in the latest step
+    send_time_s: float = 0.0  # encoding + sending the previous step message (engine core process only)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

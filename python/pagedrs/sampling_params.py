@@ -7,12 +7,20 @@ import copy
 import enum
 from dataclasses import dataclass, field
 
-__all__ = ["SamplingParams", "SamplingType"]
+__all__ = ["RequestOutputKind", "SamplingParams", "SamplingType"]
 
 _SAMPLING_EPS = 1e-5
 _MIN_TEMP = 1e-2  # vLLM clamps positive temperatures below this up to it (numerical stability)
 # Token counts, token ids and seeds cross into the Rust core (and torch.Generator) as int64.
 _INT64_MAX = 2**63 - 1
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each step's `RequestOutput` of a request carries (vLLM's names)."""
+
+    CUMULATIVE = 0  # every token and the whole text so far
+    DELTA = 1  # only what is new since the previous output (streaming)
+    FINAL_ONLY = 2  # one output, when the request finishes
 
 
 class SamplingType(enum.IntEnum):
@@ -64,6 +72,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -140,6 +149,11 @@ class SamplingParams:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "must be a bool")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                raise _bad("output_kind", self.output_kind, "must be a RequestOutputKind") from None
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
                 _is_int(k) or (isinstance(k, str) and k.lstrip("-").isdigit()) for k in self.logit_bias

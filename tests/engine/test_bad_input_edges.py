@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-import pagedrs.engine.llm_engine as llm_engine_mod
+import pagedrs.engine.sequence as sequence_mod
 from pagedrs import LLM, SamplingParams
 from tests.helpers import VOCAB_SIZE, make_tiny_llama
 
@@ -89,7 +89,7 @@ def test_failure_while_building_sequences_leaves_no_request(
     def broken(*args: object, **kwargs: object) -> None:
         raise ValueError("sequence setup failed")
 
-    monkeypatch.setattr(llm_engine_mod, "Sequence", broken)
+    monkeypatch.setattr(sequence_mod, "Sequence", broken)
     with pytest.raises(ValueError, match="sequence setup failed"):
         llm.generate(["hi"], OK, use_tqdm=False)
     monkeypatch.undo()

@@ -1,15 +1,14 @@
-"""Per-request and per-sequence state kept by the engine, incremental detokenization and stop strings.
+"""Per-request and per-sequence state kept by the frontend (the output processor): incremental
+detokenization, stop strings, logprobs and the outputs built from them.
 
-The scheduler (Rust) owns blocks and token counts; Python keeps what it needs to build outputs: the
-sampled tokens, their logprobs, the text decoded so far and the finish reason.
+The scheduler (Rust, in the engine core) owns blocks and token counts; the frontend keeps what it needs to
+build outputs: the sampled tokens, their logprobs, the text decoded so far and the finish reason.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from typing import Any
-
-import torch
 
 from pagedrs.outputs import (
     CompletionOutput,
@@ -19,7 +18,7 @@ from pagedrs.outputs import (
     RequestOutput,
     SampleLogprobs,
 )
-from pagedrs.sampling_params import SamplingParams
+from pagedrs.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["IncrementalDetokenizer", "Request", "Sequence", "check_stop_strings"]
 
@@ -100,7 +99,7 @@ class IncrementalDetokenizer:
 
 
 class Request:
-    """One add_request: a prompt and its n sequences."""
+    """The frontend's view of one request: its prompt and its n sequences' text and logprobs."""
 
     __slots__ = (
         "request_id",
@@ -112,7 +111,7 @@ class Request:
         "prompt_logprobs",
         "num_cached_tokens",
         "num_unfinished",
-        "priority",
+        "output_kind",
     )
 
     def __init__(
@@ -122,77 +121,64 @@ class Request:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float,
-        priority: int = 0,
+        tokenizer: Any,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
-        self.seqs: list[Sequence] = []
+        self.output_kind = params.output_kind
         self.metrics = RequestMetrics(arrival_time=arrival_time, last_token_time=arrival_time)
         self.prompt_logprobs: PromptLogprobs | None = (
             [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None
         )
         self.num_cached_tokens: int | None = None
-        self.num_unfinished = 0
-        self.priority = priority
+        self.seqs = [Sequence(i, self, params.child(i), tokenizer) for i in range(params.n)]
+        self.num_unfinished = params.n
 
     @property
     def finished(self) -> bool:
         return self.num_unfinished == 0
 
-    def to_output(self) -> RequestOutput:
-        finished = self.finished
+    def to_output(self, changed: Seq[Sequence] | None = None) -> RequestOutput:
+        """Cumulative: every sequence, all so far. Delta: the `changed` sequences' news since their last
+        output (each sequence remembers what it has given out)."""
+        delta = self.output_kind == RequestOutputKind.DELTA
+        seqs = self.seqs if not delta or changed is None else changed
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             prompt_logprobs=self.prompt_logprobs,
-            outputs=[s.to_output() for s in self.seqs],
-            finished=finished,
+            outputs=[s.delta_output() if delta else s.to_output() for s in seqs],
+            finished=self.finished,
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
         )
 
 
 class Sequence:
-    """One of a request's n samples: the sampler's view (`SamplingRow`) and the output's."""
+    """One of a request's n samples, as its output is built: tokens, text, logprobs, finish reason."""
 
     __slots__ = (
-        "seq_id",
         "index",
         "request",
         "params",
-        "generator",
-        "prompt_token_ids",
         "output_token_ids",
         "logprobs",
         "cumulative_logprob",
         "detokenizer",
         "finish_reason",
         "stop_reason",
-        "is_simple_greedy",
         "text_cut",
+        "sent_chars",
+        "sent_tokens",
     )
 
-    def __init__(
-        self,
-        seq_id: int,
-        index: int,
-        request: Request,
-        params: SamplingParams,
-        tokenizer: Any,
-        device: torch.device,
-    ) -> None:
-        self.seq_id = seq_id
+    def __init__(self, index: int, request: Request, params: SamplingParams, tokenizer: Any) -> None:
         self.index = index
         self.request = request
         self.params = params
-        self.generator: torch.Generator | None = None
-        if params.seed is not None and params.temperature > 0:
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(params.seed)
-        self.prompt_token_ids = request.prompt_token_ids
         self.output_token_ids: list[int] = []
         self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
@@ -203,14 +189,9 @@ class Sequence:
         )
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.is_simple_greedy = (
-            params.temperature == 0.0
-            and not params.needs_penalties
-            and not params.logit_bias
-            and params.min_tokens == 0
-            and params.logprobs is None
-        )
         self.text_cut: int | None = None  # where a stop string cut the text
+        self.sent_chars = 0  # delta outputs: text and tokens already given out
+        self.sent_tokens = 0
 
     @property
     def finished(self) -> bool:
@@ -239,6 +220,23 @@ class Sequence:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
+
+    def delta_output(self) -> CompletionOutput:
+        """What is new since the previous delta (text held back for a possible stop string excluded)."""
+        text = self.text
+        start_tok = self.sent_tokens
+        out = CompletionOutput(
+            index=self.index,
+            text=text[self.sent_chars :],
+            token_ids=self.output_token_ids[start_tok:],
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs[start_tok:] if self.logprobs is not None else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        self.sent_chars = max(self.sent_chars, len(text))
+        self.sent_tokens = len(self.output_token_ids)
+        return out
 
     def add_logprobs(
         self, token_ids: Seq[int], logprobs: Seq[float], rank: int, num: int, tokenizer: Any

@@ -1,0 +1,408 @@
+"""EngineCore: the step and nothing else. schedule() [Rust] -> execute() [model runner] -> update() [Rust].
+
+It takes validated, tokenized `EngineCoreRequest`s and gives back one `EngineCoreOutputs` per step: each
+sequence's new token ids (and logprobs), finish reasons from the scheduler (eos, stop token ids, lengths),
+and the step's stats. Text, stop strings and `RequestOutput`s belong to the frontend (`OutputProcessor`);
+the same core runs in-process under `LLMEngine` and in its own process behind the server (`core_proc`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedrs import _core
+from pagedrs.config import EngineConfig
+from pagedrs.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    PromptLogprobsMsg,
+    Ready,
+    SampleLogprobsMsg,
+)
+from pagedrs.metrics import EngineStats, StatLogger, visualize_batch
+from pagedrs.sampling_params import SamplingParams
+from pagedrs.worker.model_runner import ModelRunner
+
+__all__ = ["CoreSeq", "EngineCore"]
+
+logger = logging.getLogger("pagedrs.engine")
+
+
+def eos_token_ids(tokenizer: Any, hf_config: Any, model_path: str) -> list[int]:
+    """The tokenizer's eos plus the config's and generation_config.json's (e.g. Llama 3's <|eot_id|>)."""
+    ids: set[int] = set()
+    gen_eos = None
+    if os.path.isfile(os.path.join(model_path, "generation_config.json")):
+        try:
+            import transformers
+
+            gen_eos = transformers.GenerationConfig.from_pretrained(model_path).eos_token_id
+        except (OSError, ValueError):
+            gen_eos = None
+    for src in (getattr(tokenizer, "eos_token_id", None), getattr(hf_config, "eos_token_id", None), gen_eos):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(x) for x in src)
+    return sorted(ids)
+
+
+class CoreSeq:
+    """One of a request's n samples as the sampler sees it (`SamplingRow`)."""
+
+    __slots__ = (
+        "seq_id",
+        "index",
+        "request_id",
+        "params",
+        "generator",
+        "prompt_token_ids",
+        "output_token_ids",
+        "is_simple_greedy",
+        "num_logprobs",
+    )
+
+    def __init__(
+        self, seq_id: int, index: int, request_id: str, params: SamplingParams, prompt: list[int], dev: Any
+    ) -> None:
+        self.seq_id = seq_id
+        self.index = index
+        self.request_id = request_id
+        self.params = params
+        self.generator: torch.Generator | None = None
+        if params.seed is not None and params.temperature > 0:
+            self.generator = torch.Generator(device=dev)
+            self.generator.manual_seed(params.seed)
+        self.prompt_token_ids = prompt
+        self.output_token_ids: list[int] = []  # for penalties
+        self.num_logprobs = params.logprobs
+        self.is_simple_greedy = (
+            params.temperature == 0.0
+            and not params.needs_penalties
+            and not params.logit_bias
+            and params.min_tokens == 0
+            and params.logprobs is None
+        )
+
+
+class _CoreRequest:
+    __slots__ = ("request_id", "seqs", "prompt_logprobs", "unscheduled", "live")
+
+    def __init__(self, request_id: str, seqs: list[CoreSeq], prompt_logprobs: int | None) -> None:
+        self.request_id = request_id
+        self.seqs = seqs
+        self.prompt_logprobs = prompt_logprobs  # top-k wanted, until the prompt is done
+        self.unscheduled = True
+        self.live = {s.seq_id for s in seqs}
+
+
+class EngineCore:
+    """Scheduler + model runner for one engine; one thread drives it."""
+
+    # Methods a frontend may call through `UtilityCall` (name -> bound method is looked up here only).
+    UTILITY_METHODS = frozenset({"get_stats", "resize", "reset_prefix_cache", "ping"})
+
+    def __init__(self, config: EngineConfig, loaded: Any, *, max_logprobs: int = 20) -> None:
+        self.config = config
+        self.model_name = config.model.model or os.path.splitext(os.path.basename(loaded.model_path))[0]
+        self.max_model_len = config.scheduler.max_model_len
+        self.max_logprobs = max_logprobs
+        self.vocab_size = int(getattr(loaded.hf_config, "vocab_size", 0) or 0)
+        self.device = config.device.device
+        self.eos_token_ids = eos_token_ids(loaded.tokenizer, loaded.hf_config, str(loaded.model_path))
+        self.runner = ModelRunner(config, loaded.model, eos_token_ids=self.eos_token_ids)
+        num_blocks = self.runner.determine_num_blocks()
+        pool = self.runner.init_kv_cache(num_blocks)
+        sched = config.scheduler
+        self.scheduler = _core.Scheduler(
+            num_blocks=num_blocks,
+            block_size=config.cache.block_size,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs,
+            max_model_len=sched.max_model_len,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            enable_chunked_prefill=sched.enable_chunked_prefill,
+            num_swap_blocks=pool.num_swap_blocks,
+            vocab_size=self.vocab_size or None,
+        )
+        self.runner.attach_block_table(self.scheduler.block_table_view())
+        self._requests: dict[str, _CoreRequest] = {}
+        self._seqs: dict[int, CoreSeq] = {}
+        self._seq_counter = itertools.count()
+        self._pending: list[EngineCoreOutput] = []  # error outputs not yet sent (failed steps, rejects)
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        self._num_steps = 0
+        self._last_step_time = 0.0
+        self._last_batch = 0
+        obs = config.observability
+        self.stat_logger = StatLogger(obs.stats_log_interval) if obs.log_stats else None
+        logger.info(
+            "engine ready: model=%s device=%s dtype=%s max_model_len=%d kv blocks=%d x %d tokens (%.2f GiB), "
+            "swap blocks=%d",
+            self.model_name,
+            self.device,
+            self.runner.kv_dtype,
+            self.max_model_len,
+            num_blocks,
+            config.cache.block_size,
+            num_blocks * self.runner.bytes_per_block / (1 << 30),
+            pool.num_swap_blocks,
+        )
+
+    @classmethod
+    def from_engine_args(cls, args: Any) -> tuple[EngineCore, Any]:
+        """(core, loaded model); the tokenizer in `loaded` is for the in-process frontend."""
+        from pagedrs.loader import load_model
+
+        _, _, device_cfg, _ = args.early_configs()  # bad arguments fail before any weight is read
+        if device_cfg.num_threads is not None and device_cfg.device.type == "cpu":
+            torch.set_num_threads(device_cfg.num_threads)
+        loaded = load_model(args.model, dtype=args.dtype, device=device_cfg.device, tokenizer=args.tokenizer)
+        model_max = int(
+            getattr(loaded.model, "max_position", None)
+            or getattr(loaded.hf_config, "max_position_embeddings", None)
+            or 2048
+        )
+        config = args.create_engine_config(model_max)
+        return cls(config, loaded, max_logprobs=args.max_logprobs), loaded
+
+    def ready_info(self) -> Ready:
+        return Ready(
+            model_name=self.model_name,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=list(self.eos_token_ids),
+            max_logprobs=self.max_logprobs,
+            num_blocks=int(self.scheduler.num_blocks),
+            block_size=int(self.scheduler.block_size),
+            pid=os.getpid(),
+        )
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a validated request; ValueError (state unchanged) if the scheduler rejects it."""
+        if req.request_id in self._requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        params = req.params
+        seq_ids = [next(self._seq_counter) for _ in range(params.n)]
+        prompt = req.prompt_token_ids
+        seqs = [
+            CoreSeq(sid, i, req.request_id, params.child(i), prompt, self.device)
+            for i, sid in enumerate(seq_ids)
+        ]
+        self.scheduler.add_request(
+            seq_ids,
+            np.asarray(prompt, dtype=np.int64),
+            max_tokens=req.max_tokens,
+            min_tokens=params.min_tokens,
+            eos_token_ids=self.eos_token_ids,
+            stop_token_ids=params.stop_token_ids or (),
+            ignore_eos=params.ignore_eos,
+            priority=req.priority,
+            skip_prefix_cache=params.prompt_logprobs is not None,
+        )  # raises InvalidRequestError (a ValueError) before any state changes here
+        for s in seqs:
+            self._seqs[s.seq_id] = s
+        self._requests[req.request_id] = _CoreRequest(req.request_id, seqs, params.prompt_logprobs)
+
+    def reject(self, request_id: str, error: str) -> None:
+        """Report a request the core could not take (sent with the next step message)."""
+        self._pending.append(EngineCoreOutput(request_id, 0, finish_reason=FinishReason.ABORT, error=error))
+
+    def abort(self, request_ids: Iterable[str], seqs: Sequence[tuple[str, int]] = ()) -> None:
+        """Free whole requests, or single samples (request id, index); unknown ids are ignored."""
+        for rid in request_ids:
+            req = self._requests.pop(rid, None)
+            if req is not None:
+                self.scheduler.abort(sorted(req.live))
+                for s in req.seqs:
+                    self._seqs.pop(s.seq_id, None)
+        for rid, index in seqs:
+            req = self._requests.get(rid)
+            if req is None or not 0 <= index < len(req.seqs):
+                continue
+            sid = req.seqs[index].seq_id
+            if sid in req.live:
+                self.scheduler.abort([sid])
+                self._finish_seq(req, sid)
+
+    def _finish_seq(self, req: _CoreRequest, seq_id: int) -> None:
+        req.live.discard(seq_id)
+        self._seqs.pop(seq_id, None)
+        if not req.live:
+            self._requests.pop(req.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def take_pending(self) -> list[EngineCoreOutput]:
+        out, self._pending = self._pending, []
+        return out
+
+    # ---- the step ----------------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        """schedule -> execute -> update. A step that raises aborts the requests it held (their error
+        outputs wait in `take_pending()`), closes its plan and re-raises; the core keeps serving."""
+        start = time.perf_counter()
+        plan: _core.StepPlan = self.scheduler.schedule()
+        self._num_steps += 1
+        outputs: list[EngineCoreOutput] = self.take_pending()
+        if self.config.observability.enable_log_batch_visualization:
+            logger.info(visualize_batch(plan, self._num_steps, self.config.scheduler.max_num_batched_tokens))
+        newly = self._mark_scheduled(plan, outputs)
+        rows = [self._seqs[sid] for sid in plan.sampled_seq_ids.tolist()]
+        wanted = self._prompt_logprobs_wanted(plan)
+        try:
+            out = self.runner.execute(plan, rows, wanted)
+        except Exception as exc:
+            self._fail_plan(plan, exc)
+            raise
+        finished = self.scheduler.update(plan, out.sampled_token_ids)
+        self._prompt_tokens_total += int(plan.num_prefill_tokens)
+        self._generation_tokens_total += len(rows)
+        by_seq: dict[int, EngineCoreOutput] = dict(newly)
+        for sid, chunk in out.prompt_logprobs.items():
+            o = self._output_for(by_seq, outputs, sid)
+            o.prompt_logprobs = PromptLogprobsMsg(
+                chunk.start, chunk.token_ids.tolist(), chunk.logprobs.tolist(), chunk.ranks.tolist()
+            )
+        tokens = out.sampled_token_ids.tolist()
+        lp = out.logprobs
+        lp_ids = lp_vals = lp_ranks = None
+        for i, seq in enumerate(rows):
+            tok = tokens[i]
+            seq.output_token_ids.append(tok)
+            o = self._output_for(by_seq, outputs, seq.seq_id)
+            o.new_token_ids = [tok]
+            if seq.num_logprobs is not None and lp is not None:
+                if lp_ids is None:
+                    lp_ids, lp_vals, lp_ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+                k = 1 + seq.num_logprobs
+                o.new_logprobs = SampleLogprobsMsg([lp_ids[i][:k]], [lp_vals[i][:k]], [int(lp_ranks[i])])
+            req = self._requests.get(seq.request_id)
+            if req is not None and req.prompt_logprobs is not None:
+                req.prompt_logprobs = None  # the prompt is done: its logprobs are complete
+        for sid, reason, stop_tok in finished:
+            seq = self._seqs.get(int(sid))
+            if seq is None:
+                continue
+            o = self._output_for(by_seq, outputs, seq.seq_id)
+            o.finish_reason = FinishReason(reason)
+            o.stop_reason = stop_tok
+            req = self._requests.get(seq.request_id)
+            if req is not None:
+                self._finish_seq(req, seq.seq_id)
+        self._last_step_time = time.perf_counter() - start
+        self._last_batch = len(rows)
+        stats = self.get_stats()
+        if self.stat_logger is not None:
+            self.stat_logger.maybe_log(stats)
+        return EngineCoreOutputs(outputs, stats, time.time())
+
+    def _output_for(
+        self, by_seq: dict[int, EngineCoreOutput], outputs: list[EngineCoreOutput], seq_id: int
+    ) -> EngineCoreOutput:
+        o = by_seq.get(seq_id)
+        if o is None:
+            seq = self._seqs[seq_id]
+            o = EngineCoreOutput(seq.request_id, seq.index)
+            by_seq[seq_id] = o
+            outputs.append(o)
+        return o
+
+    def _mark_scheduled(
+        self, plan: _core.StepPlan, outputs: list[EngineCoreOutput]
+    ) -> list[tuple[int, EngineCoreOutput]]:
+        """Requests scheduled for the first time: their prefix-cache hits and first scheduled time."""
+        newly: list[tuple[int, EngineCoreOutput]] = []
+        now = time.time()
+        for sid in plan.req_ids.tolist():
+            seq = self._seqs.get(sid)
+            if seq is None or seq.index != 0:
+                continue
+            req = self._requests[seq.request_id]
+            if not req.unscheduled:
+                continue
+            req.unscheduled = False
+            o = EngineCoreOutput(
+                seq.request_id,
+                0,
+                num_cached_tokens=int(self.scheduler.num_cached_tokens(sid)),
+                first_scheduled_time=now,
+            )
+            outputs.append(o)
+            newly.append((sid, o))
+        return newly
+
+    def _prompt_logprobs_wanted(self, plan: _core.StepPlan) -> dict[int, tuple[int, list[int]]] | None:
+        wanted: dict[int, tuple[int, list[int]]] = {}
+        for sid in plan.req_ids.tolist():
+            seq = self._seqs.get(sid)
+            if seq is None or seq.index != 0:
+                continue
+            k = self._requests[seq.request_id].prompt_logprobs
+            if k is not None:
+                wanted[sid] = (k, seq.prompt_token_ids)
+        return wanted or None
+
+    def _fail_plan(self, plan: _core.StepPlan, exc: BaseException) -> None:
+        """Abort the requests a failed step held and close its plan (aborted rows are skipped by update)."""
+        seq_ids = plan.req_ids.tolist() + plan.sampled_seq_ids.tolist()
+        failed = sorted({self._seqs[s].request_id for s in seq_ids if s in self._seqs})
+        self.abort(failed)
+        self.scheduler.update(plan, np.zeros(len(plan.logits_indices), dtype=np.int64))
+        for rid in failed:
+            self.reject(rid, f"engine step {self._num_steps} failed: {type(exc).__name__}: {exc}")
+        logger.error("step %d failed; aborted requests %s", self._num_steps, failed)
+
+    # ---- utilities ---------------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        return EngineStats(
+            num_running=int(s["num_running"]),
+            num_waiting=int(s["num_waiting"]),
+            num_swapped=int(s["num_swapped"]),
+            kv_usage=float(s["kv_usage"]),
+            prefix_cache_queries=int(s["prefix_cache_queries"]),
+            prefix_cache_hits=int(s["prefix_cache_hits"]),
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            num_preemptions=int(s["num_preemptions"]),
+            num_blocks=int(s["num_blocks"]),
+            num_free_blocks=int(s["num_free_blocks"]),
+            num_swap_blocks=int(s.get("num_swap_blocks", 0)),
+            num_free_swap_blocks=int(s.get("num_free_swap_blocks", 0)),
+            num_steps=self._num_steps,
+            step_time_s=self._last_step_time,
+            batch_size=self._last_batch,
+        )
+
+    def resize(self, num_blocks: int) -> int:
+        """Resize the KV pool (the next step's plan moves and truncates blocks); returns the new count."""
+        self.scheduler.resize(int(num_blocks))
+        return int(self.scheduler.num_blocks)
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.scheduler.reset_prefix_cache())
+
+    def ping(self) -> str:
+        return "pong"
+
+    def call_utility(self, method: str, args: Sequence[Any]) -> Any:
+        if method not in self.UTILITY_METHODS:
+            raise ValueError(f"unknown utility method {method!r}; one of {sorted(self.UTILITY_METHODS)}")
+        return getattr(self, method)(*args)

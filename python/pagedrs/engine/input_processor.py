@@ -1,0 +1,150 @@
+"""InputProcessor: the one place a request is validated and tokenized and its max_tokens resolved, before
+anything reaches the engine core. Every error is an `InputError` (a ValueError) naming the offending value
+and, for the server, the request field it came from."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from pagedrs.engine.messages import EngineCoreRequest
+from pagedrs.sampling_params import SamplingParams
+
+__all__ = ["InputError", "InputProcessor", "PromptType"]
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class InputError(ValueError):
+    """A bad request: `param` names the field (OpenAI's error shape), `code` is OpenAI's code if any."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        max_model_len: int,
+        vocab_size: int,
+        max_logprobs: int,
+        strict: bool = False,
+    ) -> None:
+        """`strict` (the server, as OpenAI does): reject prompt + max_tokens > max_model_len and stop token
+        ids or logit_bias keys outside the vocabulary. Otherwise (offline, as vLLM) such a request stops at
+        max_model_len with finish reason "length" and such ids never match."""
+        self.tokenizer = tokenizer
+        self.strict = strict
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size or (len(tokenizer) if tokenizer is not None else 0)
+        self.max_logprobs = max_logprobs
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, checked token ids)."""
+        text: str | None = None
+        ids: Any = None
+        if isinstance(prompt, dict):
+            text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+            if text is None and ids is None:
+                raise InputError(
+                    f"prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}", "prompt"
+                )
+        elif isinstance(prompt, str):
+            text = prompt
+        else:
+            ids = prompt
+        if ids is None:
+            if not isinstance(text, str):
+                raise InputError(
+                    f"prompt must be a str, a list of token ids or a dict, got {type(text).__name__}",
+                    "prompt",
+                )
+            if self.tokenizer is None:
+                raise InputError("this model has no tokenizer: give prompts as token ids", "prompt")
+            try:
+                ids = self.tokenizer.encode(text)
+            except Exception as exc:  # noqa: BLE001 - undecodable input (lone surrogates, ...)
+                raise InputError(f"prompt cannot be tokenized: {exc}", "prompt") from None
+        if isinstance(ids, np.ndarray):
+            ids = ids.tolist()
+        if not isinstance(ids, (list, tuple)) or not all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids
+        ):
+            raise InputError(f"prompt_token_ids must be a list of ints, got {str(ids)[:80]}", "prompt")
+        ids = [int(t) for t in ids]
+        self.check_token_ids(ids, "prompt")
+        return text, ids
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        for t in ids:
+            if t < 0 or (self.vocab_size and t >= self.vocab_size):
+                raise InputError(
+                    f"token id {t} is out of vocabulary: it must be in [0, {self.vocab_size})", param
+                )
+
+    def resolve_max_tokens(self, num_prompt: int, requested: int | None) -> int:
+        """max_tokens checked against max_model_len (the message gives both numbers); None = what is left."""
+        limit = self.max_model_len
+        if num_prompt == 0:
+            raise InputError("the prompt is empty (0 tokens)", "prompt")
+        if num_prompt >= limit:
+            raise InputError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{num_prompt} tokens, which leaves no room for a completion (max_model_len {limit}).",
+                "prompt",
+                "context_length_exceeded",
+            )
+        if requested is None:
+            return limit - num_prompt
+        if num_prompt + requested > limit and self.strict:
+            raise InputError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + requested} tokens ({num_prompt} in the prompt, {requested} for the "
+                f"completion). Please reduce the prompt or max_tokens.",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        return requested
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        client_index: int = 0,
+    ) -> tuple[str | None, EngineCoreRequest]:
+        """(prompt text, the request for the core); InputError on bad input."""
+        if not isinstance(params, SamplingParams):
+            raise InputError(f"params must be a SamplingParams, got {type(params).__name__}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and v > self.max_logprobs:
+                raise InputError(f"{name} ({v}) is larger than max_logprobs ({self.max_logprobs})", name)
+        if params.stop_token_ids and self.strict:
+            self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        if params.logit_bias and self.strict:
+            self.check_token_ids(list(params.logit_bias), "logit_bias")
+        text, ids = self.tokenize(prompt)
+        max_tokens = self.resolve_max_tokens(len(ids), params.max_tokens)
+        if params.min_tokens > max_tokens:
+            raise InputError(
+                f"min_tokens ({params.min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens"
+            )
+        return text, EngineCoreRequest(
+            request_id=str(request_id),
+            prompt_token_ids=ids,
+            params=params,
+            max_tokens=max_tokens,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=int(priority),
+            client_index=client_index,
+        )

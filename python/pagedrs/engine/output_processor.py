@@ -1,0 +1,169 @@
+"""OutputProcessor: the frontend half of a step. Turns each `EngineCoreOutputs` message into
+`RequestOutput`s: incremental detokenization, stop strings (a hit finishes the sample here and asks the
+core to abort it), logprobs with their token texts, request metrics, and the output kinds (cumulative,
+delta, final only). Only requests that produced something are touched; no per-step copies of whole lists
+for delta or final-only requests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pagedrs.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from pagedrs.engine.sequence import Request, Sequence, check_stop_strings, make_logprob_dict
+from pagedrs.outputs import RequestOutput
+from pagedrs.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = ["OutputProcessor", "ProcessedOutputs", "RequestObserver"]
+
+
+class RequestObserver(Protocol):
+    """Receives per-request timings (e.g. Prometheus histograms)."""
+
+    def on_first_token(self, ttft_s: float) -> None: ...
+    def on_tokens(self, itl_s: float, num_tokens: int) -> None: ...
+    def on_finished(self, reason: str, e2e_s: float) -> None: ...
+
+
+@dataclass
+class ProcessedOutputs:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    abort_seqs: list[tuple[str, int]] = field(default_factory=list)  # stop strings hit: tell the core
+    errors: dict[str, str] = field(default_factory=dict)  # request id -> why the core dropped it
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, observer: RequestObserver | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.observer = observer
+        self.requests: dict[str, Request] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> Request:
+        req = Request(request_id, prompt, prompt_token_ids, params, arrival_time, self.tokenizer)
+        self.requests[request_id] = req
+        return req
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def abort_requests(self, request_ids: Iterable[str], reason: str = "abort") -> list[RequestOutput]:
+        """Finish requests here (the caller tells the core); their final outputs."""
+        outs = []
+        now = time.time()
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            changed = [s for s in req.seqs if not s.finished]
+            for s in changed:
+                s.finish_reason = reason
+            req.num_unfinished = 0
+            req.metrics.finished_time = now
+            if self.observer is not None:
+                self.observer.on_finished(reason, now - req.metrics.arrival_time)
+            outs.append(req.to_output(changed))
+        return outs
+
+    def process_outputs(self, msg: EngineCoreOutputs) -> ProcessedOutputs:
+        result = ProcessedOutputs()
+        now = time.time()
+        touched: dict[str, tuple[Request, list[Sequence]]] = {}
+        for o in msg.outputs:
+            req = self.requests.get(o.request_id)
+            if req is None:  # aborted or finished here already
+                continue
+            if o.error is not None:
+                result.errors[o.request_id] = o.error
+                result.outputs.extend(self.abort_requests([o.request_id]))
+                continue
+            if o.num_cached_tokens is not None:
+                req.num_cached_tokens = o.num_cached_tokens
+            if o.first_scheduled_time is not None:
+                req.metrics.first_scheduled_time = o.first_scheduled_time
+                req.metrics.time_in_queue = o.first_scheduled_time - req.metrics.arrival_time
+            if o.prompt_logprobs is not None:
+                self._prompt_logprobs(req, o)
+            seq = req.seqs[o.index]
+            if seq.finished or not (o.new_token_ids or o.finish_reason is not None):
+                continue
+            if self._update_seq(seq, o, result):
+                req.num_unfinished -= 1
+            entry = touched.get(o.request_id)
+            if entry is None:
+                touched[o.request_id] = (req, [seq])
+            else:
+                entry[1].append(seq)
+        for req, changed in touched.values():
+            self._observe(req, changed, now)
+            if req.finished:
+                del self.requests[req.request_id]
+                req.metrics.finished_time = now
+            elif req.output_kind == RequestOutputKind.FINAL_ONLY:
+                continue
+            result.outputs.append(req.to_output(changed))
+        return result
+
+    def _update_seq(self, seq: Sequence, o: EngineCoreOutput, result: ProcessedOutputs) -> bool:
+        """Apply one core output to a sequence; True when it finished."""
+        reason: str | None = o.finish_reason.value if o.finish_reason is not None else None
+        stop_reason: int | str | None = o.stop_reason
+        if o.new_logprobs is not None and seq.logprobs is not None:
+            k = seq.params.logprobs or 0
+            lp = o.new_logprobs
+            for j in range(len(lp.ranks)):
+                seq.add_logprobs(lp.token_ids[j], lp.logprobs[j], lp.ranks[j], k, self.tokenizer)
+        if o.new_token_ids:
+            seq.output_token_ids.extend(o.new_token_ids)
+            det = seq.detokenizer
+            stop_terminated = reason == FinishReason.STOP.value
+            if det is not None and (not stop_terminated or seq.params.include_stop_str_in_output):
+                new_chars = det.add(o.new_token_ids)
+                stop = seq.params.stop
+                if not stop_terminated and stop and len(seq.output_token_ids) > seq.params.min_tokens:
+                    hit = check_stop_strings(det.text, new_chars, stop, seq.params.include_stop_str_in_output)
+                    if hit is not None:
+                        seq.text_cut = hit[1] if hit[1] != -1 else None
+                        if reason is None:
+                            result.abort_seqs.append((seq.request.request_id, seq.index))
+                        reason, stop_reason = FinishReason.STOP.value, hit[0]
+        if reason is None:
+            return False
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        return True
+
+    def _prompt_logprobs(self, req: Request, o: EngineCoreOutput) -> None:
+        chunk = o.prompt_logprobs
+        assert chunk is not None
+        if req.prompt_logprobs is None:
+            return
+        k = req.params.prompt_logprobs or 0
+        for j in range(len(chunk.ranks)):
+            pos = chunk.start + j
+            if req.prompt_logprobs[pos] is None:  # a recomputed prefix is not recorded twice
+                req.prompt_logprobs[pos] = make_logprob_dict(
+                    chunk.token_ids[j], chunk.logprobs[j], chunk.ranks[j], k, self.tokenizer
+                )
+
+    def _observe(self, req: Request, changed: list[Sequence], now: float) -> None:
+        m = req.metrics
+        obs = self.observer
+        if m.first_token_time is None:
+            m.first_token_time = now
+            if obs is not None:
+                obs.on_first_token(now - m.arrival_time)
+        elif obs is not None:
+            obs.on_tokens(now - m.last_token_time, 1)
+        m.last_token_time = now
+        if req.finished and obs is not None:
+            reasons = [s.finish_reason for s in req.seqs if s.finish_reason]
+            obs.on_finished(reasons[0] if reasons else "stop", now - m.arrival_time)
