@@ -799,6 +799,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_interrupt)
 
+    git = git_info()  # the code that runs is the checkout's now (an editable install reads it at start-up)
     load_start = _loadavg()
     if load_start and load_start[0] > 0.5 * (os.cpu_count() or 1):
         print(
@@ -944,7 +945,14 @@ def main(argv: list[str] | None = None) -> int:
     if efficiency and "note" in efficiency:
         print(f"note: {efficiency['note']}")
 
-    git = git_info()
+    git_end = git_info()
+    if git_end.get("commit") != git.get("commit") or git_end.get("changes") != git.get("changes"):
+        git["at_end"] = git_end
+        print(
+            "warning: the checkout changed during the run (commit or working tree): the offline run and the "
+            "server may have loaded different code",
+            file=sys.stderr,
+        )
     machine = machine_info()
     machine["torch_device"] = (
         (offline or {}).get("device") or _logged_device(args.server_log) or _logged_device(args.offline_log)

@@ -1,6 +1,7 @@
-"""A test-only stand-in for LLMEngine (same interface, no model): tokens are bytes, each step emits
-one deterministic token per running sequence. Used by the fast server tests; the end-to-end tests
-run the real engine."""
+"""A test-only stand-in for the engine core (EngineCore's methods, no model): tokens are bytes, each step
+emits one deterministic token per running sequence as an `EngineCoreOutputs` message. The server runs it
+behind the same ZeroMQ channel as a real core (in a thread); the end-to-end tests run the real engine in
+its own process."""
 
 from __future__ import annotations
 
@@ -9,9 +10,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedrs.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    Ready,
+    SampleLogprobsMsg,
+)
 from pagedrs.metrics import EngineStats
-from pagedrs.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedrs.sampling_params import SamplingParams
 
 EOS = 256
 
@@ -42,10 +49,11 @@ class ByteTokenizer:
 class _Req:
     request_id: str
     prompt: list[int]
-    params: SamplingParams
-    arrival: float
+    max_tokens: int
+    n: int
+    logprobs: int | None
     outputs: list[list[int]] = field(default_factory=list)
-    finish: list[str | None] = field(default_factory=list)
+    live: set[int] = field(default_factory=set)
 
 
 class FakeEngine:
@@ -67,7 +75,9 @@ class FakeEngine:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.fail_next_step: BaseException | None = None
+        self.die_next_step: BaseException | None = None  # raised out of the core loop: the core dies
         self.requests: dict[str, _Req] = {}
+        self.pending: list[EngineCoreOutput] = []
         self.num_steps = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -76,98 +86,86 @@ class FakeEngine:
     def get_tokenizer(self) -> ByteTokenizer:
         return self.tokenizer
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: Any,
-        params: SamplingParams,
-        arrival_time: float | None = None,
-        priority: int = 0,
-    ) -> None:
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty (0 tokens)")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens exceeds max_model_len ({self.max_model_len})")
-        self.requests[request_id] = _Req(
-            request_id,
-            ids,
-            params,
-            arrival_time or time.time(),
-            [[] for _ in range(params.n)],
-            [None] * params.n,
-        )
-        self.prompt_tokens_total += len(ids)
+    def ready_info(self) -> Ready:
+        return Ready(self.model_name, self.max_model_len, self.vocab_size, [EOS], 20, self.num_blocks, 16, 0)
 
-    def abort_request(self, request_id: str | list[str]) -> None:
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for rid in ids:
+    def add_request(self, req: EngineCoreRequest) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        n = req.params.n
+        self.requests[req.request_id] = _Req(
+            req.request_id,
+            list(req.prompt_token_ids),
+            req.max_tokens,
+            n,
+            req.params.logprobs,
+            [[] for _ in range(n)],
+            set(range(n)),
+        )
+        self.prompt_tokens_total += len(req.prompt_token_ids)
+
+    def reject(self, request_id: str, error: str) -> None:
+        self.pending.append(EngineCoreOutput(request_id, 0, finish_reason=FinishReason.ABORT, error=error))
+
+    def abort(self, request_ids: Any, seqs: Any = ()) -> None:
+        for rid in request_ids:
             self.requests.pop(rid, None)
+        for rid, index in seqs:
+            req = self.requests.get(rid)
+            if req is not None:
+                req.live.discard(index)
+                if not req.live:
+                    del self.requests[rid]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
 
-    def step(self) -> list[RequestOutput]:
+    def take_pending(self) -> list[EngineCoreOutput]:
+        out, self.pending = self.pending, []
+        return out
+
+    def call_utility(self, method: str, args: Any) -> Any:
+        if method == "get_stats":
+            return self.get_stats()
+        raise ValueError(f"unknown utility method {method!r}")
+
+    def step(self) -> EngineCoreOutputs:
         assert self.lock.acquire(blocking=False), "engine used from two threads"
         try:
+            if self.die_next_step is not None:
+                exc, self.die_next_step = self.die_next_step, None
+                raise SystemExit(str(exc))  # not an Exception: ends the core loop like a crash
             if self.fail_next_step is not None:
                 exc, self.fail_next_step = self.fail_next_step, None
+                for rid in list(self.requests):
+                    self.reject(rid, f"engine step failed: {exc}")
+                self.requests.clear()
                 raise exc
             time.sleep(self.step_delay)
             self.num_steps += 1
-            outs = []
+            outs = self.take_pending()
             for rid, req in list(self.requests.items()):
-                for i, toks in enumerate(req.outputs):
-                    if req.finish[i] is not None:
-                        continue
+                for i in sorted(req.live):
+                    toks = req.outputs[i]
                     start = req.prompt[-1] % 26
-                    toks.append(ord("a") + (start + len(toks) + i) % 26)
+                    tok = ord("a") + (start + len(toks) + i) % 26
+                    toks.append(tok)
                     self.generation_tokens_total += 1
-                    limit = min(req.params.max_tokens or 16, self.max_model_len - len(req.prompt))
-                    text = self.tokenizer.decode(toks)
-                    if any(s in text for s in (req.params.stop or [])):
-                        req.finish[i] = "stop"
-                    elif len(toks) >= limit:
-                        req.finish[i] = "length"
-                finished = all(f is not None for f in req.finish)
-                outs.append(self._output(req, finished))
-                if finished:
+                    o = EngineCoreOutput(rid, i, [tok])
+                    if req.logprobs is not None:
+                        o.new_logprobs = SampleLogprobsMsg([[tok, (tok + 1) % 256]], [[-0.5, -1.5]], [1])
+                    if len(toks) >= req.max_tokens:
+                        o.finish_reason = FinishReason.LENGTH
+                        req.live.discard(i)
+                    outs.append(o)
+                if not req.live:
                     del self.requests[rid]
-            return outs
+            return EngineCoreOutputs(outs, self.get_stats(), time.time())
         finally:
             self.lock.release()
-
-    def _output(self, req: _Req, finished: bool) -> RequestOutput:
-        outputs = []
-        for i, toks in enumerate(req.outputs):
-            text = self.tokenizer.decode(toks)
-            for s in req.params.stop or []:
-                if s in text:
-                    text = text[: text.index(s)]
-            lps = None
-            if req.params.logprobs is not None:
-                lps = [
-                    {t: Logprob(-0.5, 1, chr(t)), (t + 1) % 256: Logprob(-1.5, 2, chr((t + 1) % 256))}
-                    for t in toks
-                ]
-            outputs.append(
-                CompletionOutput(i, text, list(toks), -0.5 * len(toks) if lps else None, lps, req.finish[i])
-            )
-        now = time.time()
-        return RequestOutput(
-            req.request_id,
-            None,
-            req.prompt,
-            None,
-            outputs,
-            finished,
-            RequestMetrics(arrival_time=req.arrival, last_token_time=now),
-        )
 
     def get_stats(self) -> EngineStats:
         used = sum(

@@ -1,35 +1,75 @@
-"""AsyncLLMEngine: the LLMEngine stepping in its own thread, one asyncio queue per request.
+"""AsyncLLMEngine: the server's frontend to an engine core that runs in its own process (or, for an engine
+object handed in, in a thread behind the same channel).
 
-The event loop never calls into the engine: it sends commands (add, abort) through a
-thread-safe queue, and the engine thread feeds each request's asyncio queue through
-``loop.call_soon_threadsafe``. Engine state the server reads (stats) is a snapshot the engine
-thread publishes after every step, so no other thread touches the scheduler.
+The event loop never calls into the engine. Requests are validated and tokenized here (InputProcessor) and
+sent as msgspec messages over ZeroMQ; one asyncio task receives the core's one-message-per-step outputs,
+runs the OutputProcessor (detokenization, stop strings) and feeds each request's `RequestStream`. A stream
+whose reader is slow gets its deltas merged: the next read returns everything since the previous one.
+
+A dead core process is detected: every in-flight request gets `EngineCoreDiedError`, the engine reports
+unhealthy, and the core is restarted (at most `max_restarts` times) so that new requests are served.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
-import queue
-import threading
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pagedrs.engine.core_client import (
+    CoreHandle,
+    EngineStartupError,
+    ProcessCore,
+    ThreadCore,
+    send_shutdown,
+    wait_ready,
+)
+from pagedrs.engine.input_processor import InputProcessor
+from pagedrs.engine.messages import (
+    AbortRequests,
+    EngineCoreOutputs,
+    Ready,
+    UtilityCall,
+    UtilityResult,
+    output_decoder,
+)
+from pagedrs.engine.output_processor import OutputProcessor, RequestObserver
+from pagedrs.metrics import EngineStats
+from pagedrs.outputs import RequestOutput
+from pagedrs.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = [
+    "AsyncLLMEngine",
+    "EngineCoreDiedError",
+    "EngineDeadError",
+    "EngineDrainingError",
+    "EngineStartupError",
+    "RequestAbortedError",
+    "RequestStream",
+]
 
 logger = logging.getLogger("pagedrs.async_engine")
 
-_FINISHED = object()  # end-of-stream marker put after the last output
-
-
-def _consume_exception(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()
+_READY_TIMEOUT_S = 600.0
+_MONITOR_INTERVAL_S = 0.2
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread failed; every request is errored and no new one is accepted."""
+    """The engine core is not running (failed, restarting, or out of restarts); no request is accepted."""
+
+
+class EngineCoreDiedError(EngineDeadError):
+    """The engine core process died while this request was in flight."""
 
 
 class EngineDrainingError(RuntimeError):
@@ -40,69 +80,72 @@ class RequestAbortedError(RuntimeError):
     """The request was aborted before it finished."""
 
 
-class RequestObserver(Protocol):
-    """Receives per-request timings from the engine thread (e.g. Prometheus histograms)."""
-
-    def on_first_token(self, ttft_s: float) -> None: ...
-    def on_tokens(self, itl_s: float, num_tokens: int) -> None: ...
-    def on_finished(self, reason: str, e2e_s: float) -> None: ...
+class StepObserver(RequestObserver, Protocol):
+    def on_step(self, stats: EngineStats, frontend_s: float) -> None: ...
 
 
-@dataclass
-class _Tracker:
-    arrival: float
-    first_token: float | None = None
-    last_token: float | None = None
-    num_tokens: int = 0
+def merge_delta(prev: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """`prev` followed by `new`, both delta outputs of one request (in place on `prev`)."""
+    by_index = {c.index: c for c in prev.outputs}
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            prev.outputs.append(c)
+            by_index[c.index] = c
+            continue
+        old.text += c.text
+        old.token_ids = old.token_ids + c.token_ids
+        if old.logprobs is not None and c.logprobs is not None:
+            old.logprobs = old.logprobs + c.logprobs
+        old.cumulative_logprob = c.cumulative_logprob
+        old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
+    prev.finished = new.finished
+    prev.num_cached_tokens = new.num_cached_tokens
+    return prev
 
 
 class RequestStream:
-    """Outputs of one request, in order; iterate with ``async for``."""
+    """Outputs of one request, in order; iterate with ``async for``. Delta outputs not yet read are merged
+    into one, so a slow reader never has a backlog of per-token items."""
 
-    def __init__(self, request_id: str, engine: AsyncLLMEngine) -> None:
+    def __init__(self, request_id: str, engine: AsyncLLMEngine, kind: RequestOutputKind) -> None:
         self.request_id = request_id
         self.finished = False
         self._engine = engine
-        self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._accepted: asyncio.Future[None] = self._loop.create_future()
+        self._kind = kind
+        self._pending: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._event = asyncio.Event()
 
-    # -- called from the engine thread --
-    def _call(self, fn: Callable[..., None], *args: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # loop already closed
-            self._loop.call_soon_threadsafe(fn, *args)
+    def _put(self, out: RequestOutput) -> None:
+        if self._pending is not None and self._kind == RequestOutputKind.DELTA:
+            merge_delta(self._pending, out)
+        else:
+            self._pending = out
+        self._event.set()
 
-    def _put(self, item: Any) -> None:
-        self._call(self._queue.put_nowait, item)
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+        self._event.set()
 
-    def _set_accepted(self, exc: BaseException | None) -> None:
-        def done() -> None:
-            if self._accepted.done():
-                return
-            if exc is None:
-                self._accepted.set_result(None)
-            else:
-                self._accepted.set_exception(exc)
-
-        self._call(done)
-
-    # -- event loop side --
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> Any:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if item is _FINISHED:
-            self.finished = True
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if getattr(item, "finished", False):
-            self.finished = True
-        return item
+    async def __anext__(self) -> RequestOutput:
+        while True:
+            if self._pending is not None:
+                out, self._pending = self._pending, None
+                if out.finished:
+                    self.finished = True
+                return out
+            if self._error is not None:
+                self.finished = True
+                err, self._error = self._error, None
+                raise err
+            if self.finished:
+                raise StopAsyncIteration
+            self._event.clear()
+            await self._event.wait()
 
     def abort(self) -> None:
         """Aborts the request unless it already finished (idempotent)."""
@@ -111,44 +154,89 @@ class RequestStream:
             self._engine._abort_stream(self)
 
 
-@dataclass
-class _Command:
-    kind: str  # "add" | "abort" | "stop"
-    request_id: str = ""
-    stream: RequestStream | None = None
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
 class AsyncLLMEngine:
-    """Wraps an ``LLMEngine``; ``start()`` must be called from the serving event loop."""
+    """`from_engine_args` runs the core in its own process; `AsyncLLMEngine(engine)` runs a given engine
+    (an `LLMEngine`, an `EngineCore` or a stand-in with its methods) in a thread behind the same channel.
+    The core starts (and the model loads) in the constructor; `start()` must then be called from the
+    serving event loop."""
 
-    def __init__(self, engine: Any, *, observer: RequestObserver | None = None) -> None:
-        self.engine = engine
+    def __init__(
+        self,
+        engine: Any = None,
+        *,
+        observer: StepObserver | None = None,
+        tokenizer: Any = None,
+        max_restarts: int = 3,
+        _make_handle: Callable[[str, int], CoreHandle] | None = None,
+    ) -> None:
         self.observer = observer
-        self.max_model_len: int = int(engine.max_model_len)
-        self.model_name: str = str(getattr(engine, "model_name", "default"))
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}  # engine-thread only
-        self._trackers: dict[str, _Tracker] = {}  # engine-thread only
-        self._num_inflight = 0  # event-loop only
-        self._thread: threading.Thread | None = None
-        self._closed = False  # set by the engine thread as it exits; guarded by _cmd_lock
-        self._cmd_lock = threading.Lock()
+        self.max_restarts = max_restarts
+        self._ipc_dir = tempfile.mkdtemp(prefix="pagedrs-ipc-")  # mode 0700
+        if _make_handle is None:
+            core = getattr(engine, "engine_core", engine)  # an LLMEngine runs its core
+            tokenizer = tokenizer if tokenizer is not None else engine.get_tokenizer()
+            _make_handle = lambda ipc_dir, gen: ThreadCore(core, ipc_dir, gen)  # noqa: E731
+        self._make_handle = _make_handle
+        self.tokenizer = tokenizer
+        self._gen = 0
+        self.num_restarts = 0
+        self._handle = self._start_core()  # raises EngineStartupError
+        ready = self.ready
+        self.model_name = ready.model_name
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size or len(tokenizer)
+        self.input_processor = InputProcessor(
+            tokenizer,
+            max_model_len=ready.max_model_len,
+            vocab_size=self.vocab_size,
+            max_logprobs=ready.max_logprobs,
+            strict=True,
+        )
+        self.output_processor = OutputProcessor(tokenizer, observer)
+        self._streams: dict[str, RequestStream] = {}
+        self._num_inflight = 0
         self._dead: BaseException | None = None
         self._draining = False
-        self._stats: Any = None
+        self._closing = False
+        self._started = False
+        self._stats: EngineStats | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._in_sock: Any = None
+        self._out_sock: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._restart_listeners: list[Callable[[], None]] = []
 
     @classmethod
     def from_engine_args(cls, engine_args: Any, **kwargs: Any) -> AsyncLLMEngine:
-        from pagedrs import LLMEngine
+        """The core in its own process, loading the model there; the tokenizer is loaded here."""
+        from pagedrs.loader import load_tokenizer
 
-        return cls(LLMEngine.from_engine_args(engine_args), **kwargs)
+        engine_args.early_configs()  # bad arguments fail here, before any process starts
+        tokenizer = load_tokenizer(engine_args.model, engine_args.tokenizer)
+        return cls(
+            tokenizer=tokenizer,
+            _make_handle=lambda ipc_dir, gen: ProcessCore(engine_args, ipc_dir, gen),
+            **kwargs,
+        )
+
+    def _start_core(self) -> CoreHandle:
+        handle = self._make_handle(self._ipc_dir, self._gen)
+        handle.start()
+        try:
+            self.ready: Ready = wait_ready(handle, _READY_TIMEOUT_S)
+        except BaseException:
+            handle.stop(5)
+            raise
+        logger.info("engine core ready: %s, %d KV blocks", self.ready.model_name, self.ready.num_blocks)
+        return handle
 
     # ------------------------------------------------------------------ state
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._started and not self._closing and self._handle.alive()
 
     @property
     def errored(self) -> bool:
@@ -166,20 +254,51 @@ class AsyncLLMEngine:
     def num_inflight(self) -> int:
         return self._num_inflight
 
-    def get_stats(self) -> Any:
-        """The engine stats as of the latest step (a snapshot; never touches the engine)."""
+    @property
+    def core_pid(self) -> int | None:
+        return getattr(self._handle, "pid", None)
+
+    def get_stats(self) -> EngineStats | None:
+        """The engine stats as of the latest step message."""
         return self._stats
 
     def get_tokenizer(self) -> Any:
-        return self.engine.get_tokenizer()
+        return self.tokenizer
+
+    def set_observer(self, observer: StepObserver | None) -> None:
+        self.observer = observer
+        self.output_processor.observer = observer
+
+    def add_restart_listener(self, fn: Callable[[], None]) -> None:
+        """Called (on the event loop) after the core was restarted and serves again."""
+        self._restart_listeners.append(fn)
 
     # -------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        if self._thread is not None:
+        if self._started:
             return
-        self._refresh_stats()
-        self._thread = threading.Thread(target=self._run, name="pagedrs-engine", daemon=True)
-        self._thread.start()
+        self._started = True
+        self._connect()
+        self._tasks.append(asyncio.create_task(self._monitor(), name="pagedrs-core-monitor"))
+
+    def _connect(self) -> None:
+        self._ctx = self._ctx or zmq.asyncio.Context()
+        self._in_sock = self._ctx.socket(zmq.PUSH)
+        self._in_sock.setsockopt(zmq.LINGER, 0)
+        self._in_sock.connect(self._handle.input_addr)
+        self._out_sock = self._ctx.socket(zmq.PULL)
+        self._out_sock.setsockopt(zmq.LINGER, 0)
+        self._out_sock.connect(self._handle.output_addrs[0])
+        self._output_task = asyncio.create_task(self._output_loop(), name="pagedrs-outputs")
+
+    def _disconnect(self) -> None:
+        task = getattr(self, "_output_task", None)
+        if task is not None:
+            task.cancel()
+        for s in (self._in_sock, self._out_sock):
+            if s is not None:
+                s.close(linger=0)
+        self._in_sock = self._out_sock = None
 
     def begin_drain(self) -> None:
         """Stops accepting new requests; in-flight ones go on."""
@@ -194,48 +313,40 @@ class AsyncLLMEngine:
         return self._num_inflight == 0
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Aborts what is left and joins the engine thread."""
-        self._draining = True
-        if self._thread is None:
+        """Aborts what is left, stops the core (its process exits) and closes the channel."""
+        if self._closing:
             return
-        self._commands.put(_Command("stop"))
-        self._thread.join(timeout)
-        self._thread = None
+        self._draining = self._closing = True
+        for t in self._tasks:
+            t.cancel()
+        self._fail_all(RequestAbortedError("server shut down"))
+        with contextlib.suppress(zmq.ZMQError):
+            send_shutdown(self._handle.input_addr)
+        self._handle.stop(timeout)
+        self._disconnect()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     # --------------------------------------------------------------- requests
     async def add_request(
-        self, request_id: str, prompt: Any, params: Any, *, priority: int = 0
+        self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0
     ) -> RequestStream:
-        """Submits a request; raises ValueError for invalid input (from the engine),
-        EngineDeadError after a fault, EngineDrainingError while shutting down."""
+        """Submits a request; raises InputError (a ValueError) for invalid input, EngineDeadError while the
+        core is down, EngineDrainingError while shutting down."""
         if self._dead is not None:
-            raise EngineDeadError(f"engine failed: {self._dead!r}")
+            raise EngineDeadError(f"the engine core is not running: {self._dead}")
         if self._draining:
             raise EngineDrainingError("server is shutting down")
         if not self.is_running:
-            raise EngineDeadError("engine is not running")
-        stream = RequestStream(request_id, self)
+            raise EngineDeadError("the engine core is not running")
+        request_id = str(request_id)
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, req = self.input_processor.process(request_id, prompt, params, priority=priority)
+        self.output_processor.add_request(request_id, text, req.prompt_token_ids, params, req.arrival_time)
+        stream = RequestStream(request_id, self, params.output_kind)
+        self._streams[request_id] = stream
         self._num_inflight += 1
-        try:
-            with self._cmd_lock:
-                if self._closed:
-                    raise EngineDeadError(f"engine is not running: {self._dead!r}")
-                self._commands.put(
-                    _Command(
-                        "add",
-                        request_id,
-                        stream,
-                        (prompt, params),
-                        {"arrival_time": time.time(), "priority": priority},
-                    )
-                )
-            await stream._accepted
-        except BaseException:
-            # cancelled while waiting (client gone) or rejected: the engine must not keep it.
-            stream._accepted.add_done_callback(_consume_exception)
-            stream.abort()
-            self._num_inflight -= 1
-            raise
+        self._send(req)
         return stream
 
     def release(self, stream: RequestStream) -> None:
@@ -243,8 +354,8 @@ class AsyncLLMEngine:
         stream.abort()
         self._num_inflight -= 1
 
-    async def generate(self, request_id: str, prompt: Any, params: Any) -> AsyncIterator[Any]:
-        """Yields the request's cumulative outputs; aborts it if the consumer stops early."""
+    async def generate(self, request_id: str, prompt: Any, params: SamplingParams) -> AsyncIterator[Any]:
+        """Yields the request's outputs (as `params.output_kind` asks); aborts it if the consumer stops."""
         stream = await self.add_request(request_id, prompt, params)
         try:
             async for out in stream:
@@ -253,138 +364,121 @@ class AsyncLLMEngine:
             self.release(stream)
 
     def abort(self, request_id: str) -> None:
-        """Thread-safe; the engine frees the request's blocks before its next step."""
-        self._commands.put(_Command("abort", request_id))
+        """Aborts a request in flight; the core frees its blocks before its next step."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self._abort(stream)
 
     def _abort_stream(self, stream: RequestStream) -> None:
         # Names the stream: a rejected duplicate id must not abort the request that owns the id.
-        self._commands.put(_Command("abort", stream.request_id, stream))
+        if self._streams.get(stream.request_id) is stream:
+            self._abort(stream)
 
-    # ------------------------------------------------------------ engine thread
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while True:
-                busy = engine.has_unfinished_requests()
-                if not self._handle_commands(block=not busy):
-                    break
-                if not engine.has_unfinished_requests():
-                    continue
-                outputs = engine.step()  # the engine logs its own periodic stats line
-                now = time.time()
-                for out in outputs:
-                    self._dispatch(out, now)
-                self._refresh_stats()
-        except BaseException as exc:  # noqa: BLE001 - any engine failure is fatal to the engine
-            logger.exception("engine thread failed")
-            self._dead = exc
-            self._abort_all(EngineDeadError(f"engine failed: {exc!r}"))
-            self._reject_pending(EngineDeadError(f"engine failed: {exc!r}"))
-            return
-        self._abort_all(RequestAbortedError("server shut down"))
-        self._reject_pending(EngineDrainingError("server is shutting down"))
+    def _abort(self, stream: RequestStream) -> None:
+        rid = stream.request_id
+        del self._streams[rid]
+        self.output_processor.abort_requests([rid])
+        stream._fail(RequestAbortedError(f"request {rid} aborted"))
+        self._send(AbortRequests([rid]))
 
-    def _handle_commands(self, block: bool) -> bool:
-        """Applies queued commands; returns False on stop."""
-        changed = False
+    async def call_utility(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
+        """Run one of the core's utility methods (get_stats, resize, reset_prefix_cache, ping)."""
+        if self._dead is not None or not self.is_running:
+            raise EngineDeadError(f"the engine core is not running: {self._dead}")
+        call_id = next(self._call_ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        self._send(UtilityCall(call_id, method, list(args)))
         try:
-            while True:
-                try:
-                    cmd = self._commands.get(timeout=1.0) if block else self._commands.get_nowait()
-                except queue.Empty:
-                    return True
-                block = False
-                if cmd.kind == "stop":
-                    return False
-                changed = True
-                if cmd.kind == "add":
-                    self._apply_add(cmd)
-                elif cmd.kind == "abort":
-                    self._apply_abort(cmd.request_id, cmd.stream)
+            return await asyncio.wait_for(fut, timeout)
         finally:
-            if changed:  # queues and blocks changed: publish before the (long) next step
-                self._refresh_stats()
+            self._calls.pop(call_id, None)
 
-    def _apply_add(self, cmd: _Command) -> None:
-        stream = cmd.stream
-        assert stream is not None  # INVARIANT: add commands always carry their stream
-        if stream.finished:  # aborted before the engine saw it
+    def _send(self, msg: Any) -> None:
+        if self._in_sock is None:
             return
-        try:
-            self.engine.add_request(cmd.request_id, *cmd.args, **cmd.kwargs)
-        except Exception as exc:  # noqa: BLE001 - rejected input belongs to this request only
-            stream._set_accepted(exc)
-            return
-        self._streams[cmd.request_id] = stream
-        self._trackers[cmd.request_id] = _Tracker(arrival=cmd.kwargs["arrival_time"])
-        stream._set_accepted(None)
+        try:  # PUSH to a connected peer does not block below the high-water mark
+            self._in_sock.send(self._encoder.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            fut = self._in_sock.send(self._encoder.encode(msg))
+            fut.add_done_callback(lambda f: f.exception())
 
-    def _apply_abort(self, request_id: str, only: RequestStream | None = None) -> None:
-        stream = self._streams.get(request_id)
-        if stream is None or (only is not None and stream is not only):
-            return
-        del self._streams[request_id]
-        self.engine.abort_request(request_id)
-        tracker = self._trackers.pop(request_id, None)
-        if self.observer is not None and tracker is not None:
-            self.observer.on_finished("abort", time.time() - tracker.arrival)
-        stream._put(RequestAbortedError(f"request {request_id} aborted"))
-
-    def _dispatch(self, out: Any, now: float) -> None:
-        rid = out.request_id
-        stream = self._streams.get(rid)
-        if stream is None:
-            return
-        tracker = self._trackers.get(rid)
-        if tracker is not None:
-            self._observe(tracker, out, now)
-        stream._put(out)
-        if out.finished:
-            self._streams.pop(rid, None)
-            self._trackers.pop(rid, None)
-            stream._put(_FINISHED)
-
-    def _observe(self, tracker: _Tracker, out: Any, now: float) -> None:
-        num_tokens = sum(len(c.token_ids) for c in out.outputs)
-        new_tokens = num_tokens - tracker.num_tokens
-        obs = self.observer
-        if new_tokens > 0:
-            if tracker.first_token is None:
-                tracker.first_token = now
-                if obs is not None:
-                    obs.on_first_token(now - tracker.arrival)
-            elif obs is not None and tracker.last_token is not None:
-                per_seq = max(1, len(out.outputs))
-                obs.on_tokens((now - tracker.last_token), max(1, new_tokens // per_seq))
-            tracker.last_token = now
-            tracker.num_tokens = num_tokens
-        if out.finished and obs is not None:
-            reasons = [c.finish_reason for c in out.outputs if c.finish_reason]
-            obs.on_finished(reasons[0] if reasons else "stop", now - tracker.arrival)
-
-    def _refresh_stats(self) -> None:
-        try:
-            self._stats = self.engine.get_stats()
-        except Exception:  # noqa: BLE001 - stats are best effort
-            logger.debug("get_stats failed", exc_info=True)
-
-    def _reject_pending(self, exc: BaseException) -> None:
-        # Adds that raced with the end of the thread: reject them so no caller waits forever.
-        with self._cmd_lock:
-            self._closed = True
+    # ------------------------------------------------------------ outputs
+    async def _output_loop(self) -> None:
+        decoder = output_decoder()
+        sock = self._out_sock
         while True:
+            raw = await sock.recv(copy=False)
+            start = time.perf_counter()
             try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if cmd.stream is not None:
-                cmd.stream._set_accepted(exc)
+                msg = decoder.decode(raw.buffer)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                logger.warning("dropped a malformed message from the core: %s", exc)
+                continue
+            if isinstance(msg, EngineCoreOutputs):
+                self._process(msg)
+                if self.observer is not None:
+                    self.observer.on_step(msg.stats, time.perf_counter() - start)
+            elif isinstance(msg, UtilityResult):
+                fut = self._calls.get(msg.call_id)
+                if fut is not None and not fut.done():
+                    if msg.error is None:
+                        fut.set_result(msg.result)
+                    else:
+                        fut.set_exception(ValueError(msg.error))
 
-    def _abort_all(self, exc: BaseException) -> None:
-        for rid, stream in list(self._streams.items()):
-            with contextlib.suppress(Exception):
-                self.engine.abort_request(rid)
-            stream._put(exc)
-        self._streams.clear()
-        self._trackers.clear()
-        self._refresh_stats()
+    def _process(self, msg: EngineCoreOutputs) -> None:
+        self._stats = msg.stats
+        processed = self.output_processor.process_outputs(msg)
+        for rid, error in processed.errors.items():
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream._fail(ValueError(error))
+        for out in processed.outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream._put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+        if processed.abort_seqs:  # stop strings found here: the core stops those samples
+            self._send(AbortRequests([], processed.abort_seqs))
+
+    # ------------------------------------------------------------ faults
+    async def _monitor(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(_MONITOR_INTERVAL_S)
+            if self._closing or self._handle.alive() or self._dead is not None:
+                continue
+            why = self._handle.exit_description()
+            logger.error("%s; failing %d in-flight requests", why, len(self._streams))
+            self._dead = EngineCoreDiedError(why)
+            self._disconnect()
+            self._fail_all(EngineCoreDiedError(f"{why} while the request was running"))
+            while self._dead is not None and not self._closing and self.num_restarts < self.max_restarts:
+                self.num_restarts += 1
+                self._gen += 1
+                logger.warning("restarting the engine core (%d/%d)", self.num_restarts, self.max_restarts)
+                try:
+                    self._handle = await asyncio.to_thread(self._start_core)
+                except Exception as exc:  # noqa: BLE001 - counted; tried again or given up
+                    logger.error("engine core restart failed: %s", exc)
+                    continue
+                if self._closing:
+                    self._handle.stop(5)
+                    return
+                self._connect()
+                self._dead = None
+                for fn in self._restart_listeners:
+                    fn()
+            if self._dead is not None:
+                logger.error("the engine core is down and out of restarts (%d)", self.max_restarts)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        self.output_processor.abort_requests(list(streams))
+        for stream in streams.values():
+            stream._fail(exc)
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(str(exc)))

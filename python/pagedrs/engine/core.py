@@ -246,6 +246,9 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
     def get_num_unfinished_requests(self) -> int:
         return len(self._requests)
 

@@ -96,6 +96,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--log-stats-interval", type=float, default=10.0, help="seconds between engine stats lines (0: off)"
     )
+    g.add_argument(
+        "--max-engine-restarts",
+        type=int,
+        default=3,
+        help="times the engine core process is restarted after it dies (then /health stays 503)",
+    )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument(
         "--no-access-log", dest="access_log", action="store_false", help="no access log line per request"

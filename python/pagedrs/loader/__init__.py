@@ -25,6 +25,7 @@ __all__ = [
     "cache_root",
     "iter_checkpoint",
     "load_model",
+    "load_tokenizer",
     "model_folder",
     "resolve_dtype",
     "resolve_model_path",
@@ -124,6 +125,23 @@ def resolve_dtype(
     return torch.bfloat16
 
 
+def _load_tokenizer(source: str) -> transformers.PreTrainedTokenizerBase:
+    try:
+        if source.lower().endswith(".gguf"):
+            p = Path(source)
+            return transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        return transformers.AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load a tokenizer from {source!r}: {e}") from e
+
+
+def load_tokenizer(model: str | None, tokenizer: str | None = None) -> transformers.PreTrainedTokenizerBase:
+    """The tokenizer `load_model` would load (for a frontend whose engine core loads the model)."""
+    if tokenizer is not None:
+        return _load_tokenizer(resolve_model_path(tokenizer))
+    return _load_tokenizer(model_folder(resolve_model_path(model)))
+
+
 def load_model(
     model: str | None,
     *,
@@ -145,13 +163,5 @@ def load_model(
         net = model_cls(config, dtype=torch_dtype, device=device)  # type: ignore[call-arg]
     net.load_weights(iter_checkpoint(folder))  # type: ignore[operator]
     net.eval()
-    tok_source = folder if tokenizer is None else resolve_model_path(tokenizer)
-    try:
-        if tok_source.lower().endswith(".gguf"):
-            p = Path(tok_source)
-            tok = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-        else:
-            tok = transformers.AutoTokenizer.from_pretrained(tok_source)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot load a tokenizer from {tok_source!r}: {e}") from e
+    tok = _load_tokenizer(folder if tokenizer is None else resolve_model_path(tokenizer))
     return LoadedModel(model=net, hf_config=config, tokenizer=tok, model_path=path)

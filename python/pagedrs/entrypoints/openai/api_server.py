@@ -57,12 +57,20 @@ def run_server(args: argparse.Namespace) -> int:
         base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
         args.data_dir = os.path.join(base, "pagedrs")
 
-    from pagedrs.engine.async_engine import AsyncLLMEngine
+    from pagedrs.engine.async_engine import AsyncLLMEngine, EngineStartupError
     from pagedrs.entrypoints.openai.app import build_app
 
     logging.getLogger("pagedrs.access").disabled = not args.access_log
-    # The model loads before the port opens, so /health answers 200 as soon as it answers.
-    engine = AsyncLLMEngine.from_engine_args(make_engine_args(args))
+    # The engine core process loads the model before the port opens, so /health answers 200 as soon
+    # as it answers; a load failure ends the server with its message and a non-zero exit.
+    try:
+        engine = AsyncLLMEngine.from_engine_args(
+            make_engine_args(args), max_restarts=args.max_engine_restarts
+        )
+    except (EngineStartupError, ValueError) as exc:
+        logger.error("%s", exc)
+        print(f"pagedrs: {exc}", file=sys.stderr)
+        return 1
     app = build_app(engine, args)
     config = uvicorn.Config(
         app,

@@ -85,7 +85,8 @@ def _arg(args: Any, name: str, default: Any) -> Any:
 
 
 def build_app(engine: Any, args: Any = None) -> FastAPI:
-    """The server app around an ``AsyncLLMEngine`` (an ``LLMEngine`` is wrapped).
+    """The server app around an ``AsyncLLMEngine`` (an ``LLMEngine`` or a core object is wrapped: its core
+    then runs in a thread of this process behind the same channel).
 
     ``args`` (an argparse namespace or any object) may carry served_model_name (str or list),
     api_key, data_dir, max_body_bytes, max_batch_concurrency, shutdown_grace.
@@ -95,7 +96,7 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
     names = _arg(args, "served_model_name", None) or [engine.model_name]
     served_model_names = [names] if isinstance(names, str) else list(names)
     metrics = ServerMetrics(served_model_names[0], engine.get_stats)
-    engine.observer = metrics
+    engine.set_observer(metrics)
     completions = OpenAIServingCompletion(engine, served_model_names)
     chat = OpenAIServingChat(engine, served_model_names, tokenizer=completions.tokenizer)
     data_dir = _arg(args, "data_dir", None) or tempfile.mkdtemp(prefix="pagedrs-data-")
@@ -103,6 +104,7 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
     runner = BatchRunner(
         store, completions, chat, max_concurrency=int(_arg(args, "max_batch_concurrency", 64))
     )
+    engine.add_restart_listener(runner.notify)  # unanswered batch lines run again on the new core
     state = ServerState(engine, metrics, store, runner, float(_arg(args, "shutdown_grace", 30.0)))
 
     @asynccontextmanager
@@ -157,7 +159,7 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
         if engine.is_healthy:
             return Response(status_code=200)
         if engine.errored:
-            return unavailable(f"The engine has failed: {engine.dead_error!r}").response()
+            return unavailable(f"The engine core is not running: {engine.dead_error}").response()
         return unavailable(
             "The server is shutting down." if state.draining else "The engine is not running."
         ).response()

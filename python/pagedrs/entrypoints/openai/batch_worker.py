@@ -21,7 +21,7 @@ from pagedrs.entrypoints.openai.protocol import (
     CompletionRequest,
     parse_request,
 )
-from pagedrs.entrypoints.openai.serving_base import to_api_error
+from pagedrs.entrypoints.openai.serving_base import ENGINE_CORE_DIED, to_api_error
 from pagedrs.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedrs.entrypoints.openai.serving_completions import OpenAIServingCompletion
 
@@ -281,8 +281,8 @@ class BatchRunner:
             raise
         except Exception as exc:  # noqa: BLE001 - a bad line is answered with its error
             err = exc if isinstance(exc, APIError) else to_api_error(exc)
-            if err.status == 503:
-                self._engine_down = True  # leave the line unanswered: a restart runs it
+            if err.status == 503 or err.code == ENGINE_CORE_DIED:
+                self._engine_down = True  # leave the line unanswered: the restarted core runs it
                 return
             answer = _error_line(line.custom_id, err.code or err.type, err.message, err.status, err.body())
             ok = False

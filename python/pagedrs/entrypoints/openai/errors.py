@@ -82,8 +82,8 @@ def unavailable(message: str = "The engine is not available.") -> APIError:
     return APIError(HTTPStatus.SERVICE_UNAVAILABLE, message, code="engine_unavailable")
 
 
-def internal(message: str) -> APIError:
-    return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, message, code="internal_error")
+def internal(message: str, code: str = "internal_error") -> APIError:
+    return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, message, code=code)
 
 
 # Union branch tags pydantic puts in an error's loc; they are types, not field names.

@@ -82,6 +82,24 @@ _E2E_BUCKETS = (
 )
 
 
+_STEP_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
+
+
 class _EngineStatsCollector(Collector):
     """Reads the engine's latest stats snapshot at scrape time (cumulative counters included)."""
 
@@ -166,6 +184,34 @@ class ServerMetrics:
             ["method", "route", "status"],
             registry=self.registry,
         )
+        self.engine_step = Histogram(
+            "pagedrs:engine_step_seconds",
+            "Engine core wall time per step (schedule + execute + update).",
+            labels,
+            buckets=_STEP_BUCKETS,
+            registry=self.registry,
+        )
+        self.output_send = Histogram(
+            "pagedrs:output_send_seconds",
+            "Engine core time to encode and send one step's output message.",
+            labels,
+            buckets=_STEP_BUCKETS,
+            registry=self.registry,
+        )
+        self.frontend_step = Histogram(
+            "pagedrs:frontend_step_seconds",
+            "API server time to process one step message (detokenize, stop strings, fan-out).",
+            labels,
+            buckets=_STEP_BUCKETS,
+            registry=self.registry,
+        )
+        self.step_batch = Histogram(
+            "pagedrs:step_batch_size",
+            "Sequences that sampled a token in a step.",
+            labels,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+            registry=self.registry,
+        )
         for reason in ("stop", "length", "abort"):
             self.finished.labels(model_name, reason)
         self.registry.register(_EngineStatsCollector(get_stats, model_name))
@@ -183,6 +229,16 @@ class ServerMetrics:
         self.finished.labels(self.model_name, reason).inc()
         if reason != "abort":
             self.e2e.labels(self.model_name).observe(e2e_s)
+
+    def on_step(self, stats: Any, frontend_s: float) -> None:
+        """One step message from the engine core: its timings and the frontend's."""
+        m = self.model_name
+        self.engine_step.labels(m).observe(stats.step_time_s)
+        if stats.send_time_s:
+            self.output_send.labels(m).observe(stats.send_time_s)
+        self.frontend_step.labels(m).observe(frontend_s)
+        if stats.batch_size:
+            self.step_batch.labels(m).observe(stats.batch_size)
 
     def observe_http(self, method: str, route: str, status: int) -> None:
         self.http.labels(method, route, str(status)).inc()

@@ -16,11 +16,13 @@ from starlette.requests import Request
 
 from pagedrs.engine.async_engine import (
     AsyncLLMEngine,
+    EngineCoreDiedError,
     EngineDeadError,
     EngineDrainingError,
     RequestAbortedError,
     RequestStream,
 )
+from pagedrs.engine.input_processor import InputError
 from pagedrs.entrypoints.openai.errors import (
     APIError,
     bad_request,
@@ -29,6 +31,7 @@ from pagedrs.entrypoints.openai.errors import (
     unavailable,
 )
 from pagedrs.entrypoints.openai.protocol import SamplingFields
+from pagedrs.sampling_params import RequestOutputKind
 
 logger = logging.getLogger("pagedrs.serving")
 
@@ -59,18 +62,27 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def to_api_error(exc: BaseException) -> APIError:
-    """Maps engine-side failures to HTTP errors."""
+    """Maps engine-side failures to HTTP errors: only the caller's errors are 4xx; anything else is a 500
+    whose traceback is logged."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, InputError):
+        return bad_request(str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, EngineDrainingError):
         return unavailable("The server is shutting down.")
+    if isinstance(exc, EngineCoreDiedError):
+        return internal(f"The engine core failed: {exc}", code=ENGINE_CORE_DIED)
     if isinstance(exc, EngineDeadError):
-        return unavailable(f"The engine has failed: {exc}")
+        return unavailable(f"The engine is not running: {exc}")
     if isinstance(exc, RequestAbortedError):
         return unavailable(str(exc))
-    if isinstance(exc, (ValueError, TypeError, KeyError, OverflowError)):
+    if isinstance(exc, (ValueError, OverflowError)):
         return bad_request(str(exc) or type(exc).__name__)
+    logger.error("internal error", exc_info=exc)
     return internal(f"{type(exc).__name__}: {exc}")
+
+
+ENGINE_CORE_DIED = "engine_core_died"  # the request was lost with the core process; a retry is served
 
 
 class OpenAIServing:
@@ -88,7 +100,7 @@ class OpenAIServing:
         except Exception:  # noqa: BLE001 - fall back to sharing
             self.tokenizer = tok
         # The model's vocabulary (embedding rows) bounds token ids; the tokenizer's when unknown.
-        self.vocab_size = int(getattr(engine.engine, "vocab_size", 0) or len(self.tokenizer))
+        self.vocab_size = int(engine.vocab_size or len(self.tokenizer))
 
     # ----------------------------------------------------------- checks
     def check_model(self, name: str | None) -> str:
@@ -116,30 +128,17 @@ class OpenAIServing:
     def resolve_max_tokens(
         self, num_prompt: int, requested: int | None, param: str, prompt_param: str
     ) -> int:
-        """Checks prompt + max_tokens against max_model_len (the message gives both numbers)."""
-        limit = self.max_model_len
-        if num_prompt == 0:
-            raise bad_request("prompt must not be empty", param=prompt_param)
-        if num_prompt >= limit:
+        """The engine's InputProcessor check of prompt + max_tokens, with this endpoint's field names."""
+        try:
+            return self.engine.input_processor.resolve_max_tokens(num_prompt, requested)
+        except InputError as exc:
             raise bad_request(
-                f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                f"{num_prompt} tokens, which leaves no room for a completion.",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-        if requested is None:
-            return limit - num_prompt
-        if num_prompt + requested > limit:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{num_prompt + requested} tokens ({num_prompt} in the prompt, {requested} for the "
-                f"completion). Please reduce the prompt or max_tokens.",
-                param=param,
-                code="context_length_exceeded",
-            )
-        return requested
+                str(exc), param=prompt_param if exc.param == "prompt" else param, code=exc.code
+            ) from None
 
-    def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None) -> Any:
+    def sampling_params(
+        self, req: SamplingFields, max_tokens: int, logprobs: int | None, stream: bool = False
+    ) -> Any:
         from pagedrs import SamplingParams
 
         if req.min_tokens > max_tokens:
@@ -151,6 +150,8 @@ class OpenAIServing:
             "max_tokens": max_tokens,
             "min_tokens": req.min_tokens,
             "ignore_eos": req.ignore_eos,
+            # streams read deltas (merged when the reader is slow); others only the final output
+            "output_kind": RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         }
         for name in (
             "temperature",
@@ -282,29 +283,6 @@ async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple
             t.cancel()
 
 
-class TextDeltas:
-    """Turns cumulative choice text into deltas; holds back text that may still change
-    (a possible stop-string prefix, an incomplete UTF-8 character) until the choice finishes."""
-
-    def __init__(self, num_choices: int, stops: Sequence[str] | None) -> None:
-        self.sent_text = [0] * num_choices
-        self.sent_tokens = [0] * num_choices
-        self.finished = [False] * num_choices
-        self.holdback = max((len(s) for s in stops), default=1) - 1 if stops else 0
-
-    def step(self, index: int, text: str, token_ids: Sequence[int], finished: bool) -> tuple[str, list[int]]:
-        end = len(text)
-        if not finished:
-            end = max(self.sent_text[index], end - self.holdback)
-            while end > self.sent_text[index] and text[end - 1] == "\ufffd":
-                end -= 1
-        delta = text[self.sent_text[index] : end]
-        self.sent_text[index] = max(self.sent_text[index], end)
-        new_ids = list(token_ids[self.sent_tokens[index] :])
-        self.sent_tokens[index] = len(token_ids)
-        return delta, new_ids
-
-
 def now_s() -> int:
     return int(time.time())
 
@@ -313,7 +291,6 @@ __all__ = [
     "ClientDisconnected",
     "OpenAIServing",
     "SSE_DONE",
-    "TextDeltas",
     "merge_streams",
     "random_id",
     "sse",

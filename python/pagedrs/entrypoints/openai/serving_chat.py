@@ -13,7 +13,6 @@ from pagedrs.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedrs.entrypoints.openai.serving_base import (
     SSE_DONE,
     OpenAIServing,
-    TextDeltas,
     merge_streams,
     now_s,
     random_id,
@@ -50,7 +49,7 @@ class OpenAIServingChat(OpenAIServing):
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.resolve_max_tokens(len(ids), requested, param, "messages")
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens, num_logprobs)
+        params = self.sampling_params(req, max_tokens, num_logprobs, stream=bool(req.stream))
         return model, ids, params, num_logprobs
 
     async def create(
@@ -106,7 +105,7 @@ class OpenAIServingChat(OpenAIServing):
     ) -> AsyncIterator[str]:
         created = now_s()
         n = req.n
-        deltas = TextDeltas(n, req.stop)
+        finished = [False] * n
         completion_tokens = [0] * n
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         text_of = TokenText(self.tokenizer)
@@ -134,22 +133,18 @@ class OpenAIServingChat(OpenAIServing):
             for i in range(n):
                 yield chunk(i, {"role": "assistant", "content": ""}, None)
             async for _, out in merge_streams(streams):
-                for c in out.outputs:
+                for c in out.outputs:  # delta outputs: new text, ids and logprobs only
                     idx = c.index
-                    if deltas.finished[idx]:
+                    if finished[idx]:
                         continue
-                    finished = c.finish_reason is not None
-                    delta, new_ids = deltas.step(idx, c.text, c.token_ids, finished)
-                    completion_tokens[idx] = len(c.token_ids)
+                    completion_tokens[idx] += len(c.token_ids)
                     logprobs = None
-                    if num_logprobs is not None and new_ids:
-                        start = len(c.token_ids) - len(new_ids)
-                        lps = list(c.logprobs[start:]) if c.logprobs is not None else None
-                        logprobs = chat_logprobs(new_ids, lps, num_logprobs, text_of)
-                    if delta or logprobs is not None:
-                        yield chunk(idx, {"content": delta}, None, logprobs)
-                    if finished:
-                        deltas.finished[idx] = True
+                    if num_logprobs is not None and c.token_ids:
+                        logprobs = chat_logprobs(c.token_ids, c.logprobs, num_logprobs, text_of)
+                    if c.text or logprobs is not None:
+                        yield chunk(idx, {"content": c.text}, None, logprobs)
+                    if c.finish_reason is not None:
+                        finished[idx] = True
                         yield chunk(idx, {}, c.finish_reason)
             if include_usage:
                 total = sum(completion_tokens)

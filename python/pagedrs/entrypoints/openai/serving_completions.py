@@ -13,7 +13,6 @@ from pagedrs.entrypoints.openai.protocol import CompletionRequest
 from pagedrs.entrypoints.openai.serving_base import (
     SSE_DONE,
     OpenAIServing,
-    TextDeltas,
     merge_streams,
     now_s,
     random_id,
@@ -43,7 +42,7 @@ class OpenAIServingCompletion(OpenAIServing):
         max_tokens = min(
             self.resolve_max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt") for ids in ids_list
         )
-        params = self.sampling_params(req, max_tokens, req.logprobs)
+        params = self.sampling_params(req, max_tokens, req.logprobs, stream=bool(req.stream))
         return model, ids_list, texts, params
 
     async def create(
@@ -116,7 +115,7 @@ class OpenAIServingCompletion(OpenAIServing):
         created = now_s()
         n = req.n
         num_choices = len(ids_list) * n
-        deltas = TextDeltas(num_choices, req.stop)
+        finished = [False] * num_choices
         echoed = [not req.echo] * num_choices
         text_offsets = [0] * num_choices
         completion_tokens = [0] * num_choices
@@ -137,27 +136,26 @@ class OpenAIServingCompletion(OpenAIServing):
 
         try:
             async for p_idx, out in merge_streams(streams):
-                for c in out.outputs:
+                # One read = every choice's news since the previous read, one event per choice.
+                for c in out.outputs:  # delta outputs: new text, ids and logprobs only
                     idx = p_idx * n + c.index
-                    if deltas.finished[idx]:
+                    if finished[idx]:
                         continue
-                    finished = c.finish_reason is not None
-                    delta, new_ids = deltas.step(idx, c.text, c.token_ids, finished)
-                    completion_tokens[idx] = len(c.token_ids)
+                    done = c.finish_reason is not None
+                    delta, new_ids = c.text, c.token_ids
+                    completion_tokens[idx] += len(new_ids)
                     if not echoed[idx]:
                         delta = texts[p_idx] + delta
                         echoed[idx] = True
-                    if not delta and not finished and not (req.logprobs is not None and new_ids):
+                    if not delta and not done and not (req.logprobs is not None and new_ids):
                         continue
                     logprobs = None
                     if req.logprobs is not None:
-                        start = len(c.token_ids) - len(new_ids)
-                        lps = list(c.logprobs[start:]) if c.logprobs is not None else None
+                        start = completion_tokens[idx] - len(new_ids)
                         offset = text_offsets[idx] + (len(texts[p_idx]) if req.echo and start == 0 else 0)
-                        logprobs = completion_logprobs(new_ids, lps, req.logprobs, text_of, offset)
+                        logprobs = completion_logprobs(new_ids, c.logprobs, req.logprobs, text_of, offset)
                         text_offsets[idx] = offset + sum(len(t) for t in logprobs["tokens"])
-                    if finished:
-                        deltas.finished[idx] = True
+                    finished[idx] = done
                     yield chunk(
                         [
                             {
@@ -168,23 +166,6 @@ class OpenAIServingCompletion(OpenAIServing):
                             }
                         ]
                     )
-            if include_usage:
-                prompt_tokens = sum(len(ids) for ids in ids_list)
-                total_completion = sum(completion_tokens)
-                yield sse(
-                    {
-                        "id": request_id,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": model,
-                        "choices": [],
-                        "usage": {
-                            "prompt_tokens": prompt_tokens,
-                            "completion_tokens": total_completion,
-                            "total_tokens": prompt_tokens + total_completion,
-                        },
-                    }
-                )
         except Exception as exc:  # noqa: BLE001 - after the stream started: SSE error event
             yield sse_error(exc)
         finally:

@@ -1,0 +1,182 @@
+"""Where an engine core runs, seen from the frontend: its own process (`ProcessCore`, what the server uses)
+or a thread of this process (`ThreadCore`, for an `LLMEngine` or a stand-in core handed to the server).
+Both speak the same ZeroMQ + msgspec channel (`core_proc`), so the frontend code is one."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+
+from pagedrs.engine.core_proc import CoreLike, EngineCoreProc
+from pagedrs.engine.messages import Ready, Shutdown, StartupFailed, output_decoder
+
+__all__ = ["CoreHandle", "EngineStartupError", "ProcessCore", "ThreadCore", "wait_ready"]
+
+logger = logging.getLogger("pagedrs.core_client")
+
+
+class EngineStartupError(RuntimeError):
+    """The engine core did not come up (load failure, crash, timeout); the message says why."""
+
+
+class CoreHandle(Protocol):
+    input_addr: str
+    output_addrs: list[str]
+
+    def start(self) -> None: ...
+    def alive(self) -> bool: ...
+    def exit_description(self) -> str: ...
+    def stop(self, timeout: float) -> None: ...
+
+
+def _addresses(ipc_dir: str, gen: int, num_clients: int) -> tuple[str, list[str]]:
+    base = f"ipc://{ipc_dir}/core{gen}"
+    return f"{base}-in", [f"{base}-out{i}" for i in range(num_clients)]
+
+
+class ProcessCore:
+    """`python -m pagedrs.engine.core_proc` with the engine arguments as JSON; it dies with this process."""
+
+    def __init__(self, engine_args: Any, ipc_dir: str, gen: int, num_clients: int = 1) -> None:
+        self.engine_args = engine_args
+        self.input_addr, self.output_addrs = _addresses(ipc_dir, gen, num_clients)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        args_json = msgspec.json.encode(asdict(self.engine_args)).decode()
+        cmd = [sys.executable, "-m", "pagedrs.engine.core_proc", "--input", self.input_addr]
+        for addr in self.output_addrs:
+            cmd += ["--output", addr]
+        cmd += ["--engine-args", args_json, "--parent-pid", str(os.getpid())]
+        level = logging.getLevelName(logging.getLogger("pagedrs").getEffectiveLevel())
+        cmd += ["--log-level", str(level).lower()]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        _LIVE.add(self.proc)
+        logger.info("engine core process started (pid %d)", self.proc.pid)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def exit_description(self) -> str:
+        if self.proc is None:
+            return "engine core not started"
+        rc = self.proc.poll()
+        if rc is None:
+            return f"engine core (pid {self.proc.pid}) is running"
+        how = f"killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+        return f"engine core process (pid {self.proc.pid}) {how}"
+
+    def stop(self, timeout: float) -> None:
+        """Waits for a core that was asked to shut down; terminates, then kills, one that does not exit."""
+        proc = self.proc
+        if proc is None:
+            return
+        for sig in (None, proc.terminate, proc.kill):
+            if sig is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    sig()
+            try:
+                proc.wait(timeout if sig is None else 5)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        _LIVE.discard(proc)
+
+
+class ThreadCore:
+    """A core object (an `EngineCore`, or anything with its methods) run by `EngineCoreProc` in a thread."""
+
+    def __init__(self, core: CoreLike, ipc_dir: str, gen: int, num_clients: int = 1) -> None:
+        self.core = core
+        self.input_addr, self.output_addrs = _addresses(ipc_dir, gen, num_clients)
+        self.proc = EngineCoreProc(self.input_addr, self.output_addrs)
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self.proc.bind()
+        self.thread = threading.Thread(target=self._run, name="pagedrs-engine-core", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.proc.run(self.core)
+        except BaseException as exc:  # noqa: BLE001 - reported as the core's death
+            logger.exception("engine core thread failed")
+            self.error = exc
+        finally:
+            self.proc.close()
+
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def exit_description(self) -> str:
+        if self.error is not None:
+            return f"engine core thread failed: {self.error!r}"
+        return "engine core thread stopped"
+
+    def stop(self, timeout: float) -> None:
+        self.proc.stop()
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+
+def wait_ready(handle: CoreHandle, timeout: float, client_index: int = 0) -> Ready:
+    """Block until the core says Ready on this client's output socket; EngineStartupError if it reports a
+    failure, exits, or says nothing for `timeout` seconds."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PULL)
+    sock.connect(handle.output_addrs[client_index])
+    decoder = output_decoder()
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if sock.poll(100):
+                msg = decoder.decode(sock.recv())
+                if isinstance(msg, Ready):
+                    return msg
+                if isinstance(msg, StartupFailed):
+                    raise EngineStartupError(f"the engine core failed to start: {msg.message}")
+                continue
+            if not handle.alive():
+                raise EngineStartupError(f"the engine core failed to start: {handle.exit_description()}")
+        raise EngineStartupError(f"the engine core did not become ready within {timeout:.0f}s")
+    finally:
+        sock.close(linger=0)
+
+
+def send_shutdown(input_addr: str) -> None:
+    """Ask a core to stop (a short-lived socket: the caller's event loop may be gone)."""
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    try:
+        sock.connect(input_addr)
+        sock.send(msgspec.msgpack.encode(Shutdown()))
+    finally:
+        sock.close(linger=1000)
+
+
+_LIVE: set[subprocess.Popen[bytes]] = set()
+
+
+@atexit.register
+def _kill_children() -> None:
+    # Last line of defence: no core process outlives the frontend that started it.
+    for proc in list(_LIVE):
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()

@@ -1,0 +1,278 @@
+"""The engine core's busy loop behind a ZeroMQ channel: `python -m pagedrs.engine.core_proc` (its own
+process, behind the server) or `EngineCoreProc.run()` in a thread (an in-process core).
+
+Sockets (bound here, `ipc://` paths in a private 0700 directory): one PULL for requests from every
+frontend, one PUSH per frontend for its outputs. MessagePack (msgspec) only; a malformed message is
+logged and dropped. Two helper threads do the socket work: one receives and decodes, one encodes and
+sends, so the loop never waits on a frontend: it keeps stepping while the previous step's message is
+being sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+
+from pagedrs.engine.messages import (
+    AbortRequests,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Ready,
+    Shutdown,
+    StartupFailed,
+    UtilityCall,
+    UtilityResult,
+    input_decoder,
+)
+from pagedrs.metrics import EngineStats
+
+__all__ = ["CoreLike", "EngineCoreProc", "main"]
+
+logger = logging.getLogger("pagedrs.engine_core")
+
+_IDLE_POLL_S = 0.5  # how often an idle loop wakes to check for shutdown
+
+
+class CoreLike(Protocol):
+    """What the loop drives: `EngineCore`, or a stand-in with the same methods."""
+
+    def ready_info(self) -> Ready: ...
+    def add_request(self, req: EngineCoreRequest) -> None: ...
+    def reject(self, request_id: str, error: str) -> None: ...
+    def abort(self, request_ids: Any, seqs: Any = ()) -> None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def has_request(self, request_id: str) -> bool: ...
+    def take_pending(self) -> list[EngineCoreOutput]: ...
+    def step(self) -> EngineCoreOutputs: ...
+    def get_stats(self) -> EngineStats: ...
+    def call_utility(self, method: str, args: Any) -> Any: ...
+
+
+class EngineCoreProc:
+    """Runs a core behind `input_addr` (PULL) and `output_addrs` (PUSH, one per frontend client)."""
+
+    def __init__(self, input_addr: str, output_addrs: list[str], ctx: zmq.Context | None = None) -> None:
+        self.ctx = ctx or zmq.Context.instance()
+        self.input_addr = input_addr
+        self.output_addrs = list(output_addrs)
+        self._inputs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._outputs: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._owner: dict[str, int] = {}  # request id -> client index
+        self._send_time = 0.0  # encode + send of the latest step message (output thread)
+        self.num_malformed = 0
+        self._out_socks: list[zmq.Socket] = []
+        self._in_sock: zmq.Socket | None = None
+        self._threads: list[threading.Thread] = []
+
+    # ---- sockets ------------------------------------------------------------------------------------
+    def bind(self) -> None:
+        self._in_sock = self.ctx.socket(zmq.PULL)
+        self._in_sock.bind(self.input_addr)
+        for addr in self.output_addrs:
+            s = self.ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 2000)
+            s.bind(addr)
+            self._out_socks.append(s)
+        self._threads = [
+            threading.Thread(target=self._recv_loop, name="core-recv", daemon=True),
+            threading.Thread(target=self._send_loop, name="core-send", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def send_all(self, msg: Any) -> None:
+        for i in range(len(self._out_socks)):
+            self._outputs.put((i, msg))
+
+    def _recv_loop(self) -> None:
+        decoder = input_decoder()
+        sock = self._in_sock
+        assert sock is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(200):
+                continue
+            raw = sock.recv(copy=False)
+            try:
+                msg = decoder.decode(raw.buffer)
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+                self.num_malformed += 1
+                logger.warning("dropped a malformed message (%d bytes): %s", len(raw.buffer), exc)
+                continue
+            self._inputs.put(msg)
+
+    def _send_loop(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        while True:
+            item = self._outputs.get()
+            if item is None:
+                return
+            start = time.perf_counter()
+            client, msg = item
+            self._out_socks[client].send(encoder.encode(msg), copy=False)
+            self._send_time = time.perf_counter() - start
+
+    def close(self) -> None:
+        self._stop.set()
+        self._outputs.put(None)
+        for t in self._threads:
+            t.join(5)
+        for s in [*self._out_socks, self._in_sock]:
+            if s is not None:
+                s.close(linger=2000)
+
+    # ---- the loop ------------------------------------------------------------------------------------
+    def run(self, core: CoreLike) -> None:
+        """Announce `Ready`, then step until a `Shutdown` arrives (or `stop()`)."""
+        self.send_all(core.ready_info())
+        while not self._stop.is_set():
+            changed = self._handle_inputs(core, block=not core.has_unfinished_requests())
+            if changed is None:
+                break
+            if core.has_unfinished_requests():
+                try:
+                    out = core.step()
+                except Exception:  # noqa: BLE001 - the step's requests are aborted; keep serving
+                    logger.exception("engine step failed")
+                    out = EngineCoreOutputs(core.take_pending(), core.get_stats(), time.time())
+                out.stats.send_time_s = self._send_time
+                self._publish(core, out)
+            elif changed:  # now idle: rejections, and the stats after the last aborts
+                self._publish(core, EngineCoreOutputs(core.take_pending(), core.get_stats(), time.time()))
+        # Whatever is left is aborted: the frontends already failed or are gone.
+        core.abort(list(self._owner))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _handle_inputs(self, core: CoreLike, block: bool) -> bool | None:
+        """Apply every queued message: True if there were any, None on Shutdown."""
+        try:
+            msg = self._inputs.get(timeout=_IDLE_POLL_S) if block else self._inputs.get_nowait()
+        except queue.Empty:
+            return False
+        while True:
+            if isinstance(msg, EngineCoreRequest):
+                self._add(core, msg)
+            elif isinstance(msg, AbortRequests):
+                core.abort(msg.request_ids, msg.seqs)
+                for rid in msg.request_ids:
+                    self._owner.pop(rid, None)
+            elif isinstance(msg, UtilityCall):
+                self._call(core, msg)
+            elif isinstance(msg, Shutdown):
+                return None
+            try:
+                msg = self._inputs.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, core: CoreLike, req: EngineCoreRequest) -> None:
+        if not 0 <= req.client_index < len(self._out_socks):
+            logger.warning("request %s names client %d: dropped", req.request_id, req.client_index)
+            return
+        self._owner[req.request_id] = req.client_index
+        try:
+            core.add_request(req)
+        except ValueError as exc:
+            core.reject(req.request_id, str(exc))
+        except Exception as exc:  # noqa: BLE001 - this request only
+            logger.exception("add_request %s failed", req.request_id)
+            core.reject(req.request_id, f"{type(exc).__name__}: {exc}")
+
+    def _call(self, core: CoreLike, call: UtilityCall) -> None:
+        try:
+            result = UtilityResult(call.call_id, core.call_utility(call.method, call.args))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            result = UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
+        if 0 <= call.client_index < len(self._out_socks):
+            self._outputs.put((call.client_index, result))
+
+    def _publish(self, core: CoreLike, out: EngineCoreOutputs) -> None:
+        """One message per step to each frontend: its requests' outputs and the step's stats."""
+        if len(self._out_socks) == 1:
+            self._outputs.put((0, out))
+        else:
+            per: list[list[EngineCoreOutput]] = [[] for _ in self._out_socks]
+            for o in out.outputs:
+                per[self._owner.get(o.request_id, 0)].append(o)
+            for i, outs in enumerate(per):
+                self._outputs.put((i, EngineCoreOutputs(outs, out.stats, out.timestamp)))
+        for o in out.outputs:
+            if o.finish_reason is not None and not core.has_request(o.request_id):
+                self._owner.pop(o.request_id, None)
+
+
+# ---- process entry point ---------------------------------------------------------------------------------
+def _die_with_parent(parent_pid: int) -> None:
+    """The core must not outlive the server: PR_SET_PDEATHSIG where Linux has it, and a watcher for the
+    rest (and for the race where the parent died before prctl)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(0.5)
+
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pagedrs.engine.core_proc", description="pagedrs engine core")
+    p.add_argument("--input", required=True, help="ipc:// address to bind for requests")
+    p.add_argument("--output", action="append", required=True, help="ipc:// address per frontend client")
+    p.add_argument("--engine-args", required=True, help="EngineArgs as JSON")
+    p.add_argument("--parent-pid", type=int, required=True)
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
+    _die_with_parent(args.parent_pid)
+    lvl = getattr(logging, args.log_level.upper(), logging.INFO)
+    logging.basicConfig(
+        level=lvl, format="%(levelname)s %(asctime)s [core] %(message)s", datefmt="%m-%d %H:%M:%S", force=True
+    )
+    logging.getLogger("pagedrs").setLevel(lvl)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when the core stops
+    proc = EngineCoreProc(args.input, args.output)
+    proc.bind()
+    signal.signal(signal.SIGTERM, lambda *_: proc.stop())
+    try:
+        from pagedrs.engine.arg_utils import EngineArgs
+        from pagedrs.engine.core import EngineCore
+
+        engine_args = msgspec.json.decode(args.engine_args.encode(), type=EngineArgs)
+        core, _ = EngineCore.from_engine_args(engine_args)
+    except Exception as exc:  # noqa: BLE001 - reported to the server, which exits with it
+        logger.exception("engine core failed to start")
+        proc.send_all(StartupFailed(f"{type(exc).__name__}: {exc}"))
+        proc.close()
+        return 1
+    try:
+        proc.run(core)
+    finally:
+        proc.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
