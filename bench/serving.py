@@ -98,6 +98,7 @@ class Result:
     output_tokens: int = 0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    usage_missing: bool = False  # no usage chunk: output_tokens inferred (see one_request)
 
 
 def _check_loopback(url: str) -> None:
@@ -122,7 +123,9 @@ async def one_request(client: httpx.AsyncClient, body: dict[str, Any]) -> Result
     start = time.perf_counter()
     first = last = None
     itl: list[float] = []
-    tokens = 0
+    tokens: int | None = None
+    chunks = 0
+    finish = None
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -135,7 +138,10 @@ async def one_request(client: httpx.AsyncClient, body: dict[str, Any]) -> Result
                     return Result(False, error=str(data["error"])[:200])
                 if data.get("usage"):
                     tokens = int(data["usage"]["completion_tokens"])
+                for c in data.get("choices", []):
+                    finish = c.get("finish_reason") or finish
                 if any(c.get("text") for c in data.get("choices", [])):
+                    chunks += 1
                     now = time.perf_counter()
                     if first is None:
                         first = now
@@ -147,7 +153,14 @@ async def one_request(client: httpx.AsyncClient, body: dict[str, Any]) -> Result
     end = time.perf_counter()
     if first is None:
         return Result(False, error="no tokens streamed")
-    return Result(True, ttft=first - start, e2e=end - start, output_tokens=tokens, itl=itl)
+    missing = tokens is None
+    if tokens is None:
+        # no usage chunk (stream_options.include_usage ignored): with ignore_eos, finish_reason "length"
+        # means exactly max_tokens; otherwise the text chunks are a lower bound
+        tokens = int(body["max_tokens"]) if finish == "length" else chunks
+    return Result(
+        True, ttft=first - start, e2e=end - start, output_tokens=tokens, itl=itl, usage_missing=missing
+    )
 
 
 async def run_rate(
@@ -242,6 +255,9 @@ def summarize(
         row[f"{name}_mean_ms"] = float(np.mean(vals)) * 1000.0 if vals else float("nan")
         for q in (50, 90, 99):
             row[f"{name}_p{q}_ms"] = _pct(vals, q)
+    missing = sum(r.usage_missing for r in ok)
+    if missing:
+        row["usage_missing"] = missing
     errors = sorted({r.error for r in results if not r.ok})
     if errors:
         row["errors"] = errors[:5]
@@ -872,6 +888,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             row = summarize(rate, results, duration, args.max_concurrency, peak)
             assert row["completed"] + row["failed"] == row["sent"] == args.num_requests
+            if row.get("usage_missing"):
+                print(
+                    f"warning: {row['usage_missing']} responses had no usage chunk; their output tokens are "
+                    "inferred from finish_reason (length = max_tokens)",
+                    file=sys.stderr,
+                )
             if row["output_tokens"] != row["completed"] * args.max_tokens:
                 print(
                     f"warning: {row['output_tokens']} output tokens, expected "

@@ -156,7 +156,10 @@ class FakeEngine:
                     self.generation_tokens_total += 1
                     o = EngineCoreOutput(rid, i, [tok])
                     if req.logprobs is not None:
-                        o.new_logprobs = SampleLogprobsMsg([[tok, (tok + 1) % 256]], [[-0.5, -1.5]], [1])
+                        k = req.logprobs  # the sampled token, then the top k: itself and its successors
+                        top = [(tok + j) % 256 for j in range(k)]
+                        vals = [-0.5 - j for j in range(k)]
+                        o.new_logprobs = SampleLogprobsMsg([[tok, *top]], [[-0.5, *vals]], [1])
                     if len(toks) >= req.max_tokens:
                         o.finish_reason = FinishReason.LENGTH
                         req.live.discard(i)

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import openai
@@ -195,22 +196,41 @@ def test_disconnects_free_everything(server: ThreadedServer) -> None:
     assert 'finished_reason="abort"' in text
 
 
-def test_engine_fault_errors_requests_and_health(tmp_path: object) -> None:
+def _stream_until_fault(c: httpx.Client, inject: Any) -> list[str]:
+    with c.stream("POST", "/v1/completions", json={"prompt": "a", "max_tokens": 100, "stream": True}) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line)
+        assert first.startswith("data: {")
+        inject()
+        return [line for line in lines if line]
+
+
+def test_failed_step_errors_its_requests_and_keeps_serving(tmp_path: object) -> None:
     engine = FakeEngine(step_delay=0.01)
     app = build_app(engine, _args(tmp_path))
     with ThreadedServer(app) as s:
         c = httpx.Client(base_url=s.base_url, headers=AUTH, timeout=30)
-        with c.stream("POST", "/v1/completions", json={"prompt": "a", "max_tokens": 50, "stream": True}) as r:
-            lines = r.iter_lines()
-            first = next(line for line in lines if line)
-            assert first.startswith("data: {")
-            engine.fail_next_step = RuntimeError("boom")
-            rest = [line for line in lines if line]
+        rest = _stream_until_fault(c, lambda: setattr(engine, "fail_next_step", RuntimeError("boom")))
         assert rest[-1] == "data: [DONE]"
-        assert '"error"' in rest[-2]
-        wait_until(lambda: c.get("/health").status_code == 503, timeout=5)
+        assert '"error"' in rest[-2] and "boom" in rest[-2]
+        assert c.get("/health").status_code == 200
         r = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
-        assert r.status_code == 503 and "error" in r.json()
+        assert r.status_code == 200 and len(r.json()["choices"][0]["text"]) == 2
+
+
+def test_dead_core_errors_in_flight_then_restarts(tmp_path: object) -> None:
+    engine = FakeEngine(step_delay=0.01)
+    app = build_app(engine, _args(tmp_path))
+    with ThreadedServer(app) as s:
+        c = httpx.Client(base_url=s.base_url, headers=AUTH, timeout=30)
+        rest = _stream_until_fault(c, lambda: setattr(engine, "die_next_step", RuntimeError("crash")))
+        assert rest[-1] == "data: [DONE]"
+        err = json.loads(rest[-2][len("data: ") :])["error"]
+        assert err["code"] == "engine_core_died" and err["type"] == "server_error"
+        wait_until(lambda: c.get("/health").status_code == 200, timeout=10)  # restarted
+        engine.requests.clear()  # the dead core's state (a real core process starts empty)
+        r = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["text"]) == 2
 
 
 def test_drain_finishes_inflight(tmp_path: object) -> None:

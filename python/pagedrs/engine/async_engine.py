@@ -416,7 +416,11 @@ class AsyncLLMEngine:
                 logger.warning("dropped a malformed message from the core: %s", exc)
                 continue
             if isinstance(msg, EngineCoreOutputs):
-                self._process(msg)
+                try:
+                    self._process(msg)
+                except Exception as exc:  # noqa: BLE001 - a frontend bug fails these requests, not the loop
+                    logger.exception("processing a step message failed")
+                    self._fail_requests({o.request_id for o in msg.outputs}, exc)
                 if self.observer is not None:
                     self.observer.on_step(msg.stats, time.perf_counter() - start)
             elif isinstance(msg, UtilityResult):
@@ -473,6 +477,14 @@ class AsyncLLMEngine:
                     fn()
             if self._dead is not None:
                 logger.error("the engine core is down and out of restarts (%d)", self.max_restarts)
+
+    def _fail_requests(self, request_ids: set[str], exc: BaseException) -> None:
+        for rid in request_ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                self.output_processor.abort_requests([rid])
+                stream._fail(exc)
+                self._send(AbortRequests([rid]))
 
     def _fail_all(self, exc: BaseException) -> None:
         streams, self._streams = self._streams, {}

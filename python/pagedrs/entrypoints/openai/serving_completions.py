@@ -166,6 +166,23 @@ class OpenAIServingCompletion(OpenAIServing):
                             }
                         ]
                     )
+            if include_usage:
+                prompt_tokens = sum(len(ids) for ids in ids_list)
+                total_completion = sum(completion_tokens)
+                yield sse(
+                    {
+                        "id": request_id,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": {
+                            "prompt_tokens": prompt_tokens,
+                            "completion_tokens": total_completion,
+                            "total_tokens": prompt_tokens + total_completion,
+                        },
+                    }
+                )
         except Exception as exc:  # noqa: BLE001 - after the stream started: SSE error event
             yield sse_error(exc)
         finally:
