@@ -1,0 +1,205 @@
+"""The engine core in its own process behind `pagedrs serve`: kill -9 of the core mid-stream (errors, health,
+restart, no leaked blocks), a malformed channel message, a core that cannot load its model, and no process
+left behind after SIGTERM or SIGKILL of the server. Real default model, CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import API_KEY, SERVER_ENGINE_FLAGS, SubprocessServer, metric_value, wait_until
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        kids += [int(x) for x in text]
+    return kids
+
+
+def _core_pid(server: SubprocessServer) -> int:
+    assert server.proc is not None
+    kids = [k for k in _children(server.proc.pid) if "pagedrs.engine.core_proc" in _cmdline(k)]
+    assert len(kids) == 1, kids
+    return kids[0]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie is gone for our purposes only once reaped; the server reaps its children.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SubprocessServer]:
+    pytest.importorskip("pagedrs._core")
+    s = SubprocessServer(tmp_path_factory.mktemp("core-proc"), ["--max-engine-restarts", "2"])
+    s.start()
+    yield s
+    s.kill()
+
+
+def _metrics(http: httpx.Client) -> str:
+    return http.get("/metrics").text
+
+
+def _idle(http: httpx.Client) -> bool:
+    text = _metrics(http)
+    return metric_value(text, "pagedrs:num_requests_running") == 0 and (
+        metric_value(text, "pagedrs:kv_cache_usage_perc") == 0
+    )
+
+
+def test_malformed_channel_message_is_dropped(server: SubprocessServer) -> None:
+    import zmq
+
+    core = _core_pid(server)
+    cmd = _cmdline(core).split()
+    addr = cmd[cmd.index("--input") + 1]
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.connect(addr)
+    for junk in (b"garbage", b"\x93\xa3add\x01\x02", b"\x92\xa5abort\xc0"):
+        sock.send(junk)
+    sock.close(linger=2000)
+    with server.http() as http:
+        r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert _core_pid(server) == core  # the same core: it did not die
+
+
+def test_step_timings_in_metrics(server: SubprocessServer) -> None:
+    with server.http() as http:
+        assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}).status_code == 200
+        text = _metrics(http)
+    for name in ("engine_step_seconds", "frontend_step_seconds", "output_send_seconds"):
+        assert metric_value(text, f"pagedrs:{name}_count") > 0, name
+
+
+def test_kill_core_mid_stream_then_restart(server: SubprocessServer) -> None:
+    core = _core_pid(server)
+    with server.http() as http:
+        body = {"prompt": "Count to one hundred:", "max_tokens": 400, "stream": True, "ignore_eos": True}
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert next(line for line in lines if line).startswith("data: {")
+            os.kill(core, signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and '"engine_core_died"' in rest[-2], rest[-3:]
+        r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code in (200, 503)  # 503 while the new core loads
+        if r.status_code == 503:
+            assert r.json()["error"]["type"] == "service_unavailable_error"
+        wait_until(lambda: http.get("/health").status_code == 200, timeout=180, interval=0.25)
+        new_core = _core_pid(server)
+        assert new_core != core and _gone(core)
+        r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        wait_until(lambda: _idle(http), timeout=30)
+
+
+def test_200_concurrent_streams_equal_offline_greedy(server: SubprocessServer) -> None:
+    from pagedrs import LLM, SamplingParams
+
+    prompts = [f"Item {i}: the colour of the sky is" for i in range(200)]
+    max_tokens = 6
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> str:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        text = ""
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    import json
+
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def run() -> list[str]:
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(
+            base_url=server.base_url, headers=headers, timeout=300, limits=limits
+        ) as client:
+            return list(await asyncio.gather(*(one(client, p) for p in prompts)))
+
+    served = asyncio.run(run())
+    flags: dict[str, Any] = {}
+    for k, v in zip(SERVER_ENGINE_FLAGS[::2], SERVER_ENGINE_FLAGS[1::2], strict=True):
+        flags[k.lstrip("-").replace("-", "_")] = v
+    llm = LLM(
+        device="cpu",
+        dtype="float32",
+        max_model_len=int(flags["max_model_len"]),
+        num_kv_blocks=int(flags["num_kv_blocks"]),
+        max_num_seqs=int(flags["max_num_seqs"]),
+    )
+    offline = [
+        o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    ]
+    assert served == offline
+
+
+def test_core_that_fails_to_load_ends_the_server(tmp_path: Path) -> None:
+    """A model folder whose config loads but has no weights: the tokenizer (given separately) loads in the
+    server, the model fails in the core; the server exits non-zero with the core's message, no hang."""
+    from pagedrs.loader import resolve_model_path
+
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        '{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16, '
+        '"intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2, '
+        '"num_hidden_layers": 1, "vocab_size": 49152, "max_position_embeddings": 512}'
+    )
+    s = SubprocessServer(
+        tmp_path / "data", ["--model", str(folder), "--tokenizer", resolve_model_path(None)], api_key=None
+    )
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with 1") as info:
+        s.start(timeout=180)
+    assert "has no weights" in str(info.value) and "failed to start" in str(info.value)
+    assert time.monotonic() - start < 180
+    s.kill()
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_no_process_left_behind(tmp_path: Path, how: str) -> None:
+    s = SubprocessServer(tmp_path, [])
+    s.start()
+    try:
+        core = _core_pid(s)
+        assert s.proc is not None
+        if how == "SIGTERM":
+            assert s.terminate(timeout=60) == 0
+        else:
+            s.proc.kill()
+            s.proc.wait(30)
+        wait_until(lambda: _gone(core), timeout=15, interval=0.1)
+    finally:
+        s.kill()
