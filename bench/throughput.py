@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-from pagedrs import EngineArgs, LLMEngine, SamplingParams  # noqa: E402
+from pagedrs import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams  # noqa: E402
 
 MODEL_CONFIGS: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": dict(
@@ -173,11 +173,17 @@ def run_pagedrs(engine: LLMEngine, reqs: list[tuple[list[int], int]]) -> dict[st
 
     engine.runner.execute = execute  # type: ignore[method-assign]
     for i, (ids, n) in enumerate(reqs):
-        engine.add_request(str(i), ids, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        engine.add_request(
+            str(i),
+            ids,
+            SamplingParams(
+                temperature=0.0, max_tokens=n, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+            ),
+        )
     total = 0
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
-        for out in engine._step(final_only=True):
+        for out in engine.step():
             total += len(out.outputs[0].token_ids)
         s = engine.scheduler.stats()
         kv["paged"] += (int(s["num_blocks"]) - int(s["num_free_blocks"])) * block_size

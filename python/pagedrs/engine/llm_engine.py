@@ -42,6 +42,7 @@ class LLMEngine:
         self.model_name = core.model_name
         self.max_model_len = core.max_model_len
         self.vocab_size = core.vocab_size
+        self.device = core.device
         self.eos_token_ids = core.eos_token_ids
         self.input_processor = InputProcessor(
             self.tokenizer,
