@@ -1,4 +1,4 @@
-"""Serving benchmark through the OpenAI HTTP API (loopback only): Poisson arrivals at several rates, or
+r"""Serving benchmark through the OpenAI HTTP API (loopback only): Poisson arrivals at several rates, or
 saturation (a fixed number of requests in flight), optionally against the offline `LLM.generate` baseline.
 
     # Poisson arrivals at several rates, --num-requests per rate
@@ -61,12 +61,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import httpx
 import numpy as np
 
 PROMPTS = [
@@ -119,7 +121,91 @@ def _entry_label(row: dict[str, Any]) -> str:
     return f"{rate}, concurrency {conc}" if conc else rate
 
 
-async def one_request(client: httpx.AsyncClient, body: dict[str, Any]) -> Result:
+class HTTPError(Exception):
+    """The server could not be reached, or answered something that is not HTTP."""
+
+
+# Loopback only: never through a proxy from the environment.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def http_get(url: str, headers: dict[str, str] | None = None, timeout: float = 30.0) -> tuple[int, str]:
+    """GET with a bounded timeout: (status, body text); HTTPError when there is no HTTP answer."""
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with _OPENER.open(req, timeout=timeout) as resp:
+            return int(resp.status), resp.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise HTTPError(f"{type(exc).__name__}: {exc}") from exc
+
+
+async def _post_lines(
+    base_url: str, path: str, headers: dict[str, str], body: bytes
+) -> AsyncIterator[tuple[int, str]]:
+    """POST on a fresh HTTP/1.1 connection; yields (status, line) for each line of the (chunked or
+    plain) response body. The caller bounds the whole exchange (asyncio.wait_for)."""
+    url = urlparse(base_url)
+    if url.scheme != "http":
+        raise HTTPError(f"only http:// is supported, got {base_url!r}")
+    reader, writer = await asyncio.open_connection(url.hostname, url.port or 80)
+    try:
+        head = [
+            f"POST {url.path.rstrip('/')}{path} HTTP/1.1",
+            f"Host: {url.netloc}",
+            "Content-Type: application/json",
+            f"Content-Length: {len(body)}",
+            "Accept: text/event-stream",
+            "Connection: close",
+            *(f"{k}: {v}" for k, v in headers.items()),
+        ]
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
+        await writer.drain()
+        status_line = (await reader.readline()).decode("latin-1").split()
+        if len(status_line) < 2 or not status_line[0].startswith("HTTP/"):
+            raise HTTPError(f"not an HTTP answer: {' '.join(status_line)[:100]!r}")
+        status = int(status_line[1])
+        resp_headers: dict[str, str] = {}
+        while True:
+            line = await reader.readline()
+            if line in (b"\r\n", b"\n", b""):
+                break
+            key, _, value = line.decode("latin-1").partition(":")
+            resp_headers[key.strip().lower()] = value.strip()
+
+        async def raw() -> AsyncIterator[bytes]:
+            if "chunked" in resp_headers.get("transfer-encoding", "").lower():
+                while True:
+                    size_line = await reader.readline()
+                    if not size_line:
+                        raise HTTPError("connection closed inside a chunked body")
+                    size = int(size_line.split(b";")[0].strip(), 16)
+                    if size == 0:
+                        return
+                    yield await reader.readexactly(size)
+                    await reader.readexactly(2)  # the chunk's CRLF
+            elif "content-length" in resp_headers:
+                yield await reader.readexactly(int(resp_headers["content-length"]))
+            else:
+                while data := await reader.read(65536):
+                    yield data
+
+        pending = b""
+        async for data in raw():
+            pending += data
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                yield status, line.rstrip(b"\r").decode("utf-8", "replace")
+        if pending:
+            yield status, pending.rstrip(b"\r").decode("utf-8", "replace")
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+
+
+async def one_request(base_url: str, headers: dict[str, str], body: dict[str, Any]) -> Result:
     start = time.perf_counter()
     first = last = None
     itl: list[float] = []
@@ -127,10 +213,14 @@ async def one_request(client: httpx.AsyncClient, body: dict[str, Any]) -> Result
     chunks = 0
     finish = None
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                return Result(False, error=f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-            async for line in resp.aiter_lines():
+        status = 0
+        error_text: list[str] = []
+        stream = _post_lines(base_url, "/v1/completions", headers, json.dumps(body).encode())
+        async with contextlib.aclosing(stream):  # the connection closes on an early return too
+            async for status, line in stream:
+                if status != 200:
+                    error_text.append(line)
+                    continue
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 data = json.loads(line[6:])
@@ -148,7 +238,9 @@ async def one_request(client: httpx.AsyncClient, body: dict[str, Any]) -> Result
                     else:
                         itl.append(now - last)  # type: ignore[operator]
                     last = now
-    except (httpx.HTTPError, ValueError) as exc:
+        if status != 200:
+            return Result(False, error=f"HTTP {status}: {' '.join(error_text)[:200]!r}")
+    except (HTTPError, OSError, EOFError, ValueError) as exc:  # EOFError: asyncio.IncompleteReadError
         return Result(False, error=f"{type(exc).__name__}: {exc}")
     end = time.perf_counter()
     if first is None:
@@ -174,24 +266,21 @@ async def run_rate(
     max_concurrency: int | None = None,
     request_timeout: float = 600.0,
 ) -> tuple[list[Result], float, int]:
-    """Send one request per prompt: exponential gaps at a finite rate, none at `inf`; never more than
-    `max_concurrency` in flight when given. Returns the results, the duration (first send to last done)
-    and the most requests seen in flight at once."""
+    """Send one request per prompt (each on its own connection): exponential gaps at a finite rate, none
+    at `inf`; never more than `max_concurrency` in flight when given. Returns the results, the duration
+    (first send to last done) and the most requests seen in flight at once."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     num = len(prompts)
-    conns = min(num, max_concurrency or num) + 4
-    limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
-    timeout = httpx.Timeout(request_timeout, connect=min(30.0, request_timeout))
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     in_flight = peak = 0
 
-    async def run_one(client: httpx.AsyncClient, body: dict[str, Any]) -> Result:
+    async def run_one(body: dict[str, Any]) -> Result:
         nonlocal in_flight, peak
         in_flight += 1
         peak = max(peak, in_flight)
         try:
-            # the whole streamed request is bounded, not only each read
-            return await asyncio.wait_for(one_request(client, body), request_timeout)
+            # the whole streamed request is bounded, connect included
+            return await asyncio.wait_for(one_request(base_url, headers, body), request_timeout)
         except asyncio.TimeoutError:
             return Result(False, error=f"timed out after {request_timeout:g} s")
         finally:
@@ -199,29 +288,26 @@ async def run_rate(
             if slots is not None:
                 slots.release()
 
-    async with httpx.AsyncClient(
-        base_url=base_url, headers=headers, timeout=timeout, limits=limits
-    ) as client:
-        tasks = []
-        start = time.perf_counter()
-        for i, prompt in enumerate(prompts):
-            body: dict[str, Any] = {
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            if model:
-                body["model"] = model
-            if slots is not None:
-                await slots.acquire()
-            tasks.append(asyncio.create_task(run_one(client, body)))
-            if math.isfinite(rate) and i + 1 < num:
-                await asyncio.sleep(rng.expovariate(rate))
-        results = list(await asyncio.gather(*tasks))
-        return results, time.perf_counter() - start, peak
+    tasks = []
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        body: dict[str, Any] = {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if model:
+            body["model"] = model
+        if slots is not None:
+            await slots.acquire()
+        tasks.append(asyncio.create_task(run_one(body)))
+        if math.isfinite(rate) and i + 1 < num:
+            await asyncio.sleep(rng.expovariate(rate))
+    results = list(await asyncio.gather(*tasks))
+    return results, time.perf_counter() - start, peak
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -413,9 +499,9 @@ def start_server(
             if proc.poll() is not None:
                 raise SystemExit(f"server exited with {proc.returncode}; see {log_path}")
             try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                if http_get(f"{url}/health", timeout=2)[0] == 200:
                     return proc, url
-            except httpx.HTTPError:
+            except HTTPError:
                 pass
             time.sleep(0.5)
         raise SystemExit(f"server did not start in {start_timeout:g} s; see {log_path}")
@@ -533,15 +619,15 @@ def scrape_metrics(base_url: str, api_key: str | None, timeout: float = 30.0) ->
     None when /metrics cannot be read."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        resp = httpx.get(f"{base_url}/metrics", headers=headers, timeout=timeout)
-    except httpx.HTTPError as exc:
-        print(f"profile: /metrics: {type(exc).__name__}: {exc}", file=sys.stderr)
+        status, text = http_get(f"{base_url}/metrics", headers=headers, timeout=timeout)
+    except HTTPError as exc:
+        print(f"profile: /metrics: {exc}", file=sys.stderr)
         return None
-    if resp.status_code != 200:
-        print(f"profile: /metrics answered HTTP {resp.status_code}", file=sys.stderr)
+    if status != 200:
+        print(f"profile: /metrics answered HTTP {status}", file=sys.stderr)
         return None
     found: dict[str, Any] = {}
-    for line in resp.text.splitlines():
+    for line in text.splitlines():
         m = _SAMPLE.match(line)
         if not m:
             continue
@@ -863,7 +949,10 @@ def main(argv: list[str] | None = None) -> int:
             data_dir = tempfile.mkdtemp(prefix="pagedrs-bench-")
             proc, url = start_server(server_args, args.server_log, data_dir, args.server_start_timeout)
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        models = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json().get("data", [])
+        status, text = http_get(f"{url}/v1/models", headers=headers, timeout=30)
+        if status != 200:
+            raise SystemExit(f"GET /v1/models answered HTTP {status}: {text[:200]!r}")
+        models = json.loads(text).get("data", [])
         served = models[0]["id"] if models else None
         gap_rng = random.Random(args.seed + 1)
         # one warm-up request (not counted): first-call costs are not a rate's latency
