@@ -160,9 +160,6 @@ def test_drain() -> None:
         async def consume() -> None:
             async for _ in s2:
                 pass
-            eng2_release()
-
-        def eng2_release() -> None:
             eng.release(s2)
 
         task = asyncio.create_task(consume())

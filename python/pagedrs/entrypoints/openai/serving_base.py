@@ -121,9 +121,11 @@ class OpenAIServing:
         return await asyncio.to_thread(fn, *args)
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
-        for t in ids:
-            if not 0 <= t < self.vocab_size:
-                raise bad_request(f"token id {t} is out of range [0, {self.vocab_size})", param=param)
+        """The engine's InputProcessor check, as a 400 naming `param`."""
+        try:
+            self.engine.input_processor.check_token_ids(list(ids), param)
+        except InputError as exc:
+            raise bad_request(str(exc), param=param) from None
 
     def resolve_max_tokens(
         self, num_prompt: int, requested: int | None, param: str, prompt_param: str
