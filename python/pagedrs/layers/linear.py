@@ -1,4 +1,4 @@
-"""Linear layers that know how they split across tensor-parallel ranks (world size 1 for now).
+"""Linear layers that know how they split across tensor-parallel ranks.
 
 - ColumnParallelLinear splits its output dim (weight dim 0): each rank computes a slice of the outputs.
 - RowParallelLinear splits its input dim (weight dim 1): each rank computes a partial sum, then an
@@ -9,6 +9,12 @@
 
 Every parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that takes the *full* HF
 tensor, cuts this rank's share and checks the shape (ValueError on a mismatch; the model adds the name).
+The HF tensor may be a lazy slice of a checkpoint file (anything with `shape`, `dim()`, `narrow()`, `t()`
+and `materialize()`): then only this rank's share is ever read.
+
+A layer takes its rank and size from `tp` (a `TPGroup`, whose collectives it uses), or from
+`tp_rank`/`tp_size` alone (no process group: enough to load and check a shard, not to run a forward that
+needs a collective).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from pagedrs.distributed.group import TPGroup
 
 __all__ = [
     "ColumnParallelLinear",
@@ -31,11 +39,17 @@ __all__ = [
 ]
 
 
+def _materialize(loaded: Tensor) -> Tensor:
+    """A lazy checkpoint slice is read here, once it is cut to this rank's share."""
+    read = getattr(loaded, "materialize", None)
+    return read() if read is not None else loaded
+
+
 def _copy_checked(param: Tensor, loaded: Tensor, what: str = "") -> None:
     if tuple(param.shape) != tuple(loaded.shape):
         where = f" ({what})" if what else ""
         raise ValueError(f"shape mismatch{where}: expected {tuple(param.shape)}, got {tuple(loaded.shape)}")
-    param.data.copy_(loaded)
+    param.data.copy_(_materialize(loaded))
 
 
 def _check_dim(loaded: Tensor, dim: int, expected: int, what: str = "") -> None:
@@ -70,13 +84,20 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
+def _group(tp: TPGroup | None, tp_rank: int, tp_size: int) -> TPGroup:
+    if tp is not None:
+        return tp
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
+    return TPGroup(tp_rank, tp_size)
+
+
 class _LinearBase(torch.nn.Module):
-    def __init__(self, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, tp_rank: int, tp_size: int, tp: TPGroup | None = None) -> None:
         super().__init__()
-        if not 0 <= tp_rank < tp_size:
-            raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
+        self.tp = _group(tp, tp_rank, tp_size)
+        self.tp_rank = self.tp.rank
+        self.tp_size = self.tp.size
         self.weight: Tensor
         self.bias: Tensor | None
 
@@ -113,13 +134,14 @@ class ColumnParallelLinear(_LinearBase):
         *,
         tp_rank: int = 0,
         tp_size: int = 1,
+        tp: TPGroup | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        super().__init__(tp_rank, tp_size)
+        super().__init__(tp_rank, tp_size, tp)
         self.input_size = input_size
         self.output_size = output_size
-        self.output_size_per_partition = _divide(output_size, tp_size, "output size")
+        self.output_size_per_partition = _divide(output_size, self.tp_size, "output size")
         n = self.output_size_per_partition
         self.weight = _param((n, input_size), dtype, device, self.weight_loader)
         self.bias = _param((n,), dtype, device, self.weight_loader) if bias else None
@@ -142,18 +164,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         *,
         tp_rank: int = 0,
         tp_size: int = 1,
+        tp: TPGroup | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
+        tp = _group(tp, tp_rank, tp_size)
         self.output_sizes = list(output_sizes)
         for s in self.output_sizes:
-            _divide(s, tp_size, "output size")
+            _divide(s, tp.size, "output size")
         super().__init__(
             input_size,
             sum(self.output_sizes),
             bias,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
+            tp=tp,
             dtype=dtype,
             device=device,
         )
@@ -205,9 +228,12 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         *,
         tp_rank: int = 0,
         tp_size: int = 1,
+        tp: TPGroup | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
+        tp = _group(tp, tp_rank, tp_size)
+        tp_size = tp.size
         total_num_kv_heads = total_num_kv_heads or total_num_heads
         self.head_size = head_size
         self.total_num_heads = total_num_heads
@@ -218,15 +244,19 @@ class QKVParallelLinear(MergedColumnParallelLinear):
             self.kv_replicas = 1
         else:
             self.num_kv_heads = 1
-            self.kv_replicas = _divide(tp_size, total_num_kv_heads, "tp size over KV heads")
+            if tp_size % total_num_kv_heads:
+                raise ValueError(
+                    f"the tensor-parallel size ({tp_size}) must be a multiple of the number of KV heads "
+                    f"({total_num_kv_heads}) when it is larger (each KV head is replicated on tp/kv ranks)"
+                )
+            self.kv_replicas = tp_size // total_num_kv_heads
         q_size = total_num_heads * head_size
         kv_size = self.num_kv_heads * tp_size * head_size  # per-rank size x ranks (counts replicas)
         super().__init__(
             hidden_size,
             [q_size, kv_size, kv_size],
             bias,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
+            tp=tp,
             dtype=dtype,
             device=device,
         )
@@ -273,13 +303,14 @@ class RowParallelLinear(_LinearBase):
         reduce_results: bool = True,
         tp_rank: int = 0,
         tp_size: int = 1,
+        tp: TPGroup | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        super().__init__(tp_rank, tp_size)
+        super().__init__(tp_rank, tp_size, tp)
         self.input_size = input_size
         self.output_size = output_size
-        self.input_size_per_partition = _divide(input_size, tp_size, "input size")
+        self.input_size_per_partition = _divide(input_size, self.tp_size, "input size")
         self.reduce_results = reduce_results
         self.weight = _param((output_size, self.input_size_per_partition), dtype, device, self.weight_loader)
         self.bias = _param((output_size,), dtype, device, self.weight_loader) if bias else None
@@ -298,7 +329,7 @@ class RowParallelLinear(_LinearBase):
             return F.linear(x, self.weight, self.bias)
         out = F.linear(x, self.weight)
         if self.reduce_results:
-            torch.distributed.all_reduce(out)
+            self.tp.all_reduce(out)
         return out + self.bias if self.bias is not None else out
 
 
@@ -312,15 +343,17 @@ class VocabParallelEmbedding(torch.nn.Module):
         *,
         tp_rank: int = 0,
         tp_size: int = 1,
+        tp: TPGroup | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.num_embeddings_per_partition = -(-num_embeddings // tp_size)
-        self.vocab_start = tp_rank * self.num_embeddings_per_partition
+        self.tp = _group(tp, tp_rank, tp_size)
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
+        self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
         self.weight = _param(
             (self.num_embeddings_per_partition, embedding_dim), dtype, device, self.weight_loader
         )
@@ -331,8 +364,9 @@ class VocabParallelEmbedding(torch.nn.Module):
             raise ValueError(
                 f"shape mismatch: expected {(self.num_embeddings, self.embedding_dim)}, got {tuple(loaded_weight.shape)}"
             )
-        n = min(self.num_embeddings_per_partition, self.num_embeddings - self.vocab_start)
-        param.data[:n].copy_(loaded_weight.narrow(0, self.vocab_start, n))
+        n = max(0, min(self.num_embeddings_per_partition, self.num_embeddings - self.vocab_start))
+        if n:
+            param.data[:n].copy_(_materialize(loaded_weight.narrow(0, self.vocab_start, n)))
         param.data[n:].zero_()
 
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -342,20 +376,19 @@ class VocabParallelEmbedding(torch.nn.Module):
         mask = (local < 0) | (local >= self.num_embeddings_per_partition)
         out = F.embedding(local.masked_fill(mask, 0), self.weight)
         out.masked_fill_(mask[:, None], 0)
-        torch.distributed.all_reduce(out)
-        return out
+        return self.tp.all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection hidden -> vocab (this rank's slice of the vocabulary)."""
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        logits = F.linear(hidden, self.weight)
-        if self.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            torch.distributed.all_gather(parts, logits)
-            logits = torch.cat(parts, dim=-1)
+    def compute_logits(self, hidden: Tensor) -> Tensor | None:
+        """[N, hidden] -> [N, vocab] float32 on rank 0 (each rank's vocabulary slice gathered there);
+        None on the other ranks."""
+        logits = self.tp.gather_last_dim(F.linear(hidden, self.weight))
+        if logits is None:
+            return None
         return logits[..., : self.num_embeddings].float()
 
-    def forward(self, hidden: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(self, hidden: Tensor) -> Tensor | None:  # type: ignore[override]
         return self.compute_logits(hidden)

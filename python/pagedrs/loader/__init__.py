@@ -15,6 +15,7 @@ import torch
 import transformers
 from torch import Tensor
 
+from pagedrs.distributed.group import TPGroup
 from pagedrs.loader.default_model import default_model_path
 from pagedrs.loader.gguf import cache_root, convert_gguf
 from pagedrs.loader.pytorch_bin import iter_pytorch_bin, pytorch_bin_files
@@ -148,10 +149,12 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     tokenizer: str | None = None,
+    tp: TPGroup | None = None,
 ) -> LoadedModel:
     """Build the model for `model` (folder, GGUF file or None), load and check its weights, load the
-    tokenizer (from `tokenizer` when given, else from the model)."""
+    tokenizer (from `tokenizer` when given, else from the model). With `tp`, this rank's shard only."""
     from pagedrs.models.registry import get_model_class
+    from pagedrs.models.utils import check_tensor_parallel
 
     path = resolve_model_path(model)
     folder = model_folder(path)
@@ -159,8 +162,10 @@ def load_model(
     config = transformers.AutoConfig.from_pretrained(folder)
     model_cls = get_model_class(config)
     torch_dtype = resolve_dtype(dtype, config, device)
+    if tp is not None and tp.size > 1:
+        check_tensor_parallel(config, tp.size)
     with torch.device(device):
-        net = model_cls(config, dtype=torch_dtype, device=device)  # type: ignore[call-arg]
+        net = model_cls(config, dtype=torch_dtype, device=device, tp=tp)  # type: ignore[call-arg]
     net.load_weights(iter_checkpoint(folder))  # type: ignore[operator]
     net.eval()
     tok = _load_tokenizer(folder if tokenizer is None else resolve_model_path(tokenizer))

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 from transformers import PretrainedConfig
 
+from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.activation import get_act_fn
 from pagedrs.layers.attention import Attention, ForwardContext
 from pagedrs.layers.linear import (
@@ -36,7 +37,13 @@ _BUFFERS = (".attn.bias", ".attn.masked_bias")
 
 class GPT2Attention(torch.nn.Module):
     def __init__(
-        self, config: PretrainedConfig, layer_idx: int, *, dtype: torch.dtype, device: torch.device
+        self,
+        config: PretrainedConfig,
+        layer_idx: int,
+        *,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         super().__init__()
         hidden = config.hidden_size
@@ -46,10 +53,12 @@ class GPT2Attention(torch.nn.Module):
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             scale /= float(layer_idx + 1)
         self.c_attn = QKVParallelLinear(
-            hidden, head_size, num_heads, num_heads, bias=True, dtype=dtype, device=device
+            hidden, head_size, num_heads, num_heads, bias=True, tp=tp, dtype=dtype, device=device
         )
-        self.c_proj = RowParallelLinear(hidden, hidden, bias=True, dtype=dtype, device=device)
-        self.attn = Attention(num_heads, head_size, num_heads, layer_idx, scale=scale)
+        self.c_proj = RowParallelLinear(hidden, hidden, bias=True, tp=tp, dtype=dtype, device=device)
+        self.attn = Attention(
+            self.c_attn.num_heads, head_size, self.c_attn.num_kv_heads, layer_idx, scale=scale
+        )
 
     def forward(self, hidden: Tensor, ctx: ForwardContext) -> Tensor:
         q, k, v = self.c_attn.split_qkv(self.c_attn(hidden))
@@ -57,13 +66,15 @@ class GPT2Attention(torch.nn.Module):
 
 
 class GPT2MLP(torch.nn.Module):
-    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: PretrainedConfig, *, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         hidden = config.hidden_size
         inner = getattr(config, "n_inner", None) or 4 * hidden
-        self.c_fc = ColumnParallelLinear(hidden, inner, bias=True, dtype=dtype, device=device)
+        self.c_fc = ColumnParallelLinear(hidden, inner, bias=True, tp=tp, dtype=dtype, device=device)
         self.act = get_act_fn(getattr(config, "activation_function", "gelu_new"))
-        self.c_proj = RowParallelLinear(inner, hidden, bias=True, dtype=dtype, device=device)
+        self.c_proj = RowParallelLinear(inner, hidden, bias=True, tp=tp, dtype=dtype, device=device)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.c_proj(self.act(self.c_fc(x)))
@@ -71,14 +82,20 @@ class GPT2MLP(torch.nn.Module):
 
 class GPT2Block(torch.nn.Module):
     def __init__(
-        self, config: PretrainedConfig, layer_idx: int, *, dtype: torch.dtype, device: torch.device
+        self,
+        config: PretrainedConfig,
+        layer_idx: int,
+        *,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.layer_norm_epsilon
         self.ln_1 = LayerNorm(hidden, eps, dtype=dtype, device=device)
-        self.attn = GPT2Attention(config, layer_idx, dtype=dtype, device=device)
+        self.attn = GPT2Attention(config, layer_idx, tp=tp, dtype=dtype, device=device)
         self.ln_2 = LayerNorm(hidden, eps, dtype=dtype, device=device)
-        self.mlp = GPT2MLP(config, dtype=dtype, device=device)
+        self.mlp = GPT2MLP(config, tp=tp, dtype=dtype, device=device)
 
     def forward(self, hidden: Tensor, ctx: ForwardContext) -> Tensor:
         hidden = hidden + self.attn(self.ln_1(hidden), ctx)
@@ -86,15 +103,19 @@ class GPT2Block(torch.nn.Module):
 
 
 class GPT2Model(torch.nn.Module):
-    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: PretrainedConfig, *, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         if getattr(config, "add_cross_attention", False):
             raise ValueError("GPT-2 with cross-attention (an encoder-decoder) is not supported")
         hidden = config.hidden_size
-        self.wte = VocabParallelEmbedding(config.vocab_size, hidden, dtype=dtype, device=device)
-        self.wpe = VocabParallelEmbedding(config.max_position_embeddings, hidden, dtype=dtype, device=device)
+        self.wte = VocabParallelEmbedding(config.vocab_size, hidden, tp=tp, dtype=dtype, device=device)
+        self.wpe = VocabParallelEmbedding(
+            config.max_position_embeddings, hidden, tp=tp, dtype=dtype, device=device
+        )
         self.h = torch.nn.ModuleList(
-            GPT2Block(config, i, dtype=dtype, device=device) for i in range(config.num_hidden_layers)
+            GPT2Block(config, i, tp=tp, dtype=dtype, device=device) for i in range(config.num_hidden_layers)
         )
         self.ln_f = LayerNorm(hidden, config.layer_norm_epsilon, dtype=dtype, device=device)
 
@@ -106,14 +127,24 @@ class GPT2Model(torch.nn.Module):
 
 
 class GPT2LMHeadModel(torch.nn.Module):
-    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
         device = torch.device(device)
+        tp = tp or TPGroup()
         self.config = config
         self.dtype = dtype
-        self.transformer = GPT2Model(config, dtype=dtype, device=device)
+        self.transformer = GPT2Model(config, tp=tp, dtype=dtype, device=device)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, tp=tp, dtype=dtype, device=device
+        )
         if self.tie_word_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
         attn = self.transformer.h[0].attn.attn

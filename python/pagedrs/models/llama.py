@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 from transformers import PretrainedConfig
 
+from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.activation import get_act_and_mul_fn
 from pagedrs.layers.attention import Attention, ForwardContext, token_seq_lens
 from pagedrs.layers.linear import (
@@ -56,6 +57,7 @@ class LlamaAttention(torch.nn.Module):
         rotary_emb: RotaryEmbedding,
         sliding_window: int | None,
         *,
+        tp: TPGroup,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
@@ -67,16 +69,16 @@ class LlamaAttention(torch.nn.Module):
         qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
         self.qkv_proj = QKVParallelLinear(
-            hidden, head_size, num_heads, num_kv_heads, bias=qkv_bias, dtype=dtype, device=device
+            hidden, head_size, num_heads, num_kv_heads, bias=qkv_bias, tp=tp, dtype=dtype, device=device
         )
         self.o_proj = RowParallelLinear(
-            num_heads * head_size, hidden, bias=o_bias, dtype=dtype, device=device
+            num_heads * head_size, hidden, bias=o_bias, tp=tp, dtype=dtype, device=device
         )
         self.rotary_emb = rotary_emb  # shared by every layer; registered on the model
         self.attn = Attention(
-            num_heads,
+            self.qkv_proj.num_heads,  # this rank's heads
             head_size,
-            num_kv_heads,
+            self.qkv_proj.num_kv_heads,
             layer_idx,
             scale=head_size**-0.5,
             sliding_window=sliding_window,
@@ -91,14 +93,16 @@ class LlamaAttention(torch.nn.Module):
 
 
 class LlamaMLP(torch.nn.Module):
-    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: PretrainedConfig, *, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden, [inter, inter], bias=bias, dtype=dtype, device=device
+            hidden, [inter, inter], bias=bias, tp=tp, dtype=dtype, device=device
         )
-        self.down_proj = RowParallelLinear(inter, hidden, bias=bias, dtype=dtype, device=device)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=bias, tp=tp, dtype=dtype, device=device)
         self.act_fn = get_act_and_mul_fn(getattr(config, "hidden_act", "silu"))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -113,15 +117,16 @@ class LlamaDecoderLayer(torch.nn.Module):
         rotary_emb: RotaryEmbedding,
         sliding_window: int | None,
         *,
+        tp: TPGroup,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = LlamaAttention(
-            config, layer_idx, rotary_emb, sliding_window, dtype=dtype, device=device
+            config, layer_idx, rotary_emb, sliding_window, tp=tp, dtype=dtype, device=device
         )
-        self.mlp = LlamaMLP(config, dtype=dtype, device=device)
+        self.mlp = LlamaMLP(config, tp=tp, dtype=dtype, device=device)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
 
@@ -144,15 +149,17 @@ class LlamaDecoderLayer(torch.nn.Module):
 
 
 class LlamaModel(torch.nn.Module):
-    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: PretrainedConfig, *, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         self.rotary_emb = get_rope(config, _head_size(config), device=device)
         windows = _layer_windows(config)
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, dtype=dtype, device=device
+            config.vocab_size, config.hidden_size, tp=tp, dtype=dtype, device=device
         )
         self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb, windows[i], dtype=dtype, device=device)
+            LlamaDecoderLayer(config, i, self.rotary_emb, windows[i], tp=tp, dtype=dtype, device=device)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
@@ -179,14 +186,24 @@ class LlamaForCausalLM(torch.nn.Module):
         StackedParam(".up_proj.", ".gate_up_proj.", 1),
     )
 
-    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
         device = torch.device(device)
+        tp = tp or TPGroup()
         self.config = config
         self.dtype = dtype
-        self.model = LlamaModel(config, dtype=dtype, device=device)
+        self.model = LlamaModel(config, tp=tp, dtype=dtype, device=device)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, tp=tp, dtype=dtype, device=device
+        )
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         attn = self.model.layers[0].self_attn.attn

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from transformers import PretrainedConfig
 
+from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.activation import get_act_fn
 from pagedrs.layers.attention import Attention, ForwardContext
 from pagedrs.layers.linear import (
@@ -45,7 +46,13 @@ def _layer_norm(config: PretrainedConfig, *, dtype: torch.dtype, device: torch.d
 
 class OPTAttention(torch.nn.Module):
     def __init__(
-        self, config: PretrainedConfig, layer_idx: int, *, dtype: torch.dtype, device: torch.device
+        self,
+        config: PretrainedConfig,
+        layer_idx: int,
+        *,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         super().__init__()
         hidden = config.hidden_size
@@ -53,10 +60,12 @@ class OPTAttention(torch.nn.Module):
         head_size = mha_head_size(config)
         bias = bool(getattr(config, "enable_bias", True))
         self.qkv_proj = QKVParallelLinear(
-            hidden, head_size, num_heads, num_heads, bias=bias, dtype=dtype, device=device
+            hidden, head_size, num_heads, num_heads, bias=bias, tp=tp, dtype=dtype, device=device
         )
-        self.out_proj = RowParallelLinear(hidden, hidden, bias=bias, dtype=dtype, device=device)
-        self.attn = Attention(num_heads, head_size, num_heads, layer_idx, scale=head_size**-0.5)
+        self.out_proj = RowParallelLinear(hidden, hidden, bias=bias, tp=tp, dtype=dtype, device=device)
+        self.attn = Attention(
+            self.qkv_proj.num_heads, head_size, self.qkv_proj.num_kv_heads, layer_idx, scale=head_size**-0.5
+        )
 
     def forward(self, hidden: Tensor, ctx: ForwardContext) -> Tensor:
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
@@ -65,17 +74,23 @@ class OPTAttention(torch.nn.Module):
 
 class OPTDecoderLayer(torch.nn.Module):
     def __init__(
-        self, config: PretrainedConfig, layer_idx: int, *, dtype: torch.dtype, device: torch.device
+        self,
+        config: PretrainedConfig,
+        layer_idx: int,
+        *,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         super().__init__()
         hidden = config.hidden_size
         bias = bool(getattr(config, "enable_bias", True))
         self.do_layer_norm_before = bool(config.do_layer_norm_before)
-        self.self_attn = OPTAttention(config, layer_idx, dtype=dtype, device=device)
+        self.self_attn = OPTAttention(config, layer_idx, tp=tp, dtype=dtype, device=device)
         self.self_attn_layer_norm = _layer_norm(config, dtype=dtype, device=device)
-        self.fc1 = ColumnParallelLinear(hidden, config.ffn_dim, bias=bias, dtype=dtype, device=device)
+        self.fc1 = ColumnParallelLinear(hidden, config.ffn_dim, bias=bias, tp=tp, dtype=dtype, device=device)
         self.activation_fn = get_act_fn(config.activation_function)
-        self.fc2 = RowParallelLinear(config.ffn_dim, hidden, bias=bias, dtype=dtype, device=device)
+        self.fc2 = RowParallelLinear(config.ffn_dim, hidden, bias=bias, tp=tp, dtype=dtype, device=device)
         self.final_layer_norm = _layer_norm(config, dtype=dtype, device=device)
 
     def forward(self, hidden: Tensor, ctx: ForwardContext) -> Tensor:
@@ -90,12 +105,16 @@ class OPTDecoderLayer(torch.nn.Module):
 
 
 class OPTDecoder(torch.nn.Module):
-    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: PretrainedConfig, *, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         hidden, embed_dim = config.hidden_size, config.word_embed_proj_dim
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, embed_dim, dtype=dtype, device=device)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, embed_dim, tp=tp, dtype=dtype, device=device
+        )
         self.embed_positions = VocabParallelEmbedding(
-            config.max_position_embeddings + POSITION_OFFSET, hidden, dtype=dtype, device=device
+            config.max_position_embeddings + POSITION_OFFSET, hidden, tp=tp, dtype=dtype, device=device
         )
         self.project_in: ReplicatedLinear | None = None
         self.project_out: ReplicatedLinear | None = None
@@ -103,7 +122,8 @@ class OPTDecoder(torch.nn.Module):
             self.project_in = ReplicatedLinear(embed_dim, hidden, bias=False, dtype=dtype, device=device)
             self.project_out = ReplicatedLinear(hidden, embed_dim, bias=False, dtype=dtype, device=device)
         self.layers = torch.nn.ModuleList(
-            OPTDecoderLayer(config, i, dtype=dtype, device=device) for i in range(config.num_hidden_layers)
+            OPTDecoderLayer(config, i, tp=tp, dtype=dtype, device=device)
+            for i in range(config.num_hidden_layers)
         )
         # As in HF: post-LN models end with the last layer's norm; old checkpoints may lack the final one.
         self.final_layer_norm: LayerNorm | None = None
@@ -125,9 +145,11 @@ class OPTDecoder(torch.nn.Module):
 
 
 class OPTModel(torch.nn.Module):
-    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: PretrainedConfig, *, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
-        self.decoder = OPTDecoder(config, dtype=dtype, device=device)
+        self.decoder = OPTDecoder(config, tp=tp, dtype=dtype, device=device)
 
 
 class OPTForCausalLM(torch.nn.Module):
@@ -137,16 +159,24 @@ class OPTForCausalLM(torch.nn.Module):
         StackedParam(".v_proj.", ".qkv_proj.", "v"),
     )
 
-    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
         device = torch.device(device)
+        tp = tp or TPGroup()
         self.config = config
         self.dtype = dtype
-        self.model = OPTModel(config, dtype=dtype, device=device)
+        self.model = OPTModel(config, tp=tp, dtype=dtype, device=device)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         decoder = self.model.decoder
         self.lm_head = ParallelLMHead(
-            config.vocab_size, config.word_embed_proj_dim, dtype=dtype, device=device
+            config.vocab_size, config.word_embed_proj_dim, tp=tp, dtype=dtype, device=device
         )
         if self.tie_word_embeddings:
             self.lm_head.weight = decoder.embed_tokens.weight

@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 
 from pagedrs.layers.linear import default_weight_loader
 
-__all__ = ["StackedParam", "load_weights_into", "mha_head_size"]
+__all__ = ["StackedParam", "check_tensor_parallel", "load_weights_into", "mha_head_size"]
 
 
 def mha_head_size(config: PretrainedConfig) -> int:
@@ -21,6 +21,31 @@ def mha_head_size(config: PretrainedConfig) -> int:
     if hidden % num_heads:
         raise ValueError(f"hidden_size ({hidden}) must be divisible by num_attention_heads ({num_heads})")
     return hidden // num_heads
+
+
+def check_tensor_parallel(config: PretrainedConfig, tp_size: int) -> None:
+    """Can `config`'s heads be split over `tp_size` ranks? ValueError naming both numbers if not.
+
+    Query heads must divide evenly. KV heads are split when there are at least as many as ranks
+    (and must divide evenly), and replicated when there are fewer (the rank count must then be a
+    multiple of them: Llama-3's 8 KV heads at TP 16 put each head on 2 ranks)."""
+    heads = int(config.num_attention_heads)
+    kv = int(getattr(config, "num_key_value_heads", None) or heads)
+    if heads % tp_size:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} does not divide the model's {heads} attention heads; "
+            f"use a tensor_parallel_size that divides {heads}"
+        )
+    if kv >= tp_size and kv % tp_size:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} does not divide the model's {kv} KV heads; "
+            f"use a tensor_parallel_size that divides {kv}"
+        )
+    if kv < tp_size and tp_size % kv:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} is not a multiple of the model's {kv} KV heads "
+            f"(fewer KV heads than ranks are replicated, {tp_size} / {kv} must be whole)"
+        )
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,14 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from pagedrs.config import EngineConfig
+from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.attention import AttentionMetadata, ForwardContext, get_attention_backend
 from pagedrs.layers.sampler import (
     LogprobsTensors,
@@ -27,7 +28,14 @@ from pagedrs.layers.sampler import (
 )
 from pagedrs.worker.kv_cache import KVCachePool, block_bytes, num_blocks_for_bytes, profile_num_gpu_blocks
 
-__all__ = ["ModelRunner", "PromptLogprobsChunk", "RunnerOutput"]
+__all__ = [
+    "ModelRunner",
+    "PlanLike",
+    "PromptLogprobsChunk",
+    "PromptLogprobsPlan",
+    "PromptSpan",
+    "RunnerOutput",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +52,68 @@ class PromptLogprobsChunk:
     token_ids: np.ndarray  # [n, 1 + k] the prompt token, then the top-k
     logprobs: np.ndarray  # [n, 1 + k]
     ranks: np.ndarray  # [n]
+
+
+@dataclass
+class PromptSpan:
+    """One sequence's prompt positions scored this step: targets = prompt[start : start + n]."""
+
+    seq_id: int
+    start: int
+    k: int
+    targets: np.ndarray  # int64 [n]
+
+
+@dataclass
+class PromptLogprobsPlan:
+    """The hidden rows whose logits give this step's prompt logprobs (after the sampled rows' logits),
+    span by span."""
+
+    indices: np.ndarray  # int64, concatenated over spans
+    spans: list[PromptSpan]
+
+
+class PlanLike(Protocol):
+    """What a step needs from its plan: `_core.StepPlan` on rank 0, an unpacked `WorkerStep` elsewhere."""
+
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_decode_tokens(self) -> int: ...
+    @property
+    def input_ids(self) -> np.ndarray: ...
+    @property
+    def positions(self) -> np.ndarray: ...
+    @property
+    def slot_mapping(self) -> np.ndarray: ...
+    @property
+    def query_start_loc(self) -> np.ndarray: ...
+    @property
+    def seq_lens(self) -> np.ndarray: ...
+    @property
+    def num_scheduled_tokens(self) -> np.ndarray: ...
+    @property
+    def num_computed_tokens(self) -> np.ndarray: ...
+    @property
+    def req_ids(self) -> np.ndarray: ...
+    @property
+    def logits_indices(self) -> np.ndarray: ...
+    @property
+    def block_tables(self) -> np.ndarray: ...
+    @property
+    def block_table_rows(self) -> np.ndarray: ...
+    @property
+    def changed_rows(self) -> np.ndarray: ...
+    @property
+    def block_moves(self) -> np.ndarray: ...
+    @property
+    def swap_out(self) -> np.ndarray: ...
+    @property
+    def swap_in(self) -> np.ndarray: ...
+    @property
+    def copies(self) -> np.ndarray: ...
 
 
 @dataclass
@@ -70,9 +140,11 @@ class ModelRunner:
         model: torch.nn.Module,
         *,
         eos_token_ids: Sequence[int] = (),
+        tp: TPGroup | None = None,
     ) -> None:
         self.config = config
         self.model = model
+        self.tp = tp or TPGroup()
         self.device = config.device.device
         self.block_size = config.cache.block_size
         self.eos_token_ids = list(eos_token_ids)
@@ -95,19 +167,19 @@ class ModelRunner:
         if mirror if mirror is not None else self.device.type != "cpu":
             self._bt_device = torch.as_tensor(np.array(view), device=self.device)
 
-    def _sync_block_table(self, plan: object) -> None:
+    def _sync_block_table(self, plan: PlanLike) -> None:
         # Every plan, empty ones included, or the mirror drifts from the view.
-        changed = plan.changed_rows  # type: ignore[attr-defined]
+        changed = plan.changed_rows
         if self._bt_device is None or self._bt_view is None or not len(changed):
             return
         idx = torch.from_numpy(changed.astype(np.int64)).to(self.device, non_blocking=True)
         rows_now = torch.from_numpy(self._bt_view[changed]).to(self.device, non_blocking=True)
         self._bt_device.index_copy_(0, idx, rows_now)
 
-    def _block_tables(self, plan: object) -> Tensor:
+    def _block_tables(self, plan: PlanLike) -> Tensor:
         if self._bt_device is None:
-            return _tensor(plan.block_tables, self.device)  # type: ignore[attr-defined]
-        rows = torch.from_numpy(plan.block_table_rows.astype(np.int64))  # type: ignore[attr-defined]
+            return _tensor(plan.block_tables, self.device)
+        rows = torch.from_numpy(plan.block_table_rows.astype(np.int64))
         return self._bt_device.index_select(0, rows.to(self.device, non_blocking=True))
 
     # ---- KV pool sizing -------------------------------------------------------------------------------
@@ -145,9 +217,12 @@ class ModelRunner:
             )
         return num
 
-    def init_kv_cache(self, num_blocks: int) -> KVCachePool:
+    def determine_num_swap_blocks(self) -> int:
+        return num_blocks_for_bytes(self.config.cache.swap_space * _GiB, self.bytes_per_block)
+
+    def init_kv_cache(self, num_blocks: int, num_swap_blocks: int | None = None) -> KVCachePool:
         m = self.model
-        num_swap = num_blocks_for_bytes(self.config.cache.swap_space * _GiB, self.bytes_per_block)
+        num_swap = self.determine_num_swap_blocks() if num_swap_blocks is None else num_swap_blocks
         self.kv_pool = KVCachePool(
             num_layers=m.num_layers,
             num_kv_heads=m.num_kv_heads,
@@ -159,7 +234,9 @@ class ModelRunner:
             num_swap_blocks=num_swap,
         )
         dev_cfg = self.config.device
-        if self.device.type == "cuda" and not dev_cfg.enforce_eager and self.backend.name == "cupy":
+        # CUDA graphs capture one device's forward; a tensor-parallel step runs eagerly.
+        graphs_ok = self.tp.size == 1 and not dev_cfg.enforce_eager and self.backend.name == "cupy"
+        if self.device.type == "cuda" and graphs_ok:
             from pagedrs.worker.cuda_graphs import CudaGraphRunner
 
             sched = self.config.scheduler
@@ -185,13 +262,13 @@ class ModelRunner:
         self.model.compute_logits(hidden[:rows])
 
     # ---- one step ----------------------------------------------------------------------------------
-    def _attn_metadata(self, plan: object) -> AttentionMetadata:
+    def _attn_metadata(self, plan: PlanLike) -> AttentionMetadata:
         dev = self.device
-        qsl_np = plan.query_start_loc  # type: ignore[attr-defined]
-        seq_lens_np = plan.seq_lens  # type: ignore[attr-defined]
-        num_sched = plan.num_scheduled_tokens  # type: ignore[attr-defined]
+        qsl_np = plan.query_start_loc
+        seq_lens_np = plan.seq_lens
+        num_sched = plan.num_scheduled_tokens
         return AttentionMetadata(
-            slot_mapping=_tensor(plan.slot_mapping, dev),  # type: ignore[attr-defined]
+            slot_mapping=_tensor(plan.slot_mapping, dev),
             query_start_loc=_tensor(qsl_np, dev),
             seq_lens=_tensor(seq_lens_np, dev),
             block_tables=self._block_tables(plan),
@@ -200,66 +277,89 @@ class ModelRunner:
             max_query_len=int(num_sched.max()) if len(num_sched) else 0,
             max_seq_len=int(seq_lens_np.max()) if len(seq_lens_np) else 0,
             block_size=self.block_size,
-            num_decode_tokens=int(plan.num_decode_tokens),  # type: ignore[attr-defined]
+            num_decode_tokens=int(plan.num_decode_tokens),
         )
 
     @torch.inference_mode()
     def execute(
         self,
-        plan: object,
+        plan: PlanLike,
         rows: Sequence[SamplingRow],
         prompt_logprobs: dict[int, tuple[int, Sequence[int]]] | None = None,
     ) -> RunnerOutput:
         """Run one step plan. `rows[i]` is the sequence of logits row i; `prompt_logprobs` maps a seq id to
         (top-k, prompt token ids) for the sequences whose prompt logprobs are wanted."""
+        return self.run(plan, rows, self.prompt_logprobs_plan(plan, prompt_logprobs))
+
+    @torch.inference_mode()
+    def run(
+        self, plan: PlanLike, rows: Sequence[SamplingRow], plp: PromptLogprobsPlan | None
+    ) -> RunnerOutput:
+        """The driver's step: `execute_model` (every rank runs it), then prompt logprobs and sampling."""
+        out = RunnerOutput(np.zeros(0, dtype=np.int64), None, {})
+        logits = self.execute_model(plan, plp.indices if plp is not None else None)
+        if logits is None:
+            return out
+        num_rows = len(plan.logits_indices)
+        if plp is not None:
+            out.prompt_logprobs = self._prompt_logprobs(logits[num_rows:], plp)
+        if num_rows:
+            sampling = SamplingMetadata.from_rows(
+                rows,
+                vocab_size=logits.shape[-1],
+                device=self.device,
+                eos_token_ids=self.eos_token_ids,
+                default_generator=self.generator,
+            )
+            sampled = self.sampler(logits[:num_rows], sampling)
+            out.sampled_token_ids = sampled.sampled_token_ids.to("cpu").numpy().astype(np.int64, copy=False)
+            if sampled.logprobs is not None:
+                lp = sampled.logprobs
+                out.logprobs = LogprobsTensors(lp.token_ids.cpu(), lp.logprobs.cpu(), lp.ranks.cpu())
+        return out
+
+    @torch.inference_mode()
+    def execute_model(self, plan: PlanLike, extra_logits_indices: np.ndarray | None = None) -> Tensor | None:
+        """Block ops, the forward, and the logits of `plan.logits_indices` then `extra_logits_indices`.
+
+        Every tensor-parallel rank runs this with the same plan (its collectives must line up); the
+        logits come back on rank 0 only (None elsewhere, and when the plan asks for none)."""
         pool = self.kv_pool
         assert pool is not None, "init_kv_cache() first"
         pool.apply_plan_ops(plan)
         self._sync_block_table(plan)
-        num_rows = len(plan.logits_indices)  # type: ignore[attr-defined]
-        out = RunnerOutput(np.zeros(0, dtype=np.int64), None, {})
-        if plan.num_tokens > 0:  # type: ignore[attr-defined]
+        logits: Tensor | None = None
+        if plan.num_tokens > 0:
             dev = self.device
             meta = self._attn_metadata(plan)
             ctx = ForwardContext(attn_metadata=meta, kv_caches=pool.kv_caches, backend=self.backend)
-            input_ids = _tensor(plan.input_ids, dev)  # type: ignore[attr-defined]
-            positions = _tensor(plan.positions, dev)  # type: ignore[attr-defined]
+            input_ids = _tensor(plan.input_ids, dev)
+            positions = _tensor(plan.positions, dev)
             hidden = None
             if self.cuda_graphs is not None:  # decode-only steps replay a captured graph
                 hidden = self.cuda_graphs.run(input_ids, positions, meta, pool.kv_caches)
             if hidden is None:
                 hidden = self.model(input_ids, positions, ctx)
-            if prompt_logprobs:
-                out.prompt_logprobs = self._prompt_logprobs(plan, hidden, prompt_logprobs)
-            if num_rows:
-                logits_idx = _tensor(plan.logits_indices, dev)  # type: ignore[attr-defined]
-                logits = self.model.compute_logits(hidden.index_select(0, logits_idx))
-                sampling = SamplingMetadata.from_rows(
-                    rows,
-                    vocab_size=logits.shape[-1],
-                    device=dev,
-                    eos_token_ids=self.eos_token_ids,
-                    default_generator=self.generator,
-                )
-                sampled = self.sampler(logits, sampling)
-                out.sampled_token_ids = (
-                    sampled.sampled_token_ids.to("cpu").numpy().astype(np.int64, copy=False)
-                )
-                if sampled.logprobs is not None:
-                    lp = sampled.logprobs
-                    out.logprobs = LogprobsTensors(lp.token_ids.cpu(), lp.logprobs.cpu(), lp.ranks.cpu())
+            idx = plan.logits_indices
+            if extra_logits_indices is not None and len(extra_logits_indices):
+                idx = np.concatenate([idx, extra_logits_indices])
+            if len(idx):
+                logits = self.model.compute_logits(hidden.index_select(0, _tensor(idx, dev)))
         pool.apply_plan_shrink(plan)
-        return out
+        return logits
 
-    def _prompt_logprobs(
-        self, plan: object, hidden: Tensor, wanted: dict[int, tuple[int, Sequence[int]]]
-    ) -> dict[int, PromptLogprobsChunk]:
-        result: dict[int, PromptLogprobsChunk] = {}
-        req_ids = plan.req_ids.tolist()  # type: ignore[attr-defined]
-        qsl = plan.query_start_loc  # type: ignore[attr-defined]
-        computed = plan.num_computed_tokens  # type: ignore[attr-defined]
-        seq_lens = plan.seq_lens  # type: ignore[attr-defined]
-        for b, seq_id in enumerate(req_ids):
+    def prompt_logprobs_plan(
+        self, plan: PlanLike, wanted: dict[int, tuple[int, Sequence[int]]] | None
+    ) -> PromptLogprobsPlan | None:
+        """Which hidden rows give this step's prompt logprobs: position p's logits predict token p + 1."""
+        if not wanted:
+            return None
+        idx: list[np.ndarray] = []
+        spans: list[PromptSpan] = []
+        qsl = plan.query_start_loc
+        computed = plan.num_computed_tokens
+        seq_lens = plan.seq_lens
+        for b, seq_id in enumerate(plan.req_ids.tolist()):
             if seq_id not in wanted:
                 continue
             k, prompt = wanted[seq_id]
@@ -267,15 +367,24 @@ class ModelRunner:
             if end <= start:
                 continue
             first = int(qsl[b])
-            h = hidden[first : first + (end - start)]
-            logprobs = self.model.compute_logits(h).float().log_softmax(dim=-1)
-            targets = torch.as_tensor(
-                np.asarray(prompt[start + 1 : end + 1], dtype=np.int64), device=h.device
-            )
-            lp = compute_token_logprobs(logprobs, targets, min(k, logprobs.shape[-1]))
-            # Position p's logits predict prompt token p + 1.
-            result[seq_id] = PromptLogprobsChunk(
-                start=start + 1,
+            idx.append(np.arange(first, first + (end - start), dtype=np.int64))
+            targets = np.asarray(prompt[start + 1 : end + 1], dtype=np.int64)
+            spans.append(PromptSpan(seq_id, start + 1, k, targets))
+        if not spans:
+            return None
+        return PromptLogprobsPlan(np.concatenate(idx), spans)
+
+    def _prompt_logprobs(self, logits: Tensor, plp: PromptLogprobsPlan) -> dict[int, PromptLogprobsChunk]:
+        result: dict[int, PromptLogprobsChunk] = {}
+        offset = 0
+        for span in plp.spans:
+            n = len(span.targets)
+            logprobs = logits[offset : offset + n].log_softmax(dim=-1)
+            offset += n
+            targets = torch.from_numpy(span.targets).to(logprobs.device)
+            lp = compute_token_logprobs(logprobs, targets, min(span.k, logprobs.shape[-1]))
+            result[span.seq_id] = PromptLogprobsChunk(
+                start=span.start,
                 token_ids=lp.token_ids.cpu().numpy(),
                 logprobs=lp.logprobs.cpu().numpy(),
                 ranks=lp.ranks.cpu().numpy(),
