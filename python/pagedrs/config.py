@@ -15,6 +15,7 @@ __all__ = [
     "EngineConfig",
     "ModelConfig",
     "ObservabilityConfig",
+    "ParallelConfig",
     "SchedulerConfig",
     "resolve_device",
 ]
@@ -200,9 +201,29 @@ class ObservabilityConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Tensor parallelism: how many ranks hold a shard of the model, and who starts their processes
+    ("mp": local processes; "ray": Ray actors, on one host or several)."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None -> "mp"
+
+    def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        _require(_is_int(tp) and tp >= 1, "tensor_parallel_size", tp, "must be an int >= 1")
+        b = self.distributed_executor_backend
+        _require(b in (None, "mp", "ray"), "distributed_executor_backend", b, "must be 'mp' or 'ray'")
+
+    @property
+    def backend(self) -> str:
+        return self.distributed_executor_backend or "mp"
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: DeviceConfig
     observability: ObservabilityConfig
+    parallel: ParallelConfig = ParallelConfig()

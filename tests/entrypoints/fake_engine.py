@@ -123,6 +123,9 @@ class FakeEngine:
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests
 
+    def check_health(self) -> None:
+        pass
+
     def take_pending(self) -> list[EngineCoreOutput]:
         out, self.pending = self.pending, []
         return out

@@ -11,6 +11,7 @@ from pagedrs.config import (
     EngineConfig,
     ModelConfig,
     ObservabilityConfig,
+    ParallelConfig,
     SchedulerConfig,
     resolve_device,
 )
@@ -44,10 +45,18 @@ class EngineArgs:
     disable_log_stats: bool = False
     stats_log_interval: float = 5.0
     enable_log_batch_visualization: bool = False
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+        )
 
     def early_configs(self) -> tuple[ModelConfig, CacheConfig, DeviceConfig, ObservabilityConfig]:
         """The configs that do not depend on the model (checked before any weight is loaded)."""
@@ -88,6 +97,7 @@ class EngineArgs:
         )
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
+        self.parallel_config()
         return model, cache, device, obs
 
     def create_engine_config(self, model_max_len: int) -> EngineConfig:
@@ -106,4 +116,11 @@ class EngineArgs:
             max_num_batched_tokens=tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
-        return EngineConfig(model=model, cache=cache, scheduler=sched, device=device, observability=obs)
+        return EngineConfig(
+            model=model,
+            cache=cache,
+            scheduler=sched,
+            device=device,
+            observability=obs,
+            parallel=self.parallel_config(),
+        )

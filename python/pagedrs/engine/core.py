@@ -29,6 +29,9 @@ from pagedrs.engine.messages import (
     Ready,
     SampleLogprobsMsg,
 )
+from pagedrs.executor import TPExecutor, UniProcExecutor
+from pagedrs.executor.start import start_workers, stop_workers
+from pagedrs.executor.worker import cpu_threads_per_rank
 from pagedrs.metrics import EngineStats, StatLogger, visualize_batch
 from pagedrs.sampling_params import SamplingParams
 from pagedrs.worker.model_runner import ModelRunner
@@ -112,7 +115,10 @@ class EngineCore:
     # Methods a frontend may call through `UtilityCall` (name -> bound method is looked up here only).
     UTILITY_METHODS = frozenset({"get_stats", "resize", "reset_prefix_cache", "ping"})
 
-    def __init__(self, config: EngineConfig, loaded: Any, *, max_logprobs: int = 20) -> None:
+    def __init__(
+        self, config: EngineConfig, loaded: Any, *, max_logprobs: int = 20, workers: Any = None
+    ) -> None:
+        """`workers`: the started ranks 1..N-1 of a tensor-parallel group (`loaded` is rank 0's shard)."""
         self.config = config
         self.model_name = config.model.model or os.path.splitext(os.path.basename(loaded.model_path))[0]
         self.max_model_len = config.scheduler.max_model_len
@@ -120,9 +126,13 @@ class EngineCore:
         self.vocab_size = int(getattr(loaded.hf_config, "vocab_size", 0) or 0)
         self.device = config.device.device
         self.eos_token_ids = eos_token_ids(loaded.tokenizer, loaded.hf_config, str(loaded.model_path))
-        self.runner = ModelRunner(config, loaded.model, eos_token_ids=self.eos_token_ids)
-        num_blocks = self.runner.determine_num_blocks()
-        pool = self.runner.init_kv_cache(num_blocks)
+        tp = workers.tp if workers is not None else None
+        self.runner = ModelRunner(config, loaded.model, eos_token_ids=self.eos_token_ids, tp=tp)
+        self.executor: UniProcExecutor = (
+            TPExecutor(self.runner, workers) if workers is not None else UniProcExecutor(self.runner)
+        )
+        pool = self.executor.init_kv_cache()
+        num_blocks = pool.num_blocks
         sched = config.scheduler
         self.scheduler = _core.Scheduler(
             num_blocks=num_blocks,
@@ -148,10 +158,11 @@ class EngineCore:
         obs = config.observability
         self.stat_logger = StatLogger(obs.stats_log_interval) if obs.log_stats else None
         logger.info(
-            "engine ready: model=%s device=%s dtype=%s max_model_len=%d kv blocks=%d x %d tokens (%.2f GiB), "
-            "swap blocks=%d",
+            "engine ready: model=%s device=%s tp=%d dtype=%s max_model_len=%d kv blocks=%d x %d tokens "
+            "(%.2f GiB per rank), swap blocks=%d",
             self.model_name,
             self.device,
+            self.executor.tensor_parallel_size,
             self.runner.kv_dtype,
             self.max_model_len,
             num_blocks,
@@ -166,16 +177,32 @@ class EngineCore:
         from pagedrs.loader import load_model
 
         _, _, device_cfg, _ = args.early_configs()  # bad arguments fail before any weight is read
-        if device_cfg.num_threads is not None and device_cfg.device.type == "cpu":
-            torch.set_num_threads(device_cfg.num_threads)
-        loaded = load_model(args.model, dtype=args.dtype, device=device_cfg.device, tokenizer=args.tokenizer)
-        model_max = int(
-            getattr(loaded.model, "max_position", None)
-            or getattr(loaded.hf_config, "max_position_embeddings", None)
-            or 2048
-        )
-        config = args.create_engine_config(model_max)
-        return cls(config, loaded, max_logprobs=args.max_logprobs), loaded
+        tp_size = args.parallel_config().tensor_parallel_size
+        if device_cfg.device.type == "cpu" and (device_cfg.num_threads is not None or tp_size > 1):
+            torch.set_num_threads(cpu_threads_per_rank(device_cfg.num_threads, tp_size))
+        workers = start_workers(args, device_cfg.device) if tp_size > 1 else None
+        try:
+            loaded = load_model(
+                args.model,
+                dtype=args.dtype,
+                device=device_cfg.device,
+                tokenizer=args.tokenizer,
+                tp=workers.tp if workers is not None else None,
+            )
+            config = args.create_engine_config(loaded.max_len)
+            return cls(config, loaded, max_logprobs=args.max_logprobs, workers=workers), loaded
+        except BaseException:
+            if workers is not None:
+                stop_workers(workers)
+            raise
+
+    def check_health(self) -> None:
+        """Raise `ExecutorDeadError` once a step can no longer run (a tensor-parallel rank died)."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one device)."""
+        self.executor.shutdown()
 
     def ready_info(self) -> Ready:
         return Ready(
@@ -270,7 +297,7 @@ class EngineCore:
         rows = [self._seqs[sid] for sid in plan.sampled_seq_ids.tolist()]
         wanted = self._prompt_logprobs_wanted(plan)
         try:
-            out = self.runner.execute(plan, rows, wanted)
+            out = self.executor.execute(plan, rows, wanted)
         except Exception as exc:
             self._fail_plan(plan, exc)
             raise

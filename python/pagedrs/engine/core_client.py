@@ -115,12 +115,16 @@ class ThreadCore:
 
     def _run(self) -> None:
         try:
-            self.proc.run(self.core)
+            if self.proc.run(self.core):
+                self.error = RuntimeError("the engine's executor died (see the log)")
         except BaseException as exc:  # noqa: BLE001 - reported as the core's death
             logger.exception("engine core thread failed")
             self.error = exc
         finally:
             self.proc.close()
+            shutdown = getattr(self.core, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
 
     def alive(self) -> bool:
         return self.thread is not None and self.thread.is_alive()

@@ -11,9 +11,7 @@ being sent.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
-import os
 import queue
 import signal
 import sys
@@ -36,7 +34,9 @@ from pagedrs.engine.messages import (
     UtilityResult,
     input_decoder,
 )
+from pagedrs.executor.executor import ExecutorDeadError
 from pagedrs.metrics import EngineStats
+from pagedrs.utils import die_with_parent
 
 __all__ = ["CoreLike", "EngineCoreProc", "main"]
 
@@ -56,6 +56,7 @@ class CoreLike(Protocol):
     def has_request(self, request_id: str) -> bool: ...
     def take_pending(self) -> list[EngineCoreOutput]: ...
     def step(self) -> EngineCoreOutputs: ...
+    def check_health(self) -> None: ...
     def get_stats(self) -> EngineStats: ...
     def call_utility(self, method: str, args: Any) -> Any: ...
 
@@ -136,16 +137,30 @@ class EngineCoreProc:
                 s.close(linger=2000)
 
     # ---- the loop ------------------------------------------------------------------------------------
-    def run(self, core: CoreLike) -> None:
-        """Announce `Ready`, then step until a `Shutdown` arrives (or `stop()`)."""
+    def run(self, core: CoreLike) -> int:
+        """Announce `Ready`, then step until a `Shutdown` arrives (or `stop()`): 0. A dead executor (a
+        tensor-parallel rank failed) ends the loop with 1 once the failed step's errors are sent: the
+        process exits and the server restarts it."""
         self.send_all(core.ready_info())
+        code = 0
         while not self._stop.is_set():
             changed = self._handle_inputs(core, block=not core.has_unfinished_requests())
             if changed is None:
                 break
+            try:
+                core.check_health()
+            except ExecutorDeadError:
+                logger.exception("the engine cannot run steps any more")
+                code = 1
+                break
             if core.has_unfinished_requests():
                 try:
                     out = core.step()
+                except ExecutorDeadError:
+                    logger.exception("engine step failed; the executor is dead")
+                    self._publish(core, EngineCoreOutputs(core.take_pending(), core.get_stats(), time.time()))
+                    code = 1
+                    break
                 except Exception:  # noqa: BLE001 - the step's requests are aborted; keep serving
                     logger.exception("engine step failed")
                     out = EngineCoreOutputs(core.take_pending(), core.get_stats(), time.time())
@@ -155,6 +170,7 @@ class EngineCoreProc:
                 self._publish(core, EngineCoreOutputs(core.take_pending(), core.get_stats(), time.time()))
         # Whatever is left is aborted: the frontends already failed or are gone.
         core.abort(list(self._owner))
+        return code
 
     def stop(self) -> None:
         self._stop.set()
@@ -218,26 +234,6 @@ class EngineCoreProc:
 
 
 # ---- process entry point ---------------------------------------------------------------------------------
-def _die_with_parent(parent_pid: int) -> None:
-    """The core must not outlive the server: PR_SET_PDEATHSIG where Linux has it, and a watcher for the
-    rest (and for the race where the parent died before prctl)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
-            time.sleep(0.5)
-
-    if os.getppid() != parent_pid:
-        os._exit(1)
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pagedrs.engine.core_proc", description="pagedrs engine core")
     p.add_argument("--input", required=True, help="ipc:// address to bind for requests")
@@ -246,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parent-pid", type=int, required=True)
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
-    _die_with_parent(args.parent_pid)
+    die_with_parent(args.parent_pid)
     lvl = getattr(logging, args.log_level.upper(), logging.INFO)
     logging.basicConfig(
         level=lvl, format="%(levelname)s %(asctime)s [core] %(message)s", datefmt="%m-%d %H:%M:%S", force=True
@@ -268,10 +264,13 @@ def main(argv: list[str] | None = None) -> int:
         proc.close()
         return 1
     try:
-        proc.run(core)
+        code = proc.run(core)
     finally:
         proc.close()
-    return 0
+        shutdown = getattr(core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+    return code
 
 
 if __name__ == "__main__":

@@ -69,6 +69,10 @@ class LLMEngine:
     def runner(self) -> ModelRunner:
         return self.engine_core.runner
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers now (they also stop at exit); the engine is unusable after."""
+        self.engine_core.shutdown()
+
     # ---- requests ----------------------------------------------------------------------------------
     def get_tokenizer(self) -> Any:
         return self.tokenizer

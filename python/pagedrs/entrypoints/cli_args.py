@@ -57,6 +57,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="split long prompts",
     )
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        dest="tensor_parallel_size",
+        type=int,
+        default=1,
+        help="ranks (devices; worker processes on CPU) the model is split over",
+    )
+    g.add_argument(
+        "--distributed-executor-backend",
+        dest="distributed_executor_backend",
+        choices=["mp", "ray"],
+        default=None,
+        help="who starts the tensor-parallel workers: mp (local processes, default) or ray",
+    )
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -127,6 +142,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs["enable_prefix_caching"] = args.enable_prefix_caching
     kwargs["enable_chunked_prefill"] = args.enable_chunked_prefill
     kwargs["enforce_eager"] = args.enforce_eager
+    kwargs["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.distributed_executor_backend is not None:
+        kwargs["distributed_executor_backend"] = args.distributed_executor_backend
     interval = getattr(args, "log_stats_interval", None)
     if interval is not None:
         if interval > 0:

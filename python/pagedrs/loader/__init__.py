@@ -25,6 +25,7 @@ __all__ = [
     "LoadedModel",
     "cache_root",
     "iter_checkpoint",
+    "load_hf_config",
     "load_model",
     "load_tokenizer",
     "model_folder",
@@ -48,8 +49,17 @@ _DTYPES: dict[str, torch.dtype] = {
 class LoadedModel:
     model: torch.nn.Module
     hf_config: transformers.PretrainedConfig
-    tokenizer: transformers.PreTrainedTokenizerBase
+    tokenizer: transformers.PreTrainedTokenizerBase | None  # None when loaded without (a worker rank)
     model_path: str  # what was resolved: the folder, or the GGUF file
+
+    @property
+    def max_len(self) -> int:
+        """The longest sequence the model takes (its position limit)."""
+        return int(
+            getattr(self.model, "max_position", None)
+            or getattr(self.hf_config, "max_position_embeddings", None)
+            or 2048
+        )
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -143,6 +153,11 @@ def load_tokenizer(model: str | None, tokenizer: str | None = None) -> transform
     return _load_tokenizer(model_folder(resolve_model_path(model)))
 
 
+def load_hf_config(model: str | None) -> transformers.PretrainedConfig:
+    """The HF config of `model` (folder, GGUF file or None), without its weights."""
+    return transformers.AutoConfig.from_pretrained(model_folder(resolve_model_path(model)))
+
+
 def load_model(
     model: str | None,
     *,
@@ -150,6 +165,7 @@ def load_model(
     device: str | torch.device = "cpu",
     tokenizer: str | None = None,
     tp: TPGroup | None = None,
+    with_tokenizer: bool = True,
 ) -> LoadedModel:
     """Build the model for `model` (folder, GGUF file or None), load and check its weights, load the
     tokenizer (from `tokenizer` when given, else from the model). With `tp`, this rank's shard only."""
@@ -168,5 +184,7 @@ def load_model(
         net = model_cls(config, dtype=torch_dtype, device=device, tp=tp)  # type: ignore[call-arg]
     net.load_weights(iter_checkpoint(folder))  # type: ignore[operator]
     net.eval()
-    tok = _load_tokenizer(folder if tokenizer is None else resolve_model_path(tokenizer))
+    tok = None
+    if with_tokenizer:
+        tok = _load_tokenizer(folder if tokenizer is None else resolve_model_path(tokenizer))
     return LoadedModel(model=net, hf_config=config, tokenizer=tok, model_path=path)

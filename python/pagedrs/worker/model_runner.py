@@ -296,8 +296,20 @@ class ModelRunner:
         self, plan: PlanLike, rows: Sequence[SamplingRow], plp: PromptLogprobsPlan | None
     ) -> RunnerOutput:
         """The driver's step: `execute_model` (every rank runs it), then prompt logprobs and sampling."""
+        return self.sample(
+            plan, rows, plp, self.execute_model(plan, plp.indices if plp is not None else None)
+        )
+
+    @torch.inference_mode()
+    def sample(
+        self,
+        plan: PlanLike,
+        rows: Sequence[SamplingRow],
+        plp: PromptLogprobsPlan | None,
+        logits: Tensor | None,
+    ) -> RunnerOutput:
+        """Rank 0 only: prompt logprobs from the rows after the sampled ones, then the sampler."""
         out = RunnerOutput(np.zeros(0, dtype=np.int64), None, {})
-        logits = self.execute_model(plan, plp.indices if plp is not None else None)
         if logits is None:
             return out
         num_rows = len(plan.logits_indices)

@@ -1,0 +1,164 @@
+"""Executors: how the engine core runs a step plan on the model.
+
+- `UniProcExecutor`: one device, the model runner in this process.
+- `TPExecutor`: tensor parallelism. This process is rank 0 (it samples); each step it broadcasts the plan
+  (`step_packet`: two int64 tensors over the gloo group) to ranks 1..N-1, then runs its own shard; the
+  all-reduces inside the forward keep the ranks in step.
+
+A tensor-parallel failure (a rank that raised or died, or a collective that broke) is fatal to the
+group: the executor names the rank, stops every worker and refuses further steps (`ExecutorDeadError`).
+The engine core then ends (behind the server: the core process exits and is restarted).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+import weakref
+from collections.abc import Sequence
+
+from pagedrs.distributed.group import TPGroup
+from pagedrs.executor.step_packet import pack_step, shutdown_header
+from pagedrs.executor.worker import agree_kv_blocks
+from pagedrs.executor.workers import WorkerFailure
+from pagedrs.layers.sampler import SamplingRow
+from pagedrs.worker.kv_cache import KVCachePool
+from pagedrs.worker.model_runner import ModelRunner, PlanLike, RunnerOutput
+
+__all__ = ["ExecutorDeadError", "TPExecutor", "UniProcExecutor"]
+
+logger = logging.getLogger("pagedrs.executor")
+
+_FAILURE_REPORT_WAIT_S = 2.0  # how long a failed step waits for the failing rank to say why
+
+
+class ExecutorDeadError(RuntimeError):
+    """The executor cannot run steps any more (a tensor-parallel rank failed); the engine must be
+    restarted. `rank` names the rank that failed (None if unknown)."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class UniProcExecutor:
+    """The model on one device, in this process."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1
+
+    def init_kv_cache(self) -> KVCachePool:
+        return self.runner.init_kv_cache(self.runner.determine_num_blocks())
+
+    def execute(
+        self,
+        plan: PlanLike,
+        rows: Sequence[SamplingRow],
+        prompt_logprobs: dict[int, tuple[int, Sequence[int]]] | None = None,
+    ) -> RunnerOutput:
+        return self.runner.execute(plan, rows, prompt_logprobs)
+
+    def check_health(self) -> None:
+        """Raise ExecutorDeadError if a step can no longer run."""
+
+    def shutdown(self) -> None:
+        pass
+
+
+class TPExecutor(UniProcExecutor):
+    """Rank 0 of a tensor-parallel group: broadcasts each plan, runs its shard, samples."""
+
+    def __init__(self, runner: ModelRunner, workers: object) -> None:
+        super().__init__(runner)
+        self.workers = workers
+        self.tp: TPGroup = runner.tp
+        self._dead: ExecutorDeadError | None = None
+        self._stopped = False
+        # Workers must not outlive the engine, also when nobody calls shutdown().
+        self._finalizer = weakref.finalize(self, TPExecutor._stop_workers, workers, self.tp, False)
+        atexit.register(self._finalizer)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.tp.size
+
+    def init_kv_cache(self) -> KVCachePool:
+        try:
+            num_blocks, num_swap = agree_kv_blocks(self.runner, self.tp)
+        except Exception as exc:
+            raise self._fail(exc) from exc
+        return self.runner.init_kv_cache(num_blocks, num_swap)
+
+    def execute(
+        self,
+        plan: PlanLike,
+        rows: Sequence[SamplingRow],
+        prompt_logprobs: dict[int, tuple[int, Sequence[int]]] | None = None,
+    ) -> RunnerOutput:
+        self.check_health()
+        runner = self.runner
+        plp = runner.prompt_logprobs_plan(plan, prompt_logprobs)
+        extra = plp.indices if plp is not None else None
+        try:
+            header, payload = pack_step(plan, extra)
+            self.tp.broadcast_cpu(header)
+            if payload.numel():
+                self.tp.broadcast_cpu(payload)
+            logits = runner.execute_model(plan, extra)
+        except Exception as exc:
+            raise self._fail(exc) from exc
+        # Sampling is rank 0's alone: an error here fails this step only.
+        return runner.sample(plan, rows, plp, logits)
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        failure = self.workers.failure()  # type: ignore[attr-defined]
+        if failure is not None:
+            raise self._fail(failure)
+
+    def _fail(self, exc: BaseException) -> ExecutorDeadError:
+        """Name the failed rank (a worker's own report wins over rank 0's broken collective), stop
+        every worker, and stay dead."""
+        if self._dead is not None:
+            return self._dead
+        failure = exc if isinstance(exc, WorkerFailure) else None
+        deadline = time.monotonic() + _FAILURE_REPORT_WAIT_S
+        while failure is None and time.monotonic() < deadline:
+            failure = self.workers.failure()  # type: ignore[attr-defined]
+            if failure is None:
+                time.sleep(0.05)
+        if failure is not None:
+            dead = ExecutorDeadError(str(failure), failure.rank)
+        else:
+            dead = ExecutorDeadError(f"tensor-parallel rank 0 failed: {type(exc).__name__}: {exc}", 0)
+        logger.error("%s; stopping the tensor-parallel workers", dead)
+        self._dead = dead
+        self._stop(graceful=False)
+        return dead
+
+    def shutdown(self) -> None:
+        self._stop(graceful=self._dead is None)
+
+    def _stop(self, graceful: bool) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self._finalizer.detach()
+        atexit.unregister(self._finalizer)
+        TPExecutor._stop_workers(self.workers, self.tp, graceful)
+
+    @staticmethod
+    def _stop_workers(workers: object, tp: TPGroup, graceful: bool) -> None:
+        if graceful:
+            try:
+                tp.broadcast_cpu(shutdown_header())
+            except Exception:  # noqa: BLE001 - a worker already gone: it is stopped below
+                graceful = False
+        workers.stop(5.0 if graceful else 0.0)  # type: ignore[attr-defined]
+        tp.abort()

@@ -1,0 +1,53 @@
+"""Starting a tensor-parallel group from EngineArgs: checks first (head counts, devices, Ray), then the
+workers, then rank 0 joins the group."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+import torch
+
+from pagedrs.executor.workers import MpWorkers, RayWorkers, rank_devices
+
+__all__ = ["STARTUP_TIMEOUT_S", "start_workers", "stop_workers"]
+
+logger = logging.getLogger("pagedrs.executor")
+
+STARTUP_TIMEOUT_S = 180.0  # every worker must have started its interpreter and joined by then
+
+
+def start_workers(args: Any, device: torch.device) -> MpWorkers | RayWorkers:
+    """Ranks 1..N-1 started and joined: `.tp` is rank 0's TPGroup. ValueError for a model whose heads
+    do not split over N ranks, too few devices or an unreachable Ray cluster, before any process starts."""
+    from pagedrs.loader import load_hf_config
+    from pagedrs.models.utils import check_tensor_parallel
+
+    parallel = args.parallel_config()
+    size = parallel.tensor_parallel_size
+    check_tensor_parallel(load_hf_config(args.model), size)
+    rank_devices(device, size)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    args_json = msgspec.json.encode(args).decode()
+    workers: MpWorkers | RayWorkers
+    if parallel.backend == "ray":
+        workers = RayWorkers(args_json, size, device)
+    else:
+        level = logging.getLevelName(logging.getLogger("pagedrs").getEffectiveLevel()).lower()
+        workers = MpWorkers(args_json, size, device, log_level=level)
+    try:
+        workers.connect(STARTUP_TIMEOUT_S)
+    except BaseException:
+        stop_workers(workers)
+        raise
+    logger.info("tensor-parallel group of %d ranks joined (%s backend)", size, parallel.backend)
+    return workers
+
+
+def stop_workers(workers: MpWorkers | RayWorkers) -> None:
+    """Kill the workers and tear rank 0's group down (startup failed)."""
+    workers.stop(0.0)
+    if workers.tp is not None:
+        workers.tp.abort()

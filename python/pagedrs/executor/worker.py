@@ -1,0 +1,92 @@
+"""A tensor-parallel worker (rank >= 1): its shard of the model and of the KV cache, and a loop that runs
+every step rank 0 broadcasts. Started as `python -m pagedrs.executor.worker_proc` by the `mp` executor, or
+inside a Ray actor by the `ray` executor; both call `run_worker`.
+
+A worker that fails writes its error into the group's store (`worker_error/<rank>`) for rank 0 to
+report, then exits: its peers' collectives fail at once (the connection closes), so nobody hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import msgspec
+import numpy as np
+import torch
+
+from pagedrs.distributed.group import TPGroup, connect_tp_group, create_store
+from pagedrs.executor.step_packet import HEADER_LEN, Op, unpack_step
+
+__all__ = ["agree_kv_blocks", "cpu_threads_per_rank", "error_key", "run_worker"]
+
+logger = logging.getLogger("pagedrs.worker")
+
+
+def error_key(rank: int) -> str:
+    return f"worker_error/{rank}"
+
+
+def agree_kv_blocks(runner: object, tp: TPGroup) -> tuple[int, int]:
+    """Each rank sizes its pool from its own memory; every rank then takes the minimum, so the block
+    tables the scheduler writes are valid everywhere."""
+    local = [runner.determine_num_blocks(), runner.determine_num_swap_blocks()]  # type: ignore[attr-defined]
+    num_blocks, num_swap = tp.min_cpu(local)
+    return num_blocks, num_swap
+
+
+def cpu_threads_per_rank(num_threads: int | None, size: int) -> int:
+    return num_threads or max(1, (os.cpu_count() or 1) // size)
+
+
+def run_worker(
+    rank: int, size: int, host: str, port: int, engine_args_json: str, device: str, timeout_s: float
+) -> None:
+    """Join the group, load this rank's shard, agree on the pool, then execute steps until SHUTDOWN."""
+    from pagedrs.engine.arg_utils import EngineArgs
+    from pagedrs.loader import load_model
+    from pagedrs.worker.model_runner import ModelRunner
+
+    store = create_store(host, port, rank, size, timeout_s)
+    tp: TPGroup | None = None
+    try:
+        args = msgspec.json.decode(engine_args_json.encode(), type=EngineArgs)
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        else:
+            torch.set_num_threads(cpu_threads_per_rank(args.num_threads, size))
+        tp = connect_tp_group(store, rank, size, dev, host=host, timeout_s=timeout_s)
+        loaded = load_model(args.model, dtype=args.dtype, device=dev, tp=tp, with_tokenizer=False)
+        config = args.create_engine_config(loaded.max_len)
+        runner = ModelRunner(config, loaded.model, tp=tp)
+        num_blocks, num_swap = agree_kv_blocks(runner, tp)
+        runner.init_kv_cache(num_blocks, num_swap)
+        logger.info("rank %d ready: %d KV blocks on %s", rank, num_blocks, dev)
+        _step_loop(runner, tp)
+    except BaseException as exc:
+        logger.exception("tensor-parallel rank %d failed", rank)
+        try:
+            store.set(error_key(rank), f"{type(exc).__name__}: {exc}")
+        finally:
+            if tp is not None:
+                tp.abort()
+        raise
+    if tp is not None:
+        tp.abort()
+
+
+def _step_loop(runner: object, tp: TPGroup) -> None:
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    while True:
+        tp.broadcast_cpu(header)
+        h = header.numpy().copy()
+        if h[0] == Op.SHUTDOWN:
+            return
+        if h[0] != Op.EXECUTE:
+            raise RuntimeError(f"unknown step opcode {int(h[0])}")
+        payload = torch.empty(int(h[1]), dtype=torch.int64)
+        if payload.numel():
+            tp.broadcast_cpu(payload)
+        step = unpack_step(h, payload.numpy() if payload.numel() else np.zeros(0, dtype=np.int64))
+        runner.execute_model(step, step.extra_logits_indices)  # type: ignore[attr-defined]

@@ -1,0 +1,56 @@
+"""Entry point of an `mp` tensor-parallel worker process: `python -m pagedrs.executor.worker_proc`.
+
+(Its own module, imported by nothing else, so that `-m` runs it fresh.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+from pagedrs.executor.worker import run_worker
+from pagedrs.utils import die_with_parent
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m pagedrs.executor.worker_proc", description="pagedrs TP worker"
+    )
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--device", required=True)
+    p.add_argument("--engine-args", required=True, help="EngineArgs as JSON")
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--parent-pid", type=int, required=True)
+    p.add_argument("--log-level", default="info")
+    a = p.parse_args(argv)
+    die_with_parent(a.parent_pid)
+    lvl = getattr(logging, a.log_level.upper(), logging.INFO)
+    logging.basicConfig(
+        level=lvl,
+        format=f"%(levelname)s %(asctime)s [rank {a.rank}] %(message)s",
+        datefmt="%m-%d %H:%M:%S",
+        force=True,
+    )
+    logging.getLogger("pagedrs").setLevel(lvl)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when workers stop
+    try:
+        run_worker(a.rank, a.world_size, a.host, a.port, a.engine_args, a.device, a.timeout)
+    except BaseException:  # noqa: BLE001 - reported through the store and the log
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    # os._exit: skip interpreter teardown (a broken gloo group must not abort() the process at exit).
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

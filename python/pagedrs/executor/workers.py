@@ -1,0 +1,248 @@
+"""Starting and watching the worker processes of ranks 1..N-1 (rank 0 is the engine core itself).
+
+- `MpWorkers`: one local process per rank, `python -m pagedrs.executor.worker_proc` (a fresh interpreter,
+  as multiprocessing's spawn gives, but without re-running the user's `__main__`: a script with no
+  `if __name__ == "__main__"` guard still works). Each dies with its parent.
+- `RayWorkers`: one Ray actor per rank (on any node of the cluster), running the same `run_worker`.
+
+Both expose the driver's `TPGroup` once every rank has joined, `failure()` (the first dead rank and
+why) and `stop()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from pagedrs.distributed.group import TPGroup, connect_tp_group, create_store
+from pagedrs.executor.worker import error_key
+
+__all__ = ["COLLECTIVE_TIMEOUT_S", "MpWorkers", "RayWorkers", "WorkerFailure", "rank_devices"]
+
+logger = logging.getLogger("pagedrs.executor")
+
+# A collective waits at most this long for a rank that neither answers nor dies (a dead rank's closed
+# connection fails the collective at once).
+COLLECTIVE_TIMEOUT_S = 120.0
+
+
+class WorkerFailure(RuntimeError):
+    """A tensor-parallel rank failed; `rank` names it."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(f"tensor-parallel rank {rank} failed: {message}")
+        self.rank = rank
+
+
+def rank_devices(device: torch.device, size: int) -> list[torch.device]:
+    """The device of every rank: CPU for all, or consecutive GPUs from the configured one."""
+    if device.type != "cuda":
+        return [device] * size
+    base = device.index or 0
+    have = torch.cuda.device_count()
+    if base + size > have:
+        raise ValueError(
+            f"tensor_parallel_size={size} needs {size} CUDA devices from cuda:{base}, "
+            f"but only {have} are visible"
+        )
+    return [torch.device("cuda", base + r) for r in range(size)]
+
+
+class _Workers:
+    """What both launchers share: the store (hosted here, rank 0), joining the group, error reports."""
+
+    def __init__(self, size: int, device: torch.device, host: str) -> None:
+        self.size = size
+        self.host = host
+        self.store = create_store(host, 0, 0, size, COLLECTIVE_TIMEOUT_S)
+        self.port = int(self.store.port)
+        self.device = device
+        self.tp: TPGroup | None = None
+
+    def connect(self, startup_timeout_s: float) -> TPGroup:
+        """Join the group as rank 0, failing early (with the worker's own error) if a rank dies first."""
+        box: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                box["tp"] = connect_tp_group(
+                    self.store, 0, self.size, self.device, host=self.host, timeout_s=COLLECTIVE_TIMEOUT_S
+                )
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box["error"] = exc
+
+        t = threading.Thread(target=join, name="tp-join", daemon=True)
+        t.start()
+        deadline = time.monotonic() + startup_timeout_s
+        while t.is_alive():
+            t.join(0.1)
+            failure = self.failure()
+            if failure is not None:
+                raise failure
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tensor-parallel workers did not join within {startup_timeout_s:.0f} s")
+        if "error" in box:
+            raise box["error"]
+        self.tp = box["tp"]
+        return self.tp
+
+    def reported_error(self, rank: int) -> str | None:
+        try:
+            if self.store.check([error_key(rank)]):
+                return self.store.get(error_key(rank)).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - the store may be gone during teardown
+            return None
+        return None
+
+    def failure(self) -> WorkerFailure | None:
+        raise NotImplementedError
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        raise NotImplementedError
+
+
+class MpWorkers(_Workers):
+    """Local worker processes."""
+
+    def __init__(
+        self, engine_args_json: str, size: int, device: torch.device, log_level: str = "info"
+    ) -> None:
+        super().__init__(size, device, "127.0.0.1")
+        devices = rank_devices(device, size)
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        for rank in range(1, size):
+            cmd = [
+                sys.executable,
+                "-m",
+                "pagedrs.executor.worker_proc",
+                "--rank",
+                str(rank),
+                "--world-size",
+                str(size),
+                "--host",
+                self.host,
+                "--port",
+                str(self.port),
+                "--device",
+                str(devices[rank]),
+                "--engine-args",
+                engine_args_json,
+                "--timeout",
+                str(COLLECTIVE_TIMEOUT_S),
+                "--parent-pid",
+                str(os.getpid()),
+                "--log-level",
+                log_level,
+            ]
+            self.procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        logger.info(
+            "started %d tensor-parallel worker(s): pids %s", size - 1, [p.pid for p in self.procs.values()]
+        )
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs.values()]
+
+    def failure(self) -> WorkerFailure | None:
+        for rank, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                why = self.reported_error(rank) or f"process {proc.pid} exited with code {code}"
+                return WorkerFailure(rank, why)
+        for rank in self.procs:  # raised but not yet gone
+            why = self.reported_error(rank)
+            if why is not None:
+                return WorkerFailure(rank, why)
+        return None
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+class RayWorkers(_Workers):
+    """Ray actors, one per rank, on whichever nodes Ray places them."""
+
+    def __init__(self, engine_args_json: str, size: int, device: torch.device) -> None:
+        try:
+            import ray
+        except ImportError as exc:
+            raise ValueError(
+                "distributed_executor_backend='ray' needs Ray: pip install 'pagedrs[ray]' (or use 'mp')"
+            ) from exc
+        if not ray.is_initialized():
+            address = os.environ.get("RAY_ADDRESS")
+            try:
+                ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
+            except Exception as exc:  # noqa: BLE001 - a cluster that cannot be reached
+                raise ValueError(
+                    f"cannot connect to the Ray cluster at {address or '(local)'}: {exc}"
+                ) from exc
+        host = ray.util.get_node_ip_address()
+        super().__init__(size, device, host)
+        self._ray = ray
+        use_gpu = device.type == "cuda"
+        actor_cls = ray.remote(num_cpus=0 if use_gpu else 1, num_gpus=1 if use_gpu else 0)(_RayWorker)
+        self.actors = {r: actor_cls.remote() for r in range(1, size)}
+        # Ray gives each GPU actor its own visible device: cuda:0 inside the actor.
+        dev = "cuda:0" if use_gpu else "cpu"
+        self.refs = {
+            r: a.run.remote(r, size, host, self.port, engine_args_json, dev, COLLECTIVE_TIMEOUT_S)
+            for r, a in self.actors.items()
+        }
+        logger.info("started %d tensor-parallel Ray actor(s) (store at %s:%d)", size - 1, host, self.port)
+
+    def failure(self) -> WorkerFailure | None:
+        ray = self._ray
+        done, _ = ray.wait(list(self.refs.values()), num_returns=len(self.refs), timeout=0)
+        for rank, ref in self.refs.items():
+            if ref in done:
+                why = self.reported_error(rank)
+                if why is None:
+                    try:
+                        ray.get(ref)
+                        why = "actor exited"
+                    except Exception as exc:  # noqa: BLE001 - the actor's error or its death
+                        why = f"{type(exc).__name__}: {exc}"
+                return WorkerFailure(rank, why)
+        return None
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        ray = self._ray
+        try:
+            ray.wait(list(self.refs.values()), num_returns=len(self.refs), timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+        for actor in self.actors.values():
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+
+class _RayWorker:
+    """Body of a Ray actor (decorated with `ray.remote` at run time, so Ray stays optional)."""
+
+    def run(
+        self, rank: int, size: int, host: str, port: int, args_json: str, device: str, timeout: float
+    ) -> int:
+        from pagedrs.executor.worker import run_worker
+
+        logging.basicConfig(level=logging.INFO, format=f"%(levelname)s [rank {rank}] %(message)s")
+        run_worker(rank, size, host, port, args_json, device, timeout)
+        return rank
