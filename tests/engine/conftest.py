@@ -78,12 +78,13 @@ class PlanRecord:
 
 @dataclass
 class PlanSpy:
-    """Wraps engine.runner.execute and records what every plan held."""
+    """Wraps the engine's executor.execute (one device or tensor-parallel) and records every plan."""
 
     plans: list[PlanRecord] = field(default_factory=list)
 
     def attach(self, engine: LLMEngine) -> PlanSpy:
-        inner = engine.runner.execute
+        executor = engine.engine_core.executor
+        inner = executor.execute
 
         def execute(plan: Any, *args: Any, **kwargs: Any) -> Any:
             self.plans.append(
@@ -104,7 +105,7 @@ class PlanSpy:
             )
             return inner(plan, *args, **kwargs)
 
-        engine.runner.execute = execute  # type: ignore[method-assign]
+        executor.execute = execute  # type: ignore[method-assign]
         return self
 
     @property

@@ -288,6 +288,7 @@ class EngineCore:
         """schedule -> execute -> update. A step that raises aborts the requests it held (their error
         outputs wait in `take_pending()`), closes its plan and re-raises; the core keeps serving."""
         start = time.perf_counter()
+        self.executor.check_health()  # a dead tensor-parallel group fails here, before anything is scheduled
         plan: _core.StepPlan = self.scheduler.schedule()
         self._num_steps += 1
         outputs: list[EngineCoreOutput] = self.take_pending()
