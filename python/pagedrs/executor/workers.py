@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -187,6 +188,7 @@ class RayWorkers(_Workers):
             ) from exc
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
+            _check_reachable(address)
             try:
                 ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
             except Exception as exc:  # noqa: BLE001 - a cluster that cannot be reached
@@ -233,6 +235,18 @@ class RayWorkers(_Workers):
                 ray.kill(actor)
             except Exception:  # noqa: BLE001 - already gone
                 pass
+
+
+def _check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
+    """Ray waits minutes on a head node that is not there; a plain host:port is tried first."""
+    if not address or address == "auto" or "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot reach the Ray cluster at {address} (RAY_ADDRESS): {exc}") from None
 
 
 class _RayWorker:
