@@ -11,6 +11,10 @@ throughput counts the requested output tokens only. The KV view compares, over e
 slots that step's requests hold (pagedrs: whole blocks; a contiguous cache: max_model_len per request) with
 the slots they use (their lengths).
 
+Tensor parallelism: --tensor-parallel-size N runs pagedrs over N ranks (worker processes; gloo on CPU,
+NCCL on GPUs) and, in the same run, pagedrs on one rank, and prints the ratio. It needs --model (or the
+default model): --model-config builds its weights in this process only.
+
 GPU modes (UNTESTED here: no GPU on the machine this was written on): --device cuda, --model-config
 llama-3.2-1b|llama-3-8b (random bf16 weights built on the device from the config dicts below, shared by both
 systems), --hf-cb (transformers' continuous batching manager instead of static batching).
@@ -105,6 +109,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="time transformers one-at-a-time on the first N requests only (a rate estimate)",
     )
     p.add_argument("--skip-hf", action="store_true", help="pagedrs only")
+    p.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks for pagedrs; > 1 also runs one rank on the same requests for the ratio",
+    )
+    p.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None)
     p.add_argument("--hf-cb", action="store_true", help="transformers continuous batching (untested)")
     p.add_argument("--json", default=None, metavar="PATH")
     return p.parse_args(argv)
@@ -160,10 +172,35 @@ def load_models(args: argparse.Namespace, dtype: torch.dtype, max_len: int) -> t
     return LLMEngine(config, loaded, max_logprobs=0), hf
 
 
+def tp_engine(args: argparse.Namespace, dtype: torch.dtype, max_len: int) -> LLMEngine:
+    """pagedrs over --tensor-parallel-size ranks (each rank loads its own shard)."""
+    if args.model_config:
+        raise SystemExit(
+            "--tensor-parallel-size > 1 needs --model (--model-config weights live in this process)"
+        )
+    return LLMEngine.from_engine_args(
+        EngineArgs(
+            model=args.model,
+            dtype=str(dtype).removeprefix("torch."),
+            device=args.device,
+            max_model_len=max_len,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            disable_log_stats=True,
+            cpu_kv_cache_gb=None if args.device == "cuda" else 2.0,
+            gpu_memory_utilization=0.85,
+            tensor_parallel_size=args.tensor_parallel_size,
+            distributed_executor_backend=args.distributed_executor_backend,
+        )
+    )
+
+
 def run_pagedrs(engine: LLMEngine, reqs: list[tuple[list[int], int]]) -> dict[str, float]:
     kv = {"used": 0, "paged": 0, "contiguous": 0}
     block_size = engine.config.cache.block_size
-    inner = engine.runner.execute
+    executor = engine.engine_core.executor
+    inner = executor.execute
 
     def execute(plan: Any, *a: Any, **kw: Any) -> Any:
         out = inner(plan, *a, **kw)
@@ -171,7 +208,7 @@ def run_pagedrs(engine: LLMEngine, reqs: list[tuple[list[int], int]]) -> dict[st
         kv["contiguous"] += len(plan.req_ids) * engine.max_model_len
         return out
 
-    engine.runner.execute = execute  # type: ignore[method-assign]
+    executor.execute = execute  # type: ignore[method-assign]
     for i, (ids, n) in enumerate(reqs):
         engine.add_request(
             str(i),
@@ -190,7 +227,7 @@ def run_pagedrs(engine: LLMEngine, reqs: list[tuple[list[int], int]]) -> dict[st
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    engine.runner.execute = inner  # type: ignore[method-assign]
+    executor.execute = inner  # type: ignore[method-assign]
     return {"tokens": total, "seconds": elapsed, "tok_s": total / elapsed, "stats": engine.get_stats(), **kv}
 
 
@@ -307,6 +344,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"(waste {result['kv_waste_pct_paged']:.1f}%), by a contiguous max_model_len cache "
         f"{pg['contiguous']} (waste {result['kv_waste_pct_contiguous']:.1f}%)"
     )
+    if args.tensor_parallel_size > 1:
+        tp = tp_engine(args, dtype, max_len)
+        try:
+            run_pagedrs(tp, [(reqs[0][0][:16][::-1], 4)])
+            res = run_pagedrs(tp, reqs)
+        finally:
+            tp.shutdown()
+        assert res["tokens"] == n_out, (res["tokens"], n_out)
+        n = args.tensor_parallel_size
+        result["tensor_parallel_size"] = n
+        result["pagedrs_tp_tok_s"] = res["tok_s"]
+        result["tp_vs_one_rank"] = res["tok_s"] / pg["tok_s"]
+        print(
+            f"output throughput: {res['tok_s']:.1f} tok/s (pagedrs TP={n}) vs {pg['tok_s']:.1f} tok/s "
+            f"(pagedrs TP=1) = {res['tok_s'] / pg['tok_s']:.2f} x"
+        )
     if not args.skip_hf:
         if args.hf_cb:
             cb = run_hf_cb(hf, reqs)
@@ -329,7 +382,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["speedup_vs_sequential"] = pg["tok_s"] / sq["tok_s"]
         result["speedup_vs_static"] = pg["tok_s"] / st["tok_s"]
     if args.json:
-        Path(args.json).write_text(json.dumps({k: v for k, v in result.items() if _jsonable(v)}, indent=2))
+        from serving import git_info, machine_info  # bench/serving.py: provenance helpers
+
+        out = {k: v for k, v in result.items() if _jsonable(v)}
+        out["command"] = "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
+        out["git"] = git_info()
+        out["machine"] = machine_info()
+        Path(args.json).write_text(json.dumps(out, indent=2))
     return result
 
 
