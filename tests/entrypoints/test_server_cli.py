@@ -62,3 +62,13 @@ def test_api_server_module_has_the_same_flags() -> None:
 def test_bench_unknown_is_rejected() -> None:
     with pytest.raises(SystemExit):
         make_parser().parse_args(["bench", "nope"])
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat"])
+@pytest.mark.parametrize("flag", ["-tp", "--tensor-parallel-size"])
+def test_tensor_parallel_flags_on_every_subcommand(command: str, flag: str) -> None:
+    args = make_parser().parse_args([command, flag, "2", "--distributed-executor-backend", "ray"])
+    ea = make_engine_args(args)
+    assert ea.tensor_parallel_size == 2 and ea.distributed_executor_backend == "ray"
+    default = make_engine_args(make_parser().parse_args([command]))
+    assert default.tensor_parallel_size == 1 and default.distributed_executor_backend is None
