@@ -24,6 +24,8 @@ __all__ = [
     "CompletionOutput",
     "EngineArgs",
     "LLMEngine",
+    "LiquidRequest",
+    "LiquidType",
     "Logprob",
     "RequestMetrics",
     "RequestOutput",
@@ -35,6 +37,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from pagedrs.engine.llm_engine import EngineArgs, LLMEngine
+    from pagedrs.executor.liquid import LiquidRequest, LiquidType
 
 
 def __getattr__(name: str) -> Any:
@@ -44,6 +47,10 @@ def __getattr__(name: str) -> Any:
         from pagedrs.engine import llm_engine
 
         return getattr(llm_engine, name)
+    if name in ("LiquidRequest", "LiquidType"):
+        from pagedrs.executor import liquid
+
+        return getattr(liquid, name)
     raise AttributeError(f"module 'pagedrs' has no attribute {name!r}")
 
 
@@ -127,6 +134,15 @@ class LLM:
                         f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}"
                     )
         return self._run(prompt_list, params_list, use_tqdm)
+
+    def do_liquid(self, request: LiquidRequest) -> list[dict]:
+        """Scale the model out or in across `liquid_gpu_range` (seed 002): e.g.
+        `llm.do_liquid(LiquidRequest(LiquidType.LIQUID_1_2))`. One record per event."""
+        return self.llm_engine.do_liquid(request)
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes now (they also stop at exit)."""
+        self.llm_engine.shutdown()
 
     def chat(
         self,

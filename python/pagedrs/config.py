@@ -207,12 +207,42 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None -> "mp"
+    # Liquid scaling: the ranks (GPU indices; worker ranks on CPU) the model may spread over, and the
+    # number of shards it is cut into. None: no liquid scaling.
+    liquid_gpu_range: tuple[int, ...] | None = None
+    liquid_total_num_shards: int | None = None
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
         _require(_is_int(tp) and tp >= 1, "tensor_parallel_size", tp, "must be an int >= 1")
         b = self.distributed_executor_backend
         _require(b in (None, "mp", "ray"), "distributed_executor_backend", b, "must be 'mp' or 'ray'")
+        r = self.liquid_gpu_range
+        if r is None:
+            _require(
+                self.liquid_total_num_shards is None,
+                "liquid_total_num_shards",
+                self.liquid_total_num_shards,
+                "needs liquid_gpu_range",
+            )
+            return
+        n = len(r)
+        _require(
+            all(_is_int(i) and i >= 0 for i in r) and len(set(r)) == n and n >= 1 and not n & (n - 1),
+            "liquid_gpu_range",
+            list(r),
+            "must be a list of distinct device indices, a power of two of them",
+        )
+        _require(
+            tp == 1, "tensor_parallel_size", tp, "must be 1 with liquid_gpu_range (liquid sets the degree)"
+        )
+        s = self.liquid_total_num_shards
+        _require(
+            _is_int(s) and s >= n and not s & (s - 1),
+            "liquid_total_num_shards",
+            s,
+            f"must be a power of two >= len(liquid_gpu_range) ({n})",
+        )
 
     @property
     def backend(self) -> str:

@@ -72,7 +72,14 @@ class TPGroup:
     is the identity, so layers built for one device pay nothing."""
 
     def __init__(
-        self, rank: int = 0, size: int = 1, *, device_pg: Any = None, cpu_pg: Any = None, store: Any = None
+        self,
+        rank: int = 0,
+        size: int = 1,
+        *,
+        device_pg: Any = None,
+        cpu_pg: Any = None,
+        store: Any = None,
+        positions: list[int] | None = None,
     ) -> None:
         if not isinstance(size, int) or size < 1 or not 0 <= rank < size:
             raise ValueError(f"tensor-parallel rank {rank} out of range for size {size}")
@@ -81,9 +88,20 @@ class TPGroup:
         self.device_pg = device_pg
         self.cpu_pg = cpu_pg
         self.store = store
+        # positions[r]: which slice of every split tensor group rank r holds (its shard position). The
+        # identity for plain tensor parallelism; a permutation under liquid scaling, where a rank keeps
+        # the first half of its shards on scale-out and its new partner takes the second half.
+        self.positions = list(positions) if positions is not None else list(range(size))
+        if sorted(self.positions) != list(range(size)):
+            raise ValueError(f"positions {self.positions} are not a permutation of range({size})")
+
+    @property
+    def position(self) -> int:
+        """This rank's slice of every split tensor."""
+        return self.positions[self.rank]
 
     def __repr__(self) -> str:
-        return f"TPGroup(rank={self.rank}, size={self.size})"
+        return f"TPGroup(rank={self.rank}, size={self.size}, position={self.position})"
 
     @property
     def is_driver(self) -> bool:
@@ -112,7 +130,10 @@ class TPGroup:
         opts = dist.GatherOptions()
         opts.rootRank = 0
         pg.gather(parts, [t], opts).wait()
-        return torch.cat(parts[0], dim=-1) if self.is_driver else None
+        if not self.is_driver:
+            return None
+        by_position = [parts[0][self.positions.index(p)] for p in range(self.size)]
+        return torch.cat(by_position, dim=-1)
 
     # ---- host-side messages ------------------------------------------------------------------------
     def broadcast_cpu(self, t: Tensor) -> Tensor:

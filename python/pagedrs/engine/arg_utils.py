@@ -47,15 +47,23 @@ class EngineArgs:
     enable_log_batch_visualization: bool = False
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    liquid_gpu_range: list[int] | None = None
+    liquid_total_num_shards: int | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
     def parallel_config(self) -> ParallelConfig:
+        r = self.liquid_gpu_range
+        shards = self.liquid_total_num_shards
+        if r is not None and shards is None:
+            shards = len(r)
         return ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
+            liquid_gpu_range=tuple(r) if r is not None else None,
+            liquid_total_num_shards=shards,
         )
 
     def early_configs(self) -> tuple[ModelConfig, CacheConfig, DeviceConfig, ObservabilityConfig]:

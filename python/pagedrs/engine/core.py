@@ -8,6 +8,7 @@ the same core runs in-process under `LLMEngine` and in its own process behind th
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -30,6 +31,7 @@ from pagedrs.engine.messages import (
     SampleLogprobsMsg,
 )
 from pagedrs.executor import TPExecutor, UniProcExecutor
+from pagedrs.executor.liquid_executor import LiquidExecutor
 from pagedrs.executor.start import start_workers, stop_workers
 from pagedrs.executor.worker import cpu_threads_per_rank
 from pagedrs.metrics import EngineStats, StatLogger, visualize_batch
@@ -113,7 +115,9 @@ class EngineCore:
     """Scheduler + model runner for one engine; one thread drives it."""
 
     # Methods a frontend may call through `UtilityCall` (name -> bound method is looked up here only).
-    UTILITY_METHODS = frozenset({"get_stats", "resize", "reset_prefix_cache", "ping"})
+    UTILITY_METHODS = frozenset(
+        {"get_stats", "resize", "reset_prefix_cache", "ping", "liquid", "liquid_degree"}
+    )
 
     def __init__(
         self, config: EngineConfig, loaded: Any, *, max_logprobs: int = 20, workers: Any = None
@@ -128,9 +132,13 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids(loaded.tokenizer, loaded.hf_config, str(loaded.model_path))
         tp = workers.tp if workers is not None else None
         self.runner = ModelRunner(config, loaded.model, eos_token_ids=self.eos_token_ids, tp=tp)
-        self.executor: UniProcExecutor = (
-            TPExecutor(self.runner, workers) if workers is not None else UniProcExecutor(self.runner)
-        )
+        self.executor: UniProcExecutor
+        if workers is None:
+            self.executor = UniProcExecutor(self.runner)
+        elif workers.world is not None:
+            self.executor = LiquidExecutor(self.runner, workers)
+        else:
+            self.executor = TPExecutor(self.runner, workers)
         pool = self.executor.init_kv_cache()
         num_blocks = pool.num_blocks
         sched = config.scheduler
@@ -177,10 +185,11 @@ class EngineCore:
         from pagedrs.loader import load_model
 
         _, _, device_cfg, _ = args.early_configs()  # bad arguments fail before any weight is read
-        tp_size = args.parallel_config().tensor_parallel_size
-        if device_cfg.device.type == "cpu" and (device_cfg.num_threads is not None or tp_size > 1):
-            torch.set_num_threads(cpu_threads_per_rank(device_cfg.num_threads, tp_size))
-        workers = start_workers(args, device_cfg.device) if tp_size > 1 else None
+        parallel = args.parallel_config()
+        ranks = len(parallel.liquid_gpu_range or ()) or parallel.tensor_parallel_size
+        if device_cfg.device.type == "cpu" and (device_cfg.num_threads is not None or ranks > 1):
+            torch.set_num_threads(cpu_threads_per_rank(device_cfg.num_threads, ranks))
+        workers = start_workers(args, device_cfg.device) if ranks > 1 else None
         try:
             loaded = load_model(
                 args.model,
@@ -426,6 +435,50 @@ class EngineCore:
         """Resize the KV pool (the next step's plan moves and truncates blocks); returns the new count."""
         self.scheduler.resize(int(num_blocks))
         return int(self.scheduler.num_blocks)
+
+    def liquid_degree(self) -> int:
+        """Active ranks under liquid scaling (1 without it)."""
+        return int(getattr(self.executor, "degree", 1))
+
+    def liquid(self, target: int) -> list[dict[str, Any]]:
+        """Move to `target` active ranks (a power of two within liquid_gpu_range), one doubling or halving
+        at a time, between steps: running and waiting requests carry on. The pool grows after each
+        scale-out and shrinks before each scale-in (ValueError with the numbers when the live blocks do
+        not fit; the engine keeps serving at the degree it reached). Returns one record per event."""
+        ex = self.executor
+        if not isinstance(ex, LiquidExecutor):
+            raise ValueError("liquid scaling needs an engine started with liquid_gpu_range=[...]")
+        target = int(target)
+        if target < 1 or target & (target - 1) or target > ex.max_degree:
+            raise ValueError(
+                f"liquid target must be a power of two from 1 to {ex.max_degree} active ranks, got {target}"
+            )
+        events: list[dict[str, Any]] = []
+        while ex.degree != target:
+            before = int(self.scheduler.num_blocks)
+            if target > ex.degree:
+                stats = ex.scale_once(ex.degree * 2)
+                grown = ex.target_blocks(ex.degree)
+                if grown > self.scheduler.num_blocks:
+                    self.scheduler.resize(grown)  # the next plan grows the pool on every active rank
+            else:
+                dst = ex.degree // 2
+                shrunk = ex.target_blocks(dst)
+                if shrunk < self.scheduler.num_blocks:
+                    self.scheduler.resize(shrunk)  # ResizeError (a ValueError) names both numbers
+                    self._apply_block_ops()
+                stats = ex.scale_once(dst)
+            stats.num_blocks_before = before
+            stats.num_blocks_after = int(self.scheduler.num_blocks)
+            logger.info("%s", ex.describe(stats))
+            events.append(dataclasses.asdict(stats))
+        return events
+
+    def _apply_block_ops(self) -> None:
+        """Run one step now so its plan applies a pending resize on every rank; its outputs go out with
+        the next step's."""
+        out = self.step()
+        self._pending.extend(out.outputs)
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.scheduler.reset_prefix_cache())

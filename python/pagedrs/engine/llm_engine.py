@@ -69,6 +69,11 @@ class LLMEngine:
     def runner(self) -> ModelRunner:
         return self.engine_core.runner
 
+    def do_liquid(self, request: Any) -> list[dict[str, Any]]:
+        """Scale a liquid engine (`LiquidRequest(LiquidType.LIQUID_1_2)` or `LiquidRequest(target=N)`)
+        between steps; returns one record (latencies, bytes, pool size) per event."""
+        return self.engine_core.liquid(request.resolve(self.engine_core.liquid_degree()))
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers now (they also stop at exit); the engine is unusable after."""
         self.engine_core.shutdown()

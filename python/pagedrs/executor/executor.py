@@ -76,12 +76,18 @@ class TPExecutor(UniProcExecutor):
     def __init__(self, runner: ModelRunner, workers: object) -> None:
         super().__init__(runner)
         self.workers = workers
-        self.tp: TPGroup = runner.tp
+        # Step broadcasts reach every rank: the group itself, or under liquid scaling the world.
+        self.bcast: TPGroup = getattr(workers, "world", None) or runner.tp
         self._dead: ExecutorDeadError | None = None
         self._stopped = False
         # Workers must not outlive the engine, also when nobody calls shutdown().
-        self._finalizer = weakref.finalize(self, TPExecutor._stop_workers, workers, self.tp, False)
+        self._finalizer = weakref.finalize(self, TPExecutor._stop_workers, workers, self.bcast, False)
         atexit.register(self._finalizer)
+
+    @property
+    def tp(self) -> TPGroup:
+        """The group the model's collectives run over now."""
+        return self.runner.tp
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -106,9 +112,9 @@ class TPExecutor(UniProcExecutor):
         extra = plp.indices if plp is not None else None
         try:
             header, payload = pack_step(plan, extra)
-            self.tp.broadcast_cpu(header)
+            self.bcast.broadcast_cpu(header)
             if payload.numel():
-                self.tp.broadcast_cpu(payload)
+                self.bcast.broadcast_cpu(payload)
             logits = runner.execute_model(plan, extra)
         except Exception as exc:
             raise self._fail(exc) from exc
@@ -151,14 +157,14 @@ class TPExecutor(UniProcExecutor):
         self._stopped = True
         self._finalizer.detach()
         atexit.unregister(self._finalizer)
-        TPExecutor._stop_workers(self.workers, self.tp, graceful)
+        TPExecutor._stop_workers(self.workers, self.bcast, graceful)
 
     @staticmethod
-    def _stop_workers(workers: object, tp: TPGroup, graceful: bool) -> None:
+    def _stop_workers(workers: object, bcast: TPGroup, graceful: bool) -> None:
         if graceful:
             try:
-                tp.broadcast_cpu(shutdown_header())
+                bcast.broadcast_cpu(shutdown_header())
             except Exception:  # noqa: BLE001 - a worker already gone: it is stopped below
                 graceful = False
         workers.stop(5.0 if graceful else 0.0)  # type: ignore[attr-defined]
-        tp.abort()
+        workers.abort_groups()  # type: ignore[attr-defined]

@@ -25,20 +25,40 @@ def start_workers(args: Any, device: torch.device) -> MpWorkers | RayWorkers:
     from pagedrs.models.utils import check_tensor_parallel
 
     parallel = args.parallel_config()
-    size = parallel.tensor_parallel_size
-    check_tensor_parallel(load_hf_config(args.model), size)
-    rank_devices(device, size)
+    liquid = parallel.liquid_gpu_range is not None
+    devices = None
+    if liquid:
+        from pagedrs.executor.liquid import check_liquid
+
+        size = len(parallel.liquid_gpu_range)
+        check_liquid(load_hf_config(args.model), parallel.liquid_total_num_shards, size)
+        if device.type == "cuda":
+            devices = [torch.device("cuda", int(i)) for i in parallel.liquid_gpu_range]
+            have = torch.cuda.device_count()
+            if max(parallel.liquid_gpu_range) >= have:
+                raise ValueError(
+                    f"liquid_gpu_range {parallel.liquid_gpu_range} names GPUs beyond the {have} visible"
+                )
+            device = devices[0]
+    else:
+        size = parallel.tensor_parallel_size
+        check_tensor_parallel(load_hf_config(args.model), size)
+        rank_devices(device, size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     args_json = msgspec.json.encode(args).decode()
     workers: MpWorkers | RayWorkers
     if parallel.backend == "ray":
+        if liquid:
+            raise ValueError(
+                "liquid scaling runs on the 'mp' executor; drop distributed_executor_backend='ray'"
+            )
         workers = RayWorkers(args_json, size, device)
     else:
         level = logging.getLevelName(logging.getLogger("pagedrs").getEffectiveLevel()).lower()
-        workers = MpWorkers(args_json, size, device, log_level=level)
+        workers = MpWorkers(args_json, size, device, log_level=level, devices=devices)
     try:
-        workers.connect(STARTUP_TIMEOUT_S)
+        workers.connect(STARTUP_TIMEOUT_S, liquid=liquid)
     except BaseException:
         stop_workers(workers)
         raise
@@ -49,5 +69,4 @@ def start_workers(args: Any, device: torch.device) -> MpWorkers | RayWorkers:
 def stop_workers(workers: MpWorkers | RayWorkers) -> None:
     """Kill the workers and tear rank 0's group down (startup failed)."""
     workers.stop(0.0)
-    if workers.tp is not None:
-        workers.tp.abort()
+    workers.abort_groups()

@@ -14,12 +14,21 @@ import torch
 
 from pagedrs.worker.model_runner import PlanLike
 
-__all__ = ["HEADER_LEN", "Op", "WorkerStep", "pack_step", "shutdown_header", "unpack_step"]
+__all__ = [
+    "HEADER_LEN",
+    "Op",
+    "WorkerStep",
+    "liquid_header",
+    "pack_step",
+    "shutdown_header",
+    "unpack_step",
+]
 
 
 class Op(IntEnum):
     EXECUTE = 1
     SHUTDOWN = 2
+    LIQUID = 3  # header[2:6] = from degree, to degree, pool blocks, swap blocks
 
 
 # (name, dtype the runner expects, number of columns: 0 = 1-d)
@@ -96,6 +105,13 @@ def pack_step(plan: PlanLike, extra_logits_indices: np.ndarray | None) -> tuple[
 def shutdown_header() -> torch.Tensor:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     header[0] = Op.SHUTDOWN
+    return header
+
+
+def liquid_header(src: int, dst: int, num_blocks: int, num_swap_blocks: int) -> torch.Tensor:
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[0] = Op.LIQUID
+    header[2:6] = torch.tensor([src, dst, num_blocks, num_swap_blocks])
     return header
 
 

@@ -56,6 +56,14 @@ def run_worker(
             torch.cuda.set_device(dev)
         else:
             torch.set_num_threads(cpu_threads_per_rank(args.num_threads, size))
+        if args.liquid_gpu_range is not None:
+            from pagedrs.executor.liquid_worker import LiquidWorker
+
+            worker = LiquidWorker(store, rank, size, dev, host=host, timeout_s=timeout_s, args=args)
+            tp = worker.world
+            worker.loop()
+            worker.close()
+            return
         tp = connect_tp_group(store, rank, size, dev, host=host, timeout_s=timeout_s)
         loaded = load_model(args.model, dtype=args.dtype, device=dev, tp=tp, with_tokenizer=False)
         config = args.create_engine_config(loaded.max_len)

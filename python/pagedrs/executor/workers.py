@@ -66,13 +66,33 @@ class _Workers:
         self.port = int(self.store.port)
         self.device = device
         self.tp: TPGroup | None = None
+        self.world: TPGroup | None = None  # liquid only: every rank, and the group of each degree
+        self.groups: dict[int, TPGroup] = {}
 
-    def connect(self, startup_timeout_s: float) -> TPGroup:
-        """Join the group as rank 0, failing early (with the worker's own error) if a rank dies first."""
+    def abort_groups(self) -> None:
+        if self.world is not None:
+            from pagedrs.executor.liquid import abort_groups
+
+            abort_groups(self.world, self.groups)
+        elif self.tp is not None:
+            self.tp.abort()
+
+    def connect(self, startup_timeout_s: float, liquid: bool = False) -> TPGroup:
+        """Join the group as rank 0, failing early (with the worker's own error) if a rank dies first.
+        `liquid`: the world group plus one group per active degree (`self.world`, `self.groups`); rank 0
+        starts alone (`self.tp` is the degree-1 group)."""
         box: dict[str, Any] = {}
 
         def join() -> None:
             try:
+                if liquid:
+                    from pagedrs.executor.liquid import connect_liquid_groups
+
+                    self.world, self.groups = connect_liquid_groups(
+                        self.store, 0, self.size, self.device, host=self.host, timeout_s=COLLECTIVE_TIMEOUT_S
+                    )
+                    box["tp"] = self.groups[1]
+                    return
                 box["tp"] = connect_tp_group(
                     self.store, 0, self.size, self.device, host=self.host, timeout_s=COLLECTIVE_TIMEOUT_S
                 )
@@ -113,10 +133,15 @@ class MpWorkers(_Workers):
     """Local worker processes."""
 
     def __init__(
-        self, engine_args_json: str, size: int, device: torch.device, log_level: str = "info"
+        self,
+        engine_args_json: str,
+        size: int,
+        device: torch.device,
+        log_level: str = "info",
+        devices: list[torch.device] | None = None,
     ) -> None:
         super().__init__(size, device, "127.0.0.1")
-        devices = rank_devices(device, size)
+        devices = devices or rank_devices(device, size)
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         for rank in range(1, size):
             cmd = [

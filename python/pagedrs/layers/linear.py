@@ -96,7 +96,7 @@ class _LinearBase(torch.nn.Module):
     def __init__(self, tp_rank: int, tp_size: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.tp = _group(tp, tp_rank, tp_size)
-        self.tp_rank = self.tp.rank
+        self.tp_rank = self.tp.position  # which slice this rank holds
         self.tp_size = self.tp.size
         self.weight: Tensor
         self.bias: Tensor | None
@@ -351,7 +351,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.tp = _group(tp, tp_rank, tp_size)
-        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
+        self.tp_rank, self.tp_size = self.tp.position, self.tp.size
         self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
         self.weight = _param(

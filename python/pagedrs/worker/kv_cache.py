@@ -110,6 +110,9 @@ class KVCachePool:
         t = torch.zeros(shape, dtype=self.dtype, device=device)
         return t.pin_memory() if pin else t
 
+    def bytes_per_block_for(self, num_kv_heads: int) -> int:
+        return block_bytes(self.num_layers, self.block_size, num_kv_heads, self.head_size, self.dtype)
+
     @property
     def num_blocks(self) -> int:
         return self.kv_caches[0].shape[1] if self.kv_caches else 0

@@ -1,0 +1,150 @@
+"""A liquid worker (rank >= 1 of `liquid_gpu_range`): idle until a scale-out hands it shards, then a
+tensor-parallel rank like any other, until a scale-in takes them back. Every step header reaches every
+rank (the world group); idle ranks drop the plan."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedrs.distributed.group import TPGroup
+from pagedrs.executor.liquid import (
+    LiquidStats,
+    abort_groups,
+    connect_liquid_groups,
+    rebuild_model,
+    receive_shards,
+    send_shards,
+)
+from pagedrs.executor.step_packet import HEADER_LEN, Op, unpack_step
+
+__all__ = ["LiquidWorker"]
+
+logger = logging.getLogger("pagedrs.worker")
+
+
+class LiquidWorker:
+    def __init__(
+        self,
+        store: object,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        *,
+        host: str,
+        timeout_s: float,
+        args: Any,
+    ) -> None:
+        from pagedrs.loader import load_hf_config, resolve_dtype
+        from pagedrs.models.registry import get_model_class
+
+        self.rank = rank
+        self.device = device
+        self.world, self.groups = connect_liquid_groups(
+            store, rank, world_size, device, host=host, timeout_s=timeout_s
+        )
+        self.hf_config = load_hf_config(args.model)
+        self.model_cls = get_model_class(self.hf_config)
+        self.dtype = resolve_dtype(args.dtype, self.hf_config, device)
+        max_len = int(getattr(self.hf_config, "max_position_embeddings", 0) or 2048)
+        self.config = args.create_engine_config(max_len)
+        self.runner: Any = None  # a ModelRunner while this rank holds shards
+        self.degree = 1
+
+    def _build(self, tp: TPGroup) -> torch.nn.Module:
+        return rebuild_model(self.model_cls, self.hf_config, self.dtype, self.device, tp)
+
+    def loop(self) -> None:
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        while True:
+            self.world.broadcast_cpu(header)
+            h = header.numpy().copy()
+            op = int(h[0])
+            if op == Op.SHUTDOWN:
+                return
+            if op == Op.EXECUTE:
+                payload = torch.empty(int(h[1]), dtype=torch.int64)
+                if payload.numel():
+                    self.world.broadcast_cpu(payload)
+                if self.runner is not None:
+                    step = unpack_step(h, payload.numpy() if payload.numel() else np.zeros(0, dtype=np.int64))
+                    self.runner.execute_model(step, step.extra_logits_indices)
+            elif op == Op.LIQUID:
+                self.scale(int(h[2]), int(h[3]), int(h[4]), int(h[5]))
+            else:
+                raise RuntimeError(f"unknown step opcode {op}")
+
+    def scale(self, src: int, dst: int, num_blocks: int, num_swap: int) -> None:
+        from pagedrs.worker.model_runner import ModelRunner
+
+        stats = LiquidStats(src, dst, num_blocks, num_blocks)
+        r = self.rank
+        if dst == 2 * src:  # scale out
+            if r < src:
+                model, pool = send_shards(
+                    self.runner.model,
+                    self.runner.kv_pool,
+                    world=self.world,
+                    partner=r + src,
+                    scale_out=True,
+                    new_tp=self.groups[dst],
+                    stats=stats,
+                )
+                self._rebind(model, pool, self.groups[dst])
+            elif r < dst:
+                tp = self.groups[dst]
+                model, pool = receive_shards(
+                    None,
+                    None,
+                    world=self.world,
+                    partner=r - src,
+                    scale_out=True,
+                    new_model=self._build(tp),
+                    pool_spec=(num_blocks, num_swap, self.config.cache.block_size),
+                    stats=stats,
+                )
+                self.runner = ModelRunner(self.config, model, tp=tp)
+                self.runner.kv_pool = pool
+        elif src == 2 * dst:  # scale in
+            if r < dst:
+                tp = self.groups[dst]
+                model, pool = receive_shards(
+                    self.runner.model,
+                    self.runner.kv_pool,
+                    world=self.world,
+                    partner=r + dst,
+                    scale_out=False,
+                    new_model=self._build(tp),
+                    pool_spec=(num_blocks, num_swap, self.config.cache.block_size),
+                    stats=stats,
+                )
+                self._rebind(model, pool, tp)
+            elif r < src:
+                send_shards(
+                    self.runner.model,
+                    self.runner.kv_pool,
+                    world=self.world,
+                    partner=r - dst,
+                    scale_out=False,
+                    new_tp=None,
+                    stats=stats,
+                )
+                self.runner = None  # idle: weights and KV cache freed
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+        else:
+            raise RuntimeError(f"liquid: a move from {src} to {dst} ranks is not one doubling or halving")
+        self.degree = dst
+        logger.info("rank %d: liquid %d -> %d done (%s)", r, src, dst, "active" if self.runner else "idle")
+
+    def _rebind(self, model: torch.nn.Module | None, pool: Any, tp: TPGroup) -> None:
+        self.runner.model = model
+        self.runner.kv_pool = pool
+        self.runner.tp = tp
+        self.runner.cuda_graphs = None
+
+    def close(self) -> None:
+        abort_groups(self.world, self.groups)
