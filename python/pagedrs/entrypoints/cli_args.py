@@ -66,6 +66,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="ranks (devices; worker processes on CPU) the model is split over",
     )
     g.add_argument(
+        "--liquid-gpu-range",
+        dest="liquid_gpu_range",
+        type=int,
+        nargs="+",
+        default=None,
+        help="liquid scaling: the devices (worker ranks on CPU) the model may spread over, e.g. 0 1 2 3",
+    )
+    g.add_argument(
+        "--liquid-total-num-shards",
+        dest="liquid_total_num_shards",
+        type=int,
+        default=None,
+        help="liquid scaling: shards the model is cut into (default: the range's length)",
+    )
+    g.add_argument(
         "--distributed-executor-backend",
         dest="distributed_executor_backend",
         choices=["mp", "ray"],
@@ -143,6 +158,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs["enable_chunked_prefill"] = args.enable_chunked_prefill
     kwargs["enforce_eager"] = args.enforce_eager
     kwargs["tensor_parallel_size"] = args.tensor_parallel_size
+    for name in ("liquid_gpu_range", "liquid_total_num_shards"):
+        if getattr(args, name, None) is not None:
+            kwargs[name] = getattr(args, name)
     if args.distributed_executor_backend is not None:
         kwargs["distributed_executor_backend"] = args.distributed_executor_backend
     interval = getattr(args, "log_stats_interval", None)

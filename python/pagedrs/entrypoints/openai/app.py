@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import tempfile
 import time
@@ -17,7 +19,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedrs.engine.async_engine import AsyncLLMEngine
 from pagedrs.entrypoints.openai.batch_store import BatchStore
 from pagedrs.entrypoints.openai.batch_worker import BatchRunner
-from pagedrs.entrypoints.openai.errors import APIError, error_body, internal, not_found, unavailable
+from pagedrs.entrypoints.openai.errors import (
+    APIError,
+    bad_request,
+    error_body,
+    internal,
+    not_found,
+    unavailable,
+)
 from pagedrs.entrypoints.openai.files_batches import build_router
 from pagedrs.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedrs.entrypoints.openai.middleware import ServerMiddleware
@@ -212,6 +221,41 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
         return await respond(request, ChatCompletionRequest, chat)
+
+    liquid_lock = asyncio.Lock()
+    admin_key = _arg(args, "api_key", None) or None
+
+    @app.post("/v1/admin/liquid")
+    async def admin_liquid(request: Request) -> JSONResponse:
+        """Scale a liquid engine: {"target": N} or {"liquid_type": "LIQUID_1_2"}; 409 during a move."""
+        if admin_key is None:
+            raise APIError(403, "/v1/admin/liquid needs a server started with --api-key", code="forbidden")
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except ValueError:
+            raise bad_request("the body must be a JSON object") from None
+        if not isinstance(body, dict):
+            raise bad_request("the body must be a JSON object")
+        if liquid_lock.locked():
+            raise APIError(409, "a liquid scale event is in progress", code="liquid_in_progress")
+        async with liquid_lock:
+            from pagedrs.executor.liquid import LiquidRequest, LiquidType
+
+            try:
+                kind = body.get("liquid_type")
+                lreq = LiquidRequest(
+                    liquid_type=LiquidType[kind] if kind is not None else None, target=body.get("target")
+                )
+                current = await engine.call_utility("liquid_degree")
+                target = lreq.resolve(int(current))
+                events = await engine.call_utility("liquid", target, timeout=600.0)
+            except KeyError:
+                raise bad_request(
+                    f"liquid_type must be one of {[t.name for t in LiquidType]}", param="liquid_type"
+                ) from None
+            except (ValueError, TypeError) as exc:
+                raise bad_request(str(exc), param="target") from None
+        return JSONResponse({"object": "liquid.result", "degree": target, "events": events})
 
     app.include_router(build_router(store, runner))
     max_body = int(_arg(args, "max_body_bytes", DEFAULT_MAX_BODY_BYTES))
