@@ -1,0 +1,140 @@
+"""Liquid scaling on CPU (gloo): a tiny model cut into 4 shards moves 1 -> 2 -> 4 -> 2 -> 1 ranks while 24
+requests are in flight through `LLMEngine`; every request's greedy ids equal a run with no events, the
+pool grows after each scale-out and shrinks back, rank 0's parameter bytes halve on each scale-out, no
+block leaks; a scale-in whose live blocks do not fit fails with both numbers and the engine goes on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagedrs import LiquidRequest, LiquidType, SamplingParams
+from pagedrs.engine.arg_utils import EngineArgs
+from pagedrs.engine.llm_engine import LLMEngine
+from pagedrs.worker.kv_cache import block_bytes
+from tests.engine.conftest import assert_pool_free
+from tests.helpers import make_tiny_llama
+
+BLOCK = 4
+# hidden 64, 8 heads of 8, 4 KV heads, 2 layers: a block holds 2 * 2 * 4 * 4 * 8 floats = 2 KiB
+PER_BLOCK = block_bytes(2, BLOCK, 4, 8, __import__("torch").float32)
+BASE = dict(
+    device="cpu", dtype="float32", block_size=BLOCK, disable_log_stats=True, max_num_batched_tokens=32
+)
+
+
+def _model(tmp_path: Path) -> Path:
+    return make_tiny_llama(tmp_path, num_attention_heads=8, num_key_value_heads=4)
+
+
+def _prompts(n: int, length: int) -> list[list[int]]:
+    return [[(7 * i + 3 * j) % 250 + 1 for j in range(length + i % 5)] for i in range(n)]
+
+
+def _engine(folder: Path, blocks: int, **kw: object) -> LLMEngine:
+    args = EngineArgs(model=str(folder), cpu_kv_cache_gb=blocks * PER_BLOCK / (1 << 30), **{**BASE, **kw})
+    return LLMEngine.from_engine_args(args)
+
+
+def _param_bytes(engine: LLMEngine) -> int:
+    return sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], events: dict[int, int] | None = None) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        if events and step in events:
+            engine.do_liquid(LiquidRequest(target=events[step]))
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        step += 1
+    return done
+
+
+def test_scale_1_2_4_2_1_with_requests_in_flight(tmp_path: Path) -> None:
+    folder = _model(tmp_path)
+    prompts = _prompts(24, 12)
+    want = _run(_engine(folder, 80, max_num_seqs=8), prompts)
+    engine = _engine(folder, 80, max_num_seqs=8, liquid_gpu_range=[0, 1, 2, 3], liquid_total_num_shards=4)
+    try:
+        core = engine.engine_core
+        assert core.liquid_degree() == 1 and engine.get_stats().num_blocks == 80
+        seen: list[tuple[int, int, int]] = []
+        inner = core.liquid
+
+        def liquid(target: int) -> list[dict]:
+            before = _param_bytes(engine)
+            events = inner(target)
+            seen.append((target, engine.get_stats().num_blocks, _param_bytes(engine) * 1000 // before))
+            return events
+
+        core.liquid = liquid  # type: ignore[method-assign]
+        got = _run(engine, prompts, {3: 2, 8: 4, 14: 2, 20: 1})
+        assert got == want
+        assert [(t, n) for t, n, _ in seen] == [(2, 160), (4, 320), (2, 160), (1, 80)]
+        # Split tensors halve on a scale-out and double back on a scale-in (norms are replicated, so a
+        # little over half); per mille of rank 0's parameter bytes before the event.
+        ratios = [r for _, _, r in seen]
+        assert 490 <= ratios[0] <= 560 and 490 <= ratios[1] <= 560, ratios
+        assert 1780 <= ratios[2] <= 2040 and 1780 <= ratios[3] <= 2040, ratios
+        assert_pool_free(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_seed_moves_and_blocked_scale_in(tmp_path: Path) -> None:
+    folder = _model(tmp_path)
+    engine = _engine(folder, 80, max_num_seqs=8, liquid_gpu_range=[0, 1], liquid_total_num_shards=4)
+    try:
+        events = engine.do_liquid(LiquidRequest(LiquidType.LIQUID_1_2))
+        assert len(events) == 1 and events[0]["weight_bytes"] > 0 and events[0]["kv_bytes"] > 0
+        assert engine.get_stats().num_blocks == 160
+        with pytest.raises(ValueError, match="from 1 active ranks"):
+            engine.do_liquid(LiquidRequest(LiquidType.LIQUID_1_2))
+        with pytest.raises(ValueError, match="power of two from 1 to 2"):
+            engine.do_liquid(LiquidRequest(target=4))
+        prompts = _prompts(8, 40)  # 8 x 14 blocks live at the end: more than the 80 one rank holds
+        want = _run(_engine(folder, 200, max_num_seqs=8), prompts)
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        done: dict[str, list[int]] = {}
+
+        def in_use() -> int:
+            return engine.get_stats().num_blocks - engine.get_stats().num_free_blocks
+
+        while in_use() <= 80 and engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+        live = in_use()
+        assert live > 80 and not done
+        with pytest.raises(ValueError, match=f"cannot resize to 80 blocks: {live} blocks are in use"):
+            engine.do_liquid(LiquidRequest(LiquidType.LIQUID_2_1))
+        assert engine.engine_core.liquid_degree() == 2
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+        assert done == want
+        engine.do_liquid(LiquidRequest(LiquidType.LIQUID_2_1))  # fits now
+        assert engine.engine_core.liquid_degree() == 1 and engine.get_stats().num_blocks == 80
+        assert_pool_free(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_models_that_do_not_cut_into_the_shards_are_refused(tmp_path: Path) -> None:
+    folder = make_tiny_llama(tmp_path)  # 4 heads, 2 KV heads: not 4 shards of KV heads
+    with pytest.raises(ValueError, match="liquid_total_num_shards=4 does not divide the model's 2 KV heads"):
+        _engine(folder, 80, liquid_gpu_range=[0, 1], liquid_total_num_shards=4)
+    with pytest.raises(ValueError, match="liquid_gpu_range"):
+        EngineArgs(liquid_gpu_range=[0, 1, 2]).early_configs()
+    with pytest.raises(ValueError, match="liquid_total_num_shards"):
+        EngineArgs(liquid_gpu_range=[0, 1], liquid_total_num_shards=3).early_configs()
