@@ -82,6 +82,9 @@ class FakeEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.lock = threading.Lock()  # asserts single-threaded use
+        self.liquid_degree = 1
+        self.liquid_delay = 0.0
+        self.liquid_started = threading.Event()
 
     def get_tokenizer(self) -> ByteTokenizer:
         return self.tokenizer
@@ -133,6 +136,19 @@ class FakeEngine:
     def call_utility(self, method: str, args: Any) -> Any:
         if method == "get_stats":
             return self.get_stats()
+        if method == "liquid_degree":
+            return self.liquid_degree
+        if method == "liquid":  # a liquid move over 4 ranks that takes `liquid_delay` seconds
+            target = int(args[0])
+            if target not in (1, 2, 4):
+                raise ValueError(
+                    f"liquid target must be a power of two from 1 to 4 active ranks, got {target}"
+                )
+            self.liquid_started.set()
+            time.sleep(self.liquid_delay)
+            event = {"src_degree": self.liquid_degree, "dst_degree": target}
+            self.liquid_degree = target
+            return [event]
         raise ValueError(f"unknown utility method {method!r}")
 
     def step(self) -> EngineCoreOutputs:

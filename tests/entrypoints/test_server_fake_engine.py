@@ -255,3 +255,43 @@ def test_drain_finishes_inflight(tmp_path: object) -> None:
     r = result["r"]
     assert isinstance(r, httpx.Response) and r.status_code == 200
     assert len(r.json()["choices"][0]["text"]) == 20
+
+
+def test_admin_liquid_auth_validation_and_conflict(tmp_path: object) -> None:
+    """POST /v1/admin/liquid: the API key is required, bad bodies are 400 naming the field, a second
+    move while one runs is 409, and the move's events come back."""
+    engine = FakeEngine()
+    engine.liquid_delay = 1.0
+    app = build_app(engine, _args(tmp_path))
+    with ThreadedServer(app) as s:
+        c = httpx.Client(base_url=s.base_url, headers=AUTH, timeout=30)
+        anon = httpx.post(f"{s.base_url}/v1/admin/liquid", json={"target": 2}, timeout=30)
+        assert anon.status_code == 401
+        r = c.post("/v1/admin/liquid", json={"liquid_type": "LIQUID_9_9"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "liquid_type"
+        r = c.post("/v1/admin/liquid", json={"liquid_type": "LIQUID_2_4"})
+        assert (
+            r.status_code == 400 and "from 2 active ranks, but 1 are active" in r.json()["error"]["message"]
+        )
+        r = c.post("/v1/admin/liquid", json={"target": 3})
+        assert r.status_code == 400 and "power of two" in r.json()["error"]["message"]
+        first: dict[str, httpx.Response] = {}
+        t = threading.Thread(
+            target=lambda: first.setdefault("r", c.post("/v1/admin/liquid", json={"target": 2}))
+        )
+        t.start()
+        assert engine.liquid_started.wait(10)  # the core is inside the move now
+        r = c.post("/v1/admin/liquid", json={"target": 4})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "liquid_in_progress"
+        t.join(30)
+        assert first["r"].status_code == 200, first["r"].text
+        assert first["r"].json()["degree"] == 2 and first["r"].json()["events"][0]["dst_degree"] == 2
+        r = c.post("/v1/admin/liquid", json={"liquid_type": "LIQUID_2_1"})
+        assert r.status_code == 200 and engine.liquid_degree == 1
+
+
+def test_admin_liquid_needs_an_api_key(tmp_path: object) -> None:
+    app = build_app(FakeEngine(), _args(tmp_path, api_key=None))
+    with ThreadedServer(app) as s:
+        r = httpx.post(f"{s.base_url}/v1/admin/liquid", json={"target": 2}, timeout=30)
+        assert r.status_code == 403 and "--api-key" in r.json()["error"]["message"]
