@@ -211,6 +211,10 @@ class ParallelConfig:
     # number of shards it is cut into. None: no liquid scaling.
     liquid_gpu_range: tuple[int, ...] | None = None
     liquid_total_num_shards: int | None = None
+    liquid_auto: bool = False  # scale by the concurrent cache usage (executor/liquid_policy.py)
+    liquid_auto_window: int = 16
+    liquid_scale_out_threshold: float = 0.9
+    liquid_scale_in_threshold: float = 0.7
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
@@ -219,6 +223,7 @@ class ParallelConfig:
         _require(b in (None, "mp", "ray"), "distributed_executor_backend", b, "must be 'mp' or 'ray'")
         r = self.liquid_gpu_range
         if r is None:
+            _require(not self.liquid_auto, "liquid_auto", self.liquid_auto, "needs liquid_gpu_range")
             _require(
                 self.liquid_total_num_shards is None,
                 "liquid_total_num_shards",
@@ -242,6 +247,15 @@ class ParallelConfig:
             "liquid_total_num_shards",
             s,
             f"must be a power of two >= len(liquid_gpu_range) ({n})",
+        )
+        w = self.liquid_auto_window
+        _require(_is_int(w) and w >= 1, "liquid_auto_window", w, "must be an int >= 1")
+        lo, hi = self.liquid_scale_in_threshold, self.liquid_scale_out_threshold
+        _require(
+            _is_number(lo) and _is_number(hi) and 0 < lo < hi,
+            "liquid_scale_in_threshold",
+            lo,
+            f"must be > 0 and below liquid_scale_out_threshold ({hi})",
         )
 
     @property

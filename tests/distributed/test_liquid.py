@@ -138,3 +138,38 @@ def test_models_that_do_not_cut_into_the_shards_are_refused(tmp_path: Path) -> N
         EngineArgs(liquid_gpu_range=[0, 1, 2]).early_configs()
     with pytest.raises(ValueError, match="liquid_total_num_shards"):
         EngineArgs(liquid_gpu_range=[0, 1], liquid_total_num_shards=3).early_configs()
+
+
+def test_auto_policy_scales_out_under_load_and_in_when_quiet(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A burst that needs more blocks than one rank holds scales out; once it drains (usage under 0.7,
+    the used blocks fit one rank) the engine scales back in. Outputs equal a run with no events."""
+    import logging
+
+    folder = _model(tmp_path)
+    burst = _prompts(16, 30)
+    want = _run(_engine(folder, 200, max_num_seqs=16), burst)
+    engine = _engine(
+        folder,
+        40,
+        max_num_seqs=16,
+        liquid_gpu_range=[0, 1],
+        liquid_total_num_shards=2,
+        liquid_auto=True,
+        liquid_auto_window=4,
+    )
+    try:
+        with caplog.at_level(logging.INFO, logger="pagedrs"):
+            got = _run(engine, burst)
+            assert got == want
+            assert "scale out 1 -> 2" in caplog.text
+            quiet = _run(engine, [[5, 6, 7]])
+            assert len(quiet["0"]) == 16
+        assert engine.engine_core.liquid_degree() == 1
+        text = caplog.text
+        assert "liquid auto: mean concurrent cache usage" in text
+        assert text.index("scale out 1 -> 2") < text.index("scale in 2 -> 1")
+        assert_pool_free(engine)
+    finally:
+        engine.shutdown()

@@ -72,3 +72,12 @@ def test_tensor_parallel_flags_on_every_subcommand(command: str, flag: str) -> N
     assert ea.tensor_parallel_size == 2 and ea.distributed_executor_backend == "ray"
     default = make_engine_args(make_parser().parse_args([command]))
     assert default.tensor_parallel_size == 1 and default.distributed_executor_backend is None
+
+
+def test_liquid_flags() -> None:
+    args = make_parser().parse_args(
+        ["serve", "--liquid-gpu-range", "0", "1", "2", "3", "--liquid-total-num-shards", "4", "--liquid-auto"]
+    )
+    ea = make_engine_args(args)
+    assert ea.liquid_gpu_range == [0, 1, 2, 3] and ea.liquid_total_num_shards == 4 and ea.liquid_auto
+    assert ea.parallel_config().liquid_gpu_range == (0, 1, 2, 3)

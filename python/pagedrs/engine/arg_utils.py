@@ -49,6 +49,10 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     liquid_gpu_range: list[int] | None = None
     liquid_total_num_shards: int | None = None
+    liquid_auto: bool = False
+    liquid_auto_window: int = 16
+    liquid_scale_out_threshold: float = 0.9
+    liquid_scale_in_threshold: float = 0.7
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -64,6 +68,10 @@ class EngineArgs:
             distributed_executor_backend=self.distributed_executor_backend,
             liquid_gpu_range=tuple(r) if r is not None else None,
             liquid_total_num_shards=shards,
+            liquid_auto=self.liquid_auto,
+            liquid_auto_window=self.liquid_auto_window,
+            liquid_scale_out_threshold=self.liquid_scale_out_threshold,
+            liquid_scale_in_threshold=self.liquid_scale_in_threshold,
         )
 
     def early_configs(self) -> tuple[ModelConfig, CacheConfig, DeviceConfig, ObservabilityConfig]:

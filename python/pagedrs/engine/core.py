@@ -32,6 +32,7 @@ from pagedrs.engine.messages import (
 )
 from pagedrs.executor import TPExecutor, UniProcExecutor
 from pagedrs.executor.liquid_executor import LiquidExecutor
+from pagedrs.executor.liquid_policy import LiquidAutoPolicy
 from pagedrs.executor.start import start_workers, stop_workers
 from pagedrs.executor.worker import cpu_threads_per_rank
 from pagedrs.metrics import EngineStats, StatLogger, visualize_batch
@@ -154,6 +155,16 @@ class EngineCore:
             vocab_size=self.vocab_size or None,
         )
         self.runner.attach_block_table(self.scheduler.block_table_view())
+        par = config.parallel
+        self._in_liquid = False
+        self.liquid_policy: LiquidAutoPolicy | None = None
+        if par.liquid_auto and isinstance(self.executor, LiquidExecutor):
+            self.liquid_policy = LiquidAutoPolicy(
+                self.executor.max_degree,
+                par.liquid_auto_window,
+                par.liquid_scale_out_threshold,
+                par.liquid_scale_in_threshold,
+            )
         self._requests: dict[str, _CoreRequest] = {}
         self._seqs: dict[int, CoreSeq] = {}
         self._seq_counter = itertools.count()
@@ -298,6 +309,7 @@ class EngineCore:
         outputs wait in `take_pending()`), closes its plan and re-raises; the core keeps serving."""
         start = time.perf_counter()
         self.executor.check_health()  # a dead tensor-parallel group fails here, before anything is scheduled
+        self.liquid_tick()
         plan: _core.StepPlan = self.scheduler.schedule()
         self._num_steps += 1
         outputs: list[EngineCoreOutput] = self.take_pending()
@@ -454,6 +466,14 @@ class EngineCore:
                 f"liquid target must be a power of two from 1 to {ex.max_degree} active ranks, got {target}"
             )
         events: list[dict[str, Any]] = []
+        self._in_liquid = True
+        try:
+            self._liquid_moves(ex, target, events)
+        finally:
+            self._in_liquid = False
+        return events
+
+    def _liquid_moves(self, ex: LiquidExecutor, target: int, events: list[dict[str, Any]]) -> None:
         while ex.degree != target:
             before = int(self.scheduler.num_blocks)
             if target > ex.degree:
@@ -472,7 +492,31 @@ class EngineCore:
             stats.num_blocks_after = int(self.scheduler.num_blocks)
             logger.info("%s", ex.describe(stats))
             events.append(dataclasses.asdict(stats))
-        return events
+
+    def liquid_tick(self) -> None:
+        """Feed the automatic liquid policy one sample of the concurrent cache usage and act on it
+        (between steps; never inside a move)."""
+        policy = self.liquid_policy
+        if policy is None or self._in_liquid:
+            return
+        s = self.scheduler.stats()
+        total = int(s["num_blocks"])
+        used = total - int(s["num_free_blocks"])
+        waiting = sum(len(r.seqs[0].prompt_token_ids) for r in self._requests.values() if r.unscheduled)
+        policy.observe((used + waiting / self.scheduler.block_size) / max(total, 1))
+        ex = self.executor
+        assert isinstance(ex, LiquidExecutor)
+        decision = policy.decide(ex.degree, used, ex.target_blocks)
+        if decision is None:
+            return
+        target, why = decision
+        logger.info("liquid auto: %s", why)
+        try:
+            self.liquid(target)
+        except ValueError as exc:
+            logger.warning("liquid auto: the move to %d ranks did not happen: %s", target, exc)
+        finally:
+            policy.reset()
 
     def _apply_block_ops(self) -> None:
         """Run one step now so its plan applies a pending resize on every rank; its outputs go out with

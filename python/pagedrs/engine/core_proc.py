@@ -166,8 +166,12 @@ class EngineCoreProc:
                     out = EngineCoreOutputs(core.take_pending(), core.get_stats(), time.time())
                 out.stats.send_time_s = self._send_time
                 self._publish(core, out)
-            elif changed:  # now idle: rejections, and the stats after the last aborts
-                self._publish(core, EngineCoreOutputs(core.take_pending(), core.get_stats(), time.time()))
+            else:
+                tick = getattr(core, "liquid_tick", None)
+                if tick is not None:  # an idle server still feeds the liquid policy (usage 0)
+                    tick()
+                if changed:  # now idle: rejections, and the stats after the last aborts
+                    self._publish(core, EngineCoreOutputs(core.take_pending(), core.get_stats(), time.time()))
         # Whatever is left is aborted: the frontends already failed or are gone.
         core.abort(list(self._owner))
         return code

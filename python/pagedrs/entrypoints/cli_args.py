@@ -81,6 +81,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="liquid scaling: shards the model is cut into (default: the range's length)",
     )
     g.add_argument(
+        "--liquid-auto",
+        dest="liquid_auto",
+        action="store_true",
+        help="liquid scaling by the concurrent cache usage (out above 0.9, in under 0.7, over 16 samples)",
+    )
+    g.add_argument(
         "--distributed-executor-backend",
         dest="distributed_executor_backend",
         choices=["mp", "ray"],
@@ -158,6 +164,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs["enable_chunked_prefill"] = args.enable_chunked_prefill
     kwargs["enforce_eager"] = args.enforce_eager
     kwargs["tensor_parallel_size"] = args.tensor_parallel_size
+    if getattr(args, "liquid_auto", False):
+        kwargs["liquid_auto"] = True
     for name in ("liquid_gpu_range", "liquid_total_num_shards"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
