@@ -63,6 +63,7 @@ class ModelConfig:
     dtype: str = "auto"
     max_model_len: int | None = None  # None -> the model's own limit
     seed: int = 0
+    served_model_name: str | None = None  # the name outputs and logs use (default: the model path)
 
     def __post_init__(self) -> None:
         _require(

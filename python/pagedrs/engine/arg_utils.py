@@ -3,7 +3,9 @@ the validated, frozen configs of `pagedrs.config`."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
+from typing import Any
 
 from pagedrs.config import (
     CacheConfig,
@@ -16,7 +18,9 @@ from pagedrs.config import (
     resolve_device,
 )
 
-__all__ = ["EngineArgs"]
+__all__ = ["LOAD_FORMATS", "EngineArgs"]
+
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 
 
 @dataclass
@@ -47,6 +51,24 @@ class EngineArgs:
     enable_log_batch_visualization: bool = False
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    # vLLM's names, accepted so that programs written for it run (each either works or is refused at
+    # start with what to use instead; see `check_compat`).
+    skip_tokenizer_init: bool = False
+    tokenizer_mode: str = "auto"
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    trust_remote_code: bool = False
+    max_seq_len: int | None = None
+    download_dir: str | None = None
+    load_format: str = "auto"
+    pipeline_parallel_size: int = 1
+    disable_custom_all_reduce: bool = False
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    rope_scaling: dict | None = None
+    rope_theta: float | None = None
+    served_model_name: str | list[str] | None = None
+    disable_sliding_window: bool = False
     liquid_gpu_range: list[int] | None = None
     liquid_total_num_shards: int | None = None
     liquid_auto: bool = False
@@ -57,6 +79,103 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    def check_compat(self) -> None:
+        """The vLLM arguments pagedrs does not implement fail here, saying what to use instead."""
+        if self.tokenizer_mode not in ("auto", "slow"):
+            raise ValueError(
+                f"tokenizer_mode={self.tokenizer_mode!r} is not supported; use 'auto' (fast) or 'slow'"
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format={self.load_format!r} is not supported; one of {', '.join(LOAD_FORMATS)}"
+            )
+        if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size!r} is not supported (pipeline parallelism "
+                "is not implemented); use tensor_parallel_size to spread a model over devices"
+            )
+        q = self.quantization
+        if q is not None and not (q == "gguf" and str(self.model or "").lower().endswith(".gguf")):
+            raise ValueError(
+                f"quantization={q!r} is not supported: weights run in `dtype`; GGUF files are dequantized "
+                "on load (pass the .gguf file with quantization=None)"
+            )
+        if self.kv_cache_dtype not in ("auto",):
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet; the KV cache uses the model's "
+                "dtype (kv_cache_dtype='auto')"
+            )
+        if (
+            (self.revision or self.tokenizer_revision)
+            and self.model is not None
+            and (self.model.startswith((".", "/", "~")) or os.path.exists(os.path.expanduser(self.model)))
+        ):
+            raise ValueError(
+                f"revision={self.revision!r} / tokenizer_revision={self.tokenizer_revision!r} apply to hub "
+                f"model names; {self.model!r} is a local path (check out the revision you want there)"
+            )
+        if (
+            self.max_seq_len is not None
+            and self.max_model_len is not None
+            and self.max_seq_len != self.max_model_len
+        ):
+            raise ValueError(
+                f"max_seq_len={self.max_seq_len} and max_model_len={self.max_model_len} disagree; give one"
+            )
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ValueError(f"rope_scaling must be a dict, got {self.rope_scaling!r}")
+        if self.rope_theta is not None and not (
+            isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0
+        ):
+            raise ValueError(f"rope_theta must be a number > 0, got {self.rope_theta!r}")
+
+    def config_line(self) -> str:
+        """vLLM's start-up config line: the arguments a user greps for, as given."""
+        names = (
+            "model tokenizer skip_tokenizer_init tokenizer_mode revision rope_scaling rope_theta "
+            "tokenizer_revision trust_remote_code dtype max_model_len download_dir load_format "
+            "tensor_parallel_size pipeline_parallel_size disable_custom_all_reduce quantization enforce_eager "
+            "kv_cache_dtype device seed served_model_name enable_prefix_caching enable_chunked_prefill "
+            "disable_sliding_window max_num_batched_tokens max_num_seqs block_size"
+        ).split()
+        values = {n: getattr(self, n) for n in names}
+        values["max_seq_len"] = values.pop("max_model_len") or self.max_seq_len
+        if values["served_model_name"] is None:
+            values["served_model_name"] = self.model
+        return ", ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in values.items())
+
+    def _served_name(self) -> str | None:
+        n = self.served_model_name
+        if isinstance(n, (list, tuple)):
+            return str(n[0]) if n else None
+        return n
+
+    def load_options(self) -> Any:
+        """The loader's view of these arguments (`pagedrs.loader.LoadOptions`)."""
+        from pagedrs.loader.options import LoadOptions
+
+        return LoadOptions(
+            load_format=self.load_format,
+            revision=self.revision,
+            tokenizer_revision=self.tokenizer_revision,
+            download_dir=self.download_dir,
+            trust_remote_code=self.trust_remote_code,
+            tokenizer_mode=self.tokenizer_mode,
+            overrides=self.model_overrides(),
+            seed=self.seed,
+        )
+
+    def model_overrides(self) -> dict[str, Any]:
+        """What the model's own config is overridden with (rope, sliding window), for every rank."""
+        out: dict[str, Any] = {}
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = dict(self.rope_scaling)
+        if self.rope_theta is not None:
+            out["rope_theta"] = float(self.rope_theta)
+        if self.disable_sliding_window:
+            out["disable_sliding_window"] = True
+        return out
 
     def parallel_config(self) -> ParallelConfig:
         r = self.liquid_gpu_range
@@ -76,12 +195,14 @@ class EngineArgs:
 
     def early_configs(self) -> tuple[ModelConfig, CacheConfig, DeviceConfig, ObservabilityConfig]:
         """The configs that do not depend on the model (checked before any weight is loaded)."""
+        self.check_compat()
         model = ModelConfig(
             model=self.model,
             tokenizer=self.tokenizer,
             dtype=self.dtype,
-            max_model_len=self.max_model_len,
+            max_model_len=self.max_model_len if self.max_model_len is not None else self.max_seq_len,
             seed=self.seed,
+            served_model_name=self._served_name(),
         )
         cache = CacheConfig(
             block_size=self.block_size,

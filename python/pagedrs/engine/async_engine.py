@@ -215,7 +215,11 @@ class AsyncLLMEngine:
         from pagedrs.loader import load_tokenizer
 
         engine_args.early_configs()  # bad arguments fail here, before any process starts
-        tokenizer = load_tokenizer(engine_args.model, engine_args.tokenizer)
+        tokenizer = (
+            None
+            if engine_args.skip_tokenizer_init
+            else load_tokenizer(engine_args.model, engine_args.tokenizer, engine_args.load_options())
+        )
         return cls(
             tokenizer=tokenizer,
             _make_handle=lambda ipc_dir, gen: ProcessCore(engine_args, ipc_dir, gen),

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedrs import _core
+from pagedrs import __version__, _core
 from pagedrs.config import EngineConfig
 from pagedrs.engine.messages import (
     EngineCoreOutput,
@@ -126,6 +126,8 @@ class EngineCore:
         """`workers`: the started ranks 1..N-1 of a tensor-parallel group (`loaded` is rank 0's shard)."""
         self.config = config
         self.model_name = config.model.model or os.path.splitext(os.path.basename(loaded.model_path))[0]
+        if config.model.served_model_name:
+            self.model_name = config.model.served_model_name
         self.max_model_len = config.scheduler.max_model_len
         self.max_logprobs = max_logprobs
         self.vocab_size = int(getattr(loaded.hf_config, "vocab_size", 0) or 0)
@@ -156,6 +158,7 @@ class EngineCore:
         )
         self.runner.attach_block_table(self.scheduler.block_table_view())
         par = config.parallel
+        self._shut_down = False
         self._in_liquid = False
         self.liquid_policy: LiquidAutoPolicy | None = None
         if par.liquid_auto and isinstance(self.executor, LiquidExecutor):
@@ -176,6 +179,10 @@ class EngineCore:
         self._last_batch = 0
         obs = config.observability
         self.stat_logger = StatLogger(obs.stats_log_interval) if obs.log_stats else None
+        if self.device.type == "cuda":
+            logger.info("# GPU blocks: %d, # CPU blocks: %d", num_blocks, pool.num_swap_blocks)
+        else:
+            logger.info("# CPU blocks: %d (device pool), # swap blocks: %d", num_blocks, pool.num_swap_blocks)
         logger.info(
             "engine ready: model=%s device=%s tp=%d dtype=%s max_model_len=%d kv blocks=%d x %d tokens "
             "(%.2f GiB per rank), swap blocks=%d",
@@ -200,6 +207,9 @@ class EngineCore:
         ranks = len(parallel.liquid_gpu_range or ()) or parallel.tensor_parallel_size
         if device_cfg.device.type == "cpu" and (device_cfg.num_threads is not None or ranks > 1):
             torch.set_num_threads(cpu_threads_per_rank(device_cfg.num_threads, ranks))
+        logger.info(
+            "Initializing an LLM engine (pagedrs v%s) with config: %s", __version__, args.config_line()
+        )
         workers = start_workers(args, device_cfg.device) if ranks > 1 else None
         try:
             loaded = load_model(
@@ -208,7 +218,11 @@ class EngineCore:
                 device=device_cfg.device,
                 tokenizer=args.tokenizer,
                 tp=workers.tp if workers is not None else None,
+                with_tokenizer=not args.skip_tokenizer_init,
+                opts=args.load_options(),
             )
+            weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+            logger.info("Loading model weights took %.4f GB", weights / (1 << 30))
             config = args.create_engine_config(loaded.max_len)
             return cls(config, loaded, max_logprobs=args.max_logprobs, workers=workers), loaded
         except BaseException:
@@ -221,8 +235,15 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do on one device)."""
+        """Stop the tensor-parallel workers and free the model and the KV pool (device memory); the core
+        takes no more steps."""
         self.executor.shutdown()
+        self.runner.kv_pool = None
+        self.runner.model = None
+        self.runner.cuda_graphs = None
+        self._shut_down = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def ready_info(self) -> Ready:
         return Ready(
@@ -308,6 +329,8 @@ class EngineCore:
         """schedule -> execute -> update. A step that raises aborts the requests it held (their error
         outputs wait in `take_pending()`), closes its plan and re-raises; the core keeps serving."""
         start = time.perf_counter()
+        if self._shut_down:
+            raise RuntimeError("this engine was shut down")
         self.executor.check_health()  # a dead tensor-parallel group fails here, before anything is scheduled
         self.liquid_tick()
         plan: _core.StepPlan = self.scheduler.schedule()

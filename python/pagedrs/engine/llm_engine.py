@@ -69,14 +69,21 @@ class LLMEngine:
     def runner(self) -> ModelRunner:
         return self.engine_core.runner
 
+    @property
+    def model_executor(self) -> Any:
+        """vLLM's name for the executor (`engine.model_executor.driver_worker` is the model runner)."""
+        return self.engine_core.executor
+
     def do_liquid(self, request: Any) -> list[dict[str, Any]]:
         """Scale a liquid engine (`LiquidRequest(LiquidType.LIQUID_1_2)` or `LiquidRequest(target=N)`)
         between steps; returns one record (latencies, bytes, pool size) per event."""
         return self.engine_core.liquid(request.resolve(self.engine_core.liquid_degree()))
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers now (they also stop at exit); the engine is unusable after."""
+        """Stop the tensor-parallel workers and free the model and KV cache now (workers also stop at
+        exit); the engine takes no more requests after."""
         self.engine_core.shutdown()
+        self.model = None
 
     # ---- requests ----------------------------------------------------------------------------------
     def get_tokenizer(self) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 # (flag, EngineArgs field, type, default, help). Defaults of None leave the engine's own default.
@@ -26,6 +27,38 @@ _ENGINE_FLAGS: list[tuple[str, str, Any, Any, str]] = [
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, None, "token budget of a step"),
     ("--attention-backend", "attention_backend", str, "auto", "auto, torch or cupy"),
     ("--seed", "seed", int, 0, "random seed"),
+    ("--tokenizer-mode", "tokenizer_mode", str, None, "auto (fast tokenizer) or slow"),
+    ("--revision", "revision", str, None, "hub revision (looked up in the local HF cache only)"),
+    ("--tokenizer-revision", "tokenizer_revision", str, None, "hub revision of the tokenizer"),
+    ("--download-dir", "download_dir", str, None, "HF cache folder to look models up in"),
+    ("--load-format", "load_format", str, None, "auto, safetensors, pt, gguf or dummy (random weights)"),
+    ("--pipeline-parallel-size", "pipeline_parallel_size", int, None, "only 1 (use -tp)"),
+    ("--quantization", "quantization", str, None, "not supported (GGUF files are dequantized on load)"),
+    ("--kv-cache-dtype", "kv_cache_dtype", str, None, "auto (the model's dtype)"),
+    ("--rope-scaling", "rope_scaling", json.loads, None, "JSON dict overriding the config's rope scaling"),
+    ("--rope-theta", "rope_theta", float, None, "override the config's rope theta"),
+]
+
+# vLLM's boolean switches: (flag, EngineArgs field, help)
+_ENGINE_SWITCHES: list[tuple[str, str, str]] = [
+    (
+        "--skip-tokenizer-init",
+        "skip_tokenizer_init",
+        "no tokenizer: prompts are token ids, outputs have no text",
+    ),
+    (
+        "--trust-remote-code",
+        "trust_remote_code",
+        "passed to transformers (pagedrs runs only its own model code)",
+    ),
+    (
+        "--disable-custom-all-reduce",
+        "disable_custom_all_reduce",
+        "accepted (all-reduces are torch.distributed)",
+    ),
+    ("--disable-sliding-window", "disable_sliding_window", "no sliding window: the context is capped at it"),
+    ("--enable-log-batch-visualization", "enable_log_batch_visualization", "log a picture of every step"),
+    ("--disable-log-stats", "disable_log_stats", "no periodic stats line"),
 ]
 
 
@@ -57,6 +90,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="split long prompts",
     )
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    for flag, dest, help_text in _ENGINE_SWITCHES:
+        g.add_argument(flag, dest=dest, action="store_true", default=None, help=help_text)
     g.add_argument(
         "-tp",
         "--tensor-parallel-size",
@@ -163,6 +198,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs["enable_prefix_caching"] = args.enable_prefix_caching
     kwargs["enable_chunked_prefill"] = args.enable_chunked_prefill
     kwargs["enforce_eager"] = args.enforce_eager
+    for _, dest, _ in _ENGINE_SWITCHES:
+        if getattr(args, dest, None):
+            kwargs[dest] = True
     kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     if getattr(args, "liquid_auto", False):
         kwargs["liquid_auto"] = True

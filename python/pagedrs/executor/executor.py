@@ -47,6 +47,7 @@ class UniProcExecutor:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self.driver_worker = runner  # vLLM's name (seed 003 deletes it before freeing the engine)
 
     @property
     def tensor_parallel_size(self) -> int:

@@ -4,6 +4,7 @@ rank (the world group); idle ranks drop the plan."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -39,6 +40,7 @@ class LiquidWorker:
         args: Any,
     ) -> None:
         from pagedrs.loader import load_hf_config, resolve_dtype
+        from pagedrs.loader.options import apply_overrides
         from pagedrs.models.registry import get_model_class
 
         self.rank = rank
@@ -46,10 +48,14 @@ class LiquidWorker:
         self.world, self.groups = connect_liquid_groups(
             store, rank, world_size, device, host=host, timeout_s=timeout_s
         )
-        self.hf_config = load_hf_config(args.model)
+        opts = args.load_options()
+        self.hf_config = load_hf_config(args.model, dataclasses.replace(opts, overrides={}))
+        cap = apply_overrides(self.hf_config, opts.overrides)
         self.model_cls = get_model_class(self.hf_config)
         self.dtype = resolve_dtype(args.dtype, self.hf_config, device)
         max_len = int(getattr(self.hf_config, "max_position_embeddings", 0) or 2048)
+        if cap:
+            max_len = min(max_len, cap)
         self.config = args.create_engine_config(max_len)
         self.runner: Any = None  # a ModelRunner while this rank holds shards
         self.degree = 1

@@ -31,7 +31,7 @@ def start_workers(args: Any, device: torch.device) -> MpWorkers | RayWorkers:
         from pagedrs.executor.liquid import check_liquid
 
         size = len(parallel.liquid_gpu_range)
-        check_liquid(load_hf_config(args.model), parallel.liquid_total_num_shards, size)
+        check_liquid(load_hf_config(args.model, args.load_options()), parallel.liquid_total_num_shards, size)
         if device.type == "cuda":
             devices = [torch.device("cuda", int(i)) for i in parallel.liquid_gpu_range]
             have = torch.cuda.device_count()
@@ -42,7 +42,7 @@ def start_workers(args: Any, device: torch.device) -> MpWorkers | RayWorkers:
             device = devices[0]
     else:
         size = parallel.tensor_parallel_size
-        check_tensor_parallel(load_hf_config(args.model), size)
+        check_tensor_parallel(load_hf_config(args.model, args.load_options()), size)
         rank_devices(device, size)
     if device.type == "cuda":
         torch.cuda.set_device(device)

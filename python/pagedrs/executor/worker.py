@@ -65,7 +65,9 @@ def run_worker(
             worker.close()
             return
         tp = connect_tp_group(store, rank, size, dev, host=host, timeout_s=timeout_s)
-        loaded = load_model(args.model, dtype=args.dtype, device=dev, tp=tp, with_tokenizer=False)
+        loaded = load_model(
+            args.model, dtype=args.dtype, device=dev, tp=tp, with_tokenizer=False, opts=args.load_options()
+        )
         config = args.create_engine_config(loaded.max_len)
         runner = ModelRunner(config, loaded.model, tp=tp)
         num_blocks, num_swap = agree_kv_blocks(runner, tp)

@@ -18,10 +18,12 @@ from torch import Tensor
 from pagedrs.distributed.group import TPGroup
 from pagedrs.loader.default_model import default_model_path
 from pagedrs.loader.gguf import cache_root, convert_gguf
+from pagedrs.loader.options import LoadOptions, apply_overrides, init_dummy_weights
 from pagedrs.loader.pytorch_bin import iter_pytorch_bin, pytorch_bin_files
 from pagedrs.loader.safetensors import iter_safetensors, safetensors_files
 
 __all__ = [
+    "LoadOptions",
     "LoadedModel",
     "cache_root",
     "iter_checkpoint",
@@ -52,17 +54,22 @@ class LoadedModel:
     tokenizer: transformers.PreTrainedTokenizerBase | None  # None when loaded without (a worker rank)
     model_path: str  # what was resolved: the folder, or the GGUF file
 
+    max_len_cap: int | None = None  # disable_sliding_window: the context is capped at the window
+
     @property
     def max_len(self) -> int:
-        """The longest sequence the model takes (its position limit)."""
-        return int(
+        """The longest sequence the model takes (its position limit, or the cap)."""
+        limit = int(
             getattr(self.model, "max_position", None)
             or getattr(self.hf_config, "max_position_embeddings", None)
             or 2048
         )
+        return min(limit, self.max_len_cap) if self.max_len_cap else limit
 
 
-def resolve_model_path(model: str | None) -> str:
+def resolve_model_path(
+    model: str | None, revision: str | None = None, download_dir: str | None = None
+) -> str:
     """Absolute path of a local model folder or GGUF file; None -> the default model's GGUF file.
 
     A name like "org/model" that is not a local path is looked up in the local Hugging Face cache only
@@ -76,7 +83,7 @@ def resolve_model_path(model: str | None) -> str:
         try:
             from huggingface_hub import snapshot_download
 
-            return snapshot_download(model, local_files_only=True)
+            return snapshot_download(model, local_files_only=True, revision=revision, cache_dir=download_dir)
         except Exception:
             pass
     raise ValueError(
@@ -136,26 +143,54 @@ def resolve_dtype(
     return torch.bfloat16
 
 
-def _load_tokenizer(source: str) -> transformers.PreTrainedTokenizerBase:
+def _load_tokenizer(source: str, opts: LoadOptions | None = None) -> transformers.PreTrainedTokenizerBase:
+    opts = opts or LoadOptions()
+    kw: dict = {"use_fast": opts.tokenizer_mode != "slow", "trust_remote_code": opts.trust_remote_code}
     try:
         if source.lower().endswith(".gguf"):
             p = Path(source)
-            return transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-        return transformers.AutoTokenizer.from_pretrained(source)
+            return transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, **kw)
+        return transformers.AutoTokenizer.from_pretrained(source, **kw)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load a tokenizer from {source!r}: {e}") from e
 
 
-def load_tokenizer(model: str | None, tokenizer: str | None = None) -> transformers.PreTrainedTokenizerBase:
+def load_tokenizer(
+    model: str | None, tokenizer: str | None = None, opts: LoadOptions | None = None
+) -> transformers.PreTrainedTokenizerBase:
     """The tokenizer `load_model` would load (for a frontend whose engine core loads the model)."""
+    opts = opts or LoadOptions()
     if tokenizer is not None:
-        return _load_tokenizer(resolve_model_path(tokenizer))
-    return _load_tokenizer(model_folder(resolve_model_path(model)))
+        return _load_tokenizer(
+            resolve_model_path(tokenizer, opts.tokenizer_revision, opts.download_dir), opts
+        )
+    return _load_tokenizer(model_folder(resolve_model_path(model, opts.revision, opts.download_dir)), opts)
 
 
-def load_hf_config(model: str | None) -> transformers.PretrainedConfig:
-    """The HF config of `model` (folder, GGUF file or None), without its weights."""
-    return transformers.AutoConfig.from_pretrained(model_folder(resolve_model_path(model)))
+def load_hf_config(model: str | None, opts: LoadOptions | None = None) -> transformers.PretrainedConfig:
+    """The HF config of `model` (folder, GGUF file or None) with `opts.overrides` applied, no weights."""
+    opts = opts or LoadOptions()
+    folder = model_folder(resolve_model_path(model, opts.revision, opts.download_dir))
+    config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=opts.trust_remote_code)
+    apply_overrides(config, opts.overrides)
+    return config
+
+
+def _checkpoint(path: str, folder: str, load_format: str) -> Iterator[tuple[str, Tensor]]:
+    """The weights `load_format` names (ValueError when the folder has none of that kind)."""
+    if load_format == "safetensors":
+        files = safetensors_files(folder)
+        if not files:
+            raise ValueError(f"load_format='safetensors' but {folder!r} has no .safetensors files")
+        return iter_safetensors(files)
+    if load_format == "pt":
+        bins = pytorch_bin_files(folder)
+        if not bins:
+            raise ValueError(f"load_format='pt' but {folder!r} has no pytorch_model*.bin files")
+        return iter_pytorch_bin(bins)
+    if load_format == "gguf" and not path.lower().endswith(".gguf"):
+        raise ValueError(f"load_format='gguf' but {path!r} is not a .gguf file")
+    return iter_checkpoint(folder)
 
 
 def load_model(
@@ -166,25 +201,36 @@ def load_model(
     tokenizer: str | None = None,
     tp: TPGroup | None = None,
     with_tokenizer: bool = True,
+    opts: LoadOptions | None = None,
 ) -> LoadedModel:
     """Build the model for `model` (folder, GGUF file or None), load and check its weights, load the
     tokenizer (from `tokenizer` when given, else from the model). With `tp`, this rank's shard only."""
     from pagedrs.models.registry import get_model_class
     from pagedrs.models.utils import check_tensor_parallel
 
-    path = resolve_model_path(model)
+    opts = opts or LoadOptions()
+    path = resolve_model_path(model, opts.revision, opts.download_dir)
     folder = model_folder(path)
     device = torch.device(device)
-    config = transformers.AutoConfig.from_pretrained(folder)
+    config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=opts.trust_remote_code)
+    cap = apply_overrides(config, opts.overrides)
     model_cls = get_model_class(config)
     torch_dtype = resolve_dtype(dtype, config, device)
     if tp is not None and tp.size > 1:
         check_tensor_parallel(config, tp.size)
     with torch.device(device):
         net = model_cls(config, dtype=torch_dtype, device=device, tp=tp)  # type: ignore[call-arg]
-    net.load_weights(iter_checkpoint(folder))  # type: ignore[operator]
+    if opts.load_format == "dummy":
+        init_dummy_weights(net, opts.seed)
+    else:
+        net.load_weights(_checkpoint(path, folder, opts.load_format))  # type: ignore[operator]
     net.eval()
     tok = None
     if with_tokenizer:
-        tok = _load_tokenizer(folder if tokenizer is None else resolve_model_path(tokenizer))
-    return LoadedModel(model=net, hf_config=config, tokenizer=tok, model_path=path)
+        source = (
+            folder
+            if tokenizer is None
+            else resolve_model_path(tokenizer, opts.tokenizer_revision, opts.download_dir)
+        )
+        tok = _load_tokenizer(source, opts)
+    return LoadedModel(model=net, hf_config=config, tokenizer=tok, model_path=path, max_len_cap=cap)

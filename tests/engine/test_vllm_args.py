@@ -1,0 +1,220 @@
+"""vLLM's engine arguments as the seeds pass them: each is accepted and works, or is refused at start with
+what to use instead; seed 003's engine cell runs as written with `vllm` replaced by `pagedrs`."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from pagedrs import LLM, EngineArgs, LLMEngine, SamplingParams
+from pagedrs.entrypoints.cli import make_parser
+from pagedrs.entrypoints.cli_args import make_engine_args
+from tests.helpers import make_tiny_llama
+
+SEED_ARGS = (
+    "tokenizer skip_tokenizer_init tokenizer_mode revision tokenizer_revision trust_remote_code dtype "
+    "max_seq_len max_model_len download_dir load_format tensor_parallel_size pipeline_parallel_size "
+    "disable_custom_all_reduce quantization enforce_eager kv_cache_dtype rope_scaling rope_theta seed "
+    "served_model_name enable_prefix_caching enable_chunked_prefill disable_sliding_window disable_log_stats "
+    "enable_log_batch_visualization max_num_batched_tokens max_num_seqs gpu_memory_utilization swap_space"
+).split()
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+CPU = dict(device="cpu", dtype="float32", disable_log_stats=True)
+
+
+def test_every_seed_argument_is_an_engine_argument() -> None:
+    fields = set(EngineArgs.field_names())
+    assert not [a for a in SEED_ARGS if a not in fields]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"pipeline_parallel_size": 2}, ["pipeline_parallel_size=2", "tensor_parallel_size"]),
+        ({"quantization": "awq"}, ["quantization='awq'", "dequantized"]),
+        ({"kv_cache_dtype": "fp8"}, ["kv_cache_dtype='fp8'", "'auto'"]),
+        ({"tokenizer_mode": "mistral"}, ["tokenizer_mode='mistral'", "'slow'"]),
+        ({"load_format": "bitsandbytes"}, ["load_format='bitsandbytes'", "dummy"]),
+        ({"model": "/tmp", "revision": "v2"}, ["revision='v2'", "local path"]),
+        ({"max_seq_len": 64, "max_model_len": 128}, ["max_seq_len=64", "max_model_len=128"]),
+    ],
+)
+def test_unsupported_arguments_say_what_to_use(kwargs: dict, words: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        EngineArgs(**kwargs).early_configs()
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_cli_takes_the_seed_flags() -> None:
+    args = make_parser().parse_args(
+        [
+            "serve",
+            "--enable-chunked-prefill",
+            "--disable-sliding-window",
+            "--max-num-batched-tokens=12",
+            "--max-num-seqs=12",
+            "--dtype=half",
+            "--enable-log-batch-visualization",
+            "--skip-tokenizer-init",
+            "--load-format",
+            "dummy",
+            "--rope-theta",
+            "5000",
+            "--rope-scaling",
+            '{"rope_type": "linear", "factor": 2.0}',
+            "--trust-remote-code",
+        ]
+    )
+    ea = make_engine_args(args)
+    assert ea.disable_sliding_window and ea.enable_log_batch_visualization and ea.skip_tokenizer_init
+    assert ea.max_num_batched_tokens == 12 and ea.dtype == "half" and ea.load_format == "dummy"
+    assert ea.rope_theta == 5000.0 and ea.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+
+
+def test_disable_sliding_window_caps_the_context(tmp_path: Path) -> None:
+    folder = make_tiny_llama(tmp_path, arch="mistral", sliding_window=12)
+    llm = LLM(str(folder), disable_sliding_window=True, **CPU)
+    assert llm.llm_engine.max_model_len == 12
+    assert llm.llm_engine.runner.model.sliding_window is None
+    windowed = LLM(str(folder), **CPU)
+    short = [[1, 2, 3]]  # 3 + 8 tokens: inside the window, so both attend to the same keys
+    a = llm.generate([{"prompt_token_ids": p} for p in short], GREEDY, use_tqdm=False)
+    b = windowed.generate([{"prompt_token_ids": p} for p in short], GREEDY, use_tqdm=False)
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="12"):
+        llm.generate([{"prompt_token_ids": list(range(1, 14))}], GREEDY, use_tqdm=False)
+
+
+def test_rope_theta_and_scaling_override_the_config(tmp_path: Path) -> None:
+    base = make_tiny_llama(tmp_path, subdir="base")
+    theta = make_tiny_llama(
+        tmp_path, subdir="theta", rope_parameters={"rope_type": "default", "rope_theta": 500.0}
+    )
+    scaled = make_tiny_llama(
+        tmp_path,
+        subdir="scaled",
+        rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    )
+    prompt = [{"prompt_token_ids": list(range(5, 45))}]
+
+    def ids(folder: Path, **kw: object) -> list[int]:
+        return list(
+            LLM(str(folder), **CPU, **kw).generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        )
+
+    assert ids(base, rope_theta=500.0) == ids(theta)
+    assert ids(base, rope_scaling={"type": "linear", "factor": 4.0}) == ids(scaled)
+    assert ids(base) != ids(theta) or ids(base) != ids(scaled)
+
+
+def test_load_format(tmp_path: Path) -> None:
+    folder = make_tiny_llama(tmp_path)
+    os.remove(folder / "model.safetensors")  # a config and a tokenizer, no weights
+    with pytest.raises(ValueError, match="has no weights"):
+        LLM(str(folder), **CPU)
+    llm = LLM(str(folder), load_format="dummy", **CPU)
+    out = llm.generate(["dummy weights"], GREEDY, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+    with pytest.raises(ValueError, match="load_format='safetensors'"):
+        LLM(str(folder), load_format="safetensors", **CPU)
+    with pytest.raises(ValueError, match="load_format='gguf'"):
+        LLM(str(folder), load_format="gguf", **CPU)
+
+
+def test_skip_tokenizer_init(tmp_path: Path) -> None:
+    folder = make_tiny_llama(tmp_path)
+    with_tok = LLM(str(folder), **CPU).generate([{"prompt_token_ids": [3, 4, 5]}], GREEDY, use_tqdm=False)
+    llm = LLM(str(folder), skip_tokenizer_init=True, **CPU)
+    assert llm.get_tokenizer() is None
+    out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == with_tok[0].outputs[0].token_ids
+    assert out[0].outputs[0].text == ""
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate(["text needs a tokenizer"], GREEDY, use_tqdm=False)
+
+
+def test_served_model_name_and_startup_lines(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    folder = make_tiny_llama(tmp_path)
+    with caplog.at_level(logging.INFO, logger="pagedrs"):
+        llm = LLM(str(folder), served_model_name="my-model", swap_space=0.001, **CPU)
+    assert llm.llm_engine.model_name == "my-model"
+    assert "Initializing an LLM engine" in caplog.text and "served_model_name='my-model'" in caplog.text
+    assert "Loading model weights took" in caplog.text
+    assert "# CPU blocks:" in caplog.text and "# swap blocks:" in caplog.text
+
+
+def test_shutdown_frees_the_engine(tmp_path: Path) -> None:
+    folder = make_tiny_llama(tmp_path)
+    llm = LLM(str(folder), **CPU)
+    llm.generate(["x"], GREEDY, use_tqdm=False)
+    llm.shutdown()
+    assert llm.llm_engine.runner.kv_pool is None and llm.llm_engine.runner.model is None
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate(["x"], GREEDY, use_tqdm=False)
+
+
+def test_seed_003_engine_cell(caplog: pytest.LogCaptureFixture) -> None:
+    """Seed 003's cell with `vllm` -> `pagedrs` (the default model instead of Phi-3, which is not on this
+    machine): requests join one per step, each prints its text so far, then the seed's cleanup lines."""
+    from pagedrs.utils import random_uuid
+
+    with caplog.at_level(logging.INFO, logger="pagedrs"):
+        engine = LLMEngine.from_engine_args(
+            EngineArgs(
+                dtype="half",
+                max_num_batched_tokens=9,
+                max_num_seqs=8,
+                disable_sliding_window=True,
+                enable_chunked_prefill=True,
+                disable_log_stats=True,
+                enable_log_batch_visualization=True,
+            )
+        )
+        prompts = [
+            "Hello my name is",
+            "The president's",
+            "water boils at",
+            "The capital of France",
+            "Cats really like",
+            "The sun rises",
+            "Humans are a",
+            "The largest planet is",
+            "Snow is very very",
+            "Birds use their",
+            "Fish swim in",
+        ]
+        sampling_params = SamplingParams(temperature=0, top_p=0.95, max_tokens=4)
+        all_requests = []
+        for prompt in prompts:
+            all_requests.append((random_uuid(), prompt, sampling_params))
+        final: dict[str, object] = {}
+        steps = 0
+        while True:
+            if all_requests:
+                req_id, prompt, sp = all_requests.pop(0)
+                engine.add_request(req_id, prompt, sp)
+            outputs = engine.step()
+            steps += 1
+            for output in outputs:
+                print(f"{output.prompt}: {output.outputs[0].text}")
+                final[output.prompt] = output.outputs[0]
+            if not engine.has_unfinished_requests():
+                break
+    assert sorted(final) == sorted(prompts)
+    for out in final.values():
+        n, reason = len(out.token_ids), out.finish_reason  # type: ignore[attr-defined]
+        assert out.text and (n == 4 and reason == "length" or 1 <= n <= 4 and reason == "stop")  # type: ignore[attr-defined]
+    assert steps >= len(prompts)  # one request joined per step, as the seed shows
+    assert sum("tok:" in r.getMessage() for r in caplog.records) == steps  # one picture per step
+
+    from pagedrs.distributed.parallel_state import destroy_model_parallel
+
+    destroy_model_parallel()
+    del engine.model_executor.driver_worker
+    del engine
+    gc.collect()
