@@ -173,3 +173,31 @@ def test_auto_policy_scales_out_under_load_and_in_when_quiet(
         assert_pool_free(engine)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt-proj", "qwen2"])
+def test_other_architectures_move_and_match(tmp_path: Path, arch: str) -> None:
+    """Fused c_attn (GPT-2, replicated position table), OPT's project_in/out, Qwen2's q/k/v biases:
+    1 -> 2 -> 1 over two shards mid-generation equals no events."""
+    from tests.helpers import make_tiny_model
+    from tests.models.test_gpt2 import gpt2_config
+    from tests.models.test_opt import opt_config
+
+    if arch == "gpt2":
+        folder = make_tiny_model(tmp_path / arch, gpt2_config())
+    elif arch == "opt-proj":
+        folder = make_tiny_model(
+            tmp_path / arch, opt_config(do_layer_norm_before=False, word_embed_proj_dim=32)
+        )
+    else:
+        folder = make_tiny_llama(tmp_path, arch="qwen2")
+    prompts = _prompts(6, 10)
+    kw = dict(device="cpu", dtype="float32", block_size=BLOCK, disable_log_stats=True, max_num_seqs=4)
+    want = _run(LLMEngine.from_engine_args(EngineArgs(model=str(folder), **kw)), prompts)
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=str(folder), liquid_gpu_range=[0, 1], liquid_total_num_shards=2, **kw)
+    )
+    try:
+        assert _run(engine, prompts, {2: 2, 9: 1, 14: 2}) == want
+    finally:
+        engine.shutdown()

@@ -32,6 +32,7 @@ from pagedrs.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    ReplicatedEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
@@ -141,6 +142,8 @@ def _split_spec(module: torch.nn.Module, leaf: str) -> tuple[int, list[int]] | N
         return 0, [module.output_size_per_partition]
     if isinstance(module, RowParallelLinear):
         return (1, [module.input_size_per_partition]) if leaf == "weight" else None
+    if isinstance(module, ReplicatedEmbedding):
+        return None
     if isinstance(module, VocabParallelEmbedding):
         return 0, [module.num_embeddings_per_partition]
     return None

@@ -31,6 +31,7 @@ __all__ = [
     "ColumnParallelLinear",
     "MergedColumnParallelLinear",
     "QKVParallelLinear",
+    "ReplicatedEmbedding",
     "ReplicatedLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
@@ -377,6 +378,20 @@ class VocabParallelEmbedding(torch.nn.Module):
         out = F.embedding(local.masked_fill(mask, 0), self.weight)
         out.masked_fill_(mask[:, None], 0)
         return self.tp.all_reduce(out)
+
+
+class ReplicatedEmbedding(VocabParallelEmbedding):
+    """A whole table on every rank (learned position embeddings: small, and no all-reduce needed)."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, tp=TPGroup(), dtype=dtype, device=device)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -21,6 +21,7 @@ from pagedrs.layers.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
+    ReplicatedEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
@@ -111,9 +112,7 @@ class GPT2Model(torch.nn.Module):
             raise ValueError("GPT-2 with cross-attention (an encoder-decoder) is not supported")
         hidden = config.hidden_size
         self.wte = VocabParallelEmbedding(config.vocab_size, hidden, tp=tp, dtype=dtype, device=device)
-        self.wpe = VocabParallelEmbedding(
-            config.max_position_embeddings, hidden, tp=tp, dtype=dtype, device=device
-        )
+        self.wpe = ReplicatedEmbedding(config.max_position_embeddings, hidden, dtype=dtype, device=device)
         self.h = torch.nn.ModuleList(
             GPT2Block(config, i, tp=tp, dtype=dtype, device=device) for i in range(config.num_hidden_layers)
         )

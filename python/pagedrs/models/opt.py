@@ -22,6 +22,7 @@ from pagedrs.layers.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
+    ReplicatedEmbedding,
     ReplicatedLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -113,8 +114,8 @@ class OPTDecoder(torch.nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, embed_dim, tp=tp, dtype=dtype, device=device
         )
-        self.embed_positions = VocabParallelEmbedding(
-            config.max_position_embeddings + POSITION_OFFSET, hidden, tp=tp, dtype=dtype, device=device
+        self.embed_positions = ReplicatedEmbedding(
+            config.max_position_embeddings + POSITION_OFFSET, hidden, dtype=dtype, device=device
         )
         self.project_in: ReplicatedLinear | None = None
         self.project_out: ReplicatedLinear | None = None
