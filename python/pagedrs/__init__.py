@@ -16,17 +16,28 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pagedrs.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedrs.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+)
+from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "LLMEngine",
     "LiquidRequest",
     "LiquidType",
     "Logprob",
+    "PoolingParams",
     "RequestMetrics",
     "RequestOutput",
     "RequestOutputKind",
@@ -135,6 +146,26 @@ class LLM:
                     )
         return self._run(prompt_list, params_list, use_tqdm)
 
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """The embedding of each prompt (text, token ids or {"prompt"/"prompt_token_ids": ...}): the model's
+        final hidden states pooled (`last` token by default, `mean`, `cls`/`first`) and L2-normalized
+        unless asked otherwise; outputs in prompt order (`out.outputs.embedding`)."""
+        if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
+            prompt_list: list[PromptInput] = [prompts]  # type: ignore[list-item]
+        elif isinstance(prompts, Iterable):
+            prompt_list = list(prompts)
+        else:
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+        return self._run(prompt_list, [params] * len(prompt_list), use_tqdm)  # type: ignore[return-value]
+
     def do_liquid(self, request: LiquidRequest) -> list[dict]:
         """Scale the model out or in across `liquid_gpu_range` (seed 002): e.g.
         `llm.do_liquid(LiquidRequest(LiquidType.LIQUID_1_2))`. One record per event."""
@@ -172,14 +203,14 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(
-        self, prompts: list[PromptInput], params: list[SamplingParams], use_tqdm: bool
-    ) -> list[RequestOutput]:
+        self, prompts: list[PromptInput], params: Sequence[SamplingParams | PoolingParams], use_tqdm: bool
+    ) -> list[Any]:
         engine = self.llm_engine
         ids: list[str] = []
         try:
             for prompt, sp in zip(prompts, params, strict=True):
                 rid = str(next(self._counter))
-                if sp.output_kind != RequestOutputKind.FINAL_ONLY:
+                if isinstance(sp, SamplingParams) and sp.output_kind != RequestOutputKind.FINAL_ONLY:
                     sp = copy.copy(sp)
                     sp.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, at its end
                 engine.add_request(rid, prompt, sp)
@@ -188,7 +219,7 @@ class LLM:
             engine.abort_request(ids)
             raise
         order = {rid: i for i, rid in enumerate(ids)}
-        results: list[RequestOutput | None] = [None] * len(ids)
+        results: list[Any] = [None] * len(ids)
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -203,7 +234,8 @@ class LLM:
                     results[order[out.request_id]] = out
                     if bar is not None:
                         in_toks += len(out.prompt_token_ids)
-                        out_toks += sum(len(c.token_ids) for c in out.outputs)
+                        if isinstance(out, RequestOutput):
+                            out_toks += sum(len(c.token_ids) for c in out.outputs)
                         elapsed = bar.format_dict["elapsed"] or 1e-9
                         bar.set_postfix_str(
                             f"est. speed input: {in_toks / elapsed:.2f} toks/s, output: {out_toks / elapsed:.2f} toks/s",

@@ -64,6 +64,9 @@ class ModelConfig:
     max_model_len: int | None = None  # None -> the model's own limit
     seed: int = 0
     served_model_name: str | None = None  # the name outputs and logs use (default: the model path)
+    task: str = "auto"  # generate | embed | auto (both)
+    pooling_type: str = "last"  # the default pooling of embedding requests
+    normalize: bool = True  # L2-normalize embeddings by default
 
     def __post_init__(self) -> None:
         _require(
@@ -85,6 +88,16 @@ class ModelConfig:
                 "must be an int >= 2",
             )
         _require(_is_int(self.seed), "seed", self.seed, "must be an int")
+        _require(
+            self.task in ("auto", "generate", "embed"), "task", self.task, "must be auto, generate or embed"
+        )
+        _require(
+            self.pooling_type in ("last", "mean", "cls", "first"),
+            "pooling_type",
+            self.pooling_type,
+            "must be last, mean, cls or first",
+        )
+        _require(isinstance(self.normalize, bool), "normalize", self.normalize, "must be a bool")
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "Logprob",
     "PromptLogprobs",
     "RequestMetrics",
@@ -86,3 +88,21 @@ class RequestOutput:
             f"outputs={self.outputs}, finished={self.finished}, num_cached_tokens={self.num_cached_tokens}, "
             f"metrics={self.metrics})"
         )
+
+
+@dataclass
+class EmbeddingOutput:
+    """The pooled, optionally normalized final hidden state of a prompt."""
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What an embedding request gives back (vLLM's name): `outputs.embedding`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    prompt: str | None = None

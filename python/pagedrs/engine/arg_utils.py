@@ -69,6 +69,10 @@ class EngineArgs:
     rope_theta: float | None = None
     served_model_name: str | list[str] | None = None
     disable_sliding_window: bool = False
+    # Embeddings: which requests the engine takes, and how embedding requests pool by default.
+    task: str = "auto"
+    pooling_type: str | None = None  # None -> "last" (causal LMs)
+    normalize: bool = True
     liquid_gpu_range: list[int] | None = None
     liquid_total_num_shards: int | None = None
     liquid_auto: bool = False
@@ -203,6 +207,9 @@ class EngineArgs:
             max_model_len=self.max_model_len if self.max_model_len is not None else self.max_seq_len,
             seed=self.seed,
             served_model_name=self._served_name(),
+            task=self.task,
+            pooling_type=self.pooling_type or "last",
+            normalize=self.normalize,
         )
         cache = CacheConfig(
             block_size=self.block_size,

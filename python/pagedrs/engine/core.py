@@ -102,14 +102,28 @@ class CoreSeq:
 
 
 class _CoreRequest:
-    __slots__ = ("request_id", "seqs", "prompt_logprobs", "unscheduled", "live")
+    __slots__ = (
+        "request_id",
+        "seqs",
+        "prompt_logprobs",
+        "unscheduled",
+        "live",
+        "pooling",
+        "pool_acc",
+        "pool_n",
+    )
 
-    def __init__(self, request_id: str, seqs: list[CoreSeq], prompt_logprobs: int | None) -> None:
+    def __init__(
+        self, request_id: str, seqs: list[CoreSeq], prompt_logprobs: int | None, pooling: Any = None
+    ) -> None:
         self.request_id = request_id
         self.seqs = seqs
         self.prompt_logprobs = prompt_logprobs  # top-k wanted, until the prompt is done
         self.unscheduled = True
         self.live = {s.seq_id for s in seqs}
+        self.pooling = pooling  # PoolingParams of an embedding request
+        self.pool_acc: torch.Tensor | None = None  # mean: sum of positions [0, pool_n); first: position 0
+        self.pool_n = 0
 
 
 class EngineCore:
@@ -132,6 +146,8 @@ class EngineCore:
         self.max_logprobs = max_logprobs
         self.vocab_size = int(getattr(loaded.hf_config, "vocab_size", 0) or 0)
         self.device = config.device.device
+        head = getattr(loaded.model, "lm_head", None)
+        self.embedding_size = int(getattr(head, "embedding_dim", 0) or 0)  # the pooled hidden state's width
         self.eos_token_ids = eos_token_ids(loaded.tokenizer, loaded.hf_config, str(loaded.model_path))
         tp = workers.tp if workers is not None else None
         self.runner = ModelRunner(config, loaded.model, eos_token_ids=self.eos_token_ids, tp=tp)
@@ -169,6 +185,7 @@ class EngineCore:
                 par.liquid_scale_in_threshold,
             )
         self._requests: dict[str, _CoreRequest] = {}
+        self._num_pooling = 0  # embedding requests in flight
         self._seqs: dict[int, CoreSeq] = {}
         self._seq_counter = itertools.count()
         self._pending: list[EngineCoreOutput] = []  # error outputs not yet sent (failed steps, rejects)
@@ -255,6 +272,8 @@ class EngineCore:
             num_blocks=int(self.scheduler.num_blocks),
             block_size=int(self.scheduler.block_size),
             pid=os.getpid(),
+            embedding_size=self.embedding_size,
+            task=self.config.model.task,
         )
 
     # ---- requests ----------------------------------------------------------------------------------
@@ -278,11 +297,17 @@ class EngineCore:
             stop_token_ids=params.stop_token_ids or (),
             ignore_eos=params.ignore_eos,
             priority=req.priority,
-            skip_prefix_cache=params.prompt_logprobs is not None,
+            # Mean and first-token pooling need every position's hidden state: no cached prefix.
+            skip_prefix_cache=params.prompt_logprobs is not None
+            or (req.pooling is not None and req.pooling.pooling_type != "last"),
         )  # raises InvalidRequestError (a ValueError) before any state changes here
         for s in seqs:
             self._seqs[s.seq_id] = s
-        self._requests[req.request_id] = _CoreRequest(req.request_id, seqs, params.prompt_logprobs)
+        self._requests[req.request_id] = _CoreRequest(
+            req.request_id, seqs, params.prompt_logprobs, req.pooling
+        )
+        if req.pooling is not None:
+            self._num_pooling += 1
 
     def reject(self, request_id: str, error: str) -> None:
         """Report a request the core could not take (sent with the next step message)."""
@@ -291,7 +316,7 @@ class EngineCore:
     def abort(self, request_ids: Iterable[str], seqs: Sequence[tuple[str, int]] = ()) -> None:
         """Free whole requests, or single samples (request id, index); unknown ids are ignored."""
         for rid in request_ids:
-            req = self._requests.pop(rid, None)
+            req = self._drop(rid)
             if req is not None:
                 self.scheduler.abort(sorted(req.live))
                 for s in req.seqs:
@@ -309,7 +334,13 @@ class EngineCore:
         req.live.discard(seq_id)
         self._seqs.pop(seq_id, None)
         if not req.live:
-            self._requests.pop(req.request_id, None)
+            self._drop(req.request_id)
+
+    def _drop(self, request_id: str) -> _CoreRequest | None:
+        req = self._requests.pop(request_id, None)
+        if req is not None and req.pooling is not None:
+            self._num_pooling -= 1
+        return req
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -346,6 +377,7 @@ class EngineCore:
         except Exception as exc:
             self._fail_plan(plan, exc)
             raise
+        pooled = self._pool(plan) if self._num_pooling else {}
         finished = self.scheduler.update(plan, out.sampled_token_ids)
         self._prompt_tokens_total += int(plan.num_prefill_tokens)
         self._generation_tokens_total += len(rows)
@@ -360,8 +392,11 @@ class EngineCore:
         lp_ids = lp_vals = lp_ranks = None
         for i, seq in enumerate(rows):
             tok = tokens[i]
-            seq.output_token_ids.append(tok)
             o = self._output_for(by_seq, outputs, seq.seq_id)
+            if seq.seq_id in pooled:  # an embedding request's last prompt step: its vector, no token
+                o.embedding = pooled[seq.seq_id]
+                continue
+            seq.output_token_ids.append(tok)
             o.new_token_ids = [tok]
             if seq.num_logprobs is not None and lp is not None:
                 if lp_ids is None:
@@ -433,6 +468,50 @@ class EngineCore:
             if k is not None:
                 wanted[sid] = (k, seq.prompt_token_ids)
         return wanted or None
+
+    def _pool(self, plan: _core.StepPlan) -> dict[int, list[float]]:
+        """Embedding requests in this plan: accumulate what their pooling needs from this step's hidden
+        states; the finished vector of each whose prompt ends in this step (seq id -> vector)."""
+        hidden = self.runner.last_hidden
+        done: dict[int, list[float]] = {}
+        if hidden is None:
+            return done
+        qsl = plan.query_start_loc.tolist()
+        computed = plan.num_computed_tokens.tolist()
+        sched = plan.num_scheduled_tokens.tolist()
+        prompt = plan.num_prompt_tokens.tolist()
+        for b, sid in enumerate(plan.req_ids.tolist()):
+            seq = self._seqs.get(sid)
+            req = self._requests.get(seq.request_id) if seq is not None else None
+            if req is None or req.pooling is None:
+                continue
+            c, n, p, start = computed[b], sched[b], prompt[b], qsl[b]
+            kind = req.pooling.pooling_type
+            if kind == "mean":
+                lo, hi = max(req.pool_n, c), c + n  # positions recomputed after a preemption count once
+                if hi > lo:
+                    part = hidden[start + lo - c : start + hi - c].float().sum(dim=0)
+                    req.pool_acc = part if req.pool_acc is None else req.pool_acc + part
+                    req.pool_n = hi
+            elif kind in ("cls", "first") and c == 0:
+                req.pool_acc = hidden[start].float()
+            if c + n < p:
+                continue
+            if kind == "last":
+                vec = hidden[start + n - 1].float()
+            elif kind == "mean":
+                assert req.pool_acc is not None
+                vec = req.pool_acc / p
+            else:
+                assert req.pool_acc is not None
+                vec = req.pool_acc
+            vec = vec.cpu()
+            if req.pooling.dimensions is not None:
+                vec = vec[: req.pooling.dimensions]
+            if req.pooling.normalize:
+                vec = torch.nn.functional.normalize(vec, dim=0)
+            done[sid] = vec.tolist()
+        return done
 
     def _fail_plan(self, plan: _core.StepPlan, exc: BaseException) -> None:
         """Abort the requests a failed step held and close its plan (aborted rows are skipped by update)."""

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from pagedrs.engine.messages import EngineCoreRequest
+from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import SamplingParams
 
 __all__ = ["InputError", "InputProcessor", "PromptType"]
@@ -35,6 +36,9 @@ class InputProcessor:
         vocab_size: int,
         max_logprobs: int,
         strict: bool = False,
+        embedding_size: int = 0,
+        task: str = "auto",
+        pooling_defaults: tuple[str, bool] = ("last", True),
     ) -> None:
         """`strict` (the server, as OpenAI does): reject prompt + max_tokens > max_model_len and stop token
         ids or logit_bias keys outside the vocabulary. Otherwise (offline, as vLLM) such a request stops at
@@ -44,6 +48,9 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size or (len(tokenizer) if tokenizer is not None else 0)
         self.max_logprobs = max_logprobs
+        self.embedding_size = embedding_size
+        self.task = task
+        self.pooling_defaults = pooling_defaults
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, checked token ids)."""
@@ -123,8 +130,21 @@ class InputProcessor:
         client_index: int = 0,
     ) -> tuple[str | None, EngineCoreRequest]:
         """(prompt text, the request for the core); InputError on bad input."""
+        if isinstance(params, PoolingParams):
+            return self.process_pooling(
+                request_id,
+                prompt,
+                params,
+                arrival_time=arrival_time,
+                priority=priority,
+                client_index=client_index,
+            )
         if not isinstance(params, SamplingParams):
             raise InputError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if self.task == "embed":
+            raise InputError(
+                "this model is served for embeddings (--task embed): it does not generate", "model"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(params, name)
             if v is not None and v > self.max_logprobs:
@@ -147,4 +167,47 @@ class InputProcessor:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             priority=int(priority),
             client_index=client_index,
+        )
+
+    def process_pooling(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        pooling: PoolingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        client_index: int = 0,
+    ) -> tuple[str | None, EngineCoreRequest]:
+        """An embedding request: the prompt's pooled hidden states, no tokens generated (the core runs
+        it as a prefill that finishes with its last prompt chunk)."""
+        if self.task == "generate":
+            raise InputError("this model is served for generation (--task generate): no embeddings", "model")
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise InputError("the input is empty (0 tokens)", "input")
+        if len(ids) >= self.max_model_len:
+            raise InputError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your input has "
+                f"{len(ids)} tokens (inputs must be shorter than max_model_len {self.max_model_len}).",
+                "input",
+                "context_length_exceeded",
+            )
+        dims = pooling.dimensions
+        if dims is not None and self.embedding_size and dims > self.embedding_size:
+            raise InputError(
+                f"dimensions ({dims}) is larger than the model's embedding size ({self.embedding_size})",
+                "dimensions",
+            )
+        resolved = pooling.resolved(*self.pooling_defaults)
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        return text, EngineCoreRequest(
+            request_id=str(request_id),
+            prompt_token_ids=ids,
+            params=params,
+            max_tokens=1,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=int(priority),
+            client_index=client_index,
+            pooling=resolved,
         )

@@ -17,6 +17,7 @@ from pagedrs.engine.messages import EngineCoreOutputs
 from pagedrs.engine.output_processor import OutputProcessor
 from pagedrs.metrics import EngineStats
 from pagedrs.outputs import RequestOutput
+from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import SamplingParams
 from pagedrs.worker.model_runner import ModelRunner
 
@@ -44,11 +45,15 @@ class LLMEngine:
         self.vocab_size = core.vocab_size
         self.device = core.device
         self.eos_token_ids = core.eos_token_ids
+        model_cfg = core.config.model
         self.input_processor = InputProcessor(
             self.tokenizer,
             max_model_len=core.max_model_len,
             vocab_size=core.vocab_size,
             max_logprobs=core.max_logprobs,
+            embedding_size=core.embedding_size,
+            task=model_cfg.task,
+            pooling_defaults=(model_cfg.pooling_type, model_cfg.normalize),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -103,7 +108,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
@@ -111,15 +116,23 @@ class LLMEngine:
         request_id = str(request_id)
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if request_id in self.output_processor.pooling:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         text, req = self.input_processor.process(
             request_id, prompt, params, arrival_time=arrival_time, priority=priority
         )
         # Frontend state first: a failure building it leaves the core untouched; a core rejection undoes it.
-        self.output_processor.add_request(request_id, text, req.prompt_token_ids, params, req.arrival_time)
+        if req.pooling is not None:
+            self.output_processor.add_pooling_request(request_id, text, req.prompt_token_ids)
+        else:
+            self.output_processor.add_request(
+                request_id, text, req.prompt_token_ids, params, req.arrival_time
+            )
         try:
             self.engine_core.add_request(req)
         except BaseException:
-            del self.output_processor.requests[request_id]
+            self.output_processor.requests.pop(request_id, None)
+            self.output_processor.pooling.pop(request_id, None)
             raise
 
     def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:

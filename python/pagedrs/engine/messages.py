@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from pagedrs.metrics import EngineStats
+from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import SamplingParams
 
 __all__ = [
@@ -54,6 +55,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True):
     arrival_time: float
     priority: int = 0
     client_index: int = 0
+    pooling: PoolingParams | None = None  # an embedding request: pool the prompt's hidden states
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -112,6 +114,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int | None = None  # set on the step the request was first scheduled
     first_scheduled_time: float | None = None
     error: str | None = None  # the core rejected or failed this request (finish_reason is ABORT)
+    embedding: list[float] | None = None  # an embedding request's pooled vector, on its last prompt step
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
@@ -139,6 +142,8 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     num_blocks: int
     block_size: int
     pid: int
+    embedding_size: int = 0  # width of the final hidden state (the largest `dimensions` allowed)
+    task: str = "auto"  # auto | generate | embed
 
 
 class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from pagedrs.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from pagedrs.engine.sequence import Request, Sequence, check_stop_strings, make_logprob_dict
-from pagedrs.outputs import RequestOutput
+from pagedrs.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagedrs.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["OutputProcessor", "ProcessedOutputs", "RequestObserver"]
@@ -30,7 +30,7 @@ class RequestObserver(Protocol):
 
 @dataclass
 class ProcessedOutputs:
-    outputs: list[RequestOutput] = field(default_factory=list)
+    outputs: list[RequestOutput | EmbeddingRequestOutput] = field(default_factory=list)
     abort_seqs: list[tuple[str, int]] = field(default_factory=list)  # stop strings hit: tell the core
     errors: dict[str, str] = field(default_factory=dict)  # request id -> why the core dropped it
 
@@ -40,6 +40,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.observer = observer
         self.requests: dict[str, Request] = {}
+        self.pooling: dict[str, tuple[str | None, list[int]]] = {}  # embedding requests: (prompt, ids)
 
     def add_request(
         self,
@@ -53,14 +54,18 @@ class OutputProcessor:
         self.requests[request_id] = req
         return req
 
+    def add_pooling_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> None:
+        self.pooling[request_id] = (prompt, prompt_token_ids)
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self.pooling)
 
     def abort_requests(self, request_ids: Iterable[str], reason: str = "abort") -> list[RequestOutput]:
         """Finish requests here (the caller tells the core); their final outputs."""
-        outs = []
+        outs: list[RequestOutput] = []
         now = time.time()
         for rid in request_ids:
+            self.pooling.pop(rid, None)
             req = self.requests.pop(rid, None)
             if req is None:
                 continue
@@ -79,6 +84,9 @@ class OutputProcessor:
         now = time.time()
         touched: dict[str, tuple[Request, list[Sequence]]] = {}
         for o in msg.outputs:
+            if o.request_id in self.pooling:
+                self._pooling_output(o, result)
+                continue
             req = self.requests.get(o.request_id)
             if req is None:  # aborted or finished here already
                 continue
@@ -112,6 +120,18 @@ class OutputProcessor:
                 continue
             result.outputs.append(req.to_output(changed))
         return result
+
+    def _pooling_output(self, o: EngineCoreOutput, result: ProcessedOutputs) -> None:
+        if o.error is not None:
+            result.errors[o.request_id] = o.error
+            del self.pooling[o.request_id]
+        elif o.embedding is not None:
+            prompt, ids = self.pooling.pop(o.request_id)
+            result.outputs.append(
+                EmbeddingRequestOutput(o.request_id, ids, EmbeddingOutput(o.embedding), True, prompt)
+            )
+        elif o.finish_reason is not None:  # finished without a vector: aborted in the core
+            del self.pooling[o.request_id]
 
     def _update_seq(self, seq: Sequence, o: EngineCoreOutput, result: ProcessedOutputs) -> bool:
         """Apply one core output to a sequence; True when it finished."""

@@ -158,6 +158,7 @@ class ModelRunner:
         # The scheduler's persistent block table (read-only numpy view) and, off the CPU, its device
         # mirror. INVARIANT: after each plan's changed rows are copied, the mirror equals the view.
         self._bt_view: np.ndarray | None = None
+        self.last_hidden: Tensor | None = None
         self._bt_device: Tensor | None = None
 
     def attach_block_table(self, view: np.ndarray, *, mirror: bool | None = None) -> None:
@@ -341,6 +342,7 @@ class ModelRunner:
         pool.apply_plan_ops(plan)
         self._sync_block_table(plan)
         logits: Tensor | None = None
+        self.last_hidden = None
         if plan.num_tokens > 0:
             dev = self.device
             meta = self._attn_metadata(plan)
@@ -352,6 +354,7 @@ class ModelRunner:
                 hidden = self.cuda_graphs.run(input_ids, positions, meta, pool.kv_caches)
             if hidden is None:
                 hidden = self.model(input_ids, positions, ctx)
+            self.last_hidden = hidden  # the final hidden states, for embedding requests (rank 0 reads)
             idx = plan.logits_indices
             if extra_logits_indices is not None and len(extra_logits_indices):
                 idx = np.concatenate([idx, extra_logits_indices])
