@@ -45,7 +45,8 @@ from pagedrs.engine.messages import (
 )
 from pagedrs.engine.output_processor import OutputProcessor, RequestObserver
 from pagedrs.metrics import EngineStats
-from pagedrs.outputs import RequestOutput
+from pagedrs.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
@@ -191,7 +192,10 @@ class AsyncLLMEngine:
             vocab_size=self.vocab_size,
             max_logprobs=ready.max_logprobs,
             strict=True,
+            embedding_size=ready.embedding_size,
+            task=ready.task,
         )
+        self.embedding_size = ready.embedding_size
         self.output_processor = OutputProcessor(tokenizer, observer)
         self._streams: dict[str, RequestStream] = {}
         self._num_inflight = 0
@@ -332,7 +336,7 @@ class AsyncLLMEngine:
 
     # --------------------------------------------------------------- requests
     async def add_request(
-        self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0
+        self, request_id: str, prompt: Any, params: SamplingParams | PoolingParams, *, priority: int = 0
     ) -> RequestStream:
         """Submits a request; raises InputError (a ValueError) for invalid input, EngineDeadError while the
         core is down, EngineDrainingError while shutting down."""
@@ -346,12 +350,30 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, req = self.input_processor.process(request_id, prompt, params, priority=priority)
-        self.output_processor.add_request(request_id, text, req.prompt_token_ids, params, req.arrival_time)
-        stream = RequestStream(request_id, self, params.output_kind)
+        if isinstance(params, PoolingParams):
+            self.output_processor.add_pooling_request(request_id, text, req.prompt_token_ids)
+            kind = RequestOutputKind.FINAL_ONLY
+        else:
+            self.output_processor.add_request(
+                request_id, text, req.prompt_token_ids, params, req.arrival_time
+            )
+            kind = params.output_kind
+        stream = RequestStream(request_id, self, kind)
         self._streams[request_id] = stream
         self._num_inflight += 1
         self._send(req)
         return stream
+
+    async def encode(self, request_id: str, prompt: Any, params: PoolingParams) -> EmbeddingRequestOutput:
+        """The embedding of one prompt (an embedding request: no tokens are generated)."""
+        stream = await self.add_request(request_id, prompt, params)
+        try:
+            async for out in stream:
+                if out.finished:
+                    return out  # type: ignore[return-value]
+            raise RequestAbortedError(f"request {request_id} was aborted")
+        finally:
+            self.release(stream)
 
     def release(self, stream: RequestStream) -> None:
         """Called once by the consumer when it is done with a stream (aborts if unfinished)."""

@@ -282,6 +282,9 @@ class EngineCore:
         if req.request_id in self._requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         params = req.params
+        if req.pooling is not None:  # the engine's default pooling fills what the request left unset
+            model_cfg = self.config.model
+            req.pooling = req.pooling.resolved(model_cfg.pooling_type, model_cfg.normalize)
         seq_ids = [next(self._seq_counter) for _ in range(params.n)]
         prompt = req.prompt_token_ids
         seqs = [

@@ -38,7 +38,6 @@ class InputProcessor:
         strict: bool = False,
         embedding_size: int = 0,
         task: str = "auto",
-        pooling_defaults: tuple[str, bool] = ("last", True),
     ) -> None:
         """`strict` (the server, as OpenAI does): reject prompt + max_tokens > max_model_len and stop token
         ids or logit_bias keys outside the vocabulary. Otherwise (offline, as vLLM) such a request stops at
@@ -50,7 +49,6 @@ class InputProcessor:
         self.max_logprobs = max_logprobs
         self.embedding_size = embedding_size
         self.task = task
-        self.pooling_defaults = pooling_defaults
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, checked token ids)."""
@@ -199,7 +197,6 @@ class InputProcessor:
                 f"dimensions ({dims}) is larger than the model's embedding size ({self.embedding_size})",
                 "dimensions",
             )
-        resolved = pooling.resolved(*self.pooling_defaults)
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         return text, EngineCoreRequest(
             request_id=str(request_id),
@@ -209,5 +206,5 @@ class InputProcessor:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             priority=int(priority),
             client_index=client_index,
-            pooling=resolved,
+            pooling=pooling,  # unset fields take the engine's defaults in the core
         )

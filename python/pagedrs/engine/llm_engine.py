@@ -53,7 +53,6 @@ class LLMEngine:
             max_logprobs=core.max_logprobs,
             embedding_size=core.embedding_size,
             task=model_cfg.task,
-            pooling_defaults=(model_cfg.pooling_type, model_cfg.normalize),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 

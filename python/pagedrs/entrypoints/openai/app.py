@@ -33,11 +33,13 @@ from pagedrs.entrypoints.openai.middleware import ServerMiddleware
 from pagedrs.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     parse_body,
 )
 from pagedrs.entrypoints.openai.serving_base import ClientDisconnected
 from pagedrs.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedrs.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from pagedrs.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 
 logger = logging.getLogger("pagedrs.server")
 
@@ -108,10 +110,15 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
     engine.set_observer(metrics)
     completions = OpenAIServingCompletion(engine, served_model_names)
     chat = OpenAIServingChat(engine, served_model_names, tokenizer=completions.tokenizer)
+    embeddings = OpenAIServingEmbedding(engine, served_model_names, tokenizer=completions.tokenizer)
     data_dir = _arg(args, "data_dir", None) or tempfile.mkdtemp(prefix="pagedrs-data-")
     store = BatchStore(data_dir)
     runner = BatchRunner(
-        store, completions, chat, max_concurrency=int(_arg(args, "max_batch_concurrency", 64))
+        store,
+        completions,
+        chat,
+        max_concurrency=int(_arg(args, "max_batch_concurrency", 64)),
+        embeddings=embeddings,
     )
     engine.add_restart_listener(runner.notify)  # unanswered batch lines run again on the new core
     state = ServerState(engine, metrics, store, runner, float(_arg(args, "shutdown_grace", 30.0)))
@@ -221,6 +228,10 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
         return await respond(request, ChatCompletionRequest, chat)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: Request) -> Response:
+        return await respond(request, EmbeddingRequest, embeddings)
 
     liquid_lock = asyncio.Lock()
     admin_key = _arg(args, "api_key", None) or None

@@ -15,19 +15,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedrs.entrypoints.openai.batch_store import BatchStore
-from pagedrs.entrypoints.openai.errors import APIError
+from pagedrs.entrypoints.openai.errors import APIError, bad_request
 from pagedrs.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     parse_request,
 )
 from pagedrs.entrypoints.openai.serving_base import ENGINE_CORE_DIED, to_api_error
 from pagedrs.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedrs.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from pagedrs.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 
 logger = logging.getLogger("pagedrs.batch")
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 
 
 @dataclass
@@ -111,10 +113,12 @@ class BatchRunner:
         chat: OpenAIServingChat,
         *,
         max_concurrency: int = 64,
+        embeddings: OpenAIServingEmbedding | None = None,
     ) -> None:
         self.store = store
         self.completions = completions
         self.chat = chat
+        self.embeddings = embeddings
         self.max_concurrency = max(1, max_concurrency)
         self._wake: asyncio.Event | None = None
         self._cancels: dict[str, asyncio.Event] = {}
@@ -265,6 +269,12 @@ class BatchRunner:
                 creq = parse_request(CompletionRequest, body)
                 creq.check()
                 resp = await self.completions.create(creq)
+            elif endpoint == "/v1/embeddings":
+                if self.embeddings is None:
+                    raise bad_request("this server has no embeddings endpoint", param="url")
+                ereq = parse_request(EmbeddingRequest, body)
+                ereq.check()
+                resp = await self.embeddings.create(ereq)
             else:
                 chreq = parse_request(ChatCompletionRequest, body)
                 chreq.check()

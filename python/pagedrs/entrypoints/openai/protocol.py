@@ -109,6 +109,40 @@ class CompletionRequest(SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
+class EmbeddingRequest(OpenAIModel):
+    """OpenAI's /v1/embeddings body (and vLLM's extras: pooling_type, normalize)."""
+
+    model: str | None = None
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, le=2**31 - 1)
+    user: str | None = None
+    pooling_type: Literal["last", "mean", "cls", "first"] | None = None
+    normalize: bool | None = None
+
+    def check(self) -> None:
+        inputs = self.inputs()
+        if not inputs:
+            raise bad_request("input must not be empty", param="input")
+        if len(inputs) > 2048:
+            raise bad_request(f"at most 2048 inputs per request, got {len(inputs)}", param="input")
+        for i, x in enumerate(inputs):
+            if len(x) == 0:
+                raise bad_request(
+                    "input must not be empty", param="input" if len(inputs) == 1 else f"input[{i}]"
+                )
+
+    def inputs(self) -> list[str | list[int]]:
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if not x:
+            return []
+        if all(isinstance(t, int) for t in x):
+            return [list(x)]  # type: ignore[arg-type]
+        return list(x)  # type: ignore[arg-type]
+
+
 class TextPart(OpenAIModel):
     type: Literal["text"]
     text: str
@@ -163,7 +197,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class BatchCreateRequest(OpenAIModel):
     input_file_id: str = Field(..., min_length=1, max_length=256)
-    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
     completion_window: Literal["24h"] = "24h"
     metadata: dict[str, str] | None = None
 
@@ -207,6 +241,7 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "EmbeddingRequest",
     "StreamOptions",
     "parse_body",
     "parse_json_object",
