@@ -117,6 +117,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ranks for pagedrs; > 1 also runs one rank on the same requests for the ratio",
     )
     p.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None)
+    p.add_argument(
+        "--task",
+        choices=["generate", "embed"],
+        default="generate",
+        help="embed: prompts/s of embeddings (last-token pooling) vs HF AutoModel batched forward",
+    )
     p.add_argument("--hf-cb", action="store_true", help="transformers continuous batching (untested)")
     p.add_argument("--json", default=None, metavar="PATH")
     return p.parse_args(argv)
@@ -291,6 +297,45 @@ def run_hf_cb(hf: Any, reqs: list[tuple[list[int], int]]) -> dict[str, float]:
     return {"tokens": total, "seconds": elapsed, "tok_s": total / elapsed}
 
 
+def run_embed_pagedrs(engine: LLMEngine, reqs: list[tuple[list[int], int]]) -> dict[str, float]:
+    from pagedrs import PoolingParams
+
+    for i, (ids, _) in enumerate(reqs):
+        engine.add_request(f"e{i}", {"prompt_token_ids": ids}, PoolingParams())
+    done, t0 = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        done += len(engine.step())
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    return {"prompts": done, "seconds": elapsed, "prompts_s": done / elapsed}
+
+
+def run_embed_hf(
+    hf: Any, reqs: list[tuple[list[int], int]], pad_id: int, batch_size: int
+) -> dict[str, float]:
+    """HF's base model (AutoModel's layers) on right-padded batches, the last real token pooled."""
+    base = hf.base_model
+    dev = next(hf.parameters()).device
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for start in range(0, len(reqs), batch_size):
+            chunk = [r[0] for r in reqs[start : start + batch_size]]
+            width = max(len(x) for x in chunk)
+            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, x in enumerate(chunk):
+                ids[i, : len(x)] = torch.tensor(x)
+                mask[i, : len(x)] = 1
+            h = base(input_ids=ids.to(dev), attention_mask=mask.to(dev)).last_hidden_state
+            last = mask.sum(1).to(dev) - 1
+            torch.nn.functional.normalize(h[torch.arange(len(chunk), device=dev), last].float(), dim=-1)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    return {"prompts": len(reqs), "seconds": elapsed, "prompts_s": len(reqs) / elapsed}
+
+
 def line(a: float, b: float, what: str) -> str:
     return (
         f"output throughput: {a:.1f} tok/s (pagedrs) vs {b:.1f} tok/s (transformers {what}) = {a / b:.2f} x"
@@ -317,6 +362,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"model={engine.model_name} device={args.device} dtype={dtype_name} threads={torch.get_num_threads()} "
         f"requests={len(reqs)} input tokens={n_in} output tokens={n_out} max_model_len={max_len}"
     )
+    if args.task == "embed":
+        return embed_main(args, engine, hf, reqs, pad_id, dtype_name)
     run_pagedrs(engine, [(reqs[0][0][:16][::-1], 4)])  # warm-up (one-time kernel and allocator setup)
     hf_generate(hf, [reqs[0][0][:16]], 4, pad_id)
     result: dict[str, Any] = {
@@ -389,6 +436,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out["git"] = git_info()
         out["machine"] = machine_info()
         Path(args.json).write_text(json.dumps(out, indent=2))
+    return result
+
+
+def embed_main(
+    args: argparse.Namespace,
+    engine: LLMEngine,
+    hf: Any,
+    reqs: list[tuple[list[int], int]],
+    pad_id: int,
+    dtype: str,
+) -> dict[str, Any]:
+    run_embed_pagedrs(engine, reqs[:2])  # warm-up
+    pg = run_embed_pagedrs(engine, reqs)
+    bs = args.hf_batch_size or len(reqs)
+    run_embed_hf(hf, reqs[:2], pad_id, bs)
+    st = run_embed_hf(hf, reqs, pad_id, bs)
+    ratio = pg["prompts_s"] / st["prompts_s"]
+    print(
+        f"embedding throughput: {pg['prompts_s']:.1f} prompts/s (pagedrs) vs {st['prompts_s']:.1f} prompts/s "
+        f"(transformers AutoModel, batches of {bs}) = {ratio:.2f} x"
+    )
+    result: dict[str, Any] = {
+        "task": "embed",
+        "model": engine.model_name,
+        "device": args.device,
+        "dtype": dtype,
+        "threads": torch.get_num_threads(),
+        "num_prompts": len(reqs),
+        "input_tokens": sum(len(r[0]) for r in reqs),
+        "pagedrs_prompts_s": pg["prompts_s"],
+        "hf_prompts_s": st["prompts_s"],
+        "hf_batch_size": bs,
+        "speedup_vs_hf": ratio,
+    }
+    if args.json:
+        from serving import git_info, machine_info
+
+        result["command"] = "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
+        result["git"] = git_info()
+        result["machine"] = machine_info()
+        Path(args.json).write_text(json.dumps(result, indent=2))
     return result
 
 

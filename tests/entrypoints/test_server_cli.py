@@ -81,3 +81,11 @@ def test_liquid_flags() -> None:
     ea = make_engine_args(args)
     assert ea.liquid_gpu_range == [0, 1, 2, 3] and ea.liquid_total_num_shards == 4 and ea.liquid_auto
     assert ea.parallel_config().liquid_gpu_range == (0, 1, 2, 3)
+
+
+def test_embedding_flags() -> None:
+    ea = make_engine_args(
+        make_parser().parse_args(["serve", "--task", "embed", "--pooling-type", "mean", "--no-normalize"])
+    )
+    assert ea.task == "embed" and ea.pooling_type == "mean" and ea.normalize is False
+    assert make_engine_args(make_parser().parse_args(["serve"])).normalize is True

@@ -37,6 +37,8 @@ _ENGINE_FLAGS: list[tuple[str, str, Any, Any, str]] = [
     ("--kv-cache-dtype", "kv_cache_dtype", str, None, "auto (the model's dtype)"),
     ("--rope-scaling", "rope_scaling", json.loads, None, "JSON dict overriding the config's rope scaling"),
     ("--rope-theta", "rope_theta", float, None, "override the config's rope theta"),
+    ("--task", "task", str, None, "auto (generation and embeddings), generate or embed"),
+    ("--pooling-type", "pooling_type", str, None, "default embedding pooling: last, mean, cls or first"),
 ]
 
 # vLLM's boolean switches: (flag, EngineArgs field, help)
@@ -90,6 +92,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="split long prompts",
     )
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument(
+        "--normalize",
+        dest="normalize",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="L2-normalize embeddings by default (--no-normalize: raw pooled states)",
+    )
     for flag, dest, help_text in _ENGINE_SWITCHES:
         g.add_argument(flag, dest=dest, action="store_true", default=None, help=help_text)
     g.add_argument(
@@ -198,6 +207,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs["enable_prefix_caching"] = args.enable_prefix_caching
     kwargs["enable_chunked_prefill"] = args.enable_chunked_prefill
     kwargs["enforce_eager"] = args.enforce_eager
+    if getattr(args, "normalize", None) is not None:
+        kwargs["normalize"] = args.normalize
     for _, dest, _ in _ENGINE_SWITCHES:
         if getattr(args, dest, None):
             kwargs[dest] = True
