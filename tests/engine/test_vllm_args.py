@@ -218,3 +218,13 @@ def test_seed_003_engine_cell(caplog: pytest.LogCaptureFixture) -> None:
     del engine.model_executor.driver_worker
     del engine
     gc.collect()
+
+
+def test_output_repr_as_seed_000_prints_it() -> None:
+    from pagedrs import CompletionOutput
+
+    out = CompletionOutput(0, "\n\nHi.", [13, 13, 2], None, None, "stop")
+    assert repr(out) == (
+        "CompletionOutput(index=0, text='\\n\\nHi.', token_ids=[13, 13, 2], cumulative_logprob=None, "
+        "logprobs=None, finish_reason=stop, stop_reason=None)"
+    )

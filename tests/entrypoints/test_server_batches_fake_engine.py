@@ -134,7 +134,7 @@ def test_chat_batch_and_bad_input(tmp_path: Path) -> None:
         with pytest.raises(openai.BadRequestError):
             client.batches.create(
                 input_file_id=fid,
-                endpoint="/v1/embeddings",  # type: ignore[arg-type]
+                endpoint="/v1/moderations",  # type: ignore[arg-type]
                 completion_window="24h",
             )
         b = client.batches.create(input_file_id=fid, endpoint="/v1/chat/completions", completion_window="24h")
