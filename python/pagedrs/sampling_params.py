@@ -7,6 +7,8 @@ import copy
 import enum
 from dataclasses import dataclass, field
 
+from pagedrs.structured_outputs import StructuredOutputsParams
+
 __all__ = ["RequestOutputKind", "SamplingParams", "SamplingType"]
 
 _SAMPLING_EPS = 1e-5
@@ -74,8 +76,22 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict | None = field(default=None, repr=False)
+    # A JSON schema, regex, choice or grammar the output must follow (vLLM's current name, and its older
+    # `guided_decoding`, which is folded into it).
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None and self.structured_outputs != self.guided_decoding:
+                raise _bad(
+                    "guided_decoding", self.guided_decoding, "and structured_outputs cannot both be set"
+                )
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise _bad("structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:

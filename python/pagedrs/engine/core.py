@@ -8,6 +8,7 @@ the same core runs in-process under `LLMEngine` and in its own process behind th
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -37,6 +38,7 @@ from pagedrs.executor.start import start_workers, stop_workers
 from pagedrs.executor.worker import cpu_threads_per_rank
 from pagedrs.metrics import EngineStats, StatLogger, visualize_batch
 from pagedrs.sampling_params import SamplingParams
+from pagedrs.structured_outputs import StructuredOutputManager
 from pagedrs.worker.model_runner import ModelRunner
 
 __all__ = ["CoreSeq", "EngineCore"]
@@ -76,6 +78,7 @@ class CoreSeq:
         "output_token_ids",
         "is_simple_greedy",
         "num_logprobs",
+        "matcher",
     )
 
     def __init__(
@@ -90,6 +93,7 @@ class CoreSeq:
             self.generator = torch.Generator(device=dev)
             self.generator.manual_seed(params.seed)
         self.prompt_token_ids = prompt
+        self.matcher: Any = None  # a grammar matcher (structured outputs)
         self.output_token_ids: list[int] = []  # for penalties
         self.num_logprobs = params.logprobs
         self.is_simple_greedy = (
@@ -186,6 +190,11 @@ class EngineCore:
             )
         self._requests: dict[str, _CoreRequest] = {}
         self._num_pooling = 0  # embedding requests in flight
+        self._tokenizer = loaded.tokenizer
+        self._structured: StructuredOutputManager | None = None
+        self._num_structured = 0  # requests with a grammar in the scheduler
+        # Structured-output requests whose grammar is still compiling: request id -> (request, future)
+        self._awaiting_grammar: dict[str, tuple[EngineCoreRequest, Any]] = {}
         self._seqs: dict[int, CoreSeq] = {}
         self._seq_counter = itertools.count()
         self._pending: list[EngineCoreOutput] = []  # error outputs not yet sent (failed steps, rejects)
@@ -278,9 +287,46 @@ class EngineCore:
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
-        """Queue a validated request; ValueError (state unchanged) if the scheduler rejects it."""
-        if req.request_id in self._requests:
+        """Queue a validated request; ValueError (state unchanged) if the scheduler rejects it. A request
+        with structured outputs waits (outside the scheduler) until its grammar is compiled."""
+        if req.request_id in self._requests or req.request_id in self._awaiting_grammar:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
+        so = req.params.structured_outputs
+        if so is not None:
+            fut = self._structured_manager().compile(so)
+            if not fut.done():
+                self._awaiting_grammar[req.request_id] = (req, fut)
+                return
+            self._add_compiled(req, fut)
+            return
+        self._add_now(req, None)
+
+    def _structured_manager(self) -> StructuredOutputManager:
+        if self._structured is None:
+            self._structured = StructuredOutputManager(self._tokenizer, self.vocab_size)
+        return self._structured
+
+    def _add_compiled(self, req: EngineCoreRequest, fut: Any) -> None:
+        try:
+            compiled = fut.result()
+        except Exception as exc:  # noqa: BLE001 - the constraint is the caller's
+            raise ValueError(f"structured outputs: cannot compile the constraint: {exc}") from None
+        self._add_now(req, compiled)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar finished compiling join the scheduler (errors are reported)."""
+        if not self._requests and self._awaiting_grammar:  # nothing else to run: wait a little for one
+            concurrent.futures.wait([f for _, f in self._awaiting_grammar.values()], timeout=0.05)
+        for rid, (req, fut) in list(self._awaiting_grammar.items()):
+            if not fut.done():
+                continue
+            del self._awaiting_grammar[rid]
+            try:
+                self._add_compiled(req, fut)
+            except ValueError as exc:
+                self.reject(rid, str(exc))
+
+    def _add_now(self, req: EngineCoreRequest, compiled: Any) -> None:
         params = req.params
         if req.pooling is not None:  # the engine's default pooling fills what the request left unset
             model_cfg = self.config.model
@@ -306,11 +352,15 @@ class EngineCore:
         )  # raises InvalidRequestError (a ValueError) before any state changes here
         for s in seqs:
             self._seqs[s.seq_id] = s
+            if compiled is not None:
+                s.matcher = StructuredOutputManager.matcher(compiled)
         self._requests[req.request_id] = _CoreRequest(
             req.request_id, seqs, params.prompt_logprobs, req.pooling
         )
         if req.pooling is not None:
             self._num_pooling += 1
+        if compiled is not None:
+            self._num_structured += 1
 
     def reject(self, request_id: str, error: str) -> None:
         """Report a request the core could not take (sent with the next step message)."""
@@ -340,19 +390,22 @@ class EngineCore:
             self._drop(req.request_id)
 
     def _drop(self, request_id: str) -> _CoreRequest | None:
+        self._awaiting_grammar.pop(request_id, None)
         req = self._requests.pop(request_id, None)
         if req is not None and req.pooling is not None:
             self._num_pooling -= 1
+        if req is not None and req.seqs[0].matcher is not None:
+            self._num_structured -= 1
         return req
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or bool(self._awaiting_grammar)
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
+        return request_id in self._requests or request_id in self._awaiting_grammar
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._requests)
+        return len(self._requests) + len(self._awaiting_grammar)
 
     def take_pending(self) -> list[EngineCoreOutput]:
         out, self._pending = self._pending, []
@@ -367,6 +420,8 @@ class EngineCore:
             raise RuntimeError("this engine was shut down")
         self.executor.check_health()  # a dead tensor-parallel group fails here, before anything is scheduled
         self.liquid_tick()
+        if self._awaiting_grammar:
+            self._admit_compiled()
         plan: _core.StepPlan = self.scheduler.schedule()
         self._num_steps += 1
         outputs: list[EngineCoreOutput] = self.take_pending()
@@ -375,8 +430,12 @@ class EngineCore:
         newly = self._mark_scheduled(plan, outputs)
         rows = [self._seqs[sid] for sid in plan.sampled_seq_ids.tolist()]
         wanted = self._prompt_logprobs_wanted(plan)
+        masks = None
+        if self._num_structured:  # requests without constraints pay nothing
+            assert self._structured is not None
+            masks = self._structured.bitmask([s.matcher for s in rows])
         try:
-            out = self.executor.execute(plan, rows, wanted)
+            out = self.executor.execute(plan, rows, wanted, masks)
         except Exception as exc:
             self._fail_plan(plan, exc)
             raise
@@ -400,6 +459,8 @@ class EngineCore:
                 o.embedding = pooled[seq.seq_id]
                 continue
             seq.output_token_ids.append(tok)
+            if seq.matcher is not None and not seq.matcher.accept_token(tok):
+                logger.warning("request %s: token %d does not follow its grammar", seq.request_id, tok)
             o.new_token_ids = [tok]
             if seq.num_logprobs is not None and lp is not None:
                 if lp_ids is None:

@@ -147,6 +147,15 @@ class InputProcessor:
             v = getattr(params, name)
             if v is not None and v > self.max_logprobs:
                 raise InputError(f"{name} ({v}) is larger than max_logprobs ({self.max_logprobs})", name)
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise InputError(
+                    "structured outputs need a tokenizer (skip_tokenizer_init is set)", "structured_outputs"
+                )
+            try:
+                params.structured_outputs.validate()
+            except ValueError as exc:
+                raise InputError(str(exc), "structured_outputs") from None
         if params.stop_token_ids and self.strict:
             self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         if params.logit_bias and self.strict:

@@ -17,6 +17,7 @@ import logging
 import time
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 from pagedrs.distributed.group import TPGroup
 from pagedrs.executor.step_packet import pack_step, shutdown_header
@@ -61,8 +62,9 @@ class UniProcExecutor:
         plan: PlanLike,
         rows: Sequence[SamplingRow],
         prompt_logprobs: dict[int, tuple[int, Sequence[int]]] | None = None,
+        token_bitmask: Any = None,
     ) -> RunnerOutput:
-        return self.runner.execute(plan, rows, prompt_logprobs)
+        return self.runner.execute(plan, rows, prompt_logprobs, token_bitmask)
 
     def check_health(self) -> None:
         """Raise ExecutorDeadError if a step can no longer run."""
@@ -106,6 +108,7 @@ class TPExecutor(UniProcExecutor):
         plan: PlanLike,
         rows: Sequence[SamplingRow],
         prompt_logprobs: dict[int, tuple[int, Sequence[int]]] | None = None,
+        token_bitmask: Any = None,
     ) -> RunnerOutput:
         self.check_health()
         runner = self.runner
@@ -120,7 +123,7 @@ class TPExecutor(UniProcExecutor):
         except Exception as exc:
             raise self._fail(exc) from exc
         # Sampling is rank 0's alone: an error here fails this step only.
-        return runner.sample(plan, rows, plp, logits)
+        return runner.sample(plan, rows, plp, logits, token_bitmask)
 
     def check_health(self) -> None:
         if self._dead is not None:

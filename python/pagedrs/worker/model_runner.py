@@ -287,19 +287,14 @@ class ModelRunner:
         plan: PlanLike,
         rows: Sequence[SamplingRow],
         prompt_logprobs: dict[int, tuple[int, Sequence[int]]] | None = None,
+        token_bitmask: Any = None,
     ) -> RunnerOutput:
         """Run one step plan. `rows[i]` is the sequence of logits row i; `prompt_logprobs` maps a seq id to
-        (top-k, prompt token ids) for the sequences whose prompt logprobs are wanted."""
-        return self.run(plan, rows, self.prompt_logprobs_plan(plan, prompt_logprobs))
-
-    @torch.inference_mode()
-    def run(
-        self, plan: PlanLike, rows: Sequence[SamplingRow], plp: PromptLogprobsPlan | None
-    ) -> RunnerOutput:
-        """The driver's step: `execute_model` (every rank runs it), then prompt logprobs and sampling."""
-        return self.sample(
-            plan, rows, plp, self.execute_model(plan, plp.indices if plp is not None else None)
-        )
+        (top-k, prompt token ids) for the sequences whose prompt logprobs are wanted; `token_bitmask`
+        (bitmask, row indices) limits those rows to the tokens a grammar allows."""
+        plp = self.prompt_logprobs_plan(plan, prompt_logprobs)
+        logits = self.execute_model(plan, plp.indices if plp is not None else None)
+        return self.sample(plan, rows, plp, logits, token_bitmask)
 
     @torch.inference_mode()
     def sample(
@@ -308,14 +303,23 @@ class ModelRunner:
         rows: Sequence[SamplingRow],
         plp: PromptLogprobsPlan | None,
         logits: Tensor | None,
+        token_bitmask: Any = None,
     ) -> RunnerOutput:
-        """Rank 0 only: prompt logprobs from the rows after the sampled ones, then the sampler."""
+        """Rank 0 only: prompt logprobs from the rows after the sampled ones, then the grammar masks
+        (structured outputs), then the sampler (logprobs are reported after masking, as vLLM does)."""
         out = RunnerOutput(np.zeros(0, dtype=np.int64), None, {})
         if logits is None:
             return out
         num_rows = len(plan.logits_indices)
         if plp is not None:
             out.prompt_logprobs = self._prompt_logprobs(logits[num_rows:], plp)
+        if num_rows and token_bitmask is not None:
+            import xgrammar as xgr
+
+            mask, indices = token_bitmask
+            xgr.apply_token_bitmask_inplace(
+                logits[:num_rows], mask.to(logits.device), vocab_size=logits.shape[-1], indices=indices
+            )
         if num_rows:
             sampling = SamplingMetadata.from_rows(
                 rows,
