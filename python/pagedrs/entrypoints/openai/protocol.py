@@ -28,6 +28,18 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: str = Field("response", max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
@@ -49,6 +61,12 @@ class SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=1024)
+    # Structured outputs: OpenAI's response_format, and vLLM's extra body fields.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -161,10 +179,6 @@ class ChatMessage(OpenAIModel):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(OpenAIModel):
-    type: str
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=4096)
     max_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
@@ -172,7 +186,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
 
     def check(self) -> None:
@@ -181,8 +194,6 @@ class ChatCompletionRequest(SamplingFields):
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         if self.tools:
             raise bad_request("tools are not supported", param="tools")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request("only response_format type 'text' is supported", param="response_format")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

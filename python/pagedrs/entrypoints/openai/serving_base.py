@@ -179,6 +179,9 @@ class OpenAIServing:
             bias = {int(k): float(v) for k, v in req.logit_bias.items()}
             self.check_token_ids(list(bias), "logit_bias")
             kwargs["logit_bias"] = bias
+        structured = structured_outputs(req)
+        if structured is not None:
+            kwargs["structured_outputs"] = structured
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as exc:
@@ -243,6 +246,42 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def structured_outputs(req: SamplingFields) -> Any:
+    """The request's constraint (response_format or one of vLLM's guided_* fields) as
+    StructuredOutputsParams, checked: 400 naming the field when invalid or when two are given."""
+    from pagedrs.structured_outputs import StructuredOutputsParams
+
+    given: list[tuple[str, dict[str, Any]]] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        given.append(("response_format", {"json_object": True}))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise bad_request("response_format json_schema needs json_schema.schema", param="response_format")
+        given.append(("response_format", {"json": rf.json_schema.schema_}))
+    for field_name, kind in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ):
+        value = getattr(req, field_name)
+        if value is not None:
+            given.append((field_name, {kind: value}))
+    if not given:
+        return None
+    if len(given) > 1:
+        names = ", ".join(n for n, _ in given)
+        raise bad_request(f"give one structured output constraint, got {names}", param=given[1][0])
+    param, spec = given[0]
+    try:
+        params = StructuredOutputsParams(**spec)
+        params.validate()
+    except ValueError as exc:
+        raise bad_request(str(exc), param=param) from None
+    return params
 
 
 def _param_in_message(message: str, kwargs: dict[str, Any]) -> str | None:
