@@ -110,6 +110,7 @@ class StructuredOutputManager:
         self._cache: dict[tuple[str, str], Future[Any]] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
 
     def _get_compiler(self) -> Any:
         import xgrammar as xgr
@@ -147,6 +148,12 @@ class StructuredOutputManager:
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(compiled)
+
+    def bitmask_async(self, rows: list[Any]) -> Future[tuple[Any, list[int]] | None] | None:
+        """`bitmask` in a helper thread (xgrammar releases the GIL), so it overlaps the forward."""
+        if not any(m is not None for m in rows):
+            return None
+        return self._mask_pool.submit(self.bitmask, rows)
 
     def bitmask(self, rows: list[Any]) -> tuple[Any, list[int]] | None:
         """The next-token bitmask of every row with a matcher (row i of `rows`: a matcher or None), and

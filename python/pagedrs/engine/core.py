@@ -433,7 +433,8 @@ class EngineCore:
         masks = None
         if self._num_structured:  # requests without constraints pay nothing
             assert self._structured is not None
-            masks = self._structured.bitmask([s.matcher for s in rows])
+            # Built on the host while the model runs; the sampler waits for it.
+            masks = self._structured.bitmask_async([s.matcher for s in rows])
         try:
             out = self.executor.execute(plan, rows, wanted, masks)
         except Exception as exc:

@@ -313,6 +313,8 @@ class ModelRunner:
         num_rows = len(plan.logits_indices)
         if plp is not None:
             out.prompt_logprobs = self._prompt_logprobs(logits[num_rows:], plp)
+        if hasattr(token_bitmask, "result"):  # built in a helper thread while the forward ran
+            token_bitmask = token_bitmask.result()
         if num_rows and token_bitmask is not None:
             import xgrammar as xgr
 
