@@ -208,10 +208,17 @@ class ObservabilityConfig:
     log_stats: bool = True
     stats_log_interval: float = 5.0  # seconds between two stats lines
     enable_log_batch_visualization: bool = False
+    batch_visualization_style: str = "bar"  # bar: one line per step; boxes: seed 003's token boxes
 
     def __post_init__(self) -> None:
         i = self.stats_log_interval
         _require(_is_number(i) and i > 0, "stats_log_interval", i, "must be > 0 (seconds)")
+        _require(
+            self.batch_visualization_style in ("bar", "boxes"),
+            "batch_visualization_style",
+            self.batch_visualization_style,
+            "must be bar or boxes",
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ import time
 import msgspec
 import numpy as np
 
-__all__ = ["EngineStats", "StatLogger", "format_stats_line", "visualize_batch"]
+__all__ = ["EngineStats", "StatLogger", "format_stats_line", "visualize_batch", "visualize_batch_boxes"]
 
 logger = logging.getLogger("pagedrs.engine")
 
@@ -137,3 +137,27 @@ def visualize_batch(plan: object, step: int, token_budget: int, width: int = 64)
     if preempted:
         legend += f"; preempted {preempted}"
     return f"step {step} |{body}| {total}/{token_budget} tok: {legend or 'idle'}"
+
+
+def _fit(text: str, width: int) -> str:
+    text = text.replace("\n", "\\n").replace("\t", "\\t")
+    return (text[: width - 2] + ".." if len(text) > width else text).ljust(width)
+
+
+def visualize_batch_boxes(columns: list[list[str]], num_slots: int, cell: int = 14) -> str:
+    """Seed 003's picture of a step: one column per batch slot ("Batch 1".."Batch N"), each running
+    request's tokens so far stacked in boxes, one box per token."""
+    width = cell + 2
+    lines = [
+        "".join(f" Batch {i + 1}".ljust(width) for i in range(num_slots)).rstrip(),
+        "─" * (width * num_slots),
+    ]
+    for r in range(max((len(c) for c in columns), default=0)):
+        cells = [c[r] if r < len(c) else None for c in columns]
+        blank = " " * width
+        lines.append("".join("┌" + "─" * cell + "┐" if t is not None else blank for t in cells).rstrip())
+        lines.append(
+            "".join("│ " + _fit(t, cell - 2) + " │" if t is not None else blank for t in cells).rstrip()
+        )
+        lines.append("".join("└" + "─" * cell + "┘" if t is not None else blank for t in cells).rstrip())
+    return "\n".join(lines)

@@ -228,3 +228,28 @@ def test_output_repr_as_seed_000_prints_it() -> None:
         "CompletionOutput(index=0, text='\\n\\nHi.', token_ids=[13, 13, 2], cumulative_logprob=None, "
         "logprobs=None, finish_reason=stop, stop_reason=None)"
     )
+
+
+def test_token_box_visualization(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """batch_visualization_style="boxes": seed 003's picture, one column per batch slot, each token of
+    each running request in a box."""
+    folder = make_tiny_llama(tmp_path)
+    llm = LLM(
+        str(folder),
+        enable_log_batch_visualization=True,
+        batch_visualization_style="boxes",
+        max_num_seqs=3,
+        **CPU,
+    )
+    with caplog.at_level(logging.INFO, logger="pagedrs"):
+        llm.generate(
+            ["ab", "xyz"], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False
+        )
+    pictures = [r.getMessage() for r in caplog.records if "Batch 1" in r.getMessage()]
+    assert pictures, caplog.text
+    first = pictures[0]
+    assert " Batch 1         Batch 2         Batch 3" in first
+    assert "│ a            ││ x            │" in first  # row 0: the first token of each request
+    assert "│ b            ││ y            │" in first
+    with pytest.raises(ValueError, match="batch_visualization_style"):
+        EngineArgs(batch_visualization_style="table").early_configs()

@@ -49,6 +49,7 @@ class EngineArgs:
     disable_log_stats: bool = False
     stats_log_interval: float = 5.0
     enable_log_batch_visualization: bool = False
+    batch_visualization_style: str = "bar"
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     # vLLM's names, accepted so that programs written for it run (each either works or is refused at
@@ -229,6 +230,7 @@ class EngineArgs:
             log_stats=not self.disable_log_stats,
             stats_log_interval=self.stats_log_interval,
             enable_log_batch_visualization=self.enable_log_batch_visualization,
+            batch_visualization_style=self.batch_visualization_style,
         )
         # The scheduler limits, checked here too (the model's length limit is applied once it is loaded).
         SchedulerConfig(

@@ -36,7 +36,7 @@ from pagedrs.executor.liquid_executor import LiquidExecutor
 from pagedrs.executor.liquid_policy import LiquidAutoPolicy
 from pagedrs.executor.start import start_workers, stop_workers
 from pagedrs.executor.worker import cpu_threads_per_rank
-from pagedrs.metrics import EngineStats, StatLogger, visualize_batch
+from pagedrs.metrics import EngineStats, StatLogger, visualize_batch, visualize_batch_boxes
 from pagedrs.sampling_params import SamplingParams
 from pagedrs.structured_outputs import StructuredOutputManager
 from pagedrs.worker.model_runner import ModelRunner
@@ -191,6 +191,7 @@ class EngineCore:
         self._requests: dict[str, _CoreRequest] = {}
         self._num_pooling = 0  # embedding requests in flight
         self._tokenizer = loaded.tokenizer
+        self._token_text: dict[int, str] = {}  # token id -> text, for the token-box picture
         self._structured: StructuredOutputManager | None = None
         self._num_structured = 0  # requests with a grammar in the scheduler
         # Structured-output requests whose grammar is still compiling: request id -> (request, future)
@@ -425,8 +426,14 @@ class EngineCore:
         plan: _core.StepPlan = self.scheduler.schedule()
         self._num_steps += 1
         outputs: list[EngineCoreOutput] = self.take_pending()
-        if self.config.observability.enable_log_batch_visualization:
-            logger.info(visualize_batch(plan, self._num_steps, self.config.scheduler.max_num_batched_tokens))
+        obs = self.config.observability
+        if obs.enable_log_batch_visualization:
+            if obs.batch_visualization_style == "boxes" and self._tokenizer is not None:
+                logger.info("step %d\n%s", self._num_steps, self._token_boxes(plan))
+            else:
+                logger.info(
+                    visualize_batch(plan, self._num_steps, self.config.scheduler.max_num_batched_tokens)
+                )
         newly = self._mark_scheduled(plan, outputs)
         rows = [self._seqs[sid] for sid in plan.sampled_seq_ids.tolist()]
         wanted = self._prompt_logprobs_wanted(plan)
@@ -533,6 +540,22 @@ class EngineCore:
             if k is not None:
                 wanted[sid] = (k, seq.prompt_token_ids)
         return wanted or None
+
+    def _token_boxes(self, plan: _core.StepPlan) -> str:
+        """Seed 003's picture: each request in this step, its tokens so far (prompt then output) as boxes."""
+        cache = self._token_text
+        columns: list[list[str]] = []
+        for sid in plan.req_ids.tolist():
+            seq = self._seqs.get(sid)
+            if seq is None:
+                continue
+            texts = []
+            for t in [*seq.prompt_token_ids, *seq.output_token_ids]:
+                if t not in cache:
+                    cache[t] = self._tokenizer.decode([t]).strip() or repr(self._tokenizer.decode([t]))[1:-1]
+                texts.append(cache[t])
+            columns.append(texts)
+        return visualize_batch_boxes(columns, self.config.scheduler.max_num_seqs if columns else 0)
 
     def _pool(self, plan: _core.StepPlan) -> dict[int, list[float]]:
         """Embedding requests in this plan: accumulate what their pooling needs from this step's hidden

@@ -39,6 +39,7 @@ _ENGINE_FLAGS: list[tuple[str, str, Any, Any, str]] = [
     ("--rope-theta", "rope_theta", float, None, "override the config's rope theta"),
     ("--task", "task", str, None, "auto (generation and embeddings), generate or embed"),
     ("--pooling-type", "pooling_type", str, None, "default embedding pooling: last, mean, cls or first"),
+    ("--batch-visualization-style", "batch_visualization_style", str, None, "bar (a line a step) or boxes"),
 ]
 
 # vLLM's boolean switches: (flag, EngineArgs field, help)
