@@ -20,6 +20,9 @@ class ResizeError(PagedrsError, ValueError):
 class UnknownRequestError(PagedrsError, KeyError):
     """No such seq id."""
 
+class SchedulerPoisonedError(PagedrsError):
+    """A panic inside an earlier call left the scheduler unusable: restart the engine."""
+
 def kernel_source(name: str) -> str: ...
 def kernel_names() -> list[str]: ...
 def paged_decode_attention(

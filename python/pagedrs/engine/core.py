@@ -31,7 +31,7 @@ from pagedrs.engine.messages import (
     Ready,
     SampleLogprobsMsg,
 )
-from pagedrs.executor import TPExecutor, UniProcExecutor
+from pagedrs.executor import ExecutorDeadError, TPExecutor, UniProcExecutor
 from pagedrs.executor.liquid_executor import LiquidExecutor
 from pagedrs.executor.liquid_policy import LiquidAutoPolicy
 from pagedrs.executor.start import start_workers, stop_workers
@@ -415,7 +415,19 @@ class EngineCore:
     # ---- the step ----------------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
         """schedule -> execute -> update. A step that raises aborts the requests it held (their error
-        outputs wait in `take_pending()`), closes its plan and re-raises; the core keeps serving."""
+        outputs wait in `take_pending()`), closes its plan and re-raises; the core keeps serving. A Rust
+        panic (or a scheduler poisoned by one) is different: the engine is dead (`ExecutorDeadError`),
+        never silently recovered."""
+        try:
+            return self._step()
+        except _core.SchedulerPoisonedError as exc:
+            raise ExecutorDeadError(f"engine dead: {exc}") from exc
+        except BaseException as exc:
+            if type(exc).__name__ == "PanicException":  # pyo3's: a Rust panic in the scheduler
+                raise ExecutorDeadError(f"engine dead: the scheduler panicked: {exc}") from exc
+            raise
+
+    def _step(self) -> EngineCoreOutputs:
         start = time.perf_counter()
         if self._shut_down:
             raise RuntimeError("this engine was shut down")

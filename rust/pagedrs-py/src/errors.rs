@@ -12,6 +12,7 @@ static INVALID_REQUEST: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static OUT_OF_BLOCKS: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static RESIZE_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static UNKNOWN_REQUEST: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static POISONED: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
 fn make_class<'py>(
     py: Python<'py>,
@@ -69,6 +70,15 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
             )?,
         ),
         (
+            &POISONED,
+            make_class(
+                py,
+                "SchedulerPoisonedError",
+                std::slice::from_ref(&b),
+                "A panic inside an earlier call left the scheduler unusable: restart the engine.",
+            )?,
+        ),
+        (
             &UNKNOWN_REQUEST,
             make_class(py, "UnknownRequestError", &[b, key], "No such seq id.")?,
         ),
@@ -114,4 +124,14 @@ pub fn to_py(e: Error) -> PyErr {
 /// An InvalidRequestError with a message (argument checks done in the binding).
 pub fn invalid(msg: String) -> PyErr {
     to_py(Error::InvalidRequest(msg))
+}
+
+/// A scheduler whose lock was poisoned by a panic in an earlier call: the engine must be restarted.
+pub fn poisoned() -> PyErr {
+    Python::attach(|py| {
+        PyErr::from_type(
+            class(py, &POISONED),
+            "the scheduler panicked in an earlier call and its state cannot be trusted; restart the engine",
+        )
+    })
 }

@@ -169,7 +169,7 @@ impl PyStepPlan {
             };
             self.sched
                 .get()
-                .detached(py, |s| s.padded_block_tables(step, rows, max_blocks))
+                .detached(py, |s| s.padded_block_tables(step, rows, max_blocks))?
                 .map_err(to_py)?
         };
         let a =

@@ -9,7 +9,7 @@ use pyo3::types::PyDict;
 
 use pagedrs_core::{Config, NewRequest, Scheduler};
 
-use crate::errors::{invalid, to_py};
+use crate::errors::{invalid, poisoned, to_py};
 use crate::plan::PyStepPlan;
 
 /// Continuous-batching scheduler over a paged KV-cache block pool. Thread-safe: calls from other
@@ -20,18 +20,19 @@ pub struct PyScheduler {
 }
 
 impl PyScheduler {
-    /// Runs `f` on the scheduler; waits for the lock without holding the GIL.
+    /// Runs `f` on the scheduler; waits for the lock without holding the GIL. A scheduler whose lock
+    /// was poisoned (a panic inside an earlier call) is never used again: SchedulerPoisonedError.
     pub(crate) fn with<R: Send>(
         &self,
         py: Python<'_>,
         f: impl FnOnce(&mut Scheduler) -> R + Send,
-    ) -> R {
+    ) -> PyResult<R> {
         match self.inner.try_lock() {
-            Ok(mut g) => f(&mut g),
-            Err(TryLockError::Poisoned(p)) => f(&mut p.into_inner()),
-            Err(TryLockError::WouldBlock) => {
-                py.detach(|| f(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner())))
-            }
+            Ok(mut g) => Ok(f(&mut g)),
+            Err(TryLockError::Poisoned(_)) => Err(poisoned()),
+            Err(TryLockError::WouldBlock) => py
+                .detach(|| self.inner.lock().map(|mut g| f(&mut g)).map_err(|_| ()))
+                .map_err(|()| poisoned()),
         }
     }
 
@@ -40,8 +41,9 @@ impl PyScheduler {
         &self,
         py: Python<'_>,
         f: impl FnOnce(&mut Scheduler) -> R + Send,
-    ) -> R {
-        py.detach(|| f(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner())))
+    ) -> PyResult<R> {
+        py.detach(|| self.inner.lock().map(|mut g| f(&mut g)).map_err(|_| ()))
+            .map_err(|()| poisoned())
     }
 }
 
@@ -140,13 +142,13 @@ impl PyScheduler {
             cache_salt,
             skip_prefix_cache,
         };
-        self.with(py, |s| s.add_request(req)).map_err(to_py)
+        self.with(py, |s| s.add_request(req))?.map_err(to_py)
     }
 
     fn schedule(slf: &Bound<'_, Self>) -> PyResult<PyStepPlan> {
         let plan = slf
             .get()
-            .detached(slf.py(), |s| s.schedule())
+            .detached(slf.py(), |s| s.schedule())?
             .map_err(to_py)?;
         Ok(PyStepPlan::new(plan, slf.clone().unbind()))
     }
@@ -158,7 +160,7 @@ impl PyScheduler {
         let (addr, rows, width) = slf.get().with(py, |s| {
             let t = s.block_table();
             (t.as_slice().as_ptr() as usize, t.num_rows(), t.width())
-        });
+        })?;
         // SAFETY: the table is one allocation of `rows * width` i32 made when the scheduler was
         // built and never reallocated or freed before the scheduler is (`BlockTable` has no
         // method that replaces it). The array's base object is this scheduler, so the memory
@@ -191,15 +193,15 @@ impl PyScheduler {
                 &owned
             }
         };
-        let finished = self.detached(py, |s| s.update(step, ids)).map_err(to_py)?;
+        let finished = self.detached(py, |s| s.update(step, ids))?.map_err(to_py)?;
         Ok(finished
             .into_iter()
             .map(|f| (f.seq_id, f.reason.as_str(), f.stop_token))
             .collect())
     }
 
-    fn abort(&self, py: Python<'_>, seq_ids: Vec<i64>) {
-        self.with(py, |s| s.abort(&seq_ids));
+    fn abort(&self, py: Python<'_>, seq_ids: Vec<i64>) -> PyResult<()> {
+        self.with(py, |s| s.abort(&seq_ids))
     }
 
     fn resize(&self, py: Python<'_>, num_blocks: i64) -> PyResult<()> {
@@ -208,24 +210,24 @@ impl PyScheduler {
                 "num_blocks must be >= 1, got {num_blocks}"
             ))));
         }
-        self.with(py, |s| s.resize(num_blocks as usize))
+        self.with(py, |s| s.resize(num_blocks as usize))?
             .map_err(to_py)
     }
 
-    fn reset_prefix_cache(&self, py: Python<'_>) -> bool {
+    fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<bool> {
         self.with(py, |s| s.reset_prefix_cache())
     }
 
-    fn has_unfinished(&self, py: Python<'_>) -> bool {
+    fn has_unfinished(&self, py: Python<'_>) -> PyResult<bool> {
         self.with(py, |s| s.has_unfinished())
     }
 
-    fn num_unfinished(&self, py: Python<'_>) -> usize {
+    fn num_unfinished(&self, py: Python<'_>) -> PyResult<usize> {
         self.with(py, |s| s.num_unfinished())
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let st = self.with(py, |s| s.stats());
+        let st = self.with(py, |s| s.stats())?;
         let d = PyDict::new(py);
         d.set_item("num_running", st.num_running)?;
         d.set_item("num_waiting", st.num_waiting)?;
@@ -242,31 +244,31 @@ impl PyScheduler {
     }
 
     fn num_cached_tokens(&self, py: Python<'_>, seq_id: i64) -> PyResult<usize> {
-        self.with(py, |s| s.num_cached_tokens(seq_id))
+        self.with(py, |s| s.num_cached_tokens(seq_id))?
             .map_err(to_py)
     }
 
     /// Raises PagedrsError naming the first broken invariant (debugging; O(pool + tokens)).
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        self.detached(py, |s| s.check_invariants()).map_err(to_py)
+        self.detached(py, |s| s.check_invariants())?.map_err(to_py)
     }
 
     #[getter]
-    fn block_size(&self, py: Python<'_>) -> usize {
+    fn block_size(&self, py: Python<'_>) -> PyResult<usize> {
         self.with(py, |s| s.block_size())
     }
 
     #[getter]
-    fn num_blocks(&self, py: Python<'_>) -> usize {
+    fn num_blocks(&self, py: Python<'_>) -> PyResult<usize> {
         self.with(py, |s| s.num_blocks())
     }
 
     #[getter]
-    fn max_model_len(&self, py: Python<'_>) -> usize {
+    fn max_model_len(&self, py: Python<'_>) -> PyResult<usize> {
         self.with(py, |s| s.max_model_len())
     }
 
-    fn __repr__(&self, py: Python<'_>) -> String {
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         self.with(py, |s| {
             let st = s.stats();
             format!(
