@@ -156,7 +156,7 @@ def bench_prefill_mix(rounds: int, seed: int, running: int = 256) -> Result:
         s.update(plan, np.full(len(plan.sampled_seq_ids), 7, dtype=np.int64))
 
     def refill() -> None:
-        if s.stats()["num_waiting"] < 4:
+        if s.stats().num_waiting < 4:
             add(4, 8)  # short requests: prefill-dominated
 
     times: list[float] = []

@@ -235,7 +235,7 @@ def run_pagedrs(engine: LLMEngine, reqs: list[tuple[list[int], int]]) -> dict[st
         for out in engine.step():
             total += len(out.outputs[0].token_ids)
         s = engine.scheduler.stats()
-        kv["paged"] += (int(s["num_blocks"]) - int(s["num_free_blocks"])) * block_size
+        kv["paged"] += (int(s.num_blocks) - int(s.num_free_blocks)) * block_size
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(line(pg["tok_s"], cb["tok_s"], "continuous batching"))
         bs = args.hf_batch_size or len(reqs)
         st = run_hf_static(hf, reqs, pad_id, bs)
-        result["hf_static_tok_s"] = st["tok_s"]
+        result["hf_static_tok_s"] = st.tok_s
         result["hf_static_batch_size"] = bs
         seq_reqs = reqs[: args.hf_sequential_limit] if args.hf_sequential_limit else reqs
         sq = run_hf_sequential(hf, seq_reqs, pad_id)
@@ -498,9 +498,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"({len(seq_reqs)} requests); static batch of {bs}: {st['tokens']} tokens in {st['seconds']:.1f} s"
         )
         print(line(pg["tok_s"], sq["tok_s"], "one-at-a-time"))
-        print(line(pg["tok_s"], st["tok_s"], f"static batch {bs}"))
+        print(line(pg["tok_s"], st.tok_s, f"static batch {bs}"))
         result["speedup_vs_sequential"] = pg["tok_s"] / sq["tok_s"]
-        result["speedup_vs_static"] = pg["tok_s"] / st["tok_s"]
+        result["speedup_vs_static"] = pg["tok_s"] / st.tok_s
     if args.json:
         from serving import git_info, machine_info  # bench/serving.py: provenance helpers
 
@@ -525,7 +525,7 @@ def embed_main(
     bs = args.hf_batch_size or len(reqs)
     run_embed_hf(hf, reqs[:2], pad_id, bs)
     st = run_embed_hf(hf, reqs, pad_id, bs)
-    ratio = pg["prompts_s"] / st["prompts_s"]
+    ratio = pg["prompts_s"] / st.prompts_s
     print(
         f"embedding throughput: {pg['prompts_s']:.1f} prompts/s (pagedrs) vs {st['prompts_s']:.1f} prompts/s "
         f"(transformers AutoModel, batches of {bs}) = {ratio:.2f} x"
@@ -539,7 +539,7 @@ def embed_main(
         "num_prompts": len(reqs),
         "input_tokens": sum(len(r[0]) for r in reqs),
         "pagedrs_prompts_s": pg["prompts_s"],
-        "hf_prompts_s": st["prompts_s"],
+        "hf_prompts_s": st.prompts_s,
         "hf_batch_size": bs,
         "speedup_vs_hf": ratio,
     }

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedrs._core import Scheduler, StepPlan
+from pagedrs._core import FinishReason, Scheduler, StepPlan
 
 
 def _h(prev: int, token: int, pos: int) -> int:
@@ -79,7 +79,9 @@ class Sim:
         self.execute(p)
         return p
 
-    def update(self, p: StepPlan, sampled: np.ndarray | None = None) -> list[tuple[int, str, int | None]]:
+    def update(
+        self, p: StepPlan, sampled: np.ndarray | None = None
+    ) -> list[tuple[int, FinishReason, int | None]]:
         if sampled is None:
             sampled = np.array(
                 [self.rng.randrange(self.vocab) for _ in range(len(p.sampled_seq_ids))], dtype=np.int64
@@ -90,14 +92,14 @@ class Sim:
                 self.live[sid].tokens.append(tok)
         for sid, reason, stop in finished:
             m = self.live.pop(sid)
-            assert reason in ("stop", "length")
-            if reason == "stop" and stop is None:
+            assert reason in (FinishReason.STOP, FinishReason.LENGTH)
+            if reason == FinishReason.STOP and stop is None:
                 assert m.tokens[-1] == 0
         assert self.sched.num_unfinished() == len(self.live)
         self.sched.check_invariants()
         return finished
 
-    def step(self) -> tuple[StepPlan, list[tuple[int, str, int | None]]]:
+    def step(self) -> tuple[StepPlan, list[tuple[int, FinishReason, int | None]]]:
         p = self.schedule_and_run()
         return p, self.update(p)
 
@@ -179,7 +181,7 @@ class Sim:
 
     def assert_all_free(self) -> None:
         st = self.sched.stats()
-        assert st["num_free_blocks"] == st["num_blocks"]
-        assert st["num_free_swap_blocks"] == st["num_swap_blocks"]
-        assert st["num_running"] == st["num_waiting"] == st["num_swapped"] == 0
+        assert st.num_free_blocks == st.num_blocks
+        assert st.num_free_swap_blocks == st.num_swap_blocks
+        assert st.num_running == st.num_waiting == st.num_swapped == 0
         self.sched.check_invariants()

@@ -6,7 +6,7 @@ import gc
 import numpy as np
 import pytest
 
-from pagedrs._core import PagedrsError, Scheduler
+from pagedrs._core import FinishReason, PagedrsError, Scheduler
 
 
 def _sched(**kw: int) -> Scheduler:
@@ -81,7 +81,7 @@ def test_changed_rows_name_exactly_the_rewritten_rows() -> None:
     view = s.block_table_view()
     p = s.schedule()
     assert p.changed_rows.tolist() == [0, 1]
-    assert s.update(p, np.array([9, 9])) == [(1, "length", None)]
+    assert s.update(p, np.array([9, 9])) == [(1, FinishReason.LENGTH, None)]
     # Seq 2 writes position 3 (its first block, no change); seq 3 takes the freed row 0.
     p = s.schedule()
     assert p.req_ids.tolist() == [2, 3]
@@ -107,6 +107,6 @@ def test_a_runner_copy_fed_changed_rows_tracks_the_table_under_preemption_and_re
         if i == 5:
             sim.sched.resize(40)
         if i == 12:
-            sim.sched.resize(max(12, sim.sched.num_blocks - sim.sched.stats()["num_free_blocks"]))
+            sim.sched.resize(max(12, sim.sched.num_blocks - sim.sched.stats().num_free_blocks))
     sim.drain()
     assert sim.seen["preempted"] > 0 and sim.seen["copies"] > 0 and sim.seen["moves"] > 0, sim.seen

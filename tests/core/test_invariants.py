@@ -55,7 +55,7 @@ def _run(seed: int, num_ops: int) -> Sim:
                 sim.abort([rng.choice(list(sim.live))])
             sim.update(p)
         elif op < 0.96:
-            used = sim.sched.stats()["num_blocks"] - sim.sched.stats()["num_free_blocks"]
+            used = sim.sched.stats().num_blocks - sim.sched.stats().num_free_blocks
             n = rng.randrange(1, 32)
             try:
                 sim.sched.resize(n)
@@ -64,7 +64,7 @@ def _run(seed: int, num_ops: int) -> Sim:
                 assert used > n
         else:
             assert sim.sched.reset_prefix_cache() == (
-                sim.sched.stats()["num_free_blocks"] == sim.sched.num_blocks
+                sim.sched.stats().num_free_blocks == sim.sched.num_blocks
             )
         sim.sched.check_invariants()
         sim.check_table()  # only schedule() writes the table: the runner's copy stays equal

@@ -6,7 +6,7 @@ import threading
 import numpy as np
 import pytest
 
-from pagedrs._core import Scheduler, StepPlan
+from pagedrs._core import FinishReason, Scheduler, StepPlan
 from tests.core.sim import Sim
 
 I32 = {
@@ -60,9 +60,9 @@ def test_plan_arrays_and_a_request_lifecycle() -> None:
     p = s.schedule()
     assert p.input_ids.tolist() == [21] and p.positions.tolist() == [5]
     assert (p.num_prefill_tokens, p.num_decode_tokens) == (0, 1)
-    assert s.update(p, np.array([22])) == [(5, "length", None)]
+    assert s.update(p, np.array([22])) == [(5, FinishReason.LENGTH, None)]
     assert not s.has_unfinished()
-    assert s.stats()["num_free_blocks"] == 8
+    assert s.stats().num_free_blocks == 8
 
 
 def test_empty_plan_needs_no_update() -> None:
@@ -124,7 +124,7 @@ def test_preemption_by_recompute_keeps_outputs() -> None:
         p, _ = sim.step()
         preempted += p.preempted.tolist()
     assert b in preempted and a not in preempted  # the lower priority one is the victim
-    assert sim.sched.stats()["num_preemptions"] >= 1
+    assert sim.sched.stats().num_preemptions >= 1
     sim.drain()
 
 
@@ -138,7 +138,7 @@ def test_preemption_by_swap() -> None:
         if not sim.sched.has_unfinished():
             break
         sim.step()
-        swapped_seen |= sim.sched.stats()["num_swapped"] > 0
+        swapped_seen |= sim.sched.stats().num_swapped > 0
     assert swapped_seen and sim.seen["swap_out"] > 0
     sim.drain()
 
@@ -146,12 +146,12 @@ def test_preemption_by_swap() -> None:
 def test_n_children_share_the_prompt_and_copy_on_write() -> None:
     sim = Sim.make(num_blocks=16, block_size=4)
     ids = sim.add([1, 2, 3, 4, 5, 6], n=3, max_tokens=4)
-    assert sim.sched.num_unfinished() == 3 and sim.sched.stats()["num_waiting"] == 3
+    assert sim.sched.num_unfinished() == 3 and sim.sched.stats().num_waiting == 3
     p = sim.schedule_and_run()
     assert p.req_ids.tolist() == [ids[0]]
     assert p.sampled_seq_ids.tolist() == ids
     assert p.logits_indices.tolist() == [5, 5, 5]
-    assert sim.sched.stats()["num_free_blocks"] == 14  # children share both prompt blocks
+    assert sim.sched.stats().num_free_blocks == 14  # children share both prompt blocks
     sim.update(p, np.array([7, 8, 9]))
     p = sim.schedule_and_run()
     assert sorted(p.req_ids.tolist()) == ids
@@ -173,7 +173,7 @@ def test_prefix_cache_hit_skips_cached_blocks_but_not_the_last_token() -> None:
     assert p.num_computed_tokens.tolist() == [8] and p.num_scheduled_tokens.tolist() == [4]
     assert s.num_cached_tokens(2) == 8
     st = s.stats()
-    assert (st["prefix_cache_queries"], st["prefix_cache_hits"]) == (24, 8)
+    assert (st.prefix_cache_queries, st.prefix_cache_hits) == (24, 8)
     s.update(p, [3])
     s.add_request([3], prompt[:6] + [99, 98], max_tokens=1)  # shares one block
     p = s.schedule()
@@ -194,7 +194,7 @@ def test_cache_salt_and_skip_isolate() -> None:
         s.add_request([sid], prompt, max_tokens=1, **kw)
         p = s.schedule()
         s.update(p, [3])
-    assert s.stats()["prefix_cache_hits"] == 8  # only seq 4 (same salt as seq 2) hit
+    assert s.stats().prefix_cache_hits == 8  # only seq 4 (same salt as seq 2) hit
 
 
 def test_reset_prefix_cache_only_when_idle() -> None:
@@ -230,7 +230,7 @@ def test_abort_in_every_state() -> None:
         sim.add([9, 9, 9], max_tokens=8)
         sim.step()
         ids = list(sim.live)
-        if sim.sched.stats()["num_swapped"] and ids:
+        if sim.sched.stats().num_swapped and ids:
             sim.abort(ids[:1])
     sim.abort(list(sim.live))
     sim.assert_all_free()
@@ -259,11 +259,11 @@ def test_resize_grow_and_shrink_while_serving() -> None:
 @pytest.mark.parametrize(
     ("kw", "tokens", "want"),
     [
-        ({}, [4, 0], (1, "stop", None)),
-        ({"stop_token_ids": [4]}, [4], (1, "stop", 4)),
-        ({"min_tokens": 2}, [0, 0], (1, "stop", None)),
-        ({"ignore_eos": True}, [0, 0, 0], (1, "length", None)),
-        ({"max_tokens": 100}, [5] * 6, (1, "length", None)),  # clipped by max_model_len 10
+        ({}, [4, 0], (1, FinishReason.STOP, None)),
+        ({"stop_token_ids": [4]}, [4], (1, FinishReason.STOP, 4)),
+        ({"min_tokens": 2}, [0, 0], (1, FinishReason.STOP, None)),
+        ({"ignore_eos": True}, [0, 0, 0], (1, FinishReason.LENGTH, None)),
+        ({"max_tokens": 100}, [5] * 6, (1, FinishReason.LENGTH, None)),  # clipped by max_model_len 10
     ],
 )
 def test_stop_checks(kw: dict, tokens: list[int], want: tuple) -> None:

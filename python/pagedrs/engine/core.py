@@ -495,7 +495,7 @@ class EngineCore:
             if seq is None:
                 continue
             o = self._output_for(by_seq, outputs, seq.seq_id)
-            o.finish_reason = FinishReason(reason)
+            o.finish_reason = FinishReason(reason.value)
             o.stop_reason = stop_tok
             req = self._requests.get(seq.request_id)
             if req is not None:
@@ -627,19 +627,19 @@ class EngineCore:
     def get_stats(self) -> EngineStats:
         s = self.scheduler.stats()
         return EngineStats(
-            num_running=int(s["num_running"]),
-            num_waiting=int(s["num_waiting"]),
-            num_swapped=int(s["num_swapped"]),
-            kv_usage=float(s["kv_usage"]),
-            prefix_cache_queries=int(s["prefix_cache_queries"]),
-            prefix_cache_hits=int(s["prefix_cache_hits"]),
+            num_running=int(s.num_running),
+            num_waiting=int(s.num_waiting),
+            num_swapped=int(s.num_swapped),
+            kv_usage=float(s.kv_usage),
+            prefix_cache_queries=int(s.prefix_cache_queries),
+            prefix_cache_hits=int(s.prefix_cache_hits),
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
-            num_preemptions=int(s["num_preemptions"]),
-            num_blocks=int(s["num_blocks"]),
-            num_free_blocks=int(s["num_free_blocks"]),
-            num_swap_blocks=int(s.get("num_swap_blocks", 0)),
-            num_free_swap_blocks=int(s.get("num_free_swap_blocks", 0)),
+            num_preemptions=int(s.num_preemptions),
+            num_blocks=int(s.num_blocks),
+            num_free_blocks=int(s.num_free_blocks),
+            num_swap_blocks=s.num_swap_blocks,
+            num_free_swap_blocks=s.num_free_swap_blocks,
             num_steps=self._num_steps,
             step_time_s=self._last_step_time,
             batch_size=self._last_batch,
@@ -702,8 +702,8 @@ class EngineCore:
         if policy is None or self._in_liquid:
             return
         s = self.scheduler.stats()
-        total = int(s["num_blocks"])
-        used = total - int(s["num_free_blocks"])
+        total = int(s.num_blocks)
+        used = total - int(s.num_free_blocks)
         waiting = sum(len(r.seqs[0].prompt_token_ids) for r in self._requests.values() if r.unscheduled)
         policy.observe((used + waiting / self.scheduler.block_size) / max(total, 1))
         ex = self.executor

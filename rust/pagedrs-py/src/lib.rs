@@ -6,6 +6,7 @@ mod cpu_kernels;
 mod errors;
 mod plan;
 mod scheduler;
+mod types;
 
 /// Kernel sources embedded at build time, so a wheel carries exactly the kernels it was built with.
 const KERNELS: &[(&str, &str)] = &[
@@ -44,5 +45,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<scheduler::PyScheduler>()?;
     m.add_class::<plan::PyStepPlan>()?;
+    m.add_class::<types::PyFinishReason>()?;
+    m.add_class::<types::PySchedulerStats>()?;
     Ok(())
 }

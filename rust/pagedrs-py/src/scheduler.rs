@@ -5,12 +5,12 @@ use std::sync::{Mutex, TryLockError};
 use numpy::ndarray::ArrayView2;
 use numpy::{PyArray2, PyReadonlyArray1};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
 
 use pagedrs_core::{Config, NewRequest, Scheduler};
 
 use crate::errors::{invalid, poisoned, to_py};
 use crate::plan::PyStepPlan;
+use crate::types::{PyFinishReason, PySchedulerStats};
 
 /// Continuous-batching scheduler over a paged KV-cache block pool. Thread-safe: calls from other
 /// threads wait (with the GIL released) while `schedule()` / `update()` run.
@@ -173,13 +173,13 @@ impl PyScheduler {
         Ok(arr)
     }
 
-    /// Returns finished sequences: (seq_id, "stop" | "length", stop_token_id or None).
+    /// Returns finished sequences: (seq_id, FinishReason, stop_token_id or None).
     fn update(
         &self,
         py: Python<'_>,
         plan: PyRef<'_, PyStepPlan>,
         sampled_token_ids: &Bound<'_, PyAny>,
-    ) -> PyResult<Vec<(i64, &'static str, Option<i64>)>> {
+    ) -> PyResult<Vec<(i64, PyFinishReason, Option<i64>)>> {
         let step = plan.step_id;
         drop(plan);
         let arr = sampled_token_ids
@@ -196,7 +196,7 @@ impl PyScheduler {
         let finished = self.detached(py, |s| s.update(step, ids))?.map_err(to_py)?;
         Ok(finished
             .into_iter()
-            .map(|f| (f.seq_id, f.reason.as_str(), f.stop_token))
+            .map(|f| (f.seq_id, f.reason.into(), f.stop_token))
             .collect())
     }
 
@@ -226,21 +226,8 @@ impl PyScheduler {
         self.with(py, |s| s.num_unfinished())
     }
 
-    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let st = self.with(py, |s| s.stats())?;
-        let d = PyDict::new(py);
-        d.set_item("num_running", st.num_running)?;
-        d.set_item("num_waiting", st.num_waiting)?;
-        d.set_item("num_swapped", st.num_swapped)?;
-        d.set_item("num_blocks", st.num_blocks)?;
-        d.set_item("num_free_blocks", st.num_free_blocks)?;
-        d.set_item("kv_usage", st.kv_usage)?;
-        d.set_item("num_swap_blocks", st.num_swap_blocks)?;
-        d.set_item("num_free_swap_blocks", st.num_free_swap_blocks)?;
-        d.set_item("prefix_cache_queries", st.prefix_cache_queries)?;
-        d.set_item("prefix_cache_hits", st.prefix_cache_hits)?;
-        d.set_item("num_preemptions", st.num_preemptions)?;
-        Ok(d)
+    fn stats(&self, py: Python<'_>) -> PyResult<PySchedulerStats> {
+        Ok(self.with(py, |s| s.stats())?.into())
     }
 
     fn num_cached_tokens(&self, py: Python<'_>, seq_id: i64) -> PyResult<usize> {
