@@ -256,3 +256,33 @@ def test_shutdown_stops_every_worker(tmp_path: Path) -> None:
     procs = list(executor.workers.procs.values())  # type: ignore[attr-defined]
     engine.shutdown()
     assert all(p.wait(10) == 0 for p in procs)  # a clean exit, not a kill
+
+
+def test_embeddings_and_structured_outputs_under_tp(tmp_path: Path) -> None:
+    """Rank 0 holds the full hidden states (pooling) and the full logits (grammar masks): both features
+    give what one rank gives."""
+    from pagedrs import PoolingParams
+    from pagedrs.structured_outputs import StructuredOutputsParams
+
+    folder = make_tiny_llama(tmp_path)
+    prompts = [{"prompt_token_ids": list(range(3, 40))}, {"prompt_token_ids": [5, 6, 7]}]
+    so = SamplingParams(
+        temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[a-f]{3,6}")
+    )
+    one = LLM(str(folder), **ENGINE)
+    want_emb = [
+        o.outputs.embedding for o in one.embed(prompts, PoolingParams(pooling_type="mean"), use_tqdm=False)
+    ]
+    want_txt = [o.outputs[0].text for o in one.generate(["abc", "hello"], so, use_tqdm=False)]
+    two = LLM(str(folder), tensor_parallel_size=2, **ENGINE)
+    try:
+        got_emb = [
+            o.outputs.embedding
+            for o in two.embed(prompts, PoolingParams(pooling_type="mean"), use_tqdm=False)
+        ]
+        got_txt = [o.outputs[0].text for o in two.generate(["abc", "hello"], so, use_tqdm=False)]
+    finally:
+        two.shutdown()
+    for a, b in zip(want_emb, got_emb, strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
+    assert got_txt == want_txt and all(3 <= len(t) <= 6 and set(t) <= set("abcdef") for t in got_txt)

@@ -113,3 +113,37 @@ def test_bad_constraints_are_400(real_server: SubprocessServer, extra: dict, par
             "/v1/chat/completions", json={"model": "smollm2", "messages": MESSAGES, "max_tokens": 2}
         )
         assert ok.status_code == 200
+
+
+def test_structured_lines_in_a_batch(client: openai.OpenAI) -> None:
+    import io
+
+    from conftest import wait_until
+
+    rows = [
+        {
+            "custom_id": f"c{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "smollm2",
+                "messages": MESSAGES,
+                "max_tokens": 120,
+                "response_format": RESPONSE_FORMAT,
+            },
+        }
+        for i in range(2)
+    ]
+    text = "\n".join(json.dumps(r) for r in rows) + "\n"
+    f = client.files.create(file=("s.jsonl", io.BytesIO(text.encode())), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = wait_until(
+        lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b, timeout=180
+    )
+    out = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines() if x.strip()]
+    assert len(out) == 2
+    for line in out:
+        content = line["response"]["body"]["choices"][0]["message"]["content"]
+        jsonschema.validate(json.loads(content), SCHEMA)
