@@ -31,14 +31,13 @@ from pagedrs.engine.core_client import (
     EngineStartupError,
     ProcessCore,
     ThreadCore,
+    connect_ready,
     send_shutdown,
-    wait_ready,
 )
 from pagedrs.engine.input_processor import InputProcessor
 from pagedrs.engine.messages import (
     AbortRequests,
     EngineCoreOutputs,
-    Ready,
     UtilityCall,
     UtilityResult,
     output_decoder,
@@ -181,6 +180,7 @@ class AsyncLLMEngine:
         self.tokenizer = tokenizer
         self._gen = 0
         self.num_restarts = 0
+        self._ready_sock: Any = None  # the output socket that read Ready (kept: see _connect)
         self._handle = self._start_core()  # raises EngineStartupError
         ready = self.ready
         self.model_name = ready.model_name
@@ -234,7 +234,7 @@ class AsyncLLMEngine:
         handle = self._make_handle(self._ipc_dir, self._gen)
         handle.start()
         try:
-            self.ready: Ready = wait_ready(handle, _READY_TIMEOUT_S)
+            self.ready, self._ready_sock = connect_ready(handle, _READY_TIMEOUT_S)
         except BaseException:
             handle.stop(5)
             raise
@@ -294,9 +294,8 @@ class AsyncLLMEngine:
         self._in_sock = self._ctx.socket(zmq.PUSH)
         self._in_sock.setsockopt(zmq.LINGER, 0)
         self._in_sock.connect(self._handle.input_addr)
-        self._out_sock = self._ctx.socket(zmq.PULL)
-        self._out_sock.setsockopt(zmq.LINGER, 0)
-        self._out_sock.connect(self._handle.output_addrs[0])
+        # The socket that read Ready goes on reading: one PULL peer per output address, ever.
+        self._out_sock = zmq.asyncio.Socket.shadow(self._ready_sock.underlying)
         self._output_task = asyncio.create_task(self._output_loop(), name="pagedrs-outputs")
 
     def _disconnect(self) -> None:
@@ -306,7 +305,9 @@ class AsyncLLMEngine:
         for s in (self._in_sock, self._out_sock):
             if s is not None:
                 s.close(linger=0)
-        self._in_sock = self._out_sock = None
+        if self._ready_sock is not None:
+            self._ready_sock.close(linger=0)
+        self._in_sock = self._out_sock = self._ready_sock = None
 
     def begin_drain(self) -> None:
         """Stops accepting new requests; in-flight ones go on."""

@@ -143,8 +143,18 @@ class ThreadCore:
 def wait_ready(handle: CoreHandle, timeout: float, client_index: int = 0) -> Ready:
     """Block until the core says Ready on this client's output socket; EngineStartupError if it reports a
     failure, exits, or says nothing for `timeout` seconds."""
+    ready, sock = connect_ready(handle, timeout, client_index)
+    sock.close(linger=0)
+    return ready
+
+
+def connect_ready(handle: CoreHandle, timeout: float, client_index: int = 0) -> tuple[Ready, zmq.Socket]:
+    """`wait_ready`, keeping the output socket it read Ready from: the caller goes on reading the step
+    messages from it. (A second socket on the same address would be a second PUSH peer, and the core's
+    round robin could hand a step message to the one being closed.)"""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
     sock.connect(handle.output_addrs[client_index])
     decoder = output_decoder()
     deadline = time.monotonic() + timeout
@@ -153,15 +163,16 @@ def wait_ready(handle: CoreHandle, timeout: float, client_index: int = 0) -> Rea
             if sock.poll(100):
                 msg = decoder.decode(sock.recv())
                 if isinstance(msg, Ready):
-                    return msg
+                    return msg, sock
                 if isinstance(msg, StartupFailed):
                     raise EngineStartupError(f"the engine core failed to start: {msg.message}")
                 continue
             if not handle.alive():
                 raise EngineStartupError(f"the engine core failed to start: {handle.exit_description()}")
         raise EngineStartupError(f"the engine core did not become ready within {timeout:.0f}s")
-    finally:
+    except BaseException:
         sock.close(linger=0)
+        raise
 
 
 def send_shutdown(input_addr: str) -> None:
