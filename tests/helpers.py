@@ -7,6 +7,7 @@ Stable API (other test packages import it as `from tests.helpers import ...`):
     make_tokenizer() -> PreTrainedTokenizerFast;  save_tokenizer(path) -> None
     load_hf_model(path) -> transformers model (float32, eval)
     make_step_metadata(...) -> AttentionMetadata for a hand-made batch (no scheduler needed)
+    child_pids(pid), cmdline(pid), process_gone(pid) -> processes, read from /proc (Linux)
 
 arch: "llama" (Llama 2 style), "llama3" (Llama 3.1 rope scaling), "qwen2" (q/k/v bias), "mistral"
 (sliding window; pass sliding_window=...), "smollm2" (tied embeddings). weights_format: "safetensors"
@@ -304,3 +305,33 @@ def make_tiny_gguf(
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+# ---- processes (Linux /proc): what a test needs to check that no process is left behind ----------------
+def child_pids(pid: int) -> list[int]:
+    """The direct children of `pid`."""
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(x) for x in (task / "children").read_text().split()]
+    return kids
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def process_gone(pid: int) -> bool:
+    """No such process, or a zombie (gone for our purposes: its parent or init reaps it)."""
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True

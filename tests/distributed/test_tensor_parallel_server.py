@@ -13,7 +13,7 @@ import pytest
 
 from pagedrs import LLM, SamplingParams
 from tests.entrypoints.conftest import SubprocessServer, wait_until
-from tests.helpers import make_tiny_llama
+from tests.helpers import child_pids, cmdline, make_tiny_llama, process_gone
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -21,37 +21,12 @@ PROMPTS = ["Tensor parallel says", "abc", "The quick brown fox"]
 MAX_TOKENS = 8
 
 
-def _children(pid: int) -> list[int]:
-    kids: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        kids += [int(x) for x in (task / "children").read_text().split()]
-    return kids
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:  # a zombie counts as gone once its parent reaps it; one without a parent is reaped by init
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    except OSError:
-        return True
-
-
 def _workers_of(pid: int) -> list[int]:
     """TP worker processes under the server's engine core."""
     found: list[int] = []
-    for core in _children(pid):
-        if "pagedrs.engine.core_proc" in _cmdline(core):
-            found += [w for w in _children(core) if "pagedrs.executor.worker_proc" in _cmdline(w)]
+    for core in child_pids(pid):
+        if "pagedrs.engine.core_proc" in cmdline(core):
+            found += [w for w in child_pids(core) if "pagedrs.executor.worker_proc" in cmdline(w)]
     return found
 
 
@@ -105,7 +80,7 @@ def test_serve_tp2_matches_offline_and_survives_a_dead_worker(tmp_path: Path) ->
             wait_until(lambda: _workers_of(server.proc.pid) not in ([], workers), timeout=180, interval=0.25)
             wait_until(lambda: http.get("/health").status_code == 200, timeout=180, interval=0.25)
             new_workers = _workers_of(server.proc.pid)
-            assert len(new_workers) == 1 and _gone(workers[0])
+            assert len(new_workers) == 1 and process_gone(workers[0])
             assert "tensor-parallel rank 1 failed" in server.log()
         r = client.completions.create(
             model=name,
@@ -115,8 +90,8 @@ def test_serve_tp2_matches_offline_and_survives_a_dead_worker(tmp_path: Path) ->
             extra_body={"ignore_eos": True},
         )
         assert r.choices[0].text == expected[0]
-        everything = [*_children(server.proc.pid), *new_workers]
+        everything = [*child_pids(server.proc.pid), *new_workers]
         assert server.terminate(timeout=60) == 0
-        wait_until(lambda: all(_gone(p) for p in everything), timeout=15, interval=0.1)
+        wait_until(lambda: all(process_gone(p) for p in everything), timeout=15, interval=0.1)
     finally:
         server.kill()

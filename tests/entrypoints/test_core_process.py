@@ -17,41 +17,16 @@ import httpx
 import pytest
 from conftest import API_KEY, SERVER_ENGINE_FLAGS, SubprocessServer, metric_value, wait_until
 
+from tests.helpers import child_pids, cmdline, process_gone
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-
-
-def _children(pid: int) -> list[int]:
-    kids: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text().split()
-        kids += [int(x) for x in text]
-    return kids
 
 
 def _core_pid(server: SubprocessServer) -> int:
     assert server.proc is not None
-    kids = [k for k in _children(server.proc.pid) if "pagedrs.engine.core_proc" in _cmdline(k)]
+    kids = [k for k in child_pids(server.proc.pid) if "pagedrs.engine.core_proc" in cmdline(k)]
     assert len(kids) == 1, kids
     return kids[0]
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    # A zombie is gone for our purposes only once reaped; the server reaps its children.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    except OSError:
-        return True
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +53,7 @@ def test_malformed_channel_message_is_dropped(server: SubprocessServer) -> None:
     import zmq
 
     core = _core_pid(server)
-    cmd = _cmdline(core).split()
+    cmd = cmdline(core).split()
     addr = cmd[cmd.index("--input") + 1]
     sock = zmq.Context.instance().socket(zmq.PUSH)
     sock.connect(addr)
@@ -116,7 +91,7 @@ def test_kill_core_mid_stream_then_restart(server: SubprocessServer) -> None:
             assert r.json()["error"]["type"] == "service_unavailable_error"
         wait_until(lambda: http.get("/health").status_code == 200, timeout=180, interval=0.25)
         new_core = _core_pid(server)
-        assert new_core != core and _gone(core)
+        assert new_core != core and process_gone(core)
         r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         wait_until(lambda: _idle(http), timeout=30)
@@ -200,6 +175,6 @@ def test_no_process_left_behind(tmp_path: Path, how: str) -> None:
         else:
             s.proc.kill()
             s.proc.wait(30)
-        wait_until(lambda: _gone(core), timeout=15, interval=0.1)
+        wait_until(lambda: process_gone(core), timeout=15, interval=0.1)
     finally:
         s.kill()
