@@ -147,14 +147,9 @@ def make_requests(
     return reqs
 
 
-def load_models(args: argparse.Namespace, dtype: torch.dtype, max_len: int) -> tuple[LLMEngine, Any]:
-    """The pagedrs engine and the HF model, holding the same weights."""
-    import transformers
-
-    from pagedrs.loader import LoadedModel, load_model, model_folder, resolve_model_path
-
-    device = torch.device(args.device)
-    eng_args = EngineArgs(
+def engine_args(args: argparse.Namespace, dtype: torch.dtype, max_len: int, **extra: Any) -> EngineArgs:
+    """The pagedrs settings every run of this benchmark shares."""
+    return EngineArgs(
         model=args.model,
         dtype=str(dtype).removeprefix("torch."),
         device=args.device,
@@ -165,7 +160,29 @@ def load_models(args: argparse.Namespace, dtype: torch.dtype, max_len: int) -> t
         disable_log_stats=True,
         cpu_kv_cache_gb=None if args.device == "cuda" else 2.0,
         gpu_memory_utilization=0.85,
+        **extra,
     )
+
+
+def write_json(path: str, result: dict[str, Any]) -> None:
+    """The figures, with the command, the commit and the machine that gave them."""
+    from serving import git_info, machine_info  # bench/serving.py: provenance helpers
+
+    out = {k: v for k, v in result.items() if _jsonable(v)}
+    out["command"] = "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
+    out["git"] = git_info()
+    out["machine"] = machine_info()
+    Path(path).write_text(json.dumps(out, indent=2))
+
+
+def load_models(args: argparse.Namespace, dtype: torch.dtype, max_len: int) -> tuple[LLMEngine, Any]:
+    """The pagedrs engine and the HF model, holding the same weights."""
+    import transformers
+
+    from pagedrs.loader import LoadedModel, load_model, model_folder, resolve_model_path
+
+    device = torch.device(args.device)
+    eng_args = engine_args(args, dtype, max_len)
     if args.model_config:  # random weights, built once on the device and copied into pagedrs' model
         from pagedrs.models.registry import get_model_class
 
@@ -191,17 +208,10 @@ def tp_engine(args: argparse.Namespace, dtype: torch.dtype, max_len: int) -> LLM
             "--tensor-parallel-size > 1 needs --model (--model-config weights live in this process)"
         )
     return LLMEngine.from_engine_args(
-        EngineArgs(
-            model=args.model,
-            dtype=str(dtype).removeprefix("torch."),
-            device=args.device,
-            max_model_len=max_len,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            disable_log_stats=True,
-            cpu_kv_cache_gb=None if args.device == "cuda" else 2.0,
-            gpu_memory_utilization=0.85,
+        engine_args(
+            args,
+            dtype,
+            max_len,
             tensor_parallel_size=args.tensor_parallel_size,
             distributed_executor_backend=args.distributed_executor_backend,
         )
@@ -487,7 +497,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(line(pg["tok_s"], cb["tok_s"], "continuous batching"))
         bs = args.hf_batch_size or len(reqs)
         st = run_hf_static(hf, reqs, pad_id, bs)
-        result["hf_static_tok_s"] = st.tok_s
+        result["hf_static_tok_s"] = st["tok_s"]
         result["hf_static_batch_size"] = bs
         seq_reqs = reqs[: args.hf_sequential_limit] if args.hf_sequential_limit else reqs
         sq = run_hf_sequential(hf, seq_reqs, pad_id)
@@ -498,17 +508,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"({len(seq_reqs)} requests); static batch of {bs}: {st['tokens']} tokens in {st['seconds']:.1f} s"
         )
         print(line(pg["tok_s"], sq["tok_s"], "one-at-a-time"))
-        print(line(pg["tok_s"], st.tok_s, f"static batch {bs}"))
+        print(line(pg["tok_s"], st["tok_s"], f"static batch {bs}"))
         result["speedup_vs_sequential"] = pg["tok_s"] / sq["tok_s"]
-        result["speedup_vs_static"] = pg["tok_s"] / st.tok_s
+        result["speedup_vs_static"] = pg["tok_s"] / st["tok_s"]
     if args.json:
-        from serving import git_info, machine_info  # bench/serving.py: provenance helpers
-
-        out = {k: v for k, v in result.items() if _jsonable(v)}
-        out["command"] = "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
-        out["git"] = git_info()
-        out["machine"] = machine_info()
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        write_json(args.json, result)
     return result
 
 
@@ -525,7 +529,7 @@ def embed_main(
     bs = args.hf_batch_size or len(reqs)
     run_embed_hf(hf, reqs[:2], pad_id, bs)
     st = run_embed_hf(hf, reqs, pad_id, bs)
-    ratio = pg["prompts_s"] / st.prompts_s
+    ratio = pg["prompts_s"] / st["prompts_s"]
     print(
         f"embedding throughput: {pg['prompts_s']:.1f} prompts/s (pagedrs) vs {st['prompts_s']:.1f} prompts/s "
         f"(transformers AutoModel, batches of {bs}) = {ratio:.2f} x"
@@ -539,17 +543,12 @@ def embed_main(
         "num_prompts": len(reqs),
         "input_tokens": sum(len(r[0]) for r in reqs),
         "pagedrs_prompts_s": pg["prompts_s"],
-        "hf_prompts_s": st.prompts_s,
+        "hf_prompts_s": st["prompts_s"],
         "hf_batch_size": bs,
         "speedup_vs_hf": ratio,
     }
     if args.json:
-        from serving import git_info, machine_info
-
-        result["command"] = "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
-        result["git"] = git_info()
-        result["machine"] = machine_info()
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        write_json(args.json, result)
     return result
 
 
