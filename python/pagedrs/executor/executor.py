@@ -32,6 +32,7 @@ __all__ = ["ExecutorDeadError", "TPExecutor", "UniProcExecutor"]
 logger = logging.getLogger("pagedrs.executor")
 
 _FAILURE_REPORT_WAIT_S = 2.0  # how long a failed step waits for the failing rank to say why
+_HEALTH_CHECK_INTERVAL_S = 0.2  # between two looks at the worker processes
 
 
 class ExecutorDeadError(RuntimeError):
@@ -82,6 +83,7 @@ class TPExecutor(UniProcExecutor):
         # Step broadcasts reach every rank: the group itself, or under liquid scaling the world.
         self.bcast: TPGroup = getattr(workers, "world", None) or runner.tp
         self._dead: ExecutorDeadError | None = None
+        self._next_health_check = 0.0
         self._stopped = False
         # Workers must not outlive the engine, also when nobody calls shutdown().
         self._finalizer = weakref.finalize(self, TPExecutor._stop_workers, workers, self.bcast, False)
@@ -128,6 +130,12 @@ class TPExecutor(UniProcExecutor):
     def check_health(self) -> None:
         if self._dead is not None:
             raise self._dead
+        # A rank that fails during a step breaks that step's collectives at once; between steps, a few
+        # checks a second find an idle rank that died without a per-step cost (a Ray query is not free).
+        now = time.monotonic()
+        if now < self._next_health_check:
+            return
+        self._next_health_check = now + _HEALTH_CHECK_INTERVAL_S
         failure = self.workers.failure()  # type: ignore[attr-defined]
         if failure is not None:
             raise self._fail(failure)

@@ -30,15 +30,15 @@ class LiquidExecutor(TPExecutor):
         super().__init__(runner, workers)
         self.world = workers.world  # type: ignore[attr-defined]
         self.groups = workers.groups  # type: ignore[attr-defined]
-        self.degree = 1
         self.max_degree = self.world.size
         self.devices = list(runner.config.parallel.liquid_gpu_range or range(self.max_degree))
         self.events: list[LiquidStats] = []
         self._budget = 0  # bytes of KV pool per rank, from the first sizing
 
     @property
-    def tensor_parallel_size(self) -> int:
-        return self.degree
+    def degree(self) -> int:
+        """Active ranks: the size of the group the model's collectives run over now."""
+        return self.runner.tp.size
 
     def init_kv_cache(self) -> KVCachePool:
         """Rank 0 alone holds the model at first; its pool is sized as on one device."""
@@ -103,7 +103,6 @@ class LiquidExecutor(TPExecutor):
         runner.model = model
         runner.kv_pool = new_pool
         runner.tp = self.groups[dst]
-        self.degree = dst
         stats.total_seconds = time.perf_counter() - start
         self.events.append(stats)
         return stats

@@ -58,7 +58,6 @@ class LiquidWorker:
             max_len = min(max_len, cap)
         self.config = args.create_engine_config(max_len)
         self.runner: Any = None  # a ModelRunner while this rank holds shards
-        self.degree = 1
 
     def _build(self, tp: TPGroup) -> torch.nn.Module:
         return rebuild_model(self.model_cls, self.hf_config, self.dtype, self.device, tp)
@@ -143,7 +142,6 @@ class LiquidWorker:
                     torch.cuda.empty_cache()
         else:
             raise RuntimeError(f"liquid: a move from {src} to {dst} ranks is not one doubling or halving")
-        self.degree = dst
         logger.info("rank %d: liquid %d -> %d done (%s)", r, src, dst, "active" if self.runner else "idle")
 
     def _rebind(self, model: torch.nn.Module | None, pool: Any, tp: TPGroup) -> None:

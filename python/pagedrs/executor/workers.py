@@ -177,14 +177,12 @@ class MpWorkers(_Workers):
         return [p.pid for p in self.procs.values()]
 
     def failure(self) -> WorkerFailure | None:
+        # A rank that raises writes its error to the store and exits: its exit is what is watched (a
+        # waitpid per rank; the store is read only then, not on every step).
         for rank, proc in self.procs.items():
             code = proc.poll()
             if code is not None:
                 why = self.reported_error(rank) or f"process {proc.pid} exited with code {code}"
-                return WorkerFailure(rank, why)
-        for rank in self.procs:  # raised but not yet gone
-            why = self.reported_error(rank)
-            if why is not None:
                 return WorkerFailure(rank, why)
         return None
 
