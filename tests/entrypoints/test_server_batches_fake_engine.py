@@ -182,3 +182,43 @@ def test_restart_resumes_unanswered_lines(tmp_path: Path) -> None:
         out = _jsonl(client, done.output_file_id)
         assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(12))
         assert done.request_counts.completed == 12 and done.request_counts.failed == 0
+
+
+def test_batches_across_api_server_processes(tmp_path: Path) -> None:
+    """Two API servers on one data dir (`--api-server-count 2`): a job created and cancelled through
+    server 1 is run and stopped by server 0 (the one that runs jobs, polling the shared store); both
+    answer the same status and results."""
+
+    def app(index: int) -> Any:
+        args = SimpleNamespace(
+            api_key=API_KEY,
+            data_dir=str(tmp_path),
+            served_model_name=["fake"],
+            max_batch_concurrency=2,
+            shutdown_grace=0.5,
+            api_server_count=2,
+            api_server_index=index,
+        )
+        return build_app(FakeEngine(step_delay=0.01), args)
+
+    with ThreadedServer(app(0)) as s0, ThreadedServer(app(1)) as s1:
+        c0, c1 = _client(s0), _client(s1)
+        b = c1.batches.create(
+            input_file_id=_upload(c1, _lines(6)), endpoint="/v1/completions", completion_window="24h"
+        )
+        done = _poll(c1, b.id, ("completed", "failed"))
+        assert done.status == "completed" and done.request_counts.completed == 6
+        assert c0.batches.retrieve(b.id).status == "completed"
+        out = _jsonl(c0, done.output_file_id)
+        assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(6))
+
+        slow = c1.batches.create(
+            input_file_id=_upload(c1, _lines(30, max_tokens=10)),
+            endpoint="/v1/completions",
+            completion_window="24h",
+        )
+        wait_until(lambda: c1.batches.retrieve(slow.id).request_counts.completed >= 2, timeout=30)
+        c1.batches.cancel(slow.id)
+        cancelled = _poll(c0, slow.id, ("cancelled",))
+        kept = _jsonl(c1, cancelled.output_file_id)
+        assert 2 <= len(kept) < 30 and len(kept) == cancelled.request_counts.completed

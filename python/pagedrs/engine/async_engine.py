@@ -13,7 +13,6 @@ unhealthy, and the core is restarted (at most `max_restarts` times) so that new 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import shutil
@@ -30,9 +29,9 @@ from pagedrs.engine.core_client import (
     CoreHandle,
     EngineStartupError,
     ProcessCore,
+    RemoteCore,
     ThreadCore,
     connect_ready,
-    send_shutdown,
 )
 from pagedrs.engine.input_processor import InputProcessor
 from pagedrs.engine.messages import (
@@ -157,6 +156,7 @@ class RequestStream:
 class AsyncLLMEngine:
     """`from_engine_args` runs the core in its own process; `AsyncLLMEngine(engine)` runs a given engine
     (an `LLMEngine`, an `EngineCore` or a stand-in with its methods) in a thread behind the same channel.
+    `from_supervised_core` is one of several API server processes sharing a core that a supervisor runs.
     The core starts (and the model loads) in the constructor; `start()` must then be called from the
     serving event loop."""
 
@@ -167,11 +167,15 @@ class AsyncLLMEngine:
         observer: StepObserver | None = None,
         tokenizer: Any = None,
         max_restarts: int = 3,
+        client_index: int = 0,
+        ipc_dir: str | None = None,
         _make_handle: Callable[[str, int], CoreHandle] | None = None,
     ) -> None:
         self.observer = observer
         self.max_restarts = max_restarts
-        self._ipc_dir = tempfile.mkdtemp(prefix="pagedrs-ipc-")  # mode 0700
+        self.client_index = client_index
+        self._owns_ipc_dir = ipc_dir is None
+        self._ipc_dir = ipc_dir or tempfile.mkdtemp(prefix="pagedrs-ipc-")  # mode 0700
         if _make_handle is None:
             core = getattr(engine, "engine_core", engine)  # an LLMEngine runs its core
             tokenizer = tokenizer if tokenizer is not None else engine.get_tokenizer()
@@ -230,11 +234,33 @@ class AsyncLLMEngine:
             **kwargs,
         )
 
+    @classmethod
+    def from_supervised_core(
+        cls, engine_args: Any, ipc_dir: str, client_index: int, **kwargs: Any
+    ) -> AsyncLLMEngine:
+        """Client `client_index` of the core that this process's parent supervises in `ipc_dir`
+        (`--api-server-count N`): the parent starts and restarts the core; this frontend follows it."""
+        from pagedrs.loader import load_tokenizer
+
+        tokenizer = (
+            None
+            if engine_args.skip_tokenizer_init
+            else load_tokenizer(engine_args.model, engine_args.tokenizer, engine_args.load_options())
+        )
+        return cls(
+            tokenizer=tokenizer,
+            client_index=client_index,
+            ipc_dir=ipc_dir,
+            _make_handle=lambda ipc_dir, gen: RemoteCore(ipc_dir, gen, client_index),
+            **kwargs,
+        )
+
     def _start_core(self) -> CoreHandle:
         handle = self._make_handle(self._ipc_dir, self._gen)
         handle.start()
+        self._gen = max(self._gen, getattr(handle, "gen", self._gen))  # a supervisor may be ahead
         try:
-            self.ready, self._ready_sock = connect_ready(handle, _READY_TIMEOUT_S)
+            self.ready, self._ready_sock = connect_ready(handle, _READY_TIMEOUT_S, self.client_index)
         except BaseException:
             handle.stop(5)
             raise
@@ -322,18 +348,18 @@ class AsyncLLMEngine:
         return self._num_inflight == 0
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Aborts what is left, stops the core (its process exits) and closes the channel."""
+        """Aborts what is left, stops the core (its process exits; a supervised core is left to its
+        supervisor) and closes the channel."""
         if self._closing:
             return
         self._draining = self._closing = True
         for t in self._tasks:
             t.cancel()
         self._fail_all(RequestAbortedError("server shut down"))
-        with contextlib.suppress(zmq.ZMQError):
-            send_shutdown(self._handle.input_addr)
         self._handle.stop(timeout)
         self._disconnect()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._owns_ipc_dir:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     # --------------------------------------------------------------- requests
     async def add_request(
@@ -350,7 +376,9 @@ class AsyncLLMEngine:
         request_id = str(request_id)
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, req = self.input_processor.process(request_id, prompt, params, priority=priority)
+        text, req = self.input_processor.process(
+            request_id, prompt, params, priority=priority, client_index=self.client_index
+        )
         if isinstance(params, PoolingParams):
             self.output_processor.add_pooling_request(request_id, text, req.prompt_token_ids)
             kind = RequestOutputKind.FINAL_ONLY
@@ -415,7 +443,7 @@ class AsyncLLMEngine:
         call_id = next(self._call_ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        self._send(UtilityCall(call_id, method, list(args)))
+        self._send(UtilityCall(call_id, method, list(args), self.client_index))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:

@@ -1,11 +1,14 @@
-"""Where an engine core runs, seen from the frontend: its own process (`ProcessCore`, what the server uses)
-or a thread of this process (`ThreadCore`, for an `LLMEngine` or a stand-in core handed to the server).
-Both speak the same ZeroMQ + msgspec channel (`core_proc`), so the frontend code is one."""
+"""Where an engine core runs, seen from the frontend: its own process (`ProcessCore`, what the server uses),
+a thread of this process (`ThreadCore`, for an `LLMEngine` or a stand-in core handed to the server), or a
+process started and restarted by a supervisor that several API server processes share (`RemoteCore`,
+`--api-server-count N`). All speak the same ZeroMQ + msgspec channel (`core_proc`), so the frontend code
+is one."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import os
 import subprocess
@@ -21,7 +24,17 @@ import zmq
 from pagedrs.engine.core_proc import CoreLike, EngineCoreProc
 from pagedrs.engine.messages import Ready, Shutdown, StartupFailed, output_decoder
 
-__all__ = ["CoreHandle", "EngineStartupError", "ProcessCore", "ThreadCore", "wait_ready"]
+__all__ = [
+    "CoreHandle",
+    "CoreState",
+    "EngineStartupError",
+    "ProcessCore",
+    "RemoteCore",
+    "ThreadCore",
+    "read_core_state",
+    "wait_ready",
+    "write_core_state",
+]
 
 logger = logging.getLogger("pagedrs.core_client")
 
@@ -45,12 +58,22 @@ def _addresses(ipc_dir: str, gen: int, num_clients: int) -> tuple[str, list[str]
     return f"{base}-in", [f"{base}-out{i}" for i in range(num_clients)]
 
 
-class ProcessCore:
-    """`python -m pagedrs.engine.core_proc` with the engine arguments as JSON; it dies with this process."""
+def status_address(ipc_dir: str, gen: int) -> str:
+    """Where a supervised core announces Ready / StartupFailed to its supervisor."""
+    return f"ipc://{ipc_dir}/core{gen}-status"
 
-    def __init__(self, engine_args: Any, ipc_dir: str, gen: int, num_clients: int = 1) -> None:
+
+class ProcessCore:
+    """`python -m pagedrs.engine.core_proc` with the engine arguments as JSON; it dies with this process.
+    With `status=True` it also announces Ready / StartupFailed on `status_address` (for a supervisor that
+    does not read step messages)."""
+
+    def __init__(
+        self, engine_args: Any, ipc_dir: str, gen: int, num_clients: int = 1, *, status: bool = False
+    ) -> None:
         self.engine_args = engine_args
         self.input_addr, self.output_addrs = _addresses(ipc_dir, gen, num_clients)
+        self.status_addr = status_address(ipc_dir, gen) if status else None
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -58,6 +81,8 @@ class ProcessCore:
         cmd = [sys.executable, "-m", "pagedrs.engine.core_proc", "--input", self.input_addr]
         for addr in self.output_addrs:
             cmd += ["--output", addr]
+        if self.status_addr is not None:
+            cmd += ["--status", self.status_addr]
         cmd += ["--engine-args", args_json, "--parent-pid", str(os.getpid())]
         level = logging.getLevelName(logging.getLogger("pagedrs").getEffectiveLevel())
         cmd += ["--log-level", str(level).lower()]
@@ -82,10 +107,13 @@ class ProcessCore:
         return f"engine core process (pid {self.proc.pid}) {how}"
 
     def stop(self, timeout: float) -> None:
-        """Waits for a core that was asked to shut down; terminates, then kills, one that does not exit."""
+        """Asks the core to shut down and waits; terminates, then kills, one that does not exit."""
         proc = self.proc
         if proc is None:
             return
+        if proc.poll() is None:
+            with contextlib.suppress(zmq.ZMQError):
+                send_shutdown(self.input_addr)
         for sig in (None, proc.terminate, proc.kill):
             if sig is not None:
                 with contextlib.suppress(ProcessLookupError):
@@ -138,6 +166,102 @@ class ThreadCore:
         self.proc.stop()
         if self.thread is not None:
             self.thread.join(timeout)
+
+
+class CoreState(msgspec.Struct):
+    """What a supervisor says of its core (`core-state.json` in the private ipc dir): generation, pid and
+    state: starting | ready | down (it died; restarting) | failed (this generation did not start) |
+    exhausted (out of restarts) | stopped."""
+
+    gen: int
+    pid: int
+    state: str
+    message: str = ""
+    num_clients: int = 1
+
+
+_STATE_FILE = "core-state.json"
+
+
+def write_core_state(ipc_dir: str, state: CoreState) -> None:
+    path = os.path.join(ipc_dir, _STATE_FILE)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(msgspec.json.encode(state))
+    os.replace(tmp, path)  # readers see the old state or the new one, never half of one
+
+
+def read_core_state(ipc_dir: str) -> CoreState | None:
+    try:
+        with open(os.path.join(ipc_dir, _STATE_FILE), "rb") as f:
+            return msgspec.json.decode(f.read(), type=CoreState)
+    except (OSError, msgspec.DecodeError, json.JSONDecodeError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (dead, not yet reaped by the supervisor) is dead
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+class RemoteCore:
+    """A core that a supervisor process starts and restarts (`--api-server-count N`); this frontend is
+    client `client_index` of it. `start()` waits for the supervisor's generation `gen` or a later one;
+    `stop()` leaves the core alone (the supervisor stops it when every frontend is gone)."""
+
+    def __init__(self, ipc_dir: str, gen: int, client_index: int, supervisor_pid: int | None = None) -> None:
+        self.ipc_dir = ipc_dir
+        self.gen = gen
+        self.client_index = client_index
+        self.supervisor_pid = supervisor_pid if supervisor_pid is not None else os.getppid()
+        self.pid: int | None = None
+        self.input_addr = ""
+        self.output_addrs: list[str] = []
+
+    def start(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = read_core_state(self.ipc_dir)
+            if st is not None and st.gen >= self.gen and st.state != "starting":
+                self.gen = st.gen
+                if st.state != "ready":  # down, failed, exhausted, stopped
+                    raise EngineStartupError(f"the engine core failed to start: {st.message or st.state}")
+                if not 0 <= self.client_index < st.num_clients:
+                    raise EngineStartupError(
+                        f"client index {self.client_index} is not one of the core's {st.num_clients}"
+                    )
+                self.pid = st.pid
+                self.input_addr, self.output_addrs = _addresses(self.ipc_dir, st.gen, st.num_clients)
+                return
+            if not _pid_alive(self.supervisor_pid):
+                raise EngineStartupError("the server's supervisor process is gone")
+            time.sleep(0.05)
+        raise EngineStartupError(f"the engine core did not become ready within {timeout:.0f}s")
+
+    def alive(self) -> bool:
+        return self.pid is not None and _pid_alive(self.pid)
+
+    def exit_description(self) -> str:
+        if self.pid is None:
+            return "engine core not started"
+        st = read_core_state(self.ipc_dir)
+        if st is not None and st.pid == self.pid and st.state != "ready" and st.message:
+            return st.message
+        if self.alive():
+            return f"engine core (pid {self.pid}) is running"
+        return f"engine core process (pid {self.pid}) exited"
+
+    def stop(self, timeout: float) -> None:
+        return None
 
 
 def wait_ready(handle: CoreHandle, timeout: float, client_index: int = 0) -> Ready:

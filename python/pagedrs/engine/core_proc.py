@@ -2,7 +2,8 @@
 process, behind the server) or `EngineCoreProc.run()` in a thread (an in-process core).
 
 Sockets (bound here, `ipc://` paths in a private 0700 directory): one PULL for requests from every
-frontend, one PUSH per frontend for its outputs. MessagePack (msgspec) only; a malformed message is
+frontend, one PUSH per frontend for its outputs, and optionally one PUSH on which a supervisor (several
+API server processes, `--api-server-count`) hears Ready / StartupFailed. MessagePack (msgspec) only; a malformed message is
 logged and dropped. Two helper threads do the socket work: one receives and decodes, one encodes and
 sends, so the loop never waits on a frontend: it keeps stepping while the previous step's message is
 being sent.
@@ -62,12 +63,22 @@ class CoreLike(Protocol):
 
 
 class EngineCoreProc:
-    """Runs a core behind `input_addr` (PULL) and `output_addrs` (PUSH, one per frontend client)."""
+    """Runs a core behind `input_addr` (PULL) and `output_addrs` (PUSH, one per frontend client); Ready
+    and StartupFailed also go to `status_addr` when given (first, so a supervisor hears them before any
+    frontend has connected)."""
 
-    def __init__(self, input_addr: str, output_addrs: list[str], ctx: zmq.Context | None = None) -> None:
+    def __init__(
+        self,
+        input_addr: str,
+        output_addrs: list[str],
+        ctx: zmq.Context | None = None,
+        status_addr: str | None = None,
+    ) -> None:
         self.ctx = ctx or zmq.Context.instance()
         self.input_addr = input_addr
         self.output_addrs = list(output_addrs)
+        self.status_addr = status_addr
+        self._status_sock: zmq.Socket | None = None
         self._inputs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._outputs: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -87,6 +98,10 @@ class EngineCoreProc:
             s.setsockopt(zmq.LINGER, 2000)
             s.bind(addr)
             self._out_socks.append(s)
+        if self.status_addr is not None:
+            self._status_sock = self.ctx.socket(zmq.PUSH)
+            self._status_sock.setsockopt(zmq.LINGER, 2000)
+            self._status_sock.bind(self.status_addr)
         self._threads = [
             threading.Thread(target=self._recv_loop, name="core-recv", daemon=True),
             threading.Thread(target=self._send_loop, name="core-send", daemon=True),
@@ -95,6 +110,8 @@ class EngineCoreProc:
             t.start()
 
     def send_all(self, msg: Any) -> None:
+        if self._status_sock is not None:
+            self._outputs.put((-1, msg))
         for i in range(len(self._out_socks)):
             self._outputs.put((i, msg))
 
@@ -124,7 +141,9 @@ class EngineCoreProc:
                 return
             start = time.perf_counter()
             client, msg = item
-            self._out_socks[client].send(encoder.encode(msg), copy=False)
+            sock = self._status_sock if client < 0 else self._out_socks[client]
+            assert sock is not None
+            sock.send(encoder.encode(msg), copy=False)
             self._send_time = time.perf_counter() - start
 
     def close(self) -> None:
@@ -132,7 +151,7 @@ class EngineCoreProc:
         self._outputs.put(None)
         for t in self._threads:
             t.join(5)
-        for s in [*self._out_socks, self._in_sock]:
+        for s in [*self._out_socks, self._status_sock, self._in_sock]:
             if s is not None:
                 s.close(linger=2000)
 
@@ -242,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pagedrs.engine.core_proc", description="pagedrs engine core")
     p.add_argument("--input", required=True, help="ipc:// address to bind for requests")
     p.add_argument("--output", action="append", required=True, help="ipc:// address per frontend client")
+    p.add_argument("--status", default=None, help="ipc:// address where a supervisor hears Ready")
     p.add_argument("--engine-args", required=True, help="EngineArgs as JSON")
     p.add_argument("--parent-pid", type=int, required=True)
     p.add_argument("--log-level", default="info")
@@ -253,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.getLogger("pagedrs").setLevel(lvl)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when the core stops
-    proc = EngineCoreProc(args.input, args.output)
+    proc = EngineCoreProc(args.input, args.output, status_addr=args.status)
     proc.bind()
     signal.signal(signal.SIGTERM, lambda *_: proc.stop())
     try:

@@ -183,6 +183,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="times the engine core process is restarted after it dies (then /health stays 503)",
     )
+    g.add_argument(
+        "--api-server-count",
+        "-asc",
+        type=int,
+        default=1,
+        help="API server processes sharing the port and one engine core (default 1): HTTP, tokenization "
+        "and streaming scale past one process's CPU",
+    )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument(
         "--no-access-log", dest="access_log", action="store_false", help="no access log line per request"

@@ -7,6 +7,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 from types import FrameType
 from typing import Any
@@ -18,16 +19,23 @@ from pagedrs.entrypoints.cli_args import make_engine_args, make_serve_parser
 logger = logging.getLogger("pagedrs.server")
 
 
-def setup_logging(level: str) -> None:
-    """uvicorn's lines go through the root logger; pagedrs's own logger has its handler already."""
+def setup_logging(level: str, tag: str = "") -> None:
+    """uvicorn's lines go through the root logger; pagedrs's own logger has its handler already. `tag`
+    names the process when there are several API servers."""
     lvl = getattr(logging, level.upper(), logging.INFO)
     logging.basicConfig(
         level=lvl,
-        format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+        format=f"%(levelname)s %(asctime)s {tag}[%(name)s] %(message)s",
         datefmt="%m-%d %H:%M:%S",
         force=True,
     )
     logging.getLogger("pagedrs").setLevel(lvl)
+    if tag:
+        fmt = logging.Formatter(
+            f"%(levelname)s %(asctime)s {tag}[%(filename)s:%(lineno)d] %(message)s", "%m-%d %H:%M:%S"
+        )
+        for handler in logging.getLogger("pagedrs").handlers:
+            handler.setFormatter(fmt)
 
 
 class _Server(uvicorn.Server):
@@ -49,18 +57,33 @@ def _ignore_signal(sig: int, frame: FrameType | None) -> None:
     return None
 
 
-def run_server(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
+def resolve_server_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fills the defaults that come from the environment (API key, data dir); checks the server flags."""
     if args.api_key is None:
         args.api_key = os.environ.get("PAGEDRS_API_KEY") or None
     if args.data_dir is None:
         base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
         args.data_dir = os.path.join(base, "pagedrs")
+    count = getattr(args, "api_server_count", 1)
+    if count is None or count < 1:
+        raise ValueError(f"--api-server-count must be at least 1, got {count}")
+    return args
+
+
+def run_server(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    try:
+        resolve_server_args(args)
+    except ValueError as exc:
+        print(f"pagedrs: {exc}", file=sys.stderr)
+        return 2
+    if getattr(args, "api_server_count", 1) > 1:
+        from pagedrs.entrypoints.openai.multi_server import run_multi_server
+
+        return run_multi_server(args)
 
     from pagedrs.engine.async_engine import AsyncLLMEngine, EngineStartupError
-    from pagedrs.entrypoints.openai.app import build_app
 
-    logging.getLogger("pagedrs.access").disabled = not args.access_log
     # The engine core process loads the model before the port opens, so /health answers 200 as soon
     # as it answers; a load failure ends the server with its message and a non-zero exit.
     try:
@@ -71,6 +94,15 @@ def run_server(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         print(f"pagedrs: {exc}", file=sys.stderr)
         return 1
+    return serve_app(engine, args)
+
+
+def serve_app(engine: Any, args: argparse.Namespace, sockets: list[socket.socket] | None = None) -> int:
+    """Serves the OpenAI app around `engine` until SIGTERM/SIGINT (then drains); on `args.host/port`, or on
+    the given listening sockets (shared by several API server processes)."""
+    from pagedrs.entrypoints.openai.app import build_app
+
+    logging.getLogger("pagedrs.access").disabled = not args.access_log
     app = build_app(engine, args)
     config = uvicorn.Config(
         app,
@@ -86,7 +118,7 @@ def run_server(args: argparse.Namespace) -> int:
     server = _Server(config, app.state.server.begin_drain)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _ignore_signal)
-    server.run()
+    server.run(sockets=sockets)
     return 0 if server.started else 1
 
 

@@ -100,7 +100,9 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
     then runs in a thread of this process behind the same channel).
 
     ``args`` (an argparse namespace or any object) may carry served_model_name (str or list),
-    api_key, data_dir, max_body_bytes, max_batch_concurrency, shutdown_grace.
+    api_key, data_dir, max_body_bytes, max_batch_concurrency, shutdown_grace, and, for one of several
+    API server processes, api_server_count and api_server_index (batch jobs run in process 0, which
+    polls the shared store for jobs and cancellations made through the others).
     """
     if not isinstance(engine, AsyncLLMEngine):
         engine = AsyncLLMEngine(engine)
@@ -113,12 +115,15 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
     embeddings = OpenAIServingEmbedding(engine, served_model_names, tokenizer=completions.tokenizer)
     data_dir = _arg(args, "data_dir", None) or tempfile.mkdtemp(prefix="pagedrs-data-")
     store = BatchStore(data_dir)
+    num_servers = int(_arg(args, "api_server_count", 1))
+    runs_batches = int(_arg(args, "api_server_index", 0)) == 0
     runner = BatchRunner(
         store,
         completions,
         chat,
         max_concurrency=int(_arg(args, "max_batch_concurrency", 64)),
         embeddings=embeddings,
+        poll_interval=0.5 if num_servers > 1 else None,
     )
     engine.add_restart_listener(runner.notify)  # unanswered batch lines run again on the new core
     state = ServerState(engine, metrics, store, runner, float(_arg(args, "shutdown_grace", 30.0)))
@@ -126,7 +131,8 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
-        runner.start()
+        if runs_batches:
+            runner.start()
         logger.info(
             "serving %s (max_model_len %d), data dir %s",
             served_model_names[0],

@@ -114,12 +114,16 @@ class BatchRunner:
         *,
         max_concurrency: int = 64,
         embeddings: OpenAIServingEmbedding | None = None,
+        poll_interval: float | None = None,
     ) -> None:
+        """`poll_interval`: also look at the store that often for new jobs and cancellations (other
+        API server processes write to it; their notify/cancel do not reach this process)."""
         self.store = store
         self.completions = completions
         self.chat = chat
         self.embeddings = embeddings
         self.max_concurrency = max(1, max_concurrency)
+        self.poll_interval = poll_interval
         self._wake: asyncio.Event | None = None
         self._cancels: dict[str, asyncio.Event] = {}
         self._task: asyncio.Task[None] | None = None
@@ -172,7 +176,8 @@ class BatchRunner:
                 except Exception:  # noqa: BLE001 - one bad job must not stop the worker
                     logger.exception("batch %s failed", batch_id)
                     self.store.set_status(batch_id, "failed")
-            await self._wake.wait()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.poll_interval)
 
     async def _process(self, batch_id: str) -> None:
         batch = self.store.get_batch(batch_id)
@@ -250,8 +255,12 @@ class BatchRunner:
                     inflight.add(asyncio.create_task(self._run_line(batch_id, endpoint, line)))
                 if not inflight or cancel.is_set():
                     break
-                await asyncio.wait(inflight | {cancel_wait}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    inflight | {cancel_wait}, timeout=self.poll_interval, return_when=asyncio.FIRST_COMPLETED
+                )
                 inflight = {t for t in inflight if not t.done()}
+                if self.poll_interval is not None and self._status(batch_id) == "cancelling":
+                    cancel.set()  # cancelled through another API server process
         finally:
             cancel_wait.cancel()
             for t in inflight:

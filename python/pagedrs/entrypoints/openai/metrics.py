@@ -1,7 +1,13 @@
-"""Prometheus metrics of the server: engine gauges and counters, per-request latency histograms."""
+"""Prometheus metrics of the server: engine gauges and counters, per-request latency histograms.
+
+With several API server processes (`--api-server-count`, `PROMETHEUS_MULTIPROC_DIR` set by the
+supervisor before this module is imported) the histograms and counters of every process are summed at
+scrape time; the engine's figures come from the core's step messages, the same in every process, and
+are reported once."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -150,6 +156,7 @@ class ServerMetrics:
     def __init__(self, model_name: str, get_stats: Callable[[], Any]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
+        self._engine_collector = _EngineStatsCollector(get_stats, model_name)
         labels = ["model_name"]
         self.ttft = Histogram(
             "pagedrs:time_to_first_token_seconds",
@@ -214,7 +221,7 @@ class ServerMetrics:
         )
         for reason in ("stop", "length", "abort"):
             self.finished.labels(model_name, reason)
-        self.registry.register(_EngineStatsCollector(get_stats, model_name))
+        self.registry.register(self._engine_collector)
 
     # RequestObserver (called from the engine thread; prometheus_client is thread-safe)
     def on_first_token(self, ttft_s: float) -> None:
@@ -244,4 +251,11 @@ class ServerMetrics:
         self.http.labels(method, route, str(status)).inc()
 
     def render(self) -> bytes:
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # every API server process's values, summed
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            registry.register(self._engine_collector)
+            return generate_latest(registry)
         return generate_latest(self.registry)

@@ -1,0 +1,198 @@
+"""`pagedrs serve --api-server-count N` (N > 1): several API server processes share one engine core, so
+HTTP, tokenization, detokenization and SSE encoding are not bound to one process's CPU (vLLM's
+`--api-server-count`).
+
+The main process is the supervisor: it binds the listening socket, starts the engine core with N client
+sockets (`CoreSupervisor`), then N API server processes (`python -m pagedrs.entrypoints.openai.multi_server`),
+each handed the listening socket's fd (the kernel spreads connections over them) and its client index.
+Each serves every endpoint: files and batch jobs live in the shared SQLite store (API server 0 runs the
+jobs, polling the store for jobs and cancellations made through the others); Prometheus metrics are
+aggregated over the processes (prometheus_client's multiprocess mode). A dead core is restarted by the
+supervisor, and every API server fails its in-flight requests and reconnects. A dead API server ends the
+whole server (non-zero exit). SIGTERM drains every API server, then stops the core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from types import FrameType
+
+import msgspec
+
+from pagedrs.entrypoints.cli_args import make_engine_args
+
+__all__ = ["child_main", "run_multi_server"]
+
+logger = logging.getLogger("pagedrs.server")
+
+_POLL_S = 0.2
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Stop:
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self, sig: int, frame: FrameType | None) -> None:
+        if not self.requested:
+            logger.info("received signal %d: draining %s", sig, "every API server")
+        self.requested = True
+
+
+def run_multi_server(args: argparse.Namespace) -> int:
+    from pagedrs.engine.core_client import EngineStartupError
+    from pagedrs.engine.core_supervisor import CoreSupervisor
+
+    count = int(args.api_server_count)
+    try:
+        engine_args = make_engine_args(args)
+        engine_args.early_configs()  # bad arguments fail here, before any process starts
+    except ValueError as exc:
+        logger.error("%s", exc)
+        print(f"pagedrs: {exc}", file=sys.stderr)
+        return 1
+    try:
+        listener = _listen_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"pagedrs: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    ipc_dir = tempfile.mkdtemp(prefix="pagedrs-ipc-")  # mode 0700: the channel's sockets and state
+    prom_dir = os.path.join(ipc_dir, "prometheus")
+    os.mkdir(prom_dir)
+    stop = _Stop()
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    children: list[subprocess.Popen[bytes]] = []
+    supervisor = CoreSupervisor(engine_args, ipc_dir, count, args.max_engine_restarts)
+    failed: list[str] = []
+
+    def should_stop() -> bool:
+        for i, child in enumerate(children):
+            rc = child.poll()
+            if rc is not None and not failed:
+                how = f"killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+                failed.append(f"API server {i} (pid {child.pid}) {how}")
+        return stop.requested or bool(failed)
+
+    rc = 0
+    try:
+        try:
+            supervisor.start(should_stop)
+        except EngineStartupError as exc:
+            if stop.requested:
+                return 0
+            logger.error("%s", exc)
+            print(f"pagedrs: {exc}", file=sys.stderr)
+            return 1
+        args_json = msgspec.json.encode(vars(args)).decode()
+        env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=prom_dir)
+        for i in range(count):
+            cmd = [sys.executable, "-m", "pagedrs.entrypoints.openai.multi_server", "--client-index", str(i)]
+            cmd += ["--ipc-dir", ipc_dir, "--fd", str(listener.fileno()), "--parent-pid", str(os.getpid())]
+            cmd += ["--args-json", args_json]
+            # Their own session: a terminal's Ctrl-C reaches the supervisor, which drains them with SIGTERM.
+            children.append(
+                subprocess.Popen(
+                    cmd,
+                    pass_fds=[listener.fileno()],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
+        logger.info(
+            "%d API servers (pids %s) on http://%s:%d sharing engine core pid %s",
+            count,
+            ", ".join(str(c.pid) for c in children),
+            args.host,
+            args.port,
+            supervisor.pid,
+        )
+        while not should_stop():
+            supervisor.check(should_stop)
+            time.sleep(_POLL_S)
+        if failed:
+            logger.error("%s: stopping the server", failed[0])
+            rc = 1
+    finally:
+        _stop_children(children, grace=float(args.shutdown_grace) + 15.0)
+        supervisor.stop(10.0)
+        listener.close()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return rc
+
+
+def _stop_children(children: list[subprocess.Popen[bytes]], grace: float) -> None:
+    """SIGTERM (each drains its in-flight requests), then SIGKILL for any still there after `grace`."""
+    for child in children:
+        if child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for child in children:
+        try:
+            child.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("API server pid %d did not stop in %.0fs: killed", child.pid, grace)
+            with contextlib.suppress(ProcessLookupError):
+                child.kill()
+            child.wait(10)
+
+
+# ---- one API server process -----------------------------------------------------------------------------
+def child_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pagedrs.entrypoints.openai.multi_server")
+    p.add_argument("--client-index", type=int, required=True)
+    p.add_argument("--ipc-dir", required=True)
+    p.add_argument("--fd", type=int, required=True, help="the listening socket, inherited")
+    p.add_argument("--parent-pid", type=int, required=True)
+    p.add_argument("--args-json", required=True, help="the server's parsed flags")
+    a = p.parse_args(argv)
+
+    from pagedrs.utils import die_with_parent
+
+    die_with_parent(a.parent_pid)
+    from pagedrs.engine.async_engine import AsyncLLMEngine, EngineStartupError
+    from pagedrs.entrypoints.openai.api_server import serve_app, setup_logging
+
+    args = argparse.Namespace(**msgspec.json.decode(a.args_json.encode()))
+    args.api_server_index = a.client_index
+    setup_logging(args.log_level, tag=f"[api-server {a.client_index}] ")
+    try:
+        engine = AsyncLLMEngine.from_supervised_core(
+            make_engine_args(args), a.ipc_dir, a.client_index, max_restarts=args.max_engine_restarts
+        )
+    except (EngineStartupError, ValueError) as exc:
+        logger.error("%s", exc)
+        return 1
+    listener = socket.socket(fileno=a.fd)
+    return serve_app(engine, args, sockets=[listener])
+
+
+if __name__ == "__main__":
+    sys.exit(child_main())
