@@ -106,6 +106,14 @@ def test_metrics_summed_over_processes(server: SubprocessServer) -> None:
         assert metric_value(text, "pagedrs:engine_step_seconds_count") > 0
         assert metric_value(text, "pagedrs:generation_tokens_total") >= 2 * n
 
+        def steps_counted_once() -> bool:
+            # both processes process every step message; the core's step time is observed by one
+            text = http.get("/metrics").text
+            engine = metric_value(text, "pagedrs:engine_step_seconds_count")
+            return metric_value(text, "pagedrs:frontend_step_seconds_count") == 2 * engine
+
+        wait_until(steps_counted_once, timeout=30, interval=0.2)
+
 
 def test_kill_core_fails_streams_in_both_processes_then_restart(server: SubprocessServer) -> None:
     core, apis = _kids(server)

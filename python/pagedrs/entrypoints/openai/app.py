@@ -108,7 +108,8 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
         engine = AsyncLLMEngine(engine)
     names = _arg(args, "served_model_name", None) or [engine.model_name]
     served_model_names = [names] if isinstance(names, str) else list(names)
-    metrics = ServerMetrics(served_model_names[0], engine.get_stats)
+    index = int(_arg(args, "api_server_index", 0))
+    metrics = ServerMetrics(served_model_names[0], engine.get_stats, core_histograms=index == 0)
     engine.set_observer(metrics)
     completions = OpenAIServingCompletion(engine, served_model_names)
     chat = OpenAIServingChat(engine, served_model_names, tokenizer=completions.tokenizer)
@@ -116,7 +117,7 @@ def build_app(engine: Any, args: Any = None) -> FastAPI:
     data_dir = _arg(args, "data_dir", None) or tempfile.mkdtemp(prefix="pagedrs-data-")
     store = BatchStore(data_dir)
     num_servers = int(_arg(args, "api_server_count", 1))
-    runs_batches = int(_arg(args, "api_server_index", 0)) == 0
+    runs_batches = index == 0
     runner = BatchRunner(
         store,
         completions,

@@ -153,7 +153,13 @@ class _EngineStatsCollector(Collector):
 class ServerMetrics:
     """One registry per app; also the AsyncLLMEngine's RequestObserver."""
 
-    def __init__(self, model_name: str, get_stats: Callable[[], Any]) -> None:
+    def __init__(
+        self, model_name: str, get_stats: Callable[[], Any], *, core_histograms: bool = True
+    ) -> None:
+        """`core_histograms`: observe the core's per-step figures (step time, send time, batch size).
+        Every API server process gets every step message; one of them observes these, so the summed
+        histograms count each step once."""
+        self.core_histograms = core_histograms
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self._engine_collector = _EngineStatsCollector(get_stats, model_name)
@@ -240,10 +246,12 @@ class ServerMetrics:
     def on_step(self, stats: Any, frontend_s: float) -> None:
         """One step message from the engine core: its timings and the frontend's."""
         m = self.model_name
+        self.frontend_step.labels(m).observe(frontend_s)
+        if not self.core_histograms:
+            return
         self.engine_step.labels(m).observe(stats.step_time_s)
         if stats.send_time_s:
             self.output_send.labels(m).observe(stats.send_time_s)
-        self.frontend_step.labels(m).observe(frontend_s)
         if stats.batch_size:
             self.step_batch.labels(m).observe(stats.batch_size)
 

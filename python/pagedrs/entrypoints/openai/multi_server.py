@@ -2,9 +2,10 @@
 HTTP, tokenization, detokenization and SSE encoding are not bound to one process's CPU (vLLM's
 `--api-server-count`).
 
-The main process is the supervisor: it binds the listening socket, starts the engine core with N client
-sockets (`CoreSupervisor`), then N API server processes (`python -m pagedrs.entrypoints.openai.multi_server`),
-each handed the listening socket's fd (the kernel spreads connections over them) and its client index.
+The main process is the supervisor: it reserves the port, starts the engine core with N client sockets
+(`CoreSupervisor`), then N API server processes (`python -m pagedrs.entrypoints.openai.multi_server`), each
+with its client index. Each listens on the port with SO_REUSEPORT, so the kernel spreads connections over
+them evenly (one shared listening socket would let whichever process wakes first accept them all).
 Each serves every endpoint: files and batch jobs live in the shared SQLite store (API server 0 runs the
 jobs, polling the store for jobs and cancellations made through the others); Prometheus metrics are
 aggregated over the processes (prometheus_client's multiprocess mode). A dead core is restarted by the
@@ -38,18 +39,22 @@ logger = logging.getLogger("pagedrs.server")
 _POLL_S = 0.2
 
 
-def _listen_socket(host: str, port: int) -> socket.socket:
+def reuseport_socket(host: str, port: int, listen: bool) -> socket.socket:
+    """A TCP socket bound to host:port with SO_REUSEPORT (and listening, if asked). The supervisor holds
+    one that does not listen: it reserves the port (a taken port fails before anything starts) and
+    fixes it when `--port 0` asks for any; only listening sockets get connections."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, _, _, _, addr = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind(addr)
-        sock.listen(2048)
+        if listen:
+            sock.listen(2048)
     except OSError:
         sock.close()
         raise
-    sock.set_inheritable(True)
     return sock
 
 
@@ -76,10 +81,11 @@ def run_multi_server(args: argparse.Namespace) -> int:
         print(f"pagedrs: {exc}", file=sys.stderr)
         return 1
     try:
-        listener = _listen_socket(args.host, args.port)
+        reserved = reuseport_socket(args.host, args.port, listen=False)
     except OSError as exc:
         print(f"pagedrs: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
+    args.port = reserved.getsockname()[1]
     ipc_dir = tempfile.mkdtemp(prefix="pagedrs-ipc-")  # mode 0700: the channel's sockets and state
     prom_dir = os.path.join(ipc_dir, "prometheus")
     os.mkdir(prom_dir)
@@ -111,18 +117,9 @@ def run_multi_server(args: argparse.Namespace) -> int:
         env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=prom_dir)
         for i in range(count):
             cmd = [sys.executable, "-m", "pagedrs.entrypoints.openai.multi_server", "--client-index", str(i)]
-            cmd += ["--ipc-dir", ipc_dir, "--fd", str(listener.fileno()), "--parent-pid", str(os.getpid())]
-            cmd += ["--args-json", args_json]
+            cmd += ["--ipc-dir", ipc_dir, "--parent-pid", str(os.getpid()), "--args-json", args_json]
             # Their own session: a terminal's Ctrl-C reaches the supervisor, which drains them with SIGTERM.
-            children.append(
-                subprocess.Popen(
-                    cmd,
-                    pass_fds=[listener.fileno()],
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
-            )
+            children.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True))
         logger.info(
             "%d API servers (pids %s) on http://%s:%d sharing engine core pid %s",
             count,
@@ -140,7 +137,7 @@ def run_multi_server(args: argparse.Namespace) -> int:
     finally:
         _stop_children(children, grace=float(args.shutdown_grace) + 15.0)
         supervisor.stop(10.0)
-        listener.close()
+        reserved.close()
         shutil.rmtree(ipc_dir, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -169,7 +166,6 @@ def child_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pagedrs.entrypoints.openai.multi_server")
     p.add_argument("--client-index", type=int, required=True)
     p.add_argument("--ipc-dir", required=True)
-    p.add_argument("--fd", type=int, required=True, help="the listening socket, inherited")
     p.add_argument("--parent-pid", type=int, required=True)
     p.add_argument("--args-json", required=True, help="the server's parsed flags")
     a = p.parse_args(argv)
@@ -190,7 +186,12 @@ def child_main(argv: list[str] | None = None) -> int:
     except (EngineStartupError, ValueError) as exc:
         logger.error("%s", exc)
         return 1
-    listener = socket.socket(fileno=a.fd)
+    try:
+        listener = reuseport_socket(args.host, args.port, listen=True)
+    except OSError as exc:
+        logger.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
+        engine.shutdown()
+        return 1
     return serve_app(engine, args, sockets=[listener])
 
 
