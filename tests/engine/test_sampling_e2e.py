@@ -140,3 +140,34 @@ def test_greedy_logprobs_match_hf_log_softmax(
         assert entry[prompt[p]].rank == int((ref[p - 1] >= ref[p - 1, prompt[p]]).sum())
         assert len(entry) in (2, 3)
     assert_pool_free(engine)
+
+
+def test_cumulative_logprob_without_logprobs(
+    tiny_models: dict[str, Path], hf_refs: dict[str, HFReference]
+) -> None:
+    """cumulative_logprob is filled when no logprobs are asked for (vLLM 0.4's CompletionOutput, seed 000):
+    greedy (the argmax fast path) equals HF's log_softmax summed over the chosen tokens; a seeded sample
+    equals the same request with logprobs=0 (the sum of its sampled tokens' logprobs)."""
+    engine = make_engine(tiny_models["qwen2"], num_kv_blocks=256, max_num_batched_tokens=48)
+    prompt = PROMPTS[1]
+    engine.add_request("g", prompt, greedy(10))
+    sample = {"temperature": 0.9, "top_p": 0.9, "seed": 7, "max_tokens": 10, "ignore_eos": True}
+    engine.add_request("s", prompt, SamplingParams(**sample))
+    engine.add_request("s_lp", prompt, SamplingParams(logprobs=0, **sample))
+    outs = run_all(engine)
+    comp = outs["g"].outputs[0]
+    assert comp.logprobs is None and comp.cumulative_logprob is not None
+    with torch.inference_mode():
+        ref = (
+            hf_refs["qwen2"].model(torch.tensor([prompt + comp.token_ids])).logits[0].float().log_softmax(-1)
+        )
+    n = len(prompt)
+    total = sum(float(ref[n - 1 + j, t]) for j, t in enumerate(comp.token_ids))
+    assert abs(comp.cumulative_logprob - total) < 1e-3
+    s, s_lp = outs["s"].outputs[0], outs["s_lp"].outputs[0]
+    assert s.token_ids == s_lp.token_ids and s.logprobs is None and s_lp.logprobs is not None
+    assert s.cumulative_logprob is not None and s_lp.cumulative_logprob is not None
+    assert abs(s.cumulative_logprob - s_lp.cumulative_logprob) < 1e-5
+    by_hand = sum(e[t].logprob for e, t in zip(s_lp.logprobs, s_lp.token_ids, strict=True))
+    assert abs(s_lp.cumulative_logprob - by_hand) < 1e-4
+    assert_pool_free(engine)

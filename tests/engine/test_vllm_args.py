@@ -253,3 +253,69 @@ def test_token_box_visualization(tmp_path: Path, caplog: pytest.LogCaptureFixtur
     assert "│ b            ││ y            │" in first
     with pytest.raises(ValueError, match="batch_visualization_style"):
         EngineArgs(batch_visualization_style="table").early_configs()
+
+
+def test_seed_000_program(caplog: pytest.LogCaptureFixture) -> None:
+    """Seed 000's run with `vllm` -> `pagedrs`: `LLM(...)` with every argument its config line shows (the
+    default model, float32 on the CPU instead of Llama-2-13b in float16), a long document to summarize
+    (prefilled in chunks), then the seed's prints: the token count and `[CompletionOutput(...)]`, whose
+    cumulative_logprob is filled although no logprobs were asked for."""
+    import re
+
+    doc = " ".join(
+        f"In round {i} a proposer sends prepare({i}) to a majority of acceptors; each promises to ignore "
+        f"lower numbers and reports the highest proposal it accepted, so at most one value is chosen."
+        for i in range(30)
+    )
+    prompt = f"Summarize this paper in a few sentences.\n\n{doc}\n\nSummary:"
+    with caplog.at_level(logging.INFO, logger="pagedrs"):
+        llm = LLM(
+            model=None,
+            tokenizer=None,
+            tokenizer_mode="auto",
+            revision=None,
+            tokenizer_revision=None,
+            trust_remote_code=False,
+            dtype="float32",
+            max_model_len=2048,
+            download_dir=None,
+            load_format="auto",
+            tensor_parallel_size=1,
+            disable_custom_all_reduce=False,
+            quantization=None,
+            enforce_eager=True,
+            kv_cache_dtype="auto",
+            seed=0,
+            device="cpu",
+            max_num_batched_tokens=256,
+        )
+    try:
+        for line in (
+            "Initializing an LLM engine",
+            "enforce_eager=True",
+            "seed=0",
+            "Loading model weights took",
+        ):
+            assert line in caplog.text, line
+        assert re.search(r"# CPU blocks: \d+", caplog.text)
+        outputs = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)
+        out = outputs[0].outputs[0]
+        n_prompt = len(outputs[0].prompt_token_ids)
+        assert n_prompt > 512  # several 256-token prefill chunks
+        printed = f"OUTPUT: ({len(out.token_ids)} tokens)\n\n{out.text}\n\n{outputs[0].outputs}"
+        assert printed.startswith(f"OUTPUT: ({len(out.token_ids)} tokens)") and 0 < len(out.token_ids) <= 40
+        m = re.search(
+            r"cumulative_logprob=(-?[0-9.e-]+), logprobs=None, finish_reason=(stop|length)", printed
+        )
+        assert m is not None, printed[-300:]
+        assert f"[CompletionOutput(index=0, text={out.text!r}, token_ids={out.token_ids}, " in printed
+        # the same number as the sum of the sampled tokens' logprobs of the same request with logprobs=0
+        again = llm.generate(
+            [prompt], SamplingParams(temperature=0.0, max_tokens=40, logprobs=0), use_tqdm=False
+        )
+        lp = again[0].outputs[0]
+        assert lp.token_ids == out.token_ids and lp.logprobs is not None
+        by_hand = sum(e[t].logprob for e, t in zip(lp.logprobs, lp.token_ids, strict=True))
+        assert float(m.group(1)) < 0 and abs(float(m.group(1)) - by_hand) < 1e-3
+    finally:
+        llm.shutdown()

@@ -470,6 +470,7 @@ class EngineCore:
                 chunk.start, chunk.token_ids.tolist(), chunk.logprobs.tolist(), chunk.ranks.tolist()
             )
         tokens = out.sampled_token_ids.tolist()
+        token_lps = out.sampled_logprobs.tolist() if out.sampled_logprobs is not None else None
         lp = out.logprobs
         lp_ids = lp_vals = lp_ranks = None
         for i, seq in enumerate(rows):
@@ -482,6 +483,8 @@ class EngineCore:
             if seq.matcher is not None and not seq.matcher.accept_token(tok):
                 logger.warning("request %s: token %d does not follow its grammar", seq.request_id, tok)
             o.new_token_ids = [tok]
+            if token_lps is not None:
+                o.new_token_logprobs = [token_lps[i]]
             if seq.num_logprobs is not None and lp is not None:
                 if lp_ids is None:
                     lp_ids, lp_vals, lp_ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()

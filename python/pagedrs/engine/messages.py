@@ -107,6 +107,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     index: int  # which of the request's n samples
     new_token_ids: list[int] = []
+    new_token_logprobs: list[float] = []  # each new token's raw logprob (summed into cumulative_logprob)
     new_logprobs: SampleLogprobsMsg | None = None
     prompt_logprobs: PromptLogprobsMsg | None = None
     finish_reason: FinishReason | None = None

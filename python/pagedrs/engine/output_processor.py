@@ -143,6 +143,10 @@ class OutputProcessor:
             for j in range(len(lp.ranks)):
                 seq.add_logprobs(lp.token_ids[j], lp.logprobs[j], lp.ranks[j], k, self.tokenizer)
         if o.new_token_ids:
+            if seq.cumulative_logprob is not None and len(o.new_token_logprobs) == len(o.new_token_ids):
+                seq.cumulative_logprob += sum(o.new_token_logprobs)
+            else:
+                seq.cumulative_logprob = None  # a core that did not send them: unknown, not wrong
             seq.output_token_ids.extend(o.new_token_ids)
             det = seq.detokenizer
             stop_terminated = reason == FinishReason.STOP.value

@@ -181,7 +181,7 @@ class Sequence:
         self.params = params
         self.output_token_ids: list[int] = []
         self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
-        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0  # None once a token came without its logprob
         self.detokenizer = (
             IncrementalDetokenizer(tokenizer, request.prompt_token_ids, params.skip_special_tokens)
             if tokenizer is not None and params.detokenize
@@ -242,8 +242,7 @@ class Sequence:
         self, token_ids: Seq[int], logprobs: Seq[float], rank: int, num: int, tokenizer: Any
     ) -> None:
         """Record the sampled token (first entry) and the top `num` alternatives at this position."""
-        assert self.logprobs is not None and self.cumulative_logprob is not None
-        self.cumulative_logprob += float(logprobs[0])
+        assert self.logprobs is not None
         self.logprobs.append(make_logprob_dict(token_ids, logprobs, rank, num, tokenizer))
 
 

@@ -61,6 +61,14 @@ class LogprobsTensors:
 class SamplerOutput:
     sampled_token_ids: Tensor  # [S] int64
     logprobs: LogprobsTensors | None = None
+    # [S] float32: each sampled token's raw logprob (for cumulative_logprob, which vLLM 0.4 always fills)
+    sampled_logprobs: Tensor | None = None
+
+
+def sampled_token_logprobs(logits: Tensor, token_ids: Tensor) -> Tensor:
+    """log_softmax(logits)[i, token_ids[i]] per row, without materialising the [S, V] log-softmax."""
+    chosen = logits.gather(-1, token_ids.view(-1, 1)).squeeze(-1).float()
+    return chosen - logits.float().logsumexp(dim=-1)
 
 
 @dataclass
@@ -253,7 +261,9 @@ class Sampler(torch.nn.Module):
             and meta.bias is None
             and meta.repetition_penalties is None
         ):
-            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1))
+            ids = logits.argmax(dim=-1)
+            return SamplerOutput(sampled_token_ids=ids, sampled_logprobs=sampled_token_logprobs(logits, ids))
+        raw_logits = logits
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = logits.float().log_softmax(dim=-1)
@@ -278,7 +288,10 @@ class Sampler(torch.nn.Module):
         lp = None
         if raw_logprobs is not None:
             lp = compute_token_logprobs(raw_logprobs, sampled, meta.max_num_logprobs or 0)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs=lp)
+            sampled_lp = lp.logprobs[:, 0]
+        else:
+            sampled_lp = sampled_token_logprobs(raw_logits, sampled)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=lp, sampled_logprobs=sampled_lp)
 
     @staticmethod
     def _sample(logits: Tensor, meta: SamplingMetadata) -> Tensor:

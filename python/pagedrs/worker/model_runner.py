@@ -121,6 +121,7 @@ class RunnerOutput:
     sampled_token_ids: np.ndarray  # int64 [S], row i for plan.sampled_seq_ids[i]
     logprobs: LogprobsTensors | None  # CPU tensors, [S, 1 + k]
     prompt_logprobs: dict[int, PromptLogprobsChunk]
+    sampled_logprobs: np.ndarray | None = None  # float32 [S]: each sampled token's raw logprob
 
 
 def _tensor(arr: np.ndarray, device: torch.device) -> Tensor:
@@ -332,6 +333,8 @@ class ModelRunner:
             )
             sampled = self.sampler(logits[:num_rows], sampling)
             out.sampled_token_ids = sampled.sampled_token_ids.to("cpu").numpy().astype(np.int64, copy=False)
+            if sampled.sampled_logprobs is not None:
+                out.sampled_logprobs = sampled.sampled_logprobs.to("cpu").numpy()
             if sampled.logprobs is not None:
                 lp = sampled.logprobs
                 out.logprobs = LogprobsTensors(lp.token_ids.cpu(), lp.logprobs.cpu(), lp.ranks.cpu())
