@@ -13,10 +13,12 @@ __all__ = [
     "CacheConfig",
     "DeviceConfig",
     "EngineConfig",
+    "KV_CACHE_DTYPES",
     "ModelConfig",
     "ObservabilityConfig",
     "ParallelConfig",
     "SchedulerConfig",
+    "kv_cache_torch_dtype",
     "resolve_device",
 ]
 
@@ -100,6 +102,22 @@ class ModelConfig:
         _require(isinstance(self.normalize, bool), "normalize", self.normalize, "must be a bool")
 
 
+# kv_cache_dtype values (vLLM's names): the cache stores K/V in that format, written with a per-tensor scale
+# of 1.0 (vLLM's default when a checkpoint carries none) and read back into the model's dtype.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element type of the KV pool for a kv_cache_dtype."""
+    if cache_dtype == "auto":
+        return model_dtype
+    if cache_dtype in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    if cache_dtype == "fp8_e5m2":
+        return torch.float8_e5m2
+    raise ValueError(f"kv_cache_dtype={cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """The paged KV pool: block size, how many blocks (or how much memory), and the CPU swap pool."""
@@ -110,6 +128,7 @@ class CacheConfig:
     cpu_kv_cache_gb: float | None = None  # None -> up to 4 GiB, no more than max_num_seqs full sequences
     swap_space: float = 0.0  # GiB of CPU memory for preemption by swap
     enable_prefix_caching: bool = True
+    cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 = fp8_e4m3 | fp8_e5m2
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -123,6 +142,12 @@ class CacheConfig:
             )
         u = self.gpu_memory_utilization
         _require(_is_number(u) and 0 < u <= 1, "gpu_memory_utilization", u, "must be in (0, 1]")
+        _require(
+            self.cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            self.cache_dtype,
+            f"must be one of {', '.join(KV_CACHE_DTYPES)}",
+        )
         if self.cpu_kv_cache_gb is not None:
             g = self.cpu_kv_cache_gb
             _require(_is_number(g) and g > 0, "cpu_kv_cache_gb", g, "must be > 0")

@@ -106,11 +106,6 @@ class EngineArgs:
                 f"quantization={q!r} is not supported: weights run in `dtype`; GGUF files are dequantized "
                 "on load (pass the .gguf file with quantization=None)"
             )
-        if self.kv_cache_dtype not in ("auto",):
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet; the KV cache uses the model's "
-                "dtype (kv_cache_dtype='auto')"
-            )
         if (
             (self.revision or self.tokenizer_revision)
             and self.model is not None
@@ -219,6 +214,7 @@ class EngineArgs:
             cpu_kv_cache_gb=self.cpu_kv_cache_gb,
             swap_space=self.swap_space,
             enable_prefix_caching=self.enable_prefix_caching,
+            cache_dtype=self.kv_cache_dtype,
         )
         device = DeviceConfig(
             device=resolve_device(self.device),

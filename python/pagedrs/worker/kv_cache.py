@@ -68,6 +68,12 @@ def profile_num_gpu_blocks(
     return num
 
 
+def _raw(t: Tensor) -> Tensor:
+    """The tensor's bytes for block moves: an fp8 pool is moved as uint8 (not every indexing kernel has
+    an fp8 version)."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
 def _pairs(pairs: np.ndarray, device: torch.device) -> tuple[Tensor, Tensor]:
     t = torch.from_numpy(np.ascontiguousarray(pairs, dtype=np.int64))
     return t[:, 0].to(device), t[:, 1].to(device)
@@ -141,7 +147,7 @@ class KVCachePool:
         if len(pairs) == 0:
             return
         src, dst = _pairs(pairs, self.device)
-        for kv in self.kv_caches:
+        for kv in map(_raw, self.kv_caches):
             kv[:, dst] = kv[:, src]
 
     def swap_out(self, pairs: np.ndarray) -> None:
@@ -151,7 +157,7 @@ class KVCachePool:
         self._check_swap(len(pairs))
         src, dst = _pairs(pairs, self.device)
         dst_cpu = dst.cpu()
-        for kv, swap in zip(self.kv_caches, self.swap_caches, strict=True):
+        for kv, swap in zip(map(_raw, self.kv_caches), map(_raw, self.swap_caches), strict=True):
             swap[:, dst_cpu] = kv[:, src].to("cpu")
 
     def swap_in(self, pairs: np.ndarray) -> None:
@@ -161,7 +167,7 @@ class KVCachePool:
         self._check_swap(len(pairs))
         src, dst = _pairs(pairs, torch.device("cpu"))
         dst_dev = dst.to(self.device)
-        for kv, swap in zip(self.kv_caches, self.swap_caches, strict=True):
+        for kv, swap in zip(map(_raw, self.kv_caches), map(_raw, self.swap_caches), strict=True):
             kv[:, dst_dev] = swap[:, src].to(self.device, non_blocking=True)
 
     def _check_swap(self, n: int) -> None:

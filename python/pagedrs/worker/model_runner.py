@@ -16,9 +16,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pagedrs.config import EngineConfig
+from pagedrs.config import EngineConfig, kv_cache_torch_dtype
 from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.attention import AttentionMetadata, ForwardContext, get_attention_backend
+from pagedrs.layers.attention.selector import backend_for_cache
 from pagedrs.layers.sampler import (
     LogprobsTensors,
     Sampler,
@@ -149,9 +150,11 @@ class ModelRunner:
         self.device = config.device.device
         self.block_size = config.cache.block_size
         self.eos_token_ids = list(eos_token_ids)
-        self.backend = get_attention_backend(config.device.attention_backend, self.device)
+        self.kv_dtype = kv_cache_torch_dtype(config.cache.cache_dtype, next(model.parameters()).dtype)
+        self.backend = get_attention_backend(
+            backend_for_cache(config.device.attention_backend, self.kv_dtype), self.device
+        )
         self.sampler = Sampler()
-        self.kv_dtype = next(model.parameters()).dtype
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.model.seed)
         self.kv_pool: KVCachePool | None = None

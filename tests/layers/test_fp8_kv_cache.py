@@ -1,0 +1,110 @@
+"""kv_cache_dtype="fp8" (e4m3) and "fp8_e5m2": the torch backend stores K/V in fp8 (saturating, per-tensor
+scale 1.0) and reads them back into the model's dtype; the attention equals dense attention over the
+fp8-rounded K/V; the pool holds 4x the float32 blocks in the same memory; an engine's greedy ids do not
+depend on chunking, prefix hits or preemption; the CUDA kernel backend refuses an fp8 cache by name."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedrs import LLM, EngineArgs, SamplingParams
+from pagedrs.layers.attention.selector import backend_for_cache
+from pagedrs.layers.attention.torch_ref import TorchAttentionBackend, to_cache_dtype, write_kv_cache
+from tests.helpers import make_step_metadata
+from tests.layers.test_torch_ref_attention import naive_attention
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize(("seq_lens", "query_lens"), [([9, 17, 5], [1, 1, 1]), ([12, 7, 20], [5, 7, 1])])
+def test_attention_over_fp8_cache_equals_dense_over_rounded_kv(
+    dtype: torch.dtype, seq_lens: list[int], query_lens: list[int]
+) -> None:
+    gen = torch.Generator().manual_seed(3)
+    h, kvh, d, bs = 4, 2, 16, 4
+    num_blocks = sum(-(-s // bs) for s in seq_lens) + 2
+    meta, _ = make_step_metadata(seq_lens, query_lens, block_size=bs, num_blocks=num_blocks, seed=1)
+    cache = torch.zeros(2, num_blocks, bs, kvh, d, dtype=dtype)
+    # 3x a unit normal, plus one value past e4m3's range: it saturates instead of becoming NaN
+    ks = [3 * torch.randn(s, kvh, d, generator=gen) for s in seq_lens]
+    vs = [3 * torch.randn(s, kvh, d, generator=gen) for s in seq_lens]
+    ks[0][0, 0, 0] = 1000.0
+    qs = [torch.randn(q, h, d, generator=gen) for q in query_lens]
+    for b, (s, q) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        table = meta.block_tables[b].long()
+        prefix = torch.arange(s - q)
+        write_kv_cache(ks[b][: s - q], vs[b][: s - q], cache, table[prefix // bs] * bs + prefix % bs)
+    k_new = torch.cat([k[s - q :] for k, s, q in zip(ks, seq_lens, query_lens, strict=True)])
+    v_new = torch.cat([v[s - q :] for v, s, q in zip(vs, seq_lens, query_lens, strict=True)])
+    scale = 1 / math.sqrt(d)
+    out = TorchAttentionBackend(use_cpu_kernels=True).forward(
+        torch.cat(qs), k_new, v_new, cache, meta, scale=scale, sliding_window=None
+    )
+    assert cache.dtype == dtype and torch.isfinite(cache.float()).all()
+    big = float(to_cache_dtype(torch.tensor(1000.0), dtype).float())
+    assert float(cache.float().abs().max()) == big and (big == 448.0) == (dtype == torch.float8_e4m3fn)
+    row = 0
+    for b, (s, q) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        kr = to_cache_dtype(ks[b], dtype).float()
+        vr = to_cache_dtype(vs[b], dtype).float()
+        ref = naive_attention(qs[b], kr, vr, s - q, scale, None)
+        torch.testing.assert_close(out[row : row + q].double(), ref, atol=2e-5, rtol=2e-5)
+        exact = naive_attention(qs[b], ks[b], vs[b], s - q, scale, None)
+        assert (out[row : row + q].double() - exact).abs().max() > 1e-4  # it really was rounded
+        row += q
+
+
+def test_backend_choice_for_an_fp8_cache() -> None:
+    assert backend_for_cache("auto", torch.float8_e4m3fn) == "torch"
+    assert backend_for_cache("torch", torch.float8_e5m2) == "torch"
+    assert backend_for_cache("cupy", torch.float16) == "cupy"
+    with pytest.raises(ValueError, match="attention_backend='cupy' does not read an fp8 KV cache"):
+        backend_for_cache("cupy", torch.float8_e4m3fn)
+
+
+def _llm(**kw: object) -> LLM:
+    return LLM(device="cpu", dtype="float32", max_model_len=512, disable_log_stats=True, **kw)
+
+
+def test_engine_with_fp8_cache() -> None:
+    """The default model: 4x the blocks of a float32 cache in the same memory; greedy ids identical
+    with chunked prefill (32-token budget), prefix hits and preemption forced (a pool of 8 blocks) and
+    without; and close to the float32 cache's."""
+    intro = "You are a helpful assistant. Answer briefly and clearly, in plain English, without lists. "
+    prompts = [
+        intro + "The three primary colors are",
+        intro + "The three primary colors are red, yellow and",
+        intro + "Write one sentence about the ocean:",
+        "Name a famous scientist and what they discovered:",
+    ]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = _llm(kv_cache_dtype="fp8", cpu_kv_cache_gb=0.02)
+    runner = llm.llm_engine.engine_core.runner
+    try:
+        assert runner.kv_dtype == torch.float8_e4m3fn and runner.backend.name == "torch"
+        assert runner.kv_pool.kv_caches[0].dtype == torch.float8_e4m3fn
+        fp8_blocks = runner.kv_pool.num_blocks
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    llm = _llm(cpu_kv_cache_gb=0.02)
+    try:
+        f32_blocks = llm.llm_engine.engine_core.runner.kv_pool.num_blocks
+        f32 = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert fp8_blocks == 4 * f32_blocks or abs(fp8_blocks - 4 * f32_blocks) < 4
+    llm = _llm(kv_cache_dtype="fp8", num_kv_blocks=8, max_num_batched_tokens=32, max_num_seqs=4)
+    try:
+        forced = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        stats = llm.llm_engine.engine_core.get_stats()
+    finally:
+        llm.shutdown()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert forced == plain
+    same = sum(a == b for x, y in zip(plain, f32, strict=True) for a, b in zip(x[:8], y[:8], strict=True))
+    assert same >= 24  # of 32: the first tokens mostly agree with the float32 cache
