@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from pagedrs import LLM, EngineArgs, SamplingParams
+from pagedrs import LLM, SamplingParams
 from pagedrs.layers.attention.selector import backend_for_cache
 from pagedrs.layers.attention.torch_ref import TorchAttentionBackend, to_cache_dtype, write_kv_cache
 from tests.helpers import make_step_metadata
