@@ -15,6 +15,11 @@
 // split. A request with seq_len 0 (CUDA-graph padding) gets a zero output.
 // Softmax runs in fp32 in base 2: logits are pre-multiplied by scale * log2(e) (scale_log2).
 //
+// An fp8 KV cache (kv_cache_dtype fp8 = e4m3, or e5m2): the decode and the scalar prefill kernels
+// take the cache's element type C next to the activations' type T (C = T otherwise); K/V are
+// widened to fp32 as they are loaded. reshape_and_cache_fp8 writes it: round to nearest even,
+// saturating at the largest finite value, per-tensor scale 1.0 (as the torch backend).
+//
 // Header-free: the 16-bit types are storage structs converted with PTX, so NVRTC compiles this
 // file without a CUDA include directory. PAGEDRS_EMU builds it as host C++ for the CPU emulator
 // in tests/kernels/emu, which supplies the PTX-level helpers.
@@ -23,6 +28,8 @@ namespace pagedrs {
 
 struct half_t { unsigned short bits; };
 struct bf16_t { unsigned short bits; };
+struct fp8e4m3_t { unsigned char bits; };
+struct fp8e5m2_t { unsigned char bits; };
 template <typename T> struct is_bf16 { static constexpr bool value = false; };
 template <> struct is_bf16<bf16_t> { static constexpr bool value = true; };
 
@@ -47,6 +54,55 @@ template <> __device__ __forceinline__ bf16_t from_float<bf16_t>(float x) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return bf16_t{static_cast<unsigned short>(0x7fc0)};
     u += 0x7fffu + ((u >> 16) & 1u);
     return bf16_t{static_cast<unsigned short>(u >> 16)};
+}
+
+// fp8 <-> fp32 in integer arithmetic (valid on every architecture, and in the emulator).
+// e4m3: bias 7, no infinities, 0x7f/0xff NaN, largest finite 448 (0x7e). e5m2: bias 15, IEEE-like.
+__device__ __forceinline__ float to_float(fp8e4m3_t x) {
+    const unsigned sign = static_cast<unsigned>(x.bits & 0x80u) << 24;
+    const unsigned e = (x.bits >> 3) & 0xfu, m = x.bits & 0x7u;
+    if (e == 0) {  // zero and subnormals: m * 2^-9
+        const float f = static_cast<float>(m) * 0.001953125f;
+        return __uint_as_float(__float_as_uint(f) | sign);
+    }
+    if (e == 0xfu && m == 0x7u) return __uint_as_float(0x7fc00000u | sign);
+    return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
+}
+__device__ __forceinline__ float to_float(fp8e5m2_t x) {
+    const unsigned sign = static_cast<unsigned>(x.bits & 0x80u) << 24;
+    const unsigned e = (x.bits >> 2) & 0x1fu, m = x.bits & 0x3u;
+    if (e == 0) {  // zero and subnormals: m * 2^-16
+        const float f = static_cast<float>(m) * 1.52587890625e-05f;
+        return __uint_as_float(__float_as_uint(f) | sign);
+    }
+    if (e == 0x1fu) return __uint_as_float(sign | (m ? 0x7fc00000u : 0x7f800000u));
+    return __uint_as_float(sign | ((e + 112u) << 23) | (m << 21));
+}
+// x rounded to MBITS mantissa bits (round to nearest even) as an fp8 code with exponent bias BIAS,
+// subnormals below 2^(1 - BIAS), saturated at MAXCODE; NaN -> NANCODE.
+template <int MBITS, int BIAS, unsigned MAXCODE, unsigned NANCODE>
+__device__ __forceinline__ unsigned char fp8_code(float x) {
+    const unsigned u = __float_as_uint(x);
+    const unsigned sign = (u >> 24) & 0x80u;
+    const unsigned a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return static_cast<unsigned char>(NANCODE | sign);
+    constexpr unsigned shift = 23 - MBITS;
+    unsigned code;
+    if (a < static_cast<unsigned>(128 - BIAS) << 23) {  // subnormal: a multiple of 2^(1 - BIAS - MBITS)
+        const float unit = __uint_as_float(static_cast<unsigned>(128 - BIAS - MBITS) << 23);
+        code = static_cast<unsigned>(rintf(__uint_as_float(a) / unit));  // exact scaling, RNE
+    } else {
+        const unsigned r = (a + ((1u << (shift - 1)) - 1u) + ((a >> shift) & 1u)) >> shift;
+        code = r - (static_cast<unsigned>(127 - BIAS) << MBITS);
+    }
+    if (code > MAXCODE) code = MAXCODE;
+    return static_cast<unsigned char>(code | sign);
+}
+template <> __device__ __forceinline__ fp8e4m3_t from_float<fp8e4m3_t>(float x) {
+    return fp8e4m3_t{fp8_code<3, 7, 0x7eu, 0x7fu>(x)};
+}
+template <> __device__ __forceinline__ fp8e5m2_t from_float<fp8e5m2_t>(float x) {
+    return fp8e5m2_t{fp8_code<2, 15, 0x7bu, 0x7fu>(x)};
 }
 
 #ifdef PAGEDRS_EMU
@@ -141,6 +197,10 @@ __device__ __forceinline__ void load_floats(const T* p, float* out) {
     for (int i = 0; i < BYTES / 4; ++i) {
         if constexpr (sizeof(T) == 4) {
             out[i] = __uint_as_float(u[i]);
+        } else if constexpr (sizeof(T) == 1) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                out[4 * i + j] = to_float(T{static_cast<unsigned char>((u[i] >> (8 * j)) & 0xffu)});
         } else {
             out[2 * i] = to_float(T{static_cast<unsigned short>(u[i] & 0xffffu)});
             out[2 * i + 1] = to_float(T{static_cast<unsigned short>(u[i] >> 16)});
@@ -179,11 +239,11 @@ __device__ __forceinline__ int window_start(int ctx, int sliding_window) {
 // paged_attention_reduce combines them. CTAs past a request's partition count exit, so the grid
 // may be sized for the longest possible context (CUDA graphs).
 // Dynamic smem (floats): q_s[GP*HEAD] | logits[max(GP*partition_size, kWarps*GP*HEAD)] | max[GP] | sum[GP]
-template <typename T, int HEAD, int GP>
+template <typename T, int HEAD, int GP, typename C = T>
 __global__ void __launch_bounds__(kThreads) paged_attention_decode(
     T* __restrict__ out, float* __restrict__ tmp_out, float* __restrict__ max_logits,
     float* __restrict__ exp_sums, const T* __restrict__ q, long long q_stride,
-    const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const C* __restrict__ k_cache, const C* __restrict__ v_cache,
     const int* __restrict__ block_tables, int block_table_stride, const int* __restrict__ seq_lens,
     const int* __restrict__ query_start_loc, int num_heads, int num_kv_heads, int block_shift,
     int sliding_window, float scale_log2, int partition_size, int max_parts)
@@ -230,12 +290,12 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
 
     const int* bt = block_tables + static_cast<long long>(b) * block_table_stride;
     const long long kv_row = static_cast<long long>(num_kv_heads) * HEAD;  // elements per slot
-    const T* k_head = k_cache + static_cast<long long>(kh) * HEAD;
-    const T* v_head = v_cache + static_cast<long long>(kh) * HEAD;
+    const C* k_head = k_cache + static_cast<long long>(kh) * HEAD;
+    const C* v_head = v_cache + static_cast<long long>(kh) * HEAD;
 
     // Logits. KL lanes share one key row, each loading 16-byte chunks kl, kl + KL, ...;
     // a warp covers KTW keys per step. The loop bound is warp-uniform (shuffles inside).
-    constexpr int KV = 16 / sizeof(T);       // elements per 16-byte chunk
+    constexpr int KV = 16 / sizeof(C);       // elements per 16-byte chunk
     constexpr int KC = HEAD / KV;            // chunks per row
     constexpr int KL = 4;                    // lanes per key
     constexpr int KCL = (KC + KL - 1) / KL;  // chunks per lane
@@ -245,12 +305,12 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
         const int t = base + lane / KL;
         const bool valid = t < te;
         float kf[KCL * KV];
-        const T* k_row = k_head + (valid ? slot_of(bt, t, block_shift) * kv_row : 0);
+        const C* k_row = k_head + (valid ? slot_of(bt, t, block_shift) * kv_row : 0);
 #pragma unroll
         for (int c = 0; c < KCL; ++c) {
             const int chunk = kl + c * KL;
             if (valid && chunk < KC) {
-                load_floats<T, 16>(k_row + chunk * KV, kf + c * KV);
+                load_floats<C, 16>(k_row + chunk * KV, kf + c * KV);
             } else {
 #pragma unroll
                 for (int e = 0; e < KV; ++e) kf[c * KV + e] = 0.f;
@@ -297,7 +357,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
 
     // Weighted V. VL lanes share one value row (8-byte chunks vl, vl + VL, ...); VTW rows per
     // warp step; each lane accumulates its chunks for all GP heads.
-    constexpr int VV = 8 / sizeof(T);  // elements per 8-byte chunk
+    constexpr int VV = 8 / sizeof(C);  // elements per 8-byte chunk
     constexpr int VC = HEAD / VV;
     constexpr int VL = VC > 16 ? 32 : VC > 8 ? 16 : VC > 4 ? 8 : VC > 2 ? 4 : VC > 1 ? 2 : 1;  // pow2 >= VC
     constexpr int VCL = (VC + VL - 1) / VL;
@@ -311,13 +371,13 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
     for (int base = ts + warp * VTW; base < te; base += kWarps * VTW) {
         const int t = base + lane / VL;
         if (t < te) {
-            const T* v_row = v_head + slot_of(bt, t, block_shift) * kv_row;
+            const C* v_row = v_head + slot_of(bt, t, block_shift) * kv_row;
             float vf[VCL * VV];
 #pragma unroll
             for (int c = 0; c < VCL; ++c) {
                 const int chunk = vl + c * VL;
                 if (chunk < VC) {
-                    load_floats<T, 8>(v_row + chunk * VV, vf + c * VV);
+                    load_floats<C, 8>(v_row + chunk * VV, vf + c * VV);
                 } else {
 #pragma unroll
                     for (int e = 0; e < VV; ++e) vf[c * VV + e] = 0.f;
@@ -692,14 +752,15 @@ __global__ void __launch_bounds__(kThreads) paged_attention_prefill(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Varlen prefill without tensor cores: fp32 (exactness checks) and fp16/bf16 before sm_80.
+// Varlen prefill without tensor cores: fp32 (exactness checks), fp16/bf16 before sm_80, and every
+// type over an fp8 cache (C).
 // grid: (ceil(T*G/16) + B, KVH), block 128. 16 rows per CTA, 4 per warp; keys in tiles of 32
 // staged as floats; lane j scores key j of the tile, lane d accumulates output dims d, d+32, ...
 // Dynamic smem (floats): q_s[16*HEAD] | k_s[32*(HEAD+1)] | v_s[32*(HEAD+1)] | 8 ints.
-template <typename T, int HEAD>
+template <typename T, int HEAD, typename C = T>
 __global__ void __launch_bounds__(kThreads) paged_attention_prefill_scalar(
     T* __restrict__ out, const T* __restrict__ q, long long q_stride,
-    const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const C* __restrict__ k_cache, const C* __restrict__ v_cache,
     const int* __restrict__ block_tables, int block_table_stride, const int* __restrict__ seq_lens,
     const int* __restrict__ query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
     int block_shift, int sliding_window, float scale_log2)
@@ -793,6 +854,30 @@ __global__ void __launch_bounds__(kThreads) paged_attention_prefill_scalar(
             const int d = lane + 32 * k;
             if (d < HEAD) dst[d] = from_float<T>(acc[rr][k] * inv);
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writes each token's K and V rows into slot slot_mapping[t] of an fp8 cache (C), converting from
+// T. grid: (num_tokens), block: (min(row, 256) rounded up to a warp). key, value: [num_tokens,
+// num_kv_heads, head_size], inner two dims contiguous, token stride in elements; row = num_kv_heads
+// * head_size. A negative slot means "do not write" (padding tokens of a CUDA-graph batch).
+template <typename T, typename C>
+__global__ void __launch_bounds__(256) reshape_and_cache_fp8(
+    const T* __restrict__ key, const T* __restrict__ value,
+    C* __restrict__ key_cache, C* __restrict__ value_cache,
+    const long long* __restrict__ slot_mapping, long long key_stride, long long value_stride, int row)
+{
+    const long long t = blockIdx.x;
+    const long long slot = slot_mapping[t];
+    if (slot < 0) return;
+    const T* ksrc = key + t * key_stride;
+    const T* vsrc = value + t * value_stride;
+    C* kdst = key_cache + slot * row;
+    C* vdst = value_cache + slot * row;
+    for (int i = threadIdx.x; i < row; i += blockDim.x) {
+        kdst[i] = from_float<C>(to_float(ksrc[i]));
+        vdst[i] = from_float<C>(to_float(vsrc[i]));
     }
 }
 

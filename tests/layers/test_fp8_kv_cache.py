@@ -1,7 +1,7 @@
 """kv_cache_dtype="fp8" (e4m3) and "fp8_e5m2": the torch backend stores K/V in fp8 (saturating, per-tensor
 scale 1.0) and reads them back into the model's dtype; the attention equals dense attention over the
 fp8-rounded K/V; the pool holds 4x the float32 blocks in the same memory; an engine's greedy ids do not
-depend on chunking, prefix hits or preemption; the CUDA kernel backend refuses an fp8 cache by name."""
+depend on chunking, prefix hits or preemption. (The CUDA kernels' fp8 path: tests/kernels.)"""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from pagedrs import LLM, SamplingParams
-from pagedrs.layers.attention.selector import backend_for_cache
 from pagedrs.layers.attention.torch_ref import TorchAttentionBackend, to_cache_dtype, write_kv_cache
 from tests.helpers import make_step_metadata
 from tests.layers.test_torch_ref_attention import naive_attention
@@ -56,14 +55,6 @@ def test_attention_over_fp8_cache_equals_dense_over_rounded_kv(
         exact = naive_attention(qs[b], ks[b], vs[b], s - q, scale, None)
         assert (out[row : row + q].double() - exact).abs().max() > 1e-4  # it really was rounded
         row += q
-
-
-def test_backend_choice_for_an_fp8_cache() -> None:
-    assert backend_for_cache("auto", torch.float8_e4m3fn) == "torch"
-    assert backend_for_cache("torch", torch.float8_e5m2) == "torch"
-    assert backend_for_cache("cupy", torch.float16) == "cupy"
-    with pytest.raises(ValueError, match="attention_backend='cupy' does not read an fp8 KV cache"):
-        backend_for_cache("cupy", torch.float8_e4m3fn)
 
 
 def _llm(**kw: object) -> LLM:

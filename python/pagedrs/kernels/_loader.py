@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "CACHE_CTYPES",
     "COMPILE_CHECK_ARCHS",
     "CTYPES",
     "GROUP_SIZES",
@@ -41,6 +42,8 @@ HEAD_SIZES = (16, 32, 64, 80, 96, 128)
 # (larger groups take ceil(G / 8) CTAs per kv head).
 GROUP_SIZES = (1, 2, 4, 8)
 CTYPES = {"float16": "pagedrs::half_t", "bfloat16": "pagedrs::bf16_t", "float32": "float"}
+# fp8 KV caches (kv_cache_dtype fp8 / fp8_e5m2), read by the decode and scalar prefill kernels
+CACHE_CTYPES = {"float8_e4m3fn": "pagedrs::fp8e4m3_t", "float8_e5m2": "pagedrs::fp8e5m2_t"}
 WORD_TYPES = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short"}
 NVRTC_OPTIONS = ("-std=c++17",)
 # What CuPy's RawModule adds to NVRTC_OPTIONS (besides -arch); the compile check mirrors it.
@@ -75,23 +78,38 @@ def cache_names() -> tuple[str, ...]:
     )
 
 
-def decode_name(ctype: str, head_size: int, group: int) -> str:
-    return f"pagedrs::paged_attention_decode<{ctype}, {head_size}, {group}>"
+def _cache_arg(cache_ctype: str | None) -> str:
+    return f", {cache_ctype}" if cache_ctype is not None else ""
+
+
+def decode_name(ctype: str, head_size: int, group: int, cache_ctype: str | None = None) -> str:
+    return f"pagedrs::paged_attention_decode<{ctype}, {head_size}, {group}{_cache_arg(cache_ctype)}>"
 
 
 def reduce_name(ctype: str, head_size: int) -> str:
     return f"pagedrs::paged_attention_reduce<{ctype}, {head_size}>"
 
 
-def prefill_name(ctype: str, head_size: int, *, mma: bool) -> str:
+def prefill_name(ctype: str, head_size: int, *, mma: bool, cache_ctype: str | None = None) -> str:
     kernel = "paged_attention_prefill" if mma else "paged_attention_prefill_scalar"
-    return f"pagedrs::{kernel}<{ctype}, {head_size}>"
+    return f"pagedrs::{kernel}<{ctype}, {head_size}{_cache_arg(cache_ctype)}>"
 
 
-def attention_names(ctype: str, head_size: int) -> tuple[str, ...]:
+def fp8_write_name(ctype: str, cache_ctype: str) -> str:
+    return f"pagedrs::reshape_and_cache_fp8<{ctype}, {cache_ctype}>"
+
+
+def attention_names(ctype: str, head_size: int, cache_ctype: str | None = None) -> tuple[str, ...]:
     """The instantiations one model needs (one dtype, one head size), compiled together as one module:
     decode for every group size, the split-K reduction, and the prefill kernels (tensor-core for 16-bit
-    types, scalar for all: fp32, and fp16/bf16 before sm_80)."""
+    types, scalar for all: fp32, and fp16/bf16 before sm_80). With an fp8 cache (`cache_ctype`, one of
+    CACHE_CTYPES): decode and scalar prefill reading it, the reduction, and the converting cache write."""
+    if cache_ctype is not None:
+        names = [decode_name(ctype, head_size, g, cache_ctype) for g in GROUP_SIZES]
+        names.append(reduce_name(ctype, head_size))
+        names.append(prefill_name(ctype, head_size, mma=False, cache_ctype=cache_ctype))
+        names.append(fp8_write_name(ctype, cache_ctype))
+        return tuple(names)
     names = [decode_name(ctype, head_size, g) for g in GROUP_SIZES]
     names.append(reduce_name(ctype, head_size))
     if ctype != "float":
@@ -106,6 +124,8 @@ def instantiation_groups() -> list[tuple[str, tuple[str, ...]]]:
     for ctype in CTYPES.values():
         for head_size in HEAD_SIZES:
             groups.append(("paged_attention", attention_names(ctype, head_size)))
+            for cache_ctype in CACHE_CTYPES.values():
+                groups.append(("paged_attention", attention_names(ctype, head_size, cache_ctype)))
     return groups
 
 

@@ -17,16 +17,18 @@ from torch import Tensor
 
 from pagedrs.kernels._launch import Launch, launch, ptr
 from pagedrs.kernels._loader import (
+    CACHE_CTYPES,
     CTYPES,
     GROUP_SIZES,
     HEAD_SIZES,
     attention_names,
     decode_name,
+    fp8_write_name,
     prefill_name,
     reduce_name,
 )
 
-__all__ = ["PrefillImpl", "decode_partitions", "paged_attention", "supports"]
+__all__ = ["PrefillImpl", "decode_partitions", "paged_attention", "reshape_and_cache_fp8", "supports"]
 
 _SOURCE = "paged_attention"
 _THREADS = (128, 1, 1)
@@ -36,9 +38,82 @@ _MAX_PARTITION = 512
 PrefillImpl = Literal["auto", "mma", "scalar"]
 
 
-def supports(head_size: int, dtype: torch.dtype) -> bool:
-    """Whether the kernels are instantiated for this head size and dtype."""
-    return head_size in HEAD_SIZES and str(dtype).removeprefix("torch.") in CTYPES
+def supports(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> bool:
+    """Whether the kernels are instantiated for this head size and dtype (and cache dtype: the same, or
+    an fp8 type)."""
+    ok = head_size in HEAD_SIZES and _name(dtype) in CTYPES
+    return ok and (cache_dtype is None or cache_dtype == dtype or _name(cache_dtype) in CACHE_CTYPES)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _cache_ctype(cache_dtype: torch.dtype, dtype: torch.dtype) -> str | None:
+    """The kernels' C for a cache of `cache_dtype` holding K/V of `dtype` (None: C = T)."""
+    if cache_dtype == dtype:
+        return None
+    ctype = CACHE_CTYPES.get(_name(cache_dtype))
+    if ctype is None:
+        raise ValueError(
+            f"a {cache_dtype} cache cannot hold {dtype} K/V: the cache takes the model's dtype or an fp8 type"
+        )
+    return ctype
+
+
+def reshape_and_cache_fp8(
+    key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor
+) -> None:
+    """Write key/value [T, KVH, D] (fp16/bf16/fp32) into an fp8 key_cache/value_cache [num_blocks,
+    block_size, KVH, D] at slot_mapping [T] (int64; negative skips): round to nearest even, saturate,
+    scale 1.0. Token strides may be padded; the inner two dims must be contiguous."""
+    if key_cache.dim() != 4 or not key_cache.is_contiguous() or not value_cache.is_contiguous():
+        raise ValueError("key/value caches must be contiguous [num_blocks, block_size, KVH, D]")
+    if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
+        raise ValueError("value_cache must have key_cache's shape and dtype")
+    _, _, kvh, d = key_cache.shape
+    num_tokens = key.shape[0]
+    for name, t in (("key", key), ("value", value)):
+        if t.shape != (num_tokens, kvh, d) or t.stride(2) != 1 or t.stride(1) != d:
+            raise ValueError(f"{name} must be [{num_tokens}, {kvh}, {d}] with contiguous head and dim axes")
+        if t.dtype != key.dtype or t.device != key_cache.device:
+            raise ValueError(f"{name} must be {key.dtype} on {key_cache.device}")
+    if (
+        slot_mapping.dtype != torch.int64
+        or slot_mapping.shape != (num_tokens,)
+        or not slot_mapping.is_contiguous()
+    ):
+        raise ValueError(f"slot_mapping must be contiguous int64 [{num_tokens}]")
+    if _name(key.dtype) not in CTYPES or d not in HEAD_SIZES:
+        raise ValueError(f"no fp8 cache write for dtype={key.dtype}, head_size={d}")
+    cache_ctype = _cache_ctype(key_cache.dtype, key.dtype)
+    if cache_ctype is None:
+        raise ValueError(f"the cache is {key_cache.dtype}, not an fp8 type")
+    if num_tokens == 0:
+        return
+    ctype = CTYPES[_name(key.dtype)]
+    row = kvh * d
+    launch(
+        Launch(
+            _SOURCE,
+            attention_names(ctype, d, cache_ctype),
+            fp8_write_name(ctype, cache_ctype),
+            (num_tokens, 1, 1),
+            (min(256, -(-row // 32) * 32), 1, 1),
+            0,
+            (
+                ptr(key),
+                ptr(value),
+                ptr(key_cache),
+                ptr(value_cache),
+                ptr(slot_mapping),
+                np.int64(key.stride(0)),
+                np.int64(value.stride(0)),
+                np.int32(row),
+            ),
+        ),
+        key_cache.device,
+    )
 
 
 @functools.cache
@@ -86,7 +161,8 @@ def paged_attention(
 ) -> Tensor:
     """out[t] = attention of query q[t] over its request's cached keys/values.
 
-    out, q [T, H, D]; key_cache, value_cache [num_blocks, block_size, KVH, D]; block_tables [B, M] int32;
+    out, q [T, H, D]; key_cache, value_cache [num_blocks, block_size, KVH, D] in q's dtype or an fp8 type
+    (then the prefill is the scalar kernel, which reads fp8); block_tables [B, M] int32;
     seq_lens [B] int32; query_start_loc [B+1] int32 (all on one device). max_query_len and max_seq_len are
     upper bounds (a CUDA graph passes its capacity); the kernels read the true lengths on the device."""
     device = q.device
@@ -110,8 +186,10 @@ def paged_attention(
         )
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
-    for name, t in (("key_cache", key_cache), ("value_cache", value_cache), ("out", out)):
-        _check(name, t, q.dtype, t.dim(), device)
+    cache_ctype = _cache_ctype(key_cache.dtype, q.dtype)
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _check(name, t, key_cache.dtype, t.dim(), device)
+    _check("out", out, q.dtype, out.dim(), device)
     if out.shape != q.shape or not out.is_contiguous():
         raise ValueError(f"out must be contiguous {tuple(q.shape)}, got {tuple(out.shape)}")
     _check("block_tables", block_tables, torch.int32, 2, device)
@@ -132,8 +210,8 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
 
-    ctype = CTYPES[str(q.dtype).removeprefix("torch.")]
-    names = attention_names(ctype, head_size)
+    ctype = CTYPES[_name(q.dtype)]
+    names = attention_names(ctype, head_size, cache_ctype)
     window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
     scale_log2 = np.float32(scale * _LOG2E)
     common = (
@@ -164,7 +242,7 @@ def paged_attention(
         Launch(
             _SOURCE,
             names,
-            decode_name(ctype, head_size, gp),
+            decode_name(ctype, head_size, gp, cache_ctype),
             (num_seqs, num_kv_heads * chunks, max_parts),
             _THREADS,
             smem,
@@ -210,9 +288,13 @@ def paged_attention(
 
     # Prefill: requests with q_len > 1; the grid is an upper bound on their row tiles.
     if max_query_len > 1:
-        mma = prefill_impl == "mma" or (prefill_impl == "auto" and ctype != "float" and arch >= 80)
-        if mma and ctype == "float":
-            raise ValueError("the tensor-core prefill kernel takes float16/bfloat16 only")
+        mma = prefill_impl == "mma" or (
+            prefill_impl == "auto" and ctype != "float" and arch >= 80 and cache_ctype is None
+        )
+        if mma and (ctype == "float" or cache_ctype is not None):
+            raise ValueError(
+                "the tensor-core prefill kernel takes a float16/bfloat16 cache of q's dtype only"
+            )
         rows = _MMA_ROWS if mma else _SCALAR_ROWS
         if mma:
             smem = 2 * 64 * (head_size + 8) * 2 + 32
@@ -223,7 +305,7 @@ def paged_attention(
             Launch(
                 _SOURCE,
                 names,
-                prefill_name(ctype, head_size, mma=mma),
+                prefill_name(ctype, head_size, mma=mma, cache_ctype=cache_ctype),
                 (tiles, num_kv_heads, 1),
                 _THREADS,
                 smem,

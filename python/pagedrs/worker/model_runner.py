@@ -19,7 +19,6 @@ from torch import Tensor
 from pagedrs.config import EngineConfig, kv_cache_torch_dtype
 from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.attention import AttentionMetadata, ForwardContext, get_attention_backend
-from pagedrs.layers.attention.selector import backend_for_cache
 from pagedrs.layers.sampler import (
     LogprobsTensors,
     Sampler,
@@ -151,9 +150,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.eos_token_ids = list(eos_token_ids)
         self.kv_dtype = kv_cache_torch_dtype(config.cache.cache_dtype, next(model.parameters()).dtype)
-        self.backend = get_attention_backend(
-            backend_for_cache(config.device.attention_backend, self.kv_dtype), self.device
-        )
+        self.backend = get_attention_backend(config.device.attention_backend, self.device)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.model.seed)

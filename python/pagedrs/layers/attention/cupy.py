@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pagedrs.kernels import paged_attention, reshape_and_cache, supports
+from pagedrs.kernels import paged_attention, reshape_and_cache, reshape_and_cache_fp8, supports
 from pagedrs.kernels.attention_ops import PrefillImpl
 from pagedrs.layers.attention import AttentionMetadata
 
@@ -23,7 +23,8 @@ __all__ = ["CupyAttentionBackend"]
 
 class CupyAttentionBackend:
     """Paged attention with the pagedrs CUDA kernels (fp16, bf16, fp32; head sizes in
-    pagedrs.kernels.HEAD_SIZES). `prefill_impl` forces the tensor-core or the scalar prefill kernel."""
+    pagedrs.kernels.HEAD_SIZES; the cache in the model's dtype or fp8). `prefill_impl` forces the
+    tensor-core or the scalar prefill kernel (an fp8 cache always takes the scalar one)."""
 
     name = "cupy"
 
@@ -53,12 +54,17 @@ class CupyAttentionBackend:
             raise ValueError(
                 f"kv cache block size {kv_cache.shape[2]} != metadata block_size {meta.block_size}"
             )
-        if k.dtype != kv_cache.dtype:
-            k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
-        if q.dtype != kv_cache.dtype:
-            q = q.to(kv_cache.dtype)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # converted as it is written
+            if k.dtype != q.dtype:
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            reshape_and_cache_fp8(k, v, key_cache, value_cache, meta.slot_mapping)
+        else:
+            if k.dtype != kv_cache.dtype:
+                k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+            if q.dtype != kv_cache.dtype:
+                q = q.to(kv_cache.dtype)
+            reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         return paged_attention(
             out,

@@ -12,23 +12,9 @@ import torch
 
 from pagedrs.layers.attention import AttentionBackend
 
-__all__ = ["BACKEND_NAMES", "FP8_DTYPES", "backend_for_cache", "get_attention_backend"]
+__all__ = ["BACKEND_NAMES", "get_attention_backend"]
 
 BACKEND_NAMES = ("auto", "torch", "cupy")
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def backend_for_cache(name: str, kv_dtype: torch.dtype) -> str:
-    """The backend name to use with a KV pool of `kv_dtype`: an fp8 cache is read by the torch backend
-    ("auto" picks it); the CUDA kernels do not read fp8 yet, so asking for "cupy" with it is an error."""
-    if kv_dtype not in FP8_DTYPES:
-        return name
-    if name == "cupy":
-        raise ValueError(
-            f"attention_backend='cupy' does not read an fp8 KV cache (kv_cache_dtype gives {kv_dtype}) yet; "
-            "use attention_backend='torch' (or 'auto'), or kv_cache_dtype='auto'"
-        )
-    return "torch"
 
 
 def _cupy_available() -> bool:
