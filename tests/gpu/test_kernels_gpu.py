@@ -223,3 +223,47 @@ def test_mixed_ragged_batch(dtype: torch.dtype) -> None:
     assert_close(out, ref, dtype, "mixed batch")
     for i in pad:
         assert torch.equal(out[int(case.query_start_loc[i])], torch.zeros_like(out[0]))
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_fp8_cache_gpu(fp8: torch.dtype, dtype: torch.dtype, head_size: int) -> None:
+    """kv_cache_dtype fp8 on the GPU: the converting write equals the torch backend's rounding byte for
+    byte, and decode + prefill (long contexts, split-K) equal float64 attention over the fp8 values."""
+    from pagedrs.kernels import reshape_and_cache_fp8
+    from pagedrs.layers.attention.torch_ref import to_cache_dtype
+
+    case = make_case(
+        [1, 37, 1, 1, 300],
+        [1, 1000, 4096, 129, 2000],
+        num_heads=16,
+        num_kv_heads=4,
+        head_size=head_size,
+        block_size=16,
+        dtype=dtype,
+        device="cuda",
+        seed=head_size,
+    )
+    cache = to_cache_dtype(case.kv_cache, fp8)
+    expected = to_cache_dtype(write_reference(case), fp8)
+    reshape_and_cache_fp8(case.k, case.v, cache[0], cache[1], case.slot_mapping)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+    meta = case.meta()
+    out = torch.full_like(case.q, float("nan"))
+    paged_attention(
+        out,
+        case.q,
+        cache[0],
+        cache[1],
+        case.block_tables,
+        case.seq_lens,
+        case.query_start_loc,
+        scale=head_size**-0.5,
+        sliding_window=None,
+        max_query_len=meta.max_query_len,
+        max_seq_len=meta.max_seq_len,
+    )
+    torch.cuda.synchronize()
+    ref = attention_reference(case, cache.float(), scale=head_size**-0.5, sliding_window=None)
+    assert_close(out, ref, dtype, f"fp8 {fp8} cache on the GPU")
