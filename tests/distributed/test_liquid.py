@@ -201,3 +201,21 @@ def test_other_architectures_move_and_match(tmp_path: Path, arch: str) -> None:
         assert _run(engine, prompts, {2: 2, 9: 1, 14: 2}) == want
     finally:
         engine.shutdown()
+
+
+def test_fp8_cache_moves_as_bytes(tmp_path: Path) -> None:
+    """kv_cache_dtype="fp8": the KV shards cross gloo as their bytes (gloo has no fp8 type); 1 -> 2 -> 1
+    with requests in flight gives the ids of an fp8 run with no events."""
+    folder = _model(tmp_path)
+    prompts = _prompts(12, 12)
+    want = _run(_engine(folder, 40, max_num_seqs=8, kv_cache_dtype="fp8"), prompts)
+    engine = _engine(
+        folder, 40, max_num_seqs=8, kv_cache_dtype="fp8", liquid_gpu_range=[0, 1], liquid_total_num_shards=4
+    )
+    try:
+        assert engine.runner.kv_pool.kv_caches[0].dtype == __import__("torch").float8_e4m3fn
+        assert _run(engine, prompts, {3: 2, 9: 1}) == want
+        assert engine.engine_core.liquid_degree() == 1
+        assert_pool_free(engine)
+    finally:
+        engine.shutdown()

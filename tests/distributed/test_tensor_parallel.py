@@ -286,3 +286,16 @@ def test_embeddings_and_structured_outputs_under_tp(tmp_path: Path) -> None:
     for a, b in zip(want_emb, got_emb, strict=True):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
     assert got_txt == want_txt and all(3 <= len(t) <= 6 and set(t) <= set("abcdef") for t in got_txt)
+
+
+def test_tp2_equals_tp1_with_fp8_cache(tmp_path: Path) -> None:
+    """kv_cache_dtype="fp8": each rank rounds its own KV heads; the ids equal one process's."""
+    folder = make_tiny_llama(tmp_path, arch="llama")
+    want, _ = _run(_engine(folder, 1, kv_cache_dtype="fp8"))
+    engine = _engine(folder, 2, kv_cache_dtype="fp8")
+    try:
+        got, _ = _run(engine)
+        assert got == want
+        assert_pool_free(engine)
+    finally:
+        engine.shutdown()

@@ -314,13 +314,13 @@ def receive_shards(
     partner: int,
     scale_out: bool,
     new_model: torch.nn.Module,
-    pool_spec: tuple[int, int, int],
+    pool_spec: tuple[int, int, int, torch.dtype],
     stats: LiquidStats,
 ) -> tuple[torch.nn.Module, KVCachePool]:
     """The other side. `new_model`: an empty model at the new degree (`rebuild_model`).
 
     Scale out (this rank was idle): receive every tensor, and the KV heads into a new pool of
-    `pool_spec` = (blocks, swap blocks, block size). Scale in: receive the partner's halves and join
+    `pool_spec` = (blocks, swap blocks, block size, KV element type). Scale in: receive the partner's halves and join
     them onto this rank's own."""
     xfer = _Transfer(world)
     t0 = time.perf_counter()
@@ -343,14 +343,14 @@ def receive_shards(
     weight_bytes = xfer.bytes
     t1 = time.perf_counter()
     if scale_out:
-        num_blocks, num_swap, block_size = pool_spec
+        num_blocks, num_swap, block_size, kv_dtype = pool_spec
         pool = KVCachePool(
             num_layers=int(new_model.num_layers),  # type: ignore[arg-type]
             num_kv_heads=int(new_model.num_kv_heads),  # type: ignore[arg-type]
             head_size=int(new_model.head_size),  # type: ignore[arg-type]
             block_size=block_size,
             num_blocks=num_blocks,
-            dtype=new_model.dtype,  # type: ignore[arg-type]
+            dtype=kv_dtype,  # the model's dtype, or fp8 (kv_cache_dtype)
             device=_device_of(new_model),
             num_swap_blocks=num_swap,
         )

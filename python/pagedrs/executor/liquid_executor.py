@@ -95,7 +95,7 @@ class LiquidExecutor(TPExecutor):
                     partner=dst,
                     scale_out=False,
                     new_model=rebuild_model(type(m), m.config, m.dtype, runner.device, self.groups[dst]),
-                    pool_spec=(pool.num_blocks, pool.num_swap_blocks, pool.block_size),
+                    pool_spec=(pool.num_blocks, pool.num_swap_blocks, pool.block_size, pool.dtype),
                     stats=stats,
                 )
         except Exception as exc:

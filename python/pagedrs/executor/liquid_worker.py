@@ -39,6 +39,7 @@ class LiquidWorker:
         timeout_s: float,
         args: Any,
     ) -> None:
+        from pagedrs.config import kv_cache_torch_dtype
         from pagedrs.loader import load_hf_config, resolve_dtype
         from pagedrs.loader.options import apply_overrides
         from pagedrs.models.registry import get_model_class
@@ -57,6 +58,7 @@ class LiquidWorker:
         if cap:
             max_len = min(max_len, cap)
         self.config = args.create_engine_config(max_len)
+        self.kv_dtype = kv_cache_torch_dtype(self.config.cache.cache_dtype, self.dtype)
         self.runner: Any = None  # a ModelRunner while this rank holds shards
 
     def _build(self, tp: TPGroup) -> torch.nn.Module:
@@ -108,7 +110,7 @@ class LiquidWorker:
                     partner=r - src,
                     scale_out=True,
                     new_model=self._build(tp),
-                    pool_spec=(num_blocks, num_swap, self.config.cache.block_size),
+                    pool_spec=(num_blocks, num_swap, self.config.cache.block_size, self.kv_dtype),
                     stats=stats,
                 )
                 self.runner = ModelRunner(self.config, model, tp=tp)
@@ -123,7 +125,7 @@ class LiquidWorker:
                     partner=r + dst,
                     scale_out=False,
                     new_model=self._build(tp),
-                    pool_spec=(num_blocks, num_swap, self.config.cache.block_size),
+                    pool_spec=(num_blocks, num_swap, self.config.cache.block_size, self.kv_dtype),
                     stats=stats,
                 )
                 self._rebind(model, pool, tp)
