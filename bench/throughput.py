@@ -130,6 +130,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="embed: prompts/s of embeddings (last-token pooling) vs HF AutoModel batched forward",
     )
     p.add_argument("--hf-cb", action="store_true", help="transformers continuous batching (untested)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["fp8", "fp8_e4m3", "fp8_e5m2"],
+        default=None,
+        help="also run pagedrs with this KV cache dtype (same weights, same memory budget) and print "
+        "its KV blocks, throughput and greedy-token agreement against the model-dtype cache",
+    )
     p.add_argument("--json", default=None, metavar="PATH")
     return p.parse_args(argv)
 
@@ -176,7 +183,8 @@ def write_json(path: str, result: dict[str, Any]) -> None:
 
 
 def load_models(args: argparse.Namespace, dtype: torch.dtype, max_len: int) -> tuple[LLMEngine, Any]:
-    """The pagedrs engine and the HF model, holding the same weights."""
+    """The pagedrs engine and the HF model, holding the same weights (the engine keeps the loaded model
+    as `engine.loaded`, for a second engine over the same weights)."""
     import transformers
 
     from pagedrs.loader import LoadedModel, load_model, model_folder, resolve_model_path
@@ -198,7 +206,9 @@ def load_models(args: argparse.Namespace, dtype: torch.dtype, max_len: int) -> t
         folder = model_folder(resolve_model_path(args.model))  # the GGUF default: its converted HF folder
         hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     config = eng_args.create_engine_config(max_len)
-    return LLMEngine(config, loaded, max_logprobs=0), hf
+    engine = LLMEngine(config, loaded, max_logprobs=0)
+    engine.loaded = loaded  # type: ignore[attr-defined]
+    return engine, hf
 
 
 def tp_engine(args: argparse.Namespace, dtype: torch.dtype, max_len: int) -> LLMEngine:
@@ -240,17 +250,28 @@ def run_pagedrs(engine: LLMEngine, reqs: list[tuple[list[int], int]]) -> dict[st
             ),
         )
     total = 0
+    ids: dict[int, list[int]] = {}
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         for out in engine.step():
             total += len(out.outputs[0].token_ids)
+            ids[int(out.request_id)] = list(out.outputs[0].token_ids)
         s = engine.scheduler.stats()
         kv["paged"] += (int(s.num_blocks) - int(s.num_free_blocks)) * block_size
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     executor.execute = inner  # type: ignore[method-assign]
-    return {"tokens": total, "seconds": elapsed, "tok_s": total / elapsed, "stats": engine.get_stats(), **kv}
+    out_ids = [ids[i] for i in sorted(ids)]
+    stats = engine.get_stats()
+    return {
+        "tokens": total,
+        "seconds": elapsed,
+        "tok_s": total / elapsed,
+        "stats": stats,
+        "ids": out_ids,
+        **kv,
+    }
 
 
 def hf_generate(hf: Any, batch: list[list[int]], max_new: int, pad_id: int) -> torch.Tensor:
@@ -490,6 +511,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"output throughput: {res['tok_s']:.1f} tok/s (pagedrs TP={n}) vs {pg['tok_s']:.1f} tok/s "
             f"(pagedrs TP=1) = {res['tok_s'] / pg['tok_s']:.2f} x"
         )
+    if args.kv_cache_dtype:
+        result.update(kv_cache_vs_model_dtype(args, engine, reqs, pg, dtype, max_len))
     if not args.skip_hf:
         if args.hf_cb:
             cb = run_hf_cb(hf, reqs)
@@ -514,6 +537,48 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json:
         write_json(args.json, result)
     return result
+
+
+def kv_cache_vs_model_dtype(
+    args: argparse.Namespace,
+    engine: LLMEngine,
+    reqs: list[tuple[list[int], int]],
+    pg: dict[str, Any],
+    dtype: torch.dtype,
+    max_len: int,
+) -> dict[str, Any]:
+    """The same requests through a second engine over the same weights whose KV cache is
+    --kv-cache-dtype, in the same memory budget: blocks, throughput, greedy tokens equal to the first run."""
+    cfg = engine_args(args, dtype, max_len, kv_cache_dtype=args.kv_cache_dtype).create_engine_config(max_len)
+    other = LLMEngine(cfg, engine.loaded, max_logprobs=0)  # type: ignore[attr-defined]
+    try:
+        run_pagedrs(other, [(reqs[0][0][:16][::-1], 4)])
+        res = run_pagedrs(other, reqs)
+        blocks = (engine.get_stats().num_blocks, other.get_stats().num_blocks)
+    finally:
+        other.shutdown()
+    same = sum(a == b for x, y in zip(pg["ids"], res["ids"], strict=True) for a, b in zip(x, y, strict=True))
+    # tokens up to each request's first difference: after it the contexts differ, so later ones are moot
+    prefix = 0
+    for x, y in zip(pg["ids"], res["ids"], strict=True):
+        k = next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+        prefix += k
+    n = sum(len(x) for x in pg["ids"])
+    print(
+        f"KV cache {args.kv_cache_dtype}: {blocks[1]} blocks vs {blocks[0]} ({blocks[1] / blocks[0]:.2f} x) in the "
+        f"same memory; {res['tok_s']:.1f} tok/s vs {pg['tok_s']:.1f} tok/s = {res['tok_s'] / pg['tok_s']:.2f} x; "
+        f"greedy tokens equal to the {dtype} cache's: {same}/{n} ({100 * same / n:.1f}%), "
+        f"before each request's first difference: {prefix}/{n} ({100 * prefix / n:.1f}%)"
+    )
+    return {
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_blocks_model_dtype": blocks[0],
+        "kv_blocks_cache_dtype": blocks[1],
+        "kv_cache_tok_s": res["tok_s"],
+        "kv_cache_vs_model_dtype_tok_s": res["tok_s"] / pg["tok_s"],
+        "kv_cache_equal_tokens_pct": 100 * same / n,
+        "kv_cache_prefix_tokens_pct": 100 * prefix / n,
+    }
 
 
 def embed_main(
