@@ -13,11 +13,13 @@ __all__ = [
     "CacheConfig",
     "DeviceConfig",
     "EngineConfig",
+    "FP8_MAX",
     "KV_CACHE_DTYPES",
     "ModelConfig",
     "ObservabilityConfig",
     "ParallelConfig",
     "SchedulerConfig",
+    "as_bytes",
     "kv_cache_torch_dtype",
     "resolve_device",
 ]
@@ -104,18 +106,24 @@ class ModelConfig:
 
 # kv_cache_dtype values (vLLM's names): the cache stores K/V in that format, written with a per-tensor scale
 # of 1.0 (vLLM's default when a checkpoint carries none) and read back into the model's dtype.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+_FP8_BY_NAME = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+KV_CACHE_DTYPES = ("auto", *_FP8_BY_NAME)
+# The fp8 KV element types and the largest finite value of each (writes saturate there).
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
 def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The element type of the KV pool for a kv_cache_dtype."""
     if cache_dtype == "auto":
         return model_dtype
-    if cache_dtype in ("fp8", "fp8_e4m3"):
-        return torch.float8_e4m3fn
-    if cache_dtype == "fp8_e5m2":
-        return torch.float8_e5m2
+    if cache_dtype in _FP8_BY_NAME:
+        return _FP8_BY_NAME[cache_dtype]
     raise ValueError(f"kv_cache_dtype={cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as its uint8 bytes (indexing kernels and gloo have no fp8 type); others unchanged."""
+    return t.view(torch.uint8) if t.dtype in FP8_MAX else t
 
 
 @dataclass(frozen=True, slots=True)

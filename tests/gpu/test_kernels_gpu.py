@@ -10,8 +10,14 @@ import random
 import pytest
 import torch
 
-from pagedrs.kernels import HEAD_SIZES, copy_blocks, paged_attention, reshape_and_cache
-from tests.kernels.paged_case import assert_close, attention_reference, make_case, write_reference
+from pagedrs.kernels import HEAD_SIZES, copy_blocks, reshape_and_cache
+from tests.kernels.paged_case import (
+    assert_close,
+    attention_reference,
+    make_case,
+    run_paged_attention,
+    write_reference,
+)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -25,22 +31,7 @@ def _run(case, *, scale, window=None, impl="auto", max_seq_len=None):
     cache = case.kv_cache.clone()
     reshape_and_cache(case.k, case.v, cache[0], cache[1], case.slot_mapping)
     torch.testing.assert_close(cache, write_reference(case), atol=0, rtol=0)
-    meta = case.meta()
-    out = torch.full_like(case.q, float("nan"))
-    paged_attention(
-        out,
-        case.q,
-        cache[0],
-        cache[1],
-        case.block_tables,
-        case.seq_lens,
-        case.query_start_loc,
-        scale=scale,
-        sliding_window=window,
-        max_query_len=meta.max_query_len,
-        max_seq_len=max_seq_len or meta.max_seq_len,
-        prefill_impl=impl,
-    )
+    out = run_paged_attention(case, cache, scale=scale, window=window, impl=impl, max_seq_len=max_seq_len)
     torch.cuda.synchronize()
     return out, attention_reference(case, cache, scale=scale, sliding_window=window)
 
@@ -231,7 +222,6 @@ def test_mixed_ragged_batch(dtype: torch.dtype) -> None:
 def test_fp8_cache_gpu(fp8: torch.dtype, dtype: torch.dtype, head_size: int) -> None:
     """kv_cache_dtype fp8 on the GPU: the converting write equals the torch backend's rounding byte for
     byte, and decode + prefill (long contexts, split-K) equal float64 attention over the fp8 values."""
-    from pagedrs.kernels import reshape_and_cache_fp8
     from pagedrs.layers.attention.torch_ref import to_cache_dtype
 
     case = make_case(
@@ -247,23 +237,9 @@ def test_fp8_cache_gpu(fp8: torch.dtype, dtype: torch.dtype, head_size: int) -> 
     )
     cache = to_cache_dtype(case.kv_cache, fp8)
     expected = to_cache_dtype(write_reference(case), fp8)
-    reshape_and_cache_fp8(case.k, case.v, cache[0], cache[1], case.slot_mapping)
+    reshape_and_cache(case.k, case.v, cache[0], cache[1], case.slot_mapping)
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
-    meta = case.meta()
-    out = torch.full_like(case.q, float("nan"))
-    paged_attention(
-        out,
-        case.q,
-        cache[0],
-        cache[1],
-        case.block_tables,
-        case.seq_lens,
-        case.query_start_loc,
-        scale=head_size**-0.5,
-        sliding_window=None,
-        max_query_len=meta.max_query_len,
-        max_seq_len=meta.max_seq_len,
-    )
+    out = run_paged_attention(case, cache, scale=head_size**-0.5)
     torch.cuda.synchronize()
     ref = attention_reference(case, cache.float(), scale=head_size**-0.5, sliding_window=None)
     assert_close(out, ref, dtype, f"fp8 {fp8} cache on the GPU")

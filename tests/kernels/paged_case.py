@@ -118,6 +118,38 @@ def write_reference(case: PagedCase) -> Tensor:
     return cache
 
 
+def run_paged_attention(
+    case: PagedCase,
+    kv_cache: Tensor,
+    *,
+    scale: float,
+    window: int | None = None,
+    impl: str = "auto",
+    max_seq_len: int | None = None,
+) -> Tensor:
+    """`pagedrs.kernels.paged_attention` for the case's step over kv_cache [2, ...] (holding the step's
+    K/V); out starts as NaN so an unwritten row shows. max_seq_len: an upper bound (CUDA graphs)."""
+    from pagedrs.kernels import paged_attention
+
+    meta = case.meta()
+    out = torch.full_like(case.q, float("nan"))
+    paged_attention(
+        out,
+        case.q,
+        kv_cache[0],
+        kv_cache[1],
+        case.block_tables,
+        case.seq_lens,
+        case.query_start_loc,
+        scale=scale,
+        sliding_window=window,
+        max_query_len=meta.max_query_len,
+        max_seq_len=max_seq_len or meta.max_seq_len,
+        prefill_impl=impl,  # type: ignore[arg-type]
+    )
+    return out
+
+
 def attention_reference(
     case: PagedCase, kv_cache: Tensor, *, scale: float, sliding_window: int | None, query_chunk: int = 256
 ) -> Tensor:

@@ -10,11 +10,17 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pagedrs.kernels import attention_ops, paged_attention, reshape_and_cache_fp8
+from pagedrs.kernels import attention_ops, reshape_and_cache
 from pagedrs.kernels._loader import CACHE_CTYPES, CTYPES, attention_names, cache_names
 from pagedrs.layers.attention.torch_ref import to_cache_dtype
 from tests.kernels.emu.emulator import compiler, host_kernels
-from tests.kernels.paged_case import assert_close, attention_reference, make_case, write_reference
+from tests.kernels.paged_case import (
+    assert_close,
+    attention_reference,
+    make_case,
+    run_paged_attention,
+    write_reference,
+)
 
 pytestmark = pytest.mark.skipif(
     compiler() is None, reason="no g++ >= 12 (C++20, _Float16) for the kernel emulator"
@@ -55,7 +61,7 @@ def test_fp8_cache_write_equals_torch_rounding(dtype: torch.dtype, fp8: torch.dt
     case.slot_mapping[1] = -1  # a padding token: written nowhere
     start = _quantized(case.kv_cache, fp8)
     cache = start.clone()
-    reshape_and_cache_fp8(case.k, case.v, cache[0], cache[1], case.slot_mapping)
+    reshape_and_cache(case.k, case.v, cache[0], cache[1], case.slot_mapping)
     case.kv_cache = start.float().to(dtype)  # the reference writes T values, then rounds the whole cache
     expected = _quantized(write_reference(case), fp8)
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
@@ -67,22 +73,8 @@ def _run(case, fp8: torch.dtype, *, scale: float, window=None, monkeypatch=None,
     if max_partition is not None:
         monkeypatch.setattr(attention_ops, "_MAX_PARTITION", max_partition)
     cache = _quantized(case.kv_cache, fp8)
-    reshape_and_cache_fp8(case.k, case.v, cache[0], cache[1], case.slot_mapping)
-    out = torch.full_like(case.q, float("nan"))
-    meta = case.meta()
-    paged_attention(
-        out,
-        case.q,
-        cache[0],
-        cache[1],
-        case.block_tables,
-        case.seq_lens,
-        case.query_start_loc,
-        scale=scale,
-        sliding_window=window,
-        max_query_len=meta.max_query_len,
-        max_seq_len=meta.max_seq_len,
-    )
+    reshape_and_cache(case.k, case.v, cache[0], cache[1], case.slot_mapping)
+    out = run_paged_attention(case, cache, scale=scale, window=window)
     return out, attention_reference(case, cache.float(), scale=scale, sliding_window=window)
 
 
@@ -131,17 +123,4 @@ def test_tensor_core_prefill_refuses_an_fp8_cache() -> None:
     case = make_case([4], [4], num_heads=2, num_kv_heads=2, head_size=32, block_size=16, dtype=torch.float16)
     cache = _quantized(case.kv_cache, torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="tensor-core prefill"):
-        paged_attention(
-            torch.empty_like(case.q),
-            case.q,
-            cache[0],
-            cache[1],
-            case.block_tables,
-            case.seq_lens,
-            case.query_start_loc,
-            scale=0.2,
-            sliding_window=None,
-            max_query_len=4,
-            max_seq_len=4,
-            prefill_impl="mma",
-        )
+        run_paged_attention(case, cache, scale=0.2, impl="mma")

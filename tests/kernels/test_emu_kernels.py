@@ -12,10 +12,16 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pagedrs.kernels import attention_ops, copy_blocks, paged_attention, reshape_and_cache
+from pagedrs.kernels import attention_ops, copy_blocks, reshape_and_cache
 from pagedrs.kernels._loader import CTYPES, attention_names, cache_names
 from tests.kernels.emu.emulator import compiler, host_kernels
-from tests.kernels.paged_case import assert_close, attention_reference, make_case, write_reference
+from tests.kernels.paged_case import (
+    assert_close,
+    attention_reference,
+    make_case,
+    run_paged_attention,
+    write_reference,
+)
 
 pytestmark = pytest.mark.skipif(
     compiler() is None, reason="no g++ >= 12 (C++20, _Float16) for the kernel emulator"
@@ -35,25 +41,10 @@ def emulator() -> Iterator[None]:
 
 
 def _attention(case, *, scale, window=None, impl="auto", max_partition=None, monkeypatch=None):
-    out = torch.full_like(case.q, float("nan"))
     if max_partition is not None:
         monkeypatch.setattr(attention_ops, "_MAX_PARTITION", max_partition)
     cache = write_reference(case)
-    meta = case.meta()
-    paged_attention(
-        out,
-        case.q,
-        cache[0],
-        cache[1],
-        case.block_tables,
-        case.seq_lens,
-        case.query_start_loc,
-        scale=scale,
-        sliding_window=window,
-        max_query_len=meta.max_query_len,
-        max_seq_len=meta.max_seq_len,
-        prefill_impl=impl,
-    )
+    out = run_paged_attention(case, cache, scale=scale, window=window, impl=impl)
     return out, attention_reference(case, cache, scale=scale, sliding_window=window)
 
 
@@ -171,21 +162,8 @@ def test_decode_empty_context_gives_zeros() -> None:
     case.ctx_lens[1] = 0
     case.slot_mapping[1] = -1
     for max_seq_len in (9, 5000):  # one partition / split-K with most partitions empty
-        out = torch.full_like(case.q, float("nan"))
         cache = write_reference(case)
-        paged_attention(
-            out,
-            case.q,
-            cache[0],
-            cache[1],
-            case.block_tables,
-            case.seq_lens,
-            case.query_start_loc,
-            scale=0.25,
-            sliding_window=None,
-            max_query_len=1,
-            max_seq_len=max_seq_len,
-        )
+        out = run_paged_attention(case, cache, scale=0.25, max_seq_len=max_seq_len)
         assert torch.equal(out[1], torch.zeros_like(out[1]))
         assert_close(
             out,

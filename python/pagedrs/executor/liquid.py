@@ -27,6 +27,7 @@ from enum import Enum
 import torch
 from torch import Tensor
 
+from pagedrs.config import as_bytes
 from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.linear import (
     ColumnParallelLinear,
@@ -209,18 +210,13 @@ class _Transfer:
         return self.world.cpu_pg if t.device.type == "cpu" else self.world.device_pg
 
     def send(self, t: Tensor, dst: int) -> None:
-        self._pg(t).send([_wire(t.contiguous())], dst, 0).wait()  # type: ignore[attr-defined]
+        self._pg(t).send([as_bytes(t.contiguous())], dst, 0).wait()  # type: ignore[attr-defined]
         self.bytes += t.numel() * t.element_size()
 
     def recv(self, t: Tensor, src: int) -> Tensor:
-        self._pg(t).recv([_wire(t)], src, 0).wait()  # type: ignore[attr-defined]
+        self._pg(t).recv([as_bytes(t)], src, 0).wait()  # type: ignore[attr-defined]
         self.bytes += t.numel() * t.element_size()
         return t
-
-
-def _wire(t: Tensor) -> Tensor:
-    """What goes over the process group: an fp8 KV tensor as its bytes (gloo has no fp8 type)."""
-    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

@@ -15,7 +15,7 @@ from pagedrs.kernels._loader import (
     kernel_source,
     nvrtc_version,
 )
-from pagedrs.kernels.attention_ops import decode_partitions, paged_attention, reshape_and_cache_fp8, supports
+from pagedrs.kernels.attention_ops import decode_partitions, paged_attention, supports
 from pagedrs.kernels.cache_ops import copy_blocks, reshape_and_cache
 
 __all__ = [
@@ -31,7 +31,6 @@ __all__ = [
     "nvrtc_version",
     "paged_attention",
     "reshape_and_cache",
-    "reshape_and_cache_fp8",
     "set_host_executor",
     "supports",
 ]

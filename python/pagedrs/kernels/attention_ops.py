@@ -28,7 +28,7 @@ from pagedrs.kernels._loader import (
     reduce_name,
 )
 
-__all__ = ["PrefillImpl", "decode_partitions", "paged_attention", "reshape_and_cache_fp8", "supports"]
+__all__ = ["PrefillImpl", "decode_partitions", "launch_fp8_write", "paged_attention", "supports"]
 
 _SOURCE = "paged_attention"
 _THREADS = (128, 1, 1)
@@ -61,36 +61,16 @@ def _cache_ctype(cache_dtype: torch.dtype, dtype: torch.dtype) -> str | None:
     return ctype
 
 
-def reshape_and_cache_fp8(
+def launch_fp8_write(
     key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor
 ) -> None:
-    """Write key/value [T, KVH, D] (fp16/bf16/fp32) into an fp8 key_cache/value_cache [num_blocks,
-    block_size, KVH, D] at slot_mapping [T] (int64; negative skips): round to nearest even, saturate,
-    scale 1.0. Token strides may be padded; the inner two dims must be contiguous."""
-    if key_cache.dim() != 4 or not key_cache.is_contiguous() or not value_cache.is_contiguous():
-        raise ValueError("key/value caches must be contiguous [num_blocks, block_size, KVH, D]")
-    if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
-        raise ValueError("value_cache must have key_cache's shape and dtype")
+    """The converting cache write for an fp8 cache (the kernel lives with the attention kernels of its
+    dtype and head size); `cache_ops.reshape_and_cache` checks the arguments and calls this."""
     _, _, kvh, d = key_cache.shape
-    num_tokens = key.shape[0]
-    for name, t in (("key", key), ("value", value)):
-        if t.shape != (num_tokens, kvh, d) or t.stride(2) != 1 or t.stride(1) != d:
-            raise ValueError(f"{name} must be [{num_tokens}, {kvh}, {d}] with contiguous head and dim axes")
-        if t.dtype != key.dtype or t.device != key_cache.device:
-            raise ValueError(f"{name} must be {key.dtype} on {key_cache.device}")
-    if (
-        slot_mapping.dtype != torch.int64
-        or slot_mapping.shape != (num_tokens,)
-        or not slot_mapping.is_contiguous()
-    ):
-        raise ValueError(f"slot_mapping must be contiguous int64 [{num_tokens}]")
     if _name(key.dtype) not in CTYPES or d not in HEAD_SIZES:
         raise ValueError(f"no fp8 cache write for dtype={key.dtype}, head_size={d}")
     cache_ctype = _cache_ctype(key_cache.dtype, key.dtype)
-    if cache_ctype is None:
-        raise ValueError(f"the cache is {key_cache.dtype}, not an fp8 type")
-    if num_tokens == 0:
-        return
+    assert cache_ctype is not None
     ctype = CTYPES[_name(key.dtype)]
     row = kvh * d
     launch(
@@ -98,7 +78,7 @@ def reshape_and_cache_fp8(
             _SOURCE,
             attention_names(ctype, d, cache_ctype),
             fp8_write_name(ctype, cache_ctype),
-            (num_tokens, 1, 1),
+            (key.shape[0], 1, 1),
             (min(256, -(-row // 32) * 32), 1, 1),
             0,
             (

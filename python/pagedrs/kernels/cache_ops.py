@@ -8,8 +8,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pagedrs.config import FP8_MAX
 from pagedrs.kernels._launch import Launch, launch, ptr
 from pagedrs.kernels._loader import WORD_TYPES, cache_names
+from pagedrs.kernels.attention_ops import launch_fp8_write
 
 __all__ = ["copy_blocks", "reshape_and_cache"]
 
@@ -39,7 +41,8 @@ def reshape_and_cache(
 ) -> None:
     """Write key/value [T, KVH, D] into key_cache/value_cache [num_blocks, block_size, KVH, D] at
     slot_mapping [T] (int64; a negative slot skips its token). The token stride of key/value may be
-    padded (a view of a fused qkv tensor); the inner two dims must be contiguous."""
+    padded (a view of a fused qkv tensor); the inner two dims must be contiguous. An fp8 cache holds
+    fp16/bf16/fp32 K/V converted as they are written (round to nearest even, saturating, scale 1.0)."""
     _check_cache(key_cache, "key_cache")
     _check_cache(value_cache, "value_cache")
     _, _, kvh, d = key_cache.shape
@@ -53,8 +56,8 @@ def reshape_and_cache(
             raise ValueError(f"{name} must be [{num_tokens}, {kvh}, {d}], got {tuple(t.shape)}")
         if t.stride(2) != 1 or t.stride(1) != d:
             raise ValueError(f"{name}'s head and dim axes must be contiguous, strides {t.stride()}")
-        if t.dtype != key_cache.dtype:
-            raise ValueError(f"{name} dtype {t.dtype} != cache dtype {key_cache.dtype}")
+        if t.dtype != (key.dtype if key_cache.dtype in FP8_MAX else key_cache.dtype):
+            raise ValueError(f"{name} dtype {t.dtype} does not go into a {key_cache.dtype} cache")
         if t.device != key_cache.device:
             raise ValueError(f"{name} is on {t.device}, the cache on {key_cache.device}")
     if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (num_tokens,):
@@ -64,6 +67,9 @@ def reshape_and_cache(
     if slot_mapping.device != key_cache.device or not slot_mapping.is_contiguous():
         raise ValueError("slot_mapping must be contiguous and on the cache's device")
     if num_tokens == 0:
+        return
+    if key_cache.dtype in FP8_MAX:
+        launch_fp8_write(key, value, key_cache, value_cache, slot_mapping)
         return
     esize = key.element_size()
     row_bytes = kvh * d * esize

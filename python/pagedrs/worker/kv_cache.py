@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pagedrs.config import as_bytes
+
 __all__ = ["KVCachePool", "block_bytes", "num_blocks_for_bytes", "profile_num_gpu_blocks"]
 
 logger = logging.getLogger(__name__)
@@ -66,12 +68,6 @@ def profile_num_gpu_blocks(
         "KV cache: %d blocks after profiling (peak %.2f GiB of %.2f GiB)", num, peak / _GiB, total / _GiB
     )
     return num
-
-
-def _raw(t: Tensor) -> Tensor:
-    """The tensor's bytes for block moves: an fp8 pool is moved as uint8 (not every indexing kernel has
-    an fp8 version)."""
-    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
 
 
 def _pairs(pairs: np.ndarray, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -147,7 +143,7 @@ class KVCachePool:
         if len(pairs) == 0:
             return
         src, dst = _pairs(pairs, self.device)
-        for kv in map(_raw, self.kv_caches):
+        for kv in map(as_bytes, self.kv_caches):
             kv[:, dst] = kv[:, src]
 
     def swap_out(self, pairs: np.ndarray) -> None:
@@ -157,7 +153,7 @@ class KVCachePool:
         self._check_swap(len(pairs))
         src, dst = _pairs(pairs, self.device)
         dst_cpu = dst.cpu()
-        for kv, swap in zip(map(_raw, self.kv_caches), map(_raw, self.swap_caches), strict=True):
+        for kv, swap in zip(map(as_bytes, self.kv_caches), map(as_bytes, self.swap_caches), strict=True):
             swap[:, dst_cpu] = kv[:, src].to("cpu")
 
     def swap_in(self, pairs: np.ndarray) -> None:
@@ -167,7 +163,7 @@ class KVCachePool:
         self._check_swap(len(pairs))
         src, dst = _pairs(pairs, torch.device("cpu"))
         dst_dev = dst.to(self.device)
-        for kv, swap in zip(map(_raw, self.kv_caches), map(_raw, self.swap_caches), strict=True):
+        for kv, swap in zip(map(as_bytes, self.kv_caches), map(as_bytes, self.swap_caches), strict=True):
             kv[:, dst_dev] = swap[:, src].to(self.device, non_blocking=True)
 
     def _check_swap(self, n: int) -> None:

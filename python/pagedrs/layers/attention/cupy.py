@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pagedrs.kernels import paged_attention, reshape_and_cache, reshape_and_cache_fp8, supports
+from pagedrs.config import FP8_MAX
+from pagedrs.kernels import paged_attention, reshape_and_cache, supports
 from pagedrs.kernels.attention_ops import PrefillImpl
 from pagedrs.layers.attention import AttentionMetadata
 
@@ -54,17 +55,11 @@ class CupyAttentionBackend:
             raise ValueError(
                 f"kv cache block size {kv_cache.shape[2]} != metadata block_size {meta.block_size}"
             )
+        # The activations take the cache's dtype, unless it is fp8 (converted as K/V are written).
+        dtype = q.dtype if kv_cache.dtype in FP8_MAX else kv_cache.dtype
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # converted as it is written
-            if k.dtype != q.dtype:
-                k, v = k.to(q.dtype), v.to(q.dtype)
-            reshape_and_cache_fp8(k, v, key_cache, value_cache, meta.slot_mapping)
-        else:
-            if k.dtype != kv_cache.dtype:
-                k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
-            if q.dtype != kv_cache.dtype:
-                q = q.to(kv_cache.dtype)
-            reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         return paged_attention(
             out,

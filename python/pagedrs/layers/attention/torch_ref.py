@@ -24,18 +24,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pagedrs import _core
+from pagedrs.config import FP8_MAX, as_bytes
 from pagedrs.layers.attention import AttentionMetadata
 
 __all__ = ["TorchAttentionBackend", "write_kv_cache", "gather_kv"]
 
 
-_FP8 = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}  # the largest finite value of each
-
-
 def to_cache_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:
     """x in the cache's element type; an fp8 cache saturates at its largest finite value (a plain cast would
     give NaN for e4m3) with a per-tensor scale of 1.0."""
-    limit = _FP8.get(dtype)
+    limit = FP8_MAX.get(dtype)
     if limit is None:
         return x.to(dtype)
     return x.float().clamp(-limit, limit).to(dtype)
@@ -45,11 +43,10 @@ def write_kv_cache(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor)
     """Store k/v [T,KVH,D] at their slots of kv_cache [2, num_blocks, block_size, KVH, D]."""
     _, num_blocks, block_size, kvh, d = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, kvh, d)
-    kq, vq = to_cache_dtype(k, kv_cache.dtype), to_cache_dtype(v, kv_cache.dtype)
-    if kv_cache.dtype in _FP8:  # index_copy_ has no fp8 kernel: copy the bytes
-        flat, kq, vq = flat.view(torch.uint8), kq.view(torch.uint8), vq.view(torch.uint8)
-    flat[0].index_copy_(0, slot_mapping, kq)
-    flat[1].index_copy_(0, slot_mapping, vq)
+    # as bytes: index_copy_ has no fp8 kernel
+    flat = as_bytes(flat)
+    flat[0].index_copy_(0, slot_mapping, as_bytes(to_cache_dtype(k, kv_cache.dtype)))
+    flat[1].index_copy_(0, slot_mapping, as_bytes(to_cache_dtype(v, kv_cache.dtype)))
 
 
 def gather_kv(kv_cache: Tensor, block_table: Tensor, num_positions: int) -> tuple[Tensor, Tensor]:
@@ -60,7 +57,7 @@ def gather_kv(kv_cache: Tensor, block_table: Tensor, num_positions: int) -> tupl
     block_size = kv_cache.shape[2]
     num_blocks = -(-num_positions // block_size)
     blocks = block_table[..., :num_blocks].long()
-    cache = kv_cache.view(torch.uint8) if kv_cache.dtype in _FP8 else kv_cache  # fp8: index the bytes
+    cache = as_bytes(kv_cache)  # fp8: index the bytes
     k = cache[0][blocks].view(kv_cache.dtype)  # [..., nb, bs, KVH, D]
     v = cache[1][blocks].view(kv_cache.dtype)
     shape = (*blocks.shape[:-1], num_blocks * block_size, *k.shape[-2:])
@@ -236,7 +233,7 @@ class TorchAttentionBackend:
                 # Nothing cached before this chunk: its own k/v are the whole context (as the cache holds
                 # them: an fp8 cache's rounding is the same however the prompt was chunked).
                 kb, vb = k[start:end], v[start:end]
-                if kv_cache.dtype in _FP8:
+                if kv_cache.dtype in FP8_MAX:
                     kb, vb = to_cache_dtype(kb, kv_cache.dtype), to_cache_dtype(vb, kv_cache.dtype)
             else:
                 kb, vb = gather_kv(kv_cache, meta.block_tables[b], seq_len)
@@ -317,17 +314,13 @@ class TorchAttentionBackend:
         nb = group.num_blocks
         bd = group.token_idx.shape[0]
         kbuf, vbuf = self._scratch(kv_cache, bd * nb)
-        if kv_cache.dtype in _FP8:  # fp8: gather the bytes
-            cache = kv_cache.view(torch.uint8)
-            torch.index_select(cache[0], 0, group.blocks, out=kbuf.view(torch.uint8))
-            torch.index_select(cache[1], 0, group.blocks, out=vbuf.view(torch.uint8))
-        else:
-            torch.index_select(kv_cache[0], 0, group.blocks, out=kbuf)
-            torch.index_select(kv_cache[1], 0, group.blocks, out=vbuf)
+        cache = as_bytes(kv_cache)  # fp8: gather the bytes
+        torch.index_select(cache[0], 0, group.blocks, out=as_bytes(kbuf))
+        torch.index_select(cache[1], 0, group.blocks, out=as_bytes(vbuf))
         k = kbuf.view(bd, nb * block_size, kvh, d)
         v = vbuf.view(bd, nb * block_size, kvh, d)
         dtype = kv_cache.dtype
-        if dtype in _FP8:  # an fp8 cache is read back into the queries' dtype
+        if dtype in FP8_MAX:  # an fp8 cache is read back into the queries' dtype
             dtype = q.dtype
             k, v = k.to(dtype), v.to(dtype)
         qd = q.index_select(0, group.token_idx).to(dtype)  # [Bd, H, D]
