@@ -335,3 +335,14 @@ def process_gone(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     except OSError:
         return True
+
+
+# Seed 003's server command line (the flags after the module name), as the notebook runs it.
+SEED_003_SERVER_FLAGS = [
+    "--enable-chunked-prefill",
+    "--disable-sliding-window",
+    "--max-num-batched-tokens=12",
+    "--max-num-seqs=12",
+    "--dtype=half",
+    "--enable-log-batch-visualization",
+]

@@ -13,7 +13,7 @@ import pytest
 from pagedrs import LLM, EngineArgs, LLMEngine, SamplingParams
 from pagedrs.entrypoints.cli import make_parser
 from pagedrs.entrypoints.cli_args import make_engine_args
-from tests.helpers import make_tiny_llama
+from tests.helpers import SEED_003_SERVER_FLAGS, make_tiny_llama
 
 SEED_ARGS = (
     "tokenizer skip_tokenizer_init tokenizer_mode revision tokenizer_revision trust_remote_code dtype "
@@ -54,12 +54,7 @@ def test_cli_takes_the_seed_flags() -> None:
     args = make_parser().parse_args(
         [
             "serve",
-            "--enable-chunked-prefill",
-            "--disable-sliding-window",
-            "--max-num-batched-tokens=12",
-            "--max-num-seqs=12",
-            "--dtype=half",
-            "--enable-log-batch-visualization",
+            *SEED_003_SERVER_FLAGS,
             "--skip-tokenizer-init",
             "--load-format",
             "dummy",

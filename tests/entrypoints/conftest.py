@@ -201,3 +201,50 @@ def metric_value(text: str, name: str) -> float:
             if rest[:1] in ("{", " "):
                 return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
+
+
+async def stream_texts(
+    server: SubprocessServer, prompts: list[str], max_tokens: int, *, connection_each: bool = False
+) -> list[str]:
+    """Each prompt as a greedy streaming completion, all at once; the text each stream put together.
+    `connection_each`: a fresh connection per request (spread over several API server processes)."""
+    import asyncio
+    import json
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> str:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        text = ""
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    keep = 0 if connection_each else len(prompts)
+    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=keep)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    async with httpx.AsyncClient(base_url=server.base_url, headers=headers, timeout=300, limits=limits) as c:
+        return list(await asyncio.gather(*(one(c, p) for p in prompts)))
+
+
+def offline_greedy_texts(prompts: list[str], max_tokens: int) -> list[str]:
+    """The same prompts through `LLM.generate` with the servers' engine flags (greedy)."""
+    from pagedrs import LLM, SamplingParams
+
+    flags = {
+        k.lstrip("-").replace("-", "_"): v
+        for k, v in zip(SERVER_ENGINE_FLAGS[::2], SERVER_ENGINE_FLAGS[1::2], strict=True)
+    }
+    llm = LLM(
+        device="cpu",
+        dtype="float32",
+        max_model_len=int(flags["max_model_len"]),
+        num_kv_blocks=int(flags["num_kv_blocks"]),
+        max_num_seqs=int(flags["max_num_seqs"]),
+    )
+    try:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()

@@ -6,7 +6,6 @@ model, CPU."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -16,7 +15,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import API_KEY, SERVER_ENGINE_FLAGS, SubprocessServer, metric_value, wait_until
+from conftest import (
+    API_KEY,
+    SERVER_ENGINE_FLAGS,
+    SubprocessServer,
+    metric_value,
+    offline_greedy_texts,
+    stream_texts,
+    wait_until,
+)
 
 from tests.helpers import child_pids, cmdline, process_gone
 
@@ -45,38 +52,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SubprocessServe
     s.kill()
 
 
-async def _streams(server: SubprocessServer, prompts: list[str], max_tokens: int) -> list[str]:
-    async def one(client: httpx.AsyncClient, prompt: str) -> str:
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-        text = ""
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    text += json.loads(line[6:])["choices"][0]["text"]
-        return text
-
-    # A connection per request: the kernel spreads them over the two processes' accepts.
-    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=0)
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    async with httpx.AsyncClient(base_url=server.base_url, limits=limits, headers=headers, timeout=300) as c:
-        return list(await asyncio.gather(*(one(c, p) for p in prompts)))
-
-
 def test_both_processes_serve_offline_greedy_text(server: SubprocessServer) -> None:
-    from pagedrs import LLM, SamplingParams
-
     core, apis = _kids(server)
     prompts = [f"Question {i}: what is the colour of grass?" for i in range(40)]
-    served = asyncio.run(_streams(server, prompts, 6))
-    llm = LLM(device="cpu", dtype="float32", max_model_len=512, num_kv_blocks=256)
-    try:
-        offline = [
-            o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
-        ]
-    finally:
-        llm.shutdown()
-    assert served == offline
+    # A connection per request: the kernel spreads them over the two processes' accepts.
+    served = asyncio.run(stream_texts(server, prompts, 6, connection_each=True))
+    assert served == offline_greedy_texts(prompts, 6)
     log = server.log_path.read_text(errors="replace")
     lines = [x for x in log.splitlines() if '"POST /v1/completions' in x]
     by_index = [sum(f"[api-server {i}]" in x for x in lines) for i in range(2)]

@@ -11,11 +11,10 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-from conftest import API_KEY, SERVER_ENGINE_FLAGS, SubprocessServer, metric_value, wait_until
+from conftest import SubprocessServer, metric_value, offline_greedy_texts, stream_texts, wait_until
 
 from tests.helpers import child_pids, cmdline, process_gone
 
@@ -98,46 +97,9 @@ def test_kill_core_mid_stream_then_restart(server: SubprocessServer) -> None:
 
 
 def test_200_concurrent_streams_equal_offline_greedy(server: SubprocessServer) -> None:
-    from pagedrs import LLM, SamplingParams
-
     prompts = [f"Item {i}: the colour of the sky is" for i in range(200)]
-    max_tokens = 6
-
-    async def one(client: httpx.AsyncClient, prompt: str) -> str:
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-        text = ""
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    import json
-
-                    text += json.loads(line[6:])["choices"][0]["text"]
-        return text
-
-    async def run() -> list[str]:
-        limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
-        headers = {"Authorization": f"Bearer {API_KEY}"}
-        async with httpx.AsyncClient(
-            base_url=server.base_url, headers=headers, timeout=300, limits=limits
-        ) as client:
-            return list(await asyncio.gather(*(one(client, p) for p in prompts)))
-
-    served = asyncio.run(run())
-    flags: dict[str, Any] = {}
-    for k, v in zip(SERVER_ENGINE_FLAGS[::2], SERVER_ENGINE_FLAGS[1::2], strict=True):
-        flags[k.lstrip("-").replace("-", "_")] = v
-    llm = LLM(
-        device="cpu",
-        dtype="float32",
-        max_model_len=int(flags["max_model_len"]),
-        num_kv_blocks=int(flags["num_kv_blocks"]),
-        max_num_seqs=int(flags["max_num_seqs"]),
-    )
-    offline = [
-        o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
-    ]
-    assert served == offline
+    served = asyncio.run(stream_texts(server, prompts, 6))
+    assert served == offline_greedy_texts(prompts, 6)
 
 
 def test_core_that_fails_to_load_ends_the_server(tmp_path: Path) -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 import openai
 from conftest import SubprocessServer, free_port
 
+from tests.helpers import SEED_003_SERVER_FLAGS
+
 
 def test_seed_003_server_and_async_client(tmp_path: Path) -> None:
     port = free_port()
@@ -22,12 +24,7 @@ def test_seed_003_server_and_async_client(tmp_path: Path) -> None:
         str(port),
         "--data-dir",
         str(tmp_path / "data"),
-        "--enable-chunked-prefill",
-        "--disable-sliding-window",
-        "--max-num-batched-tokens=12",
-        "--max-num-seqs=12",
-        "--dtype=half",
-        "--enable-log-batch-visualization",
+        *SEED_003_SERVER_FLAGS,
     ]
     server.start()
     try:

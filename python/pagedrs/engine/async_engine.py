@@ -153,6 +153,15 @@ class RequestStream:
             self._engine._abort_stream(self)
 
 
+def _frontend_tokenizer(engine_args: Any) -> Any:
+    """The tokenizer the frontend validates, tokenizes and detokenizes with (None: skip_tokenizer_init)."""
+    if engine_args.skip_tokenizer_init:
+        return None
+    from pagedrs.loader import load_tokenizer
+
+    return load_tokenizer(engine_args.model, engine_args.tokenizer, engine_args.load_options())
+
+
 class AsyncLLMEngine:
     """`from_engine_args` runs the core in its own process; `AsyncLLMEngine(engine)` runs a given engine
     (an `LLMEngine`, an `EngineCore` or a stand-in with its methods) in a thread behind the same channel.
@@ -220,16 +229,9 @@ class AsyncLLMEngine:
     @classmethod
     def from_engine_args(cls, engine_args: Any, **kwargs: Any) -> AsyncLLMEngine:
         """The core in its own process, loading the model there; the tokenizer is loaded here."""
-        from pagedrs.loader import load_tokenizer
-
         engine_args.early_configs()  # bad arguments fail here, before any process starts
-        tokenizer = (
-            None
-            if engine_args.skip_tokenizer_init
-            else load_tokenizer(engine_args.model, engine_args.tokenizer, engine_args.load_options())
-        )
         return cls(
-            tokenizer=tokenizer,
+            tokenizer=_frontend_tokenizer(engine_args),
             _make_handle=lambda ipc_dir, gen: ProcessCore(engine_args, ipc_dir, gen),
             **kwargs,
         )
@@ -240,15 +242,8 @@ class AsyncLLMEngine:
     ) -> AsyncLLMEngine:
         """Client `client_index` of the core that this process's parent supervises in `ipc_dir`
         (`--api-server-count N`): the parent starts and restarts the core; this frontend follows it."""
-        from pagedrs.loader import load_tokenizer
-
-        tokenizer = (
-            None
-            if engine_args.skip_tokenizer_init
-            else load_tokenizer(engine_args.model, engine_args.tokenizer, engine_args.load_options())
-        )
         return cls(
-            tokenizer=tokenizer,
+            tokenizer=_frontend_tokenizer(engine_args),
             client_index=client_index,
             ipc_dir=ipc_dir,
             _make_handle=lambda ipc_dir, gen: RemoteCore(ipc_dir, gen, client_index),
