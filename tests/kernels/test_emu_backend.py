@@ -14,13 +14,11 @@ from pagedrs.layers.attention.cupy import CupyAttentionBackend
 from pagedrs.layers.attention.torch_ref import TorchAttentionBackend
 from pagedrs.loader import load_model
 from tests.helpers import make_tiny_llama
-from tests.kernels.emu.emulator import compiler, host_kernels
+from tests.kernels.emu.emulator import host_kernels, needs_emulator
 from tests.kernels.paged_case import assert_close, make_case
 from tests.models.paged_harness import PagedHarness
 
-pytestmark = pytest.mark.skipif(
-    compiler() is None, reason="no g++ >= 12 (C++20, _Float16) for the kernel emulator"
-)
+pytestmark = needs_emulator
 
 
 @pytest.fixture(scope="module", autouse=True)

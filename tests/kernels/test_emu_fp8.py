@@ -13,7 +13,7 @@ import torch
 from pagedrs.kernels import attention_ops, reshape_and_cache
 from pagedrs.kernels._loader import CACHE_CTYPES, CTYPES, attention_names, cache_names
 from pagedrs.layers.attention.torch_ref import to_cache_dtype
-from tests.kernels.emu.emulator import compiler, host_kernels
+from tests.kernels.emu.emulator import host_kernels, needs_emulator
 from tests.kernels.paged_case import (
     assert_close,
     attention_reference,
@@ -22,9 +22,7 @@ from tests.kernels.paged_case import (
     write_reference,
 )
 
-pytestmark = pytest.mark.skipif(
-    compiler() is None, reason="no g++ >= 12 (C++20, _Float16) for the kernel emulator"
-)
+pytestmark = needs_emulator
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]

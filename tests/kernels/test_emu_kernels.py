@@ -14,7 +14,7 @@ import torch
 
 from pagedrs.kernels import attention_ops, copy_blocks, reshape_and_cache
 from pagedrs.kernels._loader import CTYPES, attention_names, cache_names
-from tests.kernels.emu.emulator import compiler, host_kernels
+from tests.kernels.emu.emulator import host_kernels, needs_emulator
 from tests.kernels.paged_case import (
     assert_close,
     attention_reference,
@@ -23,9 +23,7 @@ from tests.kernels.paged_case import (
     write_reference,
 )
 
-pytestmark = pytest.mark.skipif(
-    compiler() is None, reason="no g++ >= 12 (C++20, _Float16) for the kernel emulator"
-)
+pytestmark = needs_emulator
 
 EMU_HEADS = (16, 32, 64, 80)
 

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from pagedrs.kernels import Launch, set_host_executor
 
@@ -42,6 +43,12 @@ def compiler() -> str | None:
             [cxx, "-std=c++20", str(src), "-o", str(Path(tmp) / "probe")], capture_output=True
         )
     return cxx if proc.returncode == 0 else None
+
+
+# Marks the tests that run kernels on the emulator: skipped without a suitable compiler.
+needs_emulator = pytest.mark.skipif(
+    compiler() is None, reason="no g++ >= 12 (C++20, _Float16) for the kernel emulator"
+)
 
 
 def _entries(names: Iterable[str]) -> str:
