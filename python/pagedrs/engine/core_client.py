@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Protocol
 
@@ -272,14 +273,22 @@ def wait_ready(handle: CoreHandle, timeout: float, client_index: int = 0) -> Rea
     return ready
 
 
-def connect_ready(handle: CoreHandle, timeout: float, client_index: int = 0) -> tuple[Ready, zmq.Socket]:
+def connect_ready(
+    handle: CoreHandle,
+    timeout: float,
+    client_index: int = 0,
+    *,
+    address: str | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> tuple[Ready, zmq.Socket]:
     """`wait_ready`, keeping the output socket it read Ready from: the caller goes on reading the step
     messages from it. (A second socket on the same address would be a second PUSH peer, and the core's
-    round robin could hand a step message to the one being closed.)"""
+    round robin could hand a step message to the one being closed.) `address` reads another socket (a
+    supervisor's status socket); `should_stop()` gives up early."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(handle.output_addrs[client_index])
+    sock.connect(address or handle.output_addrs[client_index])
     decoder = output_decoder()
     deadline = time.monotonic() + timeout
     try:
@@ -293,6 +302,8 @@ def connect_ready(handle: CoreHandle, timeout: float, client_index: int = 0) -> 
                 continue
             if not handle.alive():
                 raise EngineStartupError(f"the engine core failed to start: {handle.exit_description()}")
+            if should_stop is not None and should_stop():
+                raise EngineStartupError("the server is stopping")
         raise EngineStartupError(f"the engine core did not become ready within {timeout:.0f}s")
     except BaseException:
         sock.close(linger=0)

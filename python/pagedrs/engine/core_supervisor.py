@@ -7,20 +7,17 @@ core dies and reconnect to the generation that replaces it."""
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
-
-import msgspec
-import zmq
 
 from pagedrs.engine.core_client import (
     CoreState,
     EngineStartupError,
     ProcessCore,
+    connect_ready,
     write_core_state,
 )
-from pagedrs.engine.messages import Ready, StartupFailed, output_decoder
+from pagedrs.engine.messages import Ready
 
 __all__ = ["CoreSupervisor"]
 
@@ -43,7 +40,6 @@ class CoreSupervisor:
         self.num_restarts = 0
         self.exhausted = False
         self.handle: ProcessCore | None = None
-        self.ready: Ready | None = None
 
     @property
     def pid(self) -> int | None:
@@ -62,47 +58,25 @@ class CoreSupervisor:
         handle.start()
         self.handle = handle
         assert handle.status_addr is not None
-        sock = zmq.Context.instance().socket(zmq.PULL)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(handle.status_addr)
-        decoder = output_decoder()
-        deadline = time.monotonic() + _READY_TIMEOUT_S
         try:
-            while True:
-                if sock.poll(100):
-                    try:
-                        msg = decoder.decode(sock.recv())
-                    except (msgspec.DecodeError, msgspec.ValidationError):
-                        continue
-                    if isinstance(msg, Ready):
-                        self.ready = msg
-                        self._publish("ready")
-                        logger.info(
-                            "engine core ready (pid %s, generation %d): %s, %d KV blocks, %d API servers",
-                            handle.pid,
-                            self.gen,
-                            msg.model_name,
-                            msg.num_blocks,
-                            self.num_clients,
-                        )
-                        return msg
-                    if isinstance(msg, StartupFailed):
-                        raise EngineStartupError(f"the engine core failed to start: {msg.message}")
-                    continue
-                if not handle.alive():
-                    raise EngineStartupError(f"the engine core failed to start: {handle.exit_description()}")
-                if should_stop():
-                    raise EngineStartupError("the server is stopping")
-                if time.monotonic() > deadline:
-                    raise EngineStartupError(
-                        f"the engine core did not become ready within {_READY_TIMEOUT_S:.0f}s"
-                    )
+            ready, sock = connect_ready(
+                handle, _READY_TIMEOUT_S, address=handle.status_addr, should_stop=should_stop
+            )
         except EngineStartupError as exc:
             handle.stop(5)
             self._publish("failed", str(exc))
             raise
-        finally:
-            sock.close(linger=0)
+        sock.close(linger=0)
+        self._publish("ready")
+        logger.info(
+            "engine core ready (pid %s, generation %d): %s, %d KV blocks, %d API servers",
+            handle.pid,
+            self.gen,
+            ready.model_name,
+            ready.num_blocks,
+            self.num_clients,
+        )
+        return ready
 
     def check(self, should_stop: Callable[[], bool] = lambda: False) -> bool:
         """A dead core is reported (`down`) and restarted; False once it is down for good."""
