@@ -182,9 +182,9 @@ def write_json(path: str, result: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(out, indent=2))
 
 
-def load_models(args: argparse.Namespace, dtype: torch.dtype, max_len: int) -> tuple[LLMEngine, Any]:
-    """The pagedrs engine and the HF model, holding the same weights (the engine keeps the loaded model
-    as `engine.loaded`, for a second engine over the same weights)."""
+def load_models(args: argparse.Namespace, dtype: torch.dtype, max_len: int) -> tuple[LLMEngine, Any, Any]:
+    """The pagedrs engine and the HF model, holding the same weights, and the loaded model (for a second
+    engine over the same weights)."""
     import transformers
 
     from pagedrs.loader import LoadedModel, load_model, model_folder, resolve_model_path
@@ -206,9 +206,7 @@ def load_models(args: argparse.Namespace, dtype: torch.dtype, max_len: int) -> t
         folder = model_folder(resolve_model_path(args.model))  # the GGUF default: its converted HF folder
         hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     config = eng_args.create_engine_config(max_len)
-    engine = LLMEngine(config, loaded, max_logprobs=0)
-    engine.loaded = loaded  # type: ignore[attr-defined]
-    return engine, hf
+    return LLMEngine(config, loaded, max_logprobs=0), hf, loaded
 
 
 def tp_engine(args: argparse.Namespace, dtype: torch.dtype, max_len: int) -> LLMEngine:
@@ -436,7 +434,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     dtype = getattr(torch, dtype_name)
     max_len = args.input_len[1] + args.output_len[1]
-    engine, hf = load_models(args, dtype, max_len)
+    engine, hf, loaded = load_models(args, dtype, max_len)
     special = set(engine.eos_token_ids)
     tok = engine.get_tokenizer()
     if tok is not None:
@@ -512,7 +510,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"(pagedrs TP=1) = {res['tok_s'] / pg['tok_s']:.2f} x"
         )
     if args.kv_cache_dtype:
-        result.update(kv_cache_vs_model_dtype(args, engine, reqs, pg, dtype, max_len))
+        result.update(kv_cache_vs_model_dtype(args, engine, loaded, reqs, pg, dtype, max_len))
     if not args.skip_hf:
         if args.hf_cb:
             cb = run_hf_cb(hf, reqs)
@@ -542,6 +540,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def kv_cache_vs_model_dtype(
     args: argparse.Namespace,
     engine: LLMEngine,
+    loaded: Any,
     reqs: list[tuple[list[int], int]],
     pg: dict[str, Any],
     dtype: torch.dtype,
@@ -550,7 +549,7 @@ def kv_cache_vs_model_dtype(
     """The same requests through a second engine over the same weights whose KV cache is
     --kv-cache-dtype, in the same memory budget: blocks, throughput, greedy tokens equal to the first run."""
     cfg = engine_args(args, dtype, max_len, kv_cache_dtype=args.kv_cache_dtype).create_engine_config(max_len)
-    other = LLMEngine(cfg, engine.loaded, max_logprobs=0)  # type: ignore[attr-defined]
+    other = LLMEngine(cfg, loaded, max_logprobs=0)
     try:
         run_pagedrs(other, [(reqs[0][0][:16][::-1], 4)])
         res = run_pagedrs(other, reqs)
