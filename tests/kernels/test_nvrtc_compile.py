@@ -22,6 +22,12 @@ def _disk_source(name: str) -> str:
     return (CUDA_DIR / f"{name}.cu").read_text()
 
 
+def _resolved_disk_source(name: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """What kernel_source gives for the files on disk (headers inlined)."""
+    monkeypatch.setenv("PAGEDRS_CUDA_SRC_DIR", str(CUDA_DIR))
+    return _loader.kernel_source(name)
+
+
 @pytest.fixture(scope="module")
 def nvrtc_ok() -> tuple[int, int]:
     try:
@@ -38,10 +44,29 @@ def test_sources_start_with_line_directive() -> None:
         assert first == f'#line 1 "cuda/{name}.cu"', f"{name}.cu must start with its #line directive"
 
 
-def test_sources_include_no_headers() -> None:
-    """Header-free sources need no CUDA include directory at run time or in CI."""
+def test_sources_include_only_their_own_headers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No CUDA header (NVRTC needs no include directory at run time or in CI); cuda/common.cuh is inlined
+    by kernel_source, followed by a #line directive that restores the file's own numbering."""
     for name in _loader.SOURCES:
-        assert not re.search(r"^\s*#\s*include", _disk_source(name), re.M), f"{name}.cu includes a header"
+        includes = re.findall(r"^\s*#\s*include\s*(\S+)", _disk_source(name), re.M)
+        assert set(includes) <= {f'"{h}"' for h in _loader.HEADERS}, f"{name}.cu includes {includes}"
+        text = _resolved_disk_source(name, monkeypatch)
+        assert not re.search(r"^\s*#\s*include", text, re.M), f"{name}.cu still includes a header"
+    for header in _loader.HEADERS:
+        assert not re.search(r"^\s*#\s*include", (CUDA_DIR / header).read_text(), re.M)
+    disk = _disk_source("layer_ops").splitlines()
+    include = next(i for i, line in enumerate(disk) if line.startswith("#include"))
+    lines = _resolved_disk_source("layer_ops", monkeypatch).splitlines()
+    restart = lines.index(f'#line {include + 2} "cuda/layer_ops.cu"')
+    assert lines[restart + 1 :] == disk[include + 1 :]
+    assert "\n".join(lines).count("struct half_t {") == 1
+
+
+def test_unknown_include_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "layer_ops.cu").write_text('#line 1 "cuda/layer_ops.cu"\n#include "cuda_fp16.h"\n')
+    monkeypatch.setenv("PAGEDRS_CUDA_SRC_DIR", str(tmp_path))
+    with pytest.raises(kernels.KernelCompileError, match="cuda_fp16.h"):
+        _loader.kernel_source("layer_ops")
 
 
 def test_embedded_sources_match_disk() -> None:
@@ -49,11 +74,13 @@ def test_embedded_sources_match_disk() -> None:
     (pip install -e . --no-build-isolation --no-deps)."""
     from pagedrs._core import kernel_names, kernel_source
 
-    assert set(_loader.SOURCES) <= set(kernel_names())
+    assert set(_loader.SOURCES) | set(_loader.HEADERS) <= set(kernel_names())
     for name in _loader.SOURCES:
         assert kernel_source(name) == _disk_source(name), (
             f"embedded {name}.cu is stale: rebuild the extension"
         )
+    for header in _loader.HEADERS:
+        assert kernel_source(header) == (CUDA_DIR / header).read_text(), f"embedded {header} is stale"
 
 
 def test_every_kernel_template_is_instantiated() -> None:
@@ -66,13 +93,16 @@ def test_every_kernel_template_is_instantiated() -> None:
 
 
 @pytest.mark.parametrize("arch", _loader.COMPILE_CHECK_ARCHS)
-def test_every_instantiation_compiles(arch: str, nvrtc_ok: tuple[int, int]) -> None:
+def test_every_instantiation_compiles(
+    arch: str, nvrtc_ok: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     groups = _loader.instantiation_groups()
+    sources = {name: _resolved_disk_source(name, monkeypatch) for name in _loader.SOURCES}
 
     def compile_group(group: tuple[str, tuple[str, ...]]) -> str | None:
         source, names = group
         try:
-            lowered = _loader.compile_check(source, names, arch, code=_disk_source(source))
+            lowered = _loader.compile_check(source, names, arch, code=sources[source])
         except _loader.KernelCompileError as e:
             return str(e)
         missing = [n for n in names if not lowered.get(n)]
@@ -90,3 +120,18 @@ def test_compile_errors_name_the_real_file(nvrtc_ok: tuple[int, int]) -> None:
     )
     with pytest.raises(kernels.KernelCompileError, match=r"cuda/cache_kernels\.cu\(\d+\)"):
         _loader.compile_check("cache_kernels", _loader.cache_names(), "sm_80", code=broken)
+
+
+def test_compile_errors_after_the_header_keep_the_files_line_numbers(
+    nvrtc_ok: tuple[int, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lines = _disk_source("layer_ops").splitlines()
+    target = next(i for i, line in enumerate(lines) if "const int nvec = hidden / VEC;" in line)
+    lines[target] = lines[target].replace("hidden / VEC;", "hidden / VEC +;")
+    (tmp_path / "layer_ops.cu").write_text("\n".join(lines) + "\n")
+    for header in _loader.HEADERS:
+        (tmp_path / header).write_text((CUDA_DIR / header).read_text())
+    monkeypatch.setenv("PAGEDRS_CUDA_SRC_DIR", str(tmp_path))
+    names = _loader.layer_op_names("float")
+    with pytest.raises(kernels.KernelCompileError, match=rf"cuda/layer_ops\.cu\({target + 1}\)"):
+        _loader.compile_check("layer_ops", names, "sm_80")

@@ -1,10 +1,11 @@
 """Kernel sources, their template instantiations, the cached CuPy loader and an NVRTC compile check.
 
 Sources come from the extension (`pagedrs._core.kernel_source`), so a wheel runs exactly the kernels it
-was built with. Setting ``PAGEDRS_CUDA_SRC_DIR`` to a folder of ``NAME.cu`` files reads those instead
-(kernel development without rebuilding the extension).
+was built with. Setting ``PAGEDRS_CUDA_SRC_DIR`` to a folder of ``NAME.cu`` files (and the headers they
+include) reads those instead (kernel development without rebuilding the extension).
 
-The kernels include no CUDA header, so NVRTC needs no include directory: the NVRTC library alone
+The kernels include no CUDA header; their own header (cuda/common.cuh) is inlined by `kernel_source`, so
+NVRTC needs no include directory: the NVRTC library alone
 (pip: ``nvidia-cuda-nvrtc-cu12`` or ``nvidia-cuda-nvrtc`` 13, found through CuPy's cuda-pathfinder)
 compiles them, with or without a GPU.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,8 @@ __all__ = [
     "COMPILE_CHECK_ARCHS",
     "CTYPES",
     "GROUP_SIZES",
+    "ACTIVATIONS",
+    "HEADERS",
     "HEAD_SIZES",
     "KernelCompileError",
     "NVRTC_OPTIONS",
@@ -33,10 +37,13 @@ __all__ = [
     "get_kernel",
     "instantiation_groups",
     "kernel_source",
+    "layer_op_names",
     "nvrtc_version",
+    "vector_width",
 ]
 
-SOURCES = ("cache_kernels", "paged_attention")
+SOURCES = ("cache_kernels", "paged_attention", "layer_ops")
+HEADERS = ("common.cuh",)  # included by the sources, inlined by kernel_source
 HEAD_SIZES = (16, 32, 64, 80, 96, 128)
 # Query heads per decode CTA: the group size G = num_heads / num_kv_heads rounded up to one of these
 # (larger groups take ceil(G / 8) CTAs per kv head).
@@ -60,14 +67,37 @@ class KernelCompileError(RuntimeError):
     """NVRTC rejected a kernel source; the message carries NVRTC's log."""
 
 
-def kernel_source(name: str) -> str:
-    """The CUDA source `name` (see SOURCES)."""
+def _raw_source(file: str) -> str:
     src_dir = os.environ.get("PAGEDRS_CUDA_SRC_DIR")
     if src_dir:
-        return (Path(src_dir) / f"{name}.cu").read_text()
+        return (Path(src_dir) / file).read_text()
     from pagedrs._core import kernel_source as embedded
 
-    return embedded(name)
+    return embedded(file.removesuffix(".cu"))
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([\w.]+)"\s*$')
+
+
+def kernel_source(name: str) -> str:
+    """The CUDA source `name` (see SOURCES), with its `#include "common.cuh"` lines replaced by the header
+    (once each), followed by a #line directive so NVRTC's messages keep the file's own line numbers."""
+    lines = _raw_source(f"{name}.cu").splitlines()
+    out: list[str] = []
+    seen: set[str] = set()
+    for number, line in enumerate(lines, start=1):
+        match = _INCLUDE.match(line)
+        if match is None:
+            out.append(line)
+            continue
+        header = match.group(1)
+        if header not in HEADERS:
+            raise KernelCompileError(f"cuda/{name}.cu:{number} includes {header!r}, not one of {HEADERS}")
+        if header not in seen:
+            seen.add(header)
+            out.append(_raw_source(header))
+            out.append(f'#line {number + 1} "cuda/{name}.cu"')
+    return "\n".join(out) + "\n"
 
 
 def cache_names() -> tuple[str, ...]:
@@ -118,9 +148,31 @@ def attention_names(ctype: str, head_size: int, cache_ctype: str | None = None) 
     return tuple(names)
 
 
+# Gated activations of act_and_mul (cuda/layer_ops.cu): name -> its ACT template argument
+ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+
+
+def vector_width(ctype: str) -> int:
+    """Elements per 16-byte access for a kernel element type."""
+    return 4 if ctype == "float" else 8
+
+
+def layer_op_names(ctype: str) -> tuple[str, ...]:
+    """Every instantiation of cuda/layer_ops.cu for one dtype (one module): the norms and activations with
+    16-byte vectors and with scalar accesses, rotary embedding in both layouts."""
+    names: list[str] = []
+    for vec in (vector_width(ctype), 1):
+        names.append(f"pagedrs::rms_norm<{ctype}, {vec}>")
+        names.append(f"pagedrs::fused_add_rms_norm<{ctype}, {vec}>")
+        names += [f"pagedrs::act_and_mul<{ctype}, {vec}, {a}>" for a in ACTIVATIONS.values()]
+    names += [f"pagedrs::rotary_embedding<{ctype}, {neox}>" for neox in ("true", "false")]
+    return tuple(names)
+
+
 def instantiation_groups() -> list[tuple[str, tuple[str, ...]]]:
     """Every (source, names) module the package can load; together: every instantiation."""
     groups: list[tuple[str, tuple[str, ...]]] = [("cache_kernels", cache_names())]
+    groups += [("layer_ops", layer_op_names(ctype)) for ctype in CTYPES.values()]
     for ctype in CTYPES.values():
         for head_size in HEAD_SIZES:
             groups.append(("paged_attention", attention_names(ctype, head_size)))

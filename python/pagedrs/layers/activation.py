@@ -6,25 +6,37 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pagedrs.layers.kernel_switch import KernelLayer
+
 __all__ = ["SiluAndMul", "GeluAndMul", "GeluTanh", "ReLU", "get_act_fn", "get_act_and_mul_fn"]
 
 
-class SiluAndMul(torch.nn.Module):
+class SiluAndMul(KernelLayer):
     """x [..., 2*d] = [gate | up] -> silu(gate) * up [..., d]."""
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.use_kernels and x.dim() == 2:
+            from pagedrs.kernels import layer_ops
+
+            return layer_ops.act_and_mul(x, "silu")
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 
 
-class GeluAndMul(torch.nn.Module):
+class GeluAndMul(KernelLayer):
     """x [..., 2*d] = [gate | up] -> gelu(gate) * up, exact or tanh approximation."""
 
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
         self.approximate = approximate
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.use_kernels and x.dim() == 2:
+            from pagedrs.kernels import layer_ops
+
+            return layer_ops.act_and_mul(x, "gelu_tanh" if self.approximate == "tanh" else "gelu")
         d = x.shape[-1] // 2
         return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]
 

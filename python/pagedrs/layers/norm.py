@@ -6,13 +6,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pagedrs.layers.kernel_switch import KernelLayer
+
 __all__ = ["RMSNorm", "LayerNorm"]
 
 
-class RMSNorm(torch.nn.Module):
+class RMSNorm(KernelLayer):
     """x * rsqrt(mean(x^2) + eps) * weight, computed in float32 like HF's LlamaRMSNorm.
 
-    `forward(x, residual)` first adds the residual and returns (normed, new residual)."""
+    `forward(x, residual)` first adds the residual and returns (normed, new residual). With kernels on
+    (KernelLayer), one fused launch does both, in place: x becomes the normed rows, residual the sum."""
 
     def __init__(
         self,
@@ -35,6 +38,13 @@ class RMSNorm(torch.nn.Module):
         return self.weight * xf.to(dtype)
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        if self.use_kernels and x.dim() == 2 and x.dtype == self.weight.dtype:
+            from pagedrs.kernels import layer_ops
+
+            if residual is None:
+                return layer_ops.rms_norm(x, self.weight, self.eps)
+            layer_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
         if residual is None:
             return self._norm(x)
         x = x + residual

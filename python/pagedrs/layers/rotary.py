@@ -1,10 +1,12 @@
-"""Rotary position embeddings (RoPE), neox style (rotate halves), as HF transformers computes them.
+"""Rotary position embeddings (RoPE) as HF transformers computes them: neox style (rotate halves, the
+Llama family) or GPT-J style (interleaved pairs).
 
 Scalings: default, linear, dynamic (NTK, recomputed past max_position_embeddings like HF), llama3
 (Llama 3.1) and longrope (Phi-3 128k: short factors while a request fits in the original context, long
 factors once it grows past it; cos/sin multiplied by the attention factor).
 
-cos/sin are cached in float32 per position and indexed by `positions`, so a step costs one gather.
+cos/sin are cached in float32 per position and indexed by `positions`, so a step costs one gather. With
+kernels on (KernelLayer), one launch of cuda/layer_ops.cu rotates q and k in place, reading the same cache.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from pagedrs.layers.kernel_switch import KernelLayer
 
 __all__ = ["RotaryEmbedding", "get_rope", "rope_parameters"]
 
@@ -65,22 +69,30 @@ def _cos_sin(inv_freq: Tensor, num_positions: int, scaling: float = 1.0) -> Tens
     return torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int) -> Tensor:
-    """x [T, heads, D]; cos/sin [T, rotary_dim/2] float32. Neox style on the first rotary_dim dims."""
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int, is_neox: bool = True) -> Tensor:
+    """x [T, heads, D]; cos/sin [T, rotary_dim/2] float32. Rotates the first rotary_dim dims: neox pairs
+    dim j with j + rotary_dim/2, GPT-J dim 2j with 2j+1."""
     half = rotary_dim // 2
-    cos = torch.cat([cos, cos], dim=-1)[:, None, :].to(x.dtype)
-    sin = torch.cat([sin, sin], dim=-1)[:, None, :].to(x.dtype)
     rot = x[..., :rotary_dim]
-    x1, x2 = rot[..., :half], rot[..., half:]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    out = rot * cos + rotated * sin
+    if is_neox:
+        cos = torch.cat([cos, cos], dim=-1)[:, None, :].to(x.dtype)
+        sin = torch.cat([sin, sin], dim=-1)[:, None, :].to(x.dtype)
+        x1, x2 = rot[..., :half], rot[..., half:]
+        rotated = torch.cat([-x2, x1], dim=-1)
+        out = rot * cos + rotated * sin
+    else:
+        cos = cos.repeat_interleave(2, dim=-1)[:, None, :].to(x.dtype)
+        sin = sin.repeat_interleave(2, dim=-1)[:, None, :].to(x.dtype)
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack([-x2, x1], dim=-1).flatten(-2)
+        out = rot * cos + rotated * sin
     if rotary_dim == x.shape[-1]:
         return out
     return torch.cat([out, x[..., rotary_dim:]], dim=-1)
 
 
-class RotaryEmbedding(torch.nn.Module):
-    """Applies RoPE to q [T, H*D] and k [T, KVH*D] at `positions` [T].
+class RotaryEmbedding(KernelLayer):
+    """Applies RoPE to q [T, H*D] and k [T, KVH*D] at `positions` [T] (with kernels on: in place).
 
     `seq_lens` ([T], per token the context length of its request) is only read by longrope, which picks the
     long factors for a request once its length exceeds `original_max_position_embeddings`; without it the
@@ -93,11 +105,15 @@ class RotaryEmbedding(torch.nn.Module):
         max_position: int,
         params: dict[str, Any],
         *,
+        is_neox_style: bool = True,
         device: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
+        if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_size:
+            raise ValueError(f"rotary_dim must be even and in (0, head_size={head_size}], got {rotary_dim}")
         self.head_size = head_size
         self.rotary_dim = rotary_dim
+        self.is_neox_style = is_neox_style
         self.max_position = max_position
         self.rope_type: str = params.get("rope_type", "default")
         self.params = params
@@ -137,16 +153,16 @@ class RotaryEmbedding(torch.nn.Module):
         else:
             self.long_cos_sin_cache = None
 
-    def _lookup(self, positions: Tensor, seq_lens: Tensor | None) -> Tensor:
+    def _caches(self, positions: Tensor, seq_lens: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """The cos/sin cache for this step, and longrope's long cache when it is picked per token (by
+        seq_lens > original_max_position_embeddings), else None."""
         if self.long_cos_sin_cache is not None:
             orig = self.original_max_position
             assert orig is not None
             if seq_lens is None:
                 use_long = bool(positions.numel()) and int(positions.max()) + 1 > orig
-                cache = self.long_cos_sin_cache if use_long else self.cos_sin_cache
-                return cache[positions]
-            use_long = (seq_lens > orig)[:, None]
-            return torch.where(use_long, self.long_cos_sin_cache[positions], self.cos_sin_cache[positions])
+                return (self.long_cos_sin_cache if use_long else self.cos_sin_cache), None
+            return self.cos_sin_cache, self.long_cos_sin_cache
         if self.rope_type == "dynamic":
             seq_len = int(positions.max()) + 1 if positions.numel() else 0
             if seq_len > self.max_position:
@@ -154,33 +170,67 @@ class RotaryEmbedding(torch.nn.Module):
                 base = self.base * ((self.factor * seq_len / self.max_position) - (self.factor - 1)) ** (
                     d / (d - 2)
                 )
-                cache = _cos_sin(_inv_freq(base, d), seq_len).to(positions.device)
-                return cache[positions]
-        return self.cos_sin_cache[positions]
+                return _cos_sin(_inv_freq(base, d), seq_len).to(positions.device), None
+        return self.cos_sin_cache, None
+
+    def _lookup(self, positions: Tensor, seq_lens: Tensor | None) -> Tensor:
+        cache, long_cache = self._caches(positions, seq_lens)
+        if long_cache is None:
+            return cache[positions]
+        assert seq_lens is not None and self.original_max_position is not None
+        use_long = (seq_lens > self.original_max_position)[:, None]
+        return torch.where(use_long, long_cache[positions], cache[positions])
 
     def forward(
         self, positions: Tensor, q: Tensor, k: Tensor, seq_lens: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
+        if self.use_kernels and q.dim() == 2 and k.dim() == 2:
+            from pagedrs.kernels import layer_ops
+
+            cache, long_cache = self._caches(positions, seq_lens)
+            layer_ops.rotary_embedding(
+                positions if positions.dtype == torch.int64 else positions.long(),
+                q,
+                k,
+                self.head_size,
+                cache,
+                is_neox=self.is_neox_style,
+                long_cos_sin_cache=long_cache,
+                seq_lens=None if long_cache is None or seq_lens is None else seq_lens.long(),
+                long_threshold=self.original_max_position or 0,
+            )
+            return q, k
         cos_sin = self._lookup(positions, seq_lens)
         half = self.rotary_dim // 2
         cos, sin = cos_sin[:, :half], cos_sin[:, half:]
         t = positions.shape[0]
         q3 = q.view(t, -1, self.head_size)
         k3 = k.view(t, -1, self.head_size)
-        q_out = _rotate(q3, cos, sin, self.rotary_dim).reshape(q.shape)
-        k_out = _rotate(k3, cos, sin, self.rotary_dim).reshape(k.shape)
+        q_out = _rotate(q3, cos, sin, self.rotary_dim, self.is_neox_style).reshape(q.shape)
+        k_out = _rotate(k3, cos, sin, self.rotary_dim, self.is_neox_style).reshape(k.shape)
         return q_out, k_out
 
     def extra_repr(self) -> str:
-        return f"rope_type={self.rope_type}, rotary_dim={self.rotary_dim}, max_position={self.max_position}"
+        style = "neox" if self.is_neox_style else "gptj"
+        return (
+            f"rope_type={self.rope_type}, rotary_dim={self.rotary_dim}, max_position={self.max_position}, "
+            f"style={style}"
+        )
 
 
 def get_rope(
-    config: Any, head_size: int, max_position: int | None = None, *, device: torch.device | str = "cpu"
+    config: Any,
+    head_size: int,
+    max_position: int | None = None,
+    *,
+    is_neox_style: bool = True,
+    device: torch.device | str = "cpu",
 ) -> RotaryEmbedding:
-    """A RotaryEmbedding for an HF config (any of the supported rope types)."""
+    """A RotaryEmbedding for an HF config (any of the supported rope types; GPT-J layout on request)."""
     params = rope_parameters(config)
     rotary_dim = int(head_size * float(params.get("partial_rotary_factor", 1.0)))
     if max_position is None:
         max_position = int(getattr(config, "max_position_embeddings", 2048))
-    return RotaryEmbedding(head_size, rotary_dim, max_position, params, device=device)
+    return RotaryEmbedding(
+        head_size, rotary_dim, max_position, params, is_neox_style=is_neox_style, device=device
+    )

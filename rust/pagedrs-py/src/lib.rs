@@ -8,7 +8,8 @@ mod plan;
 mod scheduler;
 mod types;
 
-/// Kernel sources embedded at build time, so a wheel carries exactly the kernels it was built with.
+/// Kernel sources (and the header they include, by file name) embedded at build time, so a wheel
+/// carries exactly the kernels it was built with.
 const KERNELS: &[(&str, &str)] = &[
     (
         "cache_kernels",
@@ -18,6 +19,8 @@ const KERNELS: &[(&str, &str)] = &[
         "paged_attention",
         include_str!("../../../cuda/paged_attention.cu"),
     ),
+    ("layer_ops", include_str!("../../../cuda/layer_ops.cu")),
+    ("common.cuh", include_str!("../../../cuda/common.cuh")),
 ];
 
 #[pyfunction]

@@ -297,6 +297,8 @@ template <typename V> inline V __shfl_sync(unsigned, V v, int src_lane, int widt
     return emu::read<V>(x, (lane & ~(width - 1)) | (src_lane & (width - 1)));
 }
 
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+
 inline float __int_as_float(int i) {
     float f;
     std::memcpy(&f, &i, 4);

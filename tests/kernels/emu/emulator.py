@@ -60,6 +60,7 @@ _MAIN = r"""
 #include "cuda_emu.h"
 #include "cache_kernels.cu"
 #include "paged_attention.cu"
+#include "layer_ops.cu"
 
 #include <cstdio>
 #include <type_traits>
@@ -141,7 +142,7 @@ def build(names: Iterable[str], *, cache_dir: Path | None = None) -> Path:
     for part in (
         source,
         (HERE / "cuda_emu.h").read_text(),
-        *(p.read_text() for p in sorted(CUDA_DIR.glob("*.cu"))),
+        *(p.read_text() for p in sorted(CUDA_DIR.glob("*.cu*"))),
     ):
         digest.update(part.encode())
     out_dir = cache_dir or Path(tempfile.gettempdir()) / "pagedrs-kernel-emu"
