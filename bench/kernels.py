@@ -1,22 +1,24 @@
-"""Kernel benchmark: paged decode attention against the device's copy bandwidth, varlen prefill against
+"""Kernel benchmark: paged decode attention against the device's HBM bandwidth, varlen prefill against
 torch's scaled_dot_product_attention.
 
-    python bench/kernels.py --out bench/results/kernels.json [--update-summary bench/results/gpu-summary.json]
+    python bench/kernels.py --out bench/results/kernels.json [--hbm-tbps 3.35] [--commit SHA]
 
-Decode: K/V bytes read per step / kernel time, for batch 1..256 and context 512..32k, as a fraction of the
-measured device-to-device copy bandwidth ((read + write bytes) / time of a large copy). Prefill: causal
-attention FLOP/s of the paged kernel (K/V read through block tables) against SDPA on the same shapes laid
-out contiguously; reported as time ours / SDPA. Kernel times come from CUDA-graph replays timed with CUDA
-events, so Python launch overhead is not counted. Shapes default to Llama-3-8B attention (32 query heads,
-8 KV heads, head size 128, bf16, block size 16).
+Decode: K/V bytes read per step / kernel time, for batch 1..256 and context 512..32k, in TB/s and as a
+fraction of the device's HBM bandwidth from its data sheet (H100 SXM 3.35 TB/s, H200 4.8 TB/s; see
+bench/_roofline.py; --hbm-tbps replaces it). A large device-to-device copy is timed too and reported for
+context only: it reaches less than the data sheet (~2.4-3.0 TB/s on an H100), so it is not the 100% mark.
+Headline: decode_tbps, the best decode bandwidth at context >= 4k, and decode_bw_fraction = decode_tbps /
+HBM. Prefill: causal attention FLOP/s of the paged kernel (K/V read through block tables) against SDPA on
+the same shapes laid out contiguously; reported as time ours / SDPA. Kernel times come from CUDA-graph
+replays timed with CUDA events, so Python launch overhead is not counted. Shapes default to Llama-3-8B
+attention (32 query heads, 8 KV heads, head size 128, bf16, block size 16). bench/gpu_summary.py folds the
+JSON into bench/results/gpu-summary.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -24,19 +26,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _common import add_commit_arg, command_line, resolve_commit, write_json
+from _roofline import device_spec
 
 DECODE_BATCHES = (1, 4, 16, 64, 256)
 DECODE_CONTEXTS = (512, 2048, 4096, 8192, 16384, 32768)
 PREFILL_LENGTHS = (512, 1024, 2048, 4096, 8192)
 PREFILL_TOKENS = 16384
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def time_graph(fn: Callable[[], object], iters: int = 20) -> float:
@@ -110,7 +106,7 @@ def _run_paged(x: dict, q_len: int, ctx: int, head_size: int) -> None:
     )
 
 
-def bench_decode(args: argparse.Namespace, copy_bw: float) -> list[dict]:
+def bench_decode(args: argparse.Namespace, hbm_tbps: float | None) -> list[dict]:
     rows = []
     esize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     for batch in args.decode_batches:
@@ -127,12 +123,14 @@ def bench_decode(args: argparse.Namespace, copy_bw: float) -> list[dict]:
                     "time_us": seconds * 1e6,
                     "kv_bytes": kv_bytes,
                     "GBps": kv_bytes / seconds / 1e9,
-                    "fraction_of_copy_bw": kv_bytes / seconds / copy_bw,
+                    "TBps": kv_bytes / seconds / 1e12,
+                    "fraction_of_hbm": kv_bytes / seconds / 1e12 / hbm_tbps if hbm_tbps else None,
                 }
             )
             print(
                 f"decode batch {batch:4d} context {ctx:6d}: {seconds * 1e6:9.1f} us  "
-                f"{kv_bytes / seconds / 1e9:7.1f} GB/s  {kv_bytes / seconds / copy_bw:6.1%} of copy",
+                f"{kv_bytes / seconds / 1e12:6.3f} TB/s"
+                + (f"  {kv_bytes / seconds / 1e12 / hbm_tbps:6.1%} of HBM" if hbm_tbps else ""),
                 file=sys.stderr,
             )
             del x
@@ -188,10 +186,27 @@ def bench_prefill(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def headline(decode: list[dict], prefill: list[dict], hbm_tbps: float | None) -> dict:
+    """decode_tbps: the best decode bandwidth at context >= 4k (TB/s); decode_bw_fraction: it over the
+    HBM bandwidth (None where that is unknown); prefill_time_vs_sdpa: the median over lengths."""
+    long = [r for r in decode if r["context"] >= 4096]
+    best = max(long, key=lambda r: r["TBps"]) if long else None
+    ratios = sorted(r["time_vs_sdpa"] for r in prefill)
+    return {
+        "decode_tbps": best["TBps"] if best else None,
+        "decode_bw_fraction": best["TBps"] / hbm_tbps if best and hbm_tbps else None,
+        "decode_best": {"batch": best["batch"], "context": best["context"]} if best else None,
+        "prefill_time_vs_sdpa": ratios[len(ratios) // 2] if ratios else None,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, help="write the JSON results here")
-    p.add_argument("--update-summary", type=Path, help="merge headline figures into this gpu-summary.json")
+    p.add_argument(
+        "--hbm-tbps", type=float, default=None, help="HBM bandwidth, TB/s (default: the device's data sheet)"
+    )
+    add_commit_arg(p)
     p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--num-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
@@ -207,48 +222,42 @@ def main(argv: list[str] | None = None) -> int:
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
 
+    name = torch.cuda.get_device_name()
+    hbm = device_spec(name, args.hbm_tbps).hbm_tbps
+    if hbm is None:
+        print(f"no HBM bandwidth known for {name!r}: give --hbm-tbps for the fractions", file=sys.stderr)
     copy_bw = copy_bandwidth()
-    print(f"device copy bandwidth: {copy_bw / 1e9:.1f} GB/s (read + write)", file=sys.stderr)
-    decode = bench_decode(args, copy_bw)
+    print(f"device copy bandwidth: {copy_bw / 1e12:.2f} TB/s (read + write; for context)", file=sys.stderr)
+    decode = bench_decode(args, hbm)
     prefill = bench_prefill(args)
-    long = [r for r in decode if r["context"] >= 4096]
-    best = max(long, key=lambda r: r["fraction_of_copy_bw"]) if long else None
-    ratios = sorted(r["time_vs_sdpa"] for r in prefill)
-    median_ratio = ratios[len(ratios) // 2] if ratios else None
+    head = headline(decode, prefill, hbm)
     result = {
-        "device": torch.cuda.get_device_name(),
-        "commit": _commit(),
-        "command": " ".join([sys.executable, *sys.argv]),
+        "device": name,
+        "commit": resolve_commit(args.commit),
+        "command": command_line(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "shape": {
             k: getattr(args, k) for k in ("dtype", "num_heads", "num_kv_heads", "head_size", "block_size")
         },
+        "hbm_tbps": hbm,
         "copy_bandwidth_GBps": copy_bw / 1e9,
         "decode": decode,
         "prefill": prefill,
-        "decode_bw_fraction": best["fraction_of_copy_bw"] if best else None,
-        "prefill_time_vs_sdpa": median_ratio,
+        **head,
     }
-    if best is not None and median_ratio is not None:
-        best_pf = min(prefill, key=lambda r: abs(r["time_vs_sdpa"] - median_ratio))
+    if head["decode_tbps"] is not None and head["prefill_time_vs_sdpa"] is not None:
+        best_pf = min(prefill, key=lambda r: abs(r["time_vs_sdpa"] - head["prefill_time_vs_sdpa"]))
+        vs = f"{hbm:.2f} TB/s (HBM) = {head['decode_bw_fraction']:.2f} x" if hbm else "? TB/s (HBM unknown)"
         print(
-            f"decode attention: {best['GBps']:.0f} GB/s (pagedrs) vs {copy_bw / 1e9:.0f} GB/s (device copy) = "
-            f"{best['fraction_of_copy_bw']:.2f} x at batch {best['batch']}, context {best['context']}; "
+            f"decode attention: {head['decode_tbps']:.2f} TB/s (pagedrs) vs {vs} at batch "
+            f"{head['decode_best']['batch']}, context {head['decode_best']['context']}; "
             f"prefill: {best_pf['ours_tflops']:.0f} TFLOP/s (pagedrs) vs {best_pf['sdpa_tflops']:.0f} TFLOP/s "
-            f"(torch SDPA) = {median_ratio:.2f} x the time (median over lengths)"
+            f"(torch SDPA) = {head['prefill_time_vs_sdpa']:.2f} x the time (median over lengths)"
         )
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    if args.update_summary:
-        summary = json.loads(args.update_summary.read_text()) if args.update_summary.exists() else {}
-        summary.update(
-            {k: result[k] for k in ("device", "commit", "decode_bw_fraction", "prefill_time_vs_sdpa")}
-        )
-        args.update_summary.parent.mkdir(parents=True, exist_ok=True)
-        args.update_summary.write_text(json.dumps(summary, indent=2) + "\n")
+        write_json(args.out, result)
     return 0
 
 

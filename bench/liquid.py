@@ -15,9 +15,6 @@ no events. On GPUs (--device cuda) the ranks are GPUs 0..N-1; the machines this 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +22,7 @@ from typing import Any
 
 import torch
 import transformers
+from _common import add_commit_arg, command_line, resolve_commit, write_json
 
 from pagedrs import EngineArgs, LiquidRequest, LLMEngine, SamplingParams
 from pagedrs.loader import load_tokenizer
@@ -44,6 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--every", type=int, default=6, help="steps between two events")
     p.add_argument("--kv-gb", type=float, default=0.25, help="KV pool per rank (CPU), GiB")
     p.add_argument("--json", default=None, metavar="PATH")
+    add_commit_arg(p)
     return p.parse_args(argv)
 
 
@@ -134,7 +133,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"= {restart / e['total_seconds']:.1f} x"
         )
     result = {
-        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "command": command_line(),
+        "commit": resolve_commit(a.commit),
         "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
         "shape": {k: getattr(a, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate")},
         "ranks": a.ranks,
@@ -142,14 +142,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "outputs_equal_no_events": True,
         "events": rows,
     }
-    try:
-        result["commit"] = subprocess.run(
-            ["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        pass
     if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=2))
+        write_json(a.json, result)
     return result
 
 

@@ -14,16 +14,14 @@ PNG plots memory over time for both.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
+from _common import add_commit_arg, command_line, resolve_commit, write_json
 
 from pagedrs import EngineArgs, LLMEngine, SamplingParams
 
@@ -43,6 +41,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--json", default=None, metavar="PATH")
+    add_commit_arg(p)
     p.add_argument("--plot", default=None, metavar="PNG")
     return p.parse_args(argv)
 
@@ -182,7 +181,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"= {pg['kv_reserved'] / hf['kv_reserved']:.2f} x"
     )
     result = {
-        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "command": command_line(),
+        "commit": resolve_commit(a.commit),
         "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
         "max_model_len": a.max_model_len,
         "max_tokens": a.max_tokens,
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         fig.tight_layout()
         fig.savefig(a.plot)
     if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=2))
+        write_json(a.json, result)
     return result
 
 

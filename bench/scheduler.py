@@ -2,21 +2,21 @@
 
 Cases: 64 / 256 / 1024 / 4096 running decode requests with contexts of 512-2048 tokens, and a
 prefill-heavy mix (256 decodes sharing each step with 512-2048-token prompts under a 2048-token
-budget). One line per case; `--json PATH` writes a list of objects with the keys case, running,
-median_us (plus p90_us, median_us_arrays, median_us_runner, tokens_per_step).
+budget). One line per case; `--json PATH` writes {"commit", "command", "cases"}, cases a list of objects
+with the keys case, running, median_us (plus p90_us, median_us_arrays, median_us_runner, tokens_per_step);
+the commit is --commit, else $PAGEDRS_COMMIT, else `git rev-parse HEAD`, else "unknown".
 
 median_us: schedule() + update() alone. median_us_runner: the persistent-block-table path a runner
 takes: every plan array except block_tables, plus block_table_rows, changed_rows and the changed
 rows gathered from Scheduler.block_table_view(). median_us_arrays: every array, block_tables (the
 padded [B, max_blocks] copy, built lazily) included.
 
-    python bench/scheduler.py [--rounds 300] [--json out.json]
+    python bench/scheduler.py [--rounds 300] [--json out.json] [--commit SHA]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
+from _common import add_commit_arg, command_line, resolve_commit, write_json  # noqa: E402
 
 from pagedrs._core import Scheduler, StepPlan  # noqa: E402
 
@@ -210,7 +211,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
     ap.add_argument("--rounds", type=int, default=300, help="timed rounds per case (default 300)")
     ap.add_argument("--cases", default="64,256,1024,4096,mix", help="comma-separated: sizes and/or 'mix'")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    add_commit_arg(ap)
     args = ap.parse_args(argv)
     results: list[Result] = []
     for case in args.cases.split(","):
@@ -228,8 +230,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
             flush=True,
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in results], f, indent=2)
+        out = {"commit": resolve_commit(args.commit), "command": command_line()}
+        write_json(args.json, out | {"cases": [asdict(r) for r in results]})
     return results
 
 

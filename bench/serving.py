@@ -50,7 +50,6 @@ import ipaddress
 import json
 import math
 import os
-import platform
 import random
 import re
 import shlex
@@ -70,6 +69,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import numpy as np
+from _common import add_commit_arg, git_info, json_safe, machine_info
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -732,45 +732,6 @@ def print_profile(label: str, prof: dict[str, Any], row: dict[str, Any] | None) 
 # --- provenance --------------------------------------------------------------------------------------
 
 
-def git_info() -> dict[str, Any]:
-    here = Path(__file__).resolve().parent
-    info: dict[str, Any] = {"commit": None}
-    try:
-        rev = subprocess.run(
-            ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
-        )
-        if rev.returncode == 0:
-            info["commit"] = rev.stdout.strip()
-            st = subprocess.run(
-                ["git", "-C", str(here), "status", "--porcelain"], capture_output=True, text=True, timeout=10
-            )
-            if st.returncode == 0:
-                changed = [ln for ln in st.stdout.splitlines() if ln.strip()]
-                info["dirty"] = bool(changed)
-                info["changes"] = changed[:50]
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    return info
-
-
-def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor() or None,
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-    }
-    if hasattr(os, "sched_getaffinity"):
-        info["cpus_usable"] = len(os.sched_getaffinity(0))
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu_model"] = line.split(":", 1)[1].strip()
-                break
-    return info
-
-
 def package_info() -> dict[str, Any]:
     info: dict[str, Any] = {}
     with contextlib.suppress(Exception):
@@ -795,16 +756,6 @@ def _loadavg() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except (AttributeError, OSError):
         return None
-
-
-def _json_safe(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -852,6 +803,7 @@ def main(argv: list[str] | None = None) -> int:
         help="report the server's step histograms (/metrics) per rate",
     )
     p.add_argument("--json", default=None, help="write the results here")
+    add_commit_arg(p)
     p.add_argument("--plot", default=None, help="write a PNG of the latencies here (needs matplotlib)")
     p.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds one streamed request may take in all"
@@ -901,7 +853,9 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_interrupt)
 
-    git = git_info()  # the code that runs is the checkout's now (an editable install reads it at start-up)
+    git = git_info(
+        args.commit
+    )  # the code that runs is the checkout's now (an editable install reads it at start-up)
     load_start = _loadavg()
     if load_start and load_start[0] > 0.5 * (os.cpu_count() or 1):
         print(
@@ -1056,7 +1010,7 @@ def main(argv: list[str] | None = None) -> int:
     if efficiency and "note" in efficiency:
         print(f"note: {efficiency['note']}")
 
-    git_end = git_info()
+    git_end = git_info(args.commit)
     if git_end.get("commit") != git.get("commit") or git_end.get("changes") != git.get("changes"):
         git["at_end"] = git_end
         print(
@@ -1102,7 +1056,7 @@ def main(argv: list[str] | None = None) -> int:
             "profile": {"total": profile_total, "per_rate": profiles} if args.profile else None,
         }
         with open(args.json, "w") as f:
-            json.dump(_json_safe(out), f, indent=2, allow_nan=False)
+            json.dump(json_safe(out), f, indent=2, allow_nan=False)
     if args.plot:
         plot(rows, args.plot, summary)
     ok = failed == 0 and (offline is None or "error" not in offline)

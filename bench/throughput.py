@@ -1,4 +1,4 @@
-"""Offline throughput: the same requests through pagedrs and through HF transformers `generate`, one run.
+"""Offline throughput: the same requests through pagedrs and through HF transformers `generate`.
 
     python bench/throughput.py                       # default model, CPU, 64 requests
     python bench/throughput.py --num-prompts 8 --json out.json
@@ -11,20 +11,39 @@ throughput counts the requested output tokens only. The KV view compares, over e
 slots that step's requests hold (pagedrs: whole blocks; a contiguous cache: max_model_len per request) with
 the slots they use (their lengths).
 
+transformers runs in a process of its own (`--hf-only`, started by this script after it has released its
+engine, requests and figures exchanged as JSON): on a GPU the engine keeps ~85% of the memory for its KV
+pool. With --model-config that process builds its own random weights of the same shape. Baselines it has
+not finished within --hf-timeout are missing from the JSON, hf_error says why, and the script exits 1.
+
+Steps and the roofline: every engine step is timed (the wall time of its `step()` call) and classed, from
+its plan, as prefill (no decode tokens), decode (decode tokens only) or mixed. Per class and end to end,
+the measured time is set against the roofline, the sum over steps of max(bytes / HBM bandwidth, FLOPs /
+dense bf16 peak), with bytes = weights + K/V read + K/V written and FLOPs = 2 x params x tokens +
+attention (bench/_roofline.py).
+The device figures come from torch.cuda.get_device_name() (H100 SXM 3.35 TB/s, H200 4.8 TB/s, 989 TFLOP/s);
+--hbm-tbps / --peak-tflops replace them; without both (a CPU) the roofline fields are null. --step-timing
+synchronises the device at each step boundary: exact per-step times, at the cost of the overlap an
+unsynchronised run has (its end-to-end time is then not the headline one).
+
+--passes N runs the workload N times, each pass with the same lengths and new prompt tokens (the same
+prompts would hit the prefix cache): first_pass_vs_steady = time of pass 1 / mean time of the later passes.
+The headline figures (throughput, steps, roofline) are pass 1's; every pass's are under "passes".
+
 Tensor parallelism: --tensor-parallel-size N runs pagedrs over N ranks (worker processes; gloo on CPU,
 NCCL on GPUs) and, in the same run, pagedrs on one rank, and prints the ratio. It needs --model (or the
 default model): --model-config builds its weights in this process only.
 
-GPU modes (UNTESTED here: no GPU on the machine this was written on): --device cuda, --model-config
-llama-3.2-1b|llama-3-8b (random bf16 weights built on the device from the config dicts below, shared by both
-systems), --hf-cb (transformers' continuous batching manager instead of static batching).
+GPU modes: --device cuda, --model-config llama-3.2-1b|llama-3-8b (random bf16 weights built on the device
+from the config dicts below), --hf-cb (transformers' continuous batching manager besides static batching;
+--hf-cb-attn "paged|sdpa" for transformers 5.17). The JSON records the commit: --commit, else
+$PAGEDRS_COMMIT, else `git rev-parse HEAD`, else "unknown".
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
+import gc
 import sys
 import time
 from pathlib import Path
@@ -32,10 +51,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from _common import add_commit_arg, command_line, git_info, machine_info, write_json
+from _hf_baseline import hf_only, run_in_child
+from _roofline import StepLoad, device_spec, headline, model_shape, pass_figures, report_lines, step_load
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+from pagedrs import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 
-from pagedrs import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams  # noqa: E402
+Requests = list[tuple[list[int], int]]
 
 MODEL_CONFIGS: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": dict(
@@ -85,7 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--model-config",
         choices=sorted(MODEL_CONFIGS),
         default=None,
-        help="random weights of this shape instead of --model (GPU issue; untested)",
+        help="random weights of this shape instead of --model",
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
@@ -99,6 +121,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--cpu-kv-cache-gb", type=float, default=2.0, help="KV pool on CPU, GiB")
+    p.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="run the workload this many times, new prompt tokens each pass (first_pass_vs_steady)",
+    )
+    p.add_argument(
+        "--step-timing",
+        action="store_true",
+        help="synchronise the device at every step boundary (exact per-step times; changes the run)",
+    )
+    p.add_argument("--hbm-tbps", type=float, default=None, help="HBM bandwidth, TB/s (default: by device)")
+    p.add_argument(
+        "--peak-tflops", type=float, default=None, help="dense bf16 peak, TFLOP/s (default: by device)"
+    )
     p.add_argument(
         "--hf-batch-size", type=int, default=None, help="static batch size (default: all requests)"
     )
@@ -109,6 +147,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="time transformers one-at-a-time on the first N requests only (a rate estimate)",
     )
     p.add_argument("--skip-hf", action="store_true", help="pagedrs only")
+    p.add_argument("--hf-cb", action="store_true", help="also transformers' continuous batching")
+    p.add_argument(
+        "--hf-cb-attn", default=None, help='attention implementation for --hf-cb (e.g. "paged|sdpa")'
+    )
+    p.add_argument(
+        "--hf-timeout", type=float, default=7200.0, help="seconds the transformers process may take"
+    )
+    p.add_argument("--hf-only", nargs=2, default=None, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     p.add_argument(
         "-tp",
         "--tensor-parallel-size",
@@ -129,7 +175,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="generate",
         help="embed: prompts/s of embeddings (last-token pooling) vs HF AutoModel batched forward",
     )
-    p.add_argument("--hf-cb", action="store_true", help="transformers continuous batching (untested)")
     p.add_argument(
         "--kv-cache-dtype",
         choices=["fp8", "fp8_e4m3", "fp8_e5m2"],
@@ -138,20 +183,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "its KV blocks, throughput and greedy-token agreement against the model-dtype cache",
     )
     p.add_argument("--json", default=None, metavar="PATH")
-    return p.parse_args(argv)
+    add_commit_arg(p)
+    args = p.parse_args(argv)
+    if args.passes < 1:
+        p.error("--passes must be >= 1")
+    return args
 
 
-def make_requests(
-    args: argparse.Namespace, vocab_size: int, special: set[int]
-) -> list[tuple[list[int], int]]:
+def _allowed_tokens(vocab_size: int, special: set[int]) -> np.ndarray:
+    return np.array([t for t in range(min(vocab_size, 32000)) if t not in special], dtype=np.int64)
+
+
+def make_requests(args: argparse.Namespace, vocab_size: int, special: set[int]) -> Requests:
     rng = np.random.default_rng(args.seed)
-    allowed = np.array([t for t in range(min(vocab_size, 32000)) if t not in special], dtype=np.int64)
+    allowed = _allowed_tokens(vocab_size, special)
     reqs = []
     for _ in range(args.num_prompts):
         n_in = int(rng.integers(args.input_len[0], args.input_len[1] + 1))
         n_out = int(rng.integers(args.output_len[0], args.output_len[1] + 1))
         reqs.append((rng.choice(allowed, size=n_in).tolist(), n_out))
     return reqs
+
+
+def new_prompts(reqs: Requests, vocab_size: int, special: set[int], seed: int, k: int) -> Requests:
+    """reqs with the same input and output lengths and new prompt tokens (pass k of --passes)."""
+    rng = np.random.default_rng([seed, k])
+    allowed = _allowed_tokens(vocab_size, special)
+    return [(rng.choice(allowed, size=len(ids)).tolist(), n) for ids, n in reqs]
 
 
 def engine_args(args: argparse.Namespace, dtype: torch.dtype, max_len: int, **extra: Any) -> EngineArgs:
@@ -165,48 +223,52 @@ def engine_args(args: argparse.Namespace, dtype: torch.dtype, max_len: int, **ex
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         disable_log_stats=True,
-        cpu_kv_cache_gb=None if args.device == "cuda" else 2.0,
+        cpu_kv_cache_gb=None if args.device == "cuda" else args.cpu_kv_cache_gb,
         gpu_memory_utilization=0.85,
         **extra,
     )
 
 
-def write_json(path: str, result: dict[str, Any]) -> None:
+def save_json(path: str, result: dict[str, Any], commit: str | None) -> None:
     """The figures, with the command, the commit and the machine that gave them."""
-    from serving import git_info, machine_info  # bench/serving.py: provenance helpers
-
-    out = {k: v for k, v in result.items() if _jsonable(v)}
-    out["command"] = "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
-    out["git"] = git_info()
-    out["machine"] = machine_info()
-    Path(path).write_text(json.dumps(out, indent=2))
+    git = git_info(commit)
+    write_json(
+        path,
+        {**result, "commit": git["commit"], "command": command_line(), "git": git, "machine": machine_info()},
+    )
 
 
-def load_models(args: argparse.Namespace, dtype: torch.dtype, max_len: int) -> tuple[LLMEngine, Any, Any]:
-    """The pagedrs engine and the HF model, holding the same weights, and the loaded model (for a second
-    engine over the same weights)."""
+def load_engine(args: argparse.Namespace, dtype: torch.dtype, max_len: int) -> tuple[LLMEngine, Any]:
+    """The pagedrs engine and its loaded model (for a second engine over the same weights)."""
     import transformers
 
-    from pagedrs.loader import LoadedModel, load_model, model_folder, resolve_model_path
+    from pagedrs.loader import LoadedModel, load_model
 
     device = torch.device(args.device)
     eng_args = engine_args(args, dtype, max_len)
-    if args.model_config:  # random weights, built once on the device and copied into pagedrs' model
+    if args.model_config:  # random weights: HF's initialisation, copied into pagedrs' model, then freed
         from pagedrs.models.registry import get_model_class
 
         cfg = transformers.LlamaConfig(**MODEL_CONFIGS[args.model_config], architectures=["LlamaForCausalLM"])
+        torch.manual_seed(args.seed)
         with torch.device(device):
             hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
             net = get_model_class(cfg)(cfg, dtype=dtype, device=device)
         net.load_weights((k, v) for k, v in hf.state_dict().items())
+        del hf
+        release_memory()
         loaded = LoadedModel(model=net.eval(), hf_config=cfg, tokenizer=None, model_path=args.model_config)
         eng_args.model = args.model_config
     else:
         loaded = load_model(args.model, dtype=dtype, device=device)
-        folder = model_folder(resolve_model_path(args.model))  # the GGUF default: its converted HF folder
-        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     config = eng_args.create_engine_config(max_len)
-    return LLMEngine(config, loaded, max_logprobs=0), hf, loaded
+    return LLMEngine(config, loaded, max_logprobs=0), loaded
+
+
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def tp_engine(args: argparse.Namespace, dtype: torch.dtype, max_len: int) -> LLMEngine:
@@ -226,16 +288,30 @@ def tp_engine(args: argparse.Namespace, dtype: torch.dtype, max_len: int) -> LLM
     )
 
 
-def run_pagedrs(engine: LLMEngine, reqs: list[tuple[list[int], int]]) -> dict[str, float]:
+def run_pagedrs(engine: LLMEngine, reqs: Requests, *, step_timing: bool = False) -> dict[str, Any]:
+    """All of reqs through the engine. Besides throughput: the KV slots used and reserved over the steps,
+    and every step's load (from its plan) with its wall time. step_timing: synchronise the device at each
+    step boundary; otherwise a step's time ends when step() returns (a step that samples has waited for
+    the device to copy its tokens; one that only prefills a chunk may return before the device is done)."""
     kv = {"used": 0, "paged": 0, "contiguous": 0}
     block_size = engine.config.cache.block_size
     executor = engine.engine_core.executor
     inner = executor.execute
+    loads: list[StepLoad] = []
 
     def execute(plan: Any, *a: Any, **kw: Any) -> Any:
         out = inner(plan, *a, **kw)
         kv["used"] += int(plan.seq_lens.sum())
         kv["contiguous"] += len(plan.req_ids) * engine.max_model_len
+        loads.append(
+            step_load(
+                plan.num_computed_tokens.tolist(),
+                plan.num_scheduled_tokens.tolist(),
+                len(plan.sampled_seq_ids),
+                int(plan.num_prefill_tokens),
+                int(plan.num_decode_tokens),
+            )
+        )
         return out
 
     executor.execute = execute  # type: ignore[method-assign]
@@ -247,19 +323,30 @@ def run_pagedrs(engine: LLMEngine, reqs: list[tuple[list[int], int]]) -> dict[st
                 temperature=0.0, max_tokens=n, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
             ),
         )
+    sync = step_timing and engine.device.type == "cuda"
     total = 0
     ids: dict[int, list[int]] = {}
+    steps: list[tuple[StepLoad, float]] = []
     t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            total += len(out.outputs[0].token_ids)
-            ids[int(out.request_id)] = list(out.outputs[0].token_ids)
-        s = engine.scheduler.stats()
-        kv["paged"] += (int(s.num_blocks) - int(s.num_free_blocks)) * block_size
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
-    executor.execute = inner  # type: ignore[method-assign]
+    try:
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            outs = engine.step()
+            if sync:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            steps.extend((load, seconds) for load in loads)  # one plan per step; none if nothing ran
+            loads.clear()
+            for out in outs:
+                total += len(out.outputs[0].token_ids)
+                ids[int(out.request_id)] = list(out.outputs[0].token_ids)
+            s = engine.scheduler.stats()
+            kv["paged"] += (int(s.num_blocks) - int(s.num_free_blocks)) * block_size
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+    finally:
+        executor.execute = inner  # type: ignore[method-assign]
     out_ids = [ids[i] for i in sorted(ids)]
     stats = engine.get_stats()
     return {
@@ -268,68 +355,9 @@ def run_pagedrs(engine: LLMEngine, reqs: list[tuple[list[int], int]]) -> dict[st
         "tok_s": total / elapsed,
         "stats": stats,
         "ids": out_ids,
+        "steps": steps,
         **kv,
     }
-
-
-def hf_generate(hf: Any, batch: list[list[int]], max_new: int, pad_id: int) -> torch.Tensor:
-    width = max(len(x) for x in batch)
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, x in enumerate(batch):  # left padding
-        ids[i, width - len(x) :] = torch.tensor(x)
-        mask[i, width - len(x) :] = 1
-    dev = next(hf.parameters()).device
-    with torch.inference_mode():
-        return hf.generate(
-            ids.to(dev),
-            attention_mask=mask.to(dev),
-            do_sample=False,
-            max_new_tokens=max_new,
-            eos_token_id=[],
-            pad_token_id=pad_id,
-        )
-
-
-def run_hf_sequential(hf: Any, reqs: list[tuple[list[int], int]], pad_id: int) -> dict[str, float]:
-    total, t0 = 0, time.perf_counter()
-    for ids, n in reqs:
-        out = hf_generate(hf, [ids], n, pad_id)
-        total += out.shape[1] - len(ids)
-    elapsed = time.perf_counter() - t0
-    return {"tokens": total, "seconds": elapsed, "tok_s": total / elapsed}
-
-
-def run_hf_static(
-    hf: Any, reqs: list[tuple[list[int], int]], pad_id: int, batch_size: int
-) -> dict[str, float]:
-    total, t0 = 0, time.perf_counter()
-    for start in range(0, len(reqs), batch_size):
-        chunk = reqs[start : start + batch_size]
-        hf_generate(hf, [r[0] for r in chunk], max(r[1] for r in chunk), pad_id)
-        total += sum(r[1] for r in chunk)  # the tokens asked for; the rest of each row is padding work
-    elapsed = time.perf_counter() - t0
-    return {"tokens": total, "seconds": elapsed, "tok_s": total / elapsed}
-
-
-def run_hf_cb(hf: Any, reqs: list[tuple[list[int], int]]) -> dict[str, float]:
-    """transformers' continuous batching manager, one request per prompt with its own max_new_tokens.
-    UNTESTED (written for the GPU issue; the API is transformers >= 4.56's ContinuousBatchingManager)."""
-    from transformers import GenerationConfig
-
-    cfg = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in reqs), eos_token_id=[])
-    mgr = hf.init_continuous_batching(generation_config=cfg)
-    mgr.start()
-    t0 = time.perf_counter()
-    for i, (ids, n) in enumerate(reqs):
-        mgr.add_request(ids, request_id=str(i), max_new_tokens=n)
-    total = 0
-    for _ in reqs:
-        res = mgr.get_result(timeout=600)
-        total += len(res.generated_tokens)
-    elapsed = time.perf_counter() - t0
-    mgr.stop(block=True)
-    return {"tokens": total, "seconds": elapsed, "tok_s": total / elapsed}
 
 
 BENCH_SCHEMA = {
@@ -396,31 +424,6 @@ def run_embed_pagedrs(engine: LLMEngine, reqs: list[tuple[list[int], int]]) -> d
     return {"prompts": done, "seconds": elapsed, "prompts_s": done / elapsed}
 
 
-def run_embed_hf(
-    hf: Any, reqs: list[tuple[list[int], int]], pad_id: int, batch_size: int
-) -> dict[str, float]:
-    """HF's base model (AutoModel's layers) on right-padded batches, the last real token pooled."""
-    base = hf.base_model
-    dev = next(hf.parameters()).device
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        for start in range(0, len(reqs), batch_size):
-            chunk = [r[0] for r in reqs[start : start + batch_size]]
-            width = max(len(x) for x in chunk)
-            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for i, x in enumerate(chunk):
-                ids[i, : len(x)] = torch.tensor(x)
-                mask[i, : len(x)] = 1
-            h = base(input_ids=ids.to(dev), attention_mask=mask.to(dev)).last_hidden_state
-            last = mask.sum(1).to(dev) - 1
-            torch.nn.functional.normalize(h[torch.arange(len(chunk), device=dev), last].float(), dim=-1)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
-    return {"prompts": len(reqs), "seconds": elapsed, "prompts_s": len(reqs) / elapsed}
-
-
 def line(a: float, b: float, what: str) -> str:
     return (
         f"output throughput: {a:.1f} tok/s (pagedrs) vs {b:.1f} tok/s (transformers {what}) = {a / b:.2f} x"
@@ -428,13 +431,17 @@ def line(a: float, b: float, what: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.hf_only:  # the child process of run_in_child
+        hf_only(args, MODEL_CONFIGS[args.model_config] if args.model_config else None, *args.hf_only)
+        return {}
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     dtype = getattr(torch, dtype_name)
     max_len = args.input_len[1] + args.output_len[1]
-    engine, hf, loaded = load_models(args, dtype, max_len)
+    engine, loaded = load_engine(args, dtype, max_len)
     special = set(engine.eos_token_ids)
     tok = engine.get_tokenizer()
     if tok is not None:
@@ -448,9 +455,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"requests={len(reqs)} input tokens={n_in} output tokens={n_out} max_model_len={max_len}"
     )
     if args.task == "embed":
-        return embed_main(args, engine, hf, reqs, pad_id, dtype_name)
+        del loaded  # embed_main releases the engine, and with it the weights, before transformers runs
+        return embed_main(args, argv, engine, reqs, pad_id, dtype_name)
     run_pagedrs(engine, [(reqs[0][0][:16][::-1], 4)])  # warm-up (one-time kernel and allocator setup)
-    hf_generate(hf, [reqs[0][0][:16]], 4, pad_id)
     result: dict[str, Any] = {
         "model": engine.model_name,
         "device": args.device,
@@ -460,8 +467,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "input_tokens": n_in,
         "output_tokens": n_out,
     }
-    pg = run_pagedrs(engine, reqs)
-    assert pg["tokens"] == n_out, (pg["tokens"], n_out)
+    runs = [run_pagedrs(engine, reqs, step_timing=args.step_timing)]
+    for k in range(1, args.passes):
+        runs.append(
+            run_pagedrs(
+                engine,
+                new_prompts(reqs, engine.vocab_size, special, args.seed, k),
+                step_timing=args.step_timing,
+            )
+        )
+    pg = runs[0]
+    assert all(r["tokens"] == n_out for r in runs), ([r["tokens"] for r in runs], n_out)
     result["pagedrs_tok_s"] = pg["tok_s"]
     result["pagedrs_seconds"] = pg["seconds"]
     result["num_preemptions"] = pg["stats"].num_preemptions
@@ -476,6 +492,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"(waste {result['kv_waste_pct_paged']:.1f}%), by a contiguous max_model_len cache "
         f"{pg['contiguous']} (waste {result['kv_waste_pct_contiguous']:.1f}%)"
     )
+    result.update(roofline_report(args, engine, runs))
     if args.structured:
         run_generate(engine, reqs[:2], structured=True)  # warm-up: the grammar compiler and its cache
         constrained = run_generate(engine, reqs, structured=True)
@@ -493,48 +510,107 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{plain['tok_s']:.1f} tok/s (pagedrs, no constraint) = {ratio:.2f} x "
             f"({constrained['tokens']} tokens each: the plain run has the structured run's lengths)"
         )
-    if args.tensor_parallel_size > 1:
-        tp = tp_engine(args, dtype, max_len)
-        try:
-            run_pagedrs(tp, [(reqs[0][0][:16][::-1], 4)])
-            res = run_pagedrs(tp, reqs)
-        finally:
-            tp.shutdown()
-        assert res["tokens"] == n_out, (res["tokens"], n_out)
-        n = args.tensor_parallel_size
-        result["tensor_parallel_size"] = n
-        result["pagedrs_tp_tok_s"] = res["tok_s"]
-        result["tp_vs_one_rank"] = res["tok_s"] / pg["tok_s"]
-        print(
-            f"output throughput: {res['tok_s']:.1f} tok/s (pagedrs TP={n}) vs {pg['tok_s']:.1f} tok/s "
-            f"(pagedrs TP=1) = {res['tok_s'] / pg['tok_s']:.2f} x"
-        )
     if args.kv_cache_dtype:
         result.update(kv_cache_vs_model_dtype(args, engine, loaded, reqs, pg, dtype, max_len))
+    engine.shutdown()  # the weights and the KV pool go before the other engines and transformers start
+    del engine, loaded, runs, pg
+    release_memory()
+    if args.tensor_parallel_size > 1:
+        result.update(tensor_parallel(args, dtype, max_len, reqs, result["pagedrs_tok_s"]))
     if not args.skip_hf:
-        if args.hf_cb:
-            cb = run_hf_cb(hf, reqs)
-            result["hf_cb_tok_s"] = cb["tok_s"]
-            print(line(pg["tok_s"], cb["tok_s"], "continuous batching"))
-        bs = args.hf_batch_size or len(reqs)
-        st = run_hf_static(hf, reqs, pad_id, bs)
-        result["hf_static_tok_s"] = st["tok_s"]
-        result["hf_static_batch_size"] = bs
-        seq_reqs = reqs[: args.hf_sequential_limit] if args.hf_sequential_limit else reqs
-        sq = run_hf_sequential(hf, seq_reqs, pad_id)
-        result["hf_sequential_tok_s"] = sq["tok_s"]
-        result["hf_sequential_requests"] = len(seq_reqs)
+        result.update(hf_baselines(args, argv, reqs, pad_id, result["pagedrs_tok_s"]))
+    if args.json:
+        save_json(args.json, result, args.commit)
+    if "hf_error" in result:
+        raise SystemExit(f"transformers baseline failed: {result['hf_error']}")
+    return result
+
+
+def roofline_report(
+    args: argparse.Namespace, engine: LLMEngine, runs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Per step class and end to end, measured against the roofline (pass 1), and every pass's times."""
+    name = torch.cuda.get_device_name() if engine.device.type == "cuda" else str(engine.device)
+    spec = device_spec(name, args.hbm_tbps, args.peak_tflops)
+    shape = model_shape(engine.model, engine.hf_config, engine.runner.bytes_per_block // args.block_size)
+    synced = args.step_timing and engine.device.type == "cuda"
+    passes = [pass_figures(r["tokens"], r["seconds"], r["steps"], shape, spec) for r in runs]
+    for text in report_lines(passes, spec, synced):
+        print(text)
+    return {
+        "device_name": name,
+        "hbm_tbps": spec.hbm_tbps,
+        "peak_tflops": spec.peak_tflops,
+        "step_timing_synchronized": synced,
+        "model_shape": shape.as_dict(),
+        **headline(passes),
+    }
+
+
+def tensor_parallel(
+    args: argparse.Namespace, dtype: torch.dtype, max_len: int, reqs: Requests, one_rank_tok_s: float
+) -> dict[str, Any]:
+    tp = tp_engine(args, dtype, max_len)
+    try:
+        run_pagedrs(tp, [(reqs[0][0][:16][::-1], 4)])
+        res = run_pagedrs(tp, reqs)
+    finally:
+        tp.shutdown()
+    n_out = sum(r[1] for r in reqs)
+    assert res["tokens"] == n_out, (res["tokens"], n_out)
+    n = args.tensor_parallel_size
+    print(
+        f"output throughput: {res['tok_s']:.1f} tok/s (pagedrs TP={n}) vs {one_rank_tok_s:.1f} tok/s "
+        f"(pagedrs TP=1) = {res['tok_s'] / one_rank_tok_s:.2f} x"
+    )
+    return {
+        "tensor_parallel_size": n,
+        "pagedrs_tp_tok_s": res["tok_s"],
+        "tp_vs_one_rank": res["tok_s"] / one_rank_tok_s,
+    }
+
+
+def hf_baselines(
+    args: argparse.Namespace, argv: list[str], reqs: Requests, pad_id: int, pagedrs_tok_s: float
+) -> dict[str, Any]:
+    """transformers' figures from a process of its own (after this one released its engine); those that
+    finished, and hf_error if it failed."""
+    if torch.cuda.is_available() and args.device == "cuda":
+        held = torch.cuda.memory_reserved() / 2**30
+        print(f"device memory this process still holds while transformers runs: {held:.2f} GiB")
+    hf = run_in_child(Path(__file__).resolve(), argv, reqs, pad_id, args.hf_timeout)
+    out: dict[str, Any] = {}
+    if "error" in hf:
+        print(f"transformers: {hf['error']}", file=sys.stderr)
+        out["hf_error"] = hf["error"]
+    if "cb" in hf:
+        out["hf_cb_tok_s"] = hf["cb"]["tok_s"]
+        out["throughput_vs_hf_cb"] = pagedrs_tok_s / hf["cb"]["tok_s"]
+        print(line(pagedrs_tok_s, hf["cb"]["tok_s"], "continuous batching"))
+    if "static" in hf:
+        st = hf["static"]
+        out |= {
+            "hf_static_tok_s": st["tok_s"],
+            "hf_static_batch_size": st["batch_size"],
+            "speedup_vs_static": pagedrs_tok_s / st["tok_s"],
+        }
+        print(
+            f"transformers static batch of {st['batch_size']}: {st['tokens']} tokens in {st['seconds']:.1f} s"
+        )
+        print(line(pagedrs_tok_s, st["tok_s"], f"static batch {st['batch_size']}"))
+    if "sequential" in hf:
+        sq = hf["sequential"]
+        out |= {
+            "hf_sequential_tok_s": sq["tok_s"],
+            "hf_sequential_requests": sq["requests"],
+            "speedup_vs_sequential": pagedrs_tok_s / sq["tok_s"],
+        }
         print(
             f"transformers one-at-a-time: {sq['tokens']} tokens in {sq['seconds']:.1f} s "
-            f"({len(seq_reqs)} requests); static batch of {bs}: {st['tokens']} tokens in {st['seconds']:.1f} s"
+            f"({sq['requests']} requests)"
         )
-        print(line(pg["tok_s"], sq["tok_s"], "one-at-a-time"))
-        print(line(pg["tok_s"], st["tok_s"], f"static batch {bs}"))
-        result["speedup_vs_sequential"] = pg["tok_s"] / sq["tok_s"]
-        result["speedup_vs_static"] = pg["tok_s"] / st["tok_s"]
-    if args.json:
-        write_json(args.json, result)
-    return result
+        print(line(pagedrs_tok_s, sq["tok_s"], "one-at-a-time"))
+    return out
 
 
 def kv_cache_vs_model_dtype(
@@ -582,17 +658,21 @@ def kv_cache_vs_model_dtype(
 
 def embed_main(
     args: argparse.Namespace,
+    argv: list[str],
     engine: LLMEngine,
-    hf: Any,
-    reqs: list[tuple[list[int], int]],
+    reqs: Requests,
     pad_id: int,
     dtype: str,
 ) -> dict[str, Any]:
     run_embed_pagedrs(engine, reqs[:2])  # warm-up
     pg = run_embed_pagedrs(engine, reqs)
-    bs = args.hf_batch_size or len(reqs)
-    run_embed_hf(hf, reqs[:2], pad_id, bs)
-    st = run_embed_hf(hf, reqs, pad_id, bs)
+    engine.shutdown()
+    release_memory()
+    hf = run_in_child(Path(__file__).resolve(), argv, reqs, pad_id, args.hf_timeout)
+    if "error" in hf:
+        raise SystemExit(f"transformers baseline failed: {hf['error']}")
+    st = hf["embed"]
+    bs = st["batch_size"]
     ratio = pg["prompts_s"] / st["prompts_s"]
     print(
         f"embedding throughput: {pg['prompts_s']:.1f} prompts/s (pagedrs) vs {st['prompts_s']:.1f} prompts/s "
@@ -612,12 +692,8 @@ def embed_main(
         "speedup_vs_hf": ratio,
     }
     if args.json:
-        write_json(args.json, result)
+        save_json(args.json, result, args.commit)
     return result
-
-
-def _jsonable(v: Any) -> bool:
-    return isinstance(v, (int, float, str)) and not (isinstance(v, float) and math.isnan(v))
 
 
 if __name__ == "__main__":
