@@ -11,7 +11,9 @@ Headline: decode_tbps, the best decode bandwidth at context >= 4k, and decode_bw
 HBM. Prefill: causal attention FLOP/s of the paged kernel (K/V read through block tables) against SDPA on
 the same shapes laid out contiguously; reported as time ours / SDPA. Kernel times come from CUDA-graph
 replays timed with CUDA events, so Python launch overhead is not counted. Shapes default to Llama-3-8B
-attention (32 query heads, 8 KV heads, head size 128, bf16, block size 16). bench/gpu_summary.py folds the
+attention (32 query heads, 8 KV heads, head size 128, bf16, block size 16; run again with --block-size 32
+to compare page sizes). Prefill times both tensor-core tiles (64 and 128 query rows per CTA) and counts
+the faster. Layer ops: the fused kernels of cuda/layer_ops.cu against the torch ops they replace. bench/gpu_summary.py folds the
 JSON into bench/results/gpu-summary.json.
 """
 
@@ -88,7 +90,7 @@ def _paged_inputs(batch: int, q_len: int, ctx: int, args: argparse.Namespace) ->
     }
 
 
-def _run_paged(x: dict, q_len: int, ctx: int, head_size: int) -> None:
+def _run_paged(x: dict, q_len: int, ctx: int, head_size: int, impl: str = "auto") -> None:
     from pagedrs.kernels import paged_attention
 
     paged_attention(
@@ -103,6 +105,7 @@ def _run_paged(x: dict, q_len: int, ctx: int, head_size: int) -> None:
         sliding_window=None,
         max_query_len=q_len,
         max_seq_len=ctx,
+        prefill_impl=impl,  # type: ignore[arg-type]
     )
 
 
@@ -144,7 +147,13 @@ def bench_prefill(args: argparse.Namespace) -> list[dict]:
     for length in args.prefill_lengths:
         batch = max(1, args.prefill_tokens // length)
         x = _paged_inputs(batch, length, length, args)
-        ours = time_graph(lambda x=x, n=length: _run_paged(x, n, n, d))
+        # Both tensor-core tiles (64 and 128 query rows per CTA); "auto" picks 128 at these lengths.
+        tiles = {
+            impl: time_graph(lambda x=x, n=length, i=impl: _run_paged(x, n, n, d, i))
+            for impl in args.prefill_impls
+        }
+        best_impl = min(tiles, key=lambda i: tiles[i])
+        ours = tiles[best_impl]
         # The same K/V, contiguous [B, H, L, D] for SDPA.
         k = (
             x["cache"][0][x["block_tables"].long()]
@@ -170,6 +179,8 @@ def bench_prefill(args: argparse.Namespace) -> list[dict]:
                 "batch": batch,
                 "seq_len": length,
                 "ours_ms": ours * 1e3,
+                "impl": best_impl,
+                "impl_ms": {i: t * 1e3 for i, t in tiles.items()},
                 "sdpa_ms": sdpa * 1e3,
                 "ours_tflops": flops / ours / 1e12,
                 "sdpa_tflops": flops / sdpa / 1e12,
@@ -178,11 +189,61 @@ def bench_prefill(args: argparse.Namespace) -> list[dict]:
         )
         print(
             f"prefill batch {batch:3d} length {length:5d}: {flops / ours / 1e12:6.1f} TFLOP/s (pagedrs) vs "
-            f"{flops / sdpa / 1e12:6.1f} (SDPA), time ratio {ours / sdpa:.2f}x",
+            f"{flops / sdpa / 1e12:6.1f} (SDPA), time ratio {ours / sdpa:.2f}x "
+            f"({best_impl}; " + ", ".join(f"{i} {t * 1e3:.3f} ms" for i, t in tiles.items()) + ")",
             file=sys.stderr,
         )
         del x, k, v, q
         torch.cuda.empty_cache()
+    return rows
+
+
+def bench_layer_ops(args: argparse.Namespace) -> list[dict]:
+    """The fused kernels of cuda/layer_ops.cu against the torch path of the same layer (several kernels and
+    passes): fused residual add + RMSNorm, RoPE on q and k, SiLU-and-mul; Llama-3-8B widths."""
+    from pagedrs.layers.activation import SiluAndMul
+    from pagedrs.layers.norm import RMSNorm
+    from pagedrs.layers.rotary import RotaryEmbedding
+
+    dtype = getattr(torch, args.dtype)
+    hidden, inter = args.hidden_size, args.intermediate_size
+    h, kvh, d = args.num_heads, args.num_kv_heads, args.head_size
+    norm = RMSNorm(hidden, 1e-5, dtype=dtype, device="cuda")
+    rope = RotaryEmbedding(d, d, 8192, {"rope_type": "default", "rope_theta": 500000.0}, device="cuda")
+    act = SiluAndMul()
+    rows = []
+    for tokens in args.layer_tokens:
+        x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
+        res = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
+        qkv = torch.randn(tokens, (h + 2 * kvh) * d, device="cuda", dtype=dtype)
+        q, k, _ = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+        pos = torch.randint(0, 8192, (tokens,), device="cuda")
+        gate_up = torch.randn(tokens, 2 * inter, device="cuda", dtype=dtype)
+        cases = {
+            "fused_add_rms_norm": (norm, lambda x=x, r=res: norm(x, r)),
+            "rotary_embedding": (rope, lambda p=pos, q=q, k=k: rope(p, q, k)),
+            "silu_and_mul": (act, lambda g=gate_up: act(g)),
+        }
+        for name, (layer, fn) in cases.items():
+            times = {}
+            for fused in (False, True):
+                layer.use_kernels = fused
+                times[fused] = time_graph(fn)
+            layer.use_kernels = False
+            rows.append(
+                {
+                    "op": name,
+                    "tokens": tokens,
+                    "torch_us": times[False] * 1e6,
+                    "fused_us": times[True] * 1e6,
+                    "speedup": times[False] / times[True],
+                }
+            )
+            print(
+                f"{name:20s} tokens {tokens:4d}: {times[True] * 1e6:7.1f} us (fused) vs "
+                f"{times[False] * 1e6:7.1f} us (torch ops) = {times[False] / times[True]:.2f}x",
+                file=sys.stderr,
+            )
     return rows
 
 
@@ -217,6 +278,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-lengths", type=int, nargs="+", default=list(PREFILL_LENGTHS))
     p.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS, help="tokens per prefill batch")
     p.add_argument("--max-cache-gb", type=float, default=16.0, help="skip decode shapes with more K/V")
+    p.add_argument(
+        "--prefill-impls",
+        nargs="+",
+        default=["mma64", "mma128"],
+        help="prefill kernels to time (best counts)",
+    )
+    p.add_argument("--hidden-size", type=int, default=4096, help="layer-ops width (Llama-3-8B)")
+    p.add_argument("--intermediate-size", type=int, default=14336)
+    p.add_argument("--layer-tokens", type=int, nargs="+", default=[64, 256, 2048])
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -230,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device copy bandwidth: {copy_bw / 1e12:.2f} TB/s (read + write; for context)", file=sys.stderr)
     decode = bench_decode(args, hbm)
     prefill = bench_prefill(args)
+    layer_ops = bench_layer_ops(args)
     head = headline(decode, prefill, hbm)
     result = {
         "device": name,
@@ -245,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         "copy_bandwidth_GBps": copy_bw / 1e9,
         "decode": decode,
         "prefill": prefill,
+        "layer_ops": layer_ops,
         **head,
     }
     if head["decode_tbps"] is not None and head["prefill_time_vs_sdpa"] is not None:

@@ -158,9 +158,20 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
 #endif  // PAGEDRS_EMU
 
 // Two floats -> one 32-bit register of two 16-bit values, lo in the low half (lower k index).
+// Round to nearest even either way; sm_80+ converts the pair in one instruction.
 template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi) {
+#if !defined(PAGEDRS_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    unsigned r;
+    if constexpr (is_bf16<T>::value) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    }
+    return r;
+#else
     return static_cast<unsigned>(from_float<T>(lo).bits) |
            (static_cast<unsigned>(from_float<T>(hi).bits) << 16);
+#endif
 }
 
 // Loads BYTES (8 or 16) bytes at p, which is BYTES-aligned, as floats.

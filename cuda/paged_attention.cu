@@ -375,12 +375,21 @@ __device__ __forceinline__ TileRange tile_range(int b, int tile, int rows_per_ti
 }
 
 // ---------------------------------------------------------------------------------------------
-// Varlen prefill with tensor cores (sm_80+, fp16/bf16). grid: (ceil(T*G/64) + B, KVH), block 128.
-// Each warp owns 16 of the tile's 64 rows; K/V tiles of 64 keys go through shared memory with
-// cp.async (the next K tile loads while P.V runs, the next V tile while Q.K^T runs);
-// S = Q K^T and O += P V with mma.m16n8k16, online softmax in registers (FlashAttention-2).
-// Dynamic smem: 2 * 64 * (HEAD + 8) elements (K buffer, which first holds Q, then V) + 8 ints.
-template <typename T, int HEAD>
+// Varlen prefill with tensor cores (sm_80+, fp16/bf16), FlashAttention-2's scheme.
+// grid: (ceil(T*G/BM) + B, KVH), block 128, BM = 64 * MT rows per CTA; each warp owns 16 * MT rows
+// (MT m16 tiles, so every K/V fragment read from shared memory feeds MT mma). K/V tiles of BN keys
+// go through shared memory with 16-byte cp.async (the next K tile loads while P.V runs, the next V
+// tile while Q.K^T runs); a tile's slots are looked up once, into shared memory, for its K and V.
+// S = Q K^T and O += P V with mma.m16n8k16 fed by ldmatrix (transposed for V); P stays in
+// registers between the two (the S accumulators are P's A fragments); online softmax in base 2 with
+// the row sums deferred to the end; the causal / window mask only on tiles that cross a row's
+// visible range (warp-uniform test). Q stays in registers with 64-key tiles (MT == 1, or
+// HEAD <= 64), or, for MT == 2 and HEAD > 64, in its own shared buffer, re-read per k-step, with
+// 32-key tiles (FlashAttention-2's choices at d = 128: the registers go to the 32 x HEAD
+// accumulator). Rows are padded by 8 elements, so the 8 rows one ldmatrix reads hit distinct banks.
+// Dynamic smem: (Q_SMEM ? BM : 0) * SROW + 2 * BN * SROW elements (Q otherwise staged in the K and
+// V buffers) + (8 + 2 * BN) ints; prefill_smem_bytes() in attention_ops.py computes the same.
+template <typename T, int HEAD, int MT>
 __global__ void __launch_bounds__(kThreads) paged_attention_prefill(
     T* __restrict__ out, const T* __restrict__ q, long long q_stride,
     const T* __restrict__ k_cache, const T* __restrict__ v_cache,
@@ -389,13 +398,18 @@ __global__ void __launch_bounds__(kThreads) paged_attention_prefill(
     int block_shift, int sliding_window, float scale_log2)
 {
     static_assert(sizeof(T) == 2 && HEAD % 16 == 0, "mma prefill: 16-bit types, HEAD % 16 == 0");
-    constexpr int BM = 64, BN = 64;
+    static_assert(MT == 1 || MT == 2, "mma prefill: 16 or 32 rows per warp");
+    constexpr bool Q_SMEM = MT == 2 && HEAD > 64;
+    constexpr int BN = Q_SMEM ? 32 : 64, BM = 64 * MT, WR = 16 * MT;
     constexpr int SROW = HEAD + 8;  // padded row: ldmatrix rows hit distinct banks
     constexpr int CH = HEAD / 8;    // 16-byte chunks per row
+    static_assert(Q_SMEM || BM <= 2 * BN, "Q is staged in the K and V buffers");
     extern __shared__ __align__(16) unsigned char pg_smem[];
-    T* sK = reinterpret_cast<T*>(pg_smem);
+    T* sQ = reinterpret_cast<T*>(pg_smem);
+    T* sK = sQ + (Q_SMEM ? BM * SROW : 0);
     T* sV = sK + BN * SROW;
     int* sched = reinterpret_cast<int*>(sV + BN * SROW);
+    int* s_slot = sched + 8;  // [2][BN]: slots of the key tiles jt and jt + 1 (-1: past kv_end)
 
     const int G = num_heads / num_kv_heads;
     int b, tile;
@@ -406,7 +420,29 @@ __global__ void __launch_bounds__(kThreads) paged_attention_prefill(
     const int* bt = block_tables + static_cast<long long>(b) * block_table_stride;
     const long long kv_row = static_cast<long long>(num_kv_heads) * HEAD;
 
-    // Q tile -> sK -> registers (A fragments, one per 16 columns).
+    // Slots of the key tile at j0 into s_slot[buf] (published by the caller's next barrier).
+    auto tile_slots = [&](int j0, int buf) {
+        for (int i = tid; i < BN; i += kThreads)
+            s_slot[buf * BN + i] = j0 + i < tr.kv_end ? static_cast<int>(slot_of(bt, j0 + i, block_shift)) : -1;
+    };
+    // This thread's 16-byte chunks of the K (or V) tile whose slots are in s_slot[buf].
+    auto load_tile = [&](T* dst, const T* cache, int buf) {
+        for (int c = tid; c < BN * CH; c += kThreads) {
+            const int row = c / CH, part = c % CH;
+            const int slot = s_slot[buf * BN + row];
+            const T* src = cache;
+            int bytes = 0;
+            if (slot >= 0) {
+                src = cache + static_cast<long long>(slot) * kv_row + kh * HEAD + part * 8;
+                bytes = 16;
+            }
+            cp_async16(dst + row * SROW + part * 8, src, bytes);  // keys past kv_end: zeros
+        }
+    };
+
+    // Q tile -> shared memory (its own buffer, or the K/V buffers: BM <= 2 * BN rows).
+    tile_slots(tr.kv_begin, 0);
+    T* sQ_stage = Q_SMEM ? sQ : sK;
     for (int c = tid; c < BM * CH; c += kThreads) {
         const int row = c / CH, part = c % CH;
         const int r = tr.r0 + row;
@@ -417,149 +453,190 @@ __global__ void __launch_bounds__(kThreads) paged_attention_prefill(
                   static_cast<long long>(kh * G + r % G) * HEAD + part * 8;
             bytes = 16;
         }
-        cp_async16(sK + row * SROW + part * 8, src, bytes);
+        cp_async16(sQ_stage + row * SROW + part * 8, src, bytes);
     }
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
     const int mi = lane / 8, mr = lane % 8;  // ldmatrix: this lane addresses row mr of matrix mi
-    unsigned qf[HEAD / 16][4];
-#pragma unroll
-    for (int ks = 0; ks < HEAD / 16; ++ks)
-        ldmatrix_x4(qf[ks], sK + (warp * 16 + mr + (mi & 1) * 8) * SROW + ks * 16 + (mi >> 1) * 8);
-    __syncthreads();
-
-    auto load_tile = [&](T* dst, const T* cache, int j0) {
-        for (int c = tid; c < BN * CH; c += kThreads) {
-            const int row = c / CH, part = c % CH;
-            const int j = j0 + row;
-            const T* src = cache;
-            int bytes = 0;
-            if (j < tr.kv_end) {
-                src = cache + slot_of(bt, j, block_shift) * kv_row + kh * HEAD + part * 8;
-                bytes = 16;
-            }
-            cp_async16(dst + row * SROW + part * 8, src, bytes);  // keys past kv_end: zeros
-        }
+    // A fragment of Q rows [warp * WR + mt * 16, +16), columns [ks * 16, +16).
+    auto q_frag = [&](unsigned (&a)[4], int mt, int ks) {
+        ldmatrix_x4(a, sQ_stage + (warp * WR + mt * 16 + mr + (mi & 1) * 8) * SROW + ks * 16 + (mi >> 1) * 8);
     };
-
-    // This thread's two rows: warp * 16 + lane / 4 (+ 8). Invalid rows see no key.
-    int row_hi[2], row_lo[2];
+    unsigned qf[Q_SMEM ? 1 : MT][Q_SMEM ? 1 : HEAD / 16][4];
+    if constexpr (!Q_SMEM) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = tr.r0 + warp * 16 + lane / 4 + h * 8;
-        row_hi[h] = r < tr.rows ? tr.pos0 + r / G : -1;
-        row_lo[h] = sliding_window > 0 ? row_hi[h] - sliding_window + 1 : 0;
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int ks = 0; ks < HEAD / 16; ++ks) q_frag(qf[mt][ks], mt, ks);
+        __syncthreads();  // the K/V buffers are free again
     }
-    float o[HEAD / 8][4];
+
+    // This thread's rows: warp * WR + mt * 16 + lane / 4 (+ 8). Invalid rows see no key. A tile is
+    // unmasked for the warp when it lies inside every one of the warp's rows' visible ranges.
+    int row_hi[MT][2], row_lo[MT][2];
+    int warp_hi = 0x7fffffff, warp_lo = -0x7fffffff;
 #pragma unroll
-    for (int i = 0; i < HEAD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = tr.r0 + warp * WR + mt * 16 + lane / 4 + h * 8;
+            row_hi[mt][h] = r < tr.rows ? tr.pos0 + r / G : -1;
+            row_lo[mt][h] = sliding_window > 0 ? row_hi[mt][h] - sliding_window + 1 : 0;
+            warp_hi = imin(warp_hi, row_hi[mt][h]);
+            warp_lo = imax(warp_lo, row_lo[mt][h]);
+        }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        warp_hi = imin(warp_hi, __shfl_xor_sync(kFull, warp_hi, off));
+        warp_lo = imax(warp_lo, __shfl_xor_sync(kFull, warp_lo, off));
+    }
+    float o[MT][HEAD / 8][4];
+    float row_max[MT][2], row_sum[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int i = 0; i < HEAD / 8; ++i) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.f;
+        row_max[mt][0] = row_max[mt][1] = neg_inf();
+        row_sum[mt][0] = row_sum[mt][1] = 0.f;
+    }
 
     const int num_tiles = (tr.kv_end - tr.kv_begin + BN - 1) / BN;
-    load_tile(sK, k_cache, tr.kv_begin);
+    load_tile(sK, k_cache, 0);  // s_slot[0] was published by the barriers after the Q load
     cp_async_commit();
-    load_tile(sV, v_cache, tr.kv_begin);
+    load_tile(sV, v_cache, 0);
     cp_async_commit();
     // cp.async groups are committed K0, V0, then K(j+1) and V(j+1) (possibly empty) per tile,
     // so "wait until at most one group is pending" always means the buffer about to be read.
     for (int jt = 0; jt < num_tiles; ++jt) {
         const int j0 = tr.kv_begin + jt * BN;
+        const int next = (jt + 1) & 1;
         cp_async_wait<1>();
         __syncthreads();
-        float s[BN / 8][4];
+        // s_slot[next] was last read by the loads of tile jt - 1, issued before the barrier above.
+        if (jt + 1 < num_tiles) tile_slots(j0 + BN, next);
+        float s[MT][BN / 8][4];
 #pragma unroll
-        for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < BN / 8; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
 #pragma unroll
         for (int ks = 0; ks < HEAD / 16; ++ks) {
+            unsigned qa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if constexpr (Q_SMEM) {
+                    q_frag(qa[mt], mt, ks);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) qa[mt][i] = qf[mt][ks][i];
+                }
+            }
 #pragma unroll
             for (int np = 0; np < BN / 16; ++np) {
                 unsigned kb[4];
                 ldmatrix_x4(kb, sK + (np * 16 + mr + (mi >> 1) * 8) * SROW + ks * 16 + (mi & 1) * 8);
-                mma_16816<T>(s[2 * np], qf[ks], kb[0], kb[1]);
-                mma_16816<T>(s[2 * np + 1], qf[ks], kb[2], kb[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816<T>(s[mt][2 * np], qa[mt], kb[0], kb[1]);
+                    mma_16816<T>(s[mt][2 * np + 1], qa[mt], kb[2], kb[3]);
+                }
             }
         }
-        __syncthreads();  // every warp is done with sK
-        if (jt + 1 < num_tiles) load_tile(sK, k_cache, j0 + BN);
+        __syncthreads();  // every warp is done with sK; s_slot[next] is published
+        if (jt + 1 < num_tiles) load_tile(sK, k_cache, next);
         cp_async_commit();
 
-        // Mask, then online softmax; a row's 4 owner lanes (same lane / 4) agree on max and scale.
+        // Mask (only a tile crossing some row's range), then online softmax; a row's 4 owner lanes
+        // (same lane / 4) agree on max and scale.
+        const bool unmasked = j0 + BN - 1 <= warp_hi && j0 >= warp_lo;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float mx = neg_inf();
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt)
+            for (int h = 0; h < 2; ++h) {
+                float mx = neg_inf();
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int j = j0 + nt * 8 + (lane % 4) * 2 + e;
-                    float& v = s[nt][h * 2 + e];
-                    v = (j <= row_hi[h] && j >= row_lo[h]) ? v * scale_log2 : neg_inf();
-                    mx = fmaxf(mx, v);
+                for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int j = j0 + nt * 8 + (lane % 4) * 2 + e;
+                        float& v = s[mt][nt][h * 2 + e];
+                        const bool seen = unmasked || (j <= row_hi[mt][h] && j >= row_lo[mt][h]);
+                        v = seen ? v * scale_log2 : neg_inf();
+                        mx = fmaxf(mx, v);
+                    }
+                mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
+                const float m_new = fmaxf(row_max[mt][h], mx);
+                const float ref = m_new == neg_inf() ? 0.f : m_new;  // nothing seen yet: stay at 0
+                const float alpha = exp2f(row_max[mt][h] - ref);
+                row_max[mt][h] = m_new;
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float pv = exp2f(s[mt][nt][h * 2 + e] - ref);
+                        s[mt][nt][h * 2 + e] = pv;
+                        sum += pv;
+                    }
+                row_sum[mt][h] = row_sum[mt][h] * alpha + sum;  // this lane's columns; quad-summed at the end
+#pragma unroll
+                for (int dt = 0; dt < HEAD / 8; ++dt) {
+                    o[mt][dt][h * 2] *= alpha;
+                    o[mt][dt][h * 2 + 1] *= alpha;
                 }
-            mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
-            const float m_new = fmaxf(row_max[h], mx);
-            const float ref = m_new == neg_inf() ? 0.f : m_new;  // nothing seen yet: stay at 0
-            const float alpha = exp2f(row_max[h] - ref);
-            row_max[h] = m_new;
-            float sum = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float pv = exp2f(s[nt][h * 2 + e] - ref);
-                    s[nt][h * 2 + e] = pv;
-                    sum += pv;
-                }
-            row_sum[h] = row_sum[h] * alpha + sum;  // this lane's columns; quad-summed at the end
-#pragma unroll
-            for (int dt = 0; dt < HEAD / 8; ++dt) {
-                o[dt][h * 2] *= alpha;
-                o[dt][h * 2 + 1] *= alpha;
             }
-        }
 
         cp_async_wait<1>();
         __syncthreads();  // sV holds tile jt
 #pragma unroll
         for (int ks = 0; ks < BN / 16; ++ks) {
             // The S accumulators of key tiles 2ks, 2ks+1 are exactly the A fragment of P.
-            const unsigned pa[4] = {pack2<T>(s[2 * ks][0], s[2 * ks][1]),
-                                    pack2<T>(s[2 * ks][2], s[2 * ks][3]),
-                                    pack2<T>(s[2 * ks + 1][0], s[2 * ks + 1][1]),
-                                    pack2<T>(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+            unsigned pa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                pa[mt][0] = pack2<T>(s[mt][2 * ks][0], s[mt][2 * ks][1]);
+                pa[mt][1] = pack2<T>(s[mt][2 * ks][2], s[mt][2 * ks][3]);
+                pa[mt][2] = pack2<T>(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
+                pa[mt][3] = pack2<T>(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
+            }
 #pragma unroll
             for (int dp = 0; dp < HEAD / 16; ++dp) {
                 unsigned vb[4];
                 ldmatrix_x4_trans(vb, sV + (ks * 16 + mr + (mi & 1) * 8) * SROW + dp * 16 + (mi >> 1) * 8);
-                mma_16816<T>(o[2 * dp], pa, vb[0], vb[1]);
-                mma_16816<T>(o[2 * dp + 1], pa, vb[2], vb[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816<T>(o[mt][2 * dp], pa[mt], vb[0], vb[1]);
+                    mma_16816<T>(o[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
+                }
             }
         }
         __syncthreads();  // every warp is done with sV
-        if (jt + 1 < num_tiles) load_tile(sV, v_cache, j0 + BN);
+        if (jt + 1 < num_tiles) load_tile(sV, v_cache, next);
         cp_async_commit();
     }
     cp_async_wait<0>();
 
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float sum = row_sum[h];
-        sum += __shfl_xor_sync(kFull, sum, 1);
-        sum += __shfl_xor_sync(kFull, sum, 2);
-        const int r = tr.r0 + warp * 16 + lane / 4 + h * 8;
-        if (r < tr.rows) {
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
-            T* dst = out + (static_cast<long long>(tr.q_begin + r / G) * num_heads + kh * G + r % G) * HEAD;
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int dt = 0; dt < HEAD / 8; ++dt) {
-                const int d = dt * 8 + (lane % 4) * 2;
-                dst[d] = from_float<T>(o[dt][h * 2] * inv);
-                dst[d + 1] = from_float<T>(o[dt][h * 2 + 1] * inv);
+        for (int h = 0; h < 2; ++h) {
+            float sum = row_sum[mt][h];
+            sum += __shfl_xor_sync(kFull, sum, 1);
+            sum += __shfl_xor_sync(kFull, sum, 2);
+            const int r = tr.r0 + warp * WR + mt * 16 + lane / 4 + h * 8;
+            if (r < tr.rows) {
+                const float inv = sum > 0.f ? 1.f / sum : 0.f;
+                T* dst = out + (static_cast<long long>(tr.q_begin + r / G) * num_heads + kh * G + r % G) * HEAD;
+#pragma unroll
+                for (int dt = 0; dt < HEAD / 8; ++dt) {  // two 16-bit outputs per 32-bit store
+                    const int d = dt * 8 + (lane % 4) * 2;
+                    *reinterpret_cast<unsigned*>(dst + d) =
+                        pack2<T>(o[mt][dt][h * 2] * inv, o[mt][dt][h * 2 + 1] * inv);
+                }
             }
         }
-    }
 }
 
 // ---------------------------------------------------------------------------------------------

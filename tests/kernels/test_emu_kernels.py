@@ -171,7 +171,7 @@ def test_decode_empty_context_gives_zeros() -> None:
         )
 
 
-@pytest.mark.parametrize("impl", ["mma", "scalar"])
+@pytest.mark.parametrize("impl", ["mma64", "mma128", "scalar"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (8, 2)])
 def test_prefill(impl: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> None:
@@ -192,11 +192,14 @@ def test_prefill(impl: str, dtype: torch.dtype, num_heads: int, num_kv_heads: in
     assert_close(out, ref, dtype, f"prefill {impl}")
 
 
-@pytest.mark.parametrize("head_size", [32, 80])
-def test_prefill_head_sizes(head_size: int) -> None:
+@pytest.mark.parametrize("impl", ["mma64", "mma128"])
+@pytest.mark.parametrize("head_size", [32, 64, 80])
+def test_prefill_head_sizes(head_size: int, impl: str) -> None:
+    """head 80 with 128-row tiles keeps Q in shared memory (re-read per k-step), the others in registers;
+    a 140-token chunk spans two 128-row tiles; its prefix of 60 keys is fully visible to every row."""
     case = make_case(
-        [9, 3],
-        [9, 20],
+        [9, 3, 140],
+        [9, 20, 200],
         num_heads=4,
         num_kv_heads=1,
         head_size=head_size,
@@ -204,8 +207,42 @@ def test_prefill_head_sizes(head_size: int) -> None:
         dtype=torch.float16,
         seed=8,
     )
-    out, ref = _attention(case, scale=head_size**-0.5, impl="mma")
-    assert_close(out, ref, torch.float16, f"prefill head_size={head_size}")
+    out, ref = _attention(case, scale=head_size**-0.5, impl=impl)
+    assert_close(out, ref, torch.float16, f"prefill head_size={head_size} {impl}")
+
+
+@pytest.mark.parametrize("impl", ["mma64", "mma128"])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (4, 1)])
+def test_prefill_causal_edge_at_every_tile_boundary(impl: str, num_heads: int, num_kv_heads: int) -> None:
+    """Prefixes 60..66 put some warp's first row one key before, at and after the end of a key tile: the
+    tile-level "no mask needed" test must not let a row see the key right after its own position."""
+    prefixes = list(range(60, 67))
+    q_lens = [40] * len(prefixes)
+    case = make_case(
+        q_lens,
+        [p + q for p, q in zip(prefixes, q_lens, strict=True)],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=16,
+        block_size=16,
+        dtype=torch.float16,
+        seed=12,
+    )
+    out, ref = _attention(case, scale=0.5, impl=impl)
+    assert_close(out, ref, torch.float16, f"causal tile edges {impl}")
+
+
+@pytest.mark.parametrize("impl", ["mma64", "mma128"])
+def test_prefill_window_edge_at_a_tile_start(impl: str) -> None:
+    """Windows 84..107 over rows at 136..199: key tiles start at the window's edge of the CTA's first row,
+    so each warp's later rows cut into the first tile at a different offset (masked tiles), and the middle
+    tiles lie inside every row's range (unmasked)."""
+    case = make_case(
+        [64], [200], num_heads=2, num_kv_heads=2, head_size=16, block_size=16, dtype=torch.float16, seed=13
+    )
+    for window in [*range(84, 92), *range(100, 108)]:
+        out, ref = _attention(case, scale=0.5, window=window, impl=impl)
+        assert_close(out, ref, torch.float16, f"window {window} {impl}")
 
 
 def test_prefill_fp32_scalar() -> None:
@@ -223,11 +260,14 @@ def test_prefill_fp32_scalar() -> None:
     assert_close(out, ref, torch.float32, "prefill fp32")
 
 
-@pytest.mark.parametrize("impl", ["mma", "scalar"])
-def test_prefill_sliding_window(impl: str) -> None:
+@pytest.mark.parametrize("impl", ["mma64", "mma128", "scalar"])
+@pytest.mark.parametrize("window", [21, 150])
+def test_prefill_sliding_window(impl: str, window: int) -> None:
+    """window 21 crosses every tile; window 150 leaves whole key tiles inside every row's range (unmasked)
+    and whole tiles before it (skipped)."""
     case = make_case(
-        [30, 12],
-        [90, 12],
+        [30, 12, 10],
+        [90, 12, 300],
         num_heads=4,
         num_kv_heads=2,
         head_size=16,
@@ -235,7 +275,7 @@ def test_prefill_sliding_window(impl: str) -> None:
         dtype=torch.float16,
         seed=10,
     )
-    out, ref = _attention(case, scale=0.25, window=21, impl=impl)
+    out, ref = _attention(case, scale=0.25, window=window, impl=impl)
     assert_close(out, ref, torch.float16, f"windowed prefill {impl}")
 
 

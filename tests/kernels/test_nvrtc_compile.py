@@ -135,3 +135,24 @@ def test_compile_errors_after_the_header_keep_the_files_line_numbers(
     names = _loader.layer_op_names("float")
     with pytest.raises(kernels.KernelCompileError, match=rf"cuda/layer_ops\.cu\({target + 1}\)"):
         _loader.compile_check("layer_ops", names, "sm_80")
+
+
+@pytest.mark.parametrize("arch", _loader.COMPILE_CHECK_ARCHS)
+def test_tensor_core_prefill_and_layer_kernels_do_not_spill(
+    arch: str, nvrtc_ok: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mma prefill holds a 16*MT x HEAD accumulator per warp in registers; a spill would put it in local
+    memory on every key tile. ptxas' report (no GPU needed) must show none, at every head size and tile."""
+    monkeypatch.setenv("PAGEDRS_CUDA_SRC_DIR", str(CUDA_DIR))
+    prefill = [
+        _loader.prefill_name(ctype, head, mma=True, m_tiles=mt)
+        for ctype in ("pagedrs::half_t", "pagedrs::bf16_t")
+        for head in _loader.HEAD_SIZES
+        for mt in _loader.PREFILL_MMA_TILES
+    ]
+    usage = _loader.register_usage("paged_attention", prefill, arch)
+    layer = _loader.register_usage("layer_ops", _loader.layer_op_names("pagedrs::bf16_t"), arch)
+    assert set(usage) == set(prefill) and set(layer) == set(_loader.layer_op_names("pagedrs::bf16_t"))
+    spilled = {n: u for n, u in {**usage, **layer}.items() if u[1]}
+    assert not spilled, f"kernels spilling registers on {arch}: {spilled}"
+    assert all(regs <= 255 for regs, _ in usage.values())

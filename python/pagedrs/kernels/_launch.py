@@ -63,12 +63,26 @@ def _cupy_stream(device_index: int, stream: torch.cuda.Stream) -> Any:
     return s
 
 
+_DEFAULT_SMEM = 48 * 1024  # dynamic shared memory a kernel gets without opting in
+_smem_allowed: dict[int, int] = {}
+
+
+def _allow_shared_mem(kernel: Any, nbytes: int) -> None:
+    """Opt the kernel in to `nbytes` of dynamic shared memory (past 48 KiB; once per kernel and size)."""
+    key = id(kernel)
+    if _smem_allowed.get(key, 0) < nbytes:
+        kernel.max_dynamic_shared_size_bytes = nbytes
+        _smem_allowed[key] = nbytes
+
+
 def launch(spec: Launch, device: torch.device) -> None:
     if any(g <= 0 for g in spec.grid):
         return
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         kernel = get_kernel(spec.source, spec.names, spec.name, index)
+        if spec.shared_mem > _DEFAULT_SMEM:
+            _allow_shared_mem(kernel, spec.shared_mem)
         with _cupy_stream(index, torch.cuda.current_stream(device)):
             kernel(spec.grid, spec.block, spec.args, shared_mem=spec.shared_mem)
         return

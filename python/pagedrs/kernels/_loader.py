@@ -29,6 +29,7 @@ __all__ = [
     "HEAD_SIZES",
     "KernelCompileError",
     "NVRTC_OPTIONS",
+    "PREFILL_MMA_TILES",
     "SOURCES",
     "WORD_TYPES",
     "attention_names",
@@ -39,6 +40,7 @@ __all__ = [
     "kernel_source",
     "layer_op_names",
     "nvrtc_version",
+    "register_usage",
     "vector_width",
 ]
 
@@ -120,9 +122,16 @@ def reduce_name(ctype: str, head_size: int) -> str:
     return f"pagedrs::paged_attention_reduce<{ctype}, {head_size}>"
 
 
-def prefill_name(ctype: str, head_size: int, *, mma: bool, cache_ctype: str | None = None) -> str:
-    kernel = "paged_attention_prefill" if mma else "paged_attention_prefill_scalar"
-    return f"pagedrs::{kernel}<{ctype}, {head_size}{_cache_arg(cache_ctype)}>"
+# Tensor-core prefill: 16 rows per warp (64 per CTA) or 32 (128 per CTA, FlashAttention-2's tile)
+PREFILL_MMA_TILES = (1, 2)
+
+
+def prefill_name(
+    ctype: str, head_size: int, *, mma: bool, cache_ctype: str | None = None, m_tiles: int = 1
+) -> str:
+    if mma:
+        return f"pagedrs::paged_attention_prefill<{ctype}, {head_size}, {m_tiles}>"
+    return f"pagedrs::paged_attention_prefill_scalar<{ctype}, {head_size}{_cache_arg(cache_ctype)}>"
 
 
 def fp8_write_name(ctype: str, cache_ctype: str) -> str:
@@ -143,7 +152,7 @@ def attention_names(ctype: str, head_size: int, cache_ctype: str | None = None) 
     names = [decode_name(ctype, head_size, g) for g in GROUP_SIZES]
     names.append(reduce_name(ctype, head_size))
     if ctype != "float":
-        names.append(prefill_name(ctype, head_size, mma=True))
+        names += [prefill_name(ctype, head_size, mma=True, m_tiles=mt) for mt in PREFILL_MMA_TILES]
     names.append(prefill_name(ctype, head_size, mma=False))
     return tuple(names)
 
@@ -218,10 +227,9 @@ def nvrtc_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def compile_check(source: str, names: Sequence[str], arch: str, *, code: str | None = None) -> dict[str, str]:
-    """Compile `names` of `source` to a cubin for `arch` (e.g. "sm_80") with NVRTC, without a GPU.
-
-    Returns each name expression's lowered (mangled) name. Raises KernelCompileError with NVRTC's log."""
+def _compile(
+    source: str, names: Sequence[str], arch: str, code: str | None, extra: Sequence[str] = ()
+) -> tuple[dict[str, str], str]:
     nvrtc = _nvrtc()
     text = kernel_source(source) if code is None else code
     prog = nvrtc.createProgram(text, f"{source}.cu", [], [])
@@ -229,13 +237,44 @@ def compile_check(source: str, names: Sequence[str], arch: str, *, code: str | N
         for name in names:
             nvrtc.addNameExpression(prog, name)
         try:
-            nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, *_CUPY_ADDED_OPTIONS, f"-arch={arch}"])
+            nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, *_CUPY_ADDED_OPTIONS, f"-arch={arch}", *extra])
         except nvrtc.NVRTCError as e:
             log = nvrtc.getProgramLog(prog)
             raise KernelCompileError(f"{source}.cu for {arch}: {e}\n{log}") from e
         lowered = {name: nvrtc.getLoweredName(prog, name) for name in names}
         if not nvrtc.getCUBIN(prog):
             raise KernelCompileError(f"{source}.cu for {arch}: NVRTC produced an empty cubin")
-        return lowered
+        return lowered, nvrtc.getProgramLog(prog)
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def compile_check(source: str, names: Sequence[str], arch: str, *, code: str | None = None) -> dict[str, str]:
+    """Compile `names` of `source` to a cubin for `arch` (e.g. "sm_80") with NVRTC, without a GPU.
+
+    Returns each name expression's lowered (mangled) name. Raises KernelCompileError with NVRTC's log."""
+    return _compile(source, names, arch, code)[0]
+
+
+def register_usage(
+    source: str, names: Sequence[str], arch: str, *, code: str | None = None
+) -> dict[str, tuple[int, int]]:
+    """(registers per thread, spilled bytes stored) of each instantiation, from ptxas' report for `arch`:
+    what a kernel's occupancy and local-memory traffic will be, known without a GPU."""
+    lowered, log = _compile(source, names, arch, code, ("--ptxas-options=-v",))
+    by_mangled = {m: n for n, m in lowered.items()}
+    usage: dict[str, tuple[int, int]] = {}
+    current: str | None = None
+    spills = 0
+    for line in log.splitlines():
+        entry = re.search(r"Compiling entry function '(\w+)'", line)
+        if entry:
+            current, spills = by_mangled.get(entry.group(1)), 0
+            continue
+        spill = re.search(r"(\d+) bytes spill stores", line)
+        if spill:
+            spills = int(spill.group(1))
+        regs = re.search(r"Used (\d+) registers", line)
+        if regs and current is not None:
+            usage[current] = (int(regs.group(1)), spills)
+    return usage

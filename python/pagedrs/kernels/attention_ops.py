@@ -21,6 +21,7 @@ from pagedrs.kernels._loader import (
     CTYPES,
     GROUP_SIZES,
     HEAD_SIZES,
+    PREFILL_MMA_TILES,
     attention_names,
     decode_name,
     fp8_write_name,
@@ -28,14 +29,42 @@ from pagedrs.kernels._loader import (
     reduce_name,
 )
 
-__all__ = ["PrefillImpl", "decode_partitions", "launch_fp8_write", "paged_attention", "supports"]
+__all__ = [
+    "PrefillImpl",
+    "decode_partitions",
+    "launch_fp8_write",
+    "paged_attention",
+    "prefill_m_tiles",
+    "prefill_smem_bytes",
+    "supports",
+]
 
 _SOURCE = "paged_attention"
 _THREADS = (128, 1, 1)
 _LOG2E = 1.4426950408889634
-_MMA_ROWS, _SCALAR_ROWS = 64, 16  # query rows (token x head) per prefill CTA
+_SCALAR_ROWS = 16  # query rows (token x head) per scalar prefill CTA; the mma one takes 64 * m_tiles
 _MAX_PARTITION = 512
-PrefillImpl = Literal["auto", "mma", "scalar"]
+# "mma": tensor cores, tile chosen by prefill_m_tiles; "mma64" / "mma128": that many rows per CTA
+PrefillImpl = Literal["auto", "mma", "mma64", "mma128", "scalar"]
+
+
+def prefill_m_tiles(impl: PrefillImpl, max_query_len: int, group: int) -> int:
+    """m16 tiles per warp of the tensor-core prefill: 2 (128-row CTAs, each K/V fragment feeds two mma)
+    once a request brings 128 query rows (tokens x group), else 1 (64-row CTAs waste less on short
+    chunks)."""
+    if impl == "mma64":
+        return 1
+    if impl == "mma128":
+        return 2
+    return 2 if max_query_len * group >= 128 else 1
+
+
+def prefill_smem_bytes(head_size: int, m_tiles: int) -> int:
+    """Dynamic shared memory of paged_attention_prefill<T, head_size, m_tiles> (its header comment)."""
+    q_smem = m_tiles == 2 and head_size > 64
+    row, keys = head_size + 8, 32 if q_smem else 64
+    q_rows = 64 * m_tiles if q_smem else 0
+    return 2 * (q_rows + 2 * keys) * row + 4 * (8 + 2 * keys)
 
 
 def supports(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> bool:
@@ -268,24 +297,25 @@ def paged_attention(
 
     # Prefill: requests with q_len > 1; the grid is an upper bound on their row tiles.
     if max_query_len > 1:
-        mma = prefill_impl == "mma" or (
+        mma = prefill_impl.startswith("mma") or (
             prefill_impl == "auto" and ctype != "float" and arch >= 80 and cache_ctype is None
         )
         if mma and (ctype == "float" or cache_ctype is not None):
             raise ValueError(
                 "the tensor-core prefill kernel takes a float16/bfloat16 cache of q's dtype only"
             )
-        rows = _MMA_ROWS if mma else _SCALAR_ROWS
+        m_tiles = prefill_m_tiles(prefill_impl, max_query_len, group) if mma else 1
+        assert m_tiles in PREFILL_MMA_TILES
         if mma:
-            smem = 2 * 64 * (head_size + 8) * 2 + 32
+            rows, smem = 64 * m_tiles, prefill_smem_bytes(head_size, m_tiles)
         else:
-            smem = 4 * (16 * head_size + 2 * 32 * (head_size + 1)) + 32
+            rows, smem = _SCALAR_ROWS, 4 * (16 * head_size + 2 * 32 * (head_size + 1)) + 32
         tiles = -(-num_tokens * group // rows) + num_seqs
         launch(
             Launch(
                 _SOURCE,
                 names,
-                prefill_name(ctype, head_size, mma=mma, cache_ctype=cache_ctype),
+                prefill_name(ctype, head_size, mma=mma, cache_ctype=cache_ctype, m_tiles=m_tiles),
                 (tiles, num_kv_heads, 1),
                 _THREADS,
                 smem,
