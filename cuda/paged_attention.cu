@@ -48,8 +48,12 @@ __device__ __forceinline__ int window_start(int ctx, int sliding_window) {
 // max_parts == 1: writes out directly. Otherwise writes tmp_out [B, H, max_parts, HEAD]
 // (normalized by its own sum), max_logits and exp_sums [B, H, max_parts], and
 // paged_attention_reduce combines them. CTAs past a request's partition count exit, so the grid
-// may be sized for the longest possible context (CUDA graphs).
-// Dynamic smem (floats): q_s[GP*HEAD] | logits[max(GP*partition_size, kWarps*GP*HEAD)] | max[GP] | sum[GP]
+// may be sized for the longest possible context (CUDA graphs). The partition's slots are looked up
+// once, up front (all block-table reads in flight together), into shared memory for K and V; K rows
+// are read as 16-byte chunks by 4 lanes each, V rows as 16-byte (8 with many heads or fp8) chunks,
+// two rows per lane group in flight.
+// Dynamic smem (4-byte words): q_s[GP*HEAD] | logits[max(GP*partition_size, kWarps*GP*HEAD)] |
+// max[GP] | sum[GP] | slots[partition_size] (decode_smem_bytes() in attention_ops.py).
 template <typename T, int HEAD, int GP, typename C = T>
 __global__ void __launch_bounds__(kThreads) paged_attention_decode(
     T* __restrict__ out, float* __restrict__ tmp_out, float* __restrict__ max_logits,
@@ -93,13 +97,15 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
     const int logits_size = imax(GP * partition_size, kWarps * GP * HEAD);
     float* s_max = logits + logits_size;
     float* s_sum = s_max + GP;
+    int* s_slot = reinterpret_cast<int*>(s_sum + GP);  // slot of key ts + i (< 2^31 slots in a pool)
 
     const T* q_row = q + static_cast<long long>(q_begin) * q_stride + static_cast<long long>(h0) * HEAD;
+    const int* bt = block_tables + static_cast<long long>(b) * block_table_stride;
+    for (int i = tid; i < n; i += kThreads) s_slot[i] = static_cast<int>(slot_of(bt, ts + i, block_shift));
     for (int i = tid; i < GP * HEAD; i += kThreads)
         q_s[i] = i / HEAD < ng ? to_float(q_row[i]) * scale_log2 : 0.f;
     __syncthreads();
 
-    const int* bt = block_tables + static_cast<long long>(b) * block_table_stride;
     const long long kv_row = static_cast<long long>(num_kv_heads) * HEAD;  // elements per slot
     const C* k_head = k_cache + static_cast<long long>(kh) * HEAD;
     const C* v_head = v_cache + static_cast<long long>(kh) * HEAD;
@@ -116,7 +122,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
         const int t = base + lane / KL;
         const bool valid = t < te;
         float kf[KCL * KV];
-        const C* k_row = k_head + (valid ? slot_of(bt, t, block_shift) * kv_row : 0);
+        const C* k_row = k_head + (valid ? static_cast<long long>(s_slot[t - ts]) * kv_row : 0);
 #pragma unroll
         for (int c = 0; c < KCL; ++c) {
             const int chunk = kl + c * KL;
@@ -166,39 +172,49 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
     }
     __syncthreads();
 
-    // Weighted V. VL lanes share one value row (8-byte chunks vl, vl + VL, ...); VTW rows per
-    // warp step; each lane accumulates its chunks for all GP heads.
-    constexpr int VV = 8 / sizeof(C);  // elements per 8-byte chunk
+    // Weighted V. VL lanes share one value row (VB-byte chunks vl, vl + VL, ...); VTW rows per
+    // warp step, VU steps' rows loaded before any is used; each lane accumulates its chunks for all
+    // GP heads (VB = 8 where 16-byte chunks would take more than 64 accumulators).
+    constexpr int VB = GP * (16 / static_cast<int>(sizeof(C))) <= 64 ? 16 : 8;
+    constexpr int VV = VB / sizeof(C);  // elements per chunk
     constexpr int VC = HEAD / VV;
     constexpr int VL = VC > 16 ? 32 : VC > 8 ? 16 : VC > 4 ? 8 : VC > 2 ? 4 : VC > 1 ? 2 : 1;  // pow2 >= VC
     constexpr int VCL = (VC + VL - 1) / VL;
     constexpr int VTW = 32 / VL;
+    constexpr int VU = 2;
     const int vl = lane % VL;
     float acc[GP][VCL * VV];
 #pragma unroll
     for (int gi = 0; gi < GP; ++gi)
 #pragma unroll
         for (int e = 0; e < VCL * VV; ++e) acc[gi][e] = 0.f;
-    for (int base = ts + warp * VTW; base < te; base += kWarps * VTW) {
-        const int t = base + lane / VL;
-        if (t < te) {
-            const C* v_row = v_head + slot_of(bt, t, block_shift) * kv_row;
-            float vf[VCL * VV];
+    for (int base = ts + warp * VTW; base < te; base += kWarps * VTW * VU) {
+        float vf[VU][VCL * VV];
+#pragma unroll
+        for (int u = 0; u < VU; ++u) {
+            const int t = base + u * kWarps * VTW + lane / VL;
+            const C* v_row = v_head + (t < te ? static_cast<long long>(s_slot[t - ts]) * kv_row : 0);
 #pragma unroll
             for (int c = 0; c < VCL; ++c) {
                 const int chunk = vl + c * VL;
-                if (chunk < VC) {
-                    load_floats<C, 8>(v_row + chunk * VV, vf + c * VV);
+                if (t < te && chunk < VC) {
+                    load_floats<C, VB>(v_row + chunk * VV, vf[u] + c * VV);
                 } else {
 #pragma unroll
-                    for (int e = 0; e < VV; ++e) vf[c * VV + e] = 0.f;
+                    for (int e = 0; e < VV; ++e) vf[u][c * VV + e] = 0.f;
                 }
             }
+        }
 #pragma unroll
-            for (int gi = 0; gi < GP; ++gi) {
-                const float w = logits[gi * partition_size + (t - ts)];
+        for (int u = 0; u < VU; ++u) {
+            const int t = base + u * kWarps * VTW + lane / VL;
+            if (t < te) {
 #pragma unroll
-                for (int e = 0; e < VCL * VV; ++e) acc[gi][e] += w * vf[e];
+                for (int gi = 0; gi < GP; ++gi) {
+                    const float w = logits[gi * partition_size + (t - ts)];
+#pragma unroll
+                    for (int e = 0; e < VCL * VV; ++e) acc[gi][e] += w * vf[u][e];
+                }
             }
         }
     }

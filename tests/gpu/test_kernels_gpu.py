@@ -150,6 +150,30 @@ def test_prefill(
     )
 
 
+@pytest.mark.parametrize("impl", ["mma64", "mma128"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [64, 80, 128])
+@pytest.mark.parametrize("window", [None, 700])
+def test_prefill_both_tiles(impl: str, dtype: torch.dtype, head_size: int, window: int | None) -> None:
+    """Each tensor-core tile forced (auto picks 128 rows for long chunks, 64 for short ones) over fresh
+    prompts, chunks after long prefixes and short chunks, with and without a window."""
+    q_lens = [130, 2, 700, 64, 1, 2000]
+    ctx = [130, 3000, 700, 4000, 77, 6000]
+    case = make_case(
+        q_lens,
+        ctx,
+        num_heads=32,
+        num_kv_heads=8,
+        head_size=head_size,
+        block_size=16,
+        dtype=dtype,
+        device="cuda",
+        seed=head_size,
+    )
+    out, ref = _run(case, scale=head_size**-0.5, window=window, impl=impl)
+    assert_close(out, ref, dtype, f"prefill {impl} D={head_size} window={window}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_prefill_scalar_fallback(dtype: torch.dtype) -> None:
     """The pre-sm_80 path for 16-bit types, forced."""

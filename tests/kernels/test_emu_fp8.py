@@ -78,7 +78,9 @@ def _run(case, fp8: torch.dtype, *, scale: float, window=None, monkeypatch=None,
 
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_size"), [(8, 2, 32), (4, 4, 80), (6, 2, 32)])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_size"), [(8, 2, 32), (4, 4, 80), (6, 2, 32), (16, 2, 32)]
+)
 def test_decode_and_prefill_over_fp8_cache(
     dtype: torch.dtype, fp8: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int
 ) -> None:

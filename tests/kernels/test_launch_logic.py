@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from pagedrs.kernels import HEAD_SIZES, decode_partitions, paged_attention, reshape_and_cache, supports
-from pagedrs.kernels._loader import GROUP_SIZES
+from pagedrs.kernels._loader import GROUP_SIZES, PREFILL_MMA_TILES
+from pagedrs.kernels.attention_ops import decode_smem_bytes, prefill_m_tiles, prefill_smem_bytes
 from pagedrs.worker.cuda_graphs import default_capture_sizes
 
 _SMEM_LIMIT = 48 * 1024  # without opting in to more dynamic shared memory
@@ -21,23 +22,41 @@ def test_decode_partitions_cover_the_context(num_ctas: int, span: int) -> None:
     size, parts = decode_partitions(num_ctas, span, num_sms=132)
     assert size * parts >= span and size * (parts - 1) < span  # no partition is empty at the longest span
     assert 64 <= size <= 512
-    if span <= 512:
-        assert parts == 1
-    else:
-        assert size >= 128 and parts == math.ceil(span / size)
+    if parts > 1:  # split: a power of two, halved only while the grid would not fill the device twice
+        assert size & (size - 1) == 0 and parts == math.ceil(span / size)
+        assert num_ctas * parts >= 2 * 132 or size == 64
+        if size < min(512, 1 << max(6, math.ceil(math.log2(span)))):  # halved: the larger size fell short
+            assert num_ctas * math.ceil(span / (2 * size)) < 2 * 132
+    if num_ctas >= 2 * 132:
+        assert size == min(512, max(64, -(-span // 64) * 64)) or parts > 1 and size == 512
 
 
 def test_few_ctas_get_smaller_partitions() -> None:
     assert decode_partitions(8, 4096, num_sms=132)[0] < decode_partitions(4096, 4096, num_sms=132)[0]
+    # one short request (8 kv-head CTAs) is spread over the device instead of 8 CTAs
+    size, parts = decode_partitions(8, 512, num_sms=132)
+    assert (size, parts) == (64, 8)
+    assert decode_partitions(2048, 512, num_sms=132) == (512, 1)
+    assert decode_partitions(2048, 300, num_sms=132) == (320, 1)
 
 
 @pytest.mark.parametrize("head_size", HEAD_SIZES)
-def test_shared_memory_fits_without_opt_in(head_size: int) -> None:
+def test_shared_memory_budgets(head_size: int) -> None:
+    """Decode and the scalar prefill fit the 48 KiB every kernel gets; the tensor-core prefill fits what
+    every sm_80+ part can opt in to (99 KiB on sm_86/89; the launcher opts in past 48 KiB)."""
     for gp in GROUP_SIZES:
         for part in (64, 128, 256, 512):
-            assert 4 * (gp * head_size + max(gp * part, 4 * gp * head_size) + 2 * gp) <= _SMEM_LIMIT
-    assert 2 * 64 * (head_size + 8) * 2 + 32 <= _SMEM_LIMIT  # tensor-core prefill
+            assert decode_smem_bytes(head_size, gp, part) <= _SMEM_LIMIT
+    for mt in PREFILL_MMA_TILES:
+        assert prefill_smem_bytes(head_size, mt) <= 99 * 1024
+    assert prefill_smem_bytes(head_size, 1) <= _SMEM_LIMIT
     assert 4 * (16 * head_size + 2 * 32 * (head_size + 1)) + 32 <= _SMEM_LIMIT  # scalar prefill
+
+
+def test_prefill_tile_choice() -> None:
+    assert prefill_m_tiles("auto", 2048, 1) == 2 and prefill_m_tiles("mma", 128, 1) == 2
+    assert prefill_m_tiles("auto", 20, 4) == 1  # 80 rows: a 128-row tile would be mostly padding
+    assert prefill_m_tiles("mma64", 4096, 8) == 1 and prefill_m_tiles("mma128", 2, 1) == 2
 
 
 def test_supports() -> None:

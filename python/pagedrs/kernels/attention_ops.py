@@ -32,6 +32,7 @@ from pagedrs.kernels._loader import (
 __all__ = [
     "PrefillImpl",
     "decode_partitions",
+    "decode_smem_bytes",
     "launch_fp8_write",
     "paged_attention",
     "prefill_m_tiles",
@@ -43,7 +44,7 @@ _SOURCE = "paged_attention"
 _THREADS = (128, 1, 1)
 _LOG2E = 1.4426950408889634
 _SCALAR_ROWS = 16  # query rows (token x head) per scalar prefill CTA; the mma one takes 64 * m_tiles
-_MAX_PARTITION = 512
+_MAX_PARTITION, _MIN_PARTITION = 512, 64  # keys per decode partition (split-K)
 # "mma": tensor cores, tile chosen by prefill_m_tiles; "mma64" / "mma128": that many rows per CTA
 PrefillImpl = Literal["auto", "mma", "mma64", "mma128", "scalar"]
 
@@ -136,14 +137,22 @@ def _device_info(device: torch.device) -> tuple[int, int]:
 
 def decode_partitions(num_ctas: int, max_span: int, num_sms: int) -> tuple[int, int]:
     """(partition_size, max_parts) for the decode kernel. max_span bounds the keys a decode query reads
-    (max_seq_len, or the sliding window). One partition when it fits the shared-memory logits buffer;
-    otherwise 512-key partitions, halved (down to 128) while the grid would not fill the device twice."""
-    if max_span <= _MAX_PARTITION:
-        return max(64, -(-max_span // 64) * 64), 1
-    size = _MAX_PARTITION
-    while size > 128 and num_ctas * math.ceil(max_span / size) < 2 * num_sms:
+    (max_seq_len, or the sliding window). Partitions of up to 512 keys (a power of two), halved (down to
+    64) while the grid would not fill the device twice: few requests with short contexts still spread
+    over the SMs. One partition (sized to the span) when that already fills the device."""
+    size = min(_MAX_PARTITION, 1 << max(6, math.ceil(math.log2(max(max_span, 1)))))
+    while size > _MIN_PARTITION and num_ctas * math.ceil(max_span / size) < 2 * num_sms:
         size //= 2
-    return size, math.ceil(max_span / size)
+    parts = math.ceil(max_span / size)
+    if parts == 1:
+        return max(64, -(-max_span // 64) * 64), 1
+    return size, parts
+
+
+def decode_smem_bytes(head_size: int, group: int, partition_size: int) -> int:
+    """Dynamic shared memory of paged_attention_decode<T, head_size, group> (its header comment)."""
+    logits = max(group * partition_size, 4 * group * head_size)
+    return 4 * (group * head_size + logits + 2 * group + partition_size)
 
 
 def _check(name: str, t: Tensor, dtype: torch.dtype, dims: int, device: torch.device) -> None:
@@ -246,7 +255,7 @@ def paged_attention(
         tmp_args = (ptr(tmp_out), ptr(stats[0]), ptr(stats[1]))
     else:
         tmp_args = (ptr(out), ptr(out), ptr(out))  # unused by the single-partition path
-    smem = 4 * (gp * head_size + max(gp * part, 4 * gp * head_size) + 2 * gp)
+    smem = decode_smem_bytes(head_size, gp, part)
     launch(
         Launch(
             _SOURCE,
