@@ -10,7 +10,12 @@ through .git/info/exclude) and name `.gpu` in `carry`:
     git rev-parse HEAD > .gpu/COMMIT
 
 On the GPU machine, one `run` call per benchmark (each under the 10-minute limit), each command starting
-with the line that installs the wheel (the scripts import the installed package) and exports the commit:
+with the line that installs the wheel (the scripts import the installed package) and exports the commit.
+First the correctness suite (kernels, fused layer ops, CUDA graphs, greedy ids against the torch path):
+
+    <same first two lines> cd .gpu && python -m pytest -q -x tests/gpu
+
+then the benchmarks:
 
     [ -d /tmp/site/pagedrs ] || pip install -q --no-index --no-deps --target /tmp/site .gpu/.whl/*.whl; \
     export PYTHONPATH=/tmp/site PAGEDRS_COMMIT=$(cat .gpu/COMMIT); \
