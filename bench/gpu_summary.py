@@ -13,7 +13,7 @@ On the GPU machine, one `run` call per benchmark (each under the 10-minute limit
 with the line that installs the wheel (the scripts import the installed package) and exports the commit.
 First the correctness suite (kernels, fused layer ops, CUDA graphs, greedy ids against the torch path):
 
-    <same first two lines> cd .gpu && python -m pytest -q -x tests/gpu
+    <the first two lines of the kernels.py command below> cd .gpu && python -m pytest -q -x tests/gpu
 
 then the benchmarks:
 
