@@ -15,9 +15,9 @@
 // split. A request with seq_len 0 (CUDA-graph padding) gets a zero output.
 // Softmax runs in fp32 in base 2: logits are pre-multiplied by scale * log2(e) (scale_log2).
 //
-// An fp8 KV cache (kv_cache_dtype fp8 = e4m3, or e5m2): the decode and the scalar prefill kernels
-// take the cache's element type C next to the activations' type T (C = T otherwise); K/V are
-// widened to fp32 as they are loaded. reshape_and_cache_fp8 writes it: round to nearest even,
+// An fp8 KV cache (kv_cache_dtype fp8 = e4m3, or e5m2): every attention kernel takes the cache's
+// element type C next to the activations' type T (C = T otherwise); K/V are widened as they are
+// loaded (to fp32, or to T for the tensor cores). reshape_and_cache_fp8 writes it: round to nearest even,
 // saturating at the largest finite value, per-tensor scale 1.0 (as the torch backend).
 //
 // Types, conversions and PTX helpers come from common.cuh (inlined by kernel_source(), so NVRTC
@@ -403,12 +403,15 @@ __device__ __forceinline__ TileRange tile_range(int b, int tile, int rows_per_ti
 // HEAD <= 64), or, for MT == 2 and HEAD > 64, in its own shared buffer, re-read per k-step, with
 // 32-key tiles (FlashAttention-2's choices at d = 128: the registers go to the 32 x HEAD
 // accumulator). Rows are padded by 8 elements, so the 8 rows one ldmatrix reads hit distinct banks.
+// An fp8 cache (C): each 16-byte load brings 16 elements, widened to T (exactly: every e4m3 and
+// e5m2 value is an fp16 and a bf16 value) and stored as two 16-byte chunks; synchronous loads, so
+// they do not overlap the other GEMM as cp.async does.
 // Dynamic smem: (Q_SMEM ? BM : 0) * SROW + 2 * BN * SROW elements (Q otherwise staged in the K and
 // V buffers) + (8 + 2 * BN) ints; prefill_smem_bytes() in attention_ops.py computes the same.
-template <typename T, int HEAD, int MT>
+template <typename T, int HEAD, int MT, typename C = T>
 __global__ void __launch_bounds__(kThreads) paged_attention_prefill(
     T* __restrict__ out, const T* __restrict__ q, long long q_stride,
-    const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const C* __restrict__ k_cache, const C* __restrict__ v_cache,
     const int* __restrict__ block_tables, int block_table_stride, const int* __restrict__ seq_lens,
     const int* __restrict__ query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
     int block_shift, int sliding_window, float scale_log2)
@@ -442,17 +445,39 @@ __global__ void __launch_bounds__(kThreads) paged_attention_prefill(
             s_slot[buf * BN + i] = j0 + i < tr.kv_end ? static_cast<int>(slot_of(bt, j0 + i, block_shift)) : -1;
     };
     // This thread's 16-byte chunks of the K (or V) tile whose slots are in s_slot[buf].
-    auto load_tile = [&](T* dst, const T* cache, int buf) {
-        for (int c = tid; c < BN * CH; c += kThreads) {
-            const int row = c / CH, part = c % CH;
-            const int slot = s_slot[buf * BN + row];
-            const T* src = cache;
-            int bytes = 0;
-            if (slot >= 0) {
-                src = cache + static_cast<long long>(slot) * kv_row + kh * HEAD + part * 8;
-                bytes = 16;
+    auto load_tile = [&](T* dst, const C* cache, int buf) {
+        if constexpr (sizeof(C) == 1) {
+            for (int c = tid; c < BN * (HEAD / 16); c += kThreads) {
+                const int row = c / (HEAD / 16), part = c % (HEAD / 16);
+                const int slot = s_slot[buf * BN + row];
+                uint4 w{0u, 0u, 0u, 0u};  // keys past kv_end: zeros
+                if (slot >= 0)
+                    w = *reinterpret_cast<const uint4*>(cache + static_cast<long long>(slot) * kv_row +
+                                                        kh * HEAD + part * 16);
+                const unsigned u[4] = {w.x, w.y, w.z, w.w};
+                unsigned h[8];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const unsigned bits = u[i / 2] >> (16 * (i % 2));
+                    h[i] = pack2<T>(to_float(C{static_cast<unsigned char>(bits & 0xffu)}),
+                                    to_float(C{static_cast<unsigned char>((bits >> 8) & 0xffu)}));
+                }
+                uint4* d = reinterpret_cast<uint4*>(dst + row * SROW + part * 16);
+                d[0] = uint4{h[0], h[1], h[2], h[3]};
+                d[1] = uint4{h[4], h[5], h[6], h[7]};
             }
-            cp_async16(dst + row * SROW + part * 8, src, bytes);  // keys past kv_end: zeros
+        } else {
+            for (int c = tid; c < BN * CH; c += kThreads) {
+                const int row = c / CH, part = c % CH;
+                const int slot = s_slot[buf * BN + row];
+                const T* src = cache;
+                int bytes = 0;
+                if (slot >= 0) {
+                    src = cache + static_cast<long long>(slot) * kv_row + kh * HEAD + part * 8;
+                    bytes = 16;
+                }
+                cp_async16(dst + row * SROW + part * 8, src, bytes);  // keys past kv_end: zeros
+            }
         }
     };
 

@@ -119,8 +119,34 @@ def test_split_k_decode_over_fp8_cache(
     assert_close(out, ref, torch.bfloat16, "split-k decode over fp8")
 
 
-def test_tensor_core_prefill_refuses_an_fp8_cache() -> None:
-    case = make_case([4], [4], num_heads=2, num_kv_heads=2, head_size=32, block_size=16, dtype=torch.float16)
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("impl", ["mma64", "mma128", "scalar"])
+@pytest.mark.parametrize("head_size", [32, 80])
+def test_every_prefill_kernel_reads_an_fp8_cache(
+    fp8: torch.dtype, dtype: torch.dtype, impl: str, head_size: int
+) -> None:
+    """The tensor-core prefill widens fp8 K/V to the 16-bit type in shared memory (head 80 with 128-row
+    tiles: Q in shared memory, 32-key tiles); long chunks over cached prefixes, partial key tiles."""
+    case = make_case(
+        [70, 5, 140],
+        [70, 100, 200],
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=head_size,
+        block_size=16,
+        dtype=dtype,
+        seed=head_size,
+    )
+    cache = _quantized(case.kv_cache, fp8)
+    reshape_and_cache(case.k, case.v, cache[0], cache[1], case.slot_mapping)
+    out = run_paged_attention(case, cache, scale=head_size**-0.5, impl=impl)
+    ref = attention_reference(case, cache.float(), scale=head_size**-0.5, sliding_window=None)
+    assert_close(out, ref, dtype, f"{impl} prefill over an fp8 ({fp8}) cache, {dtype}")
+
+
+def test_tensor_core_prefill_refuses_float32_queries() -> None:
+    case = make_case([4], [4], num_heads=2, num_kv_heads=2, head_size=32, block_size=16, dtype=torch.float32)
     cache = _quantized(case.kv_cache, torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="tensor-core prefill"):
         run_paged_attention(case, cache, scale=0.2, impl="mma")

@@ -51,7 +51,7 @@ HEAD_SIZES = (16, 32, 64, 80, 96, 128)
 # (larger groups take ceil(G / 8) CTAs per kv head).
 GROUP_SIZES = (1, 2, 4, 8)
 CTYPES = {"float16": "pagedrs::half_t", "bfloat16": "pagedrs::bf16_t", "float32": "float"}
-# fp8 KV caches (kv_cache_dtype fp8 / fp8_e5m2), read by the decode and scalar prefill kernels
+# fp8 KV caches (kv_cache_dtype fp8 / fp8_e5m2), read by the decode and both prefill kernels
 CACHE_CTYPES = {"float8_e4m3fn": "pagedrs::fp8e4m3_t", "float8_e5m2": "pagedrs::fp8e5m2_t"}
 WORD_TYPES = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short"}
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -130,7 +130,7 @@ def prefill_name(
     ctype: str, head_size: int, *, mma: bool, cache_ctype: str | None = None, m_tiles: int = 1
 ) -> str:
     if mma:
-        return f"pagedrs::paged_attention_prefill<{ctype}, {head_size}, {m_tiles}>"
+        return f"pagedrs::paged_attention_prefill<{ctype}, {head_size}, {m_tiles}{_cache_arg(cache_ctype)}>"
     return f"pagedrs::paged_attention_prefill_scalar<{ctype}, {head_size}{_cache_arg(cache_ctype)}>"
 
 
@@ -142,10 +142,16 @@ def attention_names(ctype: str, head_size: int, cache_ctype: str | None = None) 
     """The instantiations one model needs (one dtype, one head size), compiled together as one module:
     decode for every group size, the split-K reduction, and the prefill kernels (tensor-core for 16-bit
     types, scalar for all: fp32, and fp16/bf16 before sm_80). With an fp8 cache (`cache_ctype`, one of
-    CACHE_CTYPES): decode and scalar prefill reading it, the reduction, and the converting cache write."""
+    CACHE_CTYPES): the same kernels reading it (tensor-core prefill for 16-bit activations) and the
+    converting cache write."""
     if cache_ctype is not None:
         names = [decode_name(ctype, head_size, g, cache_ctype) for g in GROUP_SIZES]
         names.append(reduce_name(ctype, head_size))
+        if ctype != "float":
+            names += [
+                prefill_name(ctype, head_size, mma=True, cache_ctype=cache_ctype, m_tiles=mt)
+                for mt in PREFILL_MMA_TILES
+            ]
         names.append(prefill_name(ctype, head_size, mma=False, cache_ctype=cache_ctype))
         names.append(fp8_write_name(ctype, cache_ctype))
         return tuple(names)

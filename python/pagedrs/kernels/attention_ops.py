@@ -180,7 +180,7 @@ def paged_attention(
     """out[t] = attention of query q[t] over its request's cached keys/values.
 
     out, q [T, H, D]; key_cache, value_cache [num_blocks, block_size, KVH, D] in q's dtype or an fp8 type
-    (then the prefill is the scalar kernel, which reads fp8); block_tables [B, M] int32;
+    (widened to q's dtype as it is read); block_tables [B, M] int32;
     seq_lens [B] int32; query_start_loc [B+1] int32 (all on one device). max_query_len and max_seq_len are
     upper bounds (a CUDA graph passes its capacity); the kernels read the true lengths on the device."""
     device = q.device
@@ -306,13 +306,9 @@ def paged_attention(
 
     # Prefill: requests with q_len > 1; the grid is an upper bound on their row tiles.
     if max_query_len > 1:
-        mma = prefill_impl.startswith("mma") or (
-            prefill_impl == "auto" and ctype != "float" and arch >= 80 and cache_ctype is None
-        )
-        if mma and (ctype == "float" or cache_ctype is not None):
-            raise ValueError(
-                "the tensor-core prefill kernel takes a float16/bfloat16 cache of q's dtype only"
-            )
+        mma = prefill_impl.startswith("mma") or (prefill_impl == "auto" and ctype != "float" and arch >= 80)
+        if mma and ctype == "float":
+            raise ValueError("the tensor-core prefill kernel takes float16/bfloat16 queries only")
         m_tiles = prefill_m_tiles(prefill_impl, max_query_len, group) if mma else 1
         assert m_tiles in PREFILL_MMA_TILES
         if mma:

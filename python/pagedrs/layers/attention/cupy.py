@@ -25,7 +25,7 @@ __all__ = ["CupyAttentionBackend"]
 class CupyAttentionBackend:
     """Paged attention with the pagedrs CUDA kernels (fp16, bf16, fp32; head sizes in
     pagedrs.kernels.HEAD_SIZES; the cache in the model's dtype or fp8). `prefill_impl` forces the
-    tensor-core or the scalar prefill kernel (an fp8 cache always takes the scalar one)."""
+    tensor-core prefill kernel ("mma", or one tile: "mma64" / "mma128") or the scalar one."""
 
     name = "cupy"
 
