@@ -6,8 +6,9 @@
 //
 // T = half_t, bf16_t or float. VEC = elements per access: 16 / sizeof(T) (16-byte vectors) when every
 // row size, stride and base address allows it, else 1 (the Python wrappers choose).
-// Rounding follows the torch path, so float32 results agree to the last bits and 16-bit ones to one
-// rounding: statistics and products in fp32, each intermediate that torch rounds to T rounded here too.
+// Rounding follows the torch path: statistics and products in fp32, each intermediate that torch
+// rounds to T rounded here too, so 16-bit results agree with it to the bit except where an fp32 sum
+// runs in another order (the norms' mean of squares), and float32 ones to the last bits.
 
 #include "common.cuh"
 
@@ -142,10 +143,11 @@ __global__ void __launch_bounds__(512) rotary_embedding(
                                    : k + t * k_stride + (head - num_heads) * head_size;
         const int i0 = NEOX ? j : 2 * j;
         const int i1 = NEOX ? j + half : 2 * j + 1;
-        const float c = cs[j], s = cs[half + j];
+        // As the torch path (and HF): cos/sin rounded to T, each product and the sum rounded to T.
+        const float c = rounded<T>(cs[j]), s = rounded<T>(cs[half + j]);
         const float x0 = to_float(base[i0]), x1 = to_float(base[i1]);
-        base[i0] = from_float<T>(x0 * c - x1 * s);
-        base[i1] = from_float<T>(x1 * c + x0 * s);
+        base[i0] = from_float<T>(rounded<T>(x0 * c) - rounded<T>(x1 * s));
+        base[i1] = from_float<T>(rounded<T>(x1 * c) + rounded<T>(x0 * s));
     }
 }
 

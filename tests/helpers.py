@@ -21,11 +21,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
+
+from pagedrs.sampling_params import SamplingParams
 
 VOCAB_SIZE = 320
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
@@ -346,3 +349,26 @@ SEED_003_SERVER_FLAGS = [
     "--dtype=half",
     "--enable-log-batch-visualization",
 ]
+
+
+@dataclass
+class SamplerRow:
+    """One sequence as the sampler reads it (layers/sampler.SamplingRow), built from SamplingParams."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    is_simple_greedy: bool = False
+
+    def __post_init__(self) -> None:
+        p = self.params
+        if p.seed is not None and p.temperature > 0:
+            self.generator = torch.Generator().manual_seed(p.seed)
+        self.is_simple_greedy = (
+            p.temperature == 0
+            and not p.needs_penalties
+            and p.logprobs is None
+            and not p.min_tokens
+            and not p.logit_bias
+        )

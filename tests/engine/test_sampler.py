@@ -4,7 +4,6 @@ the batch, logprobs from the raw log-softmax."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -17,29 +16,10 @@ from pagedrs.layers.sampler import (
     apply_penalties,
     apply_top_k_top_p,
 )
+from tests.engine.conftest import greedy, make_engine, random_prompts, run_all
+from tests.helpers import SamplerRow as Row
 
 V = 8
-
-
-@dataclass
-class Row:
-    params: SamplingParams
-    prompt_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
-    is_simple_greedy: bool = False
-
-    def __post_init__(self) -> None:
-        p = self.params
-        if p.seed is not None and p.temperature > 0:
-            self.generator = torch.Generator().manual_seed(p.seed)
-        self.is_simple_greedy = (
-            p.temperature == 0
-            and not p.needs_penalties
-            and p.logprobs is None
-            and not p.min_tokens
-            and not p.logit_bias
-        )
 
 
 def sample(logits: torch.Tensor, rows: list[Row], seed: int = 0, eos: tuple[int, ...] = ()) -> torch.Tensor:
@@ -218,3 +198,106 @@ def test_all_simple_greedy_fast_path(n: int) -> None:
     rows = [Row(SamplingParams(temperature=0))] * n
     meta = SamplingMetadata.from_rows(rows, vocab_size=V, device=torch.device("cpu"))
     assert meta.all_greedy and meta.temperature is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_fast_path_equals_the_full_sampler(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An all-greedy batch with logprobs asked by some rows takes the fast path (no full sampler) and gives
+    the full sampler's ids, top-k logprobs, ranks and sampled-token logprobs."""
+    logits = (torch.randn(6, 40, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1  # a tie: both paths take the first index
+    rows = [Row(SamplingParams(temperature=0, logprobs=k)) for k in (3, None, 0, 5, None, 1)]
+    meta = SamplingMetadata.from_rows(rows, vocab_size=40, device=torch.device("cpu"))
+    assert meta.is_plain_greedy and meta.max_num_logprobs == 5
+    full = Sampler().full(logits.clone(), meta)
+
+    def no_full(*args: object) -> None:
+        raise AssertionError("the greedy batch took the full sampler")
+
+    monkeypatch.setattr(Sampler, "full", no_full)
+    fast = Sampler()(logits.clone(), meta)
+    assert torch.equal(fast.sampled_token_ids, full.sampled_token_ids)
+    assert fast.sampled_token_ids[2].item() == 7
+    assert fast.logprobs is not None and full.logprobs is not None
+    assert torch.equal(fast.logprobs.token_ids, full.logprobs.token_ids)
+    assert torch.equal(fast.logprobs.ranks, full.logprobs.ranks)
+    torch.testing.assert_close(fast.logprobs.logprobs, full.logprobs.logprobs, rtol=0, atol=0)
+    assert fast.sampled_logprobs is not None and full.sampled_logprobs is not None
+    torch.testing.assert_close(fast.sampled_logprobs, full.sampled_logprobs, rtol=0, atol=0)
+    # without logprobs: the sampled tokens' logprobs still (cumulative_logprob), no top-k
+    plain = [Row(SamplingParams(temperature=0)) for _ in range(6)]
+    meta = SamplingMetadata.from_rows(plain, vocab_size=40, device=torch.device("cpu"))
+    fast = Sampler()(logits.clone(), meta)
+    assert fast.logprobs is None and fast.sampled_logprobs is not None
+    ref = logits.float().log_softmax(-1).gather(1, fast.sampled_token_ids[:, None])[:, 0]
+    torch.testing.assert_close(fast.sampled_logprobs, ref)
+
+
+def test_greedy_rows_with_processors_take_the_full_sampler() -> None:
+    for params in (
+        SamplingParams(temperature=0, min_tokens=2),
+        SamplingParams(temperature=0, logit_bias={1: 2.0}),
+        SamplingParams(temperature=0, presence_penalty=0.5),
+        SamplingParams(temperature=0.5),
+    ):
+        meta = SamplingMetadata.from_rows(
+            [Row(params)], vocab_size=V, device=torch.device("cpu"), eos_token_ids=(2,)
+        )
+        assert not meta.is_plain_greedy, params
+
+
+def test_random_rows_sample_without_asking_the_device() -> None:
+    """Host-known random rows and top-k bound: the same tokens as the device-derived ones."""
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(4))
+    rows = [
+        Row(SamplingParams(temperature=0)),
+        Row(SamplingParams(temperature=1.0, top_k=3, seed=5)),
+        Row(SamplingParams(temperature=0.7, top_k=2)),
+        Row(SamplingParams(temperature=0)),
+        Row(SamplingParams(temperature=1.3, seed=9)),
+    ]
+    meta = SamplingMetadata.from_rows(rows, vocab_size=V, device=torch.device("cpu"))
+    assert meta.random_rows_cpu is not None and meta.random_rows_cpu.tolist() == [1, 2, 4]
+    assert meta.top_k_max == 3
+    states = [r.generator.get_state() if r.generator is not None else None for r in rows]
+    meta.default_generator = torch.Generator().manual_seed(0)
+    a = Sampler()(logits.clone(), meta).sampled_token_ids
+    for r, s in zip(rows, states, strict=True):
+        if r.generator is not None:
+            r.generator.set_state(s)
+    meta.random_rows_cpu = meta.random_rows = meta.top_k_max = None  # as a hand-built metadata
+    meta.default_generator = torch.Generator().manual_seed(0)
+    b = Sampler()(logits.clone(), meta).sampled_token_ids
+    assert torch.equal(a, b)
+    assert a[0].item() == logits[0].argmax().item() and a[3].item() == logits[3].argmax().item()
+
+
+def test_engine_greedy_batch_takes_the_fast_path(tiny_models: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the engine: greedy requests, some asking for logprobs, never reach the full sampler, and
+    still get their logprobs and cumulative_logprob."""
+    engine = make_engine(tiny_models["llama"], max_num_seqs=4)
+
+    def no_full(*args: object) -> None:
+        raise AssertionError("an all-greedy batch took the full sampler")
+
+    monkeypatch.setattr(Sampler, "full", no_full)
+    prompts = random_prompts([7, 12, 4], seed=2)
+    engine.add_request("lp", prompts[0], greedy(6, logprobs=2))
+    engine.add_request("plain", prompts[1], greedy(6))
+    engine.add_request("lp0", prompts[2], greedy(6, logprobs=0))
+    outs = run_all(engine)
+    for rid, k in (("lp", 2), ("lp0", 0)):
+        c = outs[rid].outputs[0]
+        assert c.logprobs is not None and len(c.logprobs) == 6
+        assert all(1 <= len(step) <= 1 + k for step in c.logprobs)
+        assert math.isclose(
+            c.cumulative_logprob,
+            sum(step[t].logprob for step, t in zip(c.logprobs, c.token_ids, strict=True)),
+            abs_tol=1e-4,
+        )
+    plain = outs["plain"].outputs[0]
+    assert plain.cumulative_logprob is not None and plain.cumulative_logprob < 0
+    state = engine.runner.sampling_state
+    assert state is not None and state.num_seqs == 3

@@ -20,6 +20,11 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
 
 
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
 def _close(ours: torch.Tensor, ref: torch.Tensor) -> None:
     atol, rtol = TOL[ref.dtype]
     torch.testing.assert_close(ours.float(), ref.float(), atol=atol, rtol=rtol)
@@ -63,8 +68,11 @@ def test_rotary(dtype: torch.dtype, neox: bool, head: int, rotary_dim: int) -> N
     ref_q, ref_k = rope(positions, q.clone(), k.clone())
     rope.use_kernels = True
     out_q, out_k = rope(positions, q, k)
-    _close(out_q, ref_q)
-    _close(out_k, ref_k)
+    if dtype == torch.float32:  # fma contraction may differ in the last bit
+        _close(out_q, ref_q)
+        _close(out_k, ref_k)
+    else:  # the torch path's roundings, to the bit
+        assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

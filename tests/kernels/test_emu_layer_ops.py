@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedrs.kernels import Launch, layer_ops, set_host_executor
+from pagedrs.kernels import layer_ops
 from pagedrs.kernels._loader import CTYPES, attention_names, cache_names, layer_op_names
 from pagedrs.layers.activation import GeluAndMul, SiluAndMul
 from pagedrs.layers.attention.cupy import CupyAttentionBackend
@@ -22,7 +22,7 @@ from pagedrs.layers.norm import RMSNorm
 from pagedrs.layers.rotary import RotaryEmbedding
 from pagedrs.loader import load_model
 from tests.helpers import make_tiny_llama
-from tests.kernels.emu.emulator import host_kernels, needs_emulator
+from tests.kernels.emu.emulator import needs_emulator, recording_kernels
 from tests.models.paged_harness import PagedHarness
 
 pytestmark = needs_emulator
@@ -39,18 +39,8 @@ def launched() -> Iterator[list[str]]:
     names = list(cache_names())
     for ctype in CTYPES.values():
         names += layer_op_names(ctype) + attention_names(ctype, 16)
-    seen: list[str] = []
-    with host_kernels(names) as emulator:
-
-        def record(spec: Launch) -> None:
-            seen.append(spec.name)
-            emulator(spec)
-
-        previous = set_host_executor(record)
-        try:
-            yield seen
-        finally:
-            set_host_executor(previous)
+    with recording_kernels(names) as seen:
+        yield seen
 
 
 def _close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
@@ -129,8 +119,8 @@ def test_rotary_in_place_on_qkv_views(
     assert launched == [f"pagedrs::rotary_embedding<{CTYPES[str(dtype)[6:]]}, {str(neox).lower()}>"]
     assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
     assert torch.equal(v, v_before)
-    _close(out_q, ref_q, "rotary q")
-    _close(out_k, ref_k, "rotary k")
+    # the torch path's roundings (cos/sin to the dtype, each product, the sum): equal to the bit
+    assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
     if rotary_dim < head:  # partial rotary: the tail of each head is untouched
         tail = q.view(tokens, heads, head)[..., rotary_dim:]
         assert torch.equal(tail, qkv[:, : heads * head].view(tokens, heads, head)[..., rotary_dim:])
@@ -194,6 +184,19 @@ def test_gated_activations(
     layer.use_kernels = False
     assert len(launched) == 1 and launched[0].endswith(f", {kernel_act}>")
     _close(ours, ref, "act_and_mul")
+
+
+def test_inputs_the_kernels_do_not_take_go_to_torch(launched: list[str]) -> None:
+    """float64, a strided last dim, 3-d activations: the torch path, same result, no launch."""
+    norm, act = RMSNorm(8, 1e-6, dtype=torch.float64), SiluAndMul()
+    norm.use_kernels = act.use_kernels = True
+    x = torch.randn(3, 8, dtype=torch.float64)
+    strided = torch.randn(3, 16)[:, ::2]
+    del launched[:]
+    assert torch.equal(norm(x), RMSNorm(8, 1e-6, dtype=torch.float64)(x))
+    assert torch.equal(act(strided), SiluAndMul()(strided))
+    assert torch.equal(act(torch.ones(2, 3, 8)), SiluAndMul()(torch.ones(2, 3, 8)))
+    assert launched == []
 
 
 def test_bad_arguments_are_value_errors() -> None:

@@ -204,12 +204,16 @@ def paged_attention(
         )
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if key_cache.shape[0] * block_size >= 2**31:  # the kernels keep slot numbers in 32-bit ints
+        raise ValueError(f"a pool of {key_cache.shape[0]} blocks x {block_size} slots exceeds 2^31 slots")
     cache_ctype = _cache_ctype(key_cache.dtype, q.dtype)
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
         _check(name, t, key_cache.dtype, t.dim(), device)
     _check("out", out, q.dtype, out.dim(), device)
-    if out.shape != q.shape or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous {tuple(q.shape)}, got {tuple(out.shape)}")
+    if out.shape != q.shape or not out.is_contiguous() or out.data_ptr() % 4:
+        raise ValueError(
+            f"out must be contiguous and 4-byte aligned {tuple(q.shape)}, got {tuple(out.shape)}"
+        )
     _check("block_tables", block_tables, torch.int32, 2, device)
     _check("seq_lens", seq_lens, torch.int32, 1, device)
     _check("query_start_loc", query_start_loc, torch.int32, 1, device)

@@ -15,7 +15,7 @@ class SiluAndMul(KernelLayer):
     """x [..., 2*d] = [gate | up] -> silu(gate) * up [..., d]."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.use_kernels and x.dim() == 2:
+        if self.fits(x):
             from pagedrs.kernels import layer_ops
 
             return layer_ops.act_and_mul(x, "silu")
@@ -33,7 +33,7 @@ class GeluAndMul(KernelLayer):
         self.approximate = approximate
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.use_kernels and x.dim() == 2:
+        if self.fits(x):
             from pagedrs.kernels import layer_ops
 
             return layer_ops.act_and_mul(x, "gelu_tanh" if self.approximate == "tanh" else "gelu")

@@ -3,21 +3,34 @@ against) and a fused CUDA kernel from cuda/layer_ops.cu (pagedrs.kernels.layer_o
 
 A layer runs its kernel once `use_layer_kernels(model)` switched it on; the model runner does so with the
 "cupy" attention backend (CUDA with CuPy), so the torch backend keeps the whole model on torch ops. The
-kernel path handles the shapes the models produce (2-d [tokens, features] activations in the weights'
-dtype); anything else takes the torch path.
+kernel path handles the shapes the models produce (2-d [tokens, features] activations with a contiguous last
+dim, in the weights' dtype); anything else takes the torch path.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-__all__ = ["KernelLayer", "use_layer_kernels"]
+__all__ = ["KERNEL_DTYPES", "KernelLayer", "use_layer_kernels"]
+
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class KernelLayer(torch.nn.Module):
-    """A module whose forward takes the fused kernel when `use_kernels` is set."""
+    """A module whose forward takes the fused kernel when `use_kernels` is set and `fits` its inputs."""
 
     use_kernels: bool = False
+
+    def fits(self, *tensors: Tensor) -> bool:
+        """Kernels on, and every tensor 2-d with a contiguous last dim in one kernel dtype."""
+        dtype = tensors[0].dtype
+        return (
+            self.use_kernels
+            and dtype in KERNEL_DTYPES
+            and all(t.dim() == 2 and t.stride(1) == 1 and t.dtype == dtype for t in tensors)
+        )
 
 
 def use_layer_kernels(model: torch.nn.Module, enabled: bool = True) -> int:

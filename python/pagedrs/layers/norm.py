@@ -38,7 +38,9 @@ class RMSNorm(KernelLayer):
         return self.weight * xf.to(dtype)
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        if self.use_kernels and x.dim() == 2 and x.dtype == self.weight.dtype:
+        if self.fits(x, self.weight[None], *(() if residual is None else (residual,))) and (
+            residual is None or residual.shape == x.shape
+        ):
             from pagedrs.kernels import layer_ops
 
             if residual is None:

@@ -184,7 +184,7 @@ class RotaryEmbedding(KernelLayer):
     def forward(
         self, positions: Tensor, q: Tensor, k: Tensor, seq_lens: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        if self.use_kernels and q.dim() == 2 and k.dim() == 2:
+        if self.fits(q, k):
             from pagedrs.kernels import layer_ops
 
             cache, long_cache = self._caches(positions, seq_lens)

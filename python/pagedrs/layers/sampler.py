@@ -9,6 +9,11 @@ Order and definitions follow vLLM V1:
      -> exponential race argmax(probs / q), q ~ Exp(1) drawn from the row's own generator when seeded.
 A seeded row draws exactly one vocab-sized sample from its own generator per token, so its tokens do not
 depend on what else is in the batch.
+
+A batch of greedy rows without logit processors (bias, min_tokens, penalties) takes the fast path: argmax,
+and the raw logprobs only as far as they are asked for (the sampled token's logprob always, for
+cumulative_logprob; the top-k when `logprobs` is set). Host-known facts (which rows sample at random, the
+largest top-k) travel in the metadata, so sampling never waits for the device.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from torch import Tensor
 from pagedrs.sampling_params import SamplingParams
 
 __all__ = [
+    "GREEDY_EPS",
     "LogprobsTensors",
     "Sampler",
     "SamplerOutput",
@@ -33,9 +39,10 @@ __all__ = [
     "apply_penalties",
     "apply_top_k_top_p",
     "compute_token_logprobs",
+    "padded_token_ids",
 ]
 
-_EPS = 1e-5
+GREEDY_EPS = 1e-5  # a temperature below this samples greedily
 
 
 class SamplingRow(Protocol):
@@ -92,6 +99,20 @@ class SamplingMetadata:
     banned: tuple[Tensor, Tensor] | None = None
     bias: tuple[Tensor, Tensor, Tensor] | None = None
     max_num_logprobs: int | None = None
+    # Host-side facts, so that sampling needs no device sync (None: derived on the device).
+    random_rows_cpu: np.ndarray | None = None  # int64, ascending: the rows with temperature >= GREEDY_EPS
+    random_rows: Tensor | None = None  # the same on the device
+    top_k_max: int | None = None  # an upper bound of the top_k values below the vocab size (>= 1)
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Every row greedy and no logit processor: argmax (+ raw logprobs) is the whole sampler."""
+        return (
+            self.all_greedy
+            and self.banned is None
+            and self.bias is None
+            and self.repetition_penalties is None
+        )
 
     @classmethod
     def greedy(cls, num_rows: int) -> SamplingMetadata:
@@ -111,7 +132,7 @@ class SamplingMetadata:
         if all(r.is_simple_greedy for r in rows):
             return cls.greedy(n)
         params = [r.params for r in rows]
-        meta = cls(num_rows=n, all_greedy=all(p.temperature < _EPS for p in params))
+        meta = cls(num_rows=n, all_greedy=all(p.temperature < GREEDY_EPS for p in params))
         meta.default_generator = default_generator
 
         def col(values: list, dtype: torch.dtype) -> Tensor:
@@ -119,8 +140,14 @@ class SamplingMetadata:
 
         if not meta.all_greedy:
             meta.temperature = col([p.temperature for p in params], torch.float32)
+            meta.random_rows_cpu = np.array(
+                [i for i, p in enumerate(params) if p.temperature >= GREEDY_EPS], dtype=np.int64
+            )
+            meta.random_rows = torch.from_numpy(meta.random_rows_cpu).to(device, non_blocking=True)
             if any(p.top_k > 0 for p in params):
-                meta.top_k = col([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64)
+                top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+                meta.top_k = col(top_k, torch.int64)
+                meta.top_k_max = max((k for k in top_k if k < vocab_size), default=1)
             if any(p.top_p < 1.0 for p in params):
                 meta.top_p = col([p.top_p for p in params], torch.float32)
             if any(p.min_p > 0.0 for p in params):
@@ -130,15 +157,11 @@ class SamplingMetadata:
             meta.presence_penalties = col([p.presence_penalty for p in params], torch.float32)
             meta.frequency_penalties = col([p.frequency_penalty for p in params], torch.float32)
             meta.repetition_penalties = col([p.repetition_penalty for p in params], torch.float32)
-            pen = [p.needs_penalties for p in params]
-            meta.prompt_token_ids = _pad(
-                [r.prompt_token_ids if u else () for r, u in zip(rows, pen, strict=True)], vocab_size
-            )
-            meta.output_token_ids = _pad(
-                [r.output_token_ids if u else () for r, u in zip(rows, pen, strict=True)], vocab_size
-            )
-            meta.prompt_token_ids = meta.prompt_token_ids.to(device)
-            meta.output_token_ids = meta.output_token_ids.to(device)
+            pen = [i for i, p in enumerate(params) if p.needs_penalties]
+            prompts = padded_token_ids(n, {i: rows[i].prompt_token_ids for i in pen}, vocab_size)
+            outputs = padded_token_ids(n, {i: rows[i].output_token_ids for i in pen}, vocab_size)
+            meta.prompt_token_ids = torch.from_numpy(prompts).to(device)
+            meta.output_token_ids = torch.from_numpy(outputs).to(device)
         ban_rows: list[int] = []
         ban_ids: list[int] = []
         bias_rows: list[int] = []
@@ -171,13 +194,14 @@ class SamplingMetadata:
         return meta
 
 
-def _pad(seqs: Sequence[Sequence[int]], pad: int) -> Tensor:
-    width = max((len(s) for s in seqs), default=0)
-    out = np.full((len(seqs), max(width, 1)), pad, dtype=np.int64)
-    for i, s in enumerate(seqs):
+def padded_token_ids(num_rows: int, seqs: dict[int, Sequence[int]], pad: int) -> np.ndarray:
+    """int64 [num_rows, max(1, longest)]: row i holds seqs[i] (rows not in seqs: empty), padded with pad."""
+    width = max((len(s) for s in seqs.values()), default=0)
+    out = np.full((num_rows, max(width, 1)), pad, dtype=np.int64)
+    for i, s in seqs.items():
         if len(s):
             out[i, : len(s)] = s
-    return torch.from_numpy(out)
+    return out
 
 
 def _bin_counts(tokens: Tensor, vocab_size: int) -> Tensor:
@@ -215,16 +239,20 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
     return logits.masked_fill_(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: Tensor, k: Tensor | None, p: Tensor | None) -> Tensor:
+def apply_top_k_top_p(
+    logits: Tensor, k: Tensor | None, p: Tensor | None, *, k_max: int | None = None
+) -> Tensor:
     """Keep the k largest logits of each row (k = vocab size: off), then the smallest set of tokens whose
-    probability sums to at least p (always at least one)."""
+    probability sums to at least p (always at least one). `k_max`: a bound on the k below the vocab size,
+    if the caller knows one (else max(k) is read from the device)."""
     if p is None:
         if k is None:
             return logits
         vocab_size = logits.shape[1]
         off = k >= vocab_size
         k = k.masked_fill(off, 1)
-        kth = logits.topk(int(k.max()), dim=1).values.gather(1, (k - 1).unsqueeze(1))
+        top = int(k.max()) if k_max is None else max(1, min(k_max, vocab_size))
+        kth = logits.topk(top, dim=1).values.gather(1, (k - 1).unsqueeze(1))
         kth.masked_fill_(off.unsqueeze(1), float("-inf"))
         return logits.masked_fill_(logits < kth, float("-inf"))
     logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
@@ -254,15 +282,21 @@ class Sampler(torch.nn.Module):
     """logits [S, V] + SamplingMetadata -> SamplerOutput."""
 
     def forward(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        if (
-            meta.all_greedy
-            and meta.max_num_logprobs is None
-            and meta.banned is None
-            and meta.bias is None
-            and meta.repetition_penalties is None
-        ):
-            ids = logits.argmax(dim=-1)
+        if meta.is_plain_greedy:
+            return self.greedy(logits, meta.max_num_logprobs)
+        return self.full(logits, meta)
+
+    @staticmethod
+    def greedy(logits: Tensor, num_logprobs: int | None) -> SamplerOutput:
+        """The fast path: argmax; the sampled tokens' raw logprobs; the top-k only when asked for."""
+        ids = logits.argmax(dim=-1)
+        if num_logprobs is None:
             return SamplerOutput(sampled_token_ids=ids, sampled_logprobs=sampled_token_logprobs(logits, ids))
+        lp = compute_token_logprobs(logits.float().log_softmax(dim=-1), ids, num_logprobs)
+        return SamplerOutput(sampled_token_ids=ids, logprobs=lp, sampled_logprobs=lp.logprobs[:, 0])
+
+    def full(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Every step of the module docstring (any batch)."""
         raw_logits = logits
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
@@ -272,7 +306,7 @@ class Sampler(torch.nn.Module):
             rows, ids, vals = meta.bias
             logits.index_put_((rows, ids), vals, accumulate=True)
         if meta.banned is not None:
-            logits.index_put_(meta.banned, torch.tensor(float("-inf"), device=logits.device))
+            logits[meta.banned] = float("-inf")
         if meta.repetition_penalties is not None:
             assert meta.presence_penalties is not None and meta.frequency_penalties is not None
             assert meta.prompt_token_ids is not None and meta.output_token_ids is not None
@@ -299,11 +333,15 @@ class Sampler(torch.nn.Module):
             return logits.argmax(dim=-1)
         assert meta.temperature is not None
         temp = meta.temperature
-        random_rows = (temp >= _EPS).nonzero().squeeze(1)
-        all_random = random_rows.numel() == meta.num_rows
+        if meta.random_rows_cpu is not None and meta.random_rows is not None:
+            rows_cpu, random_rows = meta.random_rows_cpu, meta.random_rows
+        else:  # built by hand: ask the device
+            random_rows = (temp >= GREEDY_EPS).nonzero().squeeze(1)
+            rows_cpu = random_rows.cpu().numpy()
+        all_random = len(rows_cpu) == meta.num_rows
         greedy = None if all_random else logits.argmax(dim=-1)  # before `logits` is changed below
         sub = logits if all_random else logits.index_select(0, random_rows)
-        sub = sub / temp.index_select(0, random_rows).unsqueeze(1)
+        sub = sub / (temp if all_random else temp.index_select(0, random_rows)).unsqueeze(1)
 
         def pick(t: Tensor) -> Tensor:
             return t if all_random else t.index_select(0, random_rows)
@@ -314,11 +352,16 @@ class Sampler(torch.nn.Module):
             sub,
             None if meta.top_k is None else pick(meta.top_k),
             None if meta.top_p is None else pick(meta.top_p),
+            k_max=meta.top_k_max,
         )
         probs = sub.softmax(dim=-1)
         q = torch.empty_like(probs)
-        row_of = {r: j for j, r in enumerate(random_rows.tolist())}
-        seeded = {row_of[r]: g for r, g in meta.generators.items() if r in row_of}
+        # Seeded rows by their position among the random rows (rows_cpu is ascending).
+        seeded: dict[int, torch.Generator] = {}
+        for r, g in meta.generators.items():
+            j = int(np.searchsorted(rows_cpu, r))
+            if j < len(rows_cpu) and rows_cpu[j] == r:
+                seeded[j] = g
         if len(seeded) < q.shape[0]:
             q.exponential_(generator=meta.default_generator)
         for j, gen in seeded.items():

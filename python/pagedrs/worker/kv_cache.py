@@ -16,7 +16,13 @@ from torch import Tensor
 
 from pagedrs.config import as_bytes
 
-__all__ = ["KVCachePool", "block_bytes", "num_blocks_for_bytes", "profile_num_gpu_blocks"]
+__all__ = [
+    "KVCachePool",
+    "block_bytes",
+    "kv_budget_bytes",
+    "num_blocks_for_bytes",
+    "profile_num_gpu_blocks",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +41,15 @@ def num_blocks_for_bytes(num_bytes: float, per_block: int) -> int:
     return int(num_bytes // per_block)
 
 
+def kv_budget_bytes(
+    *, total: int, gpu_memory_utilization: float, peak: int, used_by_others: int, reserved: int = 0
+) -> float:
+    """Bytes the KV pool may take: the utilization's share of the device, less the profiled peak (weights
+    and activations), memory held outside our allocator (the CUDA context, other processes), and what is
+    reserved for later (the CUDA graphs' pool)."""
+    return total * gpu_memory_utilization - peak - max(used_by_others, 0) - max(reserved, 0)
+
+
 def profile_num_gpu_blocks(
     model: torch.nn.Module,
     run_profile: object,
@@ -42,11 +57,13 @@ def profile_num_gpu_blocks(
     device: torch.device,
     gpu_memory_utilization: float,
     per_block: int,
+    reserved_bytes: int = 0,
 ) -> int:
     """Blocks that fit in `gpu_memory_utilization` of the device after a forward at the largest batch.
 
     `run_profile` is a callable that runs that forward (no KV cache); its peak activation memory plus the
-    weights already resident is what the pool must leave free."""
+    weights already resident is what the pool must leave free, and `reserved_bytes` more (the memory the
+    CUDA graphs will take once captured)."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -56,16 +73,27 @@ def profile_num_gpu_blocks(
     free, total = torch.cuda.mem_get_info(device)
     # Memory other processes (and the CUDA context) hold is not ours to take.
     used_by_others = total - free - torch.cuda.memory_reserved(device)
-    budget = total * gpu_memory_utilization - peak - max(used_by_others, 0)
+    budget = kv_budget_bytes(
+        total=total,
+        gpu_memory_utilization=gpu_memory_utilization,
+        peak=peak,
+        used_by_others=used_by_others,
+        reserved=reserved_bytes,
+    )
     torch.cuda.empty_cache()
     num = num_blocks_for_bytes(budget, per_block)
     if num < 1:
         raise ValueError(
             f"gpu_memory_utilization={gpu_memory_utilization} leaves no room for the KV cache "
-            f"(total {total / _GiB:.1f} GiB, peak {peak / _GiB:.1f} GiB); raise it or lower max_num_batched_tokens"
+            f"(total {total / _GiB:.1f} GiB, peak {peak / _GiB:.1f} GiB, CUDA graphs "
+            f"{reserved_bytes / _GiB:.2f} GiB); raise it, lower max_num_batched_tokens or set enforce_eager"
         )
     logger.info(
-        "KV cache: %d blocks after profiling (peak %.2f GiB of %.2f GiB)", num, peak / _GiB, total / _GiB
+        "KV cache: %d blocks after profiling (peak %.2f GiB, CUDA graphs %.2f GiB, of %.2f GiB)",
+        num,
+        peak / _GiB,
+        reserved_bytes / _GiB,
+        total / _GiB,
     )
     return num
 

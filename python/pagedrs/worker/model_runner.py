@@ -1,14 +1,20 @@
 """The model runner: StepPlan -> tensors -> ForwardContext -> model.forward -> logits -> sampler.
 
-One step costs a handful of numpy -> torch conversions (zero-copy on CPU), the forward, and a sampler call
-over the rows that produce a token; there is no per-token Python.
+One step costs one host-to-device copy of the plan's arrays into persistent device buffers (the CUDA
+graphs' static inputs included; `step_buffers.py`), the forward (a graph replay for a decode-only step on
+CUDA), and a sampler call over the rows that produce a token, built from sampling parameters kept per
+sequence (`sampling_state.py`); there is no per-token or per-layer Python.
+
+On CUDA the decode graphs are captured when the KV pool is created, and the memory they will hold is kept
+out of the pool when it is sized (`determine_num_blocks`, `profile_cudagraph_memory`).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,14 +25,18 @@ from torch import Tensor
 from pagedrs.config import EngineConfig, kv_cache_torch_dtype
 from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.attention import AttentionMetadata, ForwardContext, get_attention_backend
-from pagedrs.layers.sampler import (
-    LogprobsTensors,
-    Sampler,
-    SamplingMetadata,
-    SamplingRow,
-    compute_token_logprobs,
-)
+from pagedrs.layers.kernel_switch import use_layer_kernels
+from pagedrs.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, SamplingRow
 from pagedrs.worker.kv_cache import KVCachePool, block_bytes, num_blocks_for_bytes, profile_num_gpu_blocks
+from pagedrs.worker.prompt_logprobs import (
+    PromptLogprobsChunk,
+    PromptLogprobsPlan,
+    PromptSpan,
+    compute_prompt_logprobs,
+    plan_prompt_logprobs,
+)
+from pagedrs.worker.sampling_state import SamplingState
+from pagedrs.worker.step_buffers import StepBuffers, StepInputs
 
 __all__ = [
     "ModelRunner",
@@ -41,36 +51,8 @@ logger = logging.getLogger(__name__)
 
 _GiB = 1 << 30
 _DEFAULT_CPU_KV_GB = 4.0
-
-
-@dataclass
-class PromptLogprobsChunk:
-    """Prompt logprobs computed this step for one sequence: positions start..start+n-1 of the prompt, each
-    the logprob of that prompt token given the tokens before it."""
-
-    start: int
-    token_ids: np.ndarray  # [n, 1 + k] the prompt token, then the top-k
-    logprobs: np.ndarray  # [n, 1 + k]
-    ranks: np.ndarray  # [n]
-
-
-@dataclass
-class PromptSpan:
-    """One sequence's prompt positions scored this step: targets = prompt[start : start + n]."""
-
-    seq_id: int
-    start: int
-    k: int
-    targets: np.ndarray  # int64 [n]
-
-
-@dataclass
-class PromptLogprobsPlan:
-    """The hidden rows whose logits give this step's prompt logprobs (after the sampled rows' logits),
-    span by span."""
-
-    indices: np.ndarray  # int64, concatenated over spans
-    spans: list[PromptSpan]
+_MAX_GRAPH_BATCH = 512  # decode batches up to this many requests replay a CUDA graph
+_PROFILE_GRAPH_BLOCKS = 16  # the throwaway KV pool the graph-memory profile captures against
 
 
 class PlanLike(Protocol):
@@ -124,14 +106,6 @@ class RunnerOutput:
     sampled_logprobs: np.ndarray | None = None  # float32 [S]: each sampled token's raw logprob
 
 
-def _tensor(arr: np.ndarray, device: torch.device) -> Tensor:
-    # from_numpy shares memory (zero-copy on CPU); a read-only view is copied first.
-    if not arr.flags.writeable:
-        arr = np.array(arr)
-    t = torch.from_numpy(arr)
-    return t if device.type == "cpu" else t.to(device, non_blocking=True)
-
-
 class ModelRunner:
     """Owns the model, the KV pool, the attention backend and the sampler for one device."""
 
@@ -151,11 +125,28 @@ class ModelRunner:
         self.eos_token_ids = list(eos_token_ids)
         self.kv_dtype = kv_cache_torch_dtype(config.cache.cache_dtype, next(model.parameters()).dtype)
         self.backend = get_attention_backend(config.device.attention_backend, self.device)
+        # The CUDA backend also takes the fused layer kernels (norms, RoPE, gated activations); the torch
+        # backend keeps the whole model on torch ops (the reference path), also for a model reused here.
+        self.layer_kernels = self.backend.name == "cupy"
+        use_layer_kernels(model, self.layer_kernels)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.model.seed)
         self.kv_pool: KVCachePool | None = None
+        sched = config.scheduler
+        self.max_blocks_per_seq = math.ceil(sched.max_model_len / self.block_size)
+        self.graph_batch_size = min(sched.max_num_seqs, _MAX_GRAPH_BATCH)
+        # Persistent step inputs (pinned staging + device buffer); the graphs' static inputs live in it.
+        self.step_buffers = StepBuffers(
+            max_num_tokens=sched.max_num_batched_tokens,
+            max_num_reqs=sched.max_num_seqs,
+            table_width=self.max_blocks_per_seq,
+            graph_rows=self.graph_batch_size,
+            device=self.device,
+        )
+        self.sampling_state: SamplingState | None = None  # built at the first sampled step (vocab size)
         self.cuda_graphs: Any = None  # CudaGraphRunner for decode-only steps (CUDA + cupy backend)
+        self._graphs_failed = False  # a capture failed once: this model runs eagerly
         # The scheduler's persistent block table (read-only numpy view) and, off the CPU, its device
         # mirror. INVARIANT: after each plan's changed rows are copied, the mirror equals the view.
         self._bt_view: np.ndarray | None = None
@@ -169,20 +160,11 @@ class ModelRunner:
         if mirror if mirror is not None else self.device.type != "cpu":
             self._bt_device = torch.as_tensor(np.array(view), device=self.device)
 
-    def _sync_block_table(self, plan: PlanLike) -> None:
-        # Every plan, empty ones included, or the mirror drifts from the view.
-        changed = plan.changed_rows
-        if self._bt_device is None or self._bt_view is None or not len(changed):
-            return
-        idx = torch.from_numpy(changed.astype(np.int64)).to(self.device, non_blocking=True)
-        rows_now = torch.from_numpy(self._bt_view[changed]).to(self.device, non_blocking=True)
-        self._bt_device.index_copy_(0, idx, rows_now)
-
-    def _block_tables(self, plan: PlanLike) -> Tensor:
-        if self._bt_device is None:
-            return _tensor(plan.block_tables, self.device)
-        rows = torch.from_numpy(plan.block_table_rows.astype(np.int64))
-        return self._bt_device.index_select(0, rows.to(self.device, non_blocking=True))
+    def release_seqs(self, seq_ids: Iterable[int]) -> None:
+        """Sequences that finished or were aborted: their sampling slots are free again. (Optional: slots
+        of sequences never released are reclaimed when the table fills up.)"""
+        if self.sampling_state is not None:
+            self.sampling_state.remove(seq_ids)
 
     # ---- KV pool sizing -------------------------------------------------------------------------------
     @property
@@ -202,15 +184,15 @@ class ModelRunner:
                 device=self.device,
                 gpu_memory_utilization=cache.gpu_memory_utilization,
                 per_block=per_block,
+                reserved_bytes=self.profile_cudagraph_memory(),
             )
         sched = self.config.scheduler
         if cache.cpu_kv_cache_gb is not None:
             num = num_blocks_for_bytes(cache.cpu_kv_cache_gb * _GiB, per_block)
         else:
             # No more than every sequence at full length would need, and at most 4 GiB.
-            blocks_per_seq = math.ceil(sched.max_model_len / self.block_size)
             num = min(
-                sched.max_num_seqs * blocks_per_seq,
+                sched.max_num_seqs * self.max_blocks_per_seq,
                 num_blocks_for_bytes(_DEFAULT_CPU_KV_GB * _GiB, per_block),
             )
         if num < 1:
@@ -222,10 +204,9 @@ class ModelRunner:
     def determine_num_swap_blocks(self) -> int:
         return num_blocks_for_bytes(self.config.cache.swap_space * _GiB, self.bytes_per_block)
 
-    def init_kv_cache(self, num_blocks: int, num_swap_blocks: int | None = None) -> KVCachePool:
+    def _new_pool(self, num_blocks: int, num_swap: int) -> KVCachePool:
         m = self.model
-        num_swap = self.determine_num_swap_blocks() if num_swap_blocks is None else num_swap_blocks
-        self.kv_pool = KVCachePool(
+        return KVCachePool(
             num_layers=m.num_layers,
             num_kv_heads=m.num_kv_heads,
             head_size=m.head_size,
@@ -235,22 +216,78 @@ class ModelRunner:
             device=self.device,
             num_swap_blocks=num_swap,
         )
-        dev_cfg = self.config.device
-        # CUDA graphs capture one device's forward; a tensor-parallel step runs eagerly.
-        graphs_ok = self.tp.size == 1 and not dev_cfg.enforce_eager and self.backend.name == "cupy"
-        if self.device.type == "cuda" and graphs_ok:
-            from pagedrs.worker.cuda_graphs import CudaGraphRunner
 
-            sched = self.config.scheduler
-            self.cuda_graphs = CudaGraphRunner(
-                self.model,
-                self.kv_pool.kv_caches,
-                self.backend,
-                max_batch_size=min(sched.max_num_seqs, 512),
-                max_blocks_per_seq=math.ceil(sched.max_model_len / self.block_size),
-                block_size=self.block_size,
-            )
+    def init_kv_cache(self, num_blocks: int, num_swap_blocks: int | None = None) -> KVCachePool:
+        """Allocate the KV pool, then (CUDA) capture every decode graph, before any request runs."""
+        num_swap = self.determine_num_swap_blocks() if num_swap_blocks is None else num_swap_blocks
+        self.kv_pool = self._new_pool(num_blocks, num_swap)
+        self.capture_model()
         return self.kv_pool
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs: one CUDA device (tensor-parallel and liquid steps run eagerly:
+        their collectives and their model objects change), the cupy backend, not enforce_eager, and no
+        capture failed before."""
+        dev = self.config.device
+        return (
+            self.device.type == "cuda"
+            and self.tp.size == 1
+            and self.config.parallel.liquid_gpu_range is None
+            and not dev.enforce_eager
+            and self.backend.name == "cupy"
+            and not self._graphs_failed
+        )
+
+    def _graph_runner(self, kv_caches: list[Tensor], *, shared_inputs: bool) -> Any:
+        from pagedrs.worker.cuda_graphs import CudaGraphRunner
+
+        return CudaGraphRunner(
+            self.model,
+            kv_caches,
+            self.backend,
+            max_batch_size=self.graph_batch_size,
+            max_blocks_per_seq=self.max_blocks_per_seq,
+            block_size=self.block_size,
+            inputs=self.step_buffers.graph_inputs() if shared_inputs else None,
+        )
+
+    @torch.inference_mode()
+    def capture_model(self) -> None:
+        """Capture every (batch size, context bucket) decode graph against the KV pool now, so that no
+        request pays for a capture; a model that cannot be captured runs eagerly."""
+        self.cuda_graphs = None
+        if not self.uses_cuda_graphs or self.kv_pool is None:
+            return
+        graphs = self._graph_runner(self.kv_pool.kv_caches, shared_inputs=True)
+        graphs.capture_all(progress=True)
+        if graphs.enabled:
+            self.cuda_graphs = graphs
+        else:
+            self._graphs_failed = True
+
+    @torch.inference_mode()
+    def profile_cudagraph_memory(self) -> int:
+        """Bytes the decode graphs will hold once captured, measured before the KV pool exists.
+
+        What vLLM V1 does (gpu_model_runner.profile_cudagraph_memory): capturing needs KV caches, so the
+        two largest graphs are captured against a small throwaway pool, their free-memory deltas taken
+        (the first is the shared pool, the second one graph's own cost, at least 1 MiB), and
+        first + second * (num_graphs - 1) is kept out of the KV budget; the graphs and the pool are then
+        dropped, and the real capture follows the pool's allocation. A margin fixed in advance would be
+        wrong both ways: the shared pool grows with the batch, the context bucket and the model's width.
+        0 when graphs are off; a model that fails to capture here is marked eager for good."""
+        if not self.uses_cuda_graphs:
+            return 0
+        pool = self._new_pool(_PROFILE_GRAPH_BLOCKS, 0)
+        graphs = self._graph_runner(pool.kv_caches, shared_inputs=False)
+        estimate = int(graphs.profile_memory())
+        if not graphs.enabled:
+            self._graphs_failed = True
+        del graphs, pool
+        gc.collect()
+        torch.cuda.empty_cache()
+        return estimate
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -264,20 +301,24 @@ class ModelRunner:
         self.model.compute_logits(hidden[:rows])
 
     # ---- one step ----------------------------------------------------------------------------------
-    def _attn_metadata(self, plan: PlanLike) -> AttentionMetadata:
-        dev = self.device
-        qsl_np = plan.query_start_loc
-        seq_lens_np = plan.seq_lens
-        num_sched = plan.num_scheduled_tokens
+    def _attn_metadata(
+        self, plan: PlanLike, inputs: StepInputs, max_query_len: int, max_seq_len: int
+    ) -> AttentionMetadata:
+        if inputs.block_tables is not None:
+            block_tables = inputs.block_tables
+        else:
+            assert self._bt_device is not None and inputs.block_table_rows is not None
+            block_tables = self._bt_device.index_select(0, inputs.block_table_rows)
         return AttentionMetadata(
-            slot_mapping=_tensor(plan.slot_mapping, dev),
-            query_start_loc=_tensor(qsl_np, dev),
-            seq_lens=_tensor(seq_lens_np, dev),
-            block_tables=self._block_tables(plan),
-            query_start_loc_cpu=qsl_np.tolist(),
-            seq_lens_cpu=seq_lens_np.tolist(),
-            max_query_len=int(num_sched.max()) if len(num_sched) else 0,
-            max_seq_len=int(seq_lens_np.max()) if len(seq_lens_np) else 0,
+            slot_mapping=inputs.slot_mapping,
+            query_start_loc=inputs.query_start_loc,
+            seq_lens=inputs.seq_lens,
+            block_tables=block_tables,
+            # The plan's own arrays (a backend indexes them like lists); no per-step list is built.
+            query_start_loc_cpu=plan.query_start_loc,  # type: ignore[arg-type]
+            seq_lens_cpu=plan.seq_lens,  # type: ignore[arg-type]
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
             block_size=self.block_size,
             num_decode_tokens=int(plan.num_decode_tokens),
         )
@@ -297,6 +338,28 @@ class ModelRunner:
         logits = self.execute_model(plan, plp.indices if plp is not None else None)
         return self.sample(plan, rows, plp, logits, token_bitmask)
 
+    def _sampling_metadata(self, plan: PlanLike, rows: Sequence[SamplingRow], vocab: int) -> SamplingMetadata:
+        """From the per-sequence state, keyed by the plan's sampled seq ids (rank 0's `_core.StepPlan`);
+        a plan without them (a hand-made one) gets metadata built from the rows."""
+        seq_ids = getattr(plan, "sampled_seq_ids", None)
+        if seq_ids is None or len(seq_ids) != len(rows):
+            return SamplingMetadata.from_rows(
+                rows,
+                vocab_size=vocab,
+                device=self.device,
+                eos_token_ids=self.eos_token_ids,
+                default_generator=self.generator,
+            )
+        state = self.sampling_state
+        if state is None or state.vocab_size != vocab:
+            state = self.sampling_state = SamplingState(
+                vocab_size=vocab,
+                device=self.device,
+                eos_token_ids=self.eos_token_ids,
+                capacity=2 * self.config.scheduler.max_num_seqs,
+            )
+        return state.metadata(seq_ids, rows, default_generator=self.generator)
+
     @torch.inference_mode()
     def sample(
         self,
@@ -313,7 +376,7 @@ class ModelRunner:
             return out
         num_rows = len(plan.logits_indices)
         if plp is not None:
-            out.prompt_logprobs = self._prompt_logprobs(logits[num_rows:], plp)
+            out.prompt_logprobs = compute_prompt_logprobs(logits[num_rows:], plp)
         if hasattr(token_bitmask, "result"):  # built in a helper thread while the forward ran
             token_bitmask = token_bitmask.result()
         if num_rows and token_bitmask is not None:
@@ -324,20 +387,23 @@ class ModelRunner:
                 logits[:num_rows], mask.to(logits.device), vocab_size=logits.shape[-1], indices=indices
             )
         if num_rows:
-            sampling = SamplingMetadata.from_rows(
-                rows,
-                vocab_size=logits.shape[-1],
-                device=self.device,
-                eos_token_ids=self.eos_token_ids,
-                default_generator=self.generator,
-            )
+            sampling = self._sampling_metadata(plan, rows, logits.shape[-1])
             sampled = self.sampler(logits[:num_rows], sampling)
-            out.sampled_token_ids = sampled.sampled_token_ids.to("cpu").numpy().astype(np.int64, copy=False)
+            # Every copy to the host is queued, then one wait.
+            ids = sampled.sampled_token_ids.to("cpu", non_blocking=True)
+            token_lps = None
             if sampled.sampled_logprobs is not None:
-                out.sampled_logprobs = sampled.sampled_logprobs.to("cpu").numpy()
-            if sampled.logprobs is not None:
-                lp = sampled.logprobs
-                out.logprobs = LogprobsTensors(lp.token_ids.cpu(), lp.logprobs.cpu(), lp.ranks.cpu())
+                token_lps = sampled.sampled_logprobs.to("cpu", non_blocking=True)
+            lp = sampled.logprobs
+            if lp is not None:
+                lp = LogprobsTensors(
+                    *(t.to("cpu", non_blocking=True) for t in (lp.token_ids, lp.logprobs, lp.ranks))
+                )
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            out.sampled_token_ids = ids.numpy().astype(np.int64, copy=False)
+            out.sampled_logprobs = token_lps.numpy() if token_lps is not None else None
+            out.logprobs = lp
         return out
 
     @torch.inference_mode()
@@ -349,68 +415,65 @@ class ModelRunner:
         pool = self.kv_pool
         assert pool is not None, "init_kv_cache() first"
         pool.apply_plan_ops(plan)
-        self._sync_block_table(plan)
         logits: Tensor | None = None
         self.last_hidden = None
-        if plan.num_tokens > 0:
-            dev = self.device
-            meta = self._attn_metadata(plan)
-            ctx = ForwardContext(attn_metadata=meta, kv_caches=pool.kv_caches, backend=self.backend)
-            input_ids = _tensor(plan.input_ids, dev)
-            positions = _tensor(plan.positions, dev)
-            hidden = None
-            if self.cuda_graphs is not None:  # decode-only steps replay a captured graph
-                hidden = self.cuda_graphs.run(input_ids, positions, meta, pool.kv_caches)
-            if hidden is None:
-                hidden = self.model(input_ids, positions, ctx)
-            self.last_hidden = hidden  # the final hidden states, for embedding requests (rank 0 reads)
-            idx = plan.logits_indices
-            if extra_logits_indices is not None and len(extra_logits_indices):
-                idx = np.concatenate([idx, extra_logits_indices])
-            if len(idx):
-                logits = self.model.compute_logits(hidden.index_select(0, _tensor(idx, dev)))
+        num_tokens = int(plan.num_tokens)
+        mirror = self._bt_view if self._bt_device is not None else None
+        # Every plan with changed rows, empty ones included, or the mirror drifts from the view.
+        if num_tokens > 0 or (mirror is not None and len(plan.changed_rows)):
+            seq_lens = plan.seq_lens
+            num_reqs = len(seq_lens)
+            max_query_len = int(plan.num_scheduled_tokens.max()) if num_reqs else 0
+            max_seq_len = int(seq_lens.max()) if num_reqs else 0
+            graph = None
+            if num_tokens == num_reqs and self.cuda_graphs is not None:  # one token a row: may replay
+                graph = self.cuda_graphs.lookup(num_reqs, max_query_len, max_seq_len, pool.kv_caches)
+            inputs = self.step_buffers.pack(
+                plan,
+                extra_logits_indices=extra_logits_indices,
+                mirror_rows=mirror,
+                graph_size=graph[0] if graph is not None else None,
+            )
+            if inputs.changed_rows is not None:
+                assert self._bt_device is not None and inputs.changed_row_data is not None
+                self._bt_device.index_copy_(0, inputs.changed_rows, inputs.changed_row_data)
+            if num_tokens > 0:
+                if graph is not None:
+                    hidden = self._replay(graph, inputs, num_reqs)
+                else:
+                    meta = self._attn_metadata(plan, inputs, max_query_len, max_seq_len)
+                    ctx = ForwardContext(attn_metadata=meta, kv_caches=pool.kv_caches, backend=self.backend)
+                    hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+                self.last_hidden = hidden  # the final hidden states, for embedding requests (rank 0 reads)
+                if inputs.logits_indices is not None:
+                    rows = (
+                        hidden
+                        if inputs.logits_are_all_rows
+                        else hidden.index_select(0, inputs.logits_indices)
+                    )
+                    logits = self.model.compute_logits(rows)
         pool.apply_plan_shrink(plan)
         return logits
+
+    def _replay(self, graph: tuple[int, int], inputs: StepInputs, num_reqs: int) -> Tensor:
+        """A decode step by graph replay: its inputs are already in the graph's static buffers; only the
+        block table rows are gathered into the graph's table (on the device)."""
+        graphs = self.cuda_graphs
+        size = graph[0]
+        if inputs.block_table_rows is not None:
+            assert self._bt_device is not None
+            table = graphs.block_tables[:size, : self._bt_device.shape[1]]
+            if table.is_contiguous():
+                torch.index_select(self._bt_device, 0, inputs.block_table_rows, out=table)
+            else:
+                table.copy_(self._bt_device.index_select(0, inputs.block_table_rows))
+        else:
+            assert inputs.block_tables is not None
+            graphs.block_tables[:num_reqs, : inputs.block_tables.shape[1]].copy_(inputs.block_tables)
+        return graphs.replay(graph)[:num_reqs]
 
     def prompt_logprobs_plan(
         self, plan: PlanLike, wanted: dict[int, tuple[int, Sequence[int]]] | None
     ) -> PromptLogprobsPlan | None:
         """Which hidden rows give this step's prompt logprobs: position p's logits predict token p + 1."""
-        if not wanted:
-            return None
-        idx: list[np.ndarray] = []
-        spans: list[PromptSpan] = []
-        qsl = plan.query_start_loc
-        computed = plan.num_computed_tokens
-        seq_lens = plan.seq_lens
-        for b, seq_id in enumerate(plan.req_ids.tolist()):
-            if seq_id not in wanted:
-                continue
-            k, prompt = wanted[seq_id]
-            start, end = int(computed[b]), min(int(seq_lens[b]), len(prompt) - 1)
-            if end <= start:
-                continue
-            first = int(qsl[b])
-            idx.append(np.arange(first, first + (end - start), dtype=np.int64))
-            targets = np.asarray(prompt[start + 1 : end + 1], dtype=np.int64)
-            spans.append(PromptSpan(seq_id, start + 1, k, targets))
-        if not spans:
-            return None
-        return PromptLogprobsPlan(np.concatenate(idx), spans)
-
-    def _prompt_logprobs(self, logits: Tensor, plp: PromptLogprobsPlan) -> dict[int, PromptLogprobsChunk]:
-        result: dict[int, PromptLogprobsChunk] = {}
-        offset = 0
-        for span in plp.spans:
-            n = len(span.targets)
-            logprobs = logits[offset : offset + n].log_softmax(dim=-1)
-            offset += n
-            targets = torch.from_numpy(span.targets).to(logprobs.device)
-            lp = compute_token_logprobs(logprobs, targets, min(span.k, logprobs.shape[-1]))
-            result[span.seq_id] = PromptLogprobsChunk(
-                start=span.start,
-                token_ids=lp.token_ids.cpu().numpy(),
-                logprobs=lp.logprobs.cpu().numpy(),
-                ranks=lp.ranks.cpu().numpy(),
-            )
-        return result
+        return plan_prompt_logprobs(plan, wanted)

@@ -181,3 +181,21 @@ def host_kernels(names: Iterable[str]) -> Iterator[Emulator]:
         yield emulator
     finally:
         set_host_executor(previous)
+
+
+@contextlib.contextmanager
+def recording_kernels(names: Iterable[str]) -> Iterator[list[str]]:
+    """host_kernels, also yielding the name expressions of the kernels launched ("pagedrs::rms_norm<float,
+    4>", ...), appended as they run."""
+    seen: list[str] = []
+    with host_kernels(names) as emulator:
+
+        def record(spec: Launch) -> None:
+            seen.append(spec.name)
+            emulator(spec)
+
+        previous = set_host_executor(record)
+        try:
+            yield seen
+        finally:
+            set_host_executor(previous)

@@ -7,9 +7,11 @@ index 0 = K, 1 = V. Token slot ``s`` lives at block ``s // block_size``, offset 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -37,8 +39,8 @@ class AttentionMetadata:
     query_start_loc: Tensor  # [B+1] int32 on device
     seq_lens: Tensor  # [B] int32 on device
     block_tables: Tensor  # [B, M] int32 on device, padded (seq_lens bounds the reads)
-    query_start_loc_cpu: list[int]
-    seq_lens_cpu: list[int]
+    query_start_loc_cpu: Sequence[int] | np.ndarray  # host copies (the plan's numpy arrays, or lists)
+    seq_lens_cpu: Sequence[int] | np.ndarray
     max_query_len: int
     max_seq_len: int
     block_size: int
@@ -53,7 +55,7 @@ class AttentionMetadata:
 
     @property
     def num_tokens(self) -> int:
-        return self.query_start_loc_cpu[-1]
+        return int(self.query_start_loc_cpu[-1])
 
 
 @runtime_checkable
