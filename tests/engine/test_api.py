@@ -194,3 +194,25 @@ def test_stats_log_line_and_batch_picture(
         and st.num_steps == len(pics)
     )
     assert_pool_free(engine)
+
+
+def test_steady_decode_steps_skip_the_per_request_bookkeeping(tiny_models: dict[str, Path]) -> None:
+    """The core tracks which requests await their first schedule and which collect prompt logprobs; once
+    every request is scheduled and its prompt done, a step loops over neither (and an aborted request that
+    never ran leaves both sets). The outputs still carry first_scheduled_time and prompt logprobs."""
+    engine = make_engine(tiny_models["llama"], max_num_seqs=2)
+    core = engine.engine_core
+    prompts = random_prompts([5, 7, 9], seed=3)
+    engine.add_request("a", prompts[0], greedy(6, prompt_logprobs=1))
+    engine.add_request("b", prompts[1], greedy(6))
+    engine.add_request("c", prompts[2], greedy(6))  # waits: max_num_seqs=2
+    engine.add_request("d", prompts[2], greedy(6, prompt_logprobs=2))
+    engine.abort_request("d")
+    assert core._unscheduled == {"a", "b", "c"} and core._wanting_prompt_logprobs == {"a"}
+    engine.step()
+    assert core._unscheduled == {"c"} and core._wanting_prompt_logprobs == set()
+    outs = run_all(engine)
+    assert not core._unscheduled
+    assert outs["a"].prompt_logprobs is not None and len(outs["a"].prompt_logprobs) == 5
+    assert all(outs[r].metrics.first_scheduled_time is not None for r in "abc")
+    assert_pool_free(engine)

@@ -189,6 +189,10 @@ class EngineCore:
                 par.liquid_scale_in_threshold,
             )
         self._requests: dict[str, _CoreRequest] = {}
+        # Requests not yet scheduled, and those still collecting prompt logprobs: a steady decode step
+        # loops over neither (no per-request Python when both are empty).
+        self._unscheduled: set[str] = set()
+        self._wanting_prompt_logprobs: set[str] = set()
         self._num_pooling = 0  # embedding requests in flight
         self._tokenizer = loaded.tokenizer
         self._token_text: dict[int, str] = {}  # token id -> text, for the token-box picture
@@ -358,6 +362,9 @@ class EngineCore:
         self._requests[req.request_id] = _CoreRequest(
             req.request_id, seqs, params.prompt_logprobs, req.pooling
         )
+        self._unscheduled.add(req.request_id)
+        if params.prompt_logprobs is not None:
+            self._wanting_prompt_logprobs.add(req.request_id)
         if req.pooling is not None:
             self._num_pooling += 1
         if compiled is not None:
@@ -393,6 +400,8 @@ class EngineCore:
     def _drop(self, request_id: str) -> _CoreRequest | None:
         self._awaiting_grammar.pop(request_id, None)
         req = self._requests.pop(request_id, None)
+        self._unscheduled.discard(request_id)
+        self._wanting_prompt_logprobs.discard(request_id)
         if req is not None and req.pooling is not None:
             self._num_pooling -= 1
         if req is not None and req.seqs[0].matcher is not None:
@@ -493,6 +502,7 @@ class EngineCore:
             req = self._requests.get(seq.request_id)
             if req is not None and req.prompt_logprobs is not None:
                 req.prompt_logprobs = None  # the prompt is done: its logprobs are complete
+                self._wanting_prompt_logprobs.discard(req.request_id)
         for sid, reason, stop_tok in finished:
             seq = self._seqs.get(int(sid))
             if seq is None:
@@ -526,6 +536,8 @@ class EngineCore:
     ) -> list[tuple[int, EngineCoreOutput]]:
         """Requests scheduled for the first time: their prefix-cache hits and first scheduled time."""
         newly: list[tuple[int, EngineCoreOutput]] = []
+        if not self._unscheduled:
+            return newly
         now = time.time()
         for sid in plan.req_ids.tolist():
             seq = self._seqs.get(sid)
@@ -535,6 +547,7 @@ class EngineCore:
             if not req.unscheduled:
                 continue
             req.unscheduled = False
+            self._unscheduled.discard(req.request_id)
             o = EngineCoreOutput(
                 seq.request_id,
                 0,
@@ -547,6 +560,8 @@ class EngineCore:
 
     def _prompt_logprobs_wanted(self, plan: _core.StepPlan) -> dict[int, tuple[int, list[int]]] | None:
         wanted: dict[int, tuple[int, list[int]]] = {}
+        if not self._wanting_prompt_logprobs:
+            return None
         for sid in plan.req_ids.tolist():
             seq = self._seqs.get(sid)
             if seq is None or seq.index != 0:
