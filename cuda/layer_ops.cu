@@ -40,6 +40,21 @@ __device__ __forceinline__ float block_sum(float x, float* red) {
     return s;
 }
 
+// The second pass of both norms, over this thread's vectors of a row: dst = w * round(src * r).
+template <typename T, int VEC>
+__device__ __forceinline__ void write_normed(Pack<T, VEC>* dst, const Pack<T, VEC>* src,
+                                             const Pack<T, VEC>* w, int nvec, float r) {
+    for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+        const Pack<T, VEC> x = src[i];
+        const Pack<T, VEC> g = w[i];
+        Pack<T, VEC> o;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j)
+            o.v[j] = from_float<T>(to_float(g.v[j]) * rounded<T>(to_float(x.v[j]) * r));
+        dst[i] = o;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // out[t] = weight * round(x[t] * rsqrt(mean(x[t]^2) + eps)), as HF's LlamaRMSNorm.
 // grid: (num_tokens), block: a multiple of 32 (<= 1024), dynamic smem 32 floats.
@@ -66,15 +81,7 @@ __global__ void __launch_bounds__(1024) rms_norm(
         }
     }
     const float r = rsqrtf(block_sum(ss, reinterpret_cast<float*>(pg_smem)) / hidden + eps);
-    for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
-        const P p = xr[i];
-        const P w = wr[i];
-        P o;
-#pragma unroll
-        for (int j = 0; j < VEC; ++j)
-            o.v[j] = from_float<T>(to_float(w.v[j]) * rounded<T>(to_float(p.v[j]) * r));
-        orow[i] = o;
-    }
+    write_normed(orow, xr, wr, nvec, r);
 }
 
 // In place: residual[t] = round(x[t] + residual[t]); x[t] = rms_norm(residual[t]) (vLLM's
@@ -105,15 +112,7 @@ __global__ void __launch_bounds__(1024) fused_add_rms_norm(
         rr[i] = z;
     }
     const float r = rsqrtf(block_sum(ss, reinterpret_cast<float*>(pg_smem)) / hidden + eps);
-    for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
-        const P z = rr[i];
-        const P w = wr[i];
-        P o;
-#pragma unroll
-        for (int j = 0; j < VEC; ++j)
-            o.v[j] = from_float<T>(to_float(w.v[j]) * rounded<T>(to_float(z.v[j]) * r));
-        xr[i] = o;
-    }
+    write_normed(xr, rr, wr, nvec, r);
 }
 
 // ---------------------------------------------------------------------------------------------

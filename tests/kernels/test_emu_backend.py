@@ -16,7 +16,7 @@ from pagedrs.loader import load_model
 from tests.helpers import make_tiny_llama
 from tests.kernels.emu.emulator import host_kernels, needs_emulator
 from tests.kernels.paged_case import assert_close, make_case
-from tests.models.paged_harness import PagedHarness
+from tests.models.paged_harness import assert_steps_close, run_mixed_steps
 
 pytestmark = needs_emulator
 
@@ -56,23 +56,6 @@ def test_tiny_model_steps_match_torch_backend(arch: str, tmp_path: Path) -> None
     """Chunked prefill over two steps, a prefix-only request, then decodes: every step's logits match."""
     overrides = {"sliding_window": 5} if arch == "mistral" else {}
     model = load_model(str(make_tiny_llama(tmp_path, arch, **overrides))).model
-    runs = []
-    for backend in (TorchAttentionBackend(), CupyAttentionBackend()):
-        harness = PagedHarness(model, num_blocks=32, block_size=4, seed=1)
-        harness.backend = backend
-        steps = [
-            {0: list(range(10, 23)), 1: [5, 6, 7]},
-            {0: list(range(40, 46)), 1: [8], 2: [1, 2, 3, 4, 5, 6, 7, 8, 9]},
-            {0: [3], 1: [9], 2: [10]},
-            {0: [4], 1: [11], 2: [12]},
-        ]
-        runs.append([harness.step(chunks) for chunks in steps])
-    for step, (ref, ours) in enumerate(zip(*runs, strict=True)):
-        for rid in ref:
-            torch.testing.assert_close(
-                ours[rid],
-                ref[rid],
-                atol=1e-4,
-                rtol=1e-4,
-                msg=lambda m, s=step, r=rid: f"step {s} request {r}: {m}",
-            )
+    assert_steps_close(
+        run_mixed_steps(model, TorchAttentionBackend()), run_mixed_steps(model, CupyAttentionBackend())
+    )

@@ -23,7 +23,7 @@ from pagedrs.layers.rotary import RotaryEmbedding
 from pagedrs.loader import load_model
 from tests.helpers import make_tiny_llama
 from tests.kernels.emu.emulator import needs_emulator, recording_kernels
-from tests.models.paged_harness import PagedHarness
+from tests.models.paged_harness import assert_steps_close, run_mixed_steps
 
 pytestmark = needs_emulator
 
@@ -233,32 +233,14 @@ def test_tiny_model_with_layer_kernels_matches_torch_path(
     """float32: chunked prefill, a prefix-only request and decodes; every step's logits agree and the greedy
     token of every position is the same."""
     model = load_model(str(make_tiny_llama(tmp_path, arch, **overrides))).model
-    steps = [
-        {0: list(range(10, 23)), 1: [5, 6, 7]},
-        {0: list(range(40, 46)), 1: [8], 2: [1, 2, 3, 4, 5, 6, 7, 8, 9]},
-        {0: [3], 1: [9], 2: [10]},
-        {0: [4], 1: [11], 2: [12]},
-    ]
     runs = []
     for kernels in (False, True):
-        assert (
-            use_layer_kernels(model, kernels) == 3 * model.num_layers + 2
-        )  # 2 norms + act per layer, norm, RoPE
-        harness = PagedHarness(model, num_blocks=32, block_size=4, seed=1)
-        harness.backend = CupyAttentionBackend() if kernels else TorchAttentionBackend()
+        # 2 norms and the MLP's activation per layer, the final norm, the shared RoPE
+        assert use_layer_kernels(model, kernels) == 3 * model.num_layers + 2
         del launched[:]
-        runs.append([harness.step(chunks) for chunks in steps])
+        runs.append(run_mixed_steps(model, CupyAttentionBackend() if kernels else TorchAttentionBackend()))
         if kernels:
             kinds = {n.split("<")[0].removeprefix("pagedrs::") for n in launched}
             assert {"rms_norm", "fused_add_rms_norm", "rotary_embedding", "act_and_mul"} <= kinds
     use_layer_kernels(model, False)
-    for step, (ref, ours) in enumerate(zip(*runs, strict=True)):
-        for rid in ref:
-            torch.testing.assert_close(
-                ours[rid],
-                ref[rid],
-                atol=1e-4,
-                rtol=1e-4,
-                msg=lambda m, s=step, r=rid: f"step {s} req {r}: {m}",
-            )
-            assert torch.equal(ours[rid].argmax(-1), ref[rid].argmax(-1))
+    assert_steps_close(*runs, same_argmax=True)

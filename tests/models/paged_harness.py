@@ -62,3 +62,36 @@ class PagedHarness:
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), ctx)
             logits = self.model.compute_logits(hidden)
         return {rid: logits[qsl[i] : qsl[i + 1]] for i, rid in enumerate(chunks)}
+
+
+# Chunked prefill over two steps, a prefix-only request, then decodes: request id -> the step's new tokens.
+MIXED_STEPS: list[dict[int, list[int]]] = [
+    {0: list(range(10, 23)), 1: [5, 6, 7]},
+    {0: list(range(40, 46)), 1: [8], 2: [1, 2, 3, 4, 5, 6, 7, 8, 9]},
+    {0: [3], 1: [9], 2: [10]},
+    {0: [4], 1: [11], 2: [12]},
+]
+
+
+def run_mixed_steps(model: torch.nn.Module, backend: object) -> list[dict[int, torch.Tensor]]:
+    """MIXED_STEPS through a fresh harness (32 blocks of 4) with `backend`: each step's logits."""
+    harness = PagedHarness(model, num_blocks=32, block_size=4, seed=1)
+    harness.backend = backend  # type: ignore[assignment]
+    return [harness.step(chunks) for chunks in MIXED_STEPS]
+
+
+def assert_steps_close(
+    ref: list[dict[int, torch.Tensor]], ours: list[dict[int, torch.Tensor]], *, same_argmax: bool = False
+) -> None:
+    """Every step's logits of every request within 1e-4 (and, if asked, the same greedy token)."""
+    for step, (r, o) in enumerate(zip(ref, ours, strict=True)):
+        for rid in r:
+            torch.testing.assert_close(
+                o[rid],
+                r[rid],
+                atol=1e-4,
+                rtol=1e-4,
+                msg=lambda m, s=step, q=rid: f"step {s} request {q}: {m}",
+            )
+            if same_argmax:
+                assert torch.equal(o[rid].argmax(-1), r[rid].argmax(-1)), f"step {step} request {rid}"
