@@ -10,7 +10,12 @@ import torch
 
 from pagedrs.kernels import HEAD_SIZES, decode_partitions, paged_attention, reshape_and_cache, supports
 from pagedrs.kernels._loader import GROUP_SIZES, PREFILL_MMA_TILES
-from pagedrs.kernels.attention_ops import decode_smem_bytes, prefill_m_tiles, prefill_smem_bytes
+from pagedrs.kernels.attention_ops import (
+    decode_smem_bytes,
+    prefill_m_tiles,
+    prefill_smem_bytes,
+    scalar_prefill_smem_bytes,
+)
 from pagedrs.worker.cuda_graphs import default_capture_sizes
 
 _SMEM_LIMIT = 48 * 1024  # without opting in to more dynamic shared memory
@@ -50,7 +55,7 @@ def test_shared_memory_budgets(head_size: int) -> None:
     for mt in PREFILL_MMA_TILES:
         assert prefill_smem_bytes(head_size, mt) <= 99 * 1024
     assert prefill_smem_bytes(head_size, 1) <= _SMEM_LIMIT
-    assert 4 * (16 * head_size + 2 * 32 * (head_size + 1)) + 32 <= _SMEM_LIMIT  # scalar prefill
+    assert scalar_prefill_smem_bytes(head_size) <= _SMEM_LIMIT
 
 
 def test_prefill_tile_choice() -> None:

@@ -37,6 +37,7 @@ __all__ = [
     "paged_attention",
     "prefill_m_tiles",
     "prefill_smem_bytes",
+    "scalar_prefill_smem_bytes",
     "supports",
 ]
 
@@ -66,6 +67,11 @@ def prefill_smem_bytes(head_size: int, m_tiles: int) -> int:
     row, keys = head_size + 8, 32 if q_smem else 64
     q_rows = 64 * m_tiles if q_smem else 0
     return 2 * (q_rows + 2 * keys) * row + 4 * (8 + 2 * keys)
+
+
+def scalar_prefill_smem_bytes(head_size: int) -> int:
+    """Dynamic shared memory of paged_attention_prefill_scalar<T, head_size> (its header comment)."""
+    return 4 * (_SCALAR_ROWS * head_size + 2 * 32 * (head_size + 1)) + 32
 
 
 def supports(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> bool:
@@ -318,7 +324,7 @@ def paged_attention(
         if mma:
             rows, smem = 64 * m_tiles, prefill_smem_bytes(head_size, m_tiles)
         else:
-            rows, smem = _SCALAR_ROWS, 4 * (16 * head_size + 2 * 32 * (head_size + 1)) + 32
+            rows, smem = _SCALAR_ROWS, scalar_prefill_smem_bytes(head_size)
         tiles = -(-num_tokens * group // rows) + num_seqs
         launch(
             Launch(

@@ -53,6 +53,16 @@ def _threads(work: int, cap: int) -> int:
     return max(32, min(cap, -(-work // 32) * 32))
 
 
+def _launch(
+    ctype: str, kernel: str, grid: tuple[int, int], threads: int, smem: int, args: tuple, device: torch.device
+) -> None:
+    """Launch `pagedrs::{kernel}` (template arguments included) from the dtype's layer_ops module."""
+    spec = Launch(
+        _SOURCE, layer_op_names(ctype), f"pagedrs::{kernel}", (*grid, 1), (threads, 1, 1), smem, args
+    )
+    launch(spec, device)
+
+
 def _norm_checks(x: Tensor, weight: Tensor, what: str) -> str:
     ctype = _ctype(x, what)
     _rows(x, what)
@@ -72,16 +82,15 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if num_tokens == 0:
         return out
     vec = _vec(ctype, x.element_size(), elements=(hidden, x.stride(0)), tensors=(x, weight, out))
-    spec = Launch(
-        _SOURCE,
-        layer_op_names(ctype),
-        f"pagedrs::rms_norm<{ctype}, {vec}>",
-        (num_tokens, 1, 1),
-        (_threads(hidden // vec, 1024), 1, 1),
+    _launch(
+        ctype,
+        f"rms_norm<{ctype}, {vec}>",
+        (num_tokens, 1),
+        _threads(hidden // vec, 1024),
         _NORM_SMEM,
         (ptr(out), ptr(x), ptr(weight), np.int64(x.stride(0)), np.int32(hidden), np.float32(eps)),
+        x.device,
     )
-    launch(spec, x.device)
     return out
 
 
@@ -103,12 +112,11 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) 
         elements=(hidden, x.stride(0), residual.stride(0)),
         tensors=(x, residual, weight),
     )
-    spec = Launch(
-        _SOURCE,
-        layer_op_names(ctype),
-        f"pagedrs::fused_add_rms_norm<{ctype}, {vec}>",
-        (num_tokens, 1, 1),
-        (_threads(hidden // vec, 1024), 1, 1),
+    _launch(
+        ctype,
+        f"fused_add_rms_norm<{ctype}, {vec}>",
+        (num_tokens, 1),
+        _threads(hidden // vec, 1024),
         _NORM_SMEM,
         (
             ptr(x),
@@ -119,8 +127,8 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) 
             np.int32(hidden),
             np.float32(eps),
         ),
+        x.device,
     )
-    launch(spec, x.device)
 
 
 def _check_cache(cache: Tensor, what: str, rotary_dim: int, device: torch.device) -> None:
@@ -178,12 +186,11 @@ def rotary_embedding(
     if num_tokens == 0:
         return
     num_heads, num_kv_heads = q.shape[1] // head_size, k.shape[1] // head_size
-    spec = Launch(
-        _SOURCE,
-        layer_op_names(ctype),
-        f"pagedrs::rotary_embedding<{ctype}, {'true' if is_neox else 'false'}>",
-        (num_tokens, 1, 1),
-        (_threads((num_heads + num_kv_heads) * rotary_dim // 2, 512), 1, 1),
+    _launch(
+        ctype,
+        f"rotary_embedding<{ctype}, {'true' if is_neox else 'false'}>",
+        (num_tokens, 1),
+        _threads((num_heads + num_kv_heads) * rotary_dim // 2, 512),
         0,
         (
             ptr(q),
@@ -200,8 +207,8 @@ def rotary_embedding(
             np.int32(head_size),
             np.int32(rotary_dim),
         ),
+        q.device,
     )
-    launch(spec, q.device)
 
 
 def act_and_mul(x: Tensor, activation: str) -> Tensor:
@@ -219,14 +226,13 @@ def act_and_mul(x: Tensor, activation: str) -> Tensor:
         return out
     vec = _vec(ctype, x.element_size(), elements=(d, x.stride(0)), tensors=(x, out))
     threads = _threads(d // vec, 1024)
-    spec = Launch(
-        _SOURCE,
-        layer_op_names(ctype),
-        f"pagedrs::act_and_mul<{ctype}, {vec}, {ACTIVATIONS[activation]}>",
-        (num_tokens, -(-(d // vec) // threads), 1),
-        (threads, 1, 1),
+    _launch(
+        ctype,
+        f"act_and_mul<{ctype}, {vec}, {ACTIVATIONS[activation]}>",
+        (num_tokens, -(-(d // vec) // threads)),
+        threads,
         0,
         (ptr(out), ptr(x), np.int64(x.stride(0)), np.int32(d)),
+        x.device,
     )
-    launch(spec, x.device)
     return out

@@ -143,8 +143,7 @@ class CudaGraphRunner:
         self._stream = torch.cuda.Stream(self.device)
         self._pool: object | None = None
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._kv_list: Sequence[Tensor] = ()
-        self._kv_caches: list[Tensor] = []
+        self._kv_caches: Sequence[Tensor] = ()  # as given: a step passing the same list skips the check
         self.reset(kv_caches)
 
     @property
@@ -158,8 +157,7 @@ class CudaGraphRunner:
         `lookup` does this by itself when it is given other cache tensors."""
         self._graphs.clear()
         self._pool = None
-        self._kv_list = kv_caches
-        self._kv_caches = list(kv_caches)
+        self._kv_caches = kv_caches
 
     def capture_all(self, *, progress: bool = True) -> None:
         """Capture every (size, bucket) now, largest first; log how long it took and what it cost."""
@@ -207,7 +205,7 @@ class CudaGraphRunner:
                 break
             torch.cuda.synchronize(dev)
             samples.append(before - torch.cuda.mem_get_info(dev)[0])
-        self.reset(self._kv_list)
+        self.reset(self._kv_caches)
         if not self.enabled or not samples:
             return 0
         estimate = estimate_graph_memory(samples[0], samples[1] if len(samples) > 1 else None, len(pairs))
@@ -241,7 +239,7 @@ class CudaGraphRunner:
         # A fresh metadata object each time: nothing a layer caches in meta.cache during the warm-up
         # may stand in for work the graph must redo at every replay.
         ctx = ForwardContext(
-            attn_metadata=self._meta(size, bucket), kv_caches=self._kv_caches, backend=self.backend
+            attn_metadata=self._meta(size, bucket), kv_caches=list(self._kv_caches), backend=self.backend
         )
         return self.model(self.inputs.input_ids[:size], self.inputs.positions[:size], ctx)
 
@@ -300,13 +298,13 @@ class CudaGraphRunner:
             or max_seq_len > self.buckets[-1]
         ):
             return None
-        if kv_caches is not self._kv_list:
+        if kv_caches is not self._kv_caches:
             if len(kv_caches) != len(self._kv_caches) or any(
                 a.data_ptr() != b.data_ptr() for a, b in zip(kv_caches, self._kv_caches, strict=True)
             ):
                 logger.info("KV pool reallocated: CUDA graphs are captured again as they are needed")
                 self.reset(kv_caches)
-            self._kv_list = kv_caches
+            self._kv_caches = kv_caches
         size = self.capture_sizes[bisect.bisect_left(self.capture_sizes, num_reqs)]
         bucket = self.buckets[bisect.bisect_left(self.buckets, max_seq_len)]
         if (size, bucket) not in self._graphs and not self._capture(size, bucket):
@@ -333,7 +331,7 @@ class CudaGraphRunner:
         if meta.seq_lens.shape[0] != n or meta.block_tables.shape[1] > self.max_blocks_per_seq:
             return None
         key = self.lookup(
-            n, meta.max_query_len, meta.max_seq_len, self._kv_list if kv_caches is None else kv_caches
+            n, meta.max_query_len, meta.max_seq_len, self._kv_caches if kv_caches is None else kv_caches
         )
         if key is None:
             return None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -159,12 +159,6 @@ class ModelRunner:
         self._bt_view = view
         if mirror if mirror is not None else self.device.type != "cpu":
             self._bt_device = torch.as_tensor(np.array(view), device=self.device)
-
-    def release_seqs(self, seq_ids: Iterable[int]) -> None:
-        """Sequences that finished or were aborted: their sampling slots are free again. (Optional: slots
-        of sequences never released are reclaimed when the table fills up.)"""
-        if self.sampling_state is not None:
-            self.sampling_state.remove(seq_ids)
 
     # ---- KV pool sizing -------------------------------------------------------------------------------
     @property
