@@ -328,13 +328,30 @@ def now_s() -> int:
     return int(time.time())
 
 
+def cached_tokens(outputs: Sequence[Any]) -> int:
+    """Prompt tokens the prefix cache served, over the outputs' requests (``num_cached_tokens``)."""
+    return sum(getattr(out, "num_cached_tokens", None) or 0 for out in outputs if out is not None)
+
+
+def usage_info(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
+    """OpenAI's ``usage``, with ``prompt_tokens_details.cached_tokens`` from the prefix cache."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
 __all__ = [
     "ClientDisconnected",
     "OpenAIServing",
     "SSE_DONE",
+    "cached_tokens",
     "merge_streams",
     "random_id",
     "sse",
     "sse_error",
     "to_api_error",
+    "usage_info",
 ]

@@ -13,11 +13,13 @@ from pagedrs.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedrs.entrypoints.openai.serving_base import (
     SSE_DONE,
     OpenAIServing,
+    cached_tokens,
     merge_streams,
     now_s,
     random_id,
     sse,
     sse_error,
+    usage_info,
 )
 
 
@@ -87,11 +89,7 @@ class OpenAIServingChat(OpenAIServing):
             "created": now_s(),
             "model": model,
             "choices": choices,
-            "usage": {
-                "prompt_tokens": len(ids),
-                "completion_tokens": completion_tokens,
-                "total_tokens": len(ids) + completion_tokens,
-            },
+            "usage": usage_info(len(ids), completion_tokens, cached_tokens(outputs)),
         }
 
     async def _stream(
@@ -109,6 +107,7 @@ class OpenAIServingChat(OpenAIServing):
         completion_tokens = [0] * n
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         text_of = TokenText(self.tokenizer)
+        cached = 0  # prompt tokens served by the prefix cache
 
         def chunk(
             index: int,
@@ -133,6 +132,7 @@ class OpenAIServingChat(OpenAIServing):
             for i in range(n):
                 yield chunk(i, {"role": "assistant", "content": ""}, None)
             async for _, out in merge_streams(streams):
+                cached = max(cached, out.num_cached_tokens or 0)
                 for c in out.outputs:  # delta outputs: new text, ids and logprobs only
                     idx = c.index
                     if finished[idx]:
@@ -155,11 +155,7 @@ class OpenAIServingChat(OpenAIServing):
                         "created": created,
                         "model": model,
                         "choices": [],
-                        "usage": {
-                            "prompt_tokens": len(ids),
-                            "completion_tokens": total,
-                            "total_tokens": len(ids) + total,
-                        },
+                        "usage": usage_info(len(ids), total, cached),
                     }
                 )
         except Exception as exc:  # noqa: BLE001 - after the stream started: SSE error event

@@ -13,11 +13,13 @@ from pagedrs.entrypoints.openai.protocol import CompletionRequest
 from pagedrs.entrypoints.openai.serving_base import (
     SSE_DONE,
     OpenAIServing,
+    cached_tokens,
     merge_streams,
     now_s,
     random_id,
     sse,
     sse_error,
+    usage_info,
 )
 
 
@@ -96,11 +98,7 @@ class OpenAIServingCompletion(OpenAIServing):
             "created": now_s(),
             "model": model,
             "choices": choices,
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
+            "usage": usage_info(prompt_tokens, completion_tokens, cached_tokens(outputs)),
         }
 
     async def _stream(
@@ -121,6 +119,7 @@ class OpenAIServingCompletion(OpenAIServing):
         completion_tokens = [0] * num_choices
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         text_of = TokenText(self.tokenizer)
+        cached = [0] * len(ids_list)  # per prompt, from its request's outputs
 
         def chunk(choices: list[dict[str, Any]]) -> str:
             body: dict[str, Any] = {
@@ -136,6 +135,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
         try:
             async for p_idx, out in merge_streams(streams):
+                cached[p_idx] = max(cached[p_idx], out.num_cached_tokens or 0)
                 # One read = every choice's news since the previous read, one event per choice.
                 for c in out.outputs:  # delta outputs: new text, ids and logprobs only
                     idx = p_idx * n + c.index
@@ -176,11 +176,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         "created": created,
                         "model": model,
                         "choices": [],
-                        "usage": {
-                            "prompt_tokens": prompt_tokens,
-                            "completion_tokens": total_completion,
-                            "total_tokens": prompt_tokens + total_completion,
-                        },
+                        "usage": usage_info(prompt_tokens, total_completion, sum(cached)),
                     }
                 )
         except Exception as exc:  # noqa: BLE001 - after the stream started: SSE error event
