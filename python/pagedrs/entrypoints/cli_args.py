@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass, fields
+from types import SimpleNamespace
 from typing import Any
+
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 
 # (flag, EngineArgs field, type, default, help). Defaults of None leave the engine's own default.
 _ENGINE_FLAGS: list[tuple[str, str, Any, Any, str]] = [
@@ -170,7 +174,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-body-bytes",
         type=int,
-        default=64 * 1024 * 1024,
+        default=DEFAULT_MAX_BODY_BYTES,
         help="larger request bodies get 413 (default 64 MiB)",
     )
     g.add_argument("--max-batch-concurrency", type=int, default=64, help="batch lines in flight at once")
@@ -201,6 +205,37 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--no-access-log", dest="access_log", action="store_false", help="no access log line per request"
     )
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """What the API app reads from the serve flags (``pagedrs serve``), once, with their defaults."""
+
+    served_model_name: tuple[str, ...] = ()
+    api_key: str | None = None
+    data_dir: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_batch_concurrency: int = 64
+    shutdown_grace: float = 30.0
+    api_server_count: int = 1
+    api_server_index: int = 0  # which of several API server processes this is (0 runs batch jobs)
+    model: str | None = None  # as given on the command line (SGLang's get_model_info reports it)
+    tokenizer: str | None = None
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace | SimpleNamespace | None) -> ServerArgs:
+        """Parsed flags (or any namespace holding some of them); missing or None values keep the defaults."""
+        if ns is None:
+            return cls()
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            value = getattr(ns, f.name, None)
+            if value is not None:
+                values[f.name] = value
+        names = values.get("served_model_name")
+        if names is not None:
+            values["served_model_name"] = (names,) if isinstance(names, str) else tuple(names)
+        return cls(**values)
 
 
 def make_serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
