@@ -40,6 +40,36 @@ def paged_decode_attention(
     q/out float32 [B, H, D]; kv_cache float32 [2, num_blocks, block_size, KVH, D]; block_tables int32 [B, M];
     seq_lens int32 [B] (context including the query token). All C-contiguous; ValueError otherwise."""
 
+def quant_matmul(
+    x: npt.NDArray[np.float32],
+    weight: npt.NDArray[np.uint8],
+    ggml_type: int,
+    out: npt.NDArray[np.float32],
+    col0: int = 0,
+    num_threads: int = 1,
+) -> None:
+    """out[:, col0:col0 + N] = x @ W^T with W kept in a GGUF block layout; GIL released.
+
+    x float32 [M, K]; weight uint8 [N, row_bytes] (each row its GGUF blocks of type ``ggml_type``, a
+    ``gguf.GGMLQuantizationType`` value); out float32 [M, ldo]. ValueError on a bad shape or type."""
+
+def quant_get_rows(
+    weight: npt.NDArray[np.uint8],
+    ggml_type: int,
+    ids: npt.NDArray[np.int64],
+    out: npt.NDArray[np.float32],
+) -> None:
+    """out[i] = dequantized row ids[i] of the GGUF-quantized weight (an embedding lookup)."""
+
+def quant_type_ids() -> list[int]:
+    """GGML type ids the quantized kernels take (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)."""
+
+def quant_isa() -> str:
+    """The kernels quant_matmul runs on this CPU: "avx2" or "portable"."""
+
+def cpu_pool_workers() -> int:
+    """Worker threads of the CPU kernels' pool (the calling thread is one more)."""
+
 class FinishReason:
     """Why the scheduler finished a sequence. `value` is OpenAI's name: "stop" or "length"."""
 

@@ -1,10 +1,13 @@
-//! CPU kernels over the paged KV cache (pure Rust, no Python): the decode attention used by the torch
-//! backend on CPU instead of its gather + batched matmul.
+//! CPU kernels (pure Rust, no Python): the decode attention over the paged KV cache used by the torch
+//! backend on CPU instead of its gather + batched matmul, and matmuls over GGUF-quantized weights
+//! (`quant`), run on a warm thread pool (`pool`).
 //!
 //! KV cache layout (as everywhere in pagedrs): `[2, num_blocks, block_size, num_kv_heads, head_size]`,
 //! index 0 = K, 1 = V.
 
 mod decode;
+pub mod pool;
+pub mod quant;
 
 pub use decode::{paged_decode_f32, DecodeDims};
 
@@ -33,4 +36,14 @@ pub enum KernelError {
         block: i64,
         num_blocks: usize,
     },
+    #[error("K = {k} is not a positive multiple of the {qtype} block length {block}")]
+    BlockLen {
+        qtype: &'static str,
+        k: usize,
+        block: usize,
+    },
+    #[error("columns {col0}..{col0}+{n} do not fit in output rows of {ldo}")]
+    Columns { col0: usize, n: usize, ldo: usize },
+    #[error("ids[{index}] = {id} is outside 0..{n}")]
+    Row { index: usize, id: i64, n: usize },
 }

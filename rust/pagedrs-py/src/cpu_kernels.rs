@@ -1,4 +1,5 @@
-//! `paged_decode_attention`: numpy arrays checked and converted, then `pagedrs_cpu` with the GIL released.
+//! `paged_decode_attention` and the GGUF-quantized matmuls (`quant_*`): numpy arrays checked and
+//! converted, then `pagedrs_cpu` with the GIL released.
 
 use numpy::{
     dtype, Element, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyUntypedArray,
@@ -7,6 +8,7 @@ use numpy::{
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use pagedrs_cpu::quant::{self, Isa, MatmulDims, QuantType};
 use pagedrs_cpu::{paged_decode_f32, DecodeDims};
 
 /// `obj` as a C-contiguous numpy array of `T` with `ndim` dimensions, else a ValueError naming it.
@@ -120,4 +122,101 @@ pub fn paged_decode_attention(
         )
     })
     .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+fn quant_type(ggml_type: u32) -> PyResult<QuantType> {
+    QuantType::from_ggml_id(ggml_type).ok_or_else(|| {
+        let known: Vec<u32> = QuantType::ALL.iter().map(|t| t.ggml_id()).collect();
+        PyValueError::new_err(format!(
+            "GGML type {ggml_type} has no quantized CPU kernel; supported: {known:?}"
+        ))
+    })
+}
+
+/// The GGML type ids (`gguf.GGMLQuantizationType` values) the quantized kernels take.
+#[pyfunction]
+pub fn quant_type_ids() -> Vec<u32> {
+    QuantType::ALL.iter().map(|t| t.ggml_id()).collect()
+}
+
+/// Which kernels `quant_matmul` runs on this CPU: "avx2" or "portable".
+#[pyfunction]
+pub fn quant_isa() -> &'static str {
+    Isa::detect().name()
+}
+
+/// Worker threads of the kernels' pool (the calling thread is one more).
+#[pyfunction]
+pub fn cpu_pool_workers() -> usize {
+    pagedrs_cpu::pool::num_workers()
+}
+
+/// out[:, col0:col0 + N] = x @ W^T with W in a GGUF block layout. x float32 [M, K]; weight uint8
+/// [N, row_bytes] (each row its GGUF blocks); out float32 [M, ldo].
+#[pyfunction]
+#[pyo3(signature = (x, weight, ggml_type, out, col0=0, num_threads=1))]
+pub fn quant_matmul(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    ggml_type: u32,
+    out: &Bound<'_, PyAny>,
+    col0: usize,
+    num_threads: usize,
+) -> PyResult<()> {
+    let qt = quant_type(ggml_type)?;
+    let x = array::<f32>(x, "x", 2, "float32")?;
+    let w = array::<u8>(weight, "weight", 2, "uint8")?;
+    let out = array::<f32>(out, "out", 2, "float32")?;
+    let (xs, ws, os) = (x.shape().to_vec(), w.shape().to_vec(), out.shape().to_vec());
+    let k = xs[1];
+    if k % qt.block_len() != 0 || ws[1] != qt.row_bytes(k) || os[0] != xs[0] {
+        return Err(shape_error(
+            "quant_matmul needs x [M, K], weight [N, row_bytes(K)], out [M, ldo]",
+            format!(
+                "got x {xs:?}, weight {ws:?} ({} rows of {} take {} bytes), out {os:?}",
+                qt.name(),
+                k,
+                qt.row_bytes(k)
+            ),
+        ));
+    }
+    let dims = MatmulDims {
+        m: xs[0],
+        k,
+        n: ws[0],
+        ldo: os[1],
+        col0,
+    };
+    let (x, w) = (x.readonly(), w.readonly());
+    let mut out = out
+        .try_readwrite()
+        .map_err(|e| PyValueError::new_err(format!("out cannot be written: {e}")))?;
+    let (x, w, out) = (x.as_slice()?, w.as_slice()?, out.as_slice_mut()?);
+    py.detach(|| quant::quant_matmul(qt, w, x, out, &dims, num_threads))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// out[i] = dequantized row ids[i] of W (an embedding lookup). weight uint8 [N, row_bytes]; ids int64
+/// [T]; out float32 [T, K].
+#[pyfunction]
+pub fn quant_get_rows(
+    py: Python<'_>,
+    weight: &Bound<'_, PyAny>,
+    ggml_type: u32,
+    ids: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let qt = quant_type(ggml_type)?;
+    let w = array::<u8>(weight, "weight", 2, "uint8")?;
+    let ids = array::<i64>(ids, "ids", 1, "int64")?;
+    let out = array::<f32>(out, "out", 2, "float32")?;
+    let (n, k) = (w.shape()[0], out.shape()[1]);
+    let (w, ids) = (w.readonly(), ids.readonly());
+    let mut out = out
+        .try_readwrite()
+        .map_err(|e| PyValueError::new_err(format!("out cannot be written: {e}")))?;
+    let (w, ids, out) = (w.as_slice()?, ids.as_slice()?, out.as_slice_mut()?);
+    py.detach(|| quant::quant_get_rows(qt, w, n, k, ids, out))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
 }

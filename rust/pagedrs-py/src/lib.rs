@@ -45,6 +45,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernel_source, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_names, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::paged_decode_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_kernels::quant_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_kernels::quant_get_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_kernels::quant_type_ids, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_kernels::quant_isa, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_kernels::cpu_pool_workers, m)?)?;
     errors::register(m)?;
     m.add_class::<scheduler::PyScheduler>()?;
     m.add_class::<plan::PyStepPlan>()?;

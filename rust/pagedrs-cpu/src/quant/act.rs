@@ -1,0 +1,92 @@
+//! Activations quantized to 8 bits per block of 32 (as llama.cpp's `block_q8_1`, with f32 scales):
+//! `x[i] ~ d[b] * qs[i]`, and `s[b] = d[b] * sum(qs of block b)` for the offset terms of the weight types
+//! that carry one (Q4_1, Q5_1, the K-quants' mins).
+
+use super::formats::SUB;
+
+/// `rows` activation rows of `k` values each (`k` a multiple of 32), quantized.
+pub struct QuantizedActs {
+    pub k: usize,
+    pub rows: usize,
+    pub qs: Vec<i8>,
+    pub d: Vec<f32>,
+    pub s: Vec<f32>,
+}
+
+/// One quantized row, borrowed.
+#[derive(Clone, Copy)]
+pub struct ActRow<'a> {
+    pub qs: &'a [i8],
+    pub d: &'a [f32],
+    pub s: &'a [f32],
+}
+
+impl QuantizedActs {
+    /// Quantizes `x` (`rows * k` values, row-major).
+    pub fn new(x: &[f32], rows: usize, k: usize) -> Self {
+        debug_assert_eq!(x.len(), rows * k);
+        debug_assert_eq!(k % SUB, 0);
+        let nb = rows * k / SUB;
+        let mut qs = vec![0i8; rows * k];
+        let (mut d, mut s) = (vec![0.0f32; nb], vec![0.0f32; nb]);
+        for (((x, q), d), s) in x
+            .chunks_exact(SUB)
+            .zip(qs.chunks_exact_mut(SUB))
+            .zip(d.iter_mut())
+            .zip(s.iter_mut())
+        {
+            (*d, *s) = quantize_block(x, q);
+        }
+        QuantizedActs { k, rows, qs, d, s }
+    }
+
+    pub fn row(&self, r: usize) -> ActRow<'_> {
+        let nb = self.k / SUB;
+        ActRow {
+            qs: &self.qs[r * self.k..][..self.k],
+            d: &self.d[r * nb..][..nb],
+            s: &self.s[r * nb..][..nb],
+        }
+    }
+}
+
+/// Round to nearest (ties to even, as `_mm256_round_ps` does); returns (d, d * sum(q)).
+#[inline]
+fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32) {
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+    let mut sum = 0i32;
+    for (q, &v) in q.iter_mut().zip(x) {
+        let r = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
+        *q = r;
+        sum += i32::from(r);
+    }
+    (d, d * sum as f32)
+}
+
+/// `dot(dequantized weight row, dequantized activation row)` through the sub-block decoder, in plain
+/// Rust: the fallback on CPUs without AVX2 (and the reference the SIMD kernels are tested against).
+pub fn dot_portable(qt: super::QuantType, wrow: &[u8], a: ActRow<'_>) -> f32 {
+    let (bb, subs) = (qt.block_bytes(), qt.block_len() / SUB);
+    let mut vals = [0i8; SUB];
+    let mut acc = 0.0f32;
+    for (blk, block) in wrow.chunks_exact(bb).enumerate() {
+        for sub in 0..subs {
+            let (scale, offset) = super::formats::decode_sub(qt, block, sub, &mut vals);
+            let ab = blk * subs + sub;
+            let xq = &a.qs[ab * SUB..][..SUB];
+            let (mut dot, mut sx) = ([0i32; 2], [0i32; 2]);
+            for (i, (&w, &x)) in vals.iter().zip(xq).enumerate() {
+                dot[i / 16] += i32::from(w) * i32::from(x);
+                sx[i / 16] += i32::from(x);
+            }
+            acc += a.d[ab]
+                * (scale[0] * dot[0] as f32
+                    + scale[1] * dot[1] as f32
+                    + offset[0] * sx[0] as f32
+                    + offset[1] * sx[1] as f32);
+        }
+    }
+    acc
+}

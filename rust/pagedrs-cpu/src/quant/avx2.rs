@@ -1,0 +1,303 @@
+//! AVX2 + FMA + F16C dot products of one weight row with `R` quantized activation rows (the weight
+//! block is unpacked once for all `R`). Integer products as llama.cpp does them: `maddubs` of unsigned
+//! weights (0..63) by signed 8-bit activations, `madd` by ones (or by 16-bit scales) to 32 bits, then one
+//! float FMA per 32 weights with the product of the two block scales.
+//!
+//! Every function here is `unsafe`: callers must have checked that the CPU has AVX2, FMA and F16C, and
+//! that `w` points at `nb` whole blocks of the type and every `ActRow` holds the matching sub-blocks.
+
+use std::arch::x86_64::*;
+
+use super::act::ActRow;
+use super::formats::scale_min_k4;
+use super::QuantType;
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn half(p: *const u8) -> f32 {
+    let bits = p.cast::<u16>().read_unaligned();
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load_x(a: &ActRow<'_>, sub: usize) -> __m256i {
+    _mm256_loadu_si256(a.qs.as_ptr().add(sub * 32).cast())
+}
+
+/// 16 bytes of nibble pairs -> 32 bytes: low nibbles first (weights 0..16), then the high ones.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles16(p: *const u8) -> __m256i {
+    let q = _mm_loadu_si128(p.cast());
+    let m = _mm_set1_epi8(0x0f);
+    _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m))
+}
+
+/// Bit `i` of `qh` -> 0x10 in byte `i` (the fifth bit of the Q5_0 / Q5_1 weights).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn high_bits(qh: u32) -> __m256i {
+    let v = _mm256_set1_epi32(qh as i32);
+    let shuf = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
+        3, 3,
+    );
+    let bytes = _mm256_shuffle_epi8(v, shuf);
+    let sel = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, sel), sel);
+    _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+}
+
+/// `acc[r] += (w . x_r of sub-block sub) * dw * d_r[sub]` for unsigned weights `w`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn acc_unsigned<const R: usize>(
+    w: __m256i,
+    a: &[ActRow<'_>; R],
+    sub: usize,
+    dw: f32,
+    acc: &mut [__m256; R],
+) {
+    let ones = _mm256_set1_epi16(1);
+    for r in 0..R {
+        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, load_x(&a[r], sub)), ones);
+        let scale = _mm256_set1_ps(dw * *a[r].d.get_unchecked(sub));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r]);
+    }
+}
+
+/// `off[r] += c * s_r[sub]` (the weight offset times the activation block's sum).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn acc_offset<const R: usize>(a: &[ActRow<'_>; R], sub: usize, c: f32, off: &mut [f32; R]) {
+    for r in 0..R {
+        off[r] += c * *a[r].s.get_unchecked(sub);
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn finish<const R: usize>(acc: [__m256; R], off: [f32; R]) -> [f32; R] {
+    let mut out = [0.0f32; R];
+    for r in 0..R {
+        out[r] = hsum(acc[r]) + off[r];
+    }
+    out
+}
+
+/// Dot products of one weight row (`nb` blocks of `qt` at `w`) with each of `a`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dot_rows<const R: usize>(
+    qt: QuantType,
+    w: *const u8,
+    nb: usize,
+    a: &[ActRow<'_>; R],
+) -> [f32; R] {
+    match qt {
+        QuantType::Q4_0 => q4_0(w, nb, a),
+        QuantType::Q4_1 => q4_1(w, nb, a),
+        QuantType::Q5_0 => q5_0(w, nb, a),
+        QuantType::Q5_1 => q5_1(w, nb, a),
+        QuantType::Q8_0 => q8_0(w, nb, a),
+        QuantType::Q4_K => q4_k(w, nb, a),
+        QuantType::Q5_K => q5_k(w, nb, a),
+        QuantType::Q6_K => q6_k(w, nb, a),
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_0<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
+    let (mut acc, mut off) = ([_mm256_setzero_ps(); R], [0.0f32; R]);
+    for b in 0..nb {
+        let p = w.add(b * 18);
+        let d = half(p);
+        acc_unsigned(nibbles16(p.add(2)), a, b, d, &mut acc);
+        acc_offset(a, b, -8.0 * d, &mut off);
+    }
+    finish(acc, off)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_1<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
+    let (mut acc, mut off) = ([_mm256_setzero_ps(); R], [0.0f32; R]);
+    for b in 0..nb {
+        let p = w.add(b * 20);
+        acc_unsigned(nibbles16(p.add(4)), a, b, half(p), &mut acc);
+        acc_offset(a, b, half(p.add(2)), &mut off);
+    }
+    finish(acc, off)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_0<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
+    let (mut acc, mut off) = ([_mm256_setzero_ps(); R], [0.0f32; R]);
+    for b in 0..nb {
+        let p = w.add(b * 22);
+        let d = half(p);
+        let qh = p.add(2).cast::<u32>().read_unaligned();
+        let q = _mm256_or_si256(nibbles16(p.add(6)), high_bits(u32::from_le(qh)));
+        acc_unsigned(q, a, b, d, &mut acc);
+        acc_offset(a, b, -16.0 * d, &mut off);
+    }
+    finish(acc, off)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_1<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
+    let (mut acc, mut off) = ([_mm256_setzero_ps(); R], [0.0f32; R]);
+    for b in 0..nb {
+        let p = w.add(b * 24);
+        let qh = p.add(4).cast::<u32>().read_unaligned();
+        let q = _mm256_or_si256(nibbles16(p.add(8)), high_bits(u32::from_le(qh)));
+        acc_unsigned(q, a, b, half(p), &mut acc);
+        acc_offset(a, b, half(p.add(2)), &mut off);
+    }
+    finish(acc, off)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_0<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
+    let mut acc = [_mm256_setzero_ps(); R];
+    let ones = _mm256_set1_epi16(1);
+    for b in 0..nb {
+        let p = w.add(b * 34);
+        let d = half(p);
+        let q = _mm256_loadu_si256(p.add(2).cast());
+        // Signed x signed through maddubs: |w| times x with w's sign moved onto x.
+        let aq = _mm256_sign_epi8(q, q);
+        for r in 0..R {
+            let x = _mm256_sign_epi8(load_x(&a[r], b), q);
+            let s = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, x), ones);
+            let scale = _mm256_set1_ps(d * *a[r].d.get_unchecked(b));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
+        }
+    }
+    finish(acc, [0.0; R])
+}
+
+/// The 8 (scale, min) pairs of a Q4_K / Q5_K block, as floats times d and dmin.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k_scales(p: *const u8) -> ([f32; 8], [f32; 8]) {
+    let (d, dmin) = (half(p), half(p.add(2)));
+    let packed = std::slice::from_raw_parts(p.add(4), 12);
+    let (mut sc, mut mn) = ([0.0f32; 8], [0.0f32; 8]);
+    for j in 0..8 {
+        let (s, m) = scale_min_k4(j, packed);
+        sc[j] = d * f32::from(s);
+        mn[j] = -(dmin * f32::from(m));
+    }
+    (sc, mn)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_k<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
+    let (mut acc, mut off) = ([_mm256_setzero_ps(); R], [0.0f32; R]);
+    let m4 = _mm256_set1_epi8(0x0f);
+    for b in 0..nb {
+        let p = w.add(b * 144);
+        let (sc, mn) = k_scales(p);
+        for j in 0..4 {
+            let q = _mm256_loadu_si256(p.add(16 + 32 * j).cast());
+            let (s0, s1) = (8 * b + 2 * j, 8 * b + 2 * j + 1);
+            acc_unsigned(_mm256_and_si256(q, m4), a, s0, sc[2 * j], &mut acc);
+            acc_unsigned(
+                _mm256_and_si256(_mm256_srli_epi16(q, 4), m4),
+                a,
+                s1,
+                sc[2 * j + 1],
+                &mut acc,
+            );
+            acc_offset(a, s0, mn[2 * j], &mut off);
+            acc_offset(a, s1, mn[2 * j + 1], &mut off);
+        }
+    }
+    finish(acc, off)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_k<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
+    let (mut acc, mut off) = ([_mm256_setzero_ps(); R], [0.0f32; R]);
+    let (m4, one) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(1));
+    for b in 0..nb {
+        let p = w.add(b * 176);
+        let (sc, mn) = k_scales(p);
+        // Bit s of each qh byte is the fifth bit of sub-block s; shifted down one per sub-block.
+        let mut qh = _mm256_loadu_si256(p.add(16).cast());
+        for j in 0..4 {
+            let q = _mm256_loadu_si256(p.add(48 + 32 * j).cast());
+            let (s0, s1) = (8 * b + 2 * j, 8 * b + 2 * j + 1);
+            let h0 = _mm256_slli_epi16(_mm256_and_si256(qh, one), 4);
+            qh = _mm256_srli_epi16(qh, 1);
+            let h1 = _mm256_slli_epi16(_mm256_and_si256(qh, one), 4);
+            qh = _mm256_srli_epi16(qh, 1);
+            let lo = _mm256_or_si256(_mm256_and_si256(q, m4), h0);
+            let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), h1);
+            acc_unsigned(lo, a, s0, sc[2 * j], &mut acc);
+            acc_unsigned(hi, a, s1, sc[2 * j + 1], &mut acc);
+            acc_offset(a, s0, mn[2 * j], &mut off);
+            acc_offset(a, s1, mn[2 * j + 1], &mut off);
+        }
+    }
+    finish(acc, off)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6_k<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
+    let mut acc = [_mm256_setzero_ps(); R];
+    let (m4, m3, m32) = (
+        _mm256_set1_epi8(0x0f),
+        _mm256_set1_epi8(3),
+        _mm256_set1_epi8(32),
+    );
+    for b in 0..nb {
+        let p = w.add(b * 210);
+        let d = half(p.add(208));
+        for h in 0..2 {
+            let ql0 = _mm256_loadu_si256(p.add(64 * h).cast());
+            let ql1 = _mm256_loadu_si256(p.add(64 * h + 32).cast());
+            let qh = _mm256_loadu_si256(p.add(128 + 32 * h).cast());
+            let sc = p.add(192 + 8 * h).cast::<i8>();
+            let quarters = [
+                (_mm256_and_si256(ql0, m4), qh),
+                (_mm256_and_si256(ql1, m4), _mm256_srli_epi16(qh, 2)),
+                (
+                    _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                    _mm256_srli_epi16(qh, 4),
+                ),
+                (
+                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                    _mm256_srli_epi16(qh, 6),
+                ),
+            ];
+            for (t, (lo, hi)) in quarters.into_iter().enumerate() {
+                let q = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(hi, m3), 4));
+                let scales = _mm256_set_m128i(
+                    _mm_set1_epi16(i16::from(*sc.add(2 * t + 1))),
+                    _mm_set1_epi16(i16::from(*sc.add(2 * t))),
+                );
+                let sub = 8 * b + 4 * h + t;
+                for r in 0..R {
+                    let x = load_x(&a[r], sub);
+                    // (q - 32) . x per 16 weights, times that half's scale.
+                    let pq = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), scales);
+                    let p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(m32, x), scales);
+                    let s = _mm256_cvtepi32_ps(_mm256_sub_epi32(pq, p32));
+                    let scale = _mm256_set1_ps(d * *a[r].d.get_unchecked(sub));
+                    acc[r] = _mm256_fmadd_ps(s, scale, acc[r]);
+                }
+            }
+        }
+    }
+    finish(acc, [0.0; R])
+}

@@ -1,0 +1,236 @@
+//! llama.cpp's GGUF weight block layouts (ggml's `block_q4_0` ... `block_q6_K`), decoded 32 weights at a
+//! time into small integers plus a scale and an offset per 16 weights:
+//! `weight[i] = scale[i / 16] * vals[i] + offset[i / 16]`.
+//!
+//! This decoding is what the portable dot product and the dequantizer use; the AVX2 kernels read the same
+//! bytes with vector loads.
+
+/// A GGUF block type the kernels take. Names and numeric ids are ggml's (`GGML_TYPE_Q4_0 = 2`, ...).
+#[allow(non_camel_case_types)] // ggml's names, as every GGUF tool prints them
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QuantType {
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+}
+
+/// Weights per sub-block: the unit an activation block (and one decode) covers.
+pub const SUB: usize = 32;
+
+impl QuantType {
+    pub const ALL: [QuantType; 8] = [
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::Q5_0,
+        QuantType::Q5_1,
+        QuantType::Q8_0,
+        QuantType::Q4_K,
+        QuantType::Q5_K,
+        QuantType::Q6_K,
+    ];
+
+    /// The type with ggml's numeric id (`GGMLQuantizationType` in gguf-py), if the kernels take it.
+    pub fn from_ggml_id(id: u32) -> Option<Self> {
+        Self::ALL.into_iter().find(|t| t.ggml_id() == id)
+    }
+
+    pub fn ggml_id(self) -> u32 {
+        match self {
+            QuantType::Q4_0 => 2,
+            QuantType::Q4_1 => 3,
+            QuantType::Q5_0 => 6,
+            QuantType::Q5_1 => 7,
+            QuantType::Q8_0 => 8,
+            QuantType::Q4_K => 12,
+            QuantType::Q5_K => 13,
+            QuantType::Q6_K => 14,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantType::Q4_0 => "Q4_0",
+            QuantType::Q4_1 => "Q4_1",
+            QuantType::Q5_0 => "Q5_0",
+            QuantType::Q5_1 => "Q5_1",
+            QuantType::Q8_0 => "Q8_0",
+            QuantType::Q4_K => "Q4_K",
+            QuantType::Q5_K => "Q5_K",
+            QuantType::Q6_K => "Q6_K",
+        }
+    }
+
+    /// Weights per block (32 for the legacy types, 256 for the K-quants).
+    pub fn block_len(self) -> usize {
+        match self {
+            QuantType::Q4_K | QuantType::Q5_K | QuantType::Q6_K => 256,
+            _ => 32,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            QuantType::Q4_0 => 18,
+            QuantType::Q4_1 => 20,
+            QuantType::Q5_0 => 22,
+            QuantType::Q5_1 => 24,
+            QuantType::Q8_0 => 34,
+            QuantType::Q4_K => 144,
+            QuantType::Q5_K => 176,
+            QuantType::Q6_K => 210,
+        }
+    }
+
+    /// Bytes of one row of `k` weights (`k` a multiple of `block_len`).
+    pub fn row_bytes(self, k: usize) -> usize {
+        k / self.block_len() * self.block_bytes()
+    }
+}
+
+/// IEEE half -> f32 (exact; subnormals, infinities and NaN included).
+pub fn f16_to_f32(bits: u16) -> f32 {
+    let sign = u32::from(bits & 0x8000) << 16;
+    let exp = u32::from((bits >> 10) & 0x1f);
+    let mant = u32::from(bits & 0x3ff);
+    if exp == 0 {
+        // zero or subnormal: mant * 2^-24
+        let v = mant as f32 * (1.0 / 16_777_216.0);
+        return if sign != 0 { -v } else { v };
+    }
+    let body = if exp == 31 {
+        0x7f80_0000 | (mant << 13)
+    } else {
+        ((exp + 112) << 23) | (mant << 13)
+    };
+    f32::from_bits(sign | body)
+}
+
+#[inline(always)]
+pub(crate) fn half_at(b: &[u8], off: usize) -> f32 {
+    f16_to_f32(u16::from_le_bytes([b[off], b[off + 1]]))
+}
+
+/// ggml's `get_scale_min_k4`: the 6-bit scale and min of sub-block `j` (0..8) of a Q4_K / Q5_K block.
+#[inline(always)]
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// Decodes sub-block `sub` (32 weights) of `block` into `vals`; returns (scale, offset) per half.
+#[inline(always)]
+pub(crate) fn decode_sub(
+    qt: QuantType,
+    block: &[u8],
+    sub: usize,
+    vals: &mut [i8; SUB],
+) -> ([f32; 2], [f32; 2]) {
+    match qt {
+        QuantType::Q4_0 => {
+            let d = half_at(block, 0);
+            for i in 0..16 {
+                let q = block[2 + i];
+                vals[i] = (q & 0x0f) as i8 - 8;
+                vals[i + 16] = (q >> 4) as i8 - 8;
+            }
+            ([d; 2], [0.0; 2])
+        }
+        QuantType::Q4_1 => {
+            let (d, m) = (half_at(block, 0), half_at(block, 2));
+            for i in 0..16 {
+                let q = block[4 + i];
+                vals[i] = (q & 0x0f) as i8;
+                vals[i + 16] = (q >> 4) as i8;
+            }
+            ([d; 2], [m; 2])
+        }
+        QuantType::Q5_0 | QuantType::Q5_1 => {
+            let (d, m, qh_at) = if qt == QuantType::Q5_0 {
+                (half_at(block, 0), 0.0, 2)
+            } else {
+                (half_at(block, 0), half_at(block, 2), 4)
+            };
+            let qh = u32::from_le_bytes([
+                block[qh_at],
+                block[qh_at + 1],
+                block[qh_at + 2],
+                block[qh_at + 3],
+            ]);
+            let bias = if qt == QuantType::Q5_0 { 16 } else { 0 };
+            for i in 0..16 {
+                let q = block[qh_at + 4 + i];
+                let h0 = ((qh >> i) & 1) as u8;
+                let h1 = ((qh >> (i + 16)) & 1) as u8;
+                vals[i] = ((q & 0x0f) | (h0 << 4)) as i8 - bias;
+                vals[i + 16] = ((q >> 4) | (h1 << 4)) as i8 - bias;
+            }
+            ([d; 2], [m; 2])
+        }
+        QuantType::Q8_0 => {
+            let d = half_at(block, 0);
+            for (v, &q) in vals.iter_mut().zip(&block[2..34]) {
+                *v = q as i8;
+            }
+            ([d; 2], [0.0; 2])
+        }
+        QuantType::Q4_K | QuantType::Q5_K => {
+            let (d, dmin) = (half_at(block, 0), half_at(block, 2));
+            let (sc, m) = scale_min_k4(sub, &block[4..16]);
+            // 64 weights per 32 bytes of qs: sub-block 2j in the low nibbles, 2j + 1 in the high ones.
+            let qs_at = if qt == QuantType::Q4_K { 16 } else { 48 };
+            let shift = 4 * (sub & 1);
+            let qs = &block[qs_at + 32 * (sub / 2)..][..32];
+            for (i, v) in vals.iter_mut().enumerate() {
+                let mut q = (qs[i] >> shift) & 0x0f;
+                if qt == QuantType::Q5_K {
+                    q |= ((block[16 + i] >> sub) & 1) << 4;
+                }
+                *v = q as i8;
+            }
+            ([d * f32::from(sc); 2], [-(dmin * f32::from(m)); 2])
+        }
+        QuantType::Q6_K => {
+            // 128 weights per half block: ql[64], qh[32], scales[8]; quarter t = sub % 4.
+            let (half, t) = (sub / 4, sub % 4);
+            let d = half_at(block, 208);
+            let ql = &block[64 * half..][..64];
+            let qh = &block[128 + 32 * half..][..32];
+            let sc = &block[192 + 8 * half..][..8];
+            let (lo_at, nib_shift) = (32 * (t & 1), 4 * (t >> 1));
+            for (i, v) in vals.iter_mut().enumerate() {
+                let lo = (ql[lo_at + i] >> nib_shift) & 0x0f;
+                let hi = (qh[i] >> (2 * t)) & 3;
+                *v = (lo | (hi << 4)) as i8 - 32;
+            }
+            let s0 = f32::from(sc[2 * t] as i8);
+            let s1 = f32::from(sc[2 * t + 1] as i8);
+            ([d * s0, d * s1], [0.0; 2])
+        }
+    }
+}
+
+/// Dequantizes one row (`out.len()` weights, a multiple of the block length) from its bytes.
+pub fn dequantize_row(qt: QuantType, row: &[u8], out: &mut [f32]) {
+    let (bl, bb) = (qt.block_len(), qt.block_bytes());
+    let mut vals = [0i8; SUB];
+    for (block, o) in row.chunks_exact(bb).zip(out.chunks_exact_mut(bl)) {
+        for (sub, o) in o.chunks_exact_mut(SUB).enumerate() {
+            let (scale, offset) = decode_sub(qt, block, sub, &mut vals);
+            for (i, (y, &v)) in o.iter_mut().zip(&vals).enumerate() {
+                *y = scale[i / 16] * f32::from(v) + offset[i / 16];
+            }
+        }
+    }
+}

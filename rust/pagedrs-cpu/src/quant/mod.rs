@@ -1,0 +1,264 @@
+//! Matmuls over weights kept in llama.cpp's GGUF block layouts: `y[M, N] = x[M, K] @ W[N, K]^T`, with
+//! each row of W stored as its GGUF blocks (the layout of the file's tensor data, unchanged).
+//!
+//! As llama.cpp does: the activations are quantized to 8 bits per block of 32 once per call, then each
+//! output is a sum of integer dot products (32 weights at a time) times the two block scales. Weight
+//! rows are split over the warm thread pool; each weight row is unpacked once for 4 activation rows.
+//! On x86-64 the AVX2 + FMA + F16C kernels are chosen at run time; elsewhere (or without them) the
+//! portable decoder runs.
+
+mod act;
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod avx2;
+mod formats;
+
+pub use act::{dot_portable, ActRow, QuantizedActs};
+pub use formats::{dequantize_row, f16_to_f32, QuantType};
+
+use crate::pool::parallel_for;
+use crate::KernelError;
+
+/// Which kernels run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+}
+
+impl Isa {
+    /// The best kernels this CPU runs.
+    pub fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+        {
+            return Isa::Avx2;
+        }
+        Isa::Portable
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => "avx2",
+        }
+    }
+}
+
+/// Shapes of one call: x `[m, k]`, W `[n, k]` (as `n` rows of `qt.row_bytes(k)` bytes), and out rows of
+/// `ldo` floats of which columns `col0..col0 + n` are written (so the pieces of a fused layer whose
+/// weights have different types can write one output).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MatmulDims {
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+    pub ldo: usize,
+    pub col0: usize,
+}
+
+/// Output rows per task handed to a thread: enough work to amortize the hand-out, small enough that a
+/// thread slowed down by another process leaves the rest to the others.
+const ROWS_PER_TASK: usize = 16;
+
+/// `out[i, col0 + j] = sum_k x[i, k] * W[j, k]` for the dims given; the other columns are untouched.
+pub fn quant_matmul(
+    qt: QuantType,
+    w: &[u8],
+    x: &[f32],
+    out: &mut [f32],
+    dims: &MatmulDims,
+    num_threads: usize,
+) -> Result<(), KernelError> {
+    quant_matmul_with(Isa::detect(), qt, w, x, out, dims, num_threads)
+}
+
+/// `quant_matmul` with the kernels chosen by the caller (tests compare them). `Isa::Avx2` on a CPU
+/// without AVX2, FMA and F16C falls back to the portable kernels.
+pub fn quant_matmul_with(
+    isa: Isa,
+    qt: QuantType,
+    w: &[u8],
+    x: &[f32],
+    out: &mut [f32],
+    dims: &MatmulDims,
+    num_threads: usize,
+) -> Result<(), KernelError> {
+    validate(qt, w, x, out, dims)?;
+    let isa = if isa == Isa::detect() {
+        isa
+    } else {
+        Isa::Portable
+    };
+    let d = *dims;
+    if d.m == 0 || d.n == 0 {
+        return Ok(());
+    }
+    let acts = QuantizedActs::new(x, d.m, d.k);
+    let row_bytes = qt.row_bytes(d.k);
+    let out = OutPtr(out.as_mut_ptr());
+    let tasks = d.n.div_ceil(ROWS_PER_TASK);
+    parallel_for(num_threads, tasks, &|task| {
+        let rows = task * ROWS_PER_TASK..((task + 1) * ROWS_PER_TASK).min(d.n);
+        let tile = Tile {
+            isa,
+            qt,
+            w,
+            row_bytes,
+            acts: &acts,
+            out,
+            d,
+        };
+        tile.run(rows);
+    });
+    Ok(())
+}
+
+/// Dequantizes rows `ids` of W (`[n, k]`) into `out` (`[ids.len(), k]`): an embedding lookup.
+pub fn quant_get_rows(
+    qt: QuantType,
+    w: &[u8],
+    n: usize,
+    k: usize,
+    ids: &[i64],
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    check_k(qt, k)?;
+    let rb = qt.row_bytes(k);
+    check_len("weight", w.len(), n * rb)?;
+    check_len("out", out.len(), ids.len() * k)?;
+    for (i, &id) in ids.iter().enumerate() {
+        if id < 0 || id as usize >= n {
+            return Err(KernelError::Row { index: i, id, n });
+        }
+    }
+    for (&id, o) in ids.iter().zip(out.chunks_exact_mut(k.max(1))) {
+        dequantize_row(qt, &w[id as usize * rb..][..rb], o);
+    }
+    Ok(())
+}
+
+fn check_k(qt: QuantType, k: usize) -> Result<(), KernelError> {
+    if k == 0 || k % qt.block_len() != 0 {
+        return Err(KernelError::BlockLen {
+            qtype: qt.name(),
+            k,
+            block: qt.block_len(),
+        });
+    }
+    Ok(())
+}
+
+fn check_len(name: &'static str, actual: usize, expected: usize) -> Result<(), KernelError> {
+    if actual != expected {
+        return Err(KernelError::Length {
+            name,
+            actual,
+            expected,
+        });
+    }
+    Ok(())
+}
+
+fn validate(
+    qt: QuantType,
+    w: &[u8],
+    x: &[f32],
+    out: &[f32],
+    d: &MatmulDims,
+) -> Result<(), KernelError> {
+    check_k(qt, d.k)?;
+    check_len("weight", w.len(), d.n * qt.row_bytes(d.k))?;
+    check_len("x", x.len(), d.m * d.k)?;
+    if d.col0 + d.n > d.ldo {
+        return Err(KernelError::Columns {
+            col0: d.col0,
+            n: d.n,
+            ldo: d.ldo,
+        });
+    }
+    check_len("out", out.len(), d.m * d.ldo)
+}
+
+/// The output buffer, written by several threads at disjoint (row, column) positions.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: every task writes only the columns of its own weight rows (disjoint ranges).
+#[allow(unsafe_code)]
+unsafe impl Send for OutPtr {}
+#[allow(unsafe_code)]
+unsafe impl Sync for OutPtr {}
+
+struct Tile<'a> {
+    isa: Isa,
+    qt: QuantType,
+    w: &'a [u8],
+    row_bytes: usize,
+    acts: &'a QuantizedActs,
+    out: OutPtr,
+    d: MatmulDims,
+}
+
+impl Tile<'_> {
+    /// Outputs of weight rows `rows` for every activation row: 4 activation rows at a time, each weight
+    /// row of the range (a few KiB, cache resident) unpacked once per 4.
+    fn run(&self, rows: std::ops::Range<usize>) {
+        let m = self.d.m;
+        let mut i = 0;
+        while i + 4 <= m {
+            let a = [
+                self.acts.row(i),
+                self.acts.row(i + 1),
+                self.acts.row(i + 2),
+                self.acts.row(i + 3),
+            ];
+            for n in rows.clone() {
+                self.store(i, n, self.dot(n, &a));
+            }
+            i += 4;
+        }
+        for i in i..m {
+            let a = [self.acts.row(i)];
+            for n in rows.clone() {
+                self.store(i, n, self.dot(n, &a));
+            }
+        }
+    }
+
+    #[inline]
+    fn dot<const R: usize>(&self, n: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
+        let wrow = &self.w[n * self.row_bytes..][..self.row_bytes];
+        match self.isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                let nb = self.d.k / self.qt.block_len();
+                // SAFETY: `Isa::Avx2` is used only when detected; `wrow` holds `nb` whole blocks and every
+                // activation row `k / 32` sub-blocks (checked in `validate`).
+                #[allow(unsafe_code)]
+                unsafe {
+                    avx2::dot_rows(self.qt, wrow.as_ptr(), nb, a)
+                }
+            }
+            Isa::Portable => a.map(|r| dot_portable(self.qt, wrow, r)),
+        }
+    }
+
+    #[inline]
+    fn store<const R: usize>(&self, i: usize, n: usize, v: [f32; R]) {
+        for (r, v) in v.into_iter().enumerate() {
+            let at = (i + r) * self.d.ldo + self.d.col0 + n;
+            // SAFETY: `at < m * ldo` (validated); only this task writes column `col0 + n`.
+            #[allow(unsafe_code)]
+            unsafe {
+                *self.out.0.add(at) = v;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
