@@ -54,6 +54,7 @@ class _Req:
     logprobs: int | None
     outputs: list[list[int]] = field(default_factory=list)
     live: set[int] = field(default_factory=set)
+    num_cached_tokens: int = 0
 
 
 class FakeEngine:
@@ -85,6 +86,7 @@ class FakeEngine:
         self.liquid_degree = 1
         self.liquid_delay = 0.0
         self.liquid_started = threading.Event()
+        self.cached_prefixes: set[tuple[int, ...]] = set()  # full-block prompt prefixes seen (prefix cache)
 
     def get_tokenizer(self) -> ByteTokenizer:
         return self.tokenizer
@@ -106,6 +108,17 @@ class FakeEngine:
             set(range(n)),
         )
         self.prompt_tokens_total += len(req.prompt_token_ids)
+        self.requests[req.request_id].num_cached_tokens = self._prefix_cache_hit(list(req.prompt_token_ids))
+
+    def _prefix_cache_hit(self, prompt: list[int]) -> int:
+        """As the real prefix cache: whole blocks of a prefix seen before, never the last prompt token."""
+        size = self.block_size
+        full = [tuple(prompt[: (k + 1) * size]) for k in range((len(prompt) - 1) // size)]
+        hit = 0
+        while hit < len(full) and full[hit] in self.cached_prefixes:
+            hit += 1
+        self.cached_prefixes.update(full)
+        return hit * size
 
     def reject(self, request_id: str, error: str) -> None:
         self.pending.append(EngineCoreOutput(request_id, 0, finish_reason=FinishReason.ABORT, error=error))
@@ -174,6 +187,8 @@ class FakeEngine:
                     toks.append(tok)
                     self.generation_tokens_total += 1
                     o = EngineCoreOutput(rid, i, [tok])
+                    if len(toks) == 1:
+                        o.num_cached_tokens = req.num_cached_tokens
                     if req.logprobs is not None:
                         k = req.logprobs  # the sampled token, then the top k: itself and its successors
                         top = [(tok + j) % 256 for j in range(k)]

@@ -238,6 +238,39 @@ class ServerArgs:
         return cls(**values)
 
 
+# SGLang's launch_server flags -> the serve flags they mean here (SGLang's name: (ours, takes a value)).
+SGLANG_FLAGS: dict[str, tuple[str, bool]] = {
+    "--model-path": ("--model", True),
+    "--tokenizer-path": ("--tokenizer", True),
+    "--tp-size": ("--tensor-parallel-size", True),
+    "--tp": ("--tensor-parallel-size", True),
+    "--mem-fraction-static": ("--gpu-memory-utilization", True),
+    "--context-length": ("--max-model-len", True),
+    "--max-running-requests": ("--max-num-seqs", True),
+    "--chunked-prefill-size": ("--max-num-batched-tokens", True),
+    "--random-seed": ("--seed", True),
+    "--disable-radix-cache": ("--no-enable-prefix-caching", False),
+    "--disable-cuda-graph": ("--enforce-eager", False),
+}
+SGLANG_DEFAULT_PORT = 30000
+
+
+def sglang_serve_argv(argv: list[str]) -> list[str]:
+    """SGLang's ``launch_server`` command line as ``pagedrs serve`` flags: SGLang's names are renamed
+    (``--flag value`` and ``--flag=value``), the others pass through; SGLang's default port 30000."""
+    out: list[str] = []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        if name in SGLANG_FLAGS:
+            ours, takes_value = SGLANG_FLAGS[name]
+            out.append(f"{ours}={value}" if eq and takes_value else ours)
+        else:
+            out.append(arg)
+    if not any(a == "--port" or a.startswith("--port=") for a in out):
+        out += ["--port", str(SGLANG_DEFAULT_PORT)]
+    return out
+
+
 def make_serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(
         prog="pagedrs serve", description="OpenAI-compatible API server"

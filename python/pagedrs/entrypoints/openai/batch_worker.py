@@ -61,6 +61,12 @@ def _error_line(
     }
 
 
+def same_endpoint(url: object, endpoint: str) -> bool:
+    """A line's url names the batch's endpoint, with or without the /v1 prefix (SGLang's batch
+    lines say "/chat/completions" for a "/v1/chat/completions" batch)."""
+    return isinstance(url, str) and (url == endpoint or "/v1" + url == endpoint)
+
+
 def parse_input(raw: bytes, endpoint: str) -> tuple[list[BatchLine], list[tuple[int, dict[str, Any]]]]:
     """Splits an input file into runnable lines and (line_no, error line) for bad ones.
     Line numbers count non-blank lines, so they are stable across restarts."""
@@ -92,7 +98,7 @@ def parse_input(raw: bytes, endpoint: str) -> tuple[list[BatchLine], list[tuple[
             problem = f"duplicate custom_id {cid!r}"
         elif obj.get("method", "POST") != "POST":
             problem = "method must be POST"
-        elif obj.get("url") != endpoint:
+        elif not same_endpoint(obj.get("url"), endpoint):
             problem = f"url must be the batch's endpoint {endpoint}"
         elif not isinstance(obj.get("body"), dict):
             problem = "body must be a JSON object"
@@ -320,10 +326,12 @@ class BatchRunner:
         ids: dict[str, str | None] = {}
         for ok, kind in ((True, "output"), (False, "error")):
             lines = list(self.store.results(batch_id, ok))
-            if lines:
+            # A completed batch always has an output file, empty when every line failed (clients
+            # read output_file_id without checking it); an error file only when a line failed.
+            if lines or (ok and final == "completed"):
                 file_id = f"file-{batch_id}-{kind}"
                 self.store.create_file(
-                    ("\n".join(lines) + "\n").encode(),
+                    "".join(line + "\n" for line in lines).encode(),
                     f"{batch_id}_{kind}.jsonl",
                     "batch_output",
                     file_id=file_id,

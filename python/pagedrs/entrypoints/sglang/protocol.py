@@ -64,9 +64,28 @@ class SGLangSamplingParams(OpenAIModel):
             out = parse_request(SamplingFields, {k: v for k, v in fields.items() if v is not None})
             out.check_common()
         except APIError as exc:
-            param = f"sampling_params.{exc.param}" if exc.param else "sampling_params"
-            raise bad_request(exc.message, param=param, code=exc.code) from None
+            raise in_sampling_params(exc) from None
         return out
+
+
+# OpenAI's names of the fields SGLang names otherwise
+_SGLANG_NAMES = {
+    "min_tokens": "min_new_tokens",
+    "max_tokens": "max_new_tokens",
+    "seed": "sampling_seed",
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_grammar": "ebnf",
+}
+
+
+def in_sampling_params(exc: APIError) -> APIError:
+    """A 400 about an OpenAI sampling field, naming the SGLang field under ``sampling_params``."""
+    if exc.status != 400:
+        return exc
+    name = _SGLANG_NAMES.get(exc.param or "", exc.param)
+    param = f"sampling_params.{name}" if name else "sampling_params"
+    return bad_request(exc.message, param=param, code=exc.code)
 
 
 class GenerateRequest(OpenAIModel):
@@ -164,6 +183,7 @@ class ModelInfo(BaseModel):
 
 __all__ = [
     "FinishReason",
+    "in_sampling_params",
     "GenerateRequest",
     "GenerateResponse",
     "MetaInfo",

@@ -10,6 +10,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from pagedrs.entrypoints.openai.errors import APIError
 from pagedrs.entrypoints.openai.serving_base import (
     SSE_DONE,
     OpenAIServing,
@@ -18,7 +19,7 @@ from pagedrs.entrypoints.openai.serving_base import (
     sse,
     sse_error,
 )
-from pagedrs.entrypoints.sglang.protocol import GenerateRequest
+from pagedrs.entrypoints.sglang.protocol import GenerateRequest, in_sampling_params
 from pagedrs.outputs import CompletionOutput
 
 
@@ -54,10 +55,15 @@ class SGLangServingGenerate(OpenAIServing):
             else:
                 ids = p
                 self.check_token_ids(ids, where)
-            max_tokens = self.resolve_max_tokens(
-                len(ids), sp.max_new_tokens, "sampling_params.max_new_tokens", where
-            )
-            params = self.sampling_params(sp.as_openai(), max_tokens, None, stream=stream)
+            fields = sp.as_openai()
+            requested = sp.max_new_tokens
+            if "max_new_tokens" not in sp.model_fields_set:  # SGLang's default, within the context
+                requested = max(1, min(requested, self.max_model_len - len(ids)))
+            max_tokens = self.resolve_max_tokens(len(ids), requested, "sampling_params.max_new_tokens", where)
+            try:
+                params = self.sampling_params(fields, max_tokens, None, stream=stream)
+            except APIError as exc:
+                raise in_sampling_params(exc) from None
             rid = req.rid[i] if isinstance(req.rid, list) and i < len(req.rid) else f"{base_id}-{i}"
             prompts.append(_Prompt(rid, ids, params, max_tokens))
         return prompts

@@ -1,0 +1,28 @@
+"""``python -m pagedrs.launch_server --model-path M [--tp-size N] [--mem-fraction-static F] [--host H]
+[--port P] ...``: SGLang's launch command, serving the same API as ``pagedrs serve`` (OpenAI routes plus
+SGLang's /generate and /get_model_info). Every ``pagedrs serve`` flag is accepted too."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pagedrs.entrypoints.cli_args import sglang_serve_argv
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pagedrs.entrypoints.cli_args import make_serve_parser
+    from pagedrs.entrypoints.openai.api_server import run_server
+
+    parser = make_serve_parser(
+        argparse.ArgumentParser(
+            prog="python -m pagedrs.launch_server",
+            description="pagedrs API server, started with SGLang's flags",
+        )
+    )
+    args = parser.parse_args(sglang_serve_argv(list(sys.argv[1:] if argv is None else argv)))
+    return run_server(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
