@@ -205,6 +205,23 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--no-access-log", dest="access_log", action="store_false", help="no access log line per request"
     )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "qwen2_5", "llama3_json", "mistral", "pythonic"],
+        help="the model's tool call format, read into tool_calls (as vLLM's flag)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='allow tool_choice "auto" (needs --tool-call-parser)',
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=["deepseek_r1", "qwen3"],
+        help="split <think>...</think> into reasoning_content (as vLLM's flag)",
+    )
 
 
 @dataclass(frozen=True)
@@ -221,6 +238,9 @@ class ServerArgs:
     api_server_index: int = 0  # which of several API server processes this is (0 runs batch jobs)
     model: str | None = None  # as given on the command line (SGLang's get_model_info reports it)
     tokenizer: str | None = None
+    tool_call_parser: str | None = None  # --tool-call-parser, --enable-auto-tool-choice,
+    enable_auto_tool_choice: bool = False  # --reasoning-parser: see openai/chat_output.py
+    reasoning_parser: str | None = None
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace | SimpleNamespace | None) -> ServerArgs:

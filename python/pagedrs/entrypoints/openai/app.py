@@ -23,6 +23,7 @@ from pagedrs.entrypoints.cli_args import ServerArgs
 from pagedrs.entrypoints.openai import files_batches, routes
 from pagedrs.entrypoints.openai.batch_store import BatchStore
 from pagedrs.entrypoints.openai.batch_worker import BatchRunner
+from pagedrs.entrypoints.openai.chat_output import OutputParsing
 from pagedrs.entrypoints.openai.errors import APIError, error_body, internal
 from pagedrs.entrypoints.openai.metrics import ServerMetrics
 from pagedrs.entrypoints.openai.middleware import ServerMiddleware
@@ -74,7 +75,8 @@ def make_state(engine: AsyncLLMEngine, args: ServerArgs) -> ServerState:
     metrics = ServerMetrics(names[0], engine.get_stats, core_histograms=args.api_server_index == 0)
     engine.set_observer(metrics)
     completions = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names, tokenizer=completions.tokenizer)
+    parsing = OutputParsing.from_args(args)
+    chat = OpenAIServingChat(engine, names, tokenizer=completions.tokenizer, parsing=parsing)
     embeddings = OpenAIServingEmbedding(engine, names, tokenizer=completions.tokenizer)
     generate = SGLangServingGenerate(engine, names, tokenizer=completions.tokenizer)
     data_dir = args.data_dir or tempfile.mkdtemp(prefix="pagedrs-data-")

@@ -8,6 +8,13 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pagedrs.entrypoints.openai.errors import APIError, bad_request, from_validation_error
+from pagedrs.entrypoints.openai.protocol_tools import (
+    ChatTool,
+    MessageToolCall,
+    ToolChoice,
+    check_tools,
+    template_tool_calls,
+)
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -167,9 +174,12 @@ class TextPart(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result's call
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -186,23 +196,35 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def check(self) -> None:
         self.check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-        if self.tools:
-            raise bad_request("tools are not supported", param="tools")
+        self.resolved_tool_choice()
+
+    def resolved_tool_choice(self) -> str:
+        """The tool choice: none, auto, required or the named function (400 if tools disagree)."""
+        return check_tools(self.tools, self.tool_choice)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        out = []
+    def chat_messages(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
         for m in self.messages:
             role = "system" if m.role == "developer" else m.role
-            out.append({"role": role, "content": m.text()})
+            msg: dict[str, Any] = {"role": role, "content": m.text()}
+            if m.tool_calls:
+                msg["tool_calls"] = template_tool_calls(m.tool_calls)
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                msg["name"] = m.name
+            out.append(msg)
         return out
 
 

@@ -1,12 +1,20 @@
-"""POST /v1/chat/completions."""
+"""POST /v1/chat/completions.
+
+Each choice's text goes through one `ReplyReader` (reasoning parser, then tool-call parser): a stream
+sends the reader's events as chat deltas; a non-streamed reply folds the same reader's events into one
+message, so the two agree for every output (see `tool_parsers.events`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 
+from pagedrs.engine.async_engine import AsyncLLMEngine, RequestStream
+from pagedrs.entrypoints.openai.chat_output import OutputParsing, ReplyPlan
 from pagedrs.entrypoints.openai.errors import bad_request
 from pagedrs.entrypoints.openai.logprobs import TokenText, chat_logprobs
 from pagedrs.entrypoints.openai.protocol import ChatCompletionRequest
@@ -21,30 +29,64 @@ from pagedrs.entrypoints.openai.serving_base import (
     sse_error,
     usage_info,
 )
+from pagedrs.entrypoints.openai.tool_parsers import ParsedMessage, chat_deltas
+from pagedrs.sampling_params import SamplingParams
+
+
+@dataclass
+class ChatPrepared:
+    """A checked chat request, ready for the engine."""
+
+    model: str
+    prompt_ids: list[int]
+    prompt_text: str
+    params: SamplingParams
+    num_logprobs: int | None
+    plan: ReplyPlan
 
 
 class OpenAIServingChat(OpenAIServing):
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        """The tokenizer's chat template, rendered to text and tokenized without extra specials."""
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        served_model_names: Sequence[str],
+        *,
+        tokenizer: Any = None,
+        parsing: OutputParsing | None = None,
+    ) -> None:
+        super().__init__(engine, served_model_names, tokenizer=tokenizer)
+        self.parsing = parsing or OutputParsing()
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> tuple[str, list[int]]:
+        """The tokenizer's chat template (given the tools, as transformers' `apply_chat_template(tools=)`),
+        rendered to text and tokenized without extra specials."""
+        kwargs: dict[str, Any] = {"tools": tools} if tools else {}
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
             )
             if not isinstance(text, str):
                 raise TypeError("chat template did not render to text")
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+            return text, list(self.tokenizer.encode(text, add_special_tokens=False))
         except Exception as exc:  # noqa: BLE001 - template errors are the caller's input
             raise bad_request(
                 f"messages cannot be rendered with the chat template: {exc}", param="messages"
             ) from None
 
-    async def prepare(self, req: ChatCompletionRequest) -> tuple[str, list[int], Any, int | None]:
+    async def prepare(self, req: ChatCompletionRequest) -> ChatPrepared:
         model = self.check_model(req.model)
+        plan = self.parsing.plan(req.tools, req.resolved_tool_choice(), req.parallel_tool_calls)
         messages = req.chat_messages()
-        ids = await self.offload(
-            self.apply_chat_template,
+        text, ids = await self.offload(
+            self.render,
             messages,
             req.add_generation_prompt,
+            plan.template_tools(),
             size=sum(len(m["content"]) for m in messages),
         )
         requested = req.requested_max_tokens()
@@ -52,16 +94,19 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.resolve_max_tokens(len(ids), requested, param, "messages")
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, num_logprobs, stream=bool(req.stream))
-        return model, ids, params, num_logprobs
+        params.structured_outputs = plan.constraint(params.structured_outputs, text)
+        if plan.keeps_special_tokens():
+            params.skip_special_tokens = False
+        return ChatPrepared(model, ids, text, params, num_logprobs, plan)
 
     async def create(
         self, req: ChatCompletionRequest, raw_request: Request | None = None
     ) -> dict[str, Any] | AsyncIterator[str]:
-        model, ids, params, num_logprobs = await self.prepare(req)
+        prep = await self.prepare(req)
         request_id = random_id("chatcmpl")
-        streams = await self.submit_all(request_id, [ids], params)
+        streams = await self.submit_all(request_id, [prep.prompt_ids], prep.params)
         if req.stream:
-            return self._stream(req, request_id, model, ids, streams, num_logprobs)
+            return self._stream(req, request_id, prep, streams)
         try:
             outputs = await self.until_disconnect(raw_request, self.collect(streams))
         finally:
@@ -72,14 +117,15 @@ class OpenAIServingChat(OpenAIServing):
         completion_tokens = 0
         for c in sorted(out.outputs, key=lambda c: c.index):
             logprobs = None
-            if num_logprobs is not None:
-                logprobs = chat_logprobs(c.token_ids, c.logprobs, num_logprobs, text_of)
+            if prep.num_logprobs is not None:
+                logprobs = chat_logprobs(c.token_ids, c.logprobs, prep.num_logprobs, text_of)
+            message, num_calls = self.message(prep, c.text)
             choices.append(
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": prep.plan.finish_reason(c.finish_reason, num_calls),
                 }
             )
             completion_tokens += len(c.token_ids)
@@ -87,26 +133,37 @@ class OpenAIServingChat(OpenAIServing):
             "id": request_id,
             "object": "chat.completion",
             "created": now_s(),
-            "model": model,
+            "model": prep.model,
             "choices": choices,
-            "usage": usage_info(len(ids), completion_tokens, cached_tokens(outputs)),
+            "usage": usage_info(len(prep.prompt_ids), completion_tokens, cached_tokens(outputs)),
         }
+
+    def message(self, prep: ChatPrepared, text: str) -> tuple[dict[str, Any], int]:
+        """The assistant message of a whole reply (and its number of calls)."""
+        reader = prep.plan.reader(prep.prompt_text)
+        parsed = ParsedMessage().add(reader.feed(text)).add(reader.finish())
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content_or_none()}
+        if self.parsing.reasoning_parser is not None:
+            message["reasoning_content"] = parsed.reasoning or None
+        if parsed.tool_calls:
+            message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+        return message, len(parsed.tool_calls)
 
     async def _stream(
         self,
         req: ChatCompletionRequest,
         request_id: str,
-        model: str,
-        ids: list[int],
-        streams: list[Any],
-        num_logprobs: int | None,
+        prep: ChatPrepared,
+        streams: list[RequestStream],
     ) -> AsyncIterator[str]:
         created = now_s()
         n = req.n
         finished = [False] * n
         completion_tokens = [0] * n
+        readers = [prep.plan.reader(prep.prompt_text) for _ in range(n)]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         text_of = TokenText(self.tokenizer)
+        num_logprobs = prep.num_logprobs
         cached = 0  # prompt tokens served by the prefix cache
 
         def chunk(
@@ -119,7 +176,7 @@ class OpenAIServingChat(OpenAIServing):
                 "id": request_id,
                 "object": "chat.completion.chunk",
                 "created": created,
-                "model": model,
+                "model": prep.model,
                 "choices": [
                     {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
                 ],
@@ -141,11 +198,17 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs = None
                     if num_logprobs is not None and c.token_ids:
                         logprobs = chat_logprobs(c.token_ids, c.logprobs, num_logprobs, text_of)
-                    if c.text or logprobs is not None:
-                        yield chunk(idx, {"content": c.text}, None, logprobs)
+                    reader = readers[idx]
+                    deltas = chat_deltas(reader.feed(c.text))
+                    if c.finish_reason is not None:
+                        deltas += chat_deltas(reader.finish())
+                    if logprobs is not None and not deltas:
+                        deltas = [{}]
+                    for j, delta in enumerate(deltas):
+                        yield chunk(idx, delta, None, logprobs if j == 0 else None)
                     if c.finish_reason is not None:
                         finished[idx] = True
-                        yield chunk(idx, {}, c.finish_reason)
+                        yield chunk(idx, {}, prep.plan.finish_reason(c.finish_reason, reader.num_calls))
             if include_usage:
                 total = sum(completion_tokens)
                 yield sse(
@@ -153,9 +216,9 @@ class OpenAIServingChat(OpenAIServing):
                         "id": request_id,
                         "object": "chat.completion.chunk",
                         "created": created,
-                        "model": model,
+                        "model": prep.model,
                         "choices": [],
-                        "usage": usage_info(len(ids), total, cached),
+                        "usage": usage_info(len(prep.prompt_ids), total, cached),
                     }
                 )
         except Exception as exc:  # noqa: BLE001 - after the stream started: SSE error event

@@ -1,0 +1,180 @@
+"""How a chat reply is read: the server's parser flags, a request's tool choice, and the parser
+pipeline (reasoning, then tool calls) whose events build both the streamed and the non-streamed reply.
+
+Tool choice follows vLLM: `auto` needs ``--enable-auto-tool-choice`` and ``--tool-call-parser`` (400
+otherwise) and reads the model's own call format; `required` and a named function need no parser: the
+grammar engine constrains the reply to a JSON array of calls / the function's arguments, so they always
+parse and validate against the function's schema; `none` renders no tools and reads no calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pagedrs.entrypoints.openai.errors import bad_request
+from pagedrs.entrypoints.openai.protocol_tools import ChatTool, named_schema, required_schema
+from pagedrs.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningParser
+from pagedrs.entrypoints.openai.tool_parsers import (
+    TOOL_PARSERS,
+    ContentDelta,
+    Event,
+    IdFactory,
+    NamedCallParser,
+    RequiredCallsParser,
+    ToolParser,
+)
+from pagedrs.structured_outputs import StructuredOutputsParams
+
+
+class ParserArgs(Protocol):
+    tool_call_parser: str | None
+    enable_auto_tool_choice: bool
+    reasoning_parser: str | None
+
+
+@dataclass(frozen=True)
+class OutputParsing:
+    """The serve flags ``--tool-call-parser``, ``--enable-auto-tool-choice``, ``--reasoning-parser``."""
+
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"--tool-call-parser must be one of {sorted(TOOL_PARSERS)}, got {self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"--reasoning-parser must be one of {sorted(REASONING_PARSERS)}, got {self.reasoning_parser!r}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+
+    @classmethod
+    def from_args(cls, args: object) -> OutputParsing:
+        return cls(
+            tool_call_parser=getattr(args, "tool_call_parser", None),
+            enable_auto_tool_choice=bool(getattr(args, "enable_auto_tool_choice", False)),
+            reasoning_parser=getattr(args, "reasoning_parser", None),
+        )
+
+    def plan(self, tools: list[ChatTool] | None, choice: str, parallel_tool_calls: bool = True) -> ReplyPlan:
+        """A request's plan; 400 for `auto` without the server flags (as vLLM)."""
+        tools = list(tools or [])
+        if tools and choice == "auto" and not self.enable_auto_tool_choice:
+            raise bad_request(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                param="tool_choice",
+            )
+        return ReplyPlan(self, tools if choice != "none" else [], choice, parallel_tool_calls)
+
+
+@dataclass(frozen=True)
+class ReplyPlan:
+    parsing: OutputParsing
+    tools: list[ChatTool]  # what the chat template is given
+    choice: str  # "none", "auto", "required" or a function's name
+    parallel_tool_calls: bool = True
+
+    @property
+    def forced(self) -> bool:
+        return self.choice not in ("none", "auto")
+
+    @property
+    def named(self) -> str | None:
+        return self.choice if self.forced and self.choice != "required" else None
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def keeps_special_tokens(self) -> bool:
+        """The mistral format's marker is a special token: keep it in the text."""
+        cls = TOOL_PARSERS.get(self.parsing.tool_call_parser or "")
+        return self.choice == "auto" and bool(getattr(cls, "keeps_special_tokens", False))
+
+    def constraint(
+        self, requested: StructuredOutputsParams | None, prompt_text: str, param: str = "response_format"
+    ) -> StructuredOutputsParams | None:
+        """The grammar for the reply: a forced tool choice's schema, else the request's own; after the
+        reasoning block when a reasoning parser is on."""
+        if self.forced:
+            if requested is not None:
+                raise bad_request(
+                    f"tool_choice {self.choice!r} cannot be combined with {param}", param="tool_choice"
+                )
+            schema = (
+                named_schema(self.tools, self.choice)
+                if self.named is not None
+                else required_schema(self.tools, self.parallel_tool_calls)
+            )
+            requested = StructuredOutputsParams(json=schema)
+            try:
+                requested.validate()
+            except ValueError as exc:
+                raise bad_request(
+                    f"tool parameters are not a usable JSON schema: {exc}", param="tools"
+                ) from None
+        reasoning = self.reasoning(prompt_text)
+        if reasoning is None or requested is None:
+            return requested
+        return reasoning.after_reasoning(requested, prompt_text)
+
+    def reasoning(self, prompt_text: str = "") -> ReasoningParser | None:
+        name = self.parsing.reasoning_parser
+        return REASONING_PARSERS[name](prompt_text) if name is not None else None
+
+    def tool_parser(self, new_id: IdFactory | None = None) -> ToolParser | None:
+        max_calls = None if self.parallel_tool_calls else 1
+        if self.named is not None:
+            return NamedCallParser(self.named, new_id)
+        if self.choice == "required":
+            return RequiredCallsParser(new_id, max_calls)
+        if self.choice == "auto" and self.tools and self.parsing.tool_call_parser is not None:
+            return TOOL_PARSERS[self.parsing.tool_call_parser](new_id, max_calls)
+        return None
+
+    def reader(self, prompt_text: str, new_id: IdFactory | None = None) -> ReplyReader:
+        return ReplyReader(self.reasoning(prompt_text), self.tool_parser(new_id))
+
+    def finish_reason(self, engine_reason: str | None, num_calls: int) -> str | None:
+        """OpenAI's: "tool_calls" when the model called tools and stopped by itself; a named choice
+        keeps "stop" (as OpenAI and vLLM)."""
+        if engine_reason == "stop" and num_calls and self.named is None:
+            return "tool_calls"
+        return engine_reason
+
+
+class ReplyReader:
+    """Reasoning parser, then tool-call parser, over one reply's text deltas."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
+        self._reasoning = reasoning
+        self._tools = tools
+
+    @property
+    def num_calls(self) -> int:
+        return self._tools.num_calls if self._tools is not None else 0
+
+    def feed(self, text: str) -> list[Event]:
+        events = self._reasoning.feed(text) if self._reasoning is not None else [ContentDelta(text)]
+        return self._to_tools(events)
+
+    def finish(self) -> list[Event]:
+        events = self._reasoning.finish() if self._reasoning is not None else []
+        out = self._to_tools(events)
+        if self._tools is not None:
+            out += self._tools.finish()
+        return out
+
+    def _to_tools(self, events: list[Event]) -> list[Event]:
+        if self._tools is None:
+            return [e for e in events if not isinstance(e, ContentDelta) or e.text]
+        out: list[Event] = []
+        for e in events:
+            out += self._tools.feed(e.text) if isinstance(e, ContentDelta) else [e]
+        return out

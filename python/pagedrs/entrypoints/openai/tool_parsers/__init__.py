@@ -1,0 +1,51 @@
+"""Tool-call parsers by `--tool-call-parser` name (vLLM's names)."""
+
+from __future__ import annotations
+
+from pagedrs.entrypoints.openai.tool_parsers.base import ToolParser
+from pagedrs.entrypoints.openai.tool_parsers.events import (
+    ContentDelta,
+    Event,
+    IdFactory,
+    ParsedMessage,
+    ReasoningDelta,
+    ToolArgsDelta,
+    ToolCall,
+    ToolCallStart,
+    chat_deltas,
+    new_call_id,
+)
+from pagedrs.entrypoints.openai.tool_parsers.forced import NamedCallParser, RequiredCallsParser
+from pagedrs.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+from pagedrs.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
+from pagedrs.entrypoints.openai.tool_parsers.mistral import MistralToolParser
+from pagedrs.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesToolParser,
+    "qwen2_5": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
+}
+
+__all__ = [
+    "TOOL_PARSERS",
+    "ContentDelta",
+    "Event",
+    "HermesToolParser",
+    "IdFactory",
+    "Llama3JsonToolParser",
+    "MistralToolParser",
+    "NamedCallParser",
+    "ParsedMessage",
+    "PythonicToolParser",
+    "ReasoningDelta",
+    "RequiredCallsParser",
+    "ToolArgsDelta",
+    "ToolCall",
+    "ToolCallStart",
+    "ToolParser",
+    "chat_deltas",
+    "new_call_id",
+]

@@ -1,0 +1,49 @@
+"""Hermes / Qwen2.5 tool calls: ``<tool_call>{"name": "f", "arguments": {...}}</tool_call>``, any
+number of them, with text around (vLLM's hermes parser)."""
+
+from __future__ import annotations
+
+from pagedrs.entrypoints.openai.tool_parsers.base import ToolParser, held_prefix
+from pagedrs.entrypoints.openai.tool_parsers.events import IdFactory
+from pagedrs.entrypoints.openai.tool_parsers.json_calls import JsonCallReader, Status
+
+START, END = "<tool_call>", "</tool_call>"
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+
+    def __init__(self, new_id: IdFactory | None = None, max_calls: int | None = None) -> None:
+        super().__init__(new_id, max_calls)
+        self._state = "content"
+        self._reader: JsonCallReader | None = None
+
+    def _advance(self, final: bool) -> bool:
+        if self._state == "content":
+            i = self._buf.find(START)
+            if i < 0:
+                keep = 0 if final else held_prefix(self._buf, START)
+                self._content(self._consume(len(self._buf) - keep))
+                return False
+            self._content(self._consume(i))
+            self._consume(len(START))
+            self._reader = JsonCallReader(self)
+            self._state = "call"
+            return True
+        if self._state == "call":
+            assert self._reader is not None
+            status = self._reader.advance(final)
+            if status is Status.MORE:
+                return False
+            if status is Status.FAIL:  # not a call: the tag and what followed are text
+                self._content(START + self._reader.raw)
+            self._state = "content" if status is Status.FAIL else "close"
+            return True
+        # "close": the call's closing tag, if it is there
+        body = self._buf.lstrip(" \t\r\n")
+        if body.startswith(END):
+            self._consume(len(self._buf) - len(body) + len(END))
+        elif not final and (not body or END.startswith(body)):
+            return False
+        self._state = "content"
+        return True
