@@ -97,6 +97,12 @@ class FakeEngine:
     def add_request(self, req: EngineCoreRequest) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
+        if req.pooling is not None:  # an embedding: answered on the next step, a vector from the prompt
+            dims = req.pooling.dimensions or 8
+            vec = [((sum(req.prompt_token_ids) + j) % 97) / 97.0 for j in range(dims)]
+            self.pending.append(EngineCoreOutput(req.request_id, 0, embedding=vec))
+            self.prompt_tokens_total += len(req.prompt_token_ids)
+            return
         n = req.params.n
         self.requests[req.request_id] = _Req(
             req.request_id,
@@ -141,6 +147,9 @@ class FakeEngine:
 
     def check_health(self) -> None:
         pass
+
+    def idle_tick(self) -> None:
+        """The core loop's call when no request runs (a liquid policy's sample); nothing to do here."""
 
     def take_pending(self) -> list[EngineCoreOutput]:
         out, self.pending = self.pending, []

@@ -238,8 +238,8 @@ class BatchCreateRequest(OpenAIModel):
 class LiquidScaleRequest(OpenAIModel):
     """POST /v1/admin/liquid: exactly one of ``target`` (active ranks) or ``liquid_type`` (a named move)."""
 
-    target: int | None = None
-    liquid_type: str | None = None
+    target: int | None = Field(default=None, ge=1, le=1 << 16)  # a power of two the engine checks
+    liquid_type: str | None = Field(default=None, max_length=64)
 
 
 class FileUploadForm(BaseModel):
