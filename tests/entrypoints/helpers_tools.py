@@ -39,7 +39,7 @@ class ToolTokenizer(ByteTokenizer):
 
 
 class ScriptedEngine(FakeEngine):
-    """Replies with the scripted text of the first `scripts` key found in the prompt (else the fake
+    """Replies with the scripted text of the `scripts` key found last in the prompt (else the fake
     engine's letters), a few bytes per step (1, 2, 3, 1, 2, 3, ...: the stream is cut at many places),
     then stops as on EOS. `prompts` keeps each scripted request's prompt text."""
 
@@ -54,12 +54,12 @@ class ScriptedEngine(FakeEngine):
     def add_request(self, req: Any) -> None:
         super().add_request(req)
         prompt = self.tokenizer.decode(list(req.prompt_token_ids))
-        for key, reply in list(self.scripts.items()):
-            if key in prompt:
-                self.prompts[key] = prompt
-                self._replies[req.request_id] = list(reply.encode("utf-8"))
-                self._sent[req.request_id] = 0
-                break
+        found = [key for key in list(self.scripts) if key in prompt]
+        if found:
+            key = max(found, key=prompt.rfind)  # the latest turn's key
+            self.prompts[key] = prompt
+            self._replies[req.request_id] = list(self.scripts[key].encode("utf-8"))
+            self._sent[req.request_id] = 0
 
     def abort(self, request_ids: Any, seqs: Any = ()) -> None:
         super().abort(request_ids, seqs)
@@ -78,7 +78,7 @@ class ScriptedEngine(FakeEngine):
             if sent >= len(reply):  # the whole reply went out: EOS, which is not text
                 out = EngineCoreOutput(rid, 0, [EOS], finish_reason=FinishReason.STOP)
             else:
-                new = reply[sent : sent + 1 + (self.num_steps + sent) % 3]
+                new = reply[sent : min(sent + 1 + (self.num_steps + sent) % 3, req.max_tokens)]
                 self._sent[rid] = sent + len(new)
                 out = EngineCoreOutput(rid, 0, new)
                 if self._sent[rid] >= req.max_tokens:

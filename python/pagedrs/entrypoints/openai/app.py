@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedrs import __version__
 from pagedrs.engine.async_engine import AsyncLLMEngine
 from pagedrs.entrypoints.cli_args import ServerArgs
-from pagedrs.entrypoints.openai import files_batches, routes
+from pagedrs.entrypoints.openai import files_batches, responses_routes, routes
 from pagedrs.entrypoints.openai.batch_store import BatchStore
 from pagedrs.entrypoints.openai.batch_worker import BatchRunner
 from pagedrs.entrypoints.openai.chat_output import OutputParsing
@@ -42,7 +42,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pagedrs.server")
 
 # Every router the app serves. A new endpoint family adds its router here.
-ROUTERS: tuple[APIRouter, ...] = (routes.router, files_batches.router, sglang_routes.router)
+ROUTERS: tuple[APIRouter, ...] = (
+    routes.router,
+    files_batches.router,
+    responses_routes.router,
+    sglang_routes.router,
+)
 
 
 def build_app(

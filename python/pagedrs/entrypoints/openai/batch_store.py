@@ -33,6 +33,8 @@ CREATE TABLE IF NOT EXISTS batch_results (
     body TEXT NOT NULL, PRIMARY KEY (batch_id, line_no));
 """
 
+DB_NAME = "pagedrs.sqlite3"  # under data_dir: files, batches and stored responses (responses_store.py)
+
 # INVARIANT: a batch moves validating -> in_progress -> finalizing -> completed, or to failed,
 # or (from validating / in_progress) cancelling -> cancelled; terminal states never change.
 TERMINAL = frozenset({"completed", "failed", "cancelled", "expired"})
@@ -59,9 +61,7 @@ class BatchStore:
         self.files_dir = self.data_dir / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(
-            self.data_dir / "pagedrs.sqlite3", check_same_thread=False, isolation_level=None
-        )
+        self._db = sqlite3.connect(self.data_dir / DB_NAME, check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes

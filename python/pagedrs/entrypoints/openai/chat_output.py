@@ -161,7 +161,9 @@ class ReplyReader:
         return self._tools.num_calls if self._tools is not None else 0
 
     def feed(self, text: str) -> list[Event]:
-        events = self._reasoning.feed(text) if self._reasoning is not None else [ContentDelta(text)]
+        events: list[Event] = (
+            self._reasoning.feed(text) if self._reasoning is not None else [ContentDelta(text)]
+        )
         return self._to_tools(events)
 
     def finish(self) -> list[Event]:

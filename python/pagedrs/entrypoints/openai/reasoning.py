@@ -16,11 +16,14 @@ reasoning: `after_reasoning` puts a grammar for the ``<think>`` block in front o
 from __future__ import annotations
 
 import json
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from pagedrs.entrypoints.openai.tool_parsers.base import held_prefix
 from pagedrs.entrypoints.openai.tool_parsers.events import ContentDelta, Event, ReasoningDelta
 from pagedrs.structured_outputs import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 START, END = "<think>", "</think>"
 _WS = " \t\r\n"
@@ -148,7 +151,7 @@ def _esc_all(text: str) -> str:
     return "".join(_esc(c) for c in text)
 
 
-def _grammar_of(params: StructuredOutputsParams) -> object:
+def _grammar_of(params: StructuredOutputsParams) -> xgr.Grammar:
     """The xgrammar Grammar of a constraint (as the engine would compile it)."""
     import xgrammar as xgr
 

@@ -99,7 +99,9 @@ class PythonicToolParser(ToolParser):
         tok = next_token(body, final)
         if tok is None:
             return self._text() if final else False
-        if tok == "error":  # before a call: the reply is text; inside one: the calls so far stay
+        if isinstance(
+            tok, str
+        ):  # "error" before a call: the reply is text; inside one: the calls so far stay
             return self._text()
         kind, text = tok
         return self._token(kind, text, self._consume(ws + len(text)))

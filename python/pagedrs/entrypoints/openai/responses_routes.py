@@ -1,0 +1,55 @@
+"""The /v1/responses routes (OpenAI's Responses API), as module-level handlers on ``router``."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from pagedrs.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagedrs.entrypoints.openai.responses_store import ResponsesStore
+from pagedrs.entrypoints.openai.routes import ERRORS, respond
+from pagedrs.entrypoints.openai.server_state import JsonBody, ServerDep
+from pagedrs.entrypoints.openai.serving_responses import OpenAIServingResponses
+
+router = APIRouter()
+
+
+def get_responses(request: Request, server: ServerDep) -> OpenAIServingResponses:
+    """The app's Responses serving object, made on first use beside the server's batch store."""
+    serving: OpenAIServingResponses | None = getattr(request.app.state, "responses", None)
+    if serving is None:
+        serving = OpenAIServingResponses(server.chat, ResponsesStore(server.data_dir))
+        request.app.state.responses = serving
+    return serving
+
+
+ResponsesDep = Annotated[OpenAIServingResponses, Depends(get_responses)]
+
+
+@router.post("/v1/responses", responses=ERRORS)
+async def create_response(
+    req: Annotated[ResponsesRequest, Depends(JsonBody(ResponsesRequest))],
+    request: Request,
+    serving: ResponsesDep,
+) -> Response:
+    return await respond(serving, req, request)
+
+
+@router.get("/v1/responses/{response_id}", responses=ERRORS)
+async def retrieve_response(response_id: str, serving: ResponsesDep) -> JSONResponse:
+    return JSONResponse(serving.retrieve(response_id))
+
+
+@router.delete("/v1/responses/{response_id}", responses=ERRORS)
+async def delete_response(response_id: str, serving: ResponsesDep) -> JSONResponse:
+    return JSONResponse(serving.delete(response_id))
+
+
+@router.post("/v1/responses/{response_id}/cancel", responses=ERRORS)
+async def cancel_response(response_id: str, serving: ResponsesDep) -> JSONResponse:
+    return JSONResponse(await serving.cancel(response_id))
+
+
+__all__ = ["get_responses", "router"]

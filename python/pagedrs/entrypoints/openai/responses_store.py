@@ -1,0 +1,106 @@
+"""Stored responses of /v1/responses (`store: true`): the response object and the conversation that
+led to it, in the server's SQLite database beside files and batches, so `GET /v1/responses/{id}` and
+`previous_response_id` work across restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any
+
+from pagedrs.entrypoints.openai.batch_store import DB_NAME
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY, created_at INTEGER NOT NULL, status TEXT NOT NULL,
+    body TEXT NOT NULL, conversation TEXT NOT NULL);
+"""
+
+# INVARIANT: a stored response moves queued -> in_progress -> one of completed, incomplete, failed,
+# cancelled; a terminal status never changes.
+TERMINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})
+
+
+class ResponsesStore:
+    """Thread-safe (one connection behind a lock); every call is short."""
+
+    def __init__(self, data_dir: str | os.PathLike[str]) -> None:
+        path = Path(data_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path / DB_NAME, check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def fail_unfinished(self, message: str) -> int:
+        """At start-up: background responses a previous process left unfinished failed with it."""
+        rows = self._exec("SELECT id, body FROM responses WHERE status IN ('queued', 'in_progress')")
+        for row in rows:
+            body = json.loads(row["body"])
+            body["status"] = "failed"
+            body["error"] = {"code": "server_error", "message": message}
+            self.put(body, None, only_unfinished=True)
+        return len(rows)
+
+    def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def put(
+        self,
+        body: dict[str, Any],
+        conversation: list[dict[str, Any]] | None,
+        *,
+        only_unfinished: bool = False,
+    ) -> bool:
+        """Inserts or updates a response (its conversation kept when None); with `only_unfinished`, a
+        response already in a terminal status is left alone (False)."""
+        with self._lock:
+            row = self._db.execute("SELECT status FROM responses WHERE id = ?", (body["id"],)).fetchone()
+            if row is None:
+                self._db.execute(
+                    "INSERT INTO responses (id, created_at, status, body, conversation) VALUES (?, ?, ?, ?, ?)",
+                    (
+                        body["id"],
+                        body["created_at"],
+                        body["status"],
+                        json.dumps(body),
+                        json.dumps(conversation or []),
+                    ),
+                )
+                return True
+            if only_unfinished and row["status"] in TERMINAL:
+                return False
+            if conversation is None:
+                self._db.execute(
+                    "UPDATE responses SET status = ?, body = ? WHERE id = ?",
+                    (body["status"], json.dumps(body), body["id"]),
+                )
+            else:
+                self._db.execute(
+                    "UPDATE responses SET status = ?, body = ?, conversation = ? WHERE id = ?",
+                    (body["status"], json.dumps(body), json.dumps(conversation), body["id"]),
+                )
+            return True
+
+    def get(self, response_id: str) -> dict[str, Any] | None:
+        rows = self._exec("SELECT body FROM responses WHERE id = ?", (response_id,))
+        return json.loads(rows[0]["body"]) if rows else None
+
+    def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
+        """The input items that led to the response (previous turns included)."""
+        rows = self._exec("SELECT conversation FROM responses WHERE id = ?", (response_id,))
+        return json.loads(rows[0]["conversation"]) if rows else None
+
+    def delete(self, response_id: str) -> bool:
+        with self._lock:
+            return self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0

@@ -1,0 +1,267 @@
+"""POST /v1/responses and the stored responses (retrieve, delete, cancel a background one).
+
+A Responses request becomes the equivalent chat request (instructions, the conversation of input
+items, tools, text.format), so the chat path checks it, renders it with the chat template, constrains
+it and reads the reply (reasoning, tool calls); `OutputItems` turns the reader's events into output
+items, streamed as OpenAI's Responses events or returned whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+from starlette.requests import Request
+
+from pagedrs.engine.async_engine import RequestStream
+from pagedrs.entrypoints.openai.errors import bad_request, from_validation_error, not_found
+from pagedrs.entrypoints.openai.protocol import ChatCompletionRequest, parse_request
+from pagedrs.entrypoints.openai.protocol_responses import InputItem, ResponsesRequest, to_chat_messages
+from pagedrs.entrypoints.openai.responses_items import OutputItems, StreamEvent, item_id, output_as_input
+from pagedrs.entrypoints.openai.responses_store import TERMINAL, ResponsesStore
+from pagedrs.entrypoints.openai.serving_base import cached_tokens, merge_streams, now_s, to_api_error
+from pagedrs.entrypoints.openai.serving_chat import ChatPrepared, OpenAIServingChat
+
+logger = logging.getLogger("pagedrs.serving")
+
+_ITEMS = TypeAdapter(list[InputItem])
+
+
+class OpenAIServingResponses:
+    def __init__(self, chat: OpenAIServingChat, store: ResponsesStore) -> None:
+        self.chat = chat
+        self.store = store
+        self._background: dict[str, asyncio.Task[None]] = {}
+        store.fail_unfinished("the server restarted before the response finished")
+
+    # ------------------------------------------------------------------ create
+    async def create(
+        self, req: ResponsesRequest, raw_request: Request | None = None
+    ) -> dict[str, Any] | AsyncIterator[str]:
+        conversation = self._conversation(req)
+        try:
+            items = _ITEMS.validate_python(conversation)
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
+        chat_req = parse_request(
+            ChatCompletionRequest, req.chat_fields(to_chat_messages(req.instructions, items))
+        )
+        chat_req.check()
+        prep = await self.chat.prepare(chat_req)
+        response = self._response(req, prep.model)
+        if req.background:
+            response["status"] = "queued"
+            self.store.put(response, conversation)
+            task = asyncio.ensure_future(self._run_background(response, prep))
+            self._background[response["id"]] = task
+            task.add_done_callback(lambda _: self._background.pop(response["id"], None))
+            return response
+        streams = await self.chat.submit_all(response["id"], [prep.prompt_ids], prep.params)
+        if req.stream:
+            return self._stream(response, prep, streams, conversation if req.store else None)
+        try:
+            outputs = await self.chat.until_disconnect(raw_request, self.chat.collect(streams))
+        finally:
+            self.chat.release_all(streams)
+        self._finish(response, prep, outputs[0])
+        if req.store:
+            self.store.put(response, conversation)
+        return response
+
+    def _conversation(self, req: ResponsesRequest) -> list[dict[str, Any]]:
+        """The input items of the whole conversation: the previous response's, its output, then these."""
+        history: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            previous = self.store.get(req.previous_response_id)
+            earlier = self.store.conversation(req.previous_response_id)
+            if previous is None or earlier is None:
+                raise not_found(
+                    f"Previous response with id '{req.previous_response_id}' not found.",
+                    param="previous_response_id",
+                )
+            history = earlier + output_as_input(previous.get("output") or [])
+        new = [item.model_dump(by_alias=True, exclude_none=True) for item in req.input_items()]
+        return history + new
+
+    def _response(self, req: ResponsesRequest, model: str) -> dict[str, Any]:
+        """OpenAI's response object, in progress (the request's settings echoed)."""
+        fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text else {"type": "text"}
+        choice = req.tool_choice
+        return {
+            "id": item_id("resp"),
+            "object": "response",
+            "created_at": now_s(),
+            "status": "in_progress",
+            "background": req.background,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": model,
+            "output": [],
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": None, "summary": None},
+            "store": req.store,
+            "temperature": req.temperature if req.temperature is not None else 1.0,
+            "text": {"format": fmt},
+            "tool_choice": choice.model_dump()
+            if choice is not None and not isinstance(choice, str)
+            else choice or "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+            "top_p": req.top_p if req.top_p is not None else 1.0,
+            "truncation": "disabled",
+            "usage": None,
+            "user": req.user,
+            "metadata": req.metadata or {},
+        }
+
+    def _finish(self, response: dict[str, Any], prep: ChatPrepared, output: Any) -> None:
+        """Fills a non-streamed response from the engine's final output."""
+        c = output.outputs[0]
+        reader = prep.plan.reader(prep.prompt_text)
+        items = OutputItems()
+        items.add(reader.feed(c.text))
+        items.add(reader.finish())
+        items.close("incomplete" if c.finish_reason == "length" else "completed")
+        self._complete(response, prep, items, c.finish_reason, len(c.token_ids), cached_tokens([output]))
+
+    @staticmethod
+    def _complete(
+        response: dict[str, Any],
+        prep: ChatPrepared,
+        items: OutputItems,
+        finish_reason: str | None,
+        output_tokens: int,
+        cached: int,
+    ) -> None:
+        response["output"] = items.items
+        if finish_reason == "length":
+            response["status"] = "incomplete"
+            response["incomplete_details"] = {"reason": "max_output_tokens"}
+        else:
+            response["status"] = "completed"
+        prompt_tokens = len(prep.prompt_ids)
+        response["usage"] = {
+            "input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + output_tokens,
+        }
+
+    # ------------------------------------------------------------------ streaming
+    async def _stream(
+        self,
+        response: dict[str, Any],
+        prep: ChatPrepared,
+        streams: list[RequestStream],
+        conversation: list[dict[str, Any]] | None,
+    ) -> AsyncIterator[str]:
+        seq = 0
+
+        def event(body: StreamEvent) -> str:
+            nonlocal seq
+            body["sequence_number"] = seq
+            seq += 1
+            return f"event: {body['type']}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        if conversation is not None:
+            self.store.put(response, conversation)
+        done = False
+        try:
+            yield event({"type": "response.created", "response": dict(response)})
+            yield event({"type": "response.in_progress", "response": dict(response)})
+            reader = prep.plan.reader(prep.prompt_text)
+            items = OutputItems()
+            output_tokens, cached, finish_reason = 0, 0, None
+            async for _, out in merge_streams(streams):
+                cached = max(cached, out.num_cached_tokens or 0)
+                for c in out.outputs:
+                    output_tokens += len(c.token_ids)
+                    events = reader.feed(c.text)
+                    if c.finish_reason is not None:
+                        finish_reason = c.finish_reason
+                        events += reader.finish()
+                    for body in items.add(events):
+                        yield event(body)
+            for body in items.close("incomplete" if finish_reason == "length" else "completed"):
+                yield event(body)
+            self._complete(response, prep, items, finish_reason, output_tokens, cached)
+            done = True
+            if conversation is not None:
+                self.store.put(response, None)
+            kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
+            yield event({"type": kind, "response": response})
+        except Exception as exc:  # noqa: BLE001 - after the stream started: a response.failed event
+            err = to_api_error(exc)
+            response["status"] = "failed"
+            response["error"] = {"code": err.code or "server_error", "message": err.message}
+            done = True
+            if conversation is not None:
+                self.store.put(response, None)
+            yield event({"type": "response.failed", "response": response})
+        finally:
+            self.chat.release_all(streams)
+            if not done and conversation is not None:  # the client went away
+                response["status"] = "cancelled"
+                self.store.put(response, None, only_unfinished=True)
+
+    # ------------------------------------------------------------------ background
+    async def _run_background(self, response: dict[str, Any], prep: ChatPrepared) -> None:
+        rid = response["id"]
+        streams: list[RequestStream] = []
+        try:
+            response["status"] = "in_progress"
+            self.store.put(response, None, only_unfinished=True)
+            streams = await self.chat.submit_all(rid, [prep.prompt_ids], prep.params)
+            outputs = await self.chat.collect(streams)
+            self._finish(response, prep, outputs[0])
+        except asyncio.CancelledError:
+            response["status"] = "cancelled"
+            self.store.put(response, None, only_unfinished=True)
+            raise
+        except Exception as exc:  # noqa: BLE001 - the stored response carries the error
+            err = to_api_error(exc)
+            response["status"] = "failed"
+            response["error"] = {"code": err.code or "server_error", "message": err.message}
+        finally:
+            self.chat.release_all(streams)
+        self.store.put(response, None, only_unfinished=True)
+
+    # ------------------------------------------------------------------ stored
+    def retrieve(self, response_id: str) -> dict[str, Any]:
+        body = self.store.get(response_id)
+        if body is None:
+            raise not_found(f"Response with id '{response_id}' not found.", param="response_id")
+        return body
+
+    def delete(self, response_id: str) -> dict[str, Any]:
+        task = self._background.get(response_id)
+        if task is not None:
+            task.cancel()
+        if not self.store.delete(response_id):
+            raise not_found(f"Response with id '{response_id}' not found.", param="response_id")
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def cancel(self, response_id: str) -> dict[str, Any]:
+        """Cancels a background response (as OpenAI: a finished one is returned as it is)."""
+        body = self.retrieve(response_id)
+        if not body.get("background"):
+            raise bad_request("Only background responses can be cancelled.", param="response_id")
+        if body["status"] in TERMINAL:
+            return body
+        task = self._background.get(response_id)
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        body["status"] = "cancelled"
+        self.store.put(body, None, only_unfinished=True)
+        return self.retrieve(response_id)

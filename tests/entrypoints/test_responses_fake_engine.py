@@ -1,0 +1,228 @@
+"""/v1/responses over a fake engine with scripted replies, through the official `openai` client:
+create (text and message input, instructions), streaming events, stored responses (retrieve,
+previous_response_id, delete, across a restart), function calls and their outputs, background
+responses and cancel, and 4xx in OpenAI's shape."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import API_KEY, ThreadedServer, wait_until
+from helpers_tools import WEATHER_TOOL, ScriptedEngine, server_args
+
+from pagedrs.entrypoints.openai.app import build_app
+from pagedrs.entrypoints.openai.responses_store import ResponsesStore
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+FN_TOOL = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses API's flat tool shape
+W = '{"city": "Paris", "days": 3}'
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("responses")
+
+
+@pytest.fixture(scope="module")
+def engine() -> ScriptedEngine:
+    return ScriptedEngine(max_model_len=4096)
+
+
+@pytest.fixture(scope="module")
+def server(engine: ScriptedEngine, data_dir: Path) -> Iterator[ThreadedServer]:
+    with ThreadedServer(build_app(engine, server_args(data_dir, reasoning_parser="qwen3"))) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: ThreadedServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=30)
+
+
+def script(engine: ScriptedEngine, reply: str) -> str:
+    key = f"q-{uuid.uuid4().hex[:12]}"
+    engine.scripts[key] = reply
+    return key
+
+
+def test_create_with_text_input(engine: ScriptedEngine, client: openai.OpenAI) -> None:
+    key = script(engine, "Paris is the capital of France.")
+    r = client.responses.create(model="fake", input=key, instructions="Answer briefly.")
+    assert r.object == "response" and r.status == "completed" and r.id.startswith("resp_")
+    assert r.output_text == "Paris is the capital of France."
+    assert [item.type for item in r.output] == ["message"]
+    assert r.output[0].role == "assistant" and r.output[0].content[0].type == "output_text"
+    assert r.usage.output_tokens == len(b"Paris is the capital of France.") + 1  # and EOS
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert engine.prompts[key].startswith("<system>Answer briefly.\n<user>" + key)
+
+
+def test_message_list_input_and_max_output_tokens(engine: ScriptedEngine, client: openai.OpenAI) -> None:
+    key = script(engine, "One two three four five six")
+    r = client.responses.create(
+        model="fake",
+        input=[
+            {"role": "developer", "content": "Be terse."},
+            {"role": "user", "content": [{"type": "input_text", "text": key}]},
+        ],
+        max_output_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+    )
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output_text == "One two" and r.temperature == 0.5 and r.top_p == 0.9
+    assert "<system>Be terse.\n" in engine.prompts[key]
+
+
+def test_stream_events(engine: ScriptedEngine, client: openai.OpenAI) -> None:
+    key = script(engine, "<think>Short answer.</think>Streaming works.")
+    with client.responses.stream(model="fake", input=key) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == "Streaming works." == final.output_text
+    message_events = [
+        t for t in types if not t.startswith("response.reasoning") and t.startswith("response.")
+    ]
+    order = [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    assert [t for t in message_events if t in order][-3:] == order[-3:]
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == "Short answer."
+    stored = client.responses.retrieve(final.id)
+    assert stored.output_text == final.output_text and stored.status == "completed"
+
+
+def test_stored_conversation(engine: ScriptedEngine, client: openai.OpenAI, server: ThreadedServer) -> None:
+    first_key = script(engine, "My name is Ada.")
+    first = client.responses.create(model="fake", input=first_key)
+    assert client.responses.retrieve(first.id).output_text == "My name is Ada."
+    key = script(engine, "You said Ada.")
+    second = client.responses.create(model="fake", input=key, previous_response_id=first.id)
+    assert second.previous_response_id == first.id and second.output_text == "You said Ada."
+    assert f"<user>{first_key}\n<assistant>My name is Ada.\n<user>{key}" in engine.prompts[key]
+    unstored = client.responses.create(model="fake", input=script(engine, "x"), store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    r = httpx.post(
+        f"{server.base_url}/v1/responses",
+        json={"model": "fake", "input": "hi", "previous_response_id": first.id},
+        headers=AUTH,
+    )
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+
+
+def test_function_call_and_its_output(engine: ScriptedEngine, client: openai.OpenAI) -> None:
+    key = script(engine, f'<tool_call>{{"name": "get_weather", "arguments": {W}}}</tool_call>')
+    r = client.responses.create(model="fake", input=key, tools=[FN_TOOL])
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert (
+        len(calls) == 1
+        and calls[0].name == "get_weather"
+        and json.loads(calls[0].arguments)["city"] == "Paris"
+    )
+    answer = script(engine, "It is sunny.")
+    r2 = client.responses.create(
+        model="fake",
+        previous_response_id=r.id,
+        tools=[FN_TOOL],
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": f"sunny {answer}"}],
+    )
+    assert r2.output_text == "It is sunny."
+    prompt = engine.prompts[answer]
+    assert '<call>{"arguments": {"city": "Paris", "days": 3}, "name": "get_weather"}</call>' in prompt
+    assert f"<tool>sunny {answer}<id>{calls[0].call_id}</id>" in prompt
+
+
+def test_streamed_function_call(engine: ScriptedEngine, client: openai.OpenAI) -> None:
+    key = script(engine, f'Checking. <tool_call>{{"name": "get_weather", "arguments": {W}}}</tool_call>')
+    with client.responses.stream(model="fake", input=key, tools=[FN_TOOL]) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert args == W and len(done) == 1 and done[0].arguments == W
+    assert [item.type for item in final.output] == ["message", "function_call"]
+    non_streamed = client.responses.create(model="fake", input=key, tools=[FN_TOOL])
+    assert [(i.type, getattr(i, "arguments", None)) for i in non_streamed.output] == [
+        (i.type, getattr(i, "arguments", None)) for i in final.output
+    ]
+    assert non_streamed.output_text == final.output_text == "Checking."
+
+
+def test_background_and_cancel(engine: ScriptedEngine, client: openai.OpenAI) -> None:
+    quick = client.responses.create(
+        model="fake", input=script(engine, "Done in the background."), background=True
+    )
+    assert quick.status in ("queued", "in_progress")
+    finished = wait_until(
+        lambda: (r := client.responses.retrieve(quick.id)).status == "completed" and r, timeout=30
+    )
+    assert finished.output_text == "Done in the background."
+    slow = client.responses.create(model="fake", input=script(engine, "z" * 3000), background=True)
+    cancelled = client.responses.cancel(slow.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(slow.id).status == "cancelled"
+    wait_until(lambda: not engine.requests, timeout=10)  # the engine request was aborted
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(client.responses.create(model="fake", input=script(engine, "sync")).id)
+
+
+def test_stored_responses_survive_a_restart(
+    engine: ScriptedEngine, client: openai.OpenAI, data_dir: Path
+) -> None:
+    r = client.responses.create(model="fake", input=script(engine, "Remember me."))
+    with ThreadedServer(build_app(ScriptedEngine(), server_args(data_dir))) as other:
+        c = openai.OpenAI(base_url=f"{other.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=30)
+        assert c.responses.retrieve(r.id).output_text == "Remember me."
+
+
+def test_unfinished_background_responses_fail_after_a_restart(tmp_path: Path) -> None:
+    store = ResponsesStore(tmp_path)
+    store.put({"id": "resp_left", "created_at": 1, "status": "in_progress", "background": True}, [])
+    store.close()
+    with ThreadedServer(build_app(ScriptedEngine(), server_args(tmp_path))) as s:
+        r = httpx.get(f"{s.base_url}/v1/responses/resp_left", headers=AUTH)
+        assert r.status_code == 200 and r.json()["status"] == "failed" and r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"input": []}, "input"),
+        ({"input": "hi", "temperature": 3}, "temperature"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0]",
+        ),
+        ({"input": "hi", "background": True, "store": False}, "background"),
+        ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+        (
+            {"input": "hi", "tools": [FN_TOOL], "tool_choice": {"type": "function", "name": "nope"}},
+            "tool_choice",
+        ),
+    ],
+)
+def test_bad_requests_are_400(server: ThreadedServer, body: dict[str, object], param: str) -> None:
+    r = httpx.post(f"{server.base_url}/v1/responses", json={"model": "fake", **body}, headers=AUTH)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
