@@ -268,3 +268,46 @@ def test_any_split_gives_the_same_message(
         assert run(reader(), pieces) == whole
         # nothing is lost: every character is content, reasoning, call markup or arguments
         assert len(whole.content) + len(whole.reasoning) <= len(text)
+
+
+# ------------------------------------------------------------------ constraints after reasoning
+CONSTRAINT_CASES = [
+    # (parser, prompt, reply, accepted)
+    ("deepseek_r1", "", '<think>2 < 3, so</think>\n\n{"a": 1}', True),
+    ("deepseek_r1", "", 'no opening tag</think>{"a": 1}', True),
+    ("deepseek_r1", "", '{"a": 1}', False),  # it must reason first
+    ("deepseek_r1", "", 'x</think>y</think>{"a": 1}', False),  # the block ends at the first </think>
+    ("deepseek_r1", "", '<think>x</think>{"a": "one"}', False),  # the schema still holds after it
+    ("qwen3", "", '<think>hmm</think>{"a": 1}', True),
+    ("qwen3", "", '{"a": 1}', True),  # no block at all
+    ("qwen3", "", 'hmm</think>{"a": 1}', False),
+    ("qwen3", "<think>\n", 'left open by the prompt</think>{"a": 1}', True),
+    ("qwen3", "<think>\n\n</think>\n\n", '{"a": 1}', True),  # closed by the prompt: the answer only
+    ("qwen3", "<think>\n\n</think>\n\n", '<think>x</think>{"a": 1}', False),
+]
+
+
+@pytest.mark.parametrize("name,prompt,reply,accepted", CONSTRAINT_CASES)
+def test_constraint_applies_after_the_reasoning_block(
+    name: str, prompt: str, reply: str, accepted: bool
+) -> None:
+    """The grammar the engine compiles (through xgrammar, over a byte-level vocabulary) lets the
+    reasoning block through and holds the reply after it to the schema."""
+    import xgrammar as xgr
+
+    from pagedrs.structured_outputs import StructuredOutputsParams
+    from tests.helpers import VOCAB_SIZE, make_tokenizer
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = REASONING_PARSERS[name](prompt).after_reasoning(StructuredOutputsParams(json=schema), prompt)
+    assert params is not None
+    if params.grammar is None:  # nothing to let through first: the schema itself
+        assert REASONING_PARSERS[name].initial_state(prompt) == "content" and params.json == schema
+        grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    else:
+        grammar = xgr.Grammar.from_ebnf(params.grammar)
+    tokenizer = make_tokenizer()
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB_SIZE))
+    matcher = xgr.GrammarMatcher(compiler.compile_grammar(grammar))
+    ok = all(matcher.accept_token(t) for t in tokenizer.encode(reply, add_special_tokens=False))
+    assert (ok and matcher.is_completed()) == accepted
