@@ -311,3 +311,43 @@ def test_constraint_applies_after_the_reasoning_block(
     matcher = xgr.GrammarMatcher(compiler.compile_grammar(grammar))
     ok = all(matcher.accept_token(t) for t in tokenizer.encode(reply, add_special_tokens=False))
     assert (ok and matcher.is_completed()) == accepted
+
+
+# Pieces of every format's markup (and of broken markup): their random concatenations are mostly
+# malformed replies.
+PIECES = [
+    "<tool_call>", "</tool_call>", "{", "}", '"name"', '"arguments"', '"parameters"', ":", ", ", '"f"',
+    '"x\\"y"', "[", "]", "[TOOL_CALLS]", "[ARGS]", "(", ")", "=", "f", "1", "-", ".", "e", "'", '"',
+    "\\", " ", "\n", "<think>", "</think>", ";", "<|python_tag|>", "<|python_start|>", "<|python_end|>",
+    "True", "None", "text", "\u00e9", "<", "/", '{"name": "f", "arguments": {"a": 1}}', "[f(a=1)]",
+]  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    kind=st.sampled_from([*TOOL_PARSERS, "named", "required"]),
+    reasoning=st.sampled_from([None, "deepseek_r1", "qwen3"]),
+    parts=st.lists(st.sampled_from(PIECES), max_size=25),
+    splits=st.lists(st.integers(0, 10_000), max_size=8),
+)
+def test_random_markup_never_fails_and_splits_never_matter(
+    kind: str, reasoning: str | None, parts: list[str], splits: list[int]
+) -> None:
+    def reader() -> ReplyReader:
+        counter = ids()
+
+        def new_id() -> str:
+            return f"call_{next(counter)}"
+
+        if kind == "named":
+            tools: ToolParser = NamedCallParser("f", new_id)
+        elif kind == "required":
+            tools = RequiredCallsParser(new_id)
+        else:
+            tools = TOOL_PARSERS[kind](new_id)
+        return ReplyReader(REASONING_PARSERS[reasoning]("") if reasoning else None, tools)
+
+    text = "".join(parts)
+    points = sorted({s % (len(text) + 1) for s in splits})
+    pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
+    assert run(reader(), pieces) == run(reader(), [text])
