@@ -180,8 +180,7 @@ def test_other_architectures_move_and_match(tmp_path: Path, arch: str) -> None:
     """Fused c_attn (GPT-2, replicated position table), OPT's project_in/out, Qwen2's q/k/v biases:
     1 -> 2 -> 1 over two shards mid-generation equals no events."""
     from tests.helpers import make_tiny_model
-    from tests.models.test_gpt2 import gpt2_config
-    from tests.models.test_opt import opt_config
+    from tests.models.helpers_configs import gpt2_config, opt_config
 
     if arch == "gpt2":
         folder = make_tiny_model(tmp_path / arch, gpt2_config())

@@ -17,37 +17,12 @@ import torch
 
 from pagedrs import LLM, SamplingParams
 from pagedrs.engine.arg_utils import EngineArgs
-from pagedrs.engine.llm_engine import LLMEngine
 from pagedrs.executor import ExecutorDeadError, TPExecutor
 from pagedrs.executor.workers import rank_devices
-from tests.engine.conftest import PlanSpy, assert_pool_free, run_all
+from tests.distributed.helpers_tp import ENGINE, check_forced, run_workload, tp_engine
+from tests.engine.conftest import assert_pool_free, run_all
 from tests.helpers import make_tiny_llama, make_tiny_model
-from tests.models.test_gpt2 import gpt2_config
-from tests.models.test_opt import opt_config
-from tests.models.test_phi3 import phi3_config
-
-MAX_TOKENS = 10
-# A pool of 20 blocks of 4 tokens cannot hold every request at once (preemption), a 16-token budget
-# splits the 40-token prompt (chunked prefill), and four prompts share a 16-token prefix (cache hits).
-ENGINE = dict(
-    device="cpu",
-    dtype="float32",
-    block_size=4,
-    num_kv_blocks=20,
-    max_num_batched_tokens=16,
-    max_num_seqs=4,
-    disable_log_stats=True,
-    seed=0,
-)
-PREFIX = list(range(100, 116))
-PROMPTS = [
-    PREFIX + [1, 2, 3],
-    PREFIX + [7, 8],
-    list(range(10, 50)),  # longer than the token budget
-    PREFIX + [40, 41, 42, 43, 44],
-    [5, 6, 7],
-    PREFIX + [60],
-]
+from tests.models.helpers_configs import gpt2_config, opt_config, phi3_config
 
 MODELS: dict[str, Callable[[Path], Path]] = {
     "llama-gqa": lambda d: make_tiny_llama(d, arch="llama"),  # 4 heads, 2 KV heads
@@ -62,45 +37,22 @@ MODELS: dict[str, Callable[[Path], Path]] = {
 }
 
 
-def _engine(folder: Path, tp: int, **kw: Any) -> LLMEngine:
-    return LLMEngine.from_engine_args(
-        EngineArgs(model=str(folder), tensor_parallel_size=tp, **{**ENGINE, **kw})
-    )
-
-
-def _run(engine: LLMEngine) -> tuple[dict[str, list[list[int]]], PlanSpy]:
-    spy = PlanSpy().attach(engine)
-    for i, prompt in enumerate(PROMPTS):
-        n = 2 if i == 1 else 1
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=n)
-        engine.add_request(str(i), prompt, params)
-    outs = run_all(engine)
-    ids = {rid: [list(c.token_ids) for c in o.outputs] for rid, o in outs.items()}
-    return ids, spy
-
-
-def _check_forced(engine: LLMEngine, spy: PlanSpy) -> None:
-    assert spy.preemptions > 0, "the pool was meant to force a preemption"
-    assert spy.chunked_prefills > 0, "the 40-token prompt was meant to be chunked"
-    assert engine.get_stats().prefix_cache_hits > 0, "the shared prefix was meant to hit the cache"
-
-
 @pytest.fixture(scope="module", params=list(MODELS))
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     folder = MODELS[request.param](tmp_path_factory.mktemp(request.param))
-    engine = _engine(folder, 1)
-    want, spy = _run(engine)
-    _check_forced(engine, spy)
+    engine = tp_engine(folder, 1)
+    want, spy = run_workload(engine)
+    check_forced(engine, spy)
     return folder, want
 
 
 def test_tp2_equals_tp1(model: tuple[Path, dict]) -> None:
     folder, want = model
-    engine = _engine(folder, 2)
+    engine = tp_engine(folder, 2)
     try:
         assert isinstance(engine.engine_core.executor, TPExecutor)
-        got, spy = _run(engine)
-        _check_forced(engine, spy)
+        got, spy = run_workload(engine)
+        check_forced(engine, spy)
         assert got == want
         assert len(got["1"]) == 2
         assert_pool_free(engine)
@@ -112,13 +64,13 @@ def test_tp2_equals_tp1(model: tuple[Path, dict]) -> None:
 def test_tp4_equals_tp1_with_replicated_kv_heads(tmp_path: Path, arch: str) -> None:
     """4 ranks over 2 KV heads (llama) or 1 (smollm2): every KV head lives on 2 or 4 ranks."""
     folder = make_tiny_llama(tmp_path, arch=arch)
-    want, _ = _run(_engine(folder, 1))
-    engine = _engine(folder, 4)
+    want, _ = run_workload(tp_engine(folder, 1))
+    engine = tp_engine(folder, 4)
     try:
         core = engine.engine_core
         assert core.runner.model.num_kv_heads == 1  # this rank's share
-        got, spy = _run(engine)
-        _check_forced(engine, spy)
+        got, spy = run_workload(engine)
+        check_forced(engine, spy)
         assert got == want
     finally:
         engine.shutdown()
@@ -152,15 +104,15 @@ def test_llm_api_and_prompt_logprobs(tmp_path: Path) -> None:
 def test_pool_resize_applies_on_every_rank(tmp_path: Path) -> None:
     """Shrink then grow the pool between requests: the plan's block moves run on both ranks."""
     folder = make_tiny_llama(tmp_path)
-    want, _ = _run(_engine(folder, 1, num_kv_blocks=40))
-    engine = _engine(folder, 2, num_kv_blocks=40)
+    want, _ = run_workload(tp_engine(folder, 1, num_kv_blocks=40))
+    engine = tp_engine(folder, 2, num_kv_blocks=40)
     try:
         engine.engine_core.resize(24)
-        got, _ = _run(engine)
+        got, _ = run_workload(engine)
         assert got == want
         assert engine.get_stats().num_blocks == 24
         engine.engine_core.resize(48)
-        got, _ = _run(engine)
+        got, _ = run_workload(engine)
         assert got == want
     finally:
         engine.shutdown()
@@ -209,7 +161,7 @@ def _gone(proc: Any) -> bool:
 
 def test_killed_worker_fails_the_step_naming_the_rank(tmp_path: Path) -> None:
     folder = make_tiny_llama(tmp_path)
-    engine = _engine(folder, 2, num_kv_blocks=200)
+    engine = tp_engine(folder, 2, num_kv_blocks=200)
     executor = engine.engine_core.executor
     assert isinstance(executor, TPExecutor)
     procs = list(executor.workers.procs.values())  # type: ignore[attr-defined]
@@ -236,7 +188,7 @@ def test_worker_that_raises_is_reported_with_its_error(tmp_path: Path) -> None:
     from pagedrs.executor.step_packet import HEADER_LEN
 
     folder = make_tiny_llama(tmp_path)
-    engine = _engine(folder, 2)
+    engine = tp_engine(folder, 2)
     executor = engine.engine_core.executor
     assert isinstance(executor, TPExecutor)
     procs = list(executor.workers.procs.values())  # type: ignore[attr-defined]
@@ -251,7 +203,7 @@ def test_worker_that_raises_is_reported_with_its_error(tmp_path: Path) -> None:
 
 def test_shutdown_stops_every_worker(tmp_path: Path) -> None:
     folder = make_tiny_llama(tmp_path)
-    engine = _engine(folder, 2)
+    engine = tp_engine(folder, 2)
     executor = engine.engine_core.executor
     procs = list(executor.workers.procs.values())  # type: ignore[attr-defined]
     engine.shutdown()
@@ -291,10 +243,10 @@ def test_embeddings_and_structured_outputs_under_tp(tmp_path: Path) -> None:
 def test_tp2_equals_tp1_with_fp8_cache(tmp_path: Path) -> None:
     """kv_cache_dtype="fp8": each rank rounds its own KV heads; the ids equal one process's."""
     folder = make_tiny_llama(tmp_path, arch="llama")
-    want, _ = _run(_engine(folder, 1, kv_cache_dtype="fp8"))
-    engine = _engine(folder, 2, kv_cache_dtype="fp8")
+    want, _ = run_workload(tp_engine(folder, 1, kv_cache_dtype="fp8"))
+    engine = tp_engine(folder, 2, kv_cache_dtype="fp8")
     try:
-        got, _ = _run(engine)
+        got, _ = run_workload(engine)
         assert got == want
         assert_pool_free(engine)
     finally:

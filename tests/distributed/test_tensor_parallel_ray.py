@@ -11,7 +11,7 @@ import pytest
 
 from pagedrs import LLM
 from pagedrs.executor import ExecutorDeadError, RayWorkers, TPExecutor
-from tests.distributed.test_tensor_parallel import ENGINE, _check_forced, _engine, _run
+from tests.distributed.helpers_tp import ENGINE, check_forced, run_workload, tp_engine
 from tests.helpers import make_tiny_llama
 
 ray = pytest.importorskip("ray")
@@ -28,13 +28,13 @@ def local_ray() -> Iterator[None]:
 
 def test_ray_tp2_equals_tp1(local_ray: None, tmp_path: Path) -> None:
     folder = make_tiny_llama(tmp_path, arch="qwen2")
-    want, _ = _run(_engine(folder, 1))
-    engine = _engine(folder, 2, distributed_executor_backend="ray")
+    want, _ = run_workload(tp_engine(folder, 1))
+    engine = tp_engine(folder, 2, distributed_executor_backend="ray")
     try:
         executor = engine.engine_core.executor
         assert isinstance(executor, TPExecutor) and isinstance(executor.workers, RayWorkers)
-        got, spy = _run(engine)
-        _check_forced(engine, spy)
+        got, spy = run_workload(engine)
+        check_forced(engine, spy)
         assert got == want
     finally:
         engine.shutdown()
@@ -44,7 +44,7 @@ def test_ray_killed_actor_fails_the_step(local_ray: None, tmp_path: Path) -> Non
     from pagedrs import SamplingParams
 
     folder = make_tiny_llama(tmp_path)
-    engine = _engine(folder, 2, distributed_executor_backend="ray", num_kv_blocks=200)
+    engine = tp_engine(folder, 2, distributed_executor_backend="ray", num_kv_blocks=200)
     workers = engine.engine_core.executor.workers  # type: ignore[attr-defined]
     engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
     engine.step()

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from tests.engine.conftest import HFReference, PlanSpy, assert_pool_free, greedy, make_engine, random_prompts
-from tests.engine.test_greedy_equivalence import check_against_hf, run_batch
+from tests.engine.helpers_greedy import check_against_hf, run_batch
 
 
 def _mirror_engine(path: Path, **kwargs):  # noqa: ANN202

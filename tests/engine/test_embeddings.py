@@ -14,9 +14,7 @@ import transformers
 from pagedrs import LLM, PoolingParams, SamplingParams
 from tests.engine.conftest import PlanSpy
 from tests.helpers import make_tiny_llama, make_tiny_model
-from tests.models.test_gpt2 import gpt2_config
-from tests.models.test_opt import opt_config
-from tests.models.test_phi3 import phi3_config
+from tests.models.helpers_configs import gpt2_config, opt_config, phi3_config
 
 MODELS: dict[str, Callable[[Path], Path]] = {
     "llama": lambda d: make_tiny_llama(d),

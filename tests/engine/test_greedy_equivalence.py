@@ -18,29 +18,11 @@ from tests.engine.conftest import (
     random_prompts,
     run_all,
 )
+from tests.engine.helpers_greedy import check_against_hf, run_batch
 
 PROMPT_LENS = [1, 9, 40, 150, 300]
 MAX_TOKENS = [64, 64, 48, 40, 12]
 PROMPTS = random_prompts(PROMPT_LENS, seed=1)
-
-
-def check_against_hf(outs: dict, prompts: list[list[int]], max_tokens: list[int], ref: HFReference) -> None:
-    assert len(outs) == len(prompts)
-    for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
-        out = outs[str(i)]
-        assert out.prompt_token_ids == prompt
-        expected = ref(prompt, n)
-        for comp in out.outputs:
-            assert comp.token_ids == expected, (
-                f"request {i} (prompt {len(prompt)} tokens) sample {comp.index}"
-            )
-            assert comp.finish_reason == "length"
-
-
-def run_batch(engine, prompts: list[list[int]], max_tokens: list[int], **kw) -> dict:  # noqa: ANN001
-    for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True)):
-        engine.add_request(str(i), p, greedy(n, **kw))
-    return run_all(engine)
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)

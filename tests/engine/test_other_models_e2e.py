@@ -20,9 +20,7 @@ from tests.engine.conftest import (
     run_all,
 )
 from tests.helpers import load_hf_model, make_tiny_model
-from tests.models.test_gpt2 import gpt2_config
-from tests.models.test_opt import opt_config
-from tests.models.test_phi3 import longrope_overrides, phi3_config
+from tests.models.helpers_configs import gpt2_config, longrope_overrides, opt_config, phi3_config
 
 MAX_TOKENS = 12
 BLOCK_SIZE = 4

@@ -13,7 +13,7 @@ import torch
 from pagedrs import LLM, SamplingParams
 from pagedrs.layers.attention.torch_ref import TorchAttentionBackend, to_cache_dtype, write_kv_cache
 from tests.helpers import make_step_metadata
-from tests.layers.test_torch_ref_attention import naive_attention
+from tests.layers.helpers_attention import naive_attention
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 

@@ -19,22 +19,7 @@ from pagedrs.layers.attention.torch_ref import (
     write_kv_cache,
 )
 from tests.helpers import make_step_metadata
-
-
-def naive_attention(q, k, v, q_start: int, scale: float, window: int | None):
-    """q [Q,H,D] at positions q_start.., k/v [L,KVH,D] at 0..L-1 -> [Q,H,D], float64, explicit loops."""
-    h, kvh = q.shape[1], k.shape[1]
-    g = h // kvh
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    for i in range(q.shape[0]):
-        p = q_start + i
-        lo = 0 if window is None else max(0, p - window + 1)
-        for head in range(h):
-            kk = k[lo : p + 1, head // g].double()
-            vv = v[lo : p + 1, head // g].double()
-            s = (kk @ q[i, head].double()) * scale
-            out[i, head] = torch.softmax(s, 0) @ vv
-    return out
+from tests.layers.helpers_attention import naive_attention
 
 
 def run_case(seq_lens, query_lens, *, h=4, kvh=2, d=16, block_size=4, window=None, seed=0):

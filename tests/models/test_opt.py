@@ -7,27 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import transformers
 
 from pagedrs.loader import load_model
-from tests.helpers import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, make_tiny_model
-from tests.models.test_gpt2 import assert_load_errors, assert_matches_hf, random_prompts
-
-
-def opt_config(**overrides: object) -> transformers.OPTConfig:
-    kwargs: dict[str, object] = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        ffn_dim=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=128,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-    )
-    return transformers.OPTConfig(**{**kwargs, **overrides})
-
+from tests.helpers import make_tiny_model
+from tests.models.helpers_configs import opt_config
+from tests.models.helpers_hf import assert_load_errors, assert_matches_hf, random_prompts
 
 VARIANTS = {
     "pre-ln": {"do_layer_norm_before": True},

@@ -7,45 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import transformers
 
 from pagedrs.loader import load_model
-from tests.helpers import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, make_tiny_model
-from tests.models.test_gpt2 import assert_load_errors, assert_matches_hf, random_prompts
-
-HEAD_SIZE = 16
-ORIGINAL_MAX = 12  # longrope: sequences longer than this use the long factors
-
-
-def phi3_config(**overrides: object) -> transformers.Phi3Config:
-    kwargs: dict[str, object] = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-    )
-    return transformers.Phi3Config(**{**kwargs, **overrides})
-
-
-def longrope_overrides(rotary_dim: int = HEAD_SIZE) -> dict[str, object]:
-    """As the 128k checkpoints write it: rope_scaling {type, short_factor, long_factor} + the original
-    context at the top level (HF derives factor = max / original and the attention factor from it)."""
-    n = rotary_dim // 2
-    return {
-        "original_max_position_embeddings": ORIGINAL_MAX,
-        "rope_scaling": {
-            "type": "longrope",
-            "short_factor": [1.0 + 0.05 * i for i in range(n)],
-            "long_factor": [1.0 + 0.9 * i for i in range(n)],
-        },
-    }
-
+from tests.helpers import make_tiny_model
+from tests.models.helpers_configs import PHI3_HEAD_SIZE as HEAD_SIZE
+from tests.models.helpers_configs import longrope_overrides, phi3_config
+from tests.models.helpers_hf import assert_load_errors, assert_matches_hf, random_prompts
 
 VARIANTS: dict[str, dict[str, object]] = {
     "rope": {},
@@ -61,8 +28,8 @@ def test_phi3_matches_hf(tmp_path: Path, variant: str, weights_format: str) -> N
     folder = make_tiny_model(
         tmp_path / "phi3", phi3_config(**VARIANTS[variant]), weights_format=weights_format
     )
-    # longrope: the 10-token request stays within ORIGINAL_MAX (short factors); the others exceed it from
-    # their first chunk on (long factors), so one batch mixes both and each must match HF on its own.
+    # longrope: the 10-token request stays within PHI3_ORIGINAL_MAX (short factors); the others exceed it
+    # from their first chunk on (long factors), so one batch mixes both and each must match HF on its own.
     seqs = random_prompts([20, 10, 17])
     assert_matches_hf(folder, seqs, chunk=13 if variant == "longrope" else 5)
 

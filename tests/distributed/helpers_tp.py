@@ -1,0 +1,62 @@
+"""The forced tensor-parallel workload shared by test_tensor_parallel.py, test_tensor_parallel_ray.py and
+test_tensor_parallel_swap.py: engine settings and prompts under which one run preempts, chunks a prefill,
+hits the prefix cache and samples n=2, an engine builder for any TP size, and the check that each of those
+mechanisms really fired."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pagedrs import SamplingParams
+from pagedrs.engine.arg_utils import EngineArgs
+from pagedrs.engine.llm_engine import LLMEngine
+from tests.engine.conftest import PlanSpy, run_all
+
+MAX_TOKENS = 10
+# A pool of 20 blocks of 4 tokens cannot hold every request at once (preemption), a 16-token budget
+# splits the 40-token prompt (chunked prefill), and four prompts share a 16-token prefix (cache hits).
+ENGINE = dict(
+    device="cpu",
+    dtype="float32",
+    block_size=4,
+    num_kv_blocks=20,
+    max_num_batched_tokens=16,
+    max_num_seqs=4,
+    disable_log_stats=True,
+    seed=0,
+)
+PREFIX = list(range(100, 116))
+PROMPTS = [
+    PREFIX + [1, 2, 3],
+    PREFIX + [7, 8],
+    list(range(10, 50)),  # longer than the token budget
+    PREFIX + [40, 41, 42, 43, 44],
+    [5, 6, 7],
+    PREFIX + [60],
+]
+
+
+def tp_engine(folder: Path, tp: int, **kw: Any) -> LLMEngine:
+    """An engine over `folder` with `tp` ranks and the ENGINE settings (`kw` overrides them)."""
+    return LLMEngine.from_engine_args(
+        EngineArgs(model=str(folder), tensor_parallel_size=tp, **{**ENGINE, **kw})
+    )
+
+
+def run_workload(engine: LLMEngine) -> tuple[dict[str, list[list[int]]], PlanSpy]:
+    """Greedy ids of every PROMPTS request (request "1" with n=2), and the spy that watched the plans."""
+    spy = PlanSpy().attach(engine)
+    for i, prompt in enumerate(PROMPTS):
+        n = 2 if i == 1 else 1
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=n)
+        engine.add_request(str(i), prompt, params)
+    outs = run_all(engine)
+    ids = {rid: [list(c.token_ids) for c in o.outputs] for rid, o in outs.items()}
+    return ids, spy
+
+
+def check_forced(engine: LLMEngine, spy: PlanSpy) -> None:
+    assert spy.preemptions > 0, "the pool was meant to force a preemption"
+    assert spy.chunked_prefills > 0, "the 40-token prompt was meant to be chunked"
+    assert engine.get_stats().prefix_cache_hits > 0, "the shared prefix was meant to hit the cache"
