@@ -119,6 +119,17 @@ def test_stored_conversation(engine: ScriptedEngine, client: openai.OpenAI, serv
     unstored = client.responses.create(model="fake", input=script(engine, "x"), store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+    listed = client.responses.input_items.list(second.id, order="asc")
+    assert [(i.type, i.role) for i in listed.data] == [
+        ("message", "user"),
+        ("message", "assistant"),
+        ("message", "user"),
+    ]
+    assert listed.data[1].content[0].text == "My name is Ada." and listed.data[2].content[0].text == key
+    newest = client.responses.input_items.list(second.id, limit=1)
+    assert newest.data[0].id == listed.data[-1].id and newest.has_more
+    after = client.responses.input_items.list(second.id, limit=5, after=newest.data[0].id)
+    assert [i.id for i in after.data] == [i.id for i in reversed(listed.data[:-1])] and not after.has_more
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)

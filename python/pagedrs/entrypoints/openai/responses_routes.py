@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedrs.entrypoints.openai.protocol_responses import ResponsesRequest
@@ -40,6 +40,17 @@ async def create_response(
 @router.get("/v1/responses/{response_id}", responses=ERRORS)
 async def retrieve_response(response_id: str, serving: ResponsesDep) -> JSONResponse:
     return JSONResponse(serving.retrieve(response_id))
+
+
+@router.get("/v1/responses/{response_id}/input_items", responses=ERRORS)
+async def list_input_items(
+    response_id: str,
+    serving: ResponsesDep,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+) -> JSONResponse:
+    return JSONResponse(serving.input_items(response_id, limit, order, after))
 
 
 @router.delete("/v1/responses/{response_id}", responses=ERRORS)

@@ -20,7 +20,14 @@ from starlette.requests import Request
 from pagedrs.engine.async_engine import RequestStream
 from pagedrs.entrypoints.openai.errors import bad_request, from_validation_error, not_found
 from pagedrs.entrypoints.openai.protocol import ChatCompletionRequest, parse_request
-from pagedrs.entrypoints.openai.protocol_responses import InputItem, ResponsesRequest, to_chat_messages
+from pagedrs.entrypoints.openai.protocol_responses import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    InputItem,
+    MessageItem,
+    ResponsesRequest,
+    to_chat_messages,
+)
 from pagedrs.entrypoints.openai.responses_items import OutputItems, StreamEvent, item_id, output_as_input
 from pagedrs.entrypoints.openai.responses_store import TERMINAL, ResponsesStore
 from pagedrs.entrypoints.openai.serving_base import cached_tokens, merge_streams, now_s, to_api_error
@@ -240,6 +247,33 @@ class OpenAIServingResponses:
             raise not_found(f"Response with id '{response_id}' not found.", param="response_id")
         return body
 
+    def input_items(
+        self, response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
+    ) -> dict[str, Any]:
+        """OpenAI's list of the items used to generate a response (the whole conversation), by page."""
+        conversation = self.store.conversation(response_id)
+        if conversation is None:
+            raise not_found(f"Response with id '{response_id}' not found.", param="response_id")
+        items = [
+            _listed_item(item, response_id, i) for i, item in enumerate(_ITEMS.validate_python(conversation))
+        ]
+        items = [x for x in items if x is not None]
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [x["id"] for x in items]
+            if after not in ids:
+                raise not_found(f"Item with id '{after}' not found.", param="after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+
     def delete(self, response_id: str) -> dict[str, Any]:
         task = self._background.get(response_id)
         if task is not None:
@@ -265,3 +299,38 @@ class OpenAIServingResponses:
         body["status"] = "cancelled"
         self.store.put(body, None, only_unfinished=True)
         return self.retrieve(response_id)
+
+
+def _listed_item(item: Any, response_id: str, index: int) -> dict[str, Any] | None:
+    """A conversation item as OpenAI lists it: with an id (its own, else one stable per position)."""
+    stable = f"{response_id.removeprefix('resp_')}{index:04d}"
+    if isinstance(item, MessageItem):
+        kind = "output_text" if item.role == "assistant" else "input_text"
+        part: dict[str, Any] = {"type": kind, "text": item.text(f"input[{index}]")}
+        if kind == "output_text":
+            part["annotations"] = []
+        return {
+            "type": "message",
+            "id": item.id or f"msg_{stable}",
+            "role": item.role,
+            "status": "completed",
+            "content": [part],
+        }
+    if isinstance(item, FunctionCallItem):
+        return {
+            "type": "function_call",
+            "id": item.id or f"fc_{stable}",
+            "call_id": item.call_id,
+            "name": item.name,
+            "arguments": item.arguments,
+            "status": "completed",
+        }
+    if isinstance(item, FunctionCallOutputItem):
+        return {
+            "type": "function_call_output",
+            "id": item.id or f"fco_{stable}",
+            "call_id": item.call_id,
+            "output": item.text(),
+            "status": "completed",
+        }
+    return None  # reasoning items are not given back
