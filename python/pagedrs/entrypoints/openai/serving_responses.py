@@ -254,10 +254,11 @@ class OpenAIServingResponses:
         conversation = self.store.conversation(response_id)
         if conversation is None:
             raise not_found(f"Response with id '{response_id}' not found.", param="response_id")
-        items = [
-            _listed_item(item, response_id, i) for i, item in enumerate(_ITEMS.validate_python(conversation))
-        ]
-        items = [x for x in items if x is not None]
+        items: list[dict[str, Any]] = []
+        for index, item in enumerate(_ITEMS.validate_python(conversation)):
+            listed = _listed_item(item, response_id, index)
+            if listed is not None:
+                items.append(listed)
         if order == "desc":
             items.reverse()
         if after is not None:
