@@ -20,7 +20,9 @@ def get_responses(request: Request, server: ServerDep) -> OpenAIServingResponses
     """The app's Responses serving object, made on first use beside the server's batch store."""
     serving: OpenAIServingResponses | None = getattr(request.app.state, "responses", None)
     if serving is None:
-        serving = OpenAIServingResponses(server.chat, ResponsesStore(server.data_dir))
+        serving = OpenAIServingResponses(
+            server.chat, ResponsesStore(server.data_dir), only_server=server.args.api_server_count == 1
+        )
         request.app.state.responses = serving
     return serving
 

@@ -39,11 +39,16 @@ _ITEMS = TypeAdapter(list[InputItem])
 
 
 class OpenAIServingResponses:
-    def __init__(self, chat: OpenAIServingChat, store: ResponsesStore) -> None:
+    def __init__(self, chat: OpenAIServingChat, store: ResponsesStore, *, only_server: bool = True) -> None:
+        """`only_server`: no other API server process shares the store, so a background response
+        still unfinished in it was left by a previous process and has failed. (With several
+        processes, a background response runs in the one that took it; a cancel through another
+        marks it cancelled, and the owner's result does not overwrite that.)"""
         self.chat = chat
         self.store = store
         self._background: dict[str, asyncio.Task[None]] = {}
-        store.fail_unfinished("the server restarted before the response finished")
+        if only_server:
+            store.fail_unfinished("the server restarted before the response finished")
 
     # ------------------------------------------------------------------ create
     async def create(
