@@ -65,7 +65,8 @@ def test_tiny_gguf_f32_matches_source_model(tmp_path, cache, arch):
 def test_tiny_gguf_q8_matches_hf_gguf_load(tmp_path, cache):
     path = make_tiny_gguf(tmp_path, "llama", qtype="Q8_0")
     ids = [7, 8, 9, 10, 120, 3]
-    loaded = load_model(str(path.parent / path.name))
+    # dtype="float32": the dequantized path, the one that matches HF's dequantizer to float rounding
+    loaded = load_model(str(path.parent / path.name), dtype="float32")
     torch.testing.assert_close(logits_of(loaded, ids), hf_gguf_logits(path, ids), atol=1e-4, rtol=1e-4)
     assert loaded.tokenizer.chat_template
     assert loaded.tokenizer.eos_token_id == 257
@@ -117,7 +118,7 @@ def test_default_model_missing_package(monkeypatch):
 
 
 def test_default_model_matches_hf_gguf_load():
-    loaded = load_model(None)
+    loaded = load_model(None, dtype="float32")  # the dequantized oracle path
     assert loaded.model_path.endswith(".gguf")
     assert loaded.hf_config.architectures == ["LlamaForCausalLM"] and loaded.hf_config.tie_word_embeddings
     m = loaded.model

@@ -12,6 +12,11 @@ tensor, cuts this rank's share and checks the shape (ValueError on a mismatch; t
 The HF tensor may be a lazy slice of a checkpoint file (anything with `shape`, `dim()`, `narrow()`, `t()`
 and `materialize()`): then only this rank's share is ever read.
 
+Weight format: a layer holds its weight dense (`weight`, multiplied by torch) or, when the checkpoint hands
+it GGUF-quantized pieces of types the CPU kernels take (`GGUFWeight`), as a `QuantizedWeight` that owns
+the matmul (`qweight`; the dense `weight` is then an empty placeholder). `forward` is the same call
+either way, so model code never branches on the format.
+
 A layer takes its rank and size from `tp` (a `TPGroup`, whose collectives it uses), or from
 `tp_rank`/`tp_size` alone (no process group: enough to load and check a shard, not to run a forward that
 needs a collective).
@@ -26,9 +31,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pagedrs.distributed.group import TPGroup
+from pagedrs.layers.quantized import GGUFWeight, QuantizedWeight
 
 __all__ = [
     "ColumnParallelLinear",
+    "Loaded",
+    "QuantSlot",
     "MergedColumnParallelLinear",
     "QKVParallelLinear",
     "ReplicatedEmbedding",
@@ -40,20 +48,27 @@ __all__ = [
 ]
 
 
-def _materialize(loaded: Tensor) -> Tensor:
-    """A lazy checkpoint slice is read here, once it is cut to this rank's share."""
+# What a weight loader takes: a tensor, a lazy checkpoint slice, or a GGUF-quantized tensor.
+Loaded = Tensor | GGUFWeight
+
+
+def _materialize(loaded: Loaded) -> Tensor:
+    """A lazy checkpoint slice is read here, once it is cut to this rank's share (a GGUF-quantized one is
+    dequantized)."""
+    if isinstance(loaded, GGUFWeight):
+        return loaded.materialize()
     read = getattr(loaded, "materialize", None)
     return read() if read is not None else loaded
 
 
-def _copy_checked(param: Tensor, loaded: Tensor, what: str = "") -> None:
+def _copy_checked(param: Tensor, loaded: Loaded, what: str = "") -> None:
     if tuple(param.shape) != tuple(loaded.shape):
         where = f" ({what})" if what else ""
         raise ValueError(f"shape mismatch{where}: expected {tuple(param.shape)}, got {tuple(loaded.shape)}")
     param.data.copy_(_materialize(loaded))
 
 
-def _check_dim(loaded: Tensor, dim: int, expected: int, what: str = "") -> None:
+def _check_dim(loaded: Loaded, dim: int, expected: int, what: str = "") -> None:
     """The HF tensor's size along `dim` (the split dim) must be `expected`."""
     if loaded.dim() <= dim or loaded.shape[dim] != expected:
         where = f" ({what})" if what else ""
@@ -67,7 +82,7 @@ def _no_shard(shard_id: object, owner: str) -> None:
         raise ValueError(f"unexpected shard {shard_id!r} for {owner}")
 
 
-def default_weight_loader(param: Tensor, loaded_weight: Tensor, shard_id: object = None) -> None:
+def default_weight_loader(param: Tensor, loaded_weight: Loaded, shard_id: object = None) -> None:
     """Replicated parameter: the HF tensor must match exactly."""
     _no_shard(shard_id, "a replicated parameter")
     _copy_checked(param, loaded_weight)
@@ -93,6 +108,16 @@ def _group(tp: TPGroup | None, tp_rank: int, tp_size: int) -> TPGroup:
     return TPGroup(tp_rank, tp_size)
 
 
+def _keeps_quantized(param: Tensor, loaded: Loaded) -> bool:
+    """A float32 CPU weight keeps a GGUF piece of a type the kernels take in its block layout."""
+    return (
+        isinstance(loaded, GGUFWeight)
+        and loaded.has_kernel
+        and param.device.type == "cpu"
+        and param.dtype == torch.float32
+    )
+
+
 class _LinearBase(torch.nn.Module):
     def __init__(self, tp_rank: int, tp_size: int, tp: TPGroup | None = None) -> None:
         super().__init__()
@@ -101,9 +126,45 @@ class _LinearBase(torch.nn.Module):
         self.tp_size = self.tp.size
         self.weight: Tensor
         self.bias: Tensor | None
+        self.qweight: QuantizedWeight | None = None
+        # Until every row of the weight has arrived: quantized pieces by first row, and dense rows seen.
+        self._qpieces: dict[int, GGUFWeight] = {}
+        self._dense_rows = 0
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
+
+    def _matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        if self.qweight is not None:
+            return self.qweight.matmul(x, bias)
+        return F.linear(x, self.weight, bias)
+
+    def _load_rows(self, param: Tensor, offset: int, loaded: Loaded, what: str = "") -> None:
+        """Rows [offset, offset + len(loaded)) of this rank's weight (`param`, 2-D). Quantized pieces are
+        kept until the last row arrives; then the layer takes the quantized format if every piece was
+        quantized, else the pieces are dequantized into the dense weight."""
+        n = int(loaded.shape[0])
+        if not _keeps_quantized(param, loaded):
+            _copy_checked(param.data.narrow(0, offset, n), loaded, what)
+            self._dense_rows += n
+        else:
+            assert isinstance(loaded, GGUFWeight)  # narrowed by _keeps_quantized
+            want = (n, int(param.shape[1]))
+            if tuple(loaded.shape) != want or offset + n > param.shape[0]:
+                where = f" ({what})" if what else ""
+                raise ValueError(f"shape mismatch{where}: expected {want}, got {tuple(loaded.shape)}")
+            self._qpieces[offset] = loaded
+        if sum(p.shape[0] for p in self._qpieces.values()) + self._dense_rows < param.shape[0]:
+            return
+        pieces = [self._qpieces[o] for o in sorted(self._qpieces)]
+        if pieces and not self._dense_rows:
+            self.qweight = QuantizedWeight(pieces)
+            param.data = torch.empty(0, param.shape[1], dtype=param.dtype)  # the dense copy is never made
+        else:  # mixed dense and quantized pieces: all dense
+            for o in sorted(self._qpieces):
+                p = self._qpieces[o]
+                param.data.narrow(0, o, p.shape[0]).copy_(p.materialize())
+        self._qpieces, self._dense_rows = {}, 0
 
 
 class ReplicatedLinear(_LinearBase):
@@ -147,11 +208,14 @@ class ColumnParallelLinear(_LinearBase):
         self.weight = _param((n, input_size), dtype, device, self.weight_loader)
         self.bias = _param((n,), dtype, device, self.weight_loader) if bias else None
 
-    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: Tensor, loaded_weight: Loaded, shard_id: object = None) -> None:
         _no_shard(shard_id, type(self).__name__)
-        n = param.shape[0]
+        n = self.output_size_per_partition
         _check_dim(loaded_weight, 0, n * self.tp_size)
-        _copy_checked(param, loaded_weight.narrow(0, self.tp_rank * n, n))
+        if param is self.weight:
+            self._load_rows(param, 0, loaded_weight.narrow(0, self.tp_rank * n, n))
+        else:
+            _copy_checked(param, loaded_weight.narrow(0, self.tp_rank * n, n))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -191,7 +255,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         full = self.output_sizes[shard_id]
         return offset, full // self.tp_size, full
 
-    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: Tensor, loaded_weight: Loaded, shard_id: object = None) -> None:
         if shard_id is None:
             # A checkpoint that already stores the fused tensor (e.g. Phi-3's gate_up_proj).
             _check_dim(loaded_weight, 0, sum(self._full_sizes()))
@@ -203,13 +267,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset, n, full = self._shard_range(shard_id)
         self._load_piece(param, loaded_weight, shard_id, offset, n, full, self.tp_rank * n)
 
-    @staticmethod
     def _load_piece(
-        param: Tensor, loaded: Tensor, shard_id: object, offset: int, n: int, full: int, start: int
+        self, param: Tensor, loaded: Loaded, shard_id: object, offset: int, n: int, full: int, start: int
     ) -> None:
         """Rows [start, start + n) of the full HF piece (dim 0 of `full`) -> rows [offset, offset + n)."""
         _check_dim(loaded, 0, full, f"shard {shard_id}")
-        _copy_checked(param.data.narrow(0, offset, n), loaded.narrow(0, start, n), f"shard {shard_id}")
+        piece = loaded.narrow(0, start, n)
+        if param is self.weight:
+            self._load_rows(param, offset, piece, f"shard {shard_id}")
+        else:
+            _copy_checked(param.data.narrow(0, offset, n), piece, f"shard {shard_id}")
 
     def _full_sizes(self) -> list[int]:
         return self.output_sizes
@@ -269,7 +336,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         kv = self.total_num_kv_heads * self.head_size
         return [self.total_num_heads * self.head_size, kv, kv]
 
-    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: Tensor, loaded_weight: Loaded, shard_id: object = None) -> None:
         if shard_id is None:
             super().weight_loader(param, loaded_weight, None)
             return
@@ -316,26 +383,35 @@ class RowParallelLinear(_LinearBase):
         self.weight = _param((output_size, self.input_size_per_partition), dtype, device, self.weight_loader)
         self.bias = _param((output_size,), dtype, device, self.weight_loader) if bias else None
 
-    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: Tensor, loaded_weight: Loaded, shard_id: object = None) -> None:
         _no_shard(shard_id, "RowParallelLinear")
         if param.dim() == 1:  # bias: replicated, added once after the reduce
             _copy_checked(param, loaded_weight)
             return
-        n = param.shape[1]
+        n = self.input_size_per_partition
         _check_dim(loaded_weight, 1, n * self.tp_size)
-        _copy_checked(param, loaded_weight.narrow(1, self.tp_rank * n, n))
+        self._load_rows(param, 0, loaded_weight.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: Tensor) -> Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = F.linear(x, self.weight)
+            return self._matmul(x, self.bias)
+        out = self._matmul(x, None)
         if self.reduce_results:
             self.tp.all_reduce(out)
         return out + self.bias if self.bias is not None else out
 
 
+class QuantSlot:
+    """Where an embedding table keeps its quantized format; an output head tied to the table shares the
+    slot (a plain object, not a module: the tie adds no parameter and no submodule)."""
+
+    def __init__(self) -> None:
+        self.weight: QuantizedWeight | None = None
+
+
 class VocabParallelEmbedding(torch.nn.Module):
-    """Token embedding with the vocabulary split across ranks (padded to a multiple of tp_size)."""
+    """Token embedding with the vocabulary split across ranks (padded to a multiple of tp_size). A
+    GGUF-quantized table on one CPU rank stays quantized: rows are dequantized as they are looked up."""
 
     def __init__(
         self,
@@ -358,19 +434,30 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.weight = _param(
             (self.num_embeddings_per_partition, embedding_dim), dtype, device, self.weight_loader
         )
+        self.quant = QuantSlot()
 
-    def weight_loader(self, param: Tensor, loaded_weight: Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: Tensor, loaded_weight: Loaded, shard_id: object = None) -> None:
         _no_shard(shard_id, "an embedding")
         if tuple(loaded_weight.shape) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(
                 f"shape mismatch: expected {(self.num_embeddings, self.embedding_dim)}, got {tuple(loaded_weight.shape)}"
             )
+        if (
+            self.tp_size == 1
+            and isinstance(loaded_weight, GGUFWeight)
+            and _keeps_quantized(param, loaded_weight)
+        ):
+            self.quant.weight = QuantizedWeight([loaded_weight])
+            param.data = torch.empty(0, self.embedding_dim, dtype=param.dtype)
+            return
         n = max(0, min(self.num_embeddings_per_partition, self.num_embeddings - self.vocab_start))
         if n:
             param.data[:n].copy_(_materialize(loaded_weight.narrow(0, self.vocab_start, n)))
         param.data[n:].zero_()
 
     def forward(self, input_ids: Tensor) -> Tensor:
+        if self.quant.weight is not None:
+            return self.quant.weight.rows(input_ids)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
@@ -397,10 +484,17 @@ class ReplicatedEmbedding(VocabParallelEmbedding):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection hidden -> vocab (this rank's slice of the vocabulary)."""
 
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        """Share the embedding's table, in whichever format it is loaded."""
+        self.weight = embedding.weight
+        self.quant = embedding.quant
+
     def compute_logits(self, hidden: Tensor) -> Tensor | None:
         """[N, hidden] -> [N, vocab] float32 on rank 0 (each rank's vocabulary slice gathered there);
         None on the other ranks."""
-        logits = self.tp.gather_last_dim(F.linear(hidden, self.weight))
+        qweight = self.quant.weight
+        local = qweight.matmul(hidden) if qweight is not None else F.linear(hidden, self.weight)
+        logits = self.tp.gather_last_dim(local)
         if logits is None:
             return None
         return logits[..., : self.num_embeddings].float()

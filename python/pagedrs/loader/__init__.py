@@ -1,12 +1,17 @@
 """Model loading: a local HF folder (config.json + safetensors or PyTorch .bin, sharded or not, tokenizer
 files), a GGUF file (converted once into a cache folder), or None for the default model.
 
+A GGUF file loaded with dtype "auto" on one CPU rank keeps its quantized tensors in their block layout
+(the CPU kernels multiply them); any explicit dtype, a GPU, or tensor parallelism loads the float32
+dequantized tensors of the cache folder instead (the oracle the quantized path is tested against).
+
 Every check happens here, at load time: unknown path or architecture, a checkpoint missing a tensor or
 holding one of the wrong shape -> ValueError naming it, before any request can be accepted.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +22,7 @@ from torch import Tensor
 
 from pagedrs.distributed.group import TPGroup
 from pagedrs.loader.default_model import default_model_path
-from pagedrs.loader.gguf import cache_root, convert_gguf
+from pagedrs.loader.gguf import cache_root, convert_gguf, iter_gguf_weights
 from pagedrs.loader.options import LoadOptions, apply_overrides, init_dummy_weights
 from pagedrs.loader.pytorch_bin import iter_pytorch_bin, pytorch_bin_files
 from pagedrs.loader.safetensors import iter_safetensors, safetensors_files
@@ -26,7 +31,9 @@ __all__ = [
     "LoadOptions",
     "LoadedModel",
     "cache_root",
+    "gguf_file",
     "iter_checkpoint",
+    "keeps_quantized",
     "load_hf_config",
     "load_model",
     "load_tokenizer",
@@ -34,6 +41,8 @@ __all__ = [
     "resolve_dtype",
     "resolve_model_path",
 ]
+
+logger = logging.getLogger("pagedrs.loader")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -105,6 +114,36 @@ def model_folder(path: str) -> str:
             return str(convert_gguf(ggufs[0]))
         raise ValueError(f"model folder {path!r} has no config.json")
     return str(p)
+
+
+def gguf_file(path: str) -> Path | None:
+    """The GGUF file a resolved model path stands for (the file, or the only .gguf of a folder without
+    config.json), else None."""
+    p = Path(path)
+    if p.is_file():
+        return p if p.suffix.lower() == ".gguf" else None
+    if p.is_dir() and not (p / "config.json").is_file():
+        ggufs = sorted(p.glob("*.gguf"))
+        return ggufs[0] if len(ggufs) == 1 else None
+    return None
+
+
+def keeps_quantized(
+    path: str, dtype: str | torch.dtype, device: torch.device, tp: TPGroup | None, load_format: str
+) -> bool:
+    """Whether `load_model` keeps a GGUF file's quantized tensors quantized (see the module docstring)."""
+    if gguf_file(path) is None or load_format not in ("auto", "gguf"):
+        return False
+    if dtype != "auto" or device.type != "cpu":
+        return False
+    if tp is not None and tp.size > 1:
+        logger.info(
+            "tensor parallelism over %d ranks: the GGUF weights are loaded dequantized to float32 "
+            "(the quantized CPU kernels run on one rank)",
+            tp.size,
+        )
+        return False
+    return True
 
 
 def iter_checkpoint(folder: str | Path) -> Iterator[tuple[str, Tensor]]:
@@ -222,6 +261,12 @@ def load_model(
         net = model_cls(config, dtype=torch_dtype, device=device, tp=tp)  # type: ignore[call-arg]
     if opts.load_format == "dummy":
         init_dummy_weights(net, opts.seed)
+    elif keeps_quantized(path, dtype, device, tp, opts.load_format):
+        num_heads = int(config.num_attention_heads)
+        num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+        gguf_path = gguf_file(path)
+        assert gguf_path is not None  # keeps_quantized checked it
+        net.load_weights(iter_gguf_weights(gguf_path, num_heads, num_kv_heads))  # type: ignore[operator]
     else:
         net.load_weights(_checkpoint(path, folder, opts.load_format))  # type: ignore[operator]
     net.eval()

@@ -1,5 +1,9 @@
-"""GGUF files (llama.cpp): dequantized once into a cache folder that looks like an HF checkpoint
+"""GGUF files (llama.cpp): converted once into a cache folder that looks like an HF checkpoint
 (config.json, model.safetensors in float32, tokenizer files), reused by every later load.
+
+Two ways to load the weights: the cache folder's float32 tensors (the dequantized oracle, and the path for
+GPUs, 16-bit dtypes and tensor parallelism), or `iter_gguf_weights`, straight from the GGUF file with the
+quantized tensors kept in their block layout (`GGUFWeight`) for the CPU kernels.
 
 Config and tokenizer (chat template included) come from transformers' own GGUF readers
 (`AutoConfig/AutoTokenizer.from_pretrained(dir, gguf_file=...)`); tensors are dequantized with the `gguf`
@@ -11,14 +15,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-__all__ = ["GGUF_ARCHITECTURES", "convert_gguf", "gguf_cache_dir", "cache_root"]
+if TYPE_CHECKING:
+    import torch
+    from gguf import GGUFReader, ReaderTensor
+
+    from pagedrs.layers.quantized import GGUFWeight
+
+__all__ = ["GGUF_ARCHITECTURES", "cache_root", "convert_gguf", "gguf_cache_dir", "iter_gguf_weights"]
+
+logger = logging.getLogger("pagedrs.loader")
 
 # general.architecture -> (HF architecture, whether llama.cpp permuted the Q/K rows)
 GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
@@ -79,9 +95,9 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def _tensors(gguf_path: Path, num_heads: int, num_kv_heads: int) -> tuple[str, dict[str, object]]:
+def _open(gguf_path: Path) -> tuple[GGUFReader, str]:
+    """(GGUFReader, architecture); ValueError for an architecture pagedrs has no model for."""
     import gguf
-    import torch
 
     reader = gguf.GGUFReader(str(gguf_path))
     field = reader.get_field("general.architecture")
@@ -92,23 +108,86 @@ def _tensors(gguf_path: Path, num_heads: int, num_kv_heads: int) -> tuple[str, d
         raise ValueError(
             f"{gguf_path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}"
         )
-    permuted = GGUF_ARCHITECTURES[arch][1]
+    return reader, arch
+
+
+def _qk_heads(name: str, arch: str, num_heads: int, num_kv_heads: int) -> int | None:
+    """The head count whose rotary row permutation llama.cpp applied to this tensor (None: not permuted)."""
+    if not GGUF_ARCHITECTURES[arch][1]:
+        return None
+    if ".q_proj." in name:
+        return num_heads
+    if ".k_proj." in name:
+        return num_kv_heads
+    return None
+
+
+def _tensors(gguf_path: Path, num_heads: int, num_kv_heads: int) -> tuple[str, dict[str, object]]:
+    import gguf
+    import torch
+
+    reader, arch = _open(gguf_path)
     tensors: dict[str, object] = {}
+    for name, t in _named(gguf_path, reader):
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        heads = _qk_heads(name, arch, num_heads, num_kv_heads)
+        if heads is not None:
+            w = unpermute_qk(w, heads)
+        if not w.flags.writeable or not w.flags.c_contiguous:  # F32/F16 tensors are views of the mmap
+            w = np.array(w, dtype=np.float32, order="C")
+        tensors[name] = torch.from_numpy(w)
+    return arch, tensors
+
+
+def _named(gguf_path: Path, reader: GGUFReader) -> Iterator[tuple[str, ReaderTensor]]:
+    """(HF name, ReaderTensor) of every GGUF tensor that has one; ValueError for an unknown tensor."""
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
         if name is None:
             if t.name in _IGNORED:
                 continue
             raise ValueError(f"{gguf_path}: GGUF tensor {t.name!r} has no HF counterpart")
+        yield name, t
+
+
+def iter_gguf_weights(
+    gguf_path: str | Path, num_heads: int, num_kv_heads: int
+) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+    """(HF name, tensor) of a GGUF file, straight from its memory map: 2-D tensors of a type the CPU
+    kernels take stay quantized (`GGUFWeight`, rows unpermuted where llama.cpp permuted Q/K); every
+    other tensor is float32 (dequantized, with one log line per type that had to be)."""
+    import gguf
+    import torch
+
+    from pagedrs.layers.quantized import GGUFWeight, kernel_types
+
+    path = Path(gguf_path)
+    reader, arch = _open(path)
+    dequantized: Counter[str] = Counter()
+    for name, t in _named(path, reader):
+        ggml_type = int(t.tensor_type)
+        heads = _qk_heads(name, arch, num_heads, num_kv_heads)
+        dense_type = ggml_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+        if len(t.shape) == 2 and ggml_type in kernel_types():
+            cols, rows = (int(d) for d in t.shape)  # GGUF lists the fastest-varying dim first
+            q = GGUFWeight(ggml_type, (rows, cols), np.asarray(t.data, dtype=np.uint8))
+            if heads is not None:
+                q = q.permute_rows(unpermute_qk(np.arange(rows), heads))
+            yield name, q
+            continue
+        if not dense_type:
+            dequantized[gguf.GGMLQuantizationType(ggml_type).name] += 1
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        if permuted and ".q_proj." in name:
-            w = unpermute_qk(w, num_heads)
-        elif permuted and ".k_proj." in name:
-            w = unpermute_qk(w, num_kv_heads)
-        if not w.flags.writeable or not w.flags.c_contiguous:  # F32/F16 tensors are views of the mmap
-            w = np.array(w, dtype=np.float32, order="C")
-        tensors[name] = torch.from_numpy(w)
-    return arch, tensors
+        if heads is not None:
+            w = unpermute_qk(w, heads)
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+    for type_name, count in sorted(dequantized.items()):
+        logger.info(
+            "%s: %d tensor(s) of type %s have no quantized CPU kernel; loaded dequantized to float32",
+            path.name,
+            count,
+            type_name,
+        )
 
 
 def convert_gguf(gguf_path: str | Path, root: str | Path | None = None) -> Path:

@@ -17,6 +17,7 @@ from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.activation import get_act_and_mul_fn
 from pagedrs.layers.attention import Attention, ForwardContext, token_seq_lens
 from pagedrs.layers.linear import (
+    Loaded,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -205,7 +206,7 @@ class LlamaForCausalLM(torch.nn.Module):
             config.vocab_size, config.hidden_size, tp=tp, dtype=dtype, device=device
         )
         if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie_to(self.model.embed_tokens)
         attn = self.model.layers[0].self_attn.attn
         self.num_layers: int = config.num_hidden_layers
         self.num_kv_heads: int = attn.num_kv_heads
@@ -222,7 +223,7 @@ class LlamaForCausalLM(torch.nn.Module):
         """[N, hidden] -> [N, vocab] float32."""
         return self.lm_head.compute_logits(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
         """Load HF-named tensors; every parameter must be covered (ValueError naming what is missing)."""
         skip: tuple[str, ...] = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
         if self.tie_word_embeddings:

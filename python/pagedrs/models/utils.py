@@ -7,10 +7,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 from transformers import PretrainedConfig
 
-from pagedrs.layers.linear import default_weight_loader
+from pagedrs.layers.linear import Loaded, default_weight_loader
 
 __all__ = ["StackedParam", "check_tensor_parallel", "load_weights_into", "mha_head_size"]
 
@@ -60,7 +59,7 @@ class StackedParam:
 
 def load_weights_into(
     model: torch.nn.Module,
-    weights: Iterable[tuple[str, Tensor]],
+    weights: Iterable[tuple[str, Loaded]],
     stacked: Sequence[StackedParam] = (),
     *,
     skip: Sequence[str] = (),

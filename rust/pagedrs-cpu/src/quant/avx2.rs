@@ -85,14 +85,43 @@ unsafe fn acc_offset<const R: usize>(a: &[ActRow<'_>; R], sub: usize, c: f32, of
     }
 }
 
+/// Two sets of accumulators summed and reduced: `hsum(acc0 + acc1) + off0 + off1` per row.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn finish<const R: usize>(acc: [__m256; R], off: [f32; R]) -> [f32; R] {
+unsafe fn finish<const R: usize>(acc: [[__m256; R]; 2], off: [[f32; R]; 2]) -> [f32; R] {
     let mut out = [0.0f32; R];
     for r in 0..R {
-        out[r] = hsum(acc[r]) + off[r];
+        out[r] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + (off[0][r] + off[1][r]);
     }
     out
+}
+
+/// Runs `$body` for blocks `0..$nb` with `$acc` / `$off` alternating between two sets of accumulators
+/// (two independent FMA chains: one chain per block would leave the loop bound by the FMA latency),
+/// then reduces them.
+macro_rules! two_chains {
+    ($nb:expr, $r:ident, |$b:ident, $acc:ident, $off:ident| $body:block) => {{
+        let (mut acc0, mut acc1) = ([_mm256_setzero_ps(); $r], [_mm256_setzero_ps(); $r]);
+        let (mut off0, mut off1) = ([0.0f32; $r], [0.0f32; $r]);
+        let nb: usize = $nb;
+        let mut next = 0;
+        while next + 1 < nb {
+            {
+                let ($b, $acc, $off) = (next, &mut acc0, &mut off0);
+                $body
+            }
+            {
+                let ($b, $acc, $off) = (next + 1, &mut acc1, &mut off1);
+                $body
+            }
+            next += 2;
+        }
+        if next < nb {
+            let ($b, $acc, $off) = (next, &mut acc0, &mut off0);
+            $body
+        }
+        finish([acc0, acc1], [off0, off1])
+    }};
 }
 
 /// Dot products of one weight row (`nb` blocks of `qt` at `w`) with each of `a`.
@@ -117,59 +146,50 @@ pub(super) unsafe fn dot_rows<const R: usize>(
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_0<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
-    let (mut acc, mut off) = ([_mm256_setzero_ps(); R], [0.0f32; R]);
-    for b in 0..nb {
+    two_chains!(nb, R, |b, acc, off| {
         let p = w.add(b * 18);
         let d = half(p);
-        acc_unsigned(nibbles16(p.add(2)), a, b, d, &mut acc);
-        acc_offset(a, b, -8.0 * d, &mut off);
-    }
-    finish(acc, off)
+        acc_unsigned(nibbles16(p.add(2)), a, b, d, acc);
+        acc_offset(a, b, -8.0 * d, off);
+    })
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_1<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
-    let (mut acc, mut off) = ([_mm256_setzero_ps(); R], [0.0f32; R]);
-    for b in 0..nb {
+    two_chains!(nb, R, |b, acc, off| {
         let p = w.add(b * 20);
-        acc_unsigned(nibbles16(p.add(4)), a, b, half(p), &mut acc);
-        acc_offset(a, b, half(p.add(2)), &mut off);
-    }
-    finish(acc, off)
+        acc_unsigned(nibbles16(p.add(4)), a, b, half(p), acc);
+        acc_offset(a, b, half(p.add(2)), off);
+    })
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q5_0<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
-    let (mut acc, mut off) = ([_mm256_setzero_ps(); R], [0.0f32; R]);
-    for b in 0..nb {
+    two_chains!(nb, R, |b, acc, off| {
         let p = w.add(b * 22);
         let d = half(p);
         let qh = p.add(2).cast::<u32>().read_unaligned();
         let q = _mm256_or_si256(nibbles16(p.add(6)), high_bits(u32::from_le(qh)));
-        acc_unsigned(q, a, b, d, &mut acc);
-        acc_offset(a, b, -16.0 * d, &mut off);
-    }
-    finish(acc, off)
+        acc_unsigned(q, a, b, d, acc);
+        acc_offset(a, b, -16.0 * d, off);
+    })
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q5_1<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
-    let (mut acc, mut off) = ([_mm256_setzero_ps(); R], [0.0f32; R]);
-    for b in 0..nb {
+    two_chains!(nb, R, |b, acc, off| {
         let p = w.add(b * 24);
         let qh = p.add(4).cast::<u32>().read_unaligned();
         let q = _mm256_or_si256(nibbles16(p.add(8)), high_bits(u32::from_le(qh)));
-        acc_unsigned(q, a, b, half(p), &mut acc);
-        acc_offset(a, b, half(p.add(2)), &mut off);
-    }
-    finish(acc, off)
+        acc_unsigned(q, a, b, half(p), acc);
+        acc_offset(a, b, half(p.add(2)), off);
+    })
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q8_0<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
-    let mut acc = [_mm256_setzero_ps(); R];
     let ones = _mm256_set1_epi16(1);
-    for b in 0..nb {
+    two_chains!(nb, R, |b, acc, _off| {
         let p = w.add(b * 34);
         let d = half(p);
         let q = _mm256_loadu_si256(p.add(2).cast());
@@ -181,8 +201,7 @@ unsafe fn q8_0<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> 
             let scale = _mm256_set1_ps(d * *a[r].d.get_unchecked(b));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
         }
-    }
-    finish(acc, [0.0; R])
+    })
 }
 
 /// The 8 (scale, min) pairs of a Q4_K / Q5_K block, as floats times d and dmin.
@@ -202,7 +221,8 @@ unsafe fn k_scales(p: *const u8) -> ([f32; 8], [f32; 8]) {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_k<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
-    let (mut acc, mut off) = ([_mm256_setzero_ps(); R], [0.0f32; R]);
+    // Two chains: even sub-blocks into set 0, odd ones into set 1.
+    let (mut acc, mut off) = ([[_mm256_setzero_ps(); R]; 2], [[0.0f32; R]; 2]);
     let m4 = _mm256_set1_epi8(0x0f);
     for b in 0..nb {
         let p = w.add(b * 144);
@@ -210,16 +230,18 @@ unsafe fn q4_k<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> 
         for j in 0..4 {
             let q = _mm256_loadu_si256(p.add(16 + 32 * j).cast());
             let (s0, s1) = (8 * b + 2 * j, 8 * b + 2 * j + 1);
-            acc_unsigned(_mm256_and_si256(q, m4), a, s0, sc[2 * j], &mut acc);
+            let (acc0, acc1) = acc.split_at_mut(1);
+            let (off0, off1) = off.split_at_mut(1);
+            acc_unsigned(_mm256_and_si256(q, m4), a, s0, sc[2 * j], &mut acc0[0]);
             acc_unsigned(
                 _mm256_and_si256(_mm256_srli_epi16(q, 4), m4),
                 a,
                 s1,
                 sc[2 * j + 1],
-                &mut acc,
+                &mut acc1[0],
             );
-            acc_offset(a, s0, mn[2 * j], &mut off);
-            acc_offset(a, s1, mn[2 * j + 1], &mut off);
+            acc_offset(a, s0, mn[2 * j], &mut off0[0]);
+            acc_offset(a, s1, mn[2 * j + 1], &mut off1[0]);
         }
     }
     finish(acc, off)
@@ -227,7 +249,8 @@ unsafe fn q4_k<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> 
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q5_k<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
-    let (mut acc, mut off) = ([_mm256_setzero_ps(); R], [0.0f32; R]);
+    // Two chains: even sub-blocks into set 0, odd ones into set 1.
+    let (mut acc, mut off) = ([[_mm256_setzero_ps(); R]; 2], [[0.0f32; R]; 2]);
     let (m4, one) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(1));
     for b in 0..nb {
         let p = w.add(b * 176);
@@ -243,10 +266,12 @@ unsafe fn q5_k<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> 
             qh = _mm256_srli_epi16(qh, 1);
             let lo = _mm256_or_si256(_mm256_and_si256(q, m4), h0);
             let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), h1);
-            acc_unsigned(lo, a, s0, sc[2 * j], &mut acc);
-            acc_unsigned(hi, a, s1, sc[2 * j + 1], &mut acc);
-            acc_offset(a, s0, mn[2 * j], &mut off);
-            acc_offset(a, s1, mn[2 * j + 1], &mut off);
+            let (acc0, acc1) = acc.split_at_mut(1);
+            let (off0, off1) = off.split_at_mut(1);
+            acc_unsigned(lo, a, s0, sc[2 * j], &mut acc0[0]);
+            acc_unsigned(hi, a, s1, sc[2 * j + 1], &mut acc1[0]);
+            acc_offset(a, s0, mn[2 * j], &mut off0[0]);
+            acc_offset(a, s1, mn[2 * j + 1], &mut off1[0]);
         }
     }
     finish(acc, off)
@@ -254,7 +279,8 @@ unsafe fn q5_k<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> 
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q6_k<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
-    let mut acc = [_mm256_setzero_ps(); R];
+    // Two chains: even quarters into set 0, odd ones into set 1.
+    let mut acc = [[_mm256_setzero_ps(); R]; 2];
     let (m4, m3, m32) = (
         _mm256_set1_epi8(0x0f),
         _mm256_set1_epi8(3),
@@ -294,10 +320,10 @@ unsafe fn q6_k<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> 
                     let p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(m32, x), scales);
                     let s = _mm256_cvtepi32_ps(_mm256_sub_epi32(pq, p32));
                     let scale = _mm256_set1_ps(d * *a[r].d.get_unchecked(sub));
-                    acc[r] = _mm256_fmadd_ps(s, scale, acc[r]);
+                    acc[t & 1][r] = _mm256_fmadd_ps(s, scale, acc[t & 1][r]);
                 }
             }
         }
     }
-    finish(acc, [0.0; R])
+    finish(acc, [[0.0; R]; 2])
 }

@@ -1,0 +1,174 @@
+"""GGUF-quantized weights on CPU: kept in llama.cpp's block layout and multiplied by the Rust kernels.
+
+- `GGUFWeight` is one checkpoint tensor as the GGUF file stores it (rows of blocks). It answers the lazy
+  checkpoint-slice protocol the layers' weight loaders use (`shape`, `dim()`, `narrow()`,
+  `materialize()`), so a layer that keeps only dense weights loads it dequantized, unchanged.
+- `QuantizedWeight` is a layer's weight *format* once its pieces are loaded: it owns the matmul
+  `x @ W^T` (one Rust call per run of pieces that share a block type) and the row lookup of an
+  embedding. Layers call it; the model code never sees which format a layer holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch import Tensor
+
+from pagedrs import _core
+
+__all__ = ["GGUFWeight", "QuantizedWeight", "kernel_types"]
+
+_KERNEL_TYPES: frozenset[int] = frozenset(_core.quant_type_ids())
+
+
+def kernel_types() -> frozenset[int]:
+    """GGML type ids (`gguf.GGMLQuantizationType` values) the CPU kernels multiply without dequantizing."""
+    return _KERNEL_TYPES
+
+
+def _type_name(ggml_type: int) -> str:
+    import gguf
+
+    return gguf.GGMLQuantizationType(ggml_type).name
+
+
+def _block_shape(ggml_type: int) -> tuple[int, int]:
+    """(weights per block, bytes per block) of a GGML type."""
+    import gguf
+
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFWeight:
+    """A 2-D weight [rows, cols] in a GGUF block type: `data` is uint8 [rows, row_bytes], each row its
+    blocks in file order (a read-only view of the file's memory map until a row permutation copies it)."""
+
+    ggml_type: int
+    shape: tuple[int, int]
+    data: npt.NDArray[np.uint8]
+
+    def __post_init__(self) -> None:
+        rows, cols = self.shape
+        block, size = _block_shape(self.ggml_type)
+        if cols % block or self.data.shape != (rows, cols // block * size):
+            raise ValueError(
+                f"{self.type_name} weight of shape {self.shape} needs data [{rows}, {cols // block * size}], "
+                f"got {tuple(self.data.shape)}"
+            )
+
+    @property
+    def type_name(self) -> str:
+        return _type_name(self.ggml_type)
+
+    @property
+    def has_kernel(self) -> bool:
+        """Whether the CPU kernels multiply this type directly."""
+        return self.ggml_type in _KERNEL_TYPES
+
+    def dim(self) -> int:
+        return 2
+
+    def narrow(self, dim: int, start: int, length: int) -> GGUFWeight:
+        """Rows (dim 0), or columns on whole blocks (dim 1; ValueError when a cut falls inside a block)."""
+        rows, cols = self.shape
+        if dim == 0:
+            return GGUFWeight(self.ggml_type, (length, cols), self.data[start : start + length])
+        if dim != 1:
+            raise ValueError(f"a GGUF weight has 2 dimensions, got dim={dim}")
+        block, size = _block_shape(self.ggml_type)
+        if start % block or length % block:
+            raise ValueError(
+                f"cannot cut columns {start}..{start + length} of a {self.type_name} weight: "
+                f"the cut must fall on its {block}-weight blocks"
+            )
+        data = self.data[:, start // block * size : (start + length) // block * size]
+        return GGUFWeight(self.ggml_type, (rows, length), data)
+
+    def permute_rows(self, order: npt.NDArray[np.int64]) -> GGUFWeight:
+        """Rows reordered (`new[i] = old[order[i]]`); rows are quantized independently, so this is exact."""
+        return GGUFWeight(self.ggml_type, self.shape, np.ascontiguousarray(self.data[order]))
+
+    def materialize(self) -> Tensor:
+        """Dequantized float32 [rows, cols] (gguf-py's dequantizer: the float32 oracle's values)."""
+        import gguf
+
+        w = gguf.quants.dequantize(self.data, gguf.GGMLQuantizationType(self.ggml_type))
+        return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(self.shape))
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """Consecutive output rows `col0..col0 + n` of one block type."""
+
+    ggml_type: int
+    data: npt.NDArray[np.uint8]
+    col0: int
+    n: int
+
+
+class QuantizedWeight:
+    """W [out_features, in_features] as GGUF blocks: pieces stacked along the output rows (q|k|v,
+    gate|up), pieces of the same type merged into one contiguous matrix."""
+
+    def __init__(self, pieces: list[GGUFWeight]) -> None:
+        if not pieces or any(not p.has_kernel for p in pieces):
+            raise ValueError("QuantizedWeight needs at least one piece, all of types the kernels take")
+        in_features = pieces[0].shape[1]
+        if any(p.shape[1] != in_features for p in pieces):
+            raise ValueError(f"pieces differ in their input size: {[p.shape for p in pieces]}")
+        self.in_features = in_features
+        self.out_features = sum(p.shape[0] for p in pieces)
+        runs: list[_Run] = []
+        col0 = 0
+        for group in _runs_by_type(pieces):
+            data = np.ascontiguousarray(np.concatenate([p.data for p in group]))
+            n = sum(p.shape[0] for p in group)
+            runs.append(_Run(group[0].ggml_type, data, col0, n))
+            col0 += n
+        self.runs = runs
+        self.nbytes = sum(r.data.nbytes for r in runs)
+
+    @property
+    def type_names(self) -> list[str]:
+        return [_type_name(r.ggml_type) for r in self.runs]
+
+    def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x [..., in_features] float32 on CPU -> x @ W^T (+ bias), float32 [..., out_features]."""
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"quantized matmul takes float32 CPU input, got {x.dtype} on {x.device}")
+        x2 = x.reshape(-1, self.in_features)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        xn, on = x2.numpy(), out.numpy()
+        threads = torch.get_num_threads()
+        for r in self.runs:
+            _core.quant_matmul(xn, r.data, r.ggml_type, on, r.col0, threads)
+        if bias is not None:
+            out += bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """Dequantized rows `ids` (an embedding lookup): float32 [len(ids), in_features]."""
+        if len(self.runs) != 1:
+            raise ValueError("an embedding table is one piece of one type")
+        r = self.runs[0]
+        flat = ids.reshape(-1).to(torch.int64)
+        out = torch.empty(flat.shape[0], self.in_features, dtype=torch.float32)
+        _core.quant_get_rows(r.data, r.ggml_type, flat.numpy(), out.numpy())
+        return out.view(*ids.shape, self.in_features)
+
+
+def _runs_by_type(pieces: list[GGUFWeight]) -> list[list[GGUFWeight]]:
+    """Pieces split into runs of consecutive pieces of the same type."""
+    runs: list[list[GGUFWeight]] = []
+    for p in pieces:
+        if runs and runs[-1][0].ggml_type == p.ggml_type:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs

@@ -1,0 +1,150 @@
+"""GGUF-quantized weights on CPU: the Rust kernels through the binding against gguf-py's dequantizer +
+torch matmul, and the layers that keep such weights (fused pieces, mixed types, dense fallback, the
+tied embedding / output head).
+
+Tolerance: the kernels quantize activations to 8 bits per block of 32 (as llama.cpp does), so an output
+may differ from float32 x times the dequantized weight by at most max|x| / 254 * sum|w| (helpers_quant).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedrs import _core
+from pagedrs.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from pagedrs.layers.quantized import GGUFWeight, QuantizedWeight, kernel_types
+from tests.layers.helpers_quant import KERNEL_TYPES, Q, dequantized, error_bound, random_weight
+
+
+def test_kernel_types_are_the_eight_gguf_types():
+    assert kernel_types() == frozenset(int(t) for t in KERNEL_TYPES)
+    assert _core.quant_isa() in ("avx2", "portable")
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+def test_matmul_matches_gguf_dequantize(qtype, m):
+    block = 256 if qtype.name.endswith("_K") else 32
+    n, k = 37, 3 * block  # odd row count (a thread's share ends mid-way), several blocks per row
+    w = random_weight(qtype, n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    dense = dequantized(w)
+    want = x @ dense.T
+    for threads in (1, 2):
+        got = QuantizedWeight([w]).matmul(x) if threads == 2 else _matmul_1(x, w)
+        err = (got - want).abs()
+        assert (err <= error_bound(x, dense)).all(), f"max err {err.max()}"
+    assert not torch.equal(got, want)  # the 8-bit activations show: not a float32 matmul in disguise
+
+
+def _matmul_1(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
+    out = torch.empty(x.shape[0], w.shape[0])
+    _core.quant_matmul(x.numpy(), w.data, w.ggml_type, out.numpy(), 0, 1)
+    return out
+
+
+def test_matmul_writes_only_its_columns_and_checks_shapes():
+    w = random_weight(Q.Q4_1, 8, 64)
+    x = torch.randn(2, 64)
+    out = torch.full((2, 13), float("nan"))
+    _core.quant_matmul(x.numpy(), w.data, w.ggml_type, out.numpy(), 3, 2)
+    assert out[:, :3].isnan().all() and out[:, 11:].isnan().all() and not out[:, 3:11].isnan().any()
+    with pytest.raises(ValueError, match="do not fit"):
+        _core.quant_matmul(x.numpy(), w.data, w.ggml_type, out.numpy(), 6, 1)
+    with pytest.raises(ValueError, match="row_bytes"):
+        _core.quant_matmul(x[:, :32].contiguous().numpy(), w.data, w.ggml_type, out.numpy(), 0, 1)
+    with pytest.raises(ValueError, match="GGML type 10"):  # Q2_K: no kernel
+        _core.quant_matmul(x.numpy(), w.data, int(Q.Q2_K), out.numpy(), 0, 1)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_rows_match_gguf_dequantize(qtype):
+    block = 256 if qtype.name.endswith("_K") else 32
+    w = random_weight(qtype, 11, 2 * block, seed=3)
+    ids = torch.tensor([[10, 0], [3, 3]])
+    got = QuantizedWeight([w]).rows(ids)
+    assert got.shape == (2, 2, 2 * block)
+    torch.testing.assert_close(got, dequantized(w)[ids], rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="outside 0..11"):
+        QuantizedWeight([w]).rows(torch.tensor([11]))
+
+
+def test_gguf_weight_cuts_and_permutes_on_rows_and_blocks():
+    w = random_weight(Q.Q5_1, 6, 96, seed=4)
+    dense = dequantized(w)
+    torch.testing.assert_close(w.materialize(), dense)
+    torch.testing.assert_close(w.narrow(0, 2, 3).materialize(), dense[2:5])
+    torch.testing.assert_close(w.narrow(1, 32, 64).materialize(), dense[:, 32:96])
+    order = np.array([5, 0, 4, 1, 3, 2])
+    torch.testing.assert_close(w.permute_rows(order).materialize(), dense[order])
+    with pytest.raises(ValueError, match="32-weight blocks"):
+        w.narrow(1, 16, 32)
+
+
+def _load(layer, name, tensor, shard=None):
+    param = getattr(layer, name)
+    param.weight_loader(param, tensor) if shard is None else param.weight_loader(param, tensor, shard)
+
+
+def test_qkv_pieces_of_mixed_types_stay_quantized():
+    q, k, v = random_weight(Q.Q4_0, 8, 64, 1), random_weight(Q.Q8_0, 4, 64, 2), random_weight(Q.Q8_0, 4, 64, 3)
+    layer = QKVParallelLinear(64, 4, 2, 1, bias=True)
+    bias = torch.randn(16)
+    for shard, w in (("v", v), ("q", q), ("k", k)):  # any order
+        _load(layer, "weight", w, shard)
+    for shard, piece in zip("qkv", bias.split([8, 4, 4]), strict=True):
+        _load(layer, "bias", piece, shard)
+    assert layer.qweight is not None and layer.qweight.type_names == ["Q4_0", "Q8_0"]  # k|v merged
+    assert layer.weight.numel() == 0  # no dense copy kept
+    dense = torch.cat([dequantized(q), dequantized(k), dequantized(v)])
+    x = torch.randn(5, 64)
+    err = (layer(x) - F.linear(x, dense, bias)).abs()
+    assert (err <= error_bound(x, dense)).all()
+
+
+def test_a_dense_piece_makes_the_whole_weight_dense():
+    gate, up = random_weight(Q.Q4_1, 6, 64, 5), torch.randn(6, 64)
+    layer = MergedColumnParallelLinear(64, [6, 6])
+    _load(layer, "weight", gate, 0)
+    _load(layer, "weight", up, 1)
+    assert layer.qweight is None
+    torch.testing.assert_close(layer.weight.data, torch.cat([dequantized(gate), up]))
+
+
+def test_row_and_column_layers_and_unsupported_types():
+    x = torch.randn(3, 256)
+    down = random_weight(Q.Q6_K, 5, 256, 6)
+    row = RowParallelLinear(256, 5)
+    _load(row, "weight", down)
+    assert row.qweight is not None
+    assert ((row(x) - x @ dequantized(down).T).abs() <= error_bound(x, dequantized(down))).all()
+    q2k = random_weight(Q.Q2_K, 5, 256, 7)  # no kernel: loaded dequantized
+    col = ColumnParallelLinear(256, 5)
+    _load(col, "weight", q2k)
+    assert col.qweight is None
+    torch.testing.assert_close(col(x), x @ dequantized(q2k).T)
+
+
+def test_tied_embedding_and_head_share_the_quantized_table():
+    table = random_weight(Q.Q8_0, 50, 64, 8)
+    embed = VocabParallelEmbedding(50, 64)
+    head = ParallelLMHead(50, 64)
+    head.tie_to(embed)
+    _load(embed, "weight", table)
+    dense = dequantized(table)
+    ids = torch.tensor([0, 49, 7])
+    torch.testing.assert_close(embed(ids), dense[ids])
+    h = torch.randn(2, 64)
+    logits = head.compute_logits(h)
+    assert logits is not None and logits.shape == (2, 50)
+    assert ((logits - h @ dense.T).abs() <= error_bound(h, dense)).all()
