@@ -75,7 +75,7 @@ class ThreadedServer:
 
 
 class SubprocessServer:
-    """`python -m pagedrs.entrypoints.openai.api_server` with the given flags."""
+    """`python -m pagedrs.entrypoints.openai.api_server` (or another server `module`) with the given flags."""
 
     def __init__(
         self,
@@ -85,6 +85,7 @@ class SubprocessServer:
         port: int | None = None,
         api_key: str | None = API_KEY,
         log_path: Path | None = None,
+        module: str = "pagedrs.entrypoints.openai.api_server",
     ) -> None:
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -94,7 +95,7 @@ class SubprocessServer:
         self.args = [
             sys.executable,
             "-m",
-            "pagedrs.entrypoints.openai.api_server",
+            module,
             "--host",
             "127.0.0.1",
             "--port",
