@@ -67,6 +67,9 @@ class ScriptedEngine(FakeEngine):
             self._replies.pop(rid, None)
 
     def step(self) -> EngineCoreOutputs:
+        if self.fail_next_step is not None or self.die_next_step is not None:
+            self._replies.clear()
+            return super().step()  # fails every request, scripted or not
         scripted = {rid: self.requests.pop(rid) for rid in list(self.requests) if rid in self._replies}
         try:
             base = super().step()

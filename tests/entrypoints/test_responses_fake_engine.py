@@ -179,6 +179,22 @@ def test_streamed_function_call(engine: ScriptedEngine, client: openai.OpenAI) -
     assert non_streamed.output_text == final.output_text == "Checking."
 
 
+def test_a_failure_mid_stream_is_a_failed_response(engine: ScriptedEngine, client: openai.OpenAI) -> None:
+    with client.responses.stream(model="fake", input=script(engine, "y" * 400)) as stream:
+        events, injected = [], False
+        for event in stream:
+            events.append(event)
+            if event.type == "response.output_text.delta" and not injected:
+                engine.fail_next_step = RuntimeError("injected step failure")
+                injected = True
+    assert events[-1].type == "response.failed"
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error is not None and failed.error.message
+    assert client.responses.retrieve(failed.id).status == "failed"
+    later = client.responses.create(model="fake", input=script(engine, "still serving"))
+    assert later.output_text == "still serving"
+
+
 def test_background_and_cancel(engine: ScriptedEngine, client: openai.OpenAI) -> None:
     quick = client.responses.create(
         model="fake", input=script(engine, "Done in the background."), background=True
