@@ -9,12 +9,16 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from pagedrs.entrypoints.cli_args import make_engine_args, make_serve_parser
+
+if TYPE_CHECKING:
+    from pagedrs.engine.async_engine import AsyncLLMEngine
 
 logger = logging.getLogger("pagedrs.server")
 
@@ -41,7 +45,7 @@ def setup_logging(level: str, tag: str = "") -> None:
 class _Server(uvicorn.Server):
     """uvicorn's server that starts the app's drain as soon as SIGTERM/SIGINT arrives."""
 
-    def __init__(self, config: uvicorn.Config, on_exit: Any) -> None:
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
         super().__init__(config)
         self._on_exit = on_exit
 
@@ -97,7 +101,9 @@ def run_server(args: argparse.Namespace) -> int:
     return serve_app(engine, args)
 
 
-def serve_app(engine: Any, args: argparse.Namespace, sockets: list[socket.socket] | None = None) -> int:
+def serve_app(
+    engine: AsyncLLMEngine, args: argparse.Namespace, sockets: list[socket.socket] | None = None
+) -> int:
     """Serves the OpenAI app around `engine` until SIGTERM/SIGINT (then drains); on `args.host/port`, or on
     the given listening sockets (shared by several API server processes)."""
     from pagedrs.entrypoints.openai.app import build_app

@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -31,7 +31,8 @@ from pagedrs.entrypoints.openai.errors import (
     unavailable,
 )
 from pagedrs.entrypoints.openai.protocol import SamplingFields
-from pagedrs.sampling_params import RequestOutputKind
+from pagedrs.pooling_params import PoolingParams
+from pagedrs.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagedrs.serving")
 
@@ -114,7 +115,7 @@ class OpenAIServing:
         except Exception as exc:  # noqa: BLE001 - undecodable input (lone surrogates, ...)
             raise bad_request(f"prompt cannot be tokenized: {exc}", param="prompt") from None
 
-    async def offload(self, fn: Any, *args: Any, size: int = 0) -> Any:
+    async def offload(self, fn: Callable[..., T], *args: Any, size: int = 0) -> T:
         """Runs tokenizer work inline when small, in a worker thread when it could stall the loop."""
         if size < _INLINE_CHARS:
             return fn(*args)
@@ -140,9 +141,7 @@ class OpenAIServing:
 
     def sampling_params(
         self, req: SamplingFields, max_tokens: int, logprobs: int | None, stream: bool = False
-    ) -> Any:
-        from pagedrs import SamplingParams
-
+    ) -> SamplingParams:
         if req.min_tokens > max_tokens:
             raise bad_request(
                 f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_tokens})", param="min_tokens"
@@ -188,13 +187,17 @@ class OpenAIServing:
             raise bad_request(str(exc), param=_param_in_message(str(exc), kwargs)) from None
 
     # ----------------------------------------------------------- engine
-    async def submit(self, request_id: str, prompt_ids: list[int], params: Any) -> RequestStream:
+    async def submit(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams | PoolingParams
+    ) -> RequestStream:
         try:
             return await self.engine.add_request(request_id, prompt_ids, params)
         except Exception as exc:  # noqa: BLE001 - mapped to an HTTP status
             raise to_api_error(exc) from None
 
-    async def submit_all(self, base_id: str, prompts: list[list[int]], params: Any) -> list[RequestStream]:
+    async def submit_all(
+        self, base_id: str, prompts: list[list[int]], params: SamplingParams | PoolingParams
+    ) -> list[RequestStream]:
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):

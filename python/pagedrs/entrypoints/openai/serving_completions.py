@@ -7,6 +7,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from pagedrs.engine.async_engine import RequestStream
 from pagedrs.entrypoints.openai.errors import bad_request
 from pagedrs.entrypoints.openai.logprobs import TokenText, completion_logprobs
 from pagedrs.entrypoints.openai.protocol import CompletionRequest
@@ -21,10 +22,12 @@ from pagedrs.entrypoints.openai.serving_base import (
     sse_error,
     usage_info,
 )
+from pagedrs.outputs import CompletionOutput, RequestOutput
+from pagedrs.sampling_params import SamplingParams
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    async def prepare(self, req: CompletionRequest) -> tuple[str, list[list[int]], list[str], Any]:
+    async def prepare(self, req: CompletionRequest) -> tuple[str, list[list[int]], list[str], SamplingParams]:
         """Validates and tokenizes; returns (model, prompt ids, prompt texts, sampling params)."""
         model = self.check_model(req.model)
         ids_list: list[list[int]] = []
@@ -69,7 +72,7 @@ class OpenAIServingCompletion(OpenAIServing):
         model: str,
         ids_list: list[list[int]],
         texts: list[str],
-        outputs: list[Any],
+        outputs: list[RequestOutput],
     ) -> dict[str, Any]:
         text_of = TokenText(self.tokenizer)
         choices = []
@@ -108,79 +111,63 @@ class OpenAIServingCompletion(OpenAIServing):
         model: str,
         ids_list: list[list[int]],
         texts: list[str],
-        streams: list[Any],
+        streams: list[RequestStream],
     ) -> AsyncIterator[str]:
-        created = now_s()
-        n = req.n
-        num_choices = len(ids_list) * n
-        finished = [False] * num_choices
-        echoed = [not req.echo] * num_choices
-        text_offsets = [0] * num_choices
-        completion_tokens = [0] * num_choices
+        head = {"id": request_id, "object": "text_completion", "created": now_s(), "model": model}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        text_of = TokenText(self.tokenizer)
+        state = _ChoiceStates(req, texts, TokenText(self.tokenizer))
         cached = [0] * len(ids_list)  # per prompt, from its request's outputs
-
-        def chunk(choices: list[dict[str, Any]]) -> str:
-            body: dict[str, Any] = {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": choices,
-            }
-            if include_usage:
-                body["usage"] = None
-            return sse(body)
-
         try:
             async for p_idx, out in merge_streams(streams):
                 cached[p_idx] = max(cached[p_idx], out.num_cached_tokens or 0)
                 # One read = every choice's news since the previous read, one event per choice.
                 for c in out.outputs:  # delta outputs: new text, ids and logprobs only
-                    idx = p_idx * n + c.index
-                    if finished[idx]:
-                        continue
-                    done = c.finish_reason is not None
-                    delta, new_ids = c.text, c.token_ids
-                    completion_tokens[idx] += len(new_ids)
-                    if not echoed[idx]:
-                        delta = texts[p_idx] + delta
-                        echoed[idx] = True
-                    if not delta and not done and not (req.logprobs is not None and new_ids):
-                        continue
-                    logprobs = None
-                    if req.logprobs is not None:
-                        start = completion_tokens[idx] - len(new_ids)
-                        offset = text_offsets[idx] + (len(texts[p_idx]) if req.echo and start == 0 else 0)
-                        logprobs = completion_logprobs(new_ids, c.logprobs, req.logprobs, text_of, offset)
-                        text_offsets[idx] = offset + sum(len(t) for t in logprobs["tokens"])
-                    finished[idx] = done
-                    yield chunk(
-                        [
-                            {
-                                "index": idx,
-                                "text": delta,
-                                "logprobs": logprobs,
-                                "finish_reason": c.finish_reason,
-                            }
-                        ]
-                    )
+                    choice = state.advance(p_idx, c)
+                    if choice is not None:
+                        yield sse({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
             if include_usage:
                 prompt_tokens = sum(len(ids) for ids in ids_list)
-                total_completion = sum(completion_tokens)
-                yield sse(
-                    {
-                        "id": request_id,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": model,
-                        "choices": [],
-                        "usage": usage_info(prompt_tokens, total_completion, sum(cached)),
-                    }
-                )
+                usage = usage_info(prompt_tokens, sum(state.completion_tokens), sum(cached))
+                yield sse({**head, "choices": [], "usage": usage})
         except Exception as exc:  # noqa: BLE001 - after the stream started: SSE error event
             yield sse_error(exc)
         finally:
             self.release_all(streams)
         yield SSE_DONE
+
+
+class _ChoiceStates:
+    """What a completion stream has sent for each choice (prompt-major: index p * n + c)."""
+
+    def __init__(self, req: CompletionRequest, texts: list[str], text_of: TokenText) -> None:
+        num_choices = len(texts) * req.n
+        self.req = req
+        self.texts = texts
+        self.text_of = text_of
+        self.finished = [False] * num_choices
+        self.echoed = [not req.echo] * num_choices
+        self.text_offsets = [0] * num_choices
+        self.completion_tokens = [0] * num_choices
+
+    def advance(self, p_idx: int, c: CompletionOutput) -> dict[str, Any] | None:
+        """The choice's event for one delta output (the echoed prompt first), or None if nothing new."""
+        req = self.req
+        idx = p_idx * req.n + c.index
+        if self.finished[idx]:
+            return None
+        done = c.finish_reason is not None
+        delta, new_ids = c.text, c.token_ids
+        self.completion_tokens[idx] += len(new_ids)
+        if not self.echoed[idx]:
+            delta = self.texts[p_idx] + delta
+            self.echoed[idx] = True
+        if not delta and not done and not (req.logprobs is not None and new_ids):
+            return None
+        logprobs = None
+        if req.logprobs is not None:
+            start = self.completion_tokens[idx] - len(new_ids)
+            offset = self.text_offsets[idx] + (len(self.texts[p_idx]) if req.echo and start == 0 else 0)
+            logprobs = completion_logprobs(new_ids, c.logprobs, req.logprobs, self.text_of, offset)
+            self.text_offsets[idx] = offset + sum(len(t) for t in logprobs["tokens"])
+        self.finished[idx] = done
+        return {"index": idx, "text": delta, "logprobs": logprobs, "finish_reason": c.finish_reason}
