@@ -128,6 +128,20 @@ TIME_TOOL = {
 }
 
 
+def grammar_accepts(grammar: Any, text: str) -> bool:
+    """Whether the grammar (EBNF text or an xgrammar Grammar), compiled by xgrammar as the engine
+    compiles it but over the tests' byte-level vocabulary, accepts `text` whole."""
+    import xgrammar as xgr
+
+    from tests.helpers import VOCAB_SIZE, make_tokenizer
+
+    tokenizer = make_tokenizer()
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB_SIZE))
+    matcher = xgr.GrammarMatcher(compiler.compile_grammar(grammar))
+    ok = all(matcher.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
+    return bool(ok and matcher.is_completed())
+
+
 def fold_chat_stream(chunks: list[dict[str, Any]]) -> dict[str, Any]:
     """What a client puts together from chat.completion.chunk bodies (choice 0): content and
     reasoning concatenated, tool calls by index (id, name once, arguments concatenated)."""

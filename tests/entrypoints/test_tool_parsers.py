@@ -8,10 +8,12 @@ import itertools
 import json
 
 import pytest
+from helpers_tools import grammar_accepts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedrs.entrypoints.openai.chat_output import ReplyReader
+from pagedrs.entrypoints.openai.chat_output import OutputParsing, ReplyReader
+from pagedrs.entrypoints.openai.protocol_tools import ChatTool
 from pagedrs.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedrs.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
@@ -291,12 +293,11 @@ CONSTRAINT_CASES = [
 def test_constraint_applies_after_the_reasoning_block(
     name: str, prompt: str, reply: str, accepted: bool
 ) -> None:
-    """The grammar the engine compiles (through xgrammar, over a byte-level vocabulary) lets the
-    reasoning block through and holds the reply after it to the schema."""
+    """The grammar the engine compiles lets the reasoning block through and holds the reply after it
+    to the schema."""
     import xgrammar as xgr
 
     from pagedrs.structured_outputs import StructuredOutputsParams
-    from tests.helpers import VOCAB_SIZE, make_tokenizer
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     params = REASONING_PARSERS[name](prompt).after_reasoning(StructuredOutputsParams(json=schema), prompt)
@@ -306,11 +307,7 @@ def test_constraint_applies_after_the_reasoning_block(
         grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
     else:
         grammar = xgr.Grammar.from_ebnf(params.grammar)
-    tokenizer = make_tokenizer()
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB_SIZE))
-    matcher = xgr.GrammarMatcher(compiler.compile_grammar(grammar))
-    ok = all(matcher.accept_token(t) for t in tokenizer.encode(reply, add_special_tokens=False))
-    assert (ok and matcher.is_completed()) == accepted
+    assert grammar_accepts(grammar, reply) == accepted
 
 
 # Pieces of every format's markup (and of broken markup): their random concatenations are mostly
@@ -351,3 +348,44 @@ def test_random_markup_never_fails_and_splits_never_matter(
     points = sorted({s % (len(text) + 1) for s in splits})
     pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
     assert run(reader(), pieces) == run(reader(), [text])
+
+
+STRICT_CASES = [
+    ("Just text, no call.", True),
+    ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', True),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": 5}}\n</tool_call>', False),  # schema
+    ('<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>', False),  # not a tool
+    ('<tool_call>\n{"name": "get_time", "arguments": {"any": [1]}}\n</tool_call>', True),  # not strict
+]
+
+
+@pytest.mark.parametrize("reply,accepted", STRICT_CASES)
+def test_auto_with_strict_tools_constrains_the_calls(reply: str, accepted: bool) -> None:
+    """tool_choice auto with a `strict` tool (hermes format): text is free, a call the model opens
+    follows its function's schema, and the hermes parser reads what the grammar allows."""
+    tools = [
+        ChatTool.model_validate(
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "strict": True,
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"city": {"type": "string"}},
+                        "required": ["city"],
+                        "additionalProperties": False,
+                    },
+                },
+            }
+        ),
+        ChatTool.model_validate({"type": "function", "function": {"name": "get_time"}}),
+    ]
+    plan = OutputParsing("hermes", True).plan(tools, "auto")
+    params = plan.constraint(None, "")
+    assert params is not None and params.grammar is not None
+    assert grammar_accepts(params.grammar, reply) == accepted
+    if accepted and "<tool_call>" in reply:
+        msg = run(make("hermes"), [reply])
+        assert len(msg.tool_calls) == 1 and json.loads(msg.tool_calls[0].arguments) is not None
+    assert OutputParsing("hermes", True).plan(tools[1:], "auto").constraint(None, "") is None  # none strict

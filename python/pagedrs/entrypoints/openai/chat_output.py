@@ -4,7 +4,9 @@ pipeline (reasoning, then tool calls) whose events build both the streamed and t
 Tool choice follows vLLM: `auto` needs ``--enable-auto-tool-choice`` and ``--tool-call-parser`` (400
 otherwise) and reads the model's own call format; `required` and a named function need no parser: the
 grammar engine constrains the reply to a JSON array of calls / the function's arguments, so they always
-parse and validate against the function's schema; `none` renders no tools and reads no calls.
+parse and validate against the function's schema; `none` renders no tools and reads no calls. With
+`auto`, a tool marked `strict` (hermes format) makes the grammar hold every call the model opens to
+its function's schema, the text around the calls staying free (an xgrammar structural tag).
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from pagedrs.entrypoints.openai.tool_parsers import (
     RequiredCallsParser,
     ToolParser,
 )
+from pagedrs.entrypoints.openai.tool_parsers.hermes import strict_calls_grammar
 from pagedrs.structured_outputs import StructuredOutputsParams
+
+HERMES_NAMES = frozenset(name for name, cls in TOOL_PARSERS.items() if cls.name == "hermes")
 
 
 class ParserArgs(Protocol):
@@ -119,10 +124,31 @@ class ReplyPlan:
                 raise bad_request(
                     f"tool parameters are not a usable JSON schema: {exc}", param="tools"
                 ) from None
+        elif requested is None and self.strict_auto():
+            requested = self._strict_calls()
         reasoning = self.reasoning(prompt_text)
         if reasoning is None or requested is None:
             return requested
         return reasoning.after_reasoning(requested, prompt_text)
+
+    def strict_auto(self) -> bool:
+        """`auto` with a tool marked `strict` (OpenAI: its arguments must follow its schema), in the
+        hermes format: the grammar holds each call the model opens to its function's schema."""
+        return (
+            self.choice == "auto"
+            and any(t.function.strict for t in self.tools)
+            and self.parsing.tool_call_parser in HERMES_NAMES
+        )
+
+    def _strict_calls(self) -> StructuredOutputsParams:
+        tools = [
+            (t.function.name, t.function.parameters_schema() if t.function.strict else {"type": "object"})
+            for t in self.tools
+        ]
+        try:
+            return StructuredOutputsParams(grammar=strict_calls_grammar(tools, self.parallel_tool_calls))
+        except (RuntimeError, ValueError) as exc:
+            raise bad_request(f"tool parameters are not a usable JSON schema: {exc}", param="tools") from None
 
     def reasoning(self, prompt_text: str = "") -> ReasoningParser | None:
         name = self.parsing.reasoning_parser

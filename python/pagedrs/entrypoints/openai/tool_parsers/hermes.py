@@ -3,6 +3,9 @@ number of them, with text around (vLLM's hermes parser)."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from pagedrs.entrypoints.openai.tool_parsers.base import ToolParser, held_prefix
 from pagedrs.entrypoints.openai.tool_parsers.events import IdFactory
 from pagedrs.entrypoints.openai.tool_parsers.json_calls import JsonCallReader, Status
@@ -47,3 +50,22 @@ class HermesToolParser(ToolParser):
             return False
         self._state = "content"
         return True
+
+
+def strict_calls_grammar(tools: list[tuple[str, dict[str, Any]]], parallel: bool) -> str:
+    """For `tool_choice` auto with `strict` tools: free text until the model opens ``<tool_call>``,
+    then a call in this parser's format whose arguments follow the named function's schema (an
+    xgrammar structural tag, as EBNF). `tools`: (name, parameters schema) of every tool."""
+    import xgrammar as xgr
+
+    tags = [
+        {
+            "type": "tag",
+            "begin": f'{START}\n{{"name": {json.dumps(name)}, "arguments": ',
+            "content": {"type": "json_schema", "json_schema": schema},
+            "end": f"}}\n{END}",
+        }
+        for name, schema in tools
+    ]
+    fmt = {"type": "triggered_tags", "triggers": [START], "tags": tags, "stop_after_first": not parallel}
+    return str(xgr.Grammar.from_structural_tag({"type": "structural_tag", "format": fmt}))
