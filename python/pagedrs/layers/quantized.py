@@ -137,20 +137,22 @@ class QuantizedWeight:
         return [_type_name(r.ggml_type) for r in self.runs]
 
     def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        """x [..., in_features] float32 on CPU -> x @ W^T (+ bias), float32 [..., out_features]."""
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise ValueError(f"quantized matmul takes float32 CPU input, got {x.dtype} on {x.device}")
-        x2 = x.reshape(-1, self.in_features)
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-        xn, on = x2.numpy(), out.numpy()
+        """x [..., in_features] float32 on CPU -> x @ W^T (+ bias), float32 [..., out_features].
+
+        Kept lean (a batch-1 decode step makes over a hundred of these calls): numpy views in and out,
+        no torch allocation; the binding checks dtype and shapes."""
+        lead = x.shape[:-1]
+        xn = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).numpy()
+        if not xn.flags.c_contiguous:
+            xn = np.ascontiguousarray(xn)
+        on = np.empty((xn.shape[0], self.out_features), dtype=np.float32)
         threads = torch.get_num_threads()
         for r in self.runs:
             _core.quant_matmul(xn, r.data, r.ggml_type, on, r.col0, threads)
+        out = torch.from_numpy(on)
         if bias is not None:
             out += bias
-        return out.view(*x.shape[:-1], self.out_features)
+        return out if len(lead) == 1 else out.view(*lead, self.out_features)
 
     def rows(self, ids: Tensor) -> Tensor:
         """Dequantized rows `ids` (an embedding lookup): float32 [len(ids), in_features]."""
