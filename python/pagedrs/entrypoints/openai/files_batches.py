@@ -11,14 +11,13 @@ from starlette.datastructures import UploadFile
 
 from pagedrs.entrypoints.openai.batch_store import BatchStore
 from pagedrs.entrypoints.openai.errors import bad_request, not_found
-from pagedrs.entrypoints.openai.protocol import (
-    BatchCreateRequest,
+from pagedrs.entrypoints.openai.protocol import BatchCreateRequest, FileUploadForm
+from pagedrs.entrypoints.openai.response_bodies import (
     BatchList,
     BatchObject,
     FileDeleted,
     FileList,
     FileObject,
-    FileUploadForm,
 )
 from pagedrs.entrypoints.openai.routes import ERRORS
 from pagedrs.entrypoints.openai.server_state import JsonBody, ServerDep

@@ -15,13 +15,15 @@ from pagedrs.entrypoints.openai.errors import APIError, bad_request, not_found, 
 from pagedrs.entrypoints.openai.metrics import CONTENT_TYPE
 from pagedrs.entrypoints.openai.protocol import (
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
-    CompletionResponse,
     EmbeddingRequest,
+    LiquidScaleRequest,
+)
+from pagedrs.entrypoints.openai.response_bodies import (
+    ChatCompletionResponse,
+    CompletionResponse,
     EmbeddingResponse,
     ErrorResponse,
-    LiquidScaleRequest,
     LiquidScaleResponse,
     ModelCard,
     ModelList,
