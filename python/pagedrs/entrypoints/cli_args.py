@@ -76,6 +76,8 @@ _ENGINE_SWITCHES: list[tuple[str, str, str]] = [
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags. Long on purpose: one add_argument per flag that is not a plain table entry
+    (switch pairs, lists, choices), in the order --help shows them."""
     g = parser.add_argument_group("engine")
     g.add_argument(
         "--model", default=None, help="model path or name (default: the embedded SmolLM2-135M-Instruct GGUF)"
@@ -151,6 +153,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The server flags. Long on purpose: one add_argument per flag, in the order --help shows them."""
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
