@@ -128,15 +128,17 @@ TIME_TOOL = {
 }
 
 
-def grammar_accepts(grammar: Any, text: str) -> bool:
+def grammar_accepts(grammar: Any, text: str, tokenizer: Any = None) -> bool:
     """Whether the grammar (EBNF text or an xgrammar Grammar), compiled by xgrammar as the engine
-    compiles it but over the tests' byte-level vocabulary, accepts `text` whole."""
+    compiles it, accepts `text` whole, token by token (the tests' byte-level vocabulary unless a
+    tokenizer is given)."""
     import xgrammar as xgr
 
     from tests.helpers import VOCAB_SIZE, make_tokenizer
 
-    tokenizer = make_tokenizer()
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB_SIZE))
+    vocab_size = VOCAB_SIZE if tokenizer is None else len(tokenizer)
+    tokenizer = tokenizer if tokenizer is not None else make_tokenizer()
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
     matcher = xgr.GrammarMatcher(compiler.compile_grammar(grammar))
     ok = all(matcher.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
     return bool(ok and matcher.is_completed())

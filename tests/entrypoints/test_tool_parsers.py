@@ -389,3 +389,28 @@ def test_auto_with_strict_tools_constrains_the_calls(reply: str, accepted: bool)
         msg = run(make("hermes"), [reply])
         assert len(msg.tool_calls) == 1 and json.loads(msg.tool_calls[0].arguments) is not None
     assert OutputParsing("hermes", True).plan(tools[1:], "auto").constraint(None, "") is None  # none strict
+
+
+def test_constraint_grammars_on_the_default_models_vocabulary() -> None:
+    """The same grammars over a real BPE vocabulary (the default model's tokenizer): the reasoning
+    block and a strict call are let through token by token, a wrong answer is not."""
+    from pagedrs.loader import load_tokenizer
+    from pagedrs.structured_outputs import StructuredOutputsParams
+
+    try:
+        tokenizer = load_tokenizer(None)
+    except ValueError as exc:  # the default model is not installed
+        pytest.skip(str(exc))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = REASONING_PARSERS["deepseek_r1"]("").after_reasoning(StructuredOutputsParams(json=schema), "")
+    assert params is not None
+    assert grammar_accepts(params.grammar, '<think>2 < 3, </thin k>\n</think>\n\n{"a": 1}', tokenizer)
+    assert not grammar_accepts(params.grammar, '<think>x</think>{"a": "1"}', tokenizer)
+    tool = ChatTool.model_validate(
+        {"type": "function", "function": {"name": "f", "strict": True, "parameters": schema}}
+    )
+    strict = OutputParsing("hermes", True).plan([tool], "auto").constraint(None, "")
+    assert strict is not None
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": 7}}\n</tool_call>'
+    assert grammar_accepts(strict.grammar, "Sure. " + call, tokenizer)
+    assert not grammar_accepts(strict.grammar, call.replace("7", "true"), tokenizer)
