@@ -62,7 +62,9 @@ def build_app(
     state = make_state(engine if isinstance(engine, AsyncLLMEngine) else AsyncLLMEngine(engine), server_args)
     app = PagedrsAPI(ROUTERS, title="pagedrs", version=__version__, lifespan=lifespan)
     app.state.server = state
-    app.add_exception_handler(APIError, api_error_handler)  # type: ignore[arg-type]  # see below
+    # Starlette types a handler as taking any Exception; each of these takes the class it is registered
+    # for, which is what Starlette passes it (hence the arg-type ignores).
+    app.add_exception_handler(APIError, api_error_handler)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, validation_handler)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, http_error_handler)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, unhandled_handler)
@@ -123,8 +125,6 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.store.close()
 
 
-# Starlette types exception handlers as taking Exception; each of these takes the class it is
-# registered for, which is what Starlette passes (hence the arg-type ignores above).
 async def api_error_handler(_: Request, exc: APIError) -> JSONResponse:
     return exc.response()
 
