@@ -48,3 +48,25 @@ def test_stream_equals_create(client: openai.OpenAI) -> None:
     assert deltas == final.output_text == whole.output_text and whole.output_text
     assert final.usage.output_tokens == whole.usage.output_tokens
     assert client.responses.retrieve(final.id).output_text == whole.output_text
+
+
+def test_previous_response_id_continues_the_conversation(client: openai.OpenAI) -> None:
+    first = client.responses.create(
+        model="smollm2", input="My name is Ada. Say hello.", max_output_tokens=8, temperature=0
+    )
+    second = client.responses.create(
+        model="smollm2",
+        input="What is my name?",
+        previous_response_id=first.id,
+        max_output_tokens=8,
+        temperature=0,
+    )
+    alone = client.responses.create(
+        model="smollm2", input="What is my name?", max_output_tokens=8, temperature=0
+    )
+    assert second.previous_response_id == first.id
+    # the earlier turn and its reply are in the prompt
+    assert second.usage.input_tokens > alone.usage.input_tokens + first.usage.output_tokens
+    items = client.responses.input_items.list(second.id, order="asc").data
+    assert [i.role for i in items] == ["user", "assistant", "user"]
+    assert items[1].content[0].text == first.output_text
