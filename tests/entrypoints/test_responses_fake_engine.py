@@ -211,6 +211,11 @@ def test_background_and_cancel(engine: ScriptedEngine, client: openai.OpenAI) ->
     wait_until(lambda: not engine.requests, timeout=10)  # the engine request was aborted
     with pytest.raises(openai.BadRequestError):
         client.responses.cancel(client.responses.create(model="fake", input=script(engine, "sync")).id)
+    deleted = client.responses.create(model="fake", input=script(engine, "d" * 3000), background=True)
+    client.responses.delete(deleted.id)
+    wait_until(lambda: not engine.requests, timeout=10)  # deleting a running response aborts it
+    with pytest.raises(openai.NotFoundError):  # and it does not come back when its task ends
+        client.responses.retrieve(deleted.id)
 
 
 def test_stored_responses_survive_a_restart(
@@ -224,7 +229,7 @@ def test_stored_responses_survive_a_restart(
 
 def test_unfinished_background_responses_fail_after_a_restart(tmp_path: Path) -> None:
     store = ResponsesStore(tmp_path)
-    store.put({"id": "resp_left", "created_at": 1, "status": "in_progress", "background": True}, [])
+    store.create({"id": "resp_left", "created_at": 1, "status": "in_progress", "background": True}, [])
     store.close()
     with ThreadedServer(build_app(ScriptedEngine(), server_args(tmp_path))) as s:
         r = httpx.get(f"{s.base_url}/v1/responses/resp_left", headers=AUTH)

@@ -48,49 +48,30 @@ class ResponsesStore:
             body = json.loads(row["body"])
             body["status"] = "failed"
             body["error"] = {"code": "server_error", "message": message}
-            self.put(body, None, only_unfinished=True)
+            self.update(body)
         return len(rows)
 
     def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
         with self._lock:
             return self._db.execute(sql, args).fetchall()
 
-    def put(
-        self,
-        body: dict[str, Any],
-        conversation: list[dict[str, Any]] | None,
-        *,
-        only_unfinished: bool = False,
-    ) -> bool:
-        """Inserts or updates a response (its conversation kept when None); with `only_unfinished`, a
-        response already in a terminal status is left alone (False)."""
+    def create(self, body: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        """Stores a new response and the conversation (input items) that led to it."""
+        self._exec(
+            "INSERT INTO responses (id, created_at, status, body, conversation) VALUES (?, ?, ?, ?, ?)",
+            (body["id"], body["created_at"], body["status"], json.dumps(body), json.dumps(conversation)),
+        )
+
+    def update(self, body: dict[str, Any]) -> bool:
+        """Replaces a stored response that is not finished yet; False when it is finished (a cancel
+        won the race) or gone (deleted)."""
+        marks = ",".join("?" * len(TERMINAL))
         with self._lock:
-            row = self._db.execute("SELECT status FROM responses WHERE id = ?", (body["id"],)).fetchone()
-            if row is None:
-                self._db.execute(
-                    "INSERT INTO responses (id, created_at, status, body, conversation) VALUES (?, ?, ?, ?, ?)",
-                    (
-                        body["id"],
-                        body["created_at"],
-                        body["status"],
-                        json.dumps(body),
-                        json.dumps(conversation or []),
-                    ),
-                )
-                return True
-            if only_unfinished and row["status"] in TERMINAL:
-                return False
-            if conversation is None:
-                self._db.execute(
-                    "UPDATE responses SET status = ?, body = ? WHERE id = ?",
-                    (body["status"], json.dumps(body), body["id"]),
-                )
-            else:
-                self._db.execute(
-                    "UPDATE responses SET status = ?, body = ?, conversation = ? WHERE id = ?",
-                    (body["status"], json.dumps(body), json.dumps(conversation), body["id"]),
-                )
-            return True
+            cur = self._db.execute(
+                f"UPDATE responses SET status = ?, body = ? WHERE id = ? AND status NOT IN ({marks})",
+                (body["status"], json.dumps(body), body["id"], *sorted(TERMINAL)),
+            )
+            return cur.rowcount > 0
 
     def get(self, response_id: str) -> dict[str, Any] | None:
         rows = self._exec("SELECT body FROM responses WHERE id = ?", (response_id,))

@@ -67,7 +67,7 @@ class OpenAIServingResponses:
         response = self._response(req, prep.model)
         if req.background:
             response["status"] = "queued"
-            self.store.put(response, conversation)
+            self.store.create(response, conversation)
             task = asyncio.ensure_future(self._run_background(response, prep))
             self._background[response["id"]] = task
             task.add_done_callback(lambda _: self._background.pop(response["id"], None))
@@ -81,7 +81,7 @@ class OpenAIServingResponses:
             self.chat.release_all(streams)
         self._finish(response, prep, outputs[0])
         if req.store:
-            self.store.put(response, conversation)
+            self.store.create(response, conversation)
         return response
 
     def _conversation(self, req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -183,7 +183,7 @@ class OpenAIServingResponses:
             return f"event: {body['type']}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         if conversation is not None:
-            self.store.put(response, conversation)
+            self.store.create(response, conversation)
         done = False
         try:
             yield event({"type": "response.created", "response": dict(response)})
@@ -206,7 +206,7 @@ class OpenAIServingResponses:
             self._complete(response, prep, items, finish_reason, output_tokens, cached)
             done = True
             if conversation is not None:
-                self.store.put(response, None)
+                self.store.update(response)
             kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
             yield event({"type": kind, "response": response})
         except Exception as exc:  # noqa: BLE001 - after the stream started: a response.failed event
@@ -215,13 +215,13 @@ class OpenAIServingResponses:
             response["error"] = {"code": err.code or "server_error", "message": err.message}
             done = True
             if conversation is not None:
-                self.store.put(response, None)
+                self.store.update(response)
             yield event({"type": "response.failed", "response": response})
         finally:
             self.chat.release_all(streams)
             if not done and conversation is not None:  # the client went away
                 response["status"] = "cancelled"
-                self.store.put(response, None, only_unfinished=True)
+                self.store.update(response)
 
     # ------------------------------------------------------------------ background
     async def _run_background(self, response: dict[str, Any], prep: ChatPrepared) -> None:
@@ -229,13 +229,13 @@ class OpenAIServingResponses:
         streams: list[RequestStream] = []
         try:
             response["status"] = "in_progress"
-            self.store.put(response, None, only_unfinished=True)
+            self.store.update(response)
             streams = await self.chat.submit_all(rid, [prep.prompt_ids], prep.params)
             outputs = await self.chat.collect(streams)
             self._finish(response, prep, outputs[0])
         except asyncio.CancelledError:
             response["status"] = "cancelled"
-            self.store.put(response, None, only_unfinished=True)
+            self.store.update(response)
             raise
         except Exception as exc:  # noqa: BLE001 - the stored response carries the error
             err = to_api_error(exc)
@@ -243,7 +243,7 @@ class OpenAIServingResponses:
             response["error"] = {"code": err.code or "server_error", "message": err.message}
         finally:
             self.chat.release_all(streams)
-        self.store.put(response, None, only_unfinished=True)
+        self.store.update(response)
 
     # ------------------------------------------------------------------ stored
     def retrieve(self, response_id: str) -> dict[str, Any]:
@@ -303,7 +303,7 @@ class OpenAIServingResponses:
             except asyncio.CancelledError:
                 pass
         body["status"] = "cancelled"
-        self.store.put(body, None, only_unfinished=True)
+        self.store.update(body)
         return self.retrieve(response_id)
 
 
