@@ -230,3 +230,37 @@ def to_chat_messages(
     if not out:
         raise bad_request("input has no messages", param="input")
     return out
+
+
+class ResponseObject(BaseModel):
+    """OpenAI's response object, as /openapi.json documents what /v1/responses returns (the
+    serving code builds it; extra keys allowed)."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    incomplete_details: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    background: bool = False
+    store: bool = True
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response"]
+    deleted: bool
+
+
+class ResponseItemList(BaseModel):
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool

@@ -76,9 +76,22 @@ class ChatLogprobs(ResponseBody):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ChatFunctionCall(ResponseBody):
+    name: str
+    arguments: str  # JSON text
+
+
+class ChatToolCall(ResponseBody):
+    id: str
+    type: Literal["function"]
+    function: ChatFunctionCall
+
+
 class ChatCompletionMessage(ResponseBody):
     role: Literal["assistant"]
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser
+    tool_calls: list[ChatToolCall] | None = None
 
 
 class ChatCompletionChoice(ResponseBody):

@@ -7,9 +7,14 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedrs.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagedrs.entrypoints.openai.protocol_responses import (
+    ResponseDeleted,
+    ResponseItemList,
+    ResponseObject,
+    ResponsesRequest,
+)
 from pagedrs.entrypoints.openai.responses_store import ResponsesStore
-from pagedrs.entrypoints.openai.routes import ERRORS, respond
+from pagedrs.entrypoints.openai.routes import ERRORS, respond, streamed
 from pagedrs.entrypoints.openai.server_state import JsonBody, ServerDep
 from pagedrs.entrypoints.openai.serving_responses import OpenAIServingResponses
 
@@ -30,7 +35,7 @@ def get_responses(request: Request, server: ServerDep) -> OpenAIServingResponses
 ResponsesDep = Annotated[OpenAIServingResponses, Depends(get_responses)]
 
 
-@router.post("/v1/responses", responses=ERRORS)
+@router.post("/v1/responses", response_model=ResponseObject, responses=streamed(ResponseObject))
 async def create_response(
     req: Annotated[ResponsesRequest, Depends(JsonBody(ResponsesRequest))],
     request: Request,
@@ -39,12 +44,12 @@ async def create_response(
     return await respond(serving, req, request)
 
 
-@router.get("/v1/responses/{response_id}", responses=ERRORS)
+@router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=ERRORS)
 async def retrieve_response(response_id: str, serving: ResponsesDep) -> JSONResponse:
     return JSONResponse(serving.retrieve(response_id))
 
 
-@router.get("/v1/responses/{response_id}/input_items", responses=ERRORS)
+@router.get("/v1/responses/{response_id}/input_items", response_model=ResponseItemList, responses=ERRORS)
 async def list_input_items(
     response_id: str,
     serving: ResponsesDep,
@@ -55,12 +60,12 @@ async def list_input_items(
     return JSONResponse(serving.input_items(response_id, limit, order, after))
 
 
-@router.delete("/v1/responses/{response_id}", responses=ERRORS)
+@router.delete("/v1/responses/{response_id}", response_model=ResponseDeleted, responses=ERRORS)
 async def delete_response(response_id: str, serving: ResponsesDep) -> JSONResponse:
     return JSONResponse(serving.delete(response_id))
 
 
-@router.post("/v1/responses/{response_id}/cancel", responses=ERRORS)
+@router.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject, responses=ERRORS)
 async def cancel_response(response_id: str, serving: ResponsesDep) -> JSONResponse:
     return JSONResponse(await serving.cancel(response_id))
 
