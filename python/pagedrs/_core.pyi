@@ -70,6 +70,22 @@ def quant_isa() -> str:
 def cpu_pool_workers() -> int:
     """Worker threads of the CPU kernels' pool (the calling thread is one more)."""
 
+def cpu_rms_norm(
+    x: npt.NDArray[np.float32], weight: npt.NDArray[np.float32], eps: float, out: npt.NDArray[np.float32]
+) -> None:
+    """out = rms_norm(x) * weight per row; x/out float32 [T, H], weight [H]."""
+
+def cpu_fused_add_rms_norm(
+    x: npt.NDArray[np.float32],
+    residual: npt.NDArray[np.float32],
+    weight: npt.NDArray[np.float32],
+    eps: float,
+) -> None:
+    """In place per row: residual += x, then x = rms_norm(residual) * weight."""
+
+def cpu_silu_and_mul(x: npt.NDArray[np.float32], out: npt.NDArray[np.float32]) -> None:
+    """out = silu(x[:, :d]) * x[:, d:]; x float32 [T, 2d], out [T, d]."""
+
 class FinishReason:
     """Why the scheduler finished a sequence. `value` is OpenAI's name: "stop" or "length"."""
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pagedrs.layers.kernel_switch import KernelLayer
+from pagedrs.layers.norm import cpu_rows
 
 __all__ = ["SiluAndMul", "GeluAndMul", "GeluTanh", "ReLU", "get_act_fn", "get_act_and_mul_fn"]
 
@@ -14,12 +15,21 @@ __all__ = ["SiluAndMul", "GeluAndMul", "GeluTanh", "ReLU", "get_act_fn", "get_ac
 class SiluAndMul(KernelLayer):
     """x [..., 2*d] = [gate | up] -> silu(gate) * up [..., d]."""
 
+    # Set on the quantized CPU path (loader): float32 CPU rows take one Rust call.
+    cpu_fused: bool = False
+
     def forward(self, x: Tensor) -> Tensor:
         if self.fits(x):
             from pagedrs.kernels import layer_ops
 
             return layer_ops.act_and_mul(x, "silu")
         d = x.shape[-1] // 2
+        if self.cpu_fused and cpu_rows(x):
+            from pagedrs import _core
+
+            out = torch.empty(x.shape[0], d, dtype=x.dtype)
+            _core.cpu_silu_and_mul(x.numpy(), out.numpy())
+            return out
         return F.silu(x[..., :d]) * x[..., d:]
 
 

@@ -11,6 +11,13 @@ from pagedrs.layers.kernel_switch import KernelLayer
 __all__ = ["RMSNorm", "LayerNorm"]
 
 
+def cpu_rows(*tensors: Tensor) -> bool:
+    """Every tensor float32, on the CPU, C-contiguous, and the first one 2-D (what the Rust ops take)."""
+    return tensors[0].dim() == 2 and all(
+        t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors
+    )
+
+
 class RMSNorm(KernelLayer):
     """x * rsqrt(mean(x^2) + eps) * weight, computed in float32 like HF's LlamaRMSNorm.
 
@@ -37,6 +44,9 @@ class RMSNorm(KernelLayer):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
 
+    # Set on the quantized CPU path (loader): float32 CPU rows take one Rust call (in place with a residual).
+    cpu_fused: bool = False
+
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         if self.fits(x, self.weight[None], *(() if residual is None else (residual,))) and (
             residual is None or residual.shape == x.shape
@@ -47,6 +57,16 @@ class RMSNorm(KernelLayer):
                 return layer_ops.rms_norm(x, self.weight, self.eps)
             layer_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
             return x, residual
+        if self.cpu_fused and cpu_rows(x, self.weight, *(() if residual is None else (residual,))):
+            from pagedrs import _core
+
+            if residual is None:
+                out = torch.empty_like(x)
+                _core.cpu_rms_norm(x.numpy(), self.weight.numpy(), self.eps, out.numpy())
+                return out
+            if residual.shape == x.shape:
+                _core.cpu_fused_add_rms_norm(x.numpy(), residual.numpy(), self.weight.numpy(), self.eps)
+                return x, residual
         if residual is None:
             return self._norm(x)
         x = x + residual

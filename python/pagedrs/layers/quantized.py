@@ -19,7 +19,7 @@ from torch import Tensor
 
 from pagedrs import _core
 
-__all__ = ["GGUFWeight", "QuantizedWeight", "kernel_types"]
+__all__ = ["GGUFWeight", "QuantizedWeight", "kernel_types", "use_cpu_fused_ops"]
 
 _KERNEL_TYPES: frozenset[int] = frozenset(_core.quant_type_ids())
 
@@ -174,3 +174,18 @@ def _runs_by_type(pieces: list[GGUFWeight]) -> list[list[GGUFWeight]]:
         else:
             runs.append([p])
     return runs
+
+
+def use_cpu_fused_ops(model: torch.nn.Module) -> int:
+    """Switch the model's RMSNorms and SiLU-and-muls to the Rust CPU ops (one call each instead of several
+    torch ops, the norm's residual add fused in, in place); returns how many. For the quantized CPU path,
+    whose results already differ from the float32 oracle's by more than the ops' summation order does."""
+    from pagedrs.layers.activation import SiluAndMul
+    from pagedrs.layers.norm import RMSNorm
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, SiluAndMul)):
+            module.cpu_fused = True
+            count += 1
+    return count

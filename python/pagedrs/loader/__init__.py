@@ -21,6 +21,7 @@ import transformers
 from torch import Tensor
 
 from pagedrs.distributed.group import TPGroup
+from pagedrs.layers.quantized import use_cpu_fused_ops
 from pagedrs.loader.default_model import default_model_path
 from pagedrs.loader.gguf import cache_root, convert_gguf, iter_gguf_weights
 from pagedrs.loader.options import LoadOptions, apply_overrides, init_dummy_weights
@@ -267,6 +268,7 @@ def load_model(
         gguf_path = gguf_file(path)
         assert gguf_path is not None  # keeps_quantized checked it
         net.load_weights(iter_gguf_weights(gguf_path, num_heads, num_kv_heads))  # type: ignore[operator]
+        use_cpu_fused_ops(net)
     else:
         net.load_weights(_checkpoint(path, folder, opts.load_format))  # type: ignore[operator]
     net.eval()

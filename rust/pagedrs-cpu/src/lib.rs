@@ -1,11 +1,12 @@
 //! CPU kernels (pure Rust, no Python): the decode attention over the paged KV cache used by the torch
 //! backend on CPU instead of its gather + batched matmul, and matmuls over GGUF-quantized weights
-//! (`quant`), run on a warm thread pool (`pool`).
+//! (`quant`), run on a warm thread pool (`pool`), and small fused per-token ops (`ops`).
 //!
 //! KV cache layout (as everywhere in pagedrs): `[2, num_blocks, block_size, num_kv_heads, head_size]`,
 //! index 0 = K, 1 = V.
 
 mod decode;
+pub mod ops;
 pub mod pool;
 pub mod quant;
 

@@ -220,3 +220,69 @@ pub fn quant_get_rows(
     py.detach(|| quant::quant_get_rows(qt, w, n, k, ids, out))
         .map_err(|e| PyValueError::new_err(e.to_string()))
 }
+
+/// `out = rms_norm(x) * weight` per row. x/out float32 [T, H]; weight float32 [H].
+#[pyfunction]
+pub fn cpu_rms_norm(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    eps: f32,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let (x, w) = (
+        array::<f32>(x, "x", 2, "float32")?,
+        array::<f32>(weight, "weight", 1, "float32")?,
+    );
+    let out = array::<f32>(out, "out", 2, "float32")?;
+    let (x, w) = (x.readonly(), w.readonly());
+    let mut out = out
+        .try_readwrite()
+        .map_err(|e| PyValueError::new_err(format!("out cannot be written: {e}")))?;
+    let (x, w, out) = (x.as_slice()?, w.as_slice()?, out.as_slice_mut()?);
+    py.detach(|| pagedrs_cpu::ops::rms_norm(x, w, eps, out))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// In place per row: `residual += x; x = rms_norm(residual) * weight`. x/residual float32 [T, H].
+#[pyfunction]
+pub fn cpu_fused_add_rms_norm(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    residual: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    eps: f32,
+) -> PyResult<()> {
+    let x = array::<f32>(x, "x", 2, "float32")?;
+    let r = array::<f32>(residual, "residual", 2, "float32")?;
+    let w = array::<f32>(weight, "weight", 1, "float32")?;
+    let w = w.readonly();
+    let mut x = x
+        .try_readwrite()
+        .map_err(|e| PyValueError::new_err(format!("x cannot be written: {e}")))?;
+    let mut r = r
+        .try_readwrite()
+        .map_err(|e| PyValueError::new_err(format!("residual cannot be written: {e}")))?;
+    let (x, r, w) = (x.as_slice_mut()?, r.as_slice_mut()?, w.as_slice()?);
+    py.detach(|| pagedrs_cpu::ops::fused_add_rms_norm(x, r, w, eps))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// `out = silu(x[:, :d]) * x[:, d:]`. x float32 [T, 2d]; out float32 [T, d].
+#[pyfunction]
+pub fn cpu_silu_and_mul(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let x = array::<f32>(x, "x", 2, "float32")?;
+    let out = array::<f32>(out, "out", 2, "float32")?;
+    let d = out.shape()[1];
+    let x = x.readonly();
+    let mut out = out
+        .try_readwrite()
+        .map_err(|e| PyValueError::new_err(format!("out cannot be written: {e}")))?;
+    let (x, out) = (x.as_slice()?, out.as_slice_mut()?);
+    py.detach(|| pagedrs_cpu::ops::silu_and_mul(x, d, out))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
