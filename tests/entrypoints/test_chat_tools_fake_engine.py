@@ -252,3 +252,22 @@ def test_auto_needs_the_server_flag(engine: ScriptedEngine, tmp_path_factory: py
             timeout=30,
         )
         assert r.status_code == 200  # forced choices need no parser
+
+
+def test_serve_flags_reach_the_chat_server() -> None:
+    from pagedrs.entrypoints.cli_args import ServerArgs, make_serve_parser
+    from pagedrs.entrypoints.openai.chat_output import OutputParsing
+
+    ns = make_serve_parser().parse_args(
+        ["--tool-call-parser", "llama4_pythonic", "--enable-auto-tool-choice", "--reasoning-parser", "qwen3"]
+    )
+    parsing = OutputParsing.from_args(ServerArgs.from_namespace(ns))
+    assert parsing == OutputParsing("llama4_pythonic", True, "qwen3")
+    assert (
+        OutputParsing.from_args(ServerArgs.from_namespace(make_serve_parser().parse_args([])))
+        == OutputParsing()
+    )
+    with pytest.raises(SystemExit):  # argparse: not a parser name
+        make_serve_parser().parse_args(["--tool-call-parser", "nope"])
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        OutputParsing(enable_auto_tool_choice=True)

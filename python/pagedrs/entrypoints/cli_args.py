@@ -211,7 +211,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tool-call-parser",
         default=None,
-        choices=["hermes", "qwen2_5", "llama3_json", "mistral", "pythonic"],
+        choices=["hermes", "llama3_json", "mistral", "pythonic", "llama4_pythonic"],
         help="the model's tool call format, read into tool_calls (as vLLM's flag)",
     )
     g.add_argument(

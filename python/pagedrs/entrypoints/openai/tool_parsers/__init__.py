@@ -21,12 +21,13 @@ from pagedrs.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolPa
 from pagedrs.entrypoints.openai.tool_parsers.mistral import MistralToolParser
 from pagedrs.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
 
+# vLLM's names (Qwen2.5 and Hermes models use hermes; Llama 4 the pythonic format in its tags).
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
-    "qwen2_5": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
     "pythonic": PythonicToolParser,
+    "llama4_pythonic": PythonicToolParser,
 }
 
 __all__ = [
