@@ -103,6 +103,7 @@ def test_stream_events(engine: ScriptedEngine, client: openai.OpenAI) -> None:
     ]
     assert [t for t in message_events if t in order][-3:] == order[-3:]
     assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.usage.output_tokens_details.reasoning_tokens == len(b"Short answer.")  # byte tokens
     assert final.output[0].content[0].text == "Short answer."
     stored = client.responses.retrieve(final.id)
     assert stored.output_text == final.output_text and stored.status == "completed"

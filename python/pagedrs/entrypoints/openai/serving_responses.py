@@ -142,8 +142,8 @@ class OpenAIServingResponses:
         items.close("incomplete" if c.finish_reason == "length" else "completed")
         self._complete(response, prep, items, c.finish_reason, len(c.token_ids), cached_tokens([output]))
 
-    @staticmethod
     def _complete(
+        self,
         response: dict[str, Any],
         prep: ChatPrepared,
         items: OutputItems,
@@ -158,11 +158,17 @@ class OpenAIServingResponses:
         else:
             response["status"] = "completed"
         prompt_tokens = len(prep.prompt_ids)
+        # The parsers work on text, so the reasoning's tokens are counted by tokenizing its text
+        # again (the block's tags not included): close to, not exactly, what was sampled.
+        reasoning = "".join(i["content"][0]["text"] for i in items.items if i["type"] == "reasoning")
+        reasoning_tokens = (
+            len(self.chat.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+        )
         response["usage"] = {
             "input_tokens": prompt_tokens,
             "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": output_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, output_tokens)},
             "total_tokens": prompt_tokens + output_tokens,
         }
 
