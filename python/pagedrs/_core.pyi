@@ -86,6 +86,17 @@ def cpu_fused_add_rms_norm(
 def cpu_silu_and_mul(x: npt.NDArray[np.float32], out: npt.NDArray[np.float32]) -> None:
     """out = silu(x[:, :d]) * x[:, d:]; x float32 [T, 2d], out [T, d]."""
 
+def cpu_rope_neox(
+    positions: npt.NDArray[np.int64],
+    q: npt.NDArray[np.float32],
+    k: npt.NDArray[np.float32],
+    cos_sin: npt.NDArray[np.float32],
+    head_size: int,
+    rotary_dim: int,
+) -> None:
+    """Rotary embedding (neox) in place on q [T, Hq*D] and k [T, Hk*D] (rows may be spaced, last dim
+    contiguous); cos_sin float32 [P, rotary_dim] (cos | sin)."""
+
 class FinishReason:
     """Why the scheduler finished a sequence. `value` is OpenAI's name: "stop" or "length"."""
 

@@ -48,3 +48,21 @@ def test_switch_counts_the_layers():
     model = torch.nn.Sequential(RMSNorm(8), SiluAndMul(), torch.nn.Linear(2, 2), RMSNorm(8))
     assert use_cpu_fused_ops(model) == 3
     assert all(m.cpu_fused for m in model if isinstance(m, (RMSNorm, SiluAndMul)))
+
+
+def test_rope_on_column_slices_of_qkv_matches_torch_path():
+    from pagedrs.layers.rotary import RotaryEmbedding
+
+    plain = RotaryEmbedding(16, 16, 64, {"rope_theta": 10000.0})
+    fused = RotaryEmbedding(16, 16, 64, {"rope_theta": 10000.0})
+    fused.cpu_fused = True
+    positions = torch.tensor([0, 5, 63, 2])
+    qkv = torch.randn(4, 3 * 16 + 2 * 16 + 2 * 16)
+    want_q, want_k = plain(positions, *qkv.clone().split([48, 32, 32], dim=-1)[:2])
+    q, k, v = qkv.split([48, 32, 32], dim=-1)  # strided views, as split_qkv gives them
+    v_before = v.clone()
+    got_q, got_k = fused(positions, q, k)
+    assert got_q.data_ptr() == q.data_ptr()  # in place
+    torch.testing.assert_close(got_q, want_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-6, atol=1e-6)
+    assert torch.equal(v, v_before)

@@ -177,15 +177,17 @@ def _runs_by_type(pieces: list[GGUFWeight]) -> list[list[GGUFWeight]]:
 
 
 def use_cpu_fused_ops(model: torch.nn.Module) -> int:
-    """Switch the model's RMSNorms and SiLU-and-muls to the Rust CPU ops (one call each instead of several
-    torch ops, the norm's residual add fused in, in place); returns how many. For the quantized CPU path,
+    """Switch the model's RMSNorms, SiLU-and-muls and rotary embeddings to the Rust CPU ops (one call each
+    instead of several torch ops; the norm's residual add fused in, norm and rotary in place); returns how
+    many. For the quantized CPU path,
     whose results already differ from the float32 oracle's by more than the ops' summation order does."""
     from pagedrs.layers.activation import SiluAndMul
     from pagedrs.layers.norm import RMSNorm
+    from pagedrs.layers.rotary import RotaryEmbedding
 
     count = 0
     for module in model.modules():
-        if isinstance(module, (RMSNorm, SiluAndMul)):
+        if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)):
             module.cpu_fused = True
             count += 1
     return count

@@ -173,6 +173,22 @@ class RotaryEmbedding(KernelLayer):
                 return _cos_sin(_inv_freq(base, d), seq_len).to(positions.device), None
         return self.cos_sin_cache, None
 
+    # Set on the quantized CPU path (loader): neox rotation of float32 CPU rows in place, in one Rust call.
+    cpu_fused: bool = False
+
+    def _cpu_fits(self, positions: Tensor, q: Tensor, k: Tensor) -> bool:
+        """The Rust op's case: neox, one precomputed cache (no longrope / dynamic), float32 CPU q/k with a
+        contiguous last dim, int64 positions within the cache."""
+        return (
+            self.is_neox_style
+            and self.long_cos_sin_cache is None
+            and self.rope_type != "dynamic"
+            and positions.dtype == torch.int64
+            and positions.is_contiguous()
+            and all(t.dim() == 2 and t.dtype == torch.float32 and t.stride(1) == 1 for t in (q, k))
+            and q.device.type == "cpu"
+        )
+
     def _lookup(self, positions: Tensor, seq_lens: Tensor | None) -> Tensor:
         cache, long_cache = self._caches(positions, seq_lens)
         if long_cache is None:
@@ -198,6 +214,18 @@ class RotaryEmbedding(KernelLayer):
                 long_cos_sin_cache=long_cache,
                 seq_lens=None if long_cache is None or seq_lens is None else seq_lens.long(),
                 long_threshold=self.original_max_position or 0,
+            )
+            return q, k
+        if self.cpu_fused and self._cpu_fits(positions, q, k):
+            from pagedrs import _core
+
+            _core.cpu_rope_neox(
+                positions.numpy(),
+                q.numpy(),
+                k.numpy(),
+                self.cos_sin_cache.numpy(),
+                self.head_size,
+                self.rotary_dim,
             )
             return q, k
         cos_sin = self._lookup(positions, seq_lens)

@@ -1,5 +1,5 @@
 //! Small fused per-token ops of the CPU decode step, each one call instead of several torch ops:
-//! RMSNorm (with the residual add fused in), and SiLU(gate) * up. Rows are independent; the math is
+//! RMSNorm (with the residual add fused in), SiLU(gate) * up, and rotary embedding (neox) in place. Rows are independent; the math is
 //! the torch reference path's (`x * rsqrt(mean(x^2) + eps) * weight`, `gate * sigmoid(gate) * up`) in f32,
 //! up to summation order.
 
@@ -88,6 +88,78 @@ pub fn silu_and_mul(x: &[f32], d: usize, out: &mut [f32]) -> Result<(), KernelEr
     Ok(())
 }
 
+/// Rows of a 2-D float32 view whose rows may be spaced (a column slice of a wider buffer, as q and k are
+/// of the fused qkv output): `rows` rows of `width` floats, row `t` starting at `t * row_stride`.
+#[derive(Clone, Copy, Debug)]
+pub struct Rows {
+    pub rows: usize,
+    pub width: usize,
+    pub row_stride: usize,
+}
+
+/// Rotary embedding in place, neox layout (dim `j` paired with `j + rot / 2` in each head, the first
+/// `rot` dims rotated), as the torch path computes it: `x1 * cos + (-x2) * sin`, `x2 * cos + x1 * sin`.
+/// `cos_sin` is `[num_positions, rot]` (cos in the first half, sin in the second); `x` holds the rows
+/// described by `r` (only their elements are touched).
+pub fn rope_neox(
+    x: &mut [f32],
+    r: Rows,
+    head_size: usize,
+    rot: usize,
+    positions: &[i64],
+    cos_sin: &[f32],
+) -> Result<(), KernelError> {
+    if head_size == 0 || rot == 0 || rot % 2 != 0 || rot > head_size {
+        return Err(KernelError::Zero {
+            name: "rotary_dim (even, <= head_size)",
+        });
+    }
+    rows_of("row width", r.width, head_size)?;
+    check("positions", positions.len(), r.rows)?;
+    if r.rows > 0 {
+        check("x", x.len(), (r.rows - 1) * r.row_stride + r.width)?;
+        if r.row_stride < r.width {
+            return Err(KernelError::Length {
+                name: "row stride",
+                actual: r.row_stride,
+                expected: r.width,
+            });
+        }
+    }
+    let num_positions = rows_of("cos_sin", cos_sin.len(), rot)?;
+    let half = rot / 2;
+    for (t, &pos) in positions.iter().enumerate() {
+        if pos < 0 || pos as usize >= num_positions {
+            return Err(KernelError::Row {
+                index: t,
+                id: pos,
+                n: num_positions,
+            });
+        }
+        let (cos, sin) = cos_sin[pos as usize * rot..][..rot].split_at(half);
+        rope_neox_row(&mut x[t * r.row_stride..][..r.width], head_size, cos, sin);
+    }
+    Ok(())
+}
+
+/// One row of `rope_neox` (whole heads of `head_size`; `cos`/`sin` of length rot / 2).
+pub fn rope_neox_row(row: &mut [f32], head_size: usize, cos: &[f32], sin: &[f32]) {
+    let half = cos.len();
+    for head in row.chunks_exact_mut(head_size) {
+        let (x1s, rest) = head.split_at_mut(half);
+        for (((a, b), &c), &s) in x1s
+            .iter_mut()
+            .zip(rest[..half].iter_mut())
+            .zip(cos)
+            .zip(sin)
+        {
+            let (x1, x2) = (*a, *b);
+            *a = x1 * c + (-x2) * s;
+            *b = x2 * c + x1 * s;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -126,6 +198,40 @@ mod tests {
             }
         }
         assert!(rms_norm(&x[1..], &w, eps, &mut out[1..]).is_err());
+    }
+
+    #[test]
+    fn rope_rotates_pairs_of_strided_rows() {
+        // 2 rows of 2 heads of 4 dims (rot 4), spaced 11 floats apart; pos 1 rotates by (0.5, 0.25) rad.
+        let (head, rot, stride) = (4, 4, 11);
+        let angles = [0.5f32, 0.25];
+        let mut cos_sin = vec![1.0, 1.0, 0.0, 0.0];
+        cos_sin.extend([
+            angles[0].cos(),
+            angles[1].cos(),
+            angles[0].sin(),
+            angles[1].sin(),
+        ]);
+        let mut x: Vec<f32> = (0..stride + 8).map(|i| i as f32).collect();
+        let before = x.clone();
+        let r = Rows {
+            rows: 2,
+            width: 8,
+            row_stride: stride,
+        };
+        rope_neox(&mut x, r, head, rot, &[0, 1], &cos_sin).unwrap();
+        assert_eq!(x[..8], before[..8]); // position 0: identity
+        assert_eq!(x[8..stride], before[8..stride]); // between rows: untouched
+        for h in 0..2 {
+            let b = stride + 4 * h;
+            for j in 0..2 {
+                let (x1, x2) = (before[b + j], before[b + j + 2]);
+                let (c, s) = (angles[j].cos(), angles[j].sin());
+                assert!(close(x[b + j], x1 * c - x2 * s));
+                assert!(close(x[b + j + 2], x2 * c + x1 * s));
+            }
+        }
+        assert!(rope_neox(&mut x, r, head, rot, &[0, 2], &cos_sin).is_err());
     }
 
     #[test]

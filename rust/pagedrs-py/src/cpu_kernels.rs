@@ -2,7 +2,7 @@
 //! converted, then `pagedrs_cpu` with the GIL released.
 
 use numpy::{
-    dtype, Element, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyUntypedArray,
+    dtype, Element, PyArray2, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyUntypedArray,
     PyUntypedArrayMethods,
 };
 use pyo3::exceptions::PyValueError;
@@ -285,4 +285,91 @@ pub fn cpu_silu_and_mul(
     let (x, out) = (x.as_slice()?, out.as_slice_mut()?);
     py.detach(|| pagedrs_cpu::ops::silu_and_mul(x, d, out))
         .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// Rotary embedding (neox) in place on q [T, Hq*D] and k [T, Hk*D] float32, whose rows may be spaced
+/// (column slices of the fused qkv output; the last dim contiguous); positions int64 [T]; cos_sin float32
+/// [P, rotary_dim] (cos | sin).
+#[pyfunction]
+pub fn cpu_rope_neox(
+    py: Python<'_>,
+    positions: &Bound<'_, PyAny>,
+    q: &Bound<'_, PyAny>,
+    k: &Bound<'_, PyAny>,
+    cos_sin: &Bound<'_, PyAny>,
+    head_size: usize,
+    rotary_dim: usize,
+) -> PyResult<()> {
+    let pos = array::<i64>(positions, "positions", 1, "int64")?;
+    let cs = array::<f32>(cos_sin, "cos_sin", 2, "float32")?;
+    if rotary_dim == 0
+        || rotary_dim % 2 != 0
+        || rotary_dim > head_size
+        || cs.shape()[1] != rotary_dim
+    {
+        return Err(shape_error(
+            "rotary_dim must be even, <= head_size and cos_sin's width",
+            format!(
+                "got rotary_dim {rotary_dim}, head_size {head_size}, cos_sin {:?}",
+                cs.shape()
+            ),
+        ));
+    }
+    let num_positions = cs.shape()[0];
+    let (pos, cs) = (pos.readonly(), cs.readonly());
+    let (pos, cs) = (pos.as_slice()?, cs.as_slice()?);
+    if let Some((t, &p)) = pos
+        .iter()
+        .enumerate()
+        .find(|(_, &p)| p < 0 || p as usize >= num_positions)
+    {
+        return Err(PyValueError::new_err(format!(
+            "positions[{t}] = {p} is outside 0..{num_positions}"
+        )));
+    }
+    let half = rotary_dim / 2;
+    // q, then k: one mutable view at a time (they share the qkv buffer).
+    for (obj, name) in [(q, "q"), (k, "k")] {
+        let untyped = obj
+            .cast::<PyUntypedArray>()
+            .map_err(|_| PyValueError::new_err(format!("{name} must be a numpy array")))?;
+        if !untyped.dtype().is_equiv_to(&dtype::<f32>(py)) || untyped.ndim() != 2 {
+            return Err(PyValueError::new_err(format!(
+                "{name} must be a 2-D float32 array, got {} {:?}",
+                untyped.dtype(),
+                untyped.shape()
+            )));
+        }
+        let arr = untyped.cast::<PyArray2<f32>>()?;
+        let (rows, width) = (arr.shape()[0], arr.shape()[1]);
+        if rows != pos.len() || width % head_size != 0 {
+            return Err(shape_error(
+                "q/k must be [T, heads * head_size] with T = len(positions)",
+                format!(
+                    "got {name} {:?}, {} positions, head_size {head_size}",
+                    arr.shape(),
+                    pos.len()
+                ),
+            ));
+        }
+        let mut rw = arr
+            .try_readwrite()
+            .map_err(|e| PyValueError::new_err(format!("{name} cannot be written: {e}")))?;
+        let mut view = rw.as_array_mut();
+        py.detach(|| {
+            for (mut row, &p) in view.rows_mut().into_iter().zip(pos) {
+                let (cos, sin) = cs[p as usize * rotary_dim..][..rotary_dim].split_at(half);
+                match row.as_slice_mut() {
+                    Some(row) => pagedrs_cpu::ops::rope_neox_row(row, head_size, cos, sin),
+                    None => {
+                        return Err(PyValueError::new_err(format!(
+                            "{name} must have a contiguous last dimension"
+                        )))
+                    }
+                }
+            }
+            Ok(())
+        })?;
+    }
+    Ok(())
 }
