@@ -16,6 +16,10 @@ in flight. Per row it prints
     output throughput: A tok/s (pagedrs) vs B tok/s (llama.cpp) = A/B x
 
 and TTFT / TPOT (p50, mean) of both; --json and --plot write the rows, the commands and the machine.
+
+--quality N (offline, no server): greedy outputs of the quantized path (dtype auto) against the float32
+dequantized path on N of the same prompts x --max-tokens tokens: how many tokens agree up to the first
+difference, and the max-abs error of the first token's logits.
 """
 
 from __future__ import annotations
@@ -251,6 +255,47 @@ def plot(ours: list[dict[str, Any]], peer: list[dict[str, Any]], path: str) -> N
     fig.savefig(path, dpi=120)
 
 
+def quality(model: str, prompts: list[str], max_tokens: int) -> dict[str, Any]:
+    """Quantized (dtype auto) vs float32-dequantized greedy outputs and first-token logits."""
+    import torch
+
+    from pagedrs import LLM, SamplingParams
+    from pagedrs.layers.attention import ForwardContext
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    runs: dict[str, list[list[int]]] = {}
+    logits: dict[str, list[torch.Tensor]] = {}
+    for dtype in ("auto", "float32"):
+        llm = LLM(model=model, dtype=dtype, device="cpu")
+        runs[dtype] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        net, tok = llm.llm_engine.model, llm.get_tokenizer()
+        with torch.inference_mode():
+            logits[dtype] = []
+            for p in prompts:
+                ids = torch.tensor(tok.encode(p))
+                hidden = net(ids, torch.arange(len(ids)), ForwardContext(None, [], None))
+                logits[dtype].append(net.compute_logits(hidden[-1:])[0])
+        del llm
+    agree = []
+    for a, b in zip(runs["auto"], runs["float32"], strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        agree.append(n)
+    errs = [float((a - b).abs().max()) for a, b in zip(logits["auto"], logits["float32"], strict=True)]
+    scale = [float(b.abs().max()) for b in logits["float32"]]
+    return {
+        "prompts": len(prompts),
+        "max_tokens": max_tokens,
+        "identical_outputs": sum(n == max_tokens for n in agree),
+        "tokens_equal_before_first_difference_mean": sum(agree) / len(agree),
+        "tokens_equal_before_first_difference_min": min(agree),
+        "first_token_same_argmax": sum(
+            int(a.argmax()) == int(b.argmax()) for a, b in zip(logits["auto"], logits["float32"], strict=True)
+        ),
+        "first_token_logits_max_abs_err": max(errs),
+        "first_token_logits_max_abs": max(scale),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded default model)")
@@ -264,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     p.add_argument("--skip-pagedrs", action="store_true", help="run llama.cpp only")
+    p.add_argument("--quality", type=int, default=0, help="only the offline quality check, on N prompts")
     add_commit_arg(p)
     args, server_extra = p.parse_known_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -272,6 +318,13 @@ def main(argv: list[str] | None = None) -> int:
     pool = make_prompts(max(total.values()), args.seed)
     prompts_by_level = {c: pool[: total[c]] for c in levels}
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
+    if args.quality:
+        report = quality(model, make_prompts(args.quality, args.seed), args.max_tokens)
+        print(json.dumps(report, indent=2))
+        if args.json:
+            out = {"benchmark": "cpu_peer_quality", "model": model, **report, "machine": machine_info()}
+            Path(args.json).write_text(json.dumps(json_safe(out), indent=2))
+        return 0
     ctx_per_slot = 256 + args.max_tokens + 64  # 120 words are well under 256 tokens
 
     binary = find_llama_server(args.llama_server)
