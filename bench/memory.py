@@ -1,6 +1,6 @@
-"""Seed 004's experiment: how much KV memory a max-length cache reserves against paged blocks.
+"""The PagedAttention-vs-HF-transformers memory experiment (GPT-2): how much KV memory a max-length cache reserves against paged blocks.
 
-    python bench/memory.py                                  # CPU, the default model, seed 004's 4 prompts
+    python bench/memory.py                                  # CPU, the default model, that experiment's 4 prompts
     python bench/memory.py --device cuda --json bench/results/memory-cuda.json --plot memory.png
 
 The same prompts go (1) through HF transformers one request at a time, each with a static KV cache

@@ -340,7 +340,7 @@ def process_gone(pid: int) -> bool:
         return True
 
 
-# Seed 003's server command line (the flags after the module name), as the notebook runs it.
+# The continuous-batching notebook's server command line (the flags after the module name), as the notebook runs it.
 SEED_003_SERVER_FLAGS = [
     "--enable-chunked-prefill",
     "--disable-sliding-window",
@@ -372,3 +372,50 @@ class SamplerRow:
             and not p.min_tokens
             and not p.logit_bias
         )
+
+
+def plan_fields() -> list[str]:
+    """The properties `_core.pyi` declares on `StepPlan` (the one Python declaration of the plan)."""
+    import ast
+
+    import pagedrs
+
+    stub = Path(pagedrs.__file__).with_name("_core.pyi")
+    tree = ast.parse(stub.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "StepPlan")
+    return [
+        f.name
+        for f in cls.body
+        if isinstance(f, ast.FunctionDef) and any(ast.unparse(d) == "property" for d in f.decorator_list)
+    ]
+
+
+# Greedy runs over an fp8 KV cache, compared across batch shapes, rank counts or machines (in nats of a
+# sampled token's logprob). e4m3 keeps 3 mantissa bits: a K/V element that lands near a rounding boundary
+# moves by one ulp (2^-3 of its value) when float32 matmuls over a different batch shape (chunked prefill,
+# preemption, prefix hits, tensor-parallel all-reduces, another CPU or thread count) change its last bits.
+# Two ulps of that relative precision bound the same token's logprob in the two runs (measured on the
+# default model: at most 0.063 on the CI-class machine with 1 and 2 threads).
+FP8_SAME_CACHE_TOL = 2 * 2**-3
+# The same token against a float32 cache: every element rounded (half an ulp, 2^-4) across 30 layers;
+# measured at most 0.32 on the default model. Bound: 1 nat.
+FP8_VS_F32_TOL = 1.0
+# Where two greedy runs first pick different tokens, the run that picked first must have seen a near tie.
+NEAR_TIE = 2 * FP8_SAME_CACHE_TOL
+
+
+def greedy_agreement(a: tuple[list[int], list[Any]], b: tuple[list[int], list[Any]], tol: float) -> int:
+    """Greedy ids and top-k logprobs (`CompletionOutput.logprobs`) of two runs of one prompt: equal up to
+    their first difference with the same tokens' logprobs within `tol`; at the first difference each
+    run's token is in the other's top k within NEAR_TIE + tol of its pick. Returns the length of the
+    common prefix."""
+    (ids_a, lps_a), (ids_b, lps_b) = a, b
+    for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=True)):
+        if x == y:
+            assert abs(lps_a[i][x].logprob - lps_b[i][y].logprob) <= tol, (i, lps_a[i][x], lps_b[i][y])
+            continue
+        assert y in lps_a[i] and x in lps_b[i], f"token {i}: {y} not in {lps_a[i]} or {x} not in {lps_b[i]}"
+        assert lps_a[i][x].logprob - lps_a[i][y].logprob <= NEAR_TIE + tol, (i, lps_a[i])
+        assert lps_b[i][y].logprob - lps_b[i][x].logprob <= NEAR_TIE + tol, (i, lps_b[i])
+        return i
+    return len(ids_a)

@@ -8,12 +8,9 @@ print(outs[0].outputs[0].text)
 
 from __future__ import annotations
 
-import copy
-import itertools
 import logging
 import os
 import sys
-from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pagedrs.outputs import (
@@ -48,6 +45,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from pagedrs.engine.llm_engine import EngineArgs, LLMEngine
+    from pagedrs.entrypoints.llm import LLM
     from pagedrs.executor.liquid import LiquidRequest, LiquidType
 
 
@@ -58,6 +56,10 @@ def __getattr__(name: str) -> Any:
         from pagedrs.engine import llm_engine
 
         return getattr(llm_engine, name)
+    if name == "LLM":
+        from pagedrs.entrypoints.llm import LLM
+
+        return LLM
     if name in ("LiquidRequest", "LiquidType"):
         from pagedrs.executor import liquid
 
@@ -84,168 +86,3 @@ def _configure_logging() -> None:
 
 
 _configure_logging()
-
-PromptInput = str | list[int] | dict
-
-
-def _is_token_list(x: object) -> bool:
-    return (
-        isinstance(x, list) and len(x) > 0 and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-    )
-
-
-class LLM:
-    """Offline generation over an `LLMEngine` (vLLM's `LLM`); keyword arguments are `EngineArgs` fields."""
-
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        from pagedrs.engine.llm_engine import EngineArgs, LLMEngine
-
-        unknown = sorted(set(kwargs) - set(EngineArgs.field_names()))
-        if unknown:
-            raise ValueError(f"unknown LLM argument(s): {', '.join(unknown)}")
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
-        self._counter = itertools.count()
-
-    def get_tokenizer(self) -> Any:
-        return self.llm_engine.get_tokenizer()
-
-    def generate(
-        self,
-        prompts: PromptInput | Sequence[PromptInput],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
-        """Generate for each prompt (text, token ids or {"prompt"/"prompt_token_ids": ...}); outputs in
-        prompt order."""
-        if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
-            prompt_list: list[PromptInput] = [prompts]  # type: ignore[list-item]
-        elif isinstance(prompts, Iterable):
-            prompt_list = list(prompts)
-        else:
-            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompt_list)
-        else:
-            # A dict or str would otherwise be iterated into its keys or characters.
-            if not isinstance(sampling_params, (list, tuple)):
-                raise ValueError(
-                    "sampling_params must be a SamplingParams or a list of them, "
-                    f"got {type(sampling_params).__name__}"
-                )
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompt_list):
-                raise ValueError(
-                    f"sampling_params has {len(params_list)} entries but there are {len(prompt_list)} prompts"
-                )
-            for i, sp in enumerate(params_list):
-                if not isinstance(sp, SamplingParams):
-                    raise ValueError(
-                        f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}"
-                    )
-        return self._run(prompt_list, params_list, use_tqdm)
-
-    def embed(
-        self,
-        prompts: PromptInput | Sequence[PromptInput],
-        pooling_params: PoolingParams | None = None,
-        use_tqdm: bool = True,
-    ) -> list[EmbeddingRequestOutput]:
-        """The embedding of each prompt (text, token ids or {"prompt"/"prompt_token_ids": ...}): the model's
-        final hidden states pooled (`last` token by default, `mean`, `cls`/`first`) and L2-normalized
-        unless asked otherwise; outputs in prompt order (`out.outputs.embedding`)."""
-        if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
-            prompt_list: list[PromptInput] = [prompts]  # type: ignore[list-item]
-        elif isinstance(prompts, Iterable):
-            prompt_list = list(prompts)
-        else:
-            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
-        params = pooling_params if pooling_params is not None else PoolingParams()
-        if not isinstance(params, PoolingParams):
-            raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
-        return self._run(prompt_list, [params] * len(prompt_list), use_tqdm)  # type: ignore[return-value]
-
-    def do_liquid(self, request: LiquidRequest) -> list[dict]:
-        """Scale the model out or in across `liquid_gpu_range` (seed 002): e.g.
-        `llm.do_liquid(LiquidRequest(LiquidType.LIQUID_1_2))`. One record per event."""
-        return self.llm_engine.do_liquid(request)
-
-    def shutdown(self) -> None:
-        """Stop the engine's worker processes now (they also stop at exit)."""
-        self.llm_engine.shutdown()
-
-    def chat(
-        self,
-        messages: list[dict] | list[list[dict]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-        add_generation_prompt: bool = True,
-        chat_template_kwargs: dict | None = None,
-    ) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {"role", "content"}) or a list of them, through
-        the tokenizer's chat template."""
-        if not isinstance(messages, list):
-            raise ValueError(
-                f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}"
-            )
-        if not messages:
-            raise ValueError("messages is empty")
-        conversations = [messages] if isinstance(messages[0], dict) else messages
-        prompts: list[PromptInput] = []
-        for conv in conversations:
-            ids = self.llm_engine.apply_chat_template(
-                conv,
-                add_generation_prompt=add_generation_prompt,
-                **(chat_template_kwargs or {}),  # type: ignore[arg-type]
-            )
-            prompts.append({"prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-    def _run(
-        self, prompts: list[PromptInput], params: Sequence[SamplingParams | PoolingParams], use_tqdm: bool
-    ) -> list[Any]:
-        engine = self.llm_engine
-        ids: list[str] = []
-        try:
-            for prompt, sp in zip(prompts, params, strict=True):
-                rid = str(next(self._counter))
-                if isinstance(sp, SamplingParams) and sp.output_kind != RequestOutputKind.FINAL_ONLY:
-                    sp = copy.copy(sp)
-                    sp.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, at its end
-                engine.add_request(rid, prompt, sp)
-                ids.append(rid)
-        except Exception:
-            engine.abort_request(ids)
-            raise
-        order = {rid: i for i, rid in enumerate(ids)}
-        results: list[Any] = [None] * len(ids)
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
-        in_toks = out_toks = 0
-        try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.request_id not in order:
-                        continue
-                    results[order[out.request_id]] = out
-                    if bar is not None:
-                        in_toks += len(out.prompt_token_ids)
-                        if isinstance(out, RequestOutput):
-                            out_toks += sum(len(c.token_ids) for c in out.outputs)
-                        elapsed = bar.format_dict["elapsed"] or 1e-9
-                        bar.set_postfix_str(
-                            f"est. speed input: {in_toks / elapsed:.2f} toks/s, output: {out_toks / elapsed:.2f} toks/s",
-                            refresh=False,
-                        )
-                        bar.update(1)
-        except BaseException:
-            engine.abort_request([rid for rid in ids if results[order[rid]] is None])
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
-        return [r for r in results if r is not None]

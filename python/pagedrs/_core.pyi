@@ -195,6 +195,19 @@ class StepPlan:
     def num_decode_tokens(self) -> int: ...
     @property
     def num_tokens(self) -> int: ...
+    def to_wire(
+        self, extra_logits_indices: npt.NDArray[np.int64] | None = None
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """(header, payload): the plan, its dense block tables and the extra logits rows as two int64
+        arrays for the tensor-parallel step broadcast (the header is STEP_WIRE_HEADER_LEN long)."""
+    @staticmethod
+    def from_wire(
+        header: npt.NDArray[np.int64], payload: npt.NDArray[np.int64]
+    ) -> tuple[StepPlan, npt.NDArray[np.int64]]:
+        """(plan, extra_logits_indices) of a `to_wire` message; ValueError if it does not add up. The
+        plan's block_tables came with it (there is no scheduler on the receiving side)."""
+
+STEP_WIRE_HEADER_LEN: int
 
 class Scheduler:
     """Continuous-batching scheduler over a paged KV-cache block pool."""

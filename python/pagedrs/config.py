@@ -241,7 +241,7 @@ class ObservabilityConfig:
     log_stats: bool = True
     stats_log_interval: float = 5.0  # seconds between two stats lines
     enable_log_batch_visualization: bool = False
-    batch_visualization_style: str = "bar"  # bar: one line per step; boxes: seed 003's token boxes
+    batch_visualization_style: str = "bar"  # bar: one line per step; boxes: the continuous-batching notebook's token boxes
 
     def __post_init__(self) -> None:
         i = self.stats_log_interval
@@ -297,7 +297,7 @@ class ParallelConfig:
         )
         s = self.liquid_total_num_shards
         _require(
-            _is_int(s) and s >= n and not s & (s - 1),
+            isinstance(s, int) and not isinstance(s, bool) and s >= n and not s & (s - 1),
             "liquid_total_num_shards",
             s,
             f"must be a power of two >= len(liquid_gpu_range) ({n})",

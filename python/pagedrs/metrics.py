@@ -5,11 +5,23 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 
-__all__ = ["EngineStats", "StatLogger", "format_stats_line", "visualize_batch", "visualize_batch_boxes"]
+if TYPE_CHECKING:
+    from pagedrs._core import StepPlan
+
+__all__ = [
+    "EngineStats",
+    "StatLogger",
+    "format_stats_line",
+    "token_boxes",
+    "visualize_batch",
+    "visualize_batch_boxes",
+]
 
 logger = logging.getLogger("pagedrs.engine")
 
@@ -99,16 +111,16 @@ class StatLogger:
 _UPPER = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
-def visualize_batch(plan: object, step: int, token_budget: int, width: int = 64) -> str:
+def visualize_batch(plan: StepPlan, step: int, token_budget: int, width: int = 64) -> str:
     """A compact picture of one step: a bar over the token budget where each sequence's tokens are drawn
     with its letter (UPPERCASE = prefill chunk, lowercase = decode, '.' = unused budget), then a legend.
 
     e.g. ``step 7 |AAAAAAAAAAAAAAbcd.............| 18/64 tok: A=seq 3 prefill 0..14/20, decode b=4 c=5 d=6``
     """
-    req_ids = np.asarray(plan.req_ids).tolist()  # type: ignore[attr-defined]
-    num_sched = np.asarray(plan.num_scheduled_tokens).tolist()  # type: ignore[attr-defined]
-    computed = np.asarray(plan.num_computed_tokens).tolist()  # type: ignore[attr-defined]
-    prompt_lens = np.asarray(plan.num_prompt_tokens).tolist()  # type: ignore[attr-defined]
+    req_ids = np.asarray(plan.req_ids).tolist()
+    num_sched = np.asarray(plan.num_scheduled_tokens).tolist()
+    computed = np.asarray(plan.num_computed_tokens).tolist()
+    prompt_lens = np.asarray(plan.num_prompt_tokens).tolist()
     total = int(sum(num_sched))
     budget = max(token_budget, total, 1)
     scale = width / budget
@@ -133,7 +145,7 @@ def visualize_batch(plan: object, step: int, token_budget: int, width: int = 64)
     legend = ", ".join(prefills)
     if decodes:
         legend += (", " if legend else "") + "decode " + " ".join(decodes)
-    preempted = np.asarray(plan.preempted).tolist()  # type: ignore[attr-defined]
+    preempted = np.asarray(plan.preempted).tolist()
     if preempted:
         legend += f"; preempted {preempted}"
     return f"step {step} |{body}| {total}/{token_budget} tok: {legend or 'idle'}"
@@ -144,8 +156,32 @@ def _fit(text: str, width: int) -> str:
     return (text[: width - 2] + ".." if len(text) > width else text).ljust(width)
 
 
+def token_boxes(
+    plan: StepPlan,
+    seqs: Mapping[int, Any],
+    tokenizer: Any,
+    cache: dict[int, str],
+    num_slots: int,
+) -> str:
+    """The continuous-batching notebook's picture of `plan`: each request in the step, its tokens so far
+    (prompt then output; `seqs` maps a seq id to an object with `prompt_token_ids` and
+    `output_token_ids`) as boxes. `cache` keeps each token id's text between steps."""
+    columns: list[list[str]] = []
+    for sid in plan.req_ids.tolist():
+        seq = seqs.get(sid)
+        if seq is None:
+            continue
+        texts = []
+        for t in [*seq.prompt_token_ids, *seq.output_token_ids]:
+            if t not in cache:
+                cache[t] = tokenizer.decode([t]).strip() or repr(tokenizer.decode([t]))[1:-1]
+            texts.append(cache[t])
+        columns.append(texts)
+    return visualize_batch_boxes(columns, num_slots if columns else 0)
+
+
 def visualize_batch_boxes(columns: list[list[str]], num_slots: int, cell: int = 14) -> str:
-    """Seed 003's picture of a step: one column per batch slot ("Batch 1".."Batch N"), each running
+    """The continuous-batching notebook's picture of a step (vLLM's `enable_log_batch_visualization`): one column per batch slot ("Batch 1".."Batch N"), each running
     request's tokens so far stacked in boxes, one box per token."""
     width = cell + 2
     lines = [

@@ -51,7 +51,7 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def __repr__(self) -> str:  # vLLM's (seed 000 prints it): the finish reason unquoted
+    def __repr__(self) -> str:  # vLLM 0.4's repr: the finish reason unquoted
         return (
             f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
             f"cumulative_logprob={self.cumulative_logprob}, logprobs={self.logprobs}, "

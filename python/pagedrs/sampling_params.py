@@ -193,7 +193,7 @@ class SamplingParams:
         """Characters held back from unfinished outputs: they may be the start of a stop string."""
         if not self.stop or self.include_stop_str_in_output:
             return 0
-        return max(len(s) for s in self.stop) - 1  # type: ignore[union-attr]
+        return max(len(s) for s in self.stop) - 1
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)

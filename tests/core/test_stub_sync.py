@@ -4,6 +4,7 @@ import ast
 from pathlib import Path
 
 import pagedrs._core as core
+from tests.helpers import plan_fields
 
 PYI = Path(__file__).resolve().parents[2] / "python" / "pagedrs" / "_core.pyi"
 
@@ -15,6 +16,8 @@ def _stub() -> tuple[set[str], dict[str, set[str]]]:
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             names.add(node.name)
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
         if isinstance(node, ast.ClassDef):
             members[node.name] = {
                 n.name for n in node.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("__")
@@ -48,3 +51,13 @@ def test_init_signature_matches_stub() -> None:
         p.split("=")[0].strip() for p in sig.strip("()").split(",") if p.strip() not in ("*", "$self", "")
     ]
     assert stub_kw == runtime_kw
+
+
+def test_step_plan_fields_match_stub() -> None:
+    """The stub's StepPlan properties (the declaration the runner, the KV pool ops, the step buffers and
+    the batch picture are typed with) are exactly the binding's getters, and every one travels over the
+    tensor-parallel step wire (the Rust side's round trip compares every struct field)."""
+    runtime = {
+        n for n in _public(core.StepPlan) if type(getattr(core.StepPlan, n)).__name__ == "getset_descriptor"
+    }
+    assert set(plan_fields()) == runtime

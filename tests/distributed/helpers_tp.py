@@ -47,13 +47,25 @@ def tp_engine(folder: Path, tp: int, **kw: Any) -> LLMEngine:
 def run_workload(engine: LLMEngine) -> tuple[dict[str, list[list[int]]], PlanSpy]:
     """Greedy ids of every PROMPTS request (request "1" with n=2), and the spy that watched the plans."""
     spy = PlanSpy().attach(engine)
-    for i, prompt in enumerate(PROMPTS):
-        n = 2 if i == 1 else 1
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=n)
-        engine.add_request(str(i), prompt, params)
-    outs = run_all(engine)
+    outs = _run_prompts(engine, None)
     ids = {rid: [list(c.token_ids) for c in o.outputs] for rid, o in outs.items()}
     return ids, spy
+
+
+def run_workload_logprobs(engine: LLMEngine, k: int = 5) -> dict[str, list[tuple[list[int], list[Any]]]]:
+    """Greedy ids of every PROMPTS request with each token's top-`k` logprobs (`greedy_agreement`'s input)."""
+    outs = _run_prompts(engine, k)
+    return {rid: [(list(c.token_ids), c.logprobs or []) for c in o.outputs] for rid, o in outs.items()}
+
+
+def _run_prompts(engine: LLMEngine, logprobs: int | None) -> dict[str, Any]:
+    for i, prompt in enumerate(PROMPTS):
+        n = 2 if i == 1 else 1
+        params = SamplingParams(
+            temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=n, logprobs=logprobs
+        )
+        engine.add_request(str(i), prompt, params)
+    return run_all(engine)
 
 
 def check_forced(engine: LLMEngine, spy: PlanSpy) -> None:

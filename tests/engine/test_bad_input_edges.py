@@ -89,7 +89,7 @@ def test_failure_while_building_sequences_leaves_no_request(
     def broken(*args: object, **kwargs: object) -> None:
         raise ValueError("sequence setup failed")
 
-    monkeypatch.setattr(sequence_mod, "Sequence", broken)
+    monkeypatch.setattr(sequence_mod, "SampleState", broken)
     with pytest.raises(ValueError, match="sequence setup failed"):
         llm.generate(["hi"], OK, use_tqdm=False)
     monkeypatch.undo()

@@ -145,7 +145,7 @@ def test_greedy_logprobs_match_hf_log_softmax(
 def test_cumulative_logprob_without_logprobs(
     tiny_models: dict[str, Path], hf_refs: dict[str, HFReference]
 ) -> None:
-    """cumulative_logprob is filled when no logprobs are asked for (vLLM 0.4's CompletionOutput, seed 000):
+    """cumulative_logprob is filled when no logprobs are asked for (vLLM 0.4's CompletionOutput):
     greedy (the argmax fast path) equals HF's log_softmax summed over the chosen tokens; a seeded sample
     equals the same request with logprobs=0 (the sum of its sampled tokens' logprobs)."""
     engine = make_engine(tiny_models["qwen2"], num_kv_blocks=256, max_num_batched_tokens=48)

@@ -1,5 +1,5 @@
 """vLLM's engine arguments as the seeds pass them: each is accepted and works, or is refused at start with
-what to use instead; seed 003's engine cell runs as written with `vllm` replaced by `pagedrs`."""
+what to use instead; the continuous-batching notebook's engine cell runs as written with `vllm` replaced by `pagedrs`."""
 
 from __future__ import annotations
 
@@ -148,14 +148,15 @@ def test_shutdown_frees_the_engine(tmp_path: Path) -> None:
     llm = LLM(str(folder), **CPU)
     llm.generate(["x"], GREEDY, use_tqdm=False)
     llm.shutdown()
-    assert llm.llm_engine.runner.kv_pool is None and llm.llm_engine.runner.model is None
+    runner = llm.llm_engine.model_executor.runner
+    assert runner.kv_pool is None and not hasattr(runner, "model")  # no reference left to either
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate(["x"], GREEDY, use_tqdm=False)
 
 
 def test_seed_003_engine_cell(caplog: pytest.LogCaptureFixture) -> None:
-    """Seed 003's cell with `vllm` -> `pagedrs` (the default model instead of Phi-3, which is not on this
-    machine): requests join one per step, each prints its text so far, then the seed's cleanup lines."""
+    """The continuous-batching notebook's cell with `vllm` -> `pagedrs` (the default model instead of Phi-3, which is not on this
+    machine): requests join one per step, each prints its text so far, then the notebook's cleanup lines."""
     from pagedrs.utils import random_uuid
 
     with caplog.at_level(logging.INFO, logger="pagedrs"):
@@ -226,7 +227,7 @@ def test_output_repr_as_seed_000_prints_it() -> None:
 
 
 def test_token_box_visualization(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """batch_visualization_style="boxes": seed 003's picture, one column per batch slot, each token of
+    """batch_visualization_style="boxes": the notebook's picture, one column per batch slot, each token of
     each running request in a box."""
     folder = make_tiny_llama(tmp_path)
     llm = LLM(
@@ -251,9 +252,9 @@ def test_token_box_visualization(tmp_path: Path, caplog: pytest.LogCaptureFixtur
 
 
 def test_seed_000_program(caplog: pytest.LogCaptureFixture) -> None:
-    """Seed 000's run with `vllm` -> `pagedrs`: `LLM(...)` with every argument its config line shows (the
+    """vLLM 0.4's Llama-2 run with `vllm` -> `pagedrs`: `LLM(...)` with every argument its config line shows (the
     default model, float32 on the CPU instead of Llama-2-13b in float16), a long document to summarize
-    (prefilled in chunks), then the seed's prints: the token count and `[CompletionOutput(...)]`, whose
+    (prefilled in chunks), then that run's prints: the token count and `[CompletionOutput(...)]`, whose
     cumulative_logprob is filled although no logprobs were asked for."""
     import re
 

@@ -1,4 +1,4 @@
-"""Seed 003's server cell with `vllm` -> `pagedrs`: its exact command line (the default model instead of
+"""The continuous-batching notebook's server cell with `vllm` -> `pagedrs`: its exact command line (the default model instead of
 Phi-3, which is not on this machine) and its AsyncOpenAI client sending three chat messages at once."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import torch
 
 from pagedrs import LLM, SamplingParams
 from pagedrs.layers.attention.torch_ref import TorchAttentionBackend, to_cache_dtype, write_kv_cache
-from tests.helpers import make_step_metadata
+from tests.helpers import FP8_SAME_CACHE_TOL, FP8_VS_F32_TOL, greedy_agreement, make_step_metadata
 from tests.layers.helpers_attention import naive_attention
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -61,40 +61,11 @@ def _llm(**kw: object) -> LLM:
     return LLM(device="cpu", dtype="float32", max_model_len=512, disable_log_stats=True, **kw)
 
 
-# Bounds of the engine test below, in nats of a sampled token's logprob. e4m3 keeps 3 mantissa bits: a
-# K/V element that lands near a rounding boundary moves by one ulp (2^-3 of its value) when float32 matmuls
-# over a different batch shape (chunked prefill, preemption, prefix hits, another CPU or thread count)
-# change its last bits. Two ulps of that relative precision are the bound for the same token's logprob in
-# the two runs (measured: at most 0.063 on the CI-class machine with 1 and 2 threads).
-SAME_CACHE_TOL = 2 * 2**-3
-# The same token against a float32 cache: every element rounded (half an ulp, 2^-4, on average a
-# quarter) across 30 layers; measured at most 0.32. Bound: 1 nat.
-F32_CACHE_TOL = 1.0
-# Where two greedy runs first pick different tokens, the run that picked first must have seen a near tie.
-NEAR_TIE = 2 * SAME_CACHE_TOL
-
-
-def _walk(a: tuple[list[int], list], b: tuple[list[int], list], tol: float) -> int:
-    """Greedy ids and top-5 logprobs of two runs of one prompt: equal up to their first difference with
-    the same tokens' logprobs within `tol`; at the first difference each run's token is in the other's
-    top 5 within NEAR_TIE + tol of its pick. Returns the length of the common prefix."""
-    (ids_a, lps_a), (ids_b, lps_b) = a, b
-    for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=True)):
-        if x == y:
-            assert abs(lps_a[i][x].logprob - lps_b[i][y].logprob) <= tol, (i, lps_a[i][x], lps_b[i][y])
-            continue
-        assert y in lps_a[i] and x in lps_b[i], f"token {i}: {y} not in {lps_a[i]} or {x} not in {lps_b[i]}"
-        assert lps_a[i][x].logprob - lps_a[i][y].logprob <= NEAR_TIE + tol, (i, lps_a[i])
-        assert lps_b[i][y].logprob - lps_b[i][x].logprob <= NEAR_TIE + tol, (i, lps_b[i])
-        return i
-    return len(ids_a)
-
-
 def test_engine_with_fp8_cache() -> None:
     """The default model: 4x the blocks of a float32 cache in the same memory. With chunked prefill
     (32-token budget), prefix hits and preemption forced (a pool of 8 blocks) the greedy run agrees with
     the roomy one on any machine in what an fp8 cache can guarantee across batch shapes: the same tokens
-    with logprobs within SAME_CACHE_TOL until a near tie flips; and both are that close (F32_CACHE_TOL)
+    with logprobs within FP8_SAME_CACHE_TOL until a near tie flips; and both are that close (FP8_VS_F32_TOL)
     to a float32 cache. (Exact ids are not the guarantee: rounding to fp8 turns a last-bit difference of
     a float32 matmul over another batch shape into a different fp8 value near a rounding boundary.)"""
     intro = "You are a helpful assistant. Answer briefly and clearly, in plain English, without lists. "
@@ -111,7 +82,7 @@ def test_engine_with_fp8_cache() -> None:
         return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs or []) for o in outs]
 
     llm = _llm(kv_cache_dtype="fp8", cpu_kv_cache_gb=0.02)
-    runner = llm.llm_engine.engine_core.runner
+    runner = llm.llm_engine.runner
     try:
         assert runner.kv_dtype == torch.float8_e4m3fn and runner.backend.name == "torch"
         assert runner.kv_pool.kv_caches[0].dtype == torch.float8_e4m3fn
@@ -121,7 +92,7 @@ def test_engine_with_fp8_cache() -> None:
         llm.shutdown()
     llm = _llm(cpu_kv_cache_gb=0.02)
     try:
-        f32_blocks = llm.llm_engine.engine_core.runner.kv_pool.num_blocks
+        f32_blocks = llm.llm_engine.runner.kv_pool.num_blocks
         f32 = run(llm)
     finally:
         llm.shutdown()
@@ -133,10 +104,10 @@ def test_engine_with_fp8_cache() -> None:
     finally:
         llm.shutdown()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
-    common = [_walk(p, f, SAME_CACHE_TOL) for p, f in zip(plain, forced, strict=True)]
+    common = [greedy_agreement(p, f, FP8_SAME_CACHE_TOL) for p, f in zip(plain, forced, strict=True)]
     assert sum(common) >= len(prompts) * 24 // 2, common  # a flip is rare: most tokens precede it
     for p, f in zip(plain, f32, strict=True):
-        _walk(p, f, F32_CACHE_TOL)
+        greedy_agreement(p, f, FP8_VS_F32_TOL)
 
 
 @pytest.mark.parametrize("dtype", FP8)

@@ -42,7 +42,7 @@ def create_store(host: str, port: int, rank: int, size: int, timeout_s: float) -
 
 
 def _gloo_group(store: Any, rank: int, size: int, host: str, timeout_s: float) -> Any:
-    opts = dist.ProcessGroupGloo._Options()
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # in torch, missing from its stubs
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     opts._timeout = datetime.timedelta(seconds=timeout_s)
     return dist.ProcessGroupGloo(store, rank, size, opts)

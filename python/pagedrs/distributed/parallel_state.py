@@ -1,4 +1,4 @@
-"""vLLM's `parallel_state` names, for programs written against it (seed 003 calls
+"""vLLM's `parallel_state` names, for programs written against it (vLLM's continuous-batching notebook calls
 `destroy_model_parallel()` before freeing an engine)."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar, overload
 
 import msgspec
 import zmq
@@ -103,7 +103,10 @@ def merge_delta(prev: RequestOutput, new: RequestOutput) -> RequestOutput:
     return prev
 
 
-class RequestStream:
+OutT = TypeVar("OutT", RequestOutput, EmbeddingRequestOutput)
+
+
+class RequestStream(Generic[OutT]):
     """Outputs of one request, in order; iterate with ``async for``. Delta outputs not yet read are merged
     into one, so a slow reader never has a backlog of per-token items."""
 
@@ -112,13 +115,18 @@ class RequestStream:
         self.finished = False
         self._engine = engine
         self._kind = kind
-        self._pending: RequestOutput | None = None
+        self._pending: OutT | None = None
         self._error: BaseException | None = None
         self._event = asyncio.Event()
 
-    def _put(self, out: RequestOutput) -> None:
-        if self._pending is not None and self._kind == RequestOutputKind.DELTA:
-            merge_delta(self._pending, out)
+    def _put(self, out: OutT) -> None:
+        pending = self._pending
+        if (
+            isinstance(pending, RequestOutput)
+            and isinstance(out, RequestOutput)
+            and self._kind == RequestOutputKind.DELTA
+        ):
+            merge_delta(pending, out)
         else:
             self._pending = out
         self._event.set()
@@ -127,10 +135,10 @@ class RequestStream:
         self._error = exc
         self._event.set()
 
-    def __aiter__(self) -> RequestStream:
+    def __aiter__(self) -> RequestStream[OutT]:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> OutT:
         while True:
             if self._pending is not None:
                 out, self._pending = self._pending, None
@@ -210,7 +218,7 @@ class AsyncLLMEngine:
         )
         self.embedding_size = ready.embedding_size
         self.output_processor = OutputProcessor(tokenizer, observer)
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[str, RequestStream[Any]] = {}
         self._num_inflight = 0
         self._dead: BaseException | None = None
         self._draining = False
@@ -357,9 +365,17 @@ class AsyncLLMEngine:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     # --------------------------------------------------------------- requests
+    @overload
+    async def add_request(
+        self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0
+    ) -> RequestStream[RequestOutput]: ...
+    @overload
+    async def add_request(
+        self, request_id: str, prompt: Any, params: PoolingParams, *, priority: int = 0
+    ) -> RequestStream[EmbeddingRequestOutput]: ...
     async def add_request(
         self, request_id: str, prompt: Any, params: SamplingParams | PoolingParams, *, priority: int = 0
-    ) -> RequestStream:
+    ) -> RequestStream[Any]:
         """Submits a request; raises InputError (a ValueError) for invalid input, EngineDeadError while the
         core is down, EngineDrainingError while shutting down."""
         if self._dead is not None:
@@ -382,7 +398,7 @@ class AsyncLLMEngine:
                 request_id, text, req.prompt_token_ids, params, req.arrival_time
             )
             kind = params.output_kind
-        stream = RequestStream(request_id, self, kind)
+        stream: RequestStream[Any] = RequestStream(request_id, self, kind)
         self._streams[request_id] = stream
         self._num_inflight += 1
         self._send(req)
@@ -394,17 +410,19 @@ class AsyncLLMEngine:
         try:
             async for out in stream:
                 if out.finished:
-                    return out  # type: ignore[return-value]
+                    return out
             raise RequestAbortedError(f"request {request_id} was aborted")
         finally:
             self.release(stream)
 
-    def release(self, stream: RequestStream) -> None:
+    def release(self, stream: RequestStream[Any]) -> None:
         """Called once by the consumer when it is done with a stream (aborts if unfinished)."""
         stream.abort()
         self._num_inflight -= 1
 
-    async def generate(self, request_id: str, prompt: Any, params: SamplingParams) -> AsyncIterator[Any]:
+    async def generate(
+        self, request_id: str, prompt: Any, params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs (as `params.output_kind` asks); aborts it if the consumer stops."""
         stream = await self.add_request(request_id, prompt, params)
         try:
@@ -419,12 +437,12 @@ class AsyncLLMEngine:
         if stream is not None:
             self._abort(stream)
 
-    def _abort_stream(self, stream: RequestStream) -> None:
+    def _abort_stream(self, stream: RequestStream[Any]) -> None:
         # Names the stream: a rejected duplicate id must not abort the request that owns the id.
         if self._streams.get(stream.request_id) is stream:
             self._abort(stream)
 
-    def _abort(self, stream: RequestStream) -> None:
+    def _abort(self, stream: RequestStream[Any]) -> None:
         rid = stream.request_id
         del self._streams[rid]
         self.output_processor.abort_requests([rid])

@@ -1,137 +1,58 @@
-"""EngineCore: the step and nothing else. schedule() [Rust] -> execute() [model runner] -> update() [Rust].
+"""EngineCore: the step. schedule() [Rust] -> execute() [the executor] -> update() [Rust].
 
 It takes validated, tokenized `EngineCoreRequest`s and gives back one `EngineCoreOutputs` per step: each
 sequence's new token ids (and logprobs), finish reasons from the scheduler (eos, stop token ids, lengths),
 and the step's stats. Text, stop strings and `RequestOutput`s belong to the frontend (`OutputProcessor`);
 the same core runs in-process under `LLMEngine` and in its own process behind the server (`core_proc`).
+Beside the step, each in its own module: the outputs (`step_outputs`), pooling (`pooling`), grammar
+admission (`grammar_queue`), liquid moves (`liquid_control`, between steps), the batch picture (`metrics`).
+Loading the model and starting the ranks is `executor.build`'s.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
 import itertools
 import logging
 import os
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from pagedrs import __version__, _core
+from pagedrs import _core
 from pagedrs.config import EngineConfig
+from pagedrs.engine.core_requests import CoreRequest, CoreSeq
+from pagedrs.engine.grammar_queue import GrammarQueue, compiled_grammar
+from pagedrs.engine.liquid_control import LiquidControl
 from pagedrs.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
-    PromptLogprobsMsg,
     Ready,
-    SampleLogprobsMsg,
 )
-from pagedrs.executor import ExecutorDeadError, TPExecutor, UniProcExecutor
+from pagedrs.engine.pooling import pool_step
+from pagedrs.engine.step_outputs import StepOutputs
+from pagedrs.executor import ExecutorDeadError, UniProcExecutor
+from pagedrs.executor.build import load_engine
 from pagedrs.executor.liquid_executor import LiquidExecutor
-from pagedrs.executor.liquid_policy import LiquidAutoPolicy
-from pagedrs.executor.start import start_workers, stop_workers
-from pagedrs.executor.worker import cpu_threads_per_rank
-from pagedrs.metrics import EngineStats, StatLogger, visualize_batch, visualize_batch_boxes
-from pagedrs.sampling_params import SamplingParams
+from pagedrs.loader import LoadedModel
+from pagedrs.loader.eos import eos_token_ids
+from pagedrs.metrics import EngineStats, StatLogger, token_boxes, visualize_batch
 from pagedrs.structured_outputs import StructuredOutputManager
-from pagedrs.worker.model_runner import ModelRunner
+from pagedrs.worker.model_runner import RunnerOutput
 
-__all__ = ["CoreSeq", "EngineCore"]
+if TYPE_CHECKING:
+    from pagedrs.engine.arg_utils import EngineArgs
+
+__all__ = ["CoreSeq", "EngineCore", "eos_token_ids"]
 
 logger = logging.getLogger("pagedrs.engine")
 
 
-def eos_token_ids(tokenizer: Any, hf_config: Any, model_path: str) -> list[int]:
-    """The tokenizer's eos plus the config's and generation_config.json's (e.g. Llama 3's <|eot_id|>)."""
-    ids: set[int] = set()
-    gen_eos = None
-    if os.path.isfile(os.path.join(model_path, "generation_config.json")):
-        try:
-            import transformers
-
-            gen_eos = transformers.GenerationConfig.from_pretrained(model_path).eos_token_id
-        except (OSError, ValueError):
-            gen_eos = None
-    for src in (getattr(tokenizer, "eos_token_id", None), getattr(hf_config, "eos_token_id", None), gen_eos):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            ids.update(int(x) for x in src)
-    return sorted(ids)
-
-
-class CoreSeq:
-    """One of a request's n samples as the sampler sees it (`SamplingRow`)."""
-
-    __slots__ = (
-        "seq_id",
-        "index",
-        "request_id",
-        "params",
-        "generator",
-        "prompt_token_ids",
-        "output_token_ids",
-        "is_simple_greedy",
-        "num_logprobs",
-        "matcher",
-    )
-
-    def __init__(
-        self, seq_id: int, index: int, request_id: str, params: SamplingParams, prompt: list[int], dev: Any
-    ) -> None:
-        self.seq_id = seq_id
-        self.index = index
-        self.request_id = request_id
-        self.params = params
-        self.generator: torch.Generator | None = None
-        if params.seed is not None and params.temperature > 0:
-            self.generator = torch.Generator(device=dev)
-            self.generator.manual_seed(params.seed)
-        self.prompt_token_ids = prompt
-        self.matcher: Any = None  # a grammar matcher (structured outputs)
-        self.output_token_ids: list[int] = []  # for penalties
-        self.num_logprobs = params.logprobs
-        self.is_simple_greedy = (
-            params.temperature == 0.0
-            and not params.needs_penalties
-            and not params.logit_bias
-            and params.min_tokens == 0
-            and params.logprobs is None
-        )
-
-
-class _CoreRequest:
-    __slots__ = (
-        "request_id",
-        "seqs",
-        "prompt_logprobs",
-        "unscheduled",
-        "live",
-        "pooling",
-        "pool_acc",
-        "pool_n",
-    )
-
-    def __init__(
-        self, request_id: str, seqs: list[CoreSeq], prompt_logprobs: int | None, pooling: Any = None
-    ) -> None:
-        self.request_id = request_id
-        self.seqs = seqs
-        self.prompt_logprobs = prompt_logprobs  # top-k wanted, until the prompt is done
-        self.unscheduled = True
-        self.live = {s.seq_id for s in seqs}
-        self.pooling = pooling  # PoolingParams of an embedding request
-        self.pool_acc: torch.Tensor | None = None  # mean: sum of positions [0, pool_n); first: position 0
-        self.pool_n = 0
-
-
 class EngineCore:
-    """Scheduler + model runner for one engine; one thread drives it."""
+    """Scheduler + executor for one engine; one thread drives it."""
 
     # Methods a frontend may call through `UtilityCall` (name -> bound method is looked up here only).
     UTILITY_METHODS = frozenset(
@@ -139,9 +60,9 @@ class EngineCore:
     )
 
     def __init__(
-        self, config: EngineConfig, loaded: Any, *, max_logprobs: int = 20, workers: Any = None
+        self, config: EngineConfig, loaded: LoadedModel, executor: UniProcExecutor, *, max_logprobs: int = 20
     ) -> None:
-        """`workers`: the started ranks 1..N-1 of a tensor-parallel group (`loaded` is rank 0's shard)."""
+        """`executor` runs `loaded` (rank 0's shard under tensor parallelism); the core owns it from here."""
         self.config = config
         self.model_name = config.model.model or os.path.splitext(os.path.basename(loaded.model_path))[0]
         if config.model.served_model_name:
@@ -153,42 +74,26 @@ class EngineCore:
         head = getattr(loaded.model, "lm_head", None)
         self.embedding_size = int(getattr(head, "embedding_dim", 0) or 0)  # the pooled hidden state's width
         self.eos_token_ids = eos_token_ids(loaded.tokenizer, loaded.hf_config, str(loaded.model_path))
-        tp = workers.tp if workers is not None else None
-        self.runner = ModelRunner(config, loaded.model, eos_token_ids=self.eos_token_ids, tp=tp)
-        self.executor: UniProcExecutor
-        if workers is None:
-            self.executor = UniProcExecutor(self.runner)
-        elif workers.world is not None:
-            self.executor = LiquidExecutor(self.runner, workers)
-        else:
-            self.executor = TPExecutor(self.runner, workers)
-        pool = self.executor.init_kv_cache()
-        num_blocks = pool.num_blocks
+        self.executor = executor
+        kv = executor.init_kv_cache()
         sched = config.scheduler
         self.scheduler = _core.Scheduler(
-            num_blocks=num_blocks,
+            num_blocks=kv.num_blocks,
             block_size=config.cache.block_size,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_num_seqs=sched.max_num_seqs,
             max_model_len=sched.max_model_len,
             enable_prefix_caching=config.cache.enable_prefix_caching,
             enable_chunked_prefill=sched.enable_chunked_prefill,
-            num_swap_blocks=pool.num_swap_blocks,
+            num_swap_blocks=kv.num_swap_blocks,
             vocab_size=self.vocab_size or None,
         )
-        self.runner.attach_block_table(self.scheduler.block_table_view())
-        par = config.parallel
+        executor.attach_block_table(self.scheduler.block_table_view())
         self._shut_down = False
-        self._in_liquid = False
-        self.liquid_policy: LiquidAutoPolicy | None = None
-        if par.liquid_auto and isinstance(self.executor, LiquidExecutor):
-            self.liquid_policy = LiquidAutoPolicy(
-                self.executor.max_degree,
-                par.liquid_auto_window,
-                par.liquid_scale_out_threshold,
-                par.liquid_scale_in_threshold,
-            )
-        self._requests: dict[str, _CoreRequest] = {}
+        self.liquid_control: LiquidControl | None = None
+        if isinstance(executor, LiquidExecutor):
+            self.liquid_control = LiquidControl(executor, self.scheduler, config.parallel, self._keep_step)
+        self._requests: dict[str, CoreRequest] = {}
         # Requests not yet scheduled, and those still collecting prompt logprobs: a steady decode step
         # loops over neither (no per-request Python when both are empty).
         self._unscheduled: set[str] = set()
@@ -196,10 +101,8 @@ class EngineCore:
         self._num_pooling = 0  # embedding requests in flight
         self._tokenizer = loaded.tokenizer
         self._token_text: dict[int, str] = {}  # token id -> text, for the token-box picture
-        self._structured: StructuredOutputManager | None = None
+        self._grammars = GrammarQueue(loaded.tokenizer, self.vocab_size)
         self._num_structured = 0  # requests with a grammar in the scheduler
-        # Structured-output requests whose grammar is still compiling: request id -> (request, future)
-        self._awaiting_grammar: dict[str, tuple[EngineCoreRequest, Any]] = {}
         self._seqs: dict[int, CoreSeq] = {}
         self._seq_counter = itertools.count()
         self._pending: list[EngineCoreOutput] = []  # error outputs not yet sent (failed steps, rejects)
@@ -210,55 +113,35 @@ class EngineCore:
         self._last_batch = 0
         obs = config.observability
         self.stat_logger = StatLogger(obs.stats_log_interval) if obs.log_stats else None
+        self._log_start(kv.num_blocks, kv.num_swap_blocks, kv.dtype, kv.bytes_per_block)
+
+    def _log_start(self, num_blocks: int, num_swap: int, kv_dtype: Any, bytes_per_block: int) -> None:
         if self.device.type == "cuda":
-            logger.info("# GPU blocks: %d, # CPU blocks: %d", num_blocks, pool.num_swap_blocks)
+            logger.info("# GPU blocks: %d, # CPU blocks: %d", num_blocks, num_swap)
         else:
-            logger.info("# CPU blocks: %d (device pool), # swap blocks: %d", num_blocks, pool.num_swap_blocks)
+            logger.info("# CPU blocks: %d (device pool), # swap blocks: %d", num_blocks, num_swap)
         logger.info(
             "engine ready: model=%s device=%s tp=%d dtype=%s max_model_len=%d kv blocks=%d x %d tokens "
             "(%.2f GiB per rank), swap blocks=%d",
             self.model_name,
             self.device,
             self.executor.tensor_parallel_size,
-            self.runner.kv_dtype,
+            kv_dtype,
             self.max_model_len,
             num_blocks,
-            config.cache.block_size,
-            num_blocks * self.runner.bytes_per_block / (1 << 30),
-            pool.num_swap_blocks,
+            self.config.cache.block_size,
+            num_blocks * bytes_per_block / (1 << 30),
+            num_swap,
         )
 
     @classmethod
-    def from_engine_args(cls, args: Any) -> tuple[EngineCore, Any]:
+    def from_engine_args(cls, args: EngineArgs) -> tuple[EngineCore, LoadedModel]:
         """(core, loaded model); the tokenizer in `loaded` is for the in-process frontend."""
-        from pagedrs.loader import load_model
-
-        _, _, device_cfg, _ = args.early_configs()  # bad arguments fail before any weight is read
-        parallel = args.parallel_config()
-        ranks = len(parallel.liquid_gpu_range or ()) or parallel.tensor_parallel_size
-        if device_cfg.device.type == "cpu" and (device_cfg.num_threads is not None or ranks > 1):
-            torch.set_num_threads(cpu_threads_per_rank(device_cfg.num_threads, ranks))
-        logger.info(
-            "Initializing an LLM engine (pagedrs v%s) with config: %s", __version__, args.config_line()
-        )
-        workers = start_workers(args, device_cfg.device) if ranks > 1 else None
+        config, loaded, executor = load_engine(args)
         try:
-            loaded = load_model(
-                args.model,
-                dtype=args.dtype,
-                device=device_cfg.device,
-                tokenizer=args.tokenizer,
-                tp=workers.tp if workers is not None else None,
-                with_tokenizer=not args.skip_tokenizer_init,
-                opts=args.load_options(),
-            )
-            weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-            logger.info("Loading model weights took %.4f GB", weights / (1 << 30))
-            config = args.create_engine_config(loaded.max_len)
-            return cls(config, loaded, max_logprobs=args.max_logprobs, workers=workers), loaded
+            return cls(config, loaded, executor, max_logprobs=args.max_logprobs), loaded
         except BaseException:
-            if workers is not None:
-                stop_workers(workers)
+            executor.shutdown()
             raise
 
     def check_health(self) -> None:
@@ -269,12 +152,7 @@ class EngineCore:
         """Stop the tensor-parallel workers and free the model and the KV pool (device memory); the core
         takes no more steps."""
         self.executor.shutdown()
-        self.runner.kv_pool = None
-        self.runner.model = None
-        self.runner.cuda_graphs = None
         self._shut_down = True
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     def ready_info(self) -> Ready:
         return Ready(
@@ -294,42 +172,25 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a validated request; ValueError (state unchanged) if the scheduler rejects it. A request
         with structured outputs waits (outside the scheduler) until its grammar is compiled."""
-        if req.request_id in self._requests or req.request_id in self._awaiting_grammar:
+        if req.request_id in self._requests or req.request_id in self._grammars:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         so = req.params.structured_outputs
-        if so is not None:
-            fut = self._structured_manager().compile(so)
-            if not fut.done():
-                self._awaiting_grammar[req.request_id] = (req, fut)
-                return
-            self._add_compiled(req, fut)
+        if so is None:
+            self._add_now(req, None)
             return
-        self._add_now(req, None)
-
-    def _structured_manager(self) -> StructuredOutputManager:
-        if self._structured is None:
-            self._structured = StructuredOutputManager(self._tokenizer, self.vocab_size)
-        return self._structured
-
-    def _add_compiled(self, req: EngineCoreRequest, fut: Any) -> None:
-        try:
-            compiled = fut.result()
-        except Exception as exc:  # noqa: BLE001 - the constraint is the caller's
-            raise ValueError(f"structured outputs: cannot compile the constraint: {exc}") from None
-        self._add_now(req, compiled)
+        fut = self._grammars.compile(so)
+        if fut.done():
+            self._add_now(req, compiled_grammar(fut))
+        else:
+            self._grammars.park(req, fut)
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar finished compiling join the scheduler (errors are reported)."""
-        if not self._requests and self._awaiting_grammar:  # nothing else to run: wait a little for one
-            concurrent.futures.wait([f for _, f in self._awaiting_grammar.values()], timeout=0.05)
-        for rid, (req, fut) in list(self._awaiting_grammar.items()):
-            if not fut.done():
-                continue
-            del self._awaiting_grammar[rid]
+        for req, fut in self._grammars.take_ready(idle=not self._requests):
             try:
-                self._add_compiled(req, fut)
+                self._add_now(req, compiled_grammar(fut))
             except ValueError as exc:
-                self.reject(rid, str(exc))
+                self.reject(req.request_id, str(exc))
 
     def _add_now(self, req: EngineCoreRequest, compiled: Any) -> None:
         params = req.params
@@ -359,7 +220,7 @@ class EngineCore:
             self._seqs[s.seq_id] = s
             if compiled is not None:
                 s.matcher = StructuredOutputManager.matcher(compiled)
-        self._requests[req.request_id] = _CoreRequest(
+        self._requests[req.request_id] = CoreRequest(
             req.request_id, seqs, params.prompt_logprobs, req.pooling
         )
         self._unscheduled.add(req.request_id)
@@ -383,22 +244,22 @@ class EngineCore:
                 for s in req.seqs:
                     self._seqs.pop(s.seq_id, None)
         for rid, index in seqs:
-            req = self._requests.get(rid)
-            if req is None or not 0 <= index < len(req.seqs):
+            r = self._requests.get(rid)
+            if r is None or not 0 <= index < len(r.seqs):
                 continue
-            sid = req.seqs[index].seq_id
-            if sid in req.live:
+            sid = r.seqs[index].seq_id
+            if sid in r.live:
                 self.scheduler.abort([sid])
-                self._finish_seq(req, sid)
+                self._finish_seq(r, sid)
 
-    def _finish_seq(self, req: _CoreRequest, seq_id: int) -> None:
+    def _finish_seq(self, req: CoreRequest, seq_id: int) -> None:
         req.live.discard(seq_id)
         self._seqs.pop(seq_id, None)
         if not req.live:
             self._drop(req.request_id)
 
-    def _drop(self, request_id: str) -> _CoreRequest | None:
-        self._awaiting_grammar.pop(request_id, None)
+    def _drop(self, request_id: str) -> CoreRequest | None:
+        self._grammars.drop(request_id)
         req = self._requests.pop(request_id, None)
         self._unscheduled.discard(request_id)
         self._wanting_prompt_logprobs.discard(request_id)
@@ -408,14 +269,18 @@ class EngineCore:
             self._num_structured -= 1
         return req
 
+    def _request_of(self, seq_id: int) -> CoreRequest | None:
+        seq = self._seqs.get(seq_id)
+        return self._requests.get(seq.request_id) if seq is not None else None
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(self._awaiting_grammar)
+        return bool(self._requests) or bool(len(self._grammars))
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests or request_id in self._awaiting_grammar
+        return request_id in self._requests or request_id in self._grammars
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._requests) + len(self._awaiting_grammar)
+        return len(self._requests) + len(self._grammars)
 
     def take_pending(self) -> list[EngineCoreOutput]:
         out, self._pending = self._pending, []
@@ -423,11 +288,19 @@ class EngineCore:
 
     # ---- the step ----------------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
-        """schedule -> execute -> update. A step that raises aborts the requests it held (their error
+        """Between steps: grammars that finished compiling join, the liquid policy may move; then one
+        schedule -> execute -> update. A step that raises aborts the requests it held (their error
         outputs wait in `take_pending()`), closes its plan and re-raises; the core keeps serving. A Rust
         panic (or a scheduler poisoned by one) is different: the engine is dead (`ExecutorDeadError`),
         never silently recovered."""
         try:
+            if self._shut_down:
+                raise RuntimeError("this engine was shut down")
+            self.executor.check_health()  # a dead tensor-parallel group fails here, before any scheduling
+            if self.liquid_control is not None:
+                self.liquid_control.tick(self._waiting_prompt_tokens())
+            if len(self._grammars):
+                self._admit_compiled()
             return self._step()
         except _core.SchedulerPoisonedError as exc:
             raise ExecutorDeadError(f"engine dead: {exc}") from exc
@@ -438,106 +311,86 @@ class EngineCore:
 
     def _step(self) -> EngineCoreOutputs:
         start = time.perf_counter()
-        if self._shut_down:
-            raise RuntimeError("this engine was shut down")
-        self.executor.check_health()  # a dead tensor-parallel group fails here, before anything is scheduled
-        self.liquid_tick()
-        if self._awaiting_grammar:
-            self._admit_compiled()
-        plan: _core.StepPlan = self.scheduler.schedule()
+        plan = self.scheduler.schedule()
         self._num_steps += 1
-        outputs: list[EngineCoreOutput] = self.take_pending()
-        obs = self.config.observability
-        if obs.enable_log_batch_visualization:
-            if obs.batch_visualization_style == "boxes" and self._tokenizer is not None:
-                logger.info("step %d\n%s", self._num_steps, self._token_boxes(plan))
-            else:
-                logger.info(
-                    visualize_batch(plan, self._num_steps, self.config.scheduler.max_num_batched_tokens)
-                )
-        newly = self._mark_scheduled(plan, outputs)
+        self._log_batch(plan)
+        outs = StepOutputs(self._seqs, self.take_pending())
+        self._mark_scheduled(plan, outs)
         rows = [self._seqs[sid] for sid in plan.sampled_seq_ids.tolist()]
-        wanted = self._prompt_logprobs_wanted(plan)
-        masks = None
-        if self._num_structured:  # requests without constraints pay nothing
-            assert self._structured is not None
-            # Built on the host while the model runs; the sampler waits for it.
-            masks = self._structured.bitmask_async([s.matcher for s in rows])
         try:
-            out = self.executor.execute(plan, rows, wanted, masks)
+            out = self.executor.execute(
+                plan, rows, self._prompt_logprobs_wanted(plan), self._grammar_masks(rows)
+            )
         except Exception as exc:
             self._fail_plan(plan, exc)
             raise
-        pooled = self._pool(plan) if self._num_pooling else {}
-        finished = self.scheduler.update(plan, out.sampled_token_ids)
-        self._prompt_tokens_total += int(plan.num_prefill_tokens)
-        self._generation_tokens_total += len(rows)
-        by_seq: dict[int, EngineCoreOutput] = dict(newly)
-        for sid, chunk in out.prompt_logprobs.items():
-            o = self._output_for(by_seq, outputs, sid)
-            o.prompt_logprobs = PromptLogprobsMsg(
-                chunk.start, chunk.token_ids.tolist(), chunk.logprobs.tolist(), chunk.ranks.tolist()
-            )
-        tokens = out.sampled_token_ids.tolist()
-        token_lps = out.sampled_logprobs.tolist() if out.sampled_logprobs is not None else None
-        lp = out.logprobs
-        lp_ids = lp_vals = lp_ranks = None
-        for i, seq in enumerate(rows):
-            tok = tokens[i]
-            o = self._output_for(by_seq, outputs, seq.seq_id)
-            if seq.seq_id in pooled:  # an embedding request's last prompt step: its vector, no token
-                o.embedding = pooled[seq.seq_id]
-                continue
-            seq.output_token_ids.append(tok)
-            if seq.matcher is not None and not seq.matcher.accept_token(tok):
-                logger.warning("request %s: token %d does not follow its grammar", seq.request_id, tok)
-            o.new_token_ids = [tok]
-            if token_lps is not None:
-                o.new_token_logprobs = [token_lps[i]]
-            if seq.num_logprobs is not None and lp is not None:
-                if lp_ids is None:
-                    lp_ids, lp_vals, lp_ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
-                k = 1 + seq.num_logprobs
-                o.new_logprobs = SampleLogprobsMsg([lp_ids[i][:k]], [lp_vals[i][:k]], [int(lp_ranks[i])])
-            req = self._requests.get(seq.request_id)
-            if req is not None and req.prompt_logprobs is not None:
-                req.prompt_logprobs = None  # the prompt is done: its logprobs are complete
-                self._wanting_prompt_logprobs.discard(req.request_id)
-        for sid, reason, stop_tok in finished:
-            seq = self._seqs.get(int(sid))
-            if seq is None:
-                continue
-            o = self._output_for(by_seq, outputs, seq.seq_id)
-            o.finish_reason = FinishReason(reason.value)
-            o.stop_reason = stop_tok
-            req = self._requests.get(seq.request_id)
-            if req is not None:
-                self._finish_seq(req, seq.seq_id)
+        self._update(plan, rows, out, outs)
         self._last_step_time = time.perf_counter() - start
         self._last_batch = len(rows)
         stats = self.get_stats()
         if self.stat_logger is not None:
             self.stat_logger.maybe_log(stats)
-        return EngineCoreOutputs(outputs, stats, time.time())
+        return EngineCoreOutputs(outs.outputs, stats, time.time())
 
-    def _output_for(
-        self, by_seq: dict[int, EngineCoreOutput], outputs: list[EngineCoreOutput], seq_id: int
-    ) -> EngineCoreOutput:
-        o = by_seq.get(seq_id)
-        if o is None:
-            seq = self._seqs[seq_id]
-            o = EngineCoreOutput(seq.request_id, seq.index)
-            by_seq[seq_id] = o
-            outputs.append(o)
-        return o
+    def _keep_step(self) -> None:
+        """A step run between steps (a liquid shrink): its outputs go out with the next step's."""
+        outputs = self._step().outputs  # it takes the pending outputs itself: extend the list after it
+        self._pending.extend(outputs)
 
-    def _mark_scheduled(
-        self, plan: _core.StepPlan, outputs: list[EngineCoreOutput]
-    ) -> list[tuple[int, EngineCoreOutput]]:
+    def _update(
+        self, plan: _core.StepPlan, rows: list[CoreSeq], out: RunnerOutput, outs: StepOutputs
+    ) -> None:
+        """The sampled tokens into the scheduler (stop checks, frees) and the step's outputs."""
+        pooled = pool_step(plan, out.hidden, self._request_of) if self._num_pooling else {}
+        finished = self.scheduler.update(plan, out.sampled_token_ids)
+        self._prompt_tokens_total += int(plan.num_prefill_tokens)
+        self._generation_tokens_total += len(rows)
+        outs.prompt_logprobs(out)
+        for seq, tok in outs.sampled(rows, out, pooled):
+            seq.output_token_ids.append(tok)
+            if seq.matcher is not None and not seq.matcher.accept_token(tok):
+                logger.warning("request %s: token %d does not follow its grammar", seq.request_id, tok)
+            req = self._requests.get(seq.request_id)
+            if req is not None and req.prompt_logprobs is not None:
+                req.prompt_logprobs = None  # the prompt is done: its logprobs are complete
+                self._wanting_prompt_logprobs.discard(req.request_id)
+        for sid, reason, stop_tok in finished:
+            done = self._seqs.get(int(sid))
+            if done is None:
+                continue
+            o = outs.for_seq(done.seq_id)
+            o.finish_reason = FinishReason(reason.value)
+            o.stop_reason = stop_tok
+            req = self._requests.get(done.request_id)
+            if req is not None:
+                self._finish_seq(req, done.seq_id)
+
+    def _grammar_masks(self, rows: list[CoreSeq]) -> Any:
+        """The grammar bitmasks of the constrained rows, built on the host in a helper thread while the
+        model runs (the sampler waits for it); None when no request has a constraint."""
+        if not self._num_structured:
+            return None
+        return self._grammars.manager.bitmask_async([s.matcher for s in rows])
+
+    def _waiting_prompt_tokens(self) -> int:
+        return sum(len(r.seqs[0].prompt_token_ids) for r in self._requests.values() if r.unscheduled)
+
+    def _log_batch(self, plan: _core.StepPlan) -> None:
+        obs = self.config.observability
+        if not obs.enable_log_batch_visualization:
+            return
+        if obs.batch_visualization_style == "boxes" and self._tokenizer is not None:
+            picture = token_boxes(
+                plan, self._seqs, self._tokenizer, self._token_text, self.config.scheduler.max_num_seqs
+            )
+            logger.info("step %d\n%s", self._num_steps, picture)
+        else:
+            logger.info(visualize_batch(plan, self._num_steps, self.config.scheduler.max_num_batched_tokens))
+
+    def _mark_scheduled(self, plan: _core.StepPlan, outs: StepOutputs) -> None:
         """Requests scheduled for the first time: their prefix-cache hits and first scheduled time."""
-        newly: list[tuple[int, EngineCoreOutput]] = []
         if not self._unscheduled:
-            return newly
+            return
         now = time.time()
         for sid in plan.req_ids.tolist():
             seq = self._seqs.get(sid)
@@ -548,20 +401,12 @@ class EngineCore:
                 continue
             req.unscheduled = False
             self._unscheduled.discard(req.request_id)
-            o = EngineCoreOutput(
-                seq.request_id,
-                0,
-                num_cached_tokens=int(self.scheduler.num_cached_tokens(sid)),
-                first_scheduled_time=now,
-            )
-            outputs.append(o)
-            newly.append((sid, o))
-        return newly
+            outs.first_scheduled(seq, int(self.scheduler.num_cached_tokens(sid)), now)
 
-    def _prompt_logprobs_wanted(self, plan: _core.StepPlan) -> dict[int, tuple[int, list[int]]] | None:
-        wanted: dict[int, tuple[int, list[int]]] = {}
+    def _prompt_logprobs_wanted(self, plan: _core.StepPlan) -> dict[int, tuple[int, Sequence[int]]] | None:
         if not self._wanting_prompt_logprobs:
             return None
+        wanted: dict[int, tuple[int, Sequence[int]]] = {}
         for sid in plan.req_ids.tolist():
             seq = self._seqs.get(sid)
             if seq is None or seq.index != 0:
@@ -570,66 +415,6 @@ class EngineCore:
             if k is not None:
                 wanted[sid] = (k, seq.prompt_token_ids)
         return wanted or None
-
-    def _token_boxes(self, plan: _core.StepPlan) -> str:
-        """Seed 003's picture: each request in this step, its tokens so far (prompt then output) as boxes."""
-        cache = self._token_text
-        columns: list[list[str]] = []
-        for sid in plan.req_ids.tolist():
-            seq = self._seqs.get(sid)
-            if seq is None:
-                continue
-            texts = []
-            for t in [*seq.prompt_token_ids, *seq.output_token_ids]:
-                if t not in cache:
-                    cache[t] = self._tokenizer.decode([t]).strip() or repr(self._tokenizer.decode([t]))[1:-1]
-                texts.append(cache[t])
-            columns.append(texts)
-        return visualize_batch_boxes(columns, self.config.scheduler.max_num_seqs if columns else 0)
-
-    def _pool(self, plan: _core.StepPlan) -> dict[int, list[float]]:
-        """Embedding requests in this plan: accumulate what their pooling needs from this step's hidden
-        states; the finished vector of each whose prompt ends in this step (seq id -> vector)."""
-        hidden = self.runner.last_hidden
-        done: dict[int, list[float]] = {}
-        if hidden is None:
-            return done
-        qsl = plan.query_start_loc.tolist()
-        computed = plan.num_computed_tokens.tolist()
-        sched = plan.num_scheduled_tokens.tolist()
-        prompt = plan.num_prompt_tokens.tolist()
-        for b, sid in enumerate(plan.req_ids.tolist()):
-            seq = self._seqs.get(sid)
-            req = self._requests.get(seq.request_id) if seq is not None else None
-            if req is None or req.pooling is None:
-                continue
-            c, n, p, start = computed[b], sched[b], prompt[b], qsl[b]
-            kind = req.pooling.pooling_type
-            if kind == "mean":
-                lo, hi = max(req.pool_n, c), c + n  # positions recomputed after a preemption count once
-                if hi > lo:
-                    part = hidden[start + lo - c : start + hi - c].float().sum(dim=0)
-                    req.pool_acc = part if req.pool_acc is None else req.pool_acc + part
-                    req.pool_n = hi
-            elif kind in ("cls", "first") and c == 0:
-                req.pool_acc = hidden[start].float()
-            if c + n < p:
-                continue
-            if kind == "last":
-                vec = hidden[start + n - 1].float()
-            elif kind == "mean":
-                assert req.pool_acc is not None
-                vec = req.pool_acc / p
-            else:
-                assert req.pool_acc is not None
-                vec = req.pool_acc
-            vec = vec.cpu()
-            if req.pooling.dimensions is not None:
-                vec = vec[: req.pooling.dimensions]
-            if req.pooling.normalize:
-                vec = torch.nn.functional.normalize(vec, dim=0)
-            done[sid] = vec.tolist()
-        return done
 
     def _fail_plan(self, plan: _core.StepPlan, exc: BaseException) -> None:
         """Abort the requests a failed step held and close its plan (aborted rows are skipped by update)."""
@@ -670,79 +455,18 @@ class EngineCore:
 
     def liquid_degree(self) -> int:
         """Active ranks under liquid scaling (1 without it)."""
-        return int(getattr(self.executor, "degree", 1))
+        return self.liquid_control.degree if self.liquid_control is not None else 1
 
     def liquid(self, target: int) -> list[dict[str, Any]]:
-        """Move to `target` active ranks (a power of two within liquid_gpu_range), one doubling or halving
-        at a time, between steps: running and waiting requests carry on. The pool grows after each
-        scale-out and shrinks before each scale-in (ValueError with the numbers when the live blocks do
-        not fit; the engine keeps serving at the degree it reached). Returns one record per event."""
-        ex = self.executor
-        if not isinstance(ex, LiquidExecutor):
+        """Move to `target` active ranks between steps (`LiquidControl.move`); one record per event."""
+        if self.liquid_control is None:
             raise ValueError("liquid scaling needs an engine started with liquid_gpu_range=[...]")
-        target = int(target)
-        if target < 1 or target & (target - 1) or target > ex.max_degree:
-            raise ValueError(
-                f"liquid target must be a power of two from 1 to {ex.max_degree} active ranks, got {target}"
-            )
-        events: list[dict[str, Any]] = []
-        self._in_liquid = True
-        try:
-            self._liquid_moves(ex, target, events)
-        finally:
-            self._in_liquid = False
-        return events
+        return self.liquid_control.move(target)
 
-    def _liquid_moves(self, ex: LiquidExecutor, target: int, events: list[dict[str, Any]]) -> None:
-        while ex.degree != target:
-            before = int(self.scheduler.num_blocks)
-            if target > ex.degree:
-                stats = ex.scale_once(ex.degree * 2)
-                grown = ex.target_blocks(ex.degree)
-                if grown > self.scheduler.num_blocks:
-                    self.scheduler.resize(grown)  # the next plan grows the pool on every active rank
-            else:
-                dst = ex.degree // 2
-                shrunk = ex.target_blocks(dst)
-                if shrunk < self.scheduler.num_blocks:
-                    self.scheduler.resize(shrunk)  # ResizeError (a ValueError) names both numbers
-                    self._apply_block_ops()
-                stats = ex.scale_once(dst)
-            stats.num_blocks_before = before
-            stats.num_blocks_after = int(self.scheduler.num_blocks)
-            logger.info("%s", ex.describe(stats))
-            events.append(dataclasses.asdict(stats))
-
-    def liquid_tick(self) -> None:
-        """Feed the automatic liquid policy one sample of the concurrent cache usage and act on it
-        (between steps; never inside a move)."""
-        policy = self.liquid_policy
-        if policy is None or self._in_liquid:
-            return
-        s = self.scheduler.stats()
-        total = int(s.num_blocks)
-        used = total - int(s.num_free_blocks)
-        waiting = sum(len(r.seqs[0].prompt_token_ids) for r in self._requests.values() if r.unscheduled)
-        policy.observe((used + waiting / self.scheduler.block_size) / max(total, 1))
-        ex = self.executor
-        assert isinstance(ex, LiquidExecutor)
-        decision = policy.decide(ex.degree, used, ex.target_blocks)
-        if decision is None:
-            return
-        target, why = decision
-        logger.info("liquid auto: %s", why)
-        try:
-            self.liquid(target)
-        except ValueError as exc:
-            logger.warning("liquid auto: the move to %d ranks did not happen: %s", target, exc)
-        finally:
-            policy.reset()
-
-    def _apply_block_ops(self) -> None:
-        """Run one step now so its plan applies a pending resize on every rank; its outputs go out with
-        the next step's."""
-        out = self.step()
-        self._pending.extend(out.outputs)
+    def idle_tick(self) -> None:
+        """Nothing to run: the liquid policy still sees the (idle) cache usage."""
+        if self.liquid_control is not None:
+            self.liquid_control.tick(self._waiting_prompt_tokens())
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.scheduler.reset_prefix_cache())

@@ -285,7 +285,7 @@ def connect_ready(
     messages from it. (A second socket on the same address would be a second PUSH peer, and the core's
     round robin could hand a step message to the one being closed.) `address` reads another socket (a
     supervisor's status socket); `should_stop()` gives up early."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address or handle.output_addrs[client_index])
@@ -312,7 +312,7 @@ def connect_ready(
 
 def send_shutdown(input_addr: str) -> None:
     """Ask a core to stop (a short-lived socket: the caller's event loop may be gone)."""
-    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
     try:
         sock.connect(input_addr)
         sock.send(msgspec.msgpack.encode(Shutdown()))

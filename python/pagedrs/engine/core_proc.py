@@ -60,6 +60,7 @@ class CoreLike(Protocol):
     def check_health(self) -> None: ...
     def get_stats(self) -> EngineStats: ...
     def call_utility(self, method: str, args: Any) -> Any: ...
+    def idle_tick(self) -> None: ...
 
 
 class EngineCoreProc:
@@ -186,9 +187,7 @@ class EngineCoreProc:
                 out.stats.send_time_s = self._send_time
                 self._publish(core, out)
             else:
-                tick = getattr(core, "liquid_tick", None)
-                if tick is not None:  # an idle server still feeds the liquid policy (usage 0)
-                    tick()
+                core.idle_tick()  # an idle server still feeds the liquid policy (usage 0)
                 if changed:  # now idle: rejections, and the stats after the last aborts
                     self._publish(core, EngineCoreOutputs(core.take_pending(), core.get_stats(), time.time()))
         # Whatever is left is aborted: the frontends already failed or are gone.

@@ -121,13 +121,14 @@ class InputProcessor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         arrival_time: float | None = None,
         priority: int = 0,
         client_index: int = 0,
     ) -> tuple[str | None, EngineCoreRequest]:
-        """(prompt text, the request for the core); InputError on bad input."""
+        """(prompt text, the request for the core); InputError on bad input. A PoolingParams makes an
+        embedding request (`process_pooling`)."""
         if isinstance(params, PoolingParams):
             return self.process_pooling(
                 request_id,

@@ -15,8 +15,12 @@ from pagedrs.engine.core import EngineCore
 from pagedrs.engine.input_processor import InputProcessor, PromptType
 from pagedrs.engine.messages import EngineCoreOutputs
 from pagedrs.engine.output_processor import OutputProcessor
+from pagedrs.executor import UniProcExecutor
+from pagedrs.executor.build import build_executor
+from pagedrs.loader import LoadedModel
 from pagedrs.metrics import EngineStats
-from pagedrs.outputs import RequestOutput
+from pagedrs.models.interface import CausalLM
+from pagedrs.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import SamplingParams
 from pagedrs.worker.model_runner import ModelRunner
@@ -29,14 +33,16 @@ logger = logging.getLogger("pagedrs.engine")
 class LLMEngine:
     """The synchronous engine: `add_request`, then `step()` until `has_unfinished_requests()` is False."""
 
-    def __init__(self, config: EngineConfig, loaded: Any, *, max_logprobs: int = 20) -> None:
-        self.engine_core = EngineCore(config, loaded, max_logprobs=max_logprobs)
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, *, max_logprobs: int = 20) -> None:
+        self.engine_core = EngineCore(
+            config, loaded, build_executor(config, loaded), max_logprobs=max_logprobs
+        )
         self._init_frontend(loaded)
 
-    def _init_frontend(self, loaded: Any) -> None:
+    def _init_frontend(self, loaded: LoadedModel) -> None:
         core = self.engine_core
         self.config = core.config
-        self.model = loaded.model
+        self.model: CausalLM | None = loaded.model
         self.hf_config = loaded.hf_config
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.model_path
@@ -71,10 +77,11 @@ class LLMEngine:
 
     @property
     def runner(self) -> ModelRunner:
-        return self.engine_core.runner
+        """Rank 0's model runner, owned by the executor."""
+        return self.engine_core.executor.runner
 
     @property
-    def model_executor(self) -> Any:
+    def model_executor(self) -> UniProcExecutor:
         """vLLM's name for the executor (`engine.model_executor.driver_worker` is the model runner)."""
         return self.engine_core.executor
 
@@ -113,25 +120,25 @@ class LLMEngine:
     ) -> None:
         """Validate and queue a request; ValueError on bad input (the engine state is left unchanged)."""
         request_id = str(request_id)
-        if request_id in self.output_processor.requests:
+        if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if request_id in self.output_processor.pooling:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        text, req = self.input_processor.process(
-            request_id, prompt, params, arrival_time=arrival_time, priority=priority
-        )
         # Frontend state first: a failure building it leaves the core untouched; a core rejection undoes it.
-        if req.pooling is not None:
+        if isinstance(params, PoolingParams):
+            text, req = self.input_processor.process_pooling(
+                request_id, prompt, params, arrival_time=arrival_time, priority=priority
+            )
             self.output_processor.add_pooling_request(request_id, text, req.prompt_token_ids)
         else:
+            text, req = self.input_processor.process(
+                request_id, prompt, params, arrival_time=arrival_time, priority=priority
+            )
             self.output_processor.add_request(
                 request_id, text, req.prompt_token_ids, params, req.arrival_time
             )
         try:
             self.engine_core.add_request(req)
         except BaseException:
-            self.output_processor.requests.pop(request_id, None)
-            self.output_processor.pooling.pop(request_id, None)
+            self.output_processor.discard(request_id)
             raise
 
     def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
@@ -144,10 +151,10 @@ class LLMEngine:
         return self.output_processor.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.output_processor.requests)
+        return self.output_processor.num_unfinished()
 
     # ---- the step ----------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Schedule, run and sample one step; the outputs of the requests that produced a token or finished
         in it, each as its `SamplingParams.output_kind` asks (cumulative by default)."""
         if not self.output_processor.has_unfinished_requests():
@@ -161,7 +168,7 @@ class LLMEngine:
             raise
         return self._process(msg)
 
-    def _process(self, msg: EngineCoreOutputs) -> list[RequestOutput]:
+    def _process(self, msg: EngineCoreOutputs) -> list[RequestOutput | EmbeddingRequestOutput]:
         processed = self.output_processor.process_outputs(msg)
         if processed.abort_seqs:  # stop strings found here: the core stops those samples
             self.engine_core.abort((), processed.abort_seqs)

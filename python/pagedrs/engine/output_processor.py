@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pagedrs.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
-from pagedrs.engine.sequence import Request, Sequence, check_stop_strings, make_logprob_dict
+from pagedrs.engine.sequence import Request, SampleState, check_stop_strings, make_logprob_dict
 from pagedrs.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagedrs.sampling_params import RequestOutputKind, SamplingParams
 
@@ -60,6 +60,17 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self.pooling)
 
+    def num_unfinished(self) -> int:
+        return len(self.requests) + len(self.pooling)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests or request_id in self.pooling
+
+    def discard(self, request_id: str) -> None:
+        """Forget a request the core refused (no output is made for it)."""
+        self.requests.pop(request_id, None)
+        self.pooling.pop(request_id, None)
+
     def abort_requests(self, request_ids: Iterable[str], reason: str = "abort") -> list[RequestOutput]:
         """Finish requests here (the caller tells the core); their final outputs."""
         outs: list[RequestOutput] = []
@@ -82,7 +93,7 @@ class OutputProcessor:
     def process_outputs(self, msg: EngineCoreOutputs) -> ProcessedOutputs:
         result = ProcessedOutputs()
         now = time.time()
-        touched: dict[str, tuple[Request, list[Sequence]]] = {}
+        touched: dict[str, tuple[Request, list[SampleState]]] = {}
         for o in msg.outputs:
             if o.request_id in self.pooling:
                 self._pooling_output(o, result)
@@ -133,7 +144,7 @@ class OutputProcessor:
         elif o.finish_reason is not None:  # finished without a vector: aborted in the core
             del self.pooling[o.request_id]
 
-    def _update_seq(self, seq: Sequence, o: EngineCoreOutput, result: ProcessedOutputs) -> bool:
+    def _update_seq(self, seq: SampleState, o: EngineCoreOutput, result: ProcessedOutputs) -> bool:
         """Apply one core output to a sequence; True when it finished."""
         reason: str | None = o.finish_reason.value if o.finish_reason is not None else None
         stop_reason: int | str | None = o.stop_reason
@@ -178,7 +189,7 @@ class OutputProcessor:
                     chunk.token_ids[j], chunk.logprobs[j], chunk.ranks[j], k, self.tokenizer
                 )
 
-    def _observe(self, req: Request, changed: list[Sequence], now: float) -> None:
+    def _observe(self, req: Request, changed: list[SampleState], now: float) -> None:
         m = req.metrics
         obs = self.observer
         if m.first_token_time is None:

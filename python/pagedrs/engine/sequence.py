@@ -7,7 +7,7 @@ build outputs: the sampled tokens, their logprobs, the text decoded so far and t
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from typing import Any
 
 from pagedrs.outputs import (
@@ -20,11 +20,11 @@ from pagedrs.outputs import (
 )
 from pagedrs.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["IncrementalDetokenizer", "Request", "Sequence", "check_stop_strings"]
+__all__ = ["IncrementalDetokenizer", "Request", "SampleState", "check_stop_strings"]
 
 
 def check_stop_strings(
-    text: str, new_char_count: int, stop: Seq[str], include_in_output: bool
+    text: str, new_char_count: int, stop: Sequence[str], include_in_output: bool
 ) -> tuple[str, int] | None:
     """vLLM's stop-string check over the newly decoded tail of `text`.
 
@@ -52,7 +52,7 @@ class IncrementalDetokenizer:
     prompt (so a leading space or a multi-byte character split across the prompt boundary decodes the way
     a full decode would); otherwise it re-decodes the output behind a short prompt prefix."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: Seq[int], skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.text = ""
@@ -76,7 +76,7 @@ class IncrementalDetokenizer:
             self._ids: list[int] = []
             self._prefix_text = tokenizer.decode(prefix, skip_special_tokens=skip_special_tokens)
 
-    def add(self, token_ids: Seq[int]) -> int:
+    def add(self, token_ids: Sequence[int]) -> int:
         """Decode newly sampled tokens; returns how many characters were appended to `text`."""
         before = len(self.text)
         if self._stream is not None:
@@ -133,14 +133,14 @@ class Request:
             [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None
         )
         self.num_cached_tokens: int | None = None
-        self.seqs = [Sequence(i, self, params.child(i), tokenizer) for i in range(params.n)]
+        self.seqs = [SampleState(i, self, params.child(i), tokenizer) for i in range(params.n)]
         self.num_unfinished = params.n
 
     @property
     def finished(self) -> bool:
         return self.num_unfinished == 0
 
-    def to_output(self, changed: Seq[Sequence] | None = None) -> RequestOutput:
+    def to_output(self, changed: Sequence[SampleState] | None = None) -> RequestOutput:
         """Cumulative: every sequence, all so far. Delta: the `changed` sequences' news since their last
         output (each sequence remembers what it has given out)."""
         delta = self.output_kind == RequestOutputKind.DELTA
@@ -157,7 +157,7 @@ class Request:
         )
 
 
-class Sequence:
+class SampleState:
     """One of a request's n samples, as its output is built: tokens, text, logprobs, finish reason."""
 
     __slots__ = (
@@ -239,7 +239,7 @@ class Sequence:
         return out
 
     def add_logprobs(
-        self, token_ids: Seq[int], logprobs: Seq[float], rank: int, num: int, tokenizer: Any
+        self, token_ids: Sequence[int], logprobs: Sequence[float], rank: int, num: int, tokenizer: Any
     ) -> None:
         """Record the sampled token (first entry) and the top `num` alternatives at this position."""
         assert self.logprobs is not None
@@ -247,7 +247,7 @@ class Sequence:
 
 
 def make_logprob_dict(
-    token_ids: Seq[int], logprobs: Seq[float], rank: int, num: int, tokenizer: Any
+    token_ids: Sequence[int], logprobs: Sequence[float], rank: int, num: int, tokenizer: Any
 ) -> dict[int, Logprob]:
     """{token id: Logprob} for one position: the chosen token (rank `rank`), then the top `num` (ranks 1..)."""
 

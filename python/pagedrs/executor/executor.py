@@ -17,17 +17,22 @@ import logging
 import time
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import torch
+
+from pagedrs._core import StepPlan
 from pagedrs.distributed.group import TPGroup
 from pagedrs.executor.step_packet import pack_step, shutdown_header
 from pagedrs.executor.worker import agree_kv_blocks
 from pagedrs.executor.workers import WorkerFailure
 from pagedrs.layers.sampler import SamplingRow
 from pagedrs.worker.kv_cache import KVCachePool
-from pagedrs.worker.model_runner import ModelRunner, PlanLike, RunnerOutput
+from pagedrs.worker.model_runner import ModelRunner, RunnerOutput
 
-__all__ = ["ExecutorDeadError", "TPExecutor", "UniProcExecutor"]
+__all__ = ["ExecutorDeadError", "KVCacheSpec", "TPExecutor", "UniProcExecutor"]
 
 logger = logging.getLogger("pagedrs.executor")
 
@@ -44,23 +49,43 @@ class ExecutorDeadError(RuntimeError):
         self.rank = rank
 
 
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The KV pool an executor allocated (on every rank: the same block count)."""
+
+    num_blocks: int
+    num_swap_blocks: int
+    dtype: torch.dtype
+    bytes_per_block: int  # per rank
+
+
 class UniProcExecutor:
-    """The model on one device, in this process."""
+    """The model on one device, in this process. The executor interface the engine core sees:
+    `init_kv_cache`, `attach_block_table`, `execute`, `check_health`, `shutdown`; the runner is its own."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.driver_worker = runner  # vLLM's name (seed 003 deletes it before freeing the engine)
+        self.driver_worker: ModelRunner | None = runner  # vLLM's name (vLLM 0.4's notebook deletes it)
 
     @property
     def tensor_parallel_size(self) -> int:
         return 1
 
-    def init_kv_cache(self) -> KVCachePool:
+    def init_kv_cache(self) -> KVCacheSpec:
+        """Size and allocate the KV pool (and on CUDA capture the decode graphs)."""
+        pool = self._init_pool()
+        return KVCacheSpec(pool.num_blocks, pool.num_swap_blocks, pool.dtype, pool.bytes_per_block)
+
+    def _init_pool(self) -> KVCachePool:
         return self.runner.init_kv_cache(self.runner.determine_num_blocks())
+
+    def attach_block_table(self, view: np.ndarray) -> None:
+        """The scheduler's persistent block table (a read-only view the runner reads every step)."""
+        self.runner.attach_block_table(view)
 
     def execute(
         self,
-        plan: PlanLike,
+        plan: StepPlan,
         rows: Sequence[SamplingRow],
         prompt_logprobs: dict[int, tuple[int, Sequence[int]]] | None = None,
         token_bitmask: Any = None,
@@ -71,6 +96,11 @@ class UniProcExecutor:
         """Raise ExecutorDeadError if a step can no longer run."""
 
     def shutdown(self) -> None:
+        """Stop any workers, then free the model, the KV pool and the graphs (device memory)."""
+        self._stop_ranks()
+        self.runner.release()
+
+    def _stop_ranks(self) -> None:
         pass
 
 
@@ -98,34 +128,33 @@ class TPExecutor(UniProcExecutor):
     def tensor_parallel_size(self) -> int:
         return self.tp.size
 
-    def init_kv_cache(self) -> KVCachePool:
+    def _init_pool(self) -> KVCachePool:
         try:
             num_blocks, num_swap = agree_kv_blocks(self.runner, self.tp)
         except Exception as exc:
             raise self._fail(exc) from exc
         return self.runner.init_kv_cache(num_blocks, num_swap)
 
+    def _broadcast(self, plan: StepPlan, extra: np.ndarray | None) -> None:
+        header, payload = pack_step(plan, extra)
+        self.bcast.broadcast_cpu(header)
+        if payload.numel():
+            self.bcast.broadcast_cpu(payload)
+
     def execute(
         self,
-        plan: PlanLike,
+        plan: StepPlan,
         rows: Sequence[SamplingRow],
         prompt_logprobs: dict[int, tuple[int, Sequence[int]]] | None = None,
         token_bitmask: Any = None,
     ) -> RunnerOutput:
         self.check_health()
-        runner = self.runner
-        plp = runner.prompt_logprobs_plan(plan, prompt_logprobs)
-        extra = plp.indices if plp is not None else None
-        try:
-            header, payload = pack_step(plan, extra)
-            self.bcast.broadcast_cpu(header)
-            if payload.numel():
-                self.bcast.broadcast_cpu(payload)
-            logits = runner.execute_model(plan, extra)
+        try:  # every rank runs the forward: a failure here breaks the group
+            fwd = self.runner.forward(plan, prompt_logprobs, before_forward=self._broadcast)
         except Exception as exc:
             raise self._fail(exc) from exc
         # Sampling is rank 0's alone: an error here fails this step only.
-        return runner.sample(plan, rows, plp, logits, token_bitmask)
+        return self.runner.sample(plan, rows, fwd, token_bitmask)
 
     def check_health(self) -> None:
         if self._dead is not None:
@@ -160,7 +189,7 @@ class TPExecutor(UniProcExecutor):
         self._stop(graceful=False)
         return dead
 
-    def shutdown(self) -> None:
+    def _stop_ranks(self) -> None:
         self._stop(graceful=self._dead is None)
 
     def _stop(self, graceful: bool) -> None:

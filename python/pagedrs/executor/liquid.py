@@ -37,6 +37,7 @@ from pagedrs.layers.linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from pagedrs.models.interface import CausalLM
 from pagedrs.worker.kv_cache import KVCachePool
 
 __all__ = [
@@ -53,7 +54,7 @@ logger = logging.getLogger("pagedrs.liquid")
 
 
 class LiquidType(Enum):
-    """The seed's four moves (from degree, to degree)."""
+    """The liquid fork's four moves (from degree, to degree)."""
 
     LIQUID_1_2 = (1, 2)
     LIQUID_2_4 = (2, 4)
@@ -63,7 +64,7 @@ class LiquidType(Enum):
 
 @dataclass(frozen=True)
 class LiquidRequest:
-    """Scale to `target` active ranks (a power of two within the range), or one of the seed's moves."""
+    """Scale to `target` active ranks (a power of two within the range), or one of the liquid fork's moves."""
 
     liquid_type: LiquidType | None = None
     target: int | None = None
@@ -224,8 +225,8 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 
 
 def rebuild_model(
-    model_cls: type, config: object, dtype: torch.dtype, device: torch.device, tp: TPGroup
-) -> torch.nn.Module:
+    model_cls: type[CausalLM], config: object, dtype: torch.dtype, device: torch.device, tp: TPGroup
+) -> CausalLM:
     """An empty model of `model_cls` at (tp.position, tp.size); its tensors are replaced by `_assign`."""
     with torch.device(device):
         return model_cls(config, dtype=dtype, device=device, tp=tp).eval()
@@ -241,7 +242,8 @@ def _rebind_pool(pool: KVCachePool, kv: list[Tensor], swap: list[Tensor]) -> KVC
 
 def _move_kv(pool: KVCachePool, xfer: _Transfer, partner: int, scale_out: bool, sending: bool) -> KVCachePool:
     """Move the KV heads that change owner, for every block of the device pool and the swap pool."""
-    kv, swap = [], []
+    kv: list[Tensor] = []
+    swap: list[Tensor] = []
     for src, dst in ((pool.kv_caches, kv), (pool.swap_caches, swap)):
         for t in src:
             h = t.shape[3]
@@ -259,7 +261,7 @@ def _move_kv(pool: KVCachePool, xfer: _Transfer, partner: int, scale_out: bool, 
 
 
 def send_shards(
-    model: torch.nn.Module,
+    model: CausalLM,
     pool: KVCachePool,
     *,
     world: TPGroup,
@@ -267,7 +269,7 @@ def send_shards(
     scale_out: bool,
     new_tp: TPGroup | None,
     stats: LiquidStats,
-) -> tuple[torch.nn.Module | None, KVCachePool | None]:
+) -> tuple[CausalLM | None, KVCachePool | None]:
     """This rank's side of a move with `partner`.
 
     Scale out: keep the first half of every split tensor, send the second half and every replicated
@@ -297,22 +299,22 @@ def send_shards(
     if not scale_out:
         return None, None
     assert new_tp is not None
-    new = rebuild_model(type(model), model.config, model.dtype, _device_of(model), new_tp)  # type: ignore[arg-type]
+    new = rebuild_model(type(model), model.config, model.dtype, _device_of(model), new_tp)
     _assign(new, kept)
     return new, new_pool
 
 
 def receive_shards(
-    model: torch.nn.Module | None,
+    model: CausalLM | None,
     pool: KVCachePool | None,
     *,
     world: TPGroup,
     partner: int,
     scale_out: bool,
-    new_model: torch.nn.Module,
+    new_model: CausalLM,
     pool_spec: tuple[int, int, int, torch.dtype],
     stats: LiquidStats,
-) -> tuple[torch.nn.Module, KVCachePool]:
+) -> tuple[CausalLM, KVCachePool]:
     """The other side. `new_model`: an empty model at the new degree (`rebuild_model`).
 
     Scale out (this rank was idle): receive every tensor, and the KV heads into a new pool of
@@ -341,9 +343,9 @@ def receive_shards(
     if scale_out:
         num_blocks, num_swap, block_size, kv_dtype = pool_spec
         pool = KVCachePool(
-            num_layers=int(new_model.num_layers),  # type: ignore[arg-type]
-            num_kv_heads=int(new_model.num_kv_heads),  # type: ignore[arg-type]
-            head_size=int(new_model.head_size),  # type: ignore[arg-type]
+            num_layers=int(new_model.num_layers),
+            num_kv_heads=int(new_model.num_kv_heads),
+            head_size=int(new_model.head_size),
             block_size=block_size,
             num_blocks=num_blocks,
             dtype=kv_dtype,  # the model's dtype, or fp8 (kv_cache_dtype)

@@ -40,7 +40,7 @@ class LiquidExecutor(TPExecutor):
         """Active ranks: the size of the group the model's collectives run over now."""
         return self.runner.tp.size
 
-    def init_kv_cache(self) -> KVCachePool:
+    def _init_pool(self) -> KVCachePool:
         """Rank 0 alone holds the model at first; its pool is sized as on one device."""
         runner = self.runner
         pool = runner.init_kv_cache(runner.determine_num_blocks())
@@ -100,6 +100,7 @@ class LiquidExecutor(TPExecutor):
                 )
         except Exception as exc:
             raise self._fail(exc) from exc
+        assert model is not None and new_pool is not None, "rank 0 keeps a model at every degree"
         runner.model = model
         runner.kv_pool = new_pool
         runner.tp = self.groups[dst]
@@ -108,7 +109,7 @@ class LiquidExecutor(TPExecutor):
         return stats
 
     def describe(self, stats: LiquidStats) -> str:
-        """The seed's log line for one event."""
+        """vLLM 0.5's liquid fork's log line for one event."""
         kind = "Scale out" if stats.dst_degree > stats.src_degree else "Scale in"
         what = "GPU" if self.runner.device.type == "cuda" else "rank"
         lo, hi = sorted((stats.src_degree, stats.dst_degree))

@@ -1,4 +1,4 @@
-"""The automatic liquid policy (opt-in, `liquid_auto=True`), seed 002's rule.
+"""The automatic liquid policy (opt-in, `liquid_auto=True`), the rule of vLLM 0.5's liquid fork.
 
 Each step (and each idle tick behind the server) records the *concurrent cache usage*: (used blocks +
 waiting prompt tokens / block size) / total blocks; above 1 it means requests wait for room. Over a

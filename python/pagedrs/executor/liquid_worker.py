@@ -8,7 +8,6 @@ import dataclasses
 import logging
 from typing import Any
 
-import numpy as np
 import torch
 
 from pagedrs.distributed.group import TPGroup
@@ -21,6 +20,7 @@ from pagedrs.executor.liquid import (
     send_shards,
 )
 from pagedrs.executor.step_packet import HEADER_LEN, Op, unpack_step
+from pagedrs.models.interface import CausalLM
 
 __all__ = ["LiquidWorker"]
 
@@ -61,7 +61,7 @@ class LiquidWorker:
         self.kv_dtype = kv_cache_torch_dtype(self.config.cache.cache_dtype, self.dtype)
         self.runner: Any = None  # a ModelRunner while this rank holds shards
 
-    def _build(self, tp: TPGroup) -> torch.nn.Module:
+    def _build(self, tp: TPGroup) -> CausalLM:
         return rebuild_model(self.model_cls, self.hf_config, self.dtype, self.device, tp)
 
     def loop(self) -> None:
@@ -77,8 +77,8 @@ class LiquidWorker:
                 if payload.numel():
                     self.world.broadcast_cpu(payload)
                 if self.runner is not None:
-                    step = unpack_step(h, payload.numpy() if payload.numel() else np.zeros(0, dtype=np.int64))
-                    self.runner.execute_model(step, step.extra_logits_indices)
+                    plan, extra = unpack_step(h, payload.numpy())
+                    self.runner.execute_model(plan, extra)
             elif op == Op.LIQUID:
                 self.scale(int(h[2]), int(h[3]), int(h[4]), int(h[5]))
             else:

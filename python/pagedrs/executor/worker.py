@@ -12,11 +12,11 @@ import logging
 import os
 
 import msgspec
-import numpy as np
 import torch
 
 from pagedrs.distributed.group import TPGroup, connect_tp_group, create_store
 from pagedrs.executor.step_packet import HEADER_LEN, Op, unpack_step
+from pagedrs.worker.model_runner import ModelRunner
 
 __all__ = ["agree_kv_blocks", "cpu_threads_per_rank", "error_key", "run_worker"]
 
@@ -27,10 +27,10 @@ def error_key(rank: int) -> str:
     return f"worker_error/{rank}"
 
 
-def agree_kv_blocks(runner: object, tp: TPGroup) -> tuple[int, int]:
+def agree_kv_blocks(runner: ModelRunner, tp: TPGroup) -> tuple[int, int]:
     """Each rank sizes its pool from its own memory; every rank then takes the minimum, so the block
     tables the scheduler writes are valid everywhere."""
-    local = [runner.determine_num_blocks(), runner.determine_num_swap_blocks()]  # type: ignore[attr-defined]
+    local = [runner.determine_num_blocks(), runner.determine_num_swap_blocks()]
     num_blocks, num_swap = tp.min_cpu(local)
     return num_blocks, num_swap
 
@@ -45,7 +45,6 @@ def run_worker(
     """Join the group, load this rank's shard, agree on the pool, then execute steps until SHUTDOWN."""
     from pagedrs.engine.arg_utils import EngineArgs
     from pagedrs.loader import load_model
-    from pagedrs.worker.model_runner import ModelRunner
 
     store = create_store(host, port, rank, size, timeout_s)
     tp: TPGroup | None = None
@@ -86,7 +85,7 @@ def run_worker(
         tp.abort()
 
 
-def _step_loop(runner: object, tp: TPGroup) -> None:
+def _step_loop(runner: ModelRunner, tp: TPGroup) -> None:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     while True:
         tp.broadcast_cpu(header)
@@ -98,5 +97,5 @@ def _step_loop(runner: object, tp: TPGroup) -> None:
         payload = torch.empty(int(h[1]), dtype=torch.int64)
         if payload.numel():
             tp.broadcast_cpu(payload)
-        step = unpack_step(h, payload.numpy() if payload.numel() else np.zeros(0, dtype=np.int64))
-        runner.execute_model(step, step.extra_logits_indices)  # type: ignore[attr-defined]
+        plan, extra = unpack_step(h, payload.numpy())
+        runner.execute_model(plan, extra)

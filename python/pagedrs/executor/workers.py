@@ -25,7 +25,14 @@ import torch
 from pagedrs.distributed.group import TPGroup, connect_tp_group, create_store
 from pagedrs.executor.worker import error_key
 
-__all__ = ["COLLECTIVE_TIMEOUT_S", "MpWorkers", "RayWorkers", "WorkerFailure", "rank_devices"]
+__all__ = [
+    "COLLECTIVE_TIMEOUT_S",
+    "MpWorkers",
+    "RankProcesses",
+    "RayWorkers",
+    "WorkerFailure",
+    "rank_devices",
+]
 
 logger = logging.getLogger("pagedrs.executor")
 
@@ -56,7 +63,7 @@ def rank_devices(device: torch.device, size: int) -> list[torch.device]:
     return [torch.device("cuda", base + r) for r in range(size)]
 
 
-class _Workers:
+class RankProcesses:
     """What both launchers share: the store (hosted here, rank 0), joining the group, error reports."""
 
     def __init__(self, size: int, device: torch.device, host: str) -> None:
@@ -129,7 +136,7 @@ class _Workers:
         raise NotImplementedError
 
 
-class MpWorkers(_Workers):
+class MpWorkers(RankProcesses):
     """Local worker processes."""
 
     def __init__(
@@ -199,7 +206,7 @@ class MpWorkers(_Workers):
             proc.wait()
 
 
-class RayWorkers(_Workers):
+class RayWorkers(RankProcesses):
     """Ray actors, one per rank, on whichever nodes Ray places them."""
 
     def __init__(self, engine_args_json: str, size: int, device: torch.device) -> None:
@@ -227,7 +234,8 @@ class RayWorkers(_Workers):
         # Ray gives each GPU actor its own visible device: cuda:0 inside the actor.
         dev = "cuda:0" if use_gpu else "cpu"
         self.refs = {
-            r: a.run.remote(r, size, host, self.port, engine_args_json, dev, COLLECTIVE_TIMEOUT_S)
+            # ray's stubs type an actor's method as the plain function (no .remote)
+            r: a.run.remote(r, size, host, self.port, engine_args_json, dev, COLLECTIVE_TIMEOUT_S)  # type: ignore[union-attr]
             for r, a in self.actors.items()
         }
         logger.info("started %d tensor-parallel Ray actor(s) (store at %s:%d)", size - 1, host, self.port)

@@ -130,9 +130,14 @@ class RotaryEmbedding(KernelLayer):
             orig = int(params.get("original_max_position_embeddings") or max_position)
             self.original_max_position = orig
             factor = params.get("factor") or max_position / orig
-            scaling = params.get("attention_factor")
-            if scaling is None:
-                scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+            attention_factor = params.get("attention_factor")
+            scaling = (
+                float(attention_factor)
+                if attention_factor is not None
+                else 1.0
+                if factor <= 1.0
+                else math.sqrt(1 + math.log(factor) / math.log(orig))
+            )
             exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
             short = torch.tensor(params["short_factor"], dtype=torch.float32)
             long = torch.tensor(params["long_factor"], dtype=torch.float32)
@@ -146,6 +151,7 @@ class RotaryEmbedding(KernelLayer):
         self.attention_scaling = float(scaling)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         cache = _cos_sin(inv_freq, max_position, scaling)
+        self.cos_sin_cache: Tensor
         self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)
         self.long_cos_sin_cache: Tensor | None
         if long_cache is not None:

@@ -18,15 +18,16 @@ from pathlib import Path
 
 import torch
 import transformers
-from torch import Tensor
 
 from pagedrs.distributed.group import TPGroup
+from pagedrs.layers.linear import Loaded
 from pagedrs.layers.quantized import use_cpu_fused_ops
 from pagedrs.loader.default_model import default_model_path
 from pagedrs.loader.gguf import cache_root, convert_gguf, iter_gguf_weights
 from pagedrs.loader.options import LoadOptions, apply_overrides, init_dummy_weights
 from pagedrs.loader.pytorch_bin import iter_pytorch_bin, pytorch_bin_files
-from pagedrs.loader.safetensors import iter_safetensors, safetensors_files
+from pagedrs.loader.safetensors import TensorSlice, iter_safetensors, safetensors_files
+from pagedrs.models.interface import CausalLM
 
 __all__ = [
     "LoadOptions",
@@ -59,7 +60,7 @@ _DTYPES: dict[str, torch.dtype] = {
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module
+    model: CausalLM
     hf_config: transformers.PretrainedConfig
     tokenizer: transformers.PreTrainedTokenizerBase | None  # None when loaded without (a worker rank)
     model_path: str  # what was resolved: the folder, or the GGUF file
@@ -147,7 +148,7 @@ def keeps_quantized(
     return True
 
 
-def iter_checkpoint(folder: str | Path) -> Iterator[tuple[str, Tensor]]:
+def iter_checkpoint(folder: str | Path) -> Iterator[tuple[str, Loaded | TensorSlice]]:
     """(HF name, tensor) of a folder's checkpoint: safetensors preferred, else PyTorch .bin."""
     files = safetensors_files(folder)
     if files:
@@ -216,7 +217,7 @@ def load_hf_config(model: str | None, opts: LoadOptions | None = None) -> transf
     return config
 
 
-def _checkpoint(path: str, folder: str, load_format: str) -> Iterator[tuple[str, Tensor]]:
+def _checkpoint(path: str, folder: str, load_format: str) -> Iterator[tuple[str, Loaded | TensorSlice]]:
     """The weights `load_format` names (ValueError when the folder has none of that kind)."""
     if load_format == "safetensors":
         files = safetensors_files(folder)
@@ -259,7 +260,7 @@ def load_model(
     if tp is not None and tp.size > 1:
         check_tensor_parallel(config, tp.size)
     with torch.device(device):
-        net = model_cls(config, dtype=torch_dtype, device=device, tp=tp)  # type: ignore[call-arg]
+        net = model_cls(config, dtype=torch_dtype, device=device, tp=tp)
     if opts.load_format == "dummy":
         init_dummy_weights(net, opts.seed)
     elif keeps_quantized(path, dtype, device, tp, opts.load_format):
@@ -270,6 +271,7 @@ def load_model(
         net.load_weights(iter_gguf_weights(gguf_path, num_heads, num_kv_heads))  # type: ignore[operator]
         use_cpu_fused_ops(net)
     else:
+        # each architecture's own loader (not a torch.nn.Module method, so not on CausalLM's stub)
         net.load_weights(_checkpoint(path, folder, opts.load_format))  # type: ignore[operator]
     net.eval()
     tok = None

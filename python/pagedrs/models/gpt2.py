@@ -9,6 +9,7 @@ of `nn.Linear`); load_weights transposes those four tensors per block.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -26,6 +27,7 @@ from pagedrs.layers.linear import (
     VocabParallelEmbedding,
 )
 from pagedrs.layers.norm import LayerNorm
+from pagedrs.models.interface import CausalLM
 from pagedrs.models.utils import load_weights_into, mha_head_size
 
 __all__ = ["GPT2LMHeadModel"]
@@ -125,7 +127,7 @@ class GPT2Model(torch.nn.Module):
         return self.ln_f(hidden)
 
 
-class GPT2LMHeadModel(torch.nn.Module):
+class GPT2LMHeadModel(CausalLM):
     def __init__(
         self,
         config: PretrainedConfig,
@@ -146,7 +148,8 @@ class GPT2LMHeadModel(torch.nn.Module):
         )
         if self.tie_word_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
-        attn = self.transformer.h[0].attn.attn
+        first = cast(GPT2Block, self.transformer.h[0])  # ModuleList items are typed Module
+        attn = first.attn.attn
         self.num_layers: int = config.num_hidden_layers
         self.num_kv_heads: int = attn.num_kv_heads
         self.head_size: int = attn.head_size
@@ -157,7 +160,7 @@ class GPT2LMHeadModel(torch.nn.Module):
         """input_ids, positions [T] -> hidden states [T, hidden]."""
         return self.transformer(input_ids, positions, ctx)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
+    def compute_logits(self, hidden: Tensor) -> Tensor | None:
         """[N, hidden] -> [N, vocab] float32."""
         return self.lm_head.compute_logits(hidden)
 

@@ -8,6 +8,7 @@ Same structure as HF's LlamaForCausalLM and the same parameter names, except tha
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -26,6 +27,7 @@ from pagedrs.layers.linear import (
 )
 from pagedrs.layers.norm import RMSNorm
 from pagedrs.layers.rotary import RotaryEmbedding, get_rope
+from pagedrs.models.interface import CausalLM
 from pagedrs.models.utils import StackedParam, load_weights_into
 
 __all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"]
@@ -177,9 +179,9 @@ class LlamaModel(torch.nn.Module):
         return hidden
 
 
-class LlamaForCausalLM(torch.nn.Module):
+class LlamaForCausalLM(CausalLM):
     # HF tensor name piece -> (fused parameter name piece, shard id)
-    stacked_params = (
+    stacked_params: tuple[StackedParam, ...] = (
         StackedParam(".q_proj.", ".qkv_proj.", "q"),
         StackedParam(".k_proj.", ".qkv_proj.", "k"),
         StackedParam(".v_proj.", ".qkv_proj.", "v"),
@@ -207,7 +209,8 @@ class LlamaForCausalLM(torch.nn.Module):
         )
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
-        attn = self.model.layers[0].self_attn.attn
+        first = cast(LlamaDecoderLayer, self.model.layers[0])  # ModuleList items are typed Module
+        attn = first.self_attn.attn
         self.num_layers: int = config.num_hidden_layers
         self.num_kv_heads: int = attn.num_kv_heads
         self.head_size: int = attn.head_size
@@ -219,7 +222,7 @@ class LlamaForCausalLM(torch.nn.Module):
         """input_ids, positions [T] -> hidden states [T, hidden]."""
         return self.model(input_ids, positions, ctx)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
+    def compute_logits(self, hidden: Tensor) -> Tensor | None:
         """[N, hidden] -> [N, vocab] float32."""
         return self.lm_head.compute_logits(hidden)
 

@@ -10,6 +10,7 @@ narrower than the hidden size (`word_embed_proj_dim`, opt-350m). The LM head is 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -28,6 +29,7 @@ from pagedrs.layers.linear import (
     VocabParallelEmbedding,
 )
 from pagedrs.layers.norm import LayerNorm
+from pagedrs.models.interface import CausalLM
 from pagedrs.models.utils import StackedParam, load_weights_into, mha_head_size
 
 __all__ = ["OPTForCausalLM"]
@@ -153,7 +155,7 @@ class OPTModel(torch.nn.Module):
         self.decoder = OPTDecoder(config, tp=tp, dtype=dtype, device=device)
 
 
-class OPTForCausalLM(torch.nn.Module):
+class OPTForCausalLM(CausalLM):
     stacked_params = (
         StackedParam(".q_proj.", ".qkv_proj.", "q"),
         StackedParam(".k_proj.", ".qkv_proj.", "k"),
@@ -181,7 +183,8 @@ class OPTForCausalLM(torch.nn.Module):
         )
         if self.tie_word_embeddings:
             self.lm_head.weight = decoder.embed_tokens.weight
-        attn = decoder.layers[0].self_attn.attn
+        first = cast(OPTDecoderLayer, decoder.layers[0])  # ModuleList items are typed Module
+        attn = first.self_attn.attn
         self.num_layers: int = config.num_hidden_layers
         self.num_kv_heads: int = attn.num_kv_heads
         self.head_size: int = attn.head_size
@@ -192,7 +195,7 @@ class OPTForCausalLM(torch.nn.Module):
         """input_ids, positions [T] -> hidden states [T, word_embed_proj_dim]."""
         return self.model.decoder(input_ids, positions, ctx)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
+    def compute_logits(self, hidden: Tensor) -> Tensor | None:
         """[N, word_embed_proj_dim] -> [N, vocab] float32."""
         return self.lm_head.compute_logits(hidden)
 

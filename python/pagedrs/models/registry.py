@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import importlib
 
-import torch
 from transformers import PretrainedConfig
+
+from pagedrs.models.interface import CausalLM
 
 __all__ = ["MODEL_REGISTRY", "get_model_class", "supported_architectures"]
 
@@ -34,7 +35,7 @@ def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
 
 
-def get_model_class(config: PretrainedConfig) -> type[torch.nn.Module]:
+def get_model_class(config: PretrainedConfig) -> type[CausalLM]:
     """The class for the first of `config.architectures` pagedrs supports; ValueError listing the
     supported ones otherwise. A config naming no architectures falls back on its model_type."""
     archs = list(getattr(config, "architectures", None) or [])

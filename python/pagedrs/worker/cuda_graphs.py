@@ -33,11 +33,13 @@ import bisect
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from pagedrs.layers.attention import AttentionBackend, AttentionMetadata, ForwardContext
+from pagedrs.models.interface import CausalLM
 from pagedrs.worker.step_buffers import GraphInputs
 
 __all__ = [
@@ -91,7 +93,7 @@ class CudaGraphRunner:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         kv_caches: Sequence[Tensor],
         backend: AttentionBackend,
         *,
@@ -141,7 +143,7 @@ class CudaGraphRunner:
         self.num_replays = 0
         self.captured_bytes = 0  # device memory the last capture_all took
         self._stream = torch.cuda.Stream(self.device)
-        self._pool: object | None = None
+        self._pool: Any = None  # torch.cuda.graph_pool_handle(): an opaque handle
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._kv_caches: Sequence[Tensor] = ()  # as given: a step passing the same list skips the check
         self.reset(kv_caches)

@@ -9,12 +9,17 @@ copy-on-write copies, grow and shrink.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from pagedrs.config import as_bytes
+from pagedrs.models.interface import CausalLM
+
+if TYPE_CHECKING:
+    from pagedrs._core import StepPlan
 
 __all__ = [
     "KVCachePool",
@@ -51,7 +56,7 @@ def kv_budget_bytes(
 
 
 def profile_num_gpu_blocks(
-    model: torch.nn.Module,
+    model: CausalLM,
     run_profile: object,
     *,
     device: torch.device,
@@ -198,17 +203,17 @@ class KVCachePool:
         if not self.swap_caches:
             raise RuntimeError(f"the plan swaps {n} blocks but there is no swap pool (swap_space=0)")
 
-    def apply_plan_ops(self, plan: object) -> None:
+    def apply_plan_ops(self, plan: StepPlan) -> None:
         """Everything a step plan asks before its forward."""
-        num_blocks = int(plan.num_blocks)  # type: ignore[attr-defined]
+        num_blocks = int(plan.num_blocks)
         if num_blocks > self.num_blocks:
             self.resize(num_blocks)
-        self.move_blocks(plan.block_moves)  # type: ignore[attr-defined]
-        self.swap_out(plan.swap_out)  # type: ignore[attr-defined]
-        self.swap_in(plan.swap_in)  # type: ignore[attr-defined]
-        self.copy_blocks(plan.copies)  # type: ignore[attr-defined]
+        self.move_blocks(plan.block_moves)
+        self.swap_out(plan.swap_out)
+        self.swap_in(plan.swap_in)
+        self.copy_blocks(plan.copies)
 
-    def apply_plan_shrink(self, plan: object) -> None:
-        num_blocks = int(plan.num_blocks)  # type: ignore[attr-defined]
+    def apply_plan_shrink(self, plan: StepPlan) -> None:
+        num_blocks = int(plan.num_blocks)
         if num_blocks < self.num_blocks:
             self.resize(num_blocks)

@@ -14,19 +14,21 @@ from __future__ import annotations
 import gc
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from pagedrs._core import StepPlan
 from pagedrs.config import EngineConfig, kv_cache_torch_dtype
 from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.attention import AttentionMetadata, ForwardContext, get_attention_backend
 from pagedrs.layers.kernel_switch import use_layer_kernels
 from pagedrs.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, SamplingRow
+from pagedrs.models.interface import CausalLM
 from pagedrs.worker.kv_cache import KVCachePool, block_bytes, num_blocks_for_bytes, profile_num_gpu_blocks
 from pagedrs.worker.prompt_logprobs import (
     PromptLogprobsChunk,
@@ -39,8 +41,8 @@ from pagedrs.worker.sampling_state import SamplingState
 from pagedrs.worker.step_buffers import StepBuffers, StepInputs
 
 __all__ = [
+    "Forward",
     "ModelRunner",
-    "PlanLike",
     "PromptLogprobsChunk",
     "PromptLogprobsPlan",
     "PromptSpan",
@@ -55,47 +57,13 @@ _MAX_GRAPH_BATCH = 512  # decode batches up to this many requests replay a CUDA 
 _PROFILE_GRAPH_BLOCKS = 16  # the throwaway KV pool the graph-memory profile captures against
 
 
-class PlanLike(Protocol):
-    """What a step needs from its plan: `_core.StepPlan` on rank 0, an unpacked `WorkerStep` elsewhere."""
+@dataclass
+class Forward:
+    """What a step's forward left for sampling (rank 0)."""
 
-    @property
-    def num_blocks(self) -> int: ...
-    @property
-    def num_tokens(self) -> int: ...
-    @property
-    def num_decode_tokens(self) -> int: ...
-    @property
-    def input_ids(self) -> np.ndarray: ...
-    @property
-    def positions(self) -> np.ndarray: ...
-    @property
-    def slot_mapping(self) -> np.ndarray: ...
-    @property
-    def query_start_loc(self) -> np.ndarray: ...
-    @property
-    def seq_lens(self) -> np.ndarray: ...
-    @property
-    def num_scheduled_tokens(self) -> np.ndarray: ...
-    @property
-    def num_computed_tokens(self) -> np.ndarray: ...
-    @property
-    def req_ids(self) -> np.ndarray: ...
-    @property
-    def logits_indices(self) -> np.ndarray: ...
-    @property
-    def block_tables(self) -> np.ndarray: ...
-    @property
-    def block_table_rows(self) -> np.ndarray: ...
-    @property
-    def changed_rows(self) -> np.ndarray: ...
-    @property
-    def block_moves(self) -> np.ndarray: ...
-    @property
-    def swap_out(self) -> np.ndarray: ...
-    @property
-    def swap_in(self) -> np.ndarray: ...
-    @property
-    def copies(self) -> np.ndarray: ...
+    logits: Tensor | None  # rows of plan.logits_indices, then the prompt-logprob rows
+    prompt_logprobs: PromptLogprobsPlan | None
+    hidden: Tensor | None  # the final hidden states [T, H]
 
 
 @dataclass
@@ -104,6 +72,7 @@ class RunnerOutput:
     logprobs: LogprobsTensors | None  # CPU tensors, [S, 1 + k]
     prompt_logprobs: dict[int, PromptLogprobsChunk]
     sampled_logprobs: np.ndarray | None = None  # float32 [S]: each sampled token's raw logprob
+    hidden: Tensor | None = None  # the step's final hidden states [T, H] (pooled for embedding requests)
 
 
 class ModelRunner:
@@ -112,7 +81,7 @@ class ModelRunner:
     def __init__(
         self,
         config: EngineConfig,
-        model: torch.nn.Module,
+        model: CausalLM,
         *,
         eos_token_ids: Sequence[int] = (),
         tp: TPGroup | None = None,
@@ -159,6 +128,15 @@ class ModelRunner:
         self._bt_view = view
         if mirror if mirror is not None else self.device.type != "cpu":
             self._bt_device = torch.as_tensor(np.array(view), device=self.device)
+
+    def release(self) -> None:
+        """Free the model, the KV pool and the graphs (device memory); the runner takes no more steps."""
+        self.kv_pool = None
+        self.cuda_graphs = None
+        self.last_hidden = None
+        self.__dict__.pop("model", None)  # no reference left here; a second release is a no-op
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ---- KV pool sizing -------------------------------------------------------------------------------
     @property
@@ -296,7 +274,7 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------------
     def _attn_metadata(
-        self, plan: PlanLike, inputs: StepInputs, max_query_len: int, max_seq_len: int
+        self, plan: StepPlan, inputs: StepInputs, max_query_len: int, max_seq_len: int
     ) -> AttentionMetadata:
         if inputs.block_tables is not None:
             block_tables = inputs.block_tables
@@ -309,8 +287,8 @@ class ModelRunner:
             seq_lens=inputs.seq_lens,
             block_tables=block_tables,
             # The plan's own arrays (a backend indexes them like lists); no per-step list is built.
-            query_start_loc_cpu=plan.query_start_loc,  # type: ignore[arg-type]
-            seq_lens_cpu=plan.seq_lens,  # type: ignore[arg-type]
+            query_start_loc_cpu=plan.query_start_loc,
+            seq_lens_cpu=plan.seq_lens,
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             block_size=self.block_size,
@@ -320,30 +298,41 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self,
-        plan: PlanLike,
+        plan: StepPlan,
         rows: Sequence[SamplingRow],
         prompt_logprobs: dict[int, tuple[int, Sequence[int]]] | None = None,
         token_bitmask: Any = None,
     ) -> RunnerOutput:
-        """Run one step plan. `rows[i]` is the sequence of logits row i; `prompt_logprobs` maps a seq id to
-        (top-k, prompt token ids) for the sequences whose prompt logprobs are wanted; `token_bitmask`
-        (bitmask, row indices) limits those rows to the tokens a grammar allows."""
-        plp = self.prompt_logprobs_plan(plan, prompt_logprobs)
-        logits = self.execute_model(plan, plp.indices if plp is not None else None)
-        return self.sample(plan, rows, plp, logits, token_bitmask)
+        """Run one step plan: `forward` then `sample`. `rows[i]` is the sequence of logits row i;
+        `prompt_logprobs` maps a seq id to (top-k, prompt token ids) for the sequences whose prompt
+        logprobs are wanted; `token_bitmask` (bitmask, row indices) limits those rows to the tokens a
+        grammar allows."""
+        return self.sample(plan, rows, self.forward(plan, prompt_logprobs), token_bitmask)
 
-    def _sampling_metadata(self, plan: PlanLike, rows: Sequence[SamplingRow], vocab: int) -> SamplingMetadata:
-        """From the per-sequence state, keyed by the plan's sampled seq ids (rank 0's `_core.StepPlan`);
-        a plan without them (a hand-made one) gets metadata built from the rows."""
-        seq_ids = getattr(plan, "sampled_seq_ids", None)
-        if seq_ids is None or len(seq_ids) != len(rows):
-            return SamplingMetadata.from_rows(
-                rows,
-                vocab_size=vocab,
-                device=self.device,
-                eos_token_ids=self.eos_token_ids,
-                default_generator=self.generator,
-            )
+    @torch.inference_mode()
+    def forward(
+        self,
+        plan: StepPlan,
+        prompt_logprobs: dict[int, tuple[int, Sequence[int]]] | None = None,
+        *,
+        before_forward: Callable[[StepPlan, np.ndarray | None], None] | None = None,
+    ) -> Forward:
+        """The part of a step every tensor-parallel rank runs: block ops, the forward, the logits.
+        `before_forward(plan, extra logits rows)` runs first (a tensor-parallel driver broadcasts the
+        plan there)."""
+        plp = self.prompt_logprobs_plan(plan, prompt_logprobs)
+        extra = plp.indices if plp is not None else None
+        if before_forward is not None:
+            before_forward(plan, extra)
+        logits = self.execute_model(plan, extra)
+        return Forward(logits, plp, self.last_hidden)
+
+    def _sampling_metadata(self, plan: StepPlan, rows: Sequence[SamplingRow], vocab: int) -> SamplingMetadata:
+        """From the per-sequence state (the one builder of a step's sampling metadata), keyed by the plan's
+        sampled seq ids."""
+        seq_ids = plan.sampled_seq_ids
+        if len(seq_ids) != len(rows):
+            raise ValueError(f"{len(rows)} sampling rows for a plan that samples {len(seq_ids)} sequences")
         state = self.sampling_state
         if state is None or state.vocab_size != vocab:
             state = self.sampling_state = SamplingState(
@@ -357,15 +346,15 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(
         self,
-        plan: PlanLike,
+        plan: StepPlan,
         rows: Sequence[SamplingRow],
-        plp: PromptLogprobsPlan | None,
-        logits: Tensor | None,
+        fwd: Forward,
         token_bitmask: Any = None,
     ) -> RunnerOutput:
         """Rank 0 only: prompt logprobs from the rows after the sampled ones, then the grammar masks
         (structured outputs), then the sampler (logprobs are reported after masking, as vLLM does)."""
-        out = RunnerOutput(np.zeros(0, dtype=np.int64), None, {})
+        logits, plp = fwd.logits, fwd.prompt_logprobs
+        out = RunnerOutput(np.zeros(0, dtype=np.int64), None, {}, hidden=fwd.hidden)
         if logits is None:
             return out
         num_rows = len(plan.logits_indices)
@@ -401,7 +390,7 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def execute_model(self, plan: PlanLike, extra_logits_indices: np.ndarray | None = None) -> Tensor | None:
+    def execute_model(self, plan: StepPlan, extra_logits_indices: np.ndarray | None = None) -> Tensor | None:
         """Block ops, the forward, and the logits of `plan.logits_indices` then `extra_logits_indices`.
 
         Every tensor-parallel rank runs this with the same plan (its collectives must line up); the
@@ -467,7 +456,7 @@ class ModelRunner:
         return graphs.replay(graph)[:num_reqs]
 
     def prompt_logprobs_plan(
-        self, plan: PlanLike, wanted: dict[int, tuple[int, Sequence[int]]] | None
+        self, plan: StepPlan, wanted: dict[int, tuple[int, Sequence[int]]] | None
     ) -> PromptLogprobsPlan | None:
         """Which hidden rows give this step's prompt logprobs: position p's logits predict token p + 1."""
         return plan_prompt_logprobs(plan, wanted)

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from pagedrs.layers.sampler import compute_token_logprobs
+
+if TYPE_CHECKING:
+    from pagedrs._core import StepPlan
 
 __all__ = [
     "PromptLogprobsChunk",
@@ -56,9 +59,9 @@ class PromptLogprobsPlan:
 
 
 def plan_prompt_logprobs(
-    plan: Any, wanted: dict[int, tuple[int, Sequence[int]]] | None
+    plan: StepPlan, wanted: dict[int, tuple[int, Sequence[int]]] | None
 ) -> PromptLogprobsPlan | None:
-    """Which hidden rows of `plan` (a PlanLike) give this step's prompt logprobs; `wanted` maps a seq id
+    """Which hidden rows of `plan` give this step's prompt logprobs; `wanted` maps a seq id
     to (top-k, prompt token ids)."""
     if not wanted:
         return None

@@ -32,6 +32,26 @@ class SamplingState:
     """Per-slot sampling columns for the sequences being sampled; `metadata` builds a step's
     `SamplingMetadata` equal to `SamplingMetadata.from_rows` over the same rows."""
 
+    # One column per parameter, `capacity` long (allocated and grown by `_grow`).
+    seq_ids: np.ndarray
+    temperature: np.ndarray
+    top_k: np.ndarray  # vocab size when off
+    has_top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    presence: np.ndarray
+    frequency: np.ndarray
+    repetition: np.ndarray
+    needs_penalties: np.ndarray
+    min_tokens: np.ndarray
+    has_bias: np.ndarray
+    num_logprobs: np.ndarray  # -1: no logprobs
+    simple_greedy: np.ndarray
+    seeded: np.ndarray
+    generators: list[torch.Generator | None]
+    stop_ids: list[np.ndarray | None]
+    bias: list[tuple[np.ndarray, np.ndarray] | None]
+
     def __init__(
         self,
         *,
@@ -57,7 +77,7 @@ class SamplingState:
     def _grow(self, capacity: int) -> None:
         old = self.capacity
 
-        def col(name: str, dtype: type, fill: object) -> None:
+        def col(name: str, dtype: type[np.generic], fill: float | bool) -> None:
             new = np.full(capacity, fill, dtype=dtype)
             if old:
                 new[:old] = getattr(self, name)
@@ -65,7 +85,7 @@ class SamplingState:
 
         col("seq_ids", _I64, -1)
         col("temperature", _F32, 0.0)
-        col("top_k", _I64, 0)  # vocab size when off
+        col("top_k", _I64, 0)
         col("has_top_k", np.bool_, False)
         col("top_p", _F32, 1.0)
         col("min_p", _F32, 0.0)
@@ -75,19 +95,19 @@ class SamplingState:
         col("needs_penalties", np.bool_, False)
         col("min_tokens", _I32, 0)
         col("has_bias", np.bool_, False)
-        col("num_logprobs", _I32, -1)  # -1: no logprobs
+        col("num_logprobs", _I32, -1)
         col("simple_greedy", np.bool_, False)
         col("seeded", np.bool_, False)
-        pad = [None] * (capacity - old)
+        n = capacity - old
         if old:
-            self.generators += pad
-            self.stop_ids += pad
-            self.bias += pad
+            self.generators += [None] * n
+            self.stop_ids += [None] * n
+            self.bias += [None] * n
             self._free = list(range(capacity - 1, old - 1, -1)) + self._free
         else:
-            self.generators: list[torch.Generator | None] = pad
-            self.stop_ids: list[np.ndarray | None] = list(pad)
-            self.bias: list[tuple[np.ndarray, np.ndarray] | None] = list(pad)
+            self.generators = [None] * n
+            self.stop_ids = [None] * n
+            self.bias = [None] * n
         self.capacity = capacity
 
     @property
@@ -224,7 +244,7 @@ class SamplingState:
             meta.random_rows_cpu = np.nonzero(~greedy_rows)[0]
             host.append(("random_rows", meta.random_rows_cpu, _I64))
             seeded = np.nonzero(self.seeded[slots])[0]
-            meta.generators = {i: self.generators[slots[i]] for i in seeded.tolist()}  # type: ignore[misc]
+            meta.generators = {i: self.generators[slots[i]] for i in seeded.tolist()}
         pen = self.needs_penalties[slots]
         if pen.any():
             host.append(("presence_penalties", self.presence[slots], _F32))
@@ -250,7 +270,7 @@ class SamplingState:
         bias_ids: list[np.ndarray] = []
         bias_vals: list[np.ndarray] = []
         for i in np.nonzero(self.has_bias[slots])[0].tolist():
-            ids, vals = self.bias[slots[i]]  # type: ignore[misc]
+            ids, vals = self.bias[slots[i]]
             bias_rows.append(np.full(len(ids), i, dtype=_I64))
             bias_ids.append(ids)
             bias_vals.append(vals)

@@ -21,10 +21,14 @@ device, rely on the event.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from pagedrs._core import StepPlan
 
 __all__ = ["GraphInputs", "PackedBuffer", "StepBuffers", "StepInputs", "aligned"]
 
@@ -36,8 +40,12 @@ def aligned(n: int) -> int:
     return (n + _ALIGN - 1) & ~(_ALIGN - 1)
 
 
-_NP_ITEM = {np.int64: 8, np.int32: 4, np.float32: 4}
-_TORCH_OF = {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.float32}
+_NP_ITEM: dict[type[np.generic], int] = {np.int64: 8, np.int32: 4, np.float32: 4}
+_TORCH_OF: dict[type[np.generic], torch.dtype] = {
+    np.int64: torch.int64,
+    np.int32: torch.int32,
+    np.float32: torch.float32,
+}
 
 
 class PackedBuffer:
@@ -64,7 +72,9 @@ class PackedBuffer:
             self._event.synchronize()
             self._pending = False
 
-    def write(self, offset: int, arr: np.ndarray, dtype: type, count: int | None = None) -> np.ndarray:
+    def write(
+        self, offset: int, arr: np.ndarray, dtype: type[np.generic], count: int | None = None
+    ) -> np.ndarray:
         """Write the elements of `arr` (cast to `dtype`) at byte `offset` of the host buffer; returns the
         1-d typed host view of `count` elements (default: all of arr's), so that the caller may pad it."""
         flat = arr.reshape(-1)
@@ -74,7 +84,7 @@ class PackedBuffer:
         view[: flat.size] = flat
         return view
 
-    def host_view(self, offset: int, dtype: type, n: int) -> np.ndarray:
+    def host_view(self, offset: int, dtype: type[np.generic], n: int) -> np.ndarray:
         start = offset // _NP_ITEM[dtype]
         return self._host[dtype][start : start + n]
 
@@ -87,7 +97,7 @@ class PackedBuffer:
             self._event.record(torch.cuda.current_stream(self.device))
             self._pending = True
 
-    def view(self, offset: int, dtype: type, rows: int, cols: int | None = None) -> Tensor:
+    def view(self, offset: int, dtype: type[np.generic], rows: int, cols: int | None = None) -> Tensor:
         """The device view of `rows` elements (or a [rows, cols] matrix) of numpy type `dtype` at `offset`."""
         start = offset // _NP_ITEM[dtype]
         if cols is None:
@@ -185,31 +195,32 @@ class StepBuffers:
 
     def pack(
         self,
-        plan: object,
+        plan: StepPlan,
         *,
         extra_logits_indices: np.ndarray | None = None,
         mirror_rows: np.ndarray | None = None,
         graph_size: int | None = None,
     ) -> StepInputs:
-        """Pack `plan` (a PlanLike). `mirror_rows`: the scheduler's block-table view when the device keeps
+        """Pack `plan` . `mirror_rows`: the scheduler's block-table view when the device keeps
         a mirror of it (then the plan's changed rows travel, and the batch's row indices); None: the
         plan's dense block table travels. `graph_size`: pack in the graph layout, padded to that size."""
         p = plan
-        ids: np.ndarray = p.input_ids  # type: ignore[attr-defined]
+        ids: np.ndarray = p.input_ids
         num_tokens = len(ids)
-        seq_lens: np.ndarray = p.seq_lens  # type: ignore[attr-defined]
+        seq_lens: np.ndarray = p.seq_lens
         num_reqs = len(seq_lens)
-        logits: np.ndarray = p.logits_indices  # type: ignore[attr-defined]
+        logits: np.ndarray = p.logits_indices
         extra = extra_logits_indices if extra_logits_indices is not None else logits[:0]
         num_logits = len(logits) + len(extra)
         if mirror_rows is not None:
-            changed: np.ndarray = p.changed_rows  # type: ignore[attr-defined]
+            changed: np.ndarray = p.changed_rows
             width = mirror_rows.shape[1]
             dense = None
         else:
             changed = logits[:0]
-            dense = p.block_tables  # type: ignore[attr-defined]
+            dense = p.block_tables
             width = dense.shape[1]
+        assert (mirror_rows is None) != (dense is None)
         num_changed = len(changed)
 
         if graph_size is not None:
@@ -242,19 +253,19 @@ class StepBuffers:
         toks = graph_size if graph_size is not None else num_tokens
         w = buf.write
         v_ids = w(offsets["input_ids"], ids, np.int64, toks)
-        v_pos = w(offsets["positions"], p.positions, np.int64, toks)  # type: ignore[attr-defined]
-        v_slot = w(offsets["slot_mapping"], p.slot_mapping, np.int64, toks)  # type: ignore[attr-defined]
+        v_pos = w(offsets["positions"], p.positions, np.int64, toks)
+        v_slot = w(offsets["slot_mapping"], p.slot_mapping, np.int64, toks)
         v_len = w(offsets["seq_lens"], seq_lens, np.int32, rows)
-        v_qsl = w(offsets["query_start_loc"], p.query_start_loc, np.int32, rows + 1)  # type: ignore[attr-defined]
+        v_qsl = w(offsets["query_start_loc"], p.query_start_loc, np.int32, rows + 1)
         if mirror_rows is not None:
-            v_rows = w(offsets["block_table_rows"], p.block_table_rows, np.int64, rows)  # type: ignore[attr-defined]
+            v_rows = w(offsets["block_table_rows"], p.block_table_rows, np.int64, rows)
             if num_changed:
                 w(changed_off, changed, np.int64)
                 host = buf.host_view(table_off, np.int32, num_changed * width)
                 np.take(mirror_rows, changed, axis=0, out=host.reshape(num_changed, width))
         else:
             v_rows = None
-            if num_reqs and width:
+            if num_reqs and width and dense is not None:
                 w(table_off, dense, np.int32)
         if graph_size is not None and graph_size > num_reqs:
             n = num_reqs

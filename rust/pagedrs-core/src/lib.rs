@@ -18,6 +18,7 @@ mod schedule;
 pub mod scheduler;
 pub mod swap_pool;
 mod update;
+pub mod wire;
 
 pub use block_table::BlockTable;
 pub use config::{Config, NewRequest};
@@ -25,6 +26,7 @@ pub use error::{Error, Result};
 pub use plan::StepPlan;
 pub use request::{FinishReason, Finished, Status};
 pub use scheduler::{Scheduler, Stats};
+pub use wire::{WirePlan, OP_EXECUTE, WIRE_HEADER_LEN};
 
 /// Index of a device block in the pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -14,7 +14,7 @@ pub struct PlanOps {
 
 /// One step. Row `b` of the batch is sequence `req_ids[b]`; tokens are flattened over rows.
 /// Runner order: grow the pool, `block_moves`, `swap_out`, `swap_in`, `copies`, forward, shrink.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct StepPlan {
     pub step_id: u64,
     pub req_ids: Vec<i64>,

@@ -3,7 +3,7 @@
 //! block table only when read.
 
 use numpy::ndarray::Array2;
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayDyn, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
 
 use pagedrs_core::StepPlan;
@@ -16,7 +16,7 @@ enum Arr<T> {
     Py(Py<PyAny>),
 }
 
-impl<T: numpy::Element> Arr<T> {
+impl<T: numpy::Element + Clone> Arr<T> {
     /// `cols == 0`: 1-D; else 2-D `[len / cols, cols]`.
     fn get(&mut self, py: Python<'_>, cols: usize) -> Py<PyAny> {
         if let Arr::Raw(v) = self {
@@ -32,6 +32,14 @@ impl<T: numpy::Element> Arr<T> {
         match self {
             Arr::Py(a) => a.clone_ref(py),
             Arr::Raw(_) => unreachable!(),
+        }
+    }
+
+    /// The values, wherever they live now (a numpy array Python has read, or the Rust buffer).
+    fn to_vec(&self, py: Python<'_>) -> PyResult<Vec<T>> {
+        match self {
+            Arr::Raw(v) => Ok(v.clone()),
+            Arr::Py(a) => Ok(a.bind(py).cast::<PyArrayDyn<T>>()?.to_vec()?),
         }
     }
 }
@@ -56,7 +64,9 @@ pub struct PyStepPlan {
     /// Built from the persistent rows on first read.
     block_tables: Option<Py<PyAny>>,
     max_blocks: usize,
-    sched: Py<PyScheduler>,
+    /// The scheduler whose persistent table `block_tables` is gathered from; None for a plan
+    /// received over the step wire (its dense tables came with it).
+    sched: Option<Py<PyScheduler>>,
     logits_indices: Arr<i64>,
     sampled_seq_ids: Arr<i64>,
     swap_out: Arr<i64>,
@@ -78,6 +88,10 @@ pub struct PyStepPlan {
 
 impl PyStepPlan {
     pub fn new(p: StepPlan, sched: Py<PyScheduler>) -> Self {
+        Self::build(p, Some(sched))
+    }
+
+    fn build(p: StepPlan, sched: Option<Py<PyScheduler>>) -> Self {
         Self {
             step_id: p.step_id,
             num_reqs: p.req_ids.len(),
@@ -157,6 +171,9 @@ impl PyStepPlan {
             return Ok(a.clone_ref(py));
         }
         let (step, max_blocks) = (self.step_id, self.max_blocks);
+        let Some(sched) = &self.sched else {
+            unreachable!("a plan from the step wire carries its block tables")
+        };
         let flat = {
             // Python may write to the rows array once it has it: copy it before the GIL goes.
             let owned;
@@ -167,7 +184,7 @@ impl PyStepPlan {
                     &owned
                 }
             };
-            self.sched
+            sched
                 .get()
                 .detached(py, |s| s.padded_block_tables(step, rows, max_blocks))?
                 .map_err(to_py)?
@@ -215,6 +232,74 @@ impl PyStepPlan {
     #[getter]
     fn preempted(&mut self, py: Python<'_>) -> Py<PyAny> {
         self.preempted.get(py, 0)
+    }
+
+    /// `(header, payload)`: this plan, its dense block tables and `extra_logits_indices` as two
+    /// int64 arrays for the tensor-parallel step broadcast (`StepPlan.from_wire` reads them).
+    #[pyo3(name = "to_wire", signature = (extra_logits_indices=None))]
+    fn pack_wire(
+        &mut self,
+        py: Python<'_>,
+        extra_logits_indices: Option<PyReadonlyArray1<'_, i64>>,
+    ) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
+        let tables = self.block_tables(py)?;
+        let tables: Vec<i32> = tables.bind(py).cast::<PyArrayDyn<i32>>()?.to_vec()?;
+        let extra = match &extra_logits_indices {
+            Some(a) => a.as_slice()?.to_vec(),
+            None => Vec::new(),
+        };
+        let plan = StepPlan {
+            step_id: self.step_id,
+            req_ids: self.req_ids.to_vec(py)?,
+            num_scheduled_tokens: self.num_scheduled_tokens.to_vec(py)?,
+            num_computed_tokens: self.num_computed_tokens.to_vec(py)?,
+            num_prompt_tokens: self.num_prompt_tokens.to_vec(py)?,
+            seq_lens: self.seq_lens.to_vec(py)?,
+            query_start_loc: self.query_start_loc.to_vec(py)?,
+            input_ids: self.input_ids.to_vec(py)?,
+            positions: self.positions.to_vec(py)?,
+            slot_mapping: self.slot_mapping.to_vec(py)?,
+            block_table_rows: self.block_table_rows.to_vec(py)?,
+            changed_rows: self.changed_rows.to_vec(py)?,
+            max_blocks: self.max_blocks,
+            logits_indices: self.logits_indices.to_vec(py)?,
+            sampled_seq_ids: self.sampled_seq_ids.to_vec(py)?,
+            swap_out: self.swap_out.to_vec(py)?,
+            swap_in: self.swap_in.to_vec(py)?,
+            copies: self.copies.to_vec(py)?,
+            block_moves: self.block_moves.to_vec(py)?,
+            preempted: self.preempted.to_vec(py)?,
+            num_blocks: self.num_blocks,
+            num_prefill_tokens: self.num_prefill_tokens,
+            num_decode_tokens: self.num_decode_tokens,
+            num_tokens: self.num_tokens,
+        };
+        let (header, payload) = plan.to_wire(&tables, &extra);
+        Ok((
+            header.into_pyarray(py).into_any().unbind(),
+            payload.into_pyarray(py).into_any().unbind(),
+        ))
+    }
+
+    /// `(plan, extra_logits_indices)` from a `to_wire` message; ValueError if it does not add up.
+    #[staticmethod]
+    fn from_wire(
+        py: Python<'_>,
+        header: PyReadonlyArray1<'_, i64>,
+        payload: PyReadonlyArray1<'_, i64>,
+    ) -> PyResult<(PyStepPlan, Py<PyAny>)> {
+        let wire = StepPlan::from_wire(header.as_slice()?, payload.as_slice()?).map_err(to_py)?;
+        let (rows, cols) = (wire.plan.num_reqs(), wire.plan.max_blocks);
+        let tables =
+            Array2::from_shape_vec((rows, cols), wire.block_tables).expect("checked shape");
+        let mut plan = PyStepPlan::build(wire.plan, None);
+        plan.block_tables = Some(PyArray2::from_owned_array(py, tables).into_any().unbind());
+        let extra = wire
+            .extra_logits_indices
+            .into_pyarray(py)
+            .into_any()
+            .unbind();
+        Ok((plan, extra))
     }
 
     fn __repr__(&self) -> String {

@@ -80,10 +80,10 @@ class ServerMiddleware:
             if path.startswith("/v1") and not self._authorized(scope):
                 await _send_error(send_wrapper, unauthorized())
                 return
-            receive = await self._limit_body(scope, receive, send_wrapper)
-            if receive is None:
+            limited = await self._limit_body(scope, receive, send_wrapper)
+            if limited is None:
                 return
-            await self.app(scope, receive, send_wrapper)
+            await self.app(scope, limited, send_wrapper)
         finally:
             # 499: the client went away before any response was sent (nginx's convention).
             self._log(scope, status_holder[0] or 499, time.perf_counter() - start)

@@ -124,7 +124,7 @@ class _StepPlan:
 
 def _group_bounds(num_blocks_desc: np.ndarray) -> list[tuple[int, int]]:
     """[start, end) ranges over contexts sorted longest first."""
-    bounds = []
+    bounds: list[tuple[int, int]] = []
     start, n = 0, len(num_blocks_desc)
     neg = -num_blocks_desc  # ascending, for searchsorted
     while start < n:
@@ -299,10 +299,11 @@ class TorchAttentionBackend:
         bufs = self._buffers.get(key)
         if bufs is None or bufs[0].shape[0] < num_blocks:
             n = max(num_blocks, 2 * bufs[0].shape[0] if bufs is not None else 0)
-            bufs = tuple(
-                torch.empty((n, *shape), dtype=kv_cache.dtype, device=kv_cache.device) for _ in range(2)
+            bufs = (
+                torch.empty((n, *shape), dtype=kv_cache.dtype, device=kv_cache.device),
+                torch.empty((n, *shape), dtype=kv_cache.dtype, device=kv_cache.device),
             )
-            self._buffers[key] = bufs  # type: ignore[assignment]
+            self._buffers[key] = bufs
         return bufs[0][:num_blocks], bufs[1][:num_blocks]
 
     def _decode(

@@ -174,8 +174,23 @@ impl Sim {
     pub fn schedule_and_run(&mut self) -> StepPlan {
         self.sched_cap = self.s.num_blocks() * self.cfg.block_size;
         let p = self.s.schedule().expect("schedule");
+        self.check_wire(&p);
         self.execute(&p);
         p
+    }
+
+    /// Every plan crosses the tensor-parallel step wire unchanged, with its dense block tables.
+    fn check_wire(&self, p: &StepPlan) {
+        let tables = self
+            .s
+            .padded_block_tables(p.step_id, &p.block_table_rows, p.max_blocks)
+            .expect("tables of the plan just made");
+        let extra: Vec<i64> = (0..p.num_tokens as i64).step_by(3).collect();
+        let (header, payload) = p.to_wire(&tables, &extra);
+        let back = StepPlan::from_wire(&header, &payload).expect("a plan's own wire message");
+        assert_eq!(&back.plan, p);
+        assert_eq!(back.block_tables, tables);
+        assert_eq!(back.extra_logits_indices, extra);
     }
 
     /// update with random tokens; checks the finished list against the mirrors.

@@ -1,0 +1,73 @@
+"""From engine arguments to a running executor: threads, the tensor-parallel ranks, the model (rank 0's
+shard), the model runner, and the executor that owns it. The engine core gets the executor and the loaded
+model's description, never the runner."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedrs import __version__
+from pagedrs.config import EngineConfig
+from pagedrs.executor.executor import TPExecutor, UniProcExecutor
+from pagedrs.executor.start import start_workers, stop_workers
+from pagedrs.executor.worker import cpu_threads_per_rank
+from pagedrs.executor.workers import RankProcesses
+from pagedrs.loader import LoadedModel, load_model
+from pagedrs.loader.eos import eos_token_ids
+from pagedrs.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from pagedrs.engine.arg_utils import EngineArgs
+
+__all__ = ["build_executor", "load_engine"]
+
+logger = logging.getLogger("pagedrs.engine")
+
+
+def build_executor(
+    config: EngineConfig, loaded: LoadedModel, workers: RankProcesses | None = None
+) -> UniProcExecutor:
+    """The runner over `loaded` (rank 0's shard when `workers` are the other ranks) and its executor:
+    one device, tensor-parallel, or liquid (a world group)."""
+    eos = eos_token_ids(loaded.tokenizer, loaded.hf_config, str(loaded.model_path))
+    if workers is None:
+        return UniProcExecutor(ModelRunner(config, loaded.model, eos_token_ids=eos))
+    runner = ModelRunner(config, loaded.model, eos_token_ids=eos, tp=workers.tp)
+    if workers.world is not None:
+        from pagedrs.executor.liquid_executor import LiquidExecutor
+
+        return LiquidExecutor(runner, workers)
+    return TPExecutor(runner, workers)
+
+
+def load_engine(args: EngineArgs) -> tuple[EngineConfig, LoadedModel, UniProcExecutor]:
+    """Check the arguments, start the other tensor-parallel ranks, load rank 0's model and build its
+    executor; the ranks are stopped again if anything fails."""
+    _, _, device_cfg, _ = args.early_configs()  # bad arguments fail before any weight is read
+    parallel = args.parallel_config()
+    ranks = len(parallel.liquid_gpu_range or ()) or parallel.tensor_parallel_size
+    if device_cfg.device.type == "cpu" and (device_cfg.num_threads is not None or ranks > 1):
+        torch.set_num_threads(cpu_threads_per_rank(device_cfg.num_threads, ranks))
+    logger.info("Initializing an LLM engine (pagedrs v%s) with config: %s", __version__, args.config_line())
+    workers = start_workers(args, device_cfg.device) if ranks > 1 else None
+    try:
+        loaded = load_model(
+            args.model,
+            dtype=args.dtype,
+            device=device_cfg.device,
+            tokenizer=args.tokenizer,
+            tp=workers.tp if workers is not None else None,
+            with_tokenizer=not args.skip_tokenizer_init,
+            opts=args.load_options(),
+        )
+        weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+        logger.info("Loading model weights took %.4f GB", weights / (1 << 30))
+        config = args.create_engine_config(loaded.max_len)
+        return config, loaded, build_executor(config, loaded, workers)
+    except BaseException:
+        if workers is not None:
+            stop_workers(workers)
+        raise
