@@ -25,10 +25,10 @@ from dataclasses import asdict, dataclass
 # numpy's BLAS worker threads spin on the 2-core machines this runs on; the scheduler needs none.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
-from _common import add_commit_arg, command_line, resolve_commit, write_json  # noqa: E402
+import numpy as np
+from _common import add_commit_arg, command_line, resolve_commit, write_json
 
-from pagedrs._core import Scheduler, StepPlan  # noqa: E402
+from pagedrs._core import Scheduler, StepPlan
 
 BLOCK_SIZE = 16
 ARRAYS = (

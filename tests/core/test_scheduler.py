@@ -291,7 +291,7 @@ def test_thread_safety_and_gil_release() -> None:
                 s.abort([i - 3])
                 s.stats()
                 i += 1
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
 
     t = threading.Thread(target=churn)

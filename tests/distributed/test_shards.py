@@ -59,7 +59,7 @@ def test_each_rank_reads_only_its_shard(tmp_path: Path, monkeypatch: pytest.Monk
     folder = make_tiny_llama(tmp_path, num_key_value_heads=2)
     total = 0
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-        for name in f.keys():  # noqa: SIM118
+        for name in f.keys():
             total += int(np.prod(f.get_slice(name).get_shape()))
     read: list[int] = []
     inner = TensorSlice.materialize

@@ -115,7 +115,7 @@ def test_step_failure_aborts_its_requests_and_engine_keeps_serving(tiny_models: 
     engine.step()
     inner = engine.runner.execute
 
-    def boom(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def boom(*args, **kwargs):
         raise RuntimeError("injected device fault")
 
     engine.runner.execute = boom

@@ -14,19 +14,19 @@ from tests.engine.conftest import HFReference, PlanSpy, assert_pool_free, greedy
 from tests.engine.helpers_greedy import check_against_hf, run_batch
 
 
-def _mirror_engine(path: Path, **kwargs):  # noqa: ANN202
+def _mirror_engine(path: Path, **kwargs):
     engine = make_engine(path, **kwargs)
     engine.runner.attach_block_table(engine.scheduler.block_table_view(), mirror=True)
     assert engine.runner._bt_device is not None
     return engine
 
 
-def _check_mirror_each_step(engine) -> list[int]:  # noqa: ANN001
+def _check_mirror_each_step(engine) -> list[int]:
     """Wrap execute: after the runner synced, its mirror equals the scheduler's view; count changed rows."""
     inner = engine.runner.execute
     changed: list[int] = []
 
-    def execute(plan, *args, **kwargs):  # noqa: ANN001, ANN202
+    def execute(plan, *args, **kwargs):
         out = inner(plan, *args, **kwargs)
         changed.append(len(plan.changed_rows))
         view = engine.scheduler.block_table_view()

@@ -64,7 +64,7 @@ def model(
     return folder, _HF_REFS[variant]
 
 
-def run_and_check(engine, prompts: list[list[int]], ref: HFReference) -> None:  # noqa: ANN001
+def run_and_check(engine, prompts: list[list[int]], ref: HFReference) -> None:
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, greedy(MAX_TOKENS))
     outs = run_all(engine)

@@ -28,7 +28,7 @@ def test_slow_detokenizer_fallback_matches() -> None:
     tok = make_tokenizer()
 
     class Slow:  # a tokenizer without the Rust backend
-        def decode(self, ids, skip_special_tokens=True):  # noqa: ANN001, ANN202
+        def decode(self, ids, skip_special_tokens=True):
             return tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     text = "naïve café ✓"

@@ -110,7 +110,7 @@ class SubprocessServer:
 
     def start(self, timeout: float = 240.0) -> SubprocessServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self._log = open(self.log_path, "ab")  # closed in stop()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout

@@ -66,7 +66,7 @@ def test_dropped_streams_and_requests_free_blocks(real_server: SubprocessServer,
                 headers={"Authorization": f"Bearer {real_server.api_key}"},
                 timeout=1.5,
             )
-        except BaseException as exc:  # noqa: BLE001 - checked below
+        except BaseException as exc:  # checked below
             errors.append(exc)
 
     t = threading.Thread(target=abandoned)

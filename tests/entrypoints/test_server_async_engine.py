@@ -20,11 +20,11 @@ from pagedrs.sampling_params import RequestOutputKind
 DELTA = RequestOutputKind.DELTA
 
 
-def _run(coro_fn):  # noqa: ANN001, ANN202 - tiny helper
+def _run(coro_fn):  # tiny helper
     return asyncio.run(coro_fn())
 
 
-async def _wait(pred, timeout: float = 10.0) -> None:  # noqa: ANN001
+async def _wait(pred, timeout: float = 10.0) -> None:
     for _ in range(int(timeout / 0.01)):
         if pred():
             return

@@ -25,7 +25,7 @@ def _old(arr: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(arr))
 
 
-def _plans(seed: int, max_num_seqs: int = 6, budget: int = 24):  # noqa: ANN202
+def _plans(seed: int, max_num_seqs: int = 6, budget: int = 24):
     """Yield (scheduler, plan) over a random workload; the caller reads the plan before the next one."""
     rng = random.Random(seed)
     sched = Scheduler(

@@ -157,6 +157,6 @@ class TPGroup:
         for pg in {id(p): p for p in (self.device_pg, self.cpu_pg) if p is not None}.values():
             try:
                 pg.abort()
-            except Exception:  # noqa: BLE001 - best effort: the group is already broken
+            except Exception:  # best effort: the group is already broken
                 pass
         self.device_pg = self.cpu_pg = None

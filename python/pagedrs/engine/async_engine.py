@@ -486,7 +486,7 @@ class AsyncLLMEngine:
             if isinstance(msg, EngineCoreOutputs):
                 try:
                     self._process(msg)
-                except Exception as exc:  # noqa: BLE001 - a frontend bug fails these requests, not the loop
+                except Exception as exc:  # a frontend bug fails these requests, not the loop
                     logger.exception("processing a step message failed")
                     self._fail_requests({o.request_id for o in msg.outputs}, exc)
                 if self.observer is not None:
@@ -533,7 +533,7 @@ class AsyncLLMEngine:
                 logger.warning("restarting the engine core (%d/%d)", self.num_restarts, self.max_restarts)
                 try:
                     self._handle = await asyncio.to_thread(self._start_core)
-                except Exception as exc:  # noqa: BLE001 - counted; tried again or given up
+                except Exception as exc:  # counted; tried again or given up
                     logger.error("engine core restart failed: %s", exc)
                     continue
                 if self._closing:

@@ -146,7 +146,7 @@ class ThreadCore:
         try:
             if self.proc.run(self.core):
                 self.error = RuntimeError("the engine's executor died (see the log)")
-        except BaseException as exc:  # noqa: BLE001 - reported as the core's death
+        except BaseException as exc:  # reported as the core's death
             logger.exception("engine core thread failed")
             self.error = exc
         finally:

@@ -181,7 +181,7 @@ class EngineCoreProc:
                     self._publish(core, EngineCoreOutputs(core.take_pending(), core.get_stats(), time.time()))
                     code = 1
                     break
-                except Exception:  # noqa: BLE001 - the step's requests are aborted; keep serving
+                except Exception:  # the step's requests are aborted; keep serving
                     logger.exception("engine step failed")
                     out = EngineCoreOutputs(core.take_pending(), core.get_stats(), time.time())
                 out.stats.send_time_s = self._send_time
@@ -228,14 +228,14 @@ class EngineCoreProc:
             core.add_request(req)
         except ValueError as exc:
             core.reject(req.request_id, str(exc))
-        except Exception as exc:  # noqa: BLE001 - this request only
+        except Exception as exc:  # this request only
             logger.exception("add_request %s failed", req.request_id)
             core.reject(req.request_id, f"{type(exc).__name__}: {exc}")
 
     def _call(self, core: CoreLike, call: UtilityCall) -> None:
         try:
             result = UtilityResult(call.call_id, core.call_utility(call.method, call.args))
-        except Exception as exc:  # noqa: BLE001 - reported to the caller
+        except Exception as exc:  # reported to the caller
             result = UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
         if 0 <= call.client_index < len(self._out_socks):
             self._outputs.put((call.client_index, result))
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
 
         engine_args = msgspec.json.decode(args.engine_args.encode(), type=EngineArgs)
         core, _ = EngineCore.from_engine_args(engine_args)
-    except Exception as exc:  # noqa: BLE001 - reported to the server, which exits with it
+    except Exception as exc:  # reported to the server, which exits with it
         logger.exception("engine core failed to start")
         proc.send_all(StartupFailed(f"{type(exc).__name__}: {exc}"))
         proc.close()

@@ -74,7 +74,7 @@ class InputProcessor:
                 raise InputError("this model has no tokenizer: give prompts as token ids", "prompt")
             try:
                 ids = self.tokenizer.encode(text)
-            except Exception as exc:  # noqa: BLE001 - undecodable input (lone surrogates, ...)
+            except Exception as exc:  # undecodable input (lone surrogates, ...)
                 raise InputError(f"prompt cannot be tokenized: {exc}", "prompt") from None
         if isinstance(ids, np.ndarray):
             ids = ids.tolist()

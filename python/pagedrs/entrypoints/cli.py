@@ -19,7 +19,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=-1)
 
 
-def _sampling_params(args: argparse.Namespace):  # noqa: ANN202 - SamplingParams, imported lazily
+def _sampling_params(args: argparse.Namespace):  # SamplingParams, imported lazily
     from pagedrs import SamplingParams
 
     return SamplingParams(
@@ -27,7 +27,7 @@ def _sampling_params(args: argparse.Namespace):  # noqa: ANN202 - SamplingParams
     )
 
 
-def _make_llm(args: argparse.Namespace):  # noqa: ANN202 - LLM, imported lazily
+def _make_llm(args: argparse.Namespace):  # LLM, imported lazily
     from pagedrs import LLM
 
     return LLM(**engine_kwargs(args))

@@ -205,7 +205,7 @@ class TPExecutor(UniProcExecutor):
         if graceful:
             try:
                 bcast.broadcast_cpu(shutdown_header())
-            except Exception:  # noqa: BLE001 - a worker already gone: it is stopped below
+            except Exception:  # a worker already gone: it is stopped below
                 graceful = False
         workers.stop(5.0 if graceful else 0.0)  # type: ignore[attr-defined]
         workers.abort_groups()  # type: ignore[attr-defined]

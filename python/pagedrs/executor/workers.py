@@ -103,7 +103,7 @@ class RankProcesses:
                 box["tp"] = connect_tp_group(
                     self.store, 0, self.size, self.device, host=self.host, timeout_s=COLLECTIVE_TIMEOUT_S
                 )
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            except BaseException as exc:  # handed to the caller
                 box["error"] = exc
 
         t = threading.Thread(target=join, name="tp-join", daemon=True)
@@ -125,7 +125,7 @@ class RankProcesses:
         try:
             if self.store.check([error_key(rank)]):
                 return self.store.get(error_key(rank)).decode(errors="replace")
-        except Exception:  # noqa: BLE001 - the store may be gone during teardown
+        except Exception:  # the store may be gone during teardown
             return None
         return None
 
@@ -221,7 +221,7 @@ class RayWorkers(RankProcesses):
             _check_reachable(address)
             try:
                 ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
-            except Exception as exc:  # noqa: BLE001 - a cluster that cannot be reached
+            except Exception as exc:  # a cluster that cannot be reached
                 raise ValueError(
                     f"cannot connect to the Ray cluster at {address or '(local)'}: {exc}"
                 ) from exc
@@ -250,7 +250,7 @@ class RayWorkers(RankProcesses):
                     try:
                         ray.get(ref)
                         why = "actor exited"
-                    except Exception as exc:  # noqa: BLE001 - the actor's error or its death
+                    except Exception as exc:  # the actor's error or its death
                         why = f"{type(exc).__name__}: {exc}"
                 return WorkerFailure(rank, why)
         return None
@@ -259,12 +259,12 @@ class RayWorkers(RankProcesses):
         ray = self._ray
         try:
             ray.wait(list(self.refs.values()), num_returns=len(self.refs), timeout=timeout_s)
-        except Exception:  # noqa: BLE001 - best effort
+        except Exception:  # best effort
             pass
         for actor in self.actors.values():
             try:
                 ray.kill(actor)
-            except Exception:  # noqa: BLE001 - already gone
+            except Exception:  # already gone
                 pass
 
 

@@ -92,5 +92,5 @@ def iter_safetensors(files: list[Path], device: str = "cpu") -> Iterator[tuple[s
     """(name, lazy slice) for every tensor of every file; each is read when a loader materializes it."""
     for path in files:
         with safe_open(str(path), framework="pt", device=device) as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            for name in f.keys():  # safe_open is not a mapping
                 yield name, TensorSlice.of(f.get_slice(name))

@@ -179,7 +179,7 @@ class BatchRunner:
                     await self._process(batch_id)
                 except asyncio.CancelledError:
                     raise
-                except Exception:  # noqa: BLE001 - one bad job must not stop the worker
+                except Exception:  # one bad job must not stop the worker
                     logger.exception("batch %s failed", batch_id)
                     self.store.set_status(batch_id, "failed")
             with contextlib.suppress(asyncio.TimeoutError):
@@ -304,7 +304,7 @@ class BatchRunner:
             ok = True
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - a bad line is answered with its error
+        except Exception as exc:  # a bad line is answered with its error
             err = exc if isinstance(exc, APIError) else to_api_error(exc)
             if err.status == 503 or err.code == ENGINE_CORE_DIED:
                 self._engine_down = True  # leave the line unanswered: the restarted core runs it

@@ -39,7 +39,7 @@ class FileUpload:
             raise bad_request("files must be uploaded as multipart/form-data", code="invalid_body")
         try:
             form = await request.form(max_files=1, max_fields=16)
-        except Exception as exc:  # noqa: BLE001 - malformed multipart body
+        except Exception as exc:  # malformed multipart body
             raise bad_request(f"invalid multipart body: {exc}", code="invalid_body") from None
         try:
             upload = form.get("file")

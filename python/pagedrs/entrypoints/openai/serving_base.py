@@ -98,7 +98,7 @@ class OpenAIServing:
         # server its own copy so the two never share a Rust tokenizer object.
         try:
             self.tokenizer = copy.deepcopy(tok)
-        except Exception:  # noqa: BLE001 - fall back to sharing
+        except Exception:  # fall back to sharing
             self.tokenizer = tok
         # The model's vocabulary (embedding rows) bounds token ids; the tokenizer's when unknown.
         self.vocab_size = int(engine.vocab_size or len(self.tokenizer))
@@ -112,7 +112,7 @@ class OpenAIServing:
     def tokenize(self, text: str) -> list[int]:
         try:
             return list(self.tokenizer.encode(text))
-        except Exception as exc:  # noqa: BLE001 - undecodable input (lone surrogates, ...)
+        except Exception as exc:  # undecodable input (lone surrogates, ...)
             raise bad_request(f"prompt cannot be tokenized: {exc}", param="prompt") from None
 
     async def offload(self, fn: Callable[..., T], *args: Any, size: int = 0) -> T:
@@ -192,7 +192,7 @@ class OpenAIServing:
     ) -> RequestStream:
         try:
             return await self.engine.add_request(request_id, prompt_ids, params)
-        except Exception as exc:  # noqa: BLE001 - mapped to an HTTP status
+        except Exception as exc:  # mapped to an HTTP status
             raise to_api_error(exc) from None
 
     async def submit_all(
@@ -222,7 +222,7 @@ class OpenAIServing:
 
         try:
             return list(await asyncio.gather(*(last(s) for s in streams)))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise to_api_error(exc) from None
 
     async def until_disconnect(self, raw_request: Request | None, work: Awaitable[T]) -> T:
@@ -307,7 +307,7 @@ async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple
         try:
             async for out in stream:
                 await queue.put((i, out))
-        except Exception as exc:  # noqa: BLE001 - forwarded to the consumer
+        except Exception as exc:  # forwarded to the consumer
             await queue.put((i, exc))
         await queue.put((i, done_marker))
 

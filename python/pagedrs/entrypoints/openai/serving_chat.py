@@ -73,7 +73,7 @@ class OpenAIServingChat(OpenAIServing):
             if not isinstance(text, str):
                 raise TypeError("chat template did not render to text")
             return text, list(self.tokenizer.encode(text, add_special_tokens=False))
-        except Exception as exc:  # noqa: BLE001 - template errors are the caller's input
+        except Exception as exc:  # template errors are the caller's input
             raise bad_request(
                 f"messages cannot be rendered with the chat template: {exc}", param="messages"
             ) from None
@@ -221,7 +221,7 @@ class OpenAIServingChat(OpenAIServing):
                         "usage": usage_info(len(prep.prompt_ids), total, cached),
                     }
                 )
-        except Exception as exc:  # noqa: BLE001 - after the stream started: SSE error event
+        except Exception as exc:  # after the stream started: SSE error event
             yield sse_error(exc)
         finally:
             self.release_all(streams)

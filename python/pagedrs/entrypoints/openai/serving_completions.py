@@ -129,7 +129,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_tokens = sum(len(ids) for ids in ids_list)
                 usage = usage_info(prompt_tokens, sum(state.completion_tokens), sum(cached))
                 yield sse({**head, "choices": [], "usage": usage})
-        except Exception as exc:  # noqa: BLE001 - after the stream started: SSE error event
+        except Exception as exc:  # after the stream started: SSE error event
             yield sse_error(exc)
         finally:
             self.release_all(streams)

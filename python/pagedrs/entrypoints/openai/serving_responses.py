@@ -215,7 +215,7 @@ class OpenAIServingResponses:
                 self.store.update(response)
             kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
             yield event({"type": kind, "response": response})
-        except Exception as exc:  # noqa: BLE001 - after the stream started: a response.failed event
+        except Exception as exc:  # after the stream started: a response.failed event
             err = to_api_error(exc)
             response["status"] = "failed"
             response["error"] = {"code": err.code or "server_error", "message": err.message}
@@ -243,7 +243,7 @@ class OpenAIServingResponses:
             response["status"] = "cancelled"
             self.store.update(response)
             raise
-        except Exception as exc:  # noqa: BLE001 - the stored response carries the error
+        except Exception as exc:  # the stored response carries the error
             err = to_api_error(exc)
             response["status"] = "failed"
             response["error"] = {"code": err.code or "server_error", "message": err.message}

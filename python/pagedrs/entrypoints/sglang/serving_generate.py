@@ -114,7 +114,7 @@ class SGLangServingGenerate(OpenAIServing):
                     )
                     result["index"] = p_idx * n + c.index
                     yield sse(result)
-        except Exception as exc:  # noqa: BLE001 - after the stream started: an SSE error event
+        except Exception as exc:  # after the stream started: an SSE error event
             yield sse_error(exc)
         finally:
             self.release_all(streams)
