@@ -97,7 +97,11 @@ def _load(layer, name, tensor, shard=None):
 
 
 def test_qkv_pieces_of_mixed_types_stay_quantized():
-    q, k, v = random_weight(Q.Q4_0, 8, 64, 1), random_weight(Q.Q8_0, 4, 64, 2), random_weight(Q.Q8_0, 4, 64, 3)
+    q, k, v = (
+        random_weight(Q.Q4_0, 8, 64, 1),
+        random_weight(Q.Q8_0, 4, 64, 2),
+        random_weight(Q.Q8_0, 4, 64, 3),
+    )
     layer = QKVParallelLinear(64, 4, 2, 1, bias=True)
     bias = torch.randn(16)
     for shard, w in (("v", v), ("q", q), ("k", k)):  # any order
