@@ -92,12 +92,8 @@ class SamplingParams:
             self.structured_outputs, StructuredOutputsParams
         ):
             raise _bad("structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        elif self.stop is None:
-            self.stop = []
-        else:
-            self.stop = list(self.stop)
+        stop: list[str] = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop = stop
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
@@ -136,11 +132,14 @@ class SamplingParams:
             not _is_int(self.seed) or not -_INT64_MAX - 1 <= self.seed <= _INT64_MAX
         ):
             raise _bad("seed", self.seed, "must be a 64-bit int or None")
-        if not all(isinstance(s, str) for s in self.stop):  # type: ignore[union-attr]
+        # __post_init__ made both lists
+        stop: list[object] = list(self.stop) if isinstance(self.stop, list) else []
+        stop_ids: list[object] = list(self.stop_token_ids or [])
+        if not all(isinstance(s, str) for s in stop):
             raise _bad("stop", self.stop, "must be a string or a list of strings")
-        if any(s == "" for s in self.stop):  # type: ignore[union-attr]
+        if any(s == "" for s in stop):
             raise _bad("stop", self.stop, "cannot contain an empty string")
-        if not all(_is_int(t) and 0 <= t <= _INT64_MAX for t in self.stop_token_ids):  # type: ignore[union-attr]
+        if not all(isinstance(t, int) and _is_int(t) and 0 <= t <= _INT64_MAX for t in stop_ids):
             raise _bad("stop_token_ids", self.stop_token_ids, "must be a list of non-negative 64-bit ints")
         if self.max_tokens is not None and (
             not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= _INT64_MAX

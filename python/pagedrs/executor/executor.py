@@ -27,7 +27,7 @@ from pagedrs._core import StepPlan
 from pagedrs.distributed.group import TPGroup
 from pagedrs.executor.step_packet import pack_step, shutdown_header
 from pagedrs.executor.worker import agree_kv_blocks
-from pagedrs.executor.workers import WorkerFailure
+from pagedrs.executor.workers import RankProcesses, WorkerFailure
 from pagedrs.layers.sampler import SamplingRow
 from pagedrs.worker.kv_cache import KVCachePool
 from pagedrs.worker.model_runner import ModelRunner, RunnerOutput
@@ -107,7 +107,7 @@ class UniProcExecutor:
 class TPExecutor(UniProcExecutor):
     """Rank 0 of a tensor-parallel group: broadcasts each plan, runs its shard, samples."""
 
-    def __init__(self, runner: ModelRunner, workers: object) -> None:
+    def __init__(self, runner: ModelRunner, workers: RankProcesses) -> None:
         super().__init__(runner)
         self.workers = workers
         # Step broadcasts reach every rank: the group itself, or under liquid scaling the world.
@@ -165,7 +165,7 @@ class TPExecutor(UniProcExecutor):
         if now < self._next_health_check:
             return
         self._next_health_check = now + _HEALTH_CHECK_INTERVAL_S
-        failure = self.workers.failure()  # type: ignore[attr-defined]
+        failure = self.workers.failure()
         if failure is not None:
             raise self._fail(failure)
 
@@ -177,7 +177,7 @@ class TPExecutor(UniProcExecutor):
         failure = exc if isinstance(exc, WorkerFailure) else None
         deadline = time.monotonic() + _FAILURE_REPORT_WAIT_S
         while failure is None and time.monotonic() < deadline:
-            failure = self.workers.failure()  # type: ignore[attr-defined]
+            failure = self.workers.failure()
             if failure is None:
                 time.sleep(0.05)
         if failure is not None:
@@ -201,11 +201,11 @@ class TPExecutor(UniProcExecutor):
         TPExecutor._stop_workers(self.workers, self.bcast, graceful)
 
     @staticmethod
-    def _stop_workers(workers: object, bcast: TPGroup, graceful: bool) -> None:
+    def _stop_workers(workers: RankProcesses, bcast: TPGroup, graceful: bool) -> None:
         if graceful:
             try:
                 bcast.broadcast_cpu(shutdown_header())
             except Exception:  # a worker already gone: it is stopped below
                 graceful = False
-        workers.stop(5.0 if graceful else 0.0)  # type: ignore[attr-defined]
-        workers.abort_groups()  # type: ignore[attr-defined]
+        workers.stop(5.0 if graceful else 0.0)
+        workers.abort_groups()

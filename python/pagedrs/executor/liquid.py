@@ -23,9 +23,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch import distributed as dist
 
 from pagedrs.config import as_bytes
 from pagedrs.distributed.group import TPGroup
@@ -79,7 +81,9 @@ class LiquidRequest:
                     f"{self.liquid_type.name} moves from {src} active ranks, but {current} are active"
                 )
             return dst
-        return int(self.target)  # type: ignore[arg-type]
+        if self.target is None:
+            raise ValueError("LiquidRequest needs a liquid_type or a target")
+        return int(self.target)
 
 
 @dataclass
@@ -107,7 +111,7 @@ def degree_positions(degree: int) -> list[int]:
     return [liquid_position(r, degree) for r in range(degree)]
 
 
-def check_liquid(config: object, num_shards: int, world: int) -> None:
+def check_liquid(config: Any, num_shards: int, world: int) -> None:
     """Can this model be cut into `num_shards` shards over `world` ranks? ValueError with the numbers."""
     if num_shards < 1 or num_shards & (num_shards - 1):
         raise ValueError(f"liquid_total_num_shards must be a power of two, got {num_shards}")
@@ -116,12 +120,12 @@ def check_liquid(config: object, num_shards: int, world: int) -> None:
             f"liquid_gpu_range must name a power of two ranks, at most liquid_total_num_shards ({num_shards}); "
             f"got {world}"
         )
-    heads = int(config.num_attention_heads)  # type: ignore[attr-defined]
+    heads = int(config.num_attention_heads)
     kv = int(getattr(config, "num_key_value_heads", None) or heads)
     sizes = {
         "attention heads": heads,
         "KV heads": kv,
-        "vocabulary size": int(config.vocab_size),  # type: ignore[attr-defined]
+        "vocabulary size": int(config.vocab_size),
     }
     inter = getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
     if inter:
@@ -193,7 +197,7 @@ def _assign(model: torch.nn.Module, tensors: dict[str, Tensor]) -> None:
             if tuple(src.shape) != tuple(p.shape):
                 raise RuntimeError(f"liquid: {name} has shape {tuple(src.shape)}, expected {tuple(p.shape)}")
             new = torch.nn.Parameter(src, requires_grad=False)
-            new.weight_loader = getattr(p, "weight_loader", None)  # type: ignore[attr-defined]
+            new.weight_loader = getattr(p, "weight_loader", None)  # type: ignore[attr-defined]  # our attribute on a torch Parameter
             shared[key] = new
         mod_name, _, leaf = name.rpartition(".")
         setattr(modules[mod_name], leaf, shared[key])
@@ -207,15 +211,15 @@ class _Transfer:
         self.world = world
         self.bytes = 0
 
-    def _pg(self, t: Tensor) -> object:
+    def _pg(self, t: Tensor) -> Any:  # a torch ProcessGroup (gloo or NCCL)
         return self.world.cpu_pg if t.device.type == "cpu" else self.world.device_pg
 
     def send(self, t: Tensor, dst: int) -> None:
-        self._pg(t).send([as_bytes(t.contiguous())], dst, 0).wait()  # type: ignore[attr-defined]
+        self._pg(t).send([as_bytes(t.contiguous())], dst, 0).wait()
         self.bytes += t.numel() * t.element_size()
 
     def recv(self, t: Tensor, src: int) -> Tensor:
-        self._pg(t).recv([as_bytes(t)], src, 0).wait()  # type: ignore[attr-defined]
+        self._pg(t).recv([as_bytes(t)], src, 0).wait()
         self.bytes += t.numel() * t.element_size()
         return t
 
@@ -367,13 +371,11 @@ def _account(stats: LiquidStats, wb: int, kb: int, ws: float, ks: float) -> None
 
 
 def connect_liquid_groups(
-    store: object, rank: int, world_size: int, device: torch.device, *, host: str, timeout_s: float
+    store: dist.Store, rank: int, world_size: int, device: torch.device, *, host: str, timeout_s: float
 ) -> tuple[TPGroup, dict[int, TPGroup]]:
     """The world group (step broadcasts, shard moves) and one tensor-parallel group per active degree
     this rank can be part of (every power of two d with rank < d), each with its shard positions.
     Every rank builds them in the same order (increasing d), so no rendezvous waits on another."""
-    from torch import distributed as dist
-
     from pagedrs.distributed.group import _gloo_group, _nccl_group, connect_tp_group
 
     world = connect_tp_group(store, rank, world_size, device, host=host, timeout_s=timeout_s)
@@ -388,7 +390,7 @@ def connect_liquid_groups(
                     rank, d, device_pg=world.device_pg, cpu_pg=world.cpu_pg, positions=degree_positions(d)
                 )
             else:
-                prefix = dist.PrefixStore(f"degree{d}", store)  # type: ignore[arg-type]
+                prefix = dist.PrefixStore(f"degree{d}", store)
                 cpu = _gloo_group(dist.PrefixStore("cpu", prefix), rank, d, host, timeout_s)
                 dev = (
                     _nccl_group(dist.PrefixStore("nccl", prefix), rank, d, timeout_s)

@@ -15,6 +15,7 @@ import time
 from pagedrs.executor.executor import TPExecutor
 from pagedrs.executor.liquid import LiquidStats, rebuild_model, receive_shards, send_shards
 from pagedrs.executor.step_packet import liquid_header
+from pagedrs.executor.workers import RankProcesses
 from pagedrs.worker.kv_cache import KVCachePool
 from pagedrs.worker.model_runner import ModelRunner
 
@@ -26,10 +27,11 @@ _GiB = 1 << 30
 
 
 class LiquidExecutor(TPExecutor):
-    def __init__(self, runner: ModelRunner, workers: object) -> None:
+    def __init__(self, runner: ModelRunner, workers: RankProcesses) -> None:
         super().__init__(runner, workers)
-        self.world = workers.world  # type: ignore[attr-defined]
-        self.groups = workers.groups  # type: ignore[attr-defined]
+        assert workers.world is not None, "a liquid group has a world group"
+        self.world = workers.world
+        self.groups = workers.groups
         self.max_degree = self.world.size
         self.devices = list(runner.config.parallel.liquid_gpu_range or range(self.max_degree))
         self.events: list[LiquidStats] = []

@@ -30,7 +30,7 @@ logger = logging.getLogger("pagedrs.worker")
 class LiquidWorker:
     def __init__(
         self,
-        store: object,
+        store: torch.distributed.Store,
         rank: int,
         world_size: int,
         device: torch.device,

@@ -9,6 +9,7 @@ copy-on-write copies, grow and shrink.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -57,7 +58,7 @@ def kv_budget_bytes(
 
 def profile_num_gpu_blocks(
     model: CausalLM,
-    run_profile: object,
+    run_profile: Callable[[], object],
     *,
     device: torch.device,
     gpu_memory_utilization: float,
@@ -72,7 +73,7 @@ def profile_num_gpu_blocks(
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    run_profile()  # type: ignore[operator]
+    run_profile()
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     free, total = torch.cuda.mem_get_info(device)
