@@ -145,7 +145,7 @@ async def create_embedding(
 LiquidBody = Annotated[LiquidScaleRequest, Depends(JsonBody(LiquidScaleRequest, empty_is_object=True))]
 
 
-def require_admin(server: ServerDep) -> None:
+async def require_admin(server: ServerDep) -> None:
     """Admin routes exist only on a server with an API key (checked before the body is read)."""
     if not server.args.api_key:
         raise APIError(403, "/v1/admin/liquid needs a server started with --api-key", code="forbidden")

@@ -69,7 +69,8 @@ class ServerState:
         self.runner.begin_drain()
 
 
-def get_server(request: Request) -> ServerState:
+async def get_server(request: Request) -> ServerState:
+    # async: FastAPI would run a plain def dependency in a worker thread, a hop on every request
     state: ServerState = request.app.state.server
     return state
 
