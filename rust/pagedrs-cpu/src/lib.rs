@@ -48,3 +48,21 @@ pub enum KernelError {
     #[error("ids[{index}] = {id} is outside 0..{n}")]
     Row { index: usize, id: i64, n: usize },
 }
+
+impl KernelError {
+    /// `Err(Length)` unless `actual == expected`: the one length check every kernel's arguments use.
+    pub(crate) fn check_len(
+        name: &'static str,
+        actual: usize,
+        expected: usize,
+    ) -> Result<(), Self> {
+        if actual != expected {
+            return Err(Self::Length {
+                name,
+                actual,
+                expected,
+            });
+        }
+        Ok(())
+    }
+}

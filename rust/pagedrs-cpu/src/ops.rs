@@ -5,22 +5,11 @@
 
 use crate::KernelError;
 
-fn check(name: &'static str, actual: usize, expected: usize) -> Result<(), KernelError> {
-    if actual != expected {
-        return Err(KernelError::Length {
-            name,
-            actual,
-            expected,
-        });
-    }
-    Ok(())
-}
-
 fn rows_of(name: &'static str, len: usize, width: usize) -> Result<usize, KernelError> {
     if width == 0 {
         return Err(KernelError::Zero { name: "width" });
     }
-    check(name, len % width, 0)?;
+    KernelError::check_len(name, len % width, 0)?;
     Ok(len / width)
 }
 
@@ -43,7 +32,7 @@ fn inv_rms(x: &[f32], eps: f32) -> f32 {
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) -> Result<(), KernelError> {
     let h = weight.len();
     rows_of("x", x.len(), h)?;
-    check("out", out.len(), x.len())?;
+    KernelError::check_len("out", out.len(), x.len())?;
     for (xr, or) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
         let inv = inv_rms(xr, eps);
         for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
@@ -62,7 +51,7 @@ pub fn fused_add_rms_norm(
 ) -> Result<(), KernelError> {
     let h = weight.len();
     rows_of("x", x.len(), h)?;
-    check("residual", residual.len(), x.len())?;
+    KernelError::check_len("residual", residual.len(), x.len())?;
     for (xr, rr) in x.chunks_exact_mut(h).zip(residual.chunks_exact_mut(h)) {
         for (r, &v) in rr.iter_mut().zip(xr.iter()) {
             *r += v;
@@ -78,7 +67,7 @@ pub fn fused_add_rms_norm(
 /// `out[t] = silu(x[t, :d]) * x[t, d:]` for rows of `x` of width `2 * d` (`d = out row width`).
 pub fn silu_and_mul(x: &[f32], d: usize, out: &mut [f32]) -> Result<(), KernelError> {
     let rows = rows_of("x", x.len(), 2 * d)?;
-    check("out", out.len(), rows * d)?;
+    KernelError::check_len("out", out.len(), rows * d)?;
     for (xr, or) in x.chunks_exact(2 * d).zip(out.chunks_exact_mut(d.max(1))) {
         let (gate, up) = xr.split_at(d);
         for ((o, &g), &u) in or.iter_mut().zip(gate).zip(up) {
@@ -115,9 +104,9 @@ pub fn rope_neox(
         });
     }
     rows_of("row width", r.width, head_size)?;
-    check("positions", positions.len(), r.rows)?;
+    KernelError::check_len("positions", positions.len(), r.rows)?;
     if r.rows > 0 {
-        check("x", x.len(), (r.rows - 1) * r.row_stride + r.width)?;
+        KernelError::check_len("x", x.len(), (r.rows - 1) * r.row_stride + r.width)?;
         if r.row_stride < r.width {
             return Err(KernelError::Length {
                 name: "row stride",

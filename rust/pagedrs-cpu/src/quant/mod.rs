@@ -129,8 +129,8 @@ pub fn quant_get_rows(
 ) -> Result<(), KernelError> {
     check_k(qt, k)?;
     let rb = qt.row_bytes(k);
-    check_len("weight", w.len(), n * rb)?;
-    check_len("out", out.len(), ids.len() * k)?;
+    KernelError::check_len("weight", w.len(), n * rb)?;
+    KernelError::check_len("out", out.len(), ids.len() * k)?;
     for (i, &id) in ids.iter().enumerate() {
         if id < 0 || id as usize >= n {
             return Err(KernelError::Row { index: i, id, n });
@@ -153,17 +153,6 @@ fn check_k(qt: QuantType, k: usize) -> Result<(), KernelError> {
     Ok(())
 }
 
-fn check_len(name: &'static str, actual: usize, expected: usize) -> Result<(), KernelError> {
-    if actual != expected {
-        return Err(KernelError::Length {
-            name,
-            actual,
-            expected,
-        });
-    }
-    Ok(())
-}
-
 fn validate(
     qt: QuantType,
     w: &[u8],
@@ -172,8 +161,8 @@ fn validate(
     d: &MatmulDims,
 ) -> Result<(), KernelError> {
     check_k(qt, d.k)?;
-    check_len("weight", w.len(), d.n * qt.row_bytes(d.k))?;
-    check_len("x", x.len(), d.m * d.k)?;
+    KernelError::check_len("weight", w.len(), d.n * qt.row_bytes(d.k))?;
+    KernelError::check_len("x", x.len(), d.m * d.k)?;
     if d.col0 + d.n > d.ldo {
         return Err(KernelError::Columns {
             col0: d.col0,
@@ -181,7 +170,7 @@ fn validate(
             ldo: d.ldo,
         });
     }
-    check_len("out", out.len(), d.m * d.ldo)
+    KernelError::check_len("out", out.len(), d.m * d.ldo)
 }
 
 /// The output buffer, written by several threads at disjoint (row, column) positions.
