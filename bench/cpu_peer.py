@@ -38,10 +38,10 @@ from typing import Any
 
 from _common import add_commit_arg, git_info, json_safe, machine_info
 from serving import (
-    HTTPError,
     Result,
     _free_port,
     http_get,
+    launch_and_wait,
     start_server,
     stop_process_group,
     summarize,
@@ -103,24 +103,7 @@ def start_llama_server(
         "-ngl",
         "0",
     ]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"llama-server exited with {proc.returncode}; see {log_path}")
-            try:
-                if http_get(f"{url}/health", timeout=2)[0] == 200:
-                    return proc, url
-            except HTTPError:
-                pass
-            time.sleep(0.5)
-        raise SystemExit(f"llama-server did not start in {timeout:g} s; see {log_path}")
-    except BaseException:
-        stop_process_group(proc, 5)
-        raise
+    return launch_and_wait(cmd, port, log_path, timeout, "llama-server")
 
 
 async def one_request(client: Any, model: str, prompt: str, max_tokens: int) -> Result:

@@ -489,22 +489,30 @@ def start_server(
         data_dir,
         *server_args,
     ]
+    return launch_and_wait(cmd, port, log_path, start_timeout, "server")
+
+
+def launch_and_wait(
+    cmd: list[str], port: int, log_path: str, timeout: float, name: str
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start `cmd` (a server on loopback `port`, output to `log_path`) and wait until its /health answers
+    200; (process, base url). SystemExit naming `name` if it exits or does not come up in time."""
     with open(log_path, "wb") as log:
         # its own session: Ctrl-C in the terminal reaches only this script, which stops the whole group
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + start_timeout
+    deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise SystemExit(f"server exited with {proc.returncode}; see {log_path}")
+                raise SystemExit(f"{name} exited with {proc.returncode}; see {log_path}")
             try:
                 if http_get(f"{url}/health", timeout=2)[0] == 200:
                     return proc, url
             except HTTPError:
                 pass
             time.sleep(0.5)
-        raise SystemExit(f"server did not start in {start_timeout:g} s; see {log_path}")
+        raise SystemExit(f"{name} did not start in {timeout:g} s; see {log_path}")
     except BaseException:
         stop_process_group(proc, 5)
         raise
