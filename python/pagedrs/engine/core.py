@@ -38,7 +38,6 @@ from pagedrs.executor import ExecutorDeadError, UniProcExecutor
 from pagedrs.executor.build import load_engine
 from pagedrs.executor.liquid_executor import LiquidExecutor
 from pagedrs.loader import LoadedModel
-from pagedrs.loader.eos import eos_token_ids
 from pagedrs.metrics import EngineStats, StatLogger, token_boxes, visualize_batch
 from pagedrs.structured_outputs import StructuredOutputManager
 from pagedrs.worker.model_runner import RunnerOutput
@@ -46,7 +45,7 @@ from pagedrs.worker.model_runner import RunnerOutput
 if TYPE_CHECKING:
     from pagedrs.engine.arg_utils import EngineArgs
 
-__all__ = ["CoreSeq", "EngineCore", "eos_token_ids"]
+__all__ = ["CoreSeq", "EngineCore"]
 
 logger = logging.getLogger("pagedrs.engine")
 
@@ -73,7 +72,7 @@ class EngineCore:
         self.device = config.device.device
         head = getattr(loaded.model, "lm_head", None)
         self.embedding_size = int(getattr(head, "embedding_dim", 0) or 0)  # the pooled hidden state's width
-        self.eos_token_ids = eos_token_ids(loaded.tokenizer, loaded.hf_config, str(loaded.model_path))
+        self.eos_token_ids = loaded.eos_token_ids
         self.executor = executor
         kv = executor.init_kv_cache()
         sched = config.scheduler

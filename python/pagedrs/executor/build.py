@@ -16,7 +16,6 @@ from pagedrs.executor.start import start_workers, stop_workers
 from pagedrs.executor.worker import cpu_threads_per_rank
 from pagedrs.executor.workers import RankProcesses
 from pagedrs.loader import LoadedModel, load_model
-from pagedrs.loader.eos import eos_token_ids
 from pagedrs.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -32,7 +31,7 @@ def build_executor(
 ) -> UniProcExecutor:
     """The runner over `loaded` (rank 0's shard when `workers` are the other ranks) and its executor:
     one device, tensor-parallel, or liquid (a world group)."""
-    eos = eos_token_ids(loaded.tokenizer, loaded.hf_config, str(loaded.model_path))
+    eos = loaded.eos_token_ids
     if workers is None:
         return UniProcExecutor(ModelRunner(config, loaded.model, eos_token_ids=eos))
     runner = ModelRunner(config, loaded.model, eos_token_ids=eos, tp=workers.tp)

@@ -11,6 +11,7 @@ holding one of the wrong shape -> ValueError naming it, before any request can b
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -66,6 +67,13 @@ class LoadedModel:
     model_path: str  # what was resolved: the folder, or the GGUF file
 
     max_len_cap: int | None = None  # disable_sliding_window: the context is capped at the window
+
+    @functools.cached_property
+    def eos_token_ids(self) -> list[int]:
+        """The end-of-sequence ids (tokenizer, config, generation_config.json), read once."""
+        from pagedrs.loader.eos import eos_token_ids
+
+        return eos_token_ids(self.tokenizer, self.hf_config, str(self.model_path))
 
     @property
     def max_len(self) -> int:
