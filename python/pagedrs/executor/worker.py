@@ -35,8 +35,23 @@ def agree_kv_blocks(runner: ModelRunner, tp: TPGroup) -> tuple[int, int]:
     return num_blocks, num_swap
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask (taskset, a container's cpuset), not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no affinity API (macOS)
+        return os.cpu_count() or 1
+
+
 def cpu_threads_per_rank(num_threads: int | None, size: int) -> int:
-    return num_threads or max(1, (os.cpu_count() or 1) // size)
+    """Torch intra-op threads for one of `size` CPU ranks, in the order a user sets them: `--num-threads`, then
+    `OMP_NUM_THREADS` (as torch itself honours it), then the usable CPUs shared out between the ranks."""
+    if num_threads:
+        return num_threads
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) >= 1:
+        return int(omp)
+    return max(1, usable_cpus() // size)
 
 
 def run_worker(
