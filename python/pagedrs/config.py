@@ -241,9 +241,9 @@ class ObservabilityConfig:
     log_stats: bool = True
     stats_log_interval: float = 5.0  # seconds between two stats lines
     enable_log_batch_visualization: bool = False
-    batch_visualization_style: str = (
-        "bar"  # bar: one line per step; boxes: the continuous-batching notebook's token boxes
-    )
+    # boxes (vLLM's `enable_log_batch_visualization`): "Batch 1".."Batch N" columns of token boxes, the
+    # picture the continuous-batching notebook's log parser reads; bar: one line per step
+    batch_visualization_style: str = "boxes"
 
     def __post_init__(self) -> None:
         i = self.stats_log_interval

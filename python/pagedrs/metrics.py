@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EngineStats",
     "StatLogger",
+    "format_hit_rate_line",
     "format_stats_line",
     "token_boxes",
     "visualize_batch",
@@ -53,23 +54,29 @@ class EngineStats(msgspec.Struct, array_like=True):
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
-def format_stats_line(
-    prompt_tps: float,
-    gen_tps: float,
-    stats: EngineStats,
-    hit_rate: float,
-) -> str:
+def format_stats_line(prompt_tps: float, gen_tps: float, stats: EngineStats) -> str:
+    """vLLM 0.4's stats line, field for field: "GPU" is the device pool (on a CPU device too, as vLLM's
+    CPU backend prints it), "CPU" the swap pool."""
+    swap = stats.num_swap_blocks
+    swap_usage = (swap - stats.num_free_swap_blocks) / swap if swap else 0.0
     return (
         f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, "
         f"Avg generation throughput: {gen_tps:.1f} tokens/s, "
         f"Running: {stats.num_running} reqs, Swapped: {stats.num_swapped} reqs, "
-        f"Pending: {stats.num_waiting} reqs, KV cache usage: {100.0 * stats.kv_usage:.1f}%, "
-        f"Prefix cache hit rate: {100.0 * hit_rate:.1f}%"
+        f"Pending: {stats.num_waiting} reqs, GPU KV cache usage: {100.0 * stats.kv_usage:.1f}%, "
+        f"CPU KV cache usage: {100.0 * swap_usage:.1f}%"
     )
 
 
+def format_hit_rate_line(hit_rate: float) -> str:
+    """vLLM's prefix-cache line (logged after the stats line once prompts were looked up); swapped blocks
+    are never prefix hits, so the CPU rate is 0."""
+    return f"Prefix cache hit rate: GPU: {100.0 * hit_rate:.2f}%, CPU: 0.00%"
+
+
 class StatLogger:
-    """Logs one stats line every `interval` seconds (checked after each step)."""
+    """Logs vLLM's stats line every `interval` seconds (checked after each step), then the prefix-cache
+    hit rate line."""
 
     def __init__(self, interval: float, log: logging.Logger | None = None) -> None:
         self.interval = interval
@@ -80,6 +87,7 @@ class StatLogger:
         self.last_queries = 0
         self.last_hits = 0
         self.last_line: str | None = None
+        self.last_hit_rate_line: str | None = None
 
     def maybe_log(self, stats: EngineStats, now: float | None = None) -> str | None:
         now = time.monotonic() if now is None else now
@@ -97,8 +105,11 @@ class StatLogger:
         dh = stats.prefix_cache_hits - self.last_hits
         # Hit rate over this interval's lookups; the cumulative one when nothing was looked up.
         hit_rate = dh / dq if dq > 0 else stats.prefix_cache_hit_rate
-        line = format_stats_line(prompt_tps, gen_tps, stats, hit_rate)
+        line = format_stats_line(prompt_tps, gen_tps, stats)
         self.log.info(line)
+        if stats.prefix_cache_queries:
+            self.last_hit_rate_line = format_hit_rate_line(hit_rate)
+            self.log.info(self.last_hit_rate_line)
         self.last_time = now
         self.last_prompt = stats.prompt_tokens_total
         self.last_gen = stats.generation_tokens_total

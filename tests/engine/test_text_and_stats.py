@@ -11,6 +11,7 @@ import pytest
 from pagedrs.engine.sequence import IncrementalDetokenizer, check_stop_strings
 from pagedrs.metrics import EngineStats, StatLogger, visualize_batch
 from tests.helpers import make_tokenizer
+from tests.helpers_vllm_logs import HIT_RATE_LINE, STATS_LINE
 
 
 @pytest.mark.parametrize("text", ["héllo wörld, ünïcode ✓ 🙂 done", "plain ascii text"])
@@ -60,13 +61,25 @@ def test_stats_line_format() -> None:
         prefix_cache_hits=40,
         prompt_tokens_total=500,
         generation_tokens_total=50,
+        num_swap_blocks=200,
+        num_free_swap_blocks=150,
     )
     assert sl.maybe_log(stats, now=4.0) is None
     line = sl.maybe_log(stats, now=10.0)
     assert line == (
         "Avg prompt throughput: 50.0 tokens/s, Avg generation throughput: 5.0 tokens/s, Running: 3 reqs, "
-        "Swapped: 1 reqs, Pending: 2 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 40.0%"
+        "Swapped: 1 reqs, Pending: 2 reqs, GPU KV cache usage: 25.0%, CPU KV cache usage: 25.0%"
     )
+    m = STATS_LINE.match(line)  # vLLM 0.4's line: the device pool as "GPU", the swap pool as "CPU"
+    assert m is not None and (m["gpu"], m["cpu"], m["swapped"], m["pending"]) == ("25.0", "25.0", "1", "2")
+    assert sl.last_hit_rate_line == "Prefix cache hit rate: GPU: 40.00%, CPU: 0.00%"
+    assert HIT_RATE_LINE.match(sl.last_hit_rate_line)
+    no_swap = EngineStats(
+        num_running=1, kv_usage=0.5
+    )  # no swap pool: 0% swap usage, no lookups: no rate line
+    sl2 = StatLogger(interval=5.0, log=log)
+    m = STATS_LINE.match(sl2.log_now(no_swap, now=sl2.last_time + 5.0))
+    assert m is not None and (m["gpu"], m["cpu"]) == ("50.0", "0.0") and sl2.last_hit_rate_line is None
     stats.generation_tokens_total = 100
     line = sl.log_now(stats, now=20.0)
     assert "Avg generation throughput: 5.0 tokens/s" in line and "Avg prompt throughput: 0.0" in line

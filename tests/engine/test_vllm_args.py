@@ -11,9 +11,19 @@ from pathlib import Path
 import pytest
 
 from pagedrs import LLM, EngineArgs, LLMEngine, SamplingParams
+from pagedrs.engine.arg_utils import default_swap_space
 from pagedrs.entrypoints.cli import make_parser
 from pagedrs.entrypoints.cli_args import make_engine_args
 from tests.helpers import SEED_003_SERVER_FLAGS, make_tiny_llama
+from tests.helpers_vllm_logs import (
+    CASTING,
+    CHUNKED_PREFILL,
+    CONFIG_LINE,
+    KV_CACHE_SIZE,
+    MAX_CONCURRENCY,
+    as_int,
+    notebook_batches,
+)
 
 SEED_ARGS = (
     "tokenizer skip_tokenizer_init tokenizer_mode revision tokenizer_revision trust_remote_code dtype "
@@ -138,9 +148,55 @@ def test_served_model_name_and_startup_lines(tmp_path: Path, caplog: pytest.LogC
     with caplog.at_level(logging.INFO, logger="pagedrs"):
         llm = LLM(str(folder), served_model_name="my-model", swap_space=0.001, **CPU)
     assert llm.llm_engine.model_name == "my-model"
-    assert "Initializing an LLM engine" in caplog.text and "served_model_name='my-model'" in caplog.text
-    assert "Loading model weights took" in caplog.text
-    assert "# CPU blocks:" in caplog.text and "# swap blocks:" in caplog.text
+    text = caplog.text
+    # vLLM 0.4's config line with the resolved values (the model path, torch's dtype, the context length
+    # in force, the device), then the weights, the blocks and the cache size lines of later versions.
+    m = CONFIG_LINE.search(text)
+    assert m is not None, text
+    assert (m["model"], m["dtype"], m["max_seq_len"], m["device"]) == (
+        str(folder),
+        "torch.float32",
+        "1024",
+        "cpu",
+    )
+    assert "served_model_name=my-model" in text and "swap_space=0.001" in text
+    assert text.index("Initializing an LLM engine") < text.index("Loading model weights took")
+    assert "# CPU blocks:" in text and "# swap blocks:" in text
+    stats = llm.llm_engine.get_stats()
+    size, most = KV_CACHE_SIZE.search(text), MAX_CONCURRENCY.search(text)
+    assert size is not None and as_int(size["tokens"]) == stats.num_blocks * 16
+    assert most is not None and as_int(most["len"]) == 1024  # the tiny model's context
+    assert most["x"] == f"{stats.num_blocks * 16 / 1024:.2f}"
+    chunked = CHUNKED_PREFILL.search(text)
+    assert chunked is not None and chunked["n"] == "2048"
+    assert not CASTING.search(text)  # a float32 checkpoint run in float32
+
+
+def test_cast_line_and_swap_default(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A bfloat16 checkpoint run with dtype="half" logs vLLM's "Casting torch.bfloat16 to torch.float16."
+    warning; no swap_space: vLLM 0.4's 4 GiB per GPU on CUDA, none on a CPU device (vLLM's CPU backend has
+    no swap)."""
+    import json
+
+    folder = make_tiny_llama(tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with caplog.at_level(logging.INFO, logger="pagedrs"):
+        llm = LLM(
+            str(folder), device="cpu", dtype="half", disable_log_stats=True, enable_chunked_prefill=False
+        )
+    try:
+        assert [r.levelname for r in caplog.records if CASTING.search(r.getMessage())] == ["WARNING"]
+        m = CONFIG_LINE.search(caplog.text)
+        assert m is not None and m["dtype"] == "torch.float16"
+        assert not CHUNKED_PREFILL.search(caplog.text)  # only when it is on
+        assert "# swap blocks: 0" in caplog.text and llm.llm_engine.get_stats().num_swap_blocks == 0
+    finally:
+        llm.shutdown()
+    assert default_swap_space("cuda") == 4.0 and default_swap_space("cpu") == 0.0
+    assert EngineArgs(device="cpu").early_configs()[1].swap_space == 0.0
+    assert EngineArgs(device="cpu", swap_space=0.5).early_configs()[1].swap_space == 0.5
 
 
 def test_shutdown_frees_the_engine(tmp_path: Path) -> None:
@@ -154,11 +210,17 @@ def test_shutdown_frees_the_engine(tmp_path: Path) -> None:
         llm.generate(["x"], GREEDY, use_tqdm=False)
 
 
-def test_seed_003_engine_cell(caplog: pytest.LogCaptureFixture) -> None:
+def test_seed_003_engine_cell(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The continuous-batching notebook's cell with `vllm` -> `pagedrs` (the default model instead of Phi-3, which is not on this
-    machine): requests join one per step, each prints its text so far, then the notebook's cleanup lines."""
+    machine): requests join one per step, each prints its text so far, then the notebook's cleanup lines.
+    The log, written as the server writes it, holds one picture per step that the notebook's own parser
+    reads as a batch."""
     from pagedrs.utils import random_uuid
 
+    log_path = tmp_path / "engine.log"
+    handler = logging.FileHandler(log_path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+    logging.getLogger("pagedrs").addHandler(handler)
     with caplog.at_level(logging.INFO, logger="pagedrs"):
         engine = LLMEngine.from_engine_args(
             EngineArgs(
@@ -205,8 +267,16 @@ def test_seed_003_engine_cell(caplog: pytest.LogCaptureFixture) -> None:
     for out in final.values():
         n, reason = len(out.token_ids), out.finish_reason  # type: ignore[attr-defined]
         assert out.text and (n == 4 and reason == "length" or 1 <= n <= 4 and reason == "stop")  # type: ignore[attr-defined]
+    logging.getLogger("pagedrs").removeHandler(handler)
+    handler.close()
     assert steps >= len(prompts)  # one request joined per step, as the seed shows
-    assert sum("tok:" in r.getMessage() for r in caplog.records) == steps  # one picture per step
+    batches = notebook_batches(log_path)
+    assert len(batches) == steps  # one picture per step (vLLM's enable_log_batch_visualization)
+    header = " ".join(f"Batch {i}" for i in range(1, 9))  # max_num_seqs=8 columns
+    assert all(" ".join(b.split("\n")[0].split()) == header for b in batches), batches[0]
+    assert "│ Hello" in batches[0] and "│ The" not in batches[0]  # step 1: the first prompt alone
+    # continuous batching: a request joining while others decode gives a row of boxes side by side
+    assert max(line.count("┌") for b in batches for line in b.split("\n")) >= 3
 
     from pagedrs.distributed.parallel_state import destroy_model_parallel
 

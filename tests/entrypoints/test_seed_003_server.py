@@ -11,6 +11,7 @@ import openai
 from conftest import SubprocessServer, free_port
 
 from tests.helpers import SEED_003_SERVER_FLAGS
+from tests.helpers_vllm_logs import notebook_batches
 
 
 def test_seed_003_server_and_async_client(tmp_path: Path) -> None:
@@ -50,7 +51,13 @@ def test_seed_003_server_and_async_client(tmp_path: Path) -> None:
         responses = asyncio.run(main())
         assert all(isinstance(r, str) and r.strip() for r in responses), responses
         log = server.log_path.read_text(errors="replace")
-        assert "tok:" in log  # --enable-log-batch-visualization: a picture per step
         assert "disable_sliding_window=True" in log and "max_num_batched_tokens=12" in log
+        # --enable-log-batch-visualization: the notebook's `print_batches` finds a picture per step in the
+        # server log, each headed by the 12 batch slots (--max-num-seqs=12), the 3 requests side by side.
+        batches = notebook_batches(server.log_path)
+        assert len(batches) >= 24, len(batches)  # at least one step per token of a 24-token answer
+        header = " ".join(f"Batch {i}" for i in range(1, 13))
+        assert all(" ".join(b.split("\n")[0].split()) == header for b in batches), batches[0]
+        assert max(line.count("┌") for b in batches for line in b.split("\n")) == 3
     finally:
         server.kill()

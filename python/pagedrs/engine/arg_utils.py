@@ -18,9 +18,17 @@ from pagedrs.config import (
     resolve_device,
 )
 
-__all__ = ["LOAD_FORMATS", "EngineArgs"]
+__all__ = ["LOAD_FORMATS", "EngineArgs", "default_swap_space"]
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+
+
+def default_swap_space(device_type: str) -> float:
+    """GiB of CPU swap per rank when `swap_space` is not given: vLLM 0.4's 4 GiB per GPU on CUDA, so that
+    preemption swaps rather than recomputes. No swap on a CPU device (vLLM's CPU backend has no swap): there the
+    device pool is already host memory, and a swap pool beside it would only copy blocks within the same
+    memory that could have been device blocks, so preempted requests recompute."""
+    return 4.0 if device_type == "cuda" else 0.0
 
 
 @dataclass
@@ -35,7 +43,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float | None = None
-    swap_space: float = 0.0
+    swap_space: float | None = None  # GiB per rank; None: `default_swap_space(device)`
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -49,7 +57,7 @@ class EngineArgs:
     disable_log_stats: bool = False
     stats_log_interval: float = 5.0
     enable_log_batch_visualization: bool = False
-    batch_visualization_style: str = "bar"
+    batch_visualization_style: str = "boxes"
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     # vLLM's names, accepted so that programs written for it run (each either works or is refused at
@@ -130,21 +138,6 @@ class EngineArgs:
         ):
             raise ValueError(f"rope_theta must be a number > 0, got {self.rope_theta!r}")
 
-    def config_line(self) -> str:
-        """vLLM's start-up config line: the arguments a user greps for, as given."""
-        names = (
-            "model tokenizer skip_tokenizer_init tokenizer_mode revision rope_scaling rope_theta "
-            "tokenizer_revision trust_remote_code dtype max_model_len download_dir load_format "
-            "tensor_parallel_size pipeline_parallel_size disable_custom_all_reduce quantization enforce_eager "
-            "kv_cache_dtype device seed served_model_name enable_prefix_caching enable_chunked_prefill "
-            "disable_sliding_window max_num_batched_tokens max_num_seqs block_size"
-        ).split()
-        values = {n: getattr(self, n) for n in names}
-        values["max_seq_len"] = values.pop("max_model_len") or self.max_seq_len
-        if values["served_model_name"] is None:
-            values["served_model_name"] = self.model
-        return ", ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in values.items())
-
     def _served_name(self) -> str | None:
         n = self.served_model_name
         if isinstance(n, (list, tuple)):
@@ -207,12 +200,13 @@ class EngineArgs:
             pooling_type=self.pooling_type or "last",
             normalize=self.normalize,
         )
+        device_type = resolve_device(self.device).type
         cache = CacheConfig(
             block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks,
             gpu_memory_utilization=self.gpu_memory_utilization,
             cpu_kv_cache_gb=self.cpu_kv_cache_gb,
-            swap_space=self.swap_space,
+            swap_space=default_swap_space(device_type) if self.swap_space is None else self.swap_space,
             enable_prefix_caching=self.enable_prefix_caching,
             cache_dtype=self.kv_cache_dtype,
         )

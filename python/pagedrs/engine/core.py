@@ -33,6 +33,7 @@ from pagedrs.engine.messages import (
     Ready,
 )
 from pagedrs.engine.pooling import pool_step
+from pagedrs.engine.startup_log import log_kv_cache_size
 from pagedrs.engine.step_outputs import StepOutputs
 from pagedrs.executor import ExecutorDeadError, UniProcExecutor
 from pagedrs.executor.build import load_engine
@@ -119,6 +120,7 @@ class EngineCore:
             logger.info("# GPU blocks: %d, # CPU blocks: %d", num_blocks, num_swap)
         else:
             logger.info("# CPU blocks: %d (device pool), # swap blocks: %d", num_blocks, num_swap)
+        log_kv_cache_size(num_blocks, self.config.cache.block_size, self.max_model_len)
         logger.info(
             "engine ready: model=%s device=%s tp=%d dtype=%s max_model_len=%d kv blocks=%d x %d tokens "
             "(%.2f GiB per rank), swap blocks=%d",

@@ -25,7 +25,13 @@ _ENGINE_FLAGS: list[tuple[str, str, Any, Any, str]] = [
         "fraction of GPU memory for weights + KV cache",
     ),
     ("--cpu-kv-cache-gb", "cpu_kv_cache_gb", float, None, "KV-cache size on CPU in GiB"),
-    ("--swap-space", "swap_space", float, 0, "CPU swap space for preempted requests in GiB"),
+    (
+        "--swap-space",
+        "swap_space",
+        float,
+        None,
+        "CPU swap space for preempted requests in GiB per rank (default: 4 on CUDA, 0 on CPU)",
+    ),
     ("--max-model-len", "max_model_len", int, None, "context length (default: the model's)"),
     ("--max-num-seqs", "max_num_seqs", int, 256, "most requests in a batch"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, None, "token budget of a step"),
@@ -49,7 +55,13 @@ _ENGINE_FLAGS: list[tuple[str, str, Any, Any, str]] = [
     ("--rope-theta", "rope_theta", float, None, "override the config's rope theta"),
     ("--task", "task", str, None, "auto (generation and embeddings), generate or embed"),
     ("--pooling-type", "pooling_type", str, None, "default embedding pooling: last, mean, cls or first"),
-    ("--batch-visualization-style", "batch_visualization_style", str, None, "bar (a line a step) or boxes"),
+    (
+        "--batch-visualization-style",
+        "batch_visualization_style",
+        str,
+        None,
+        "boxes (token boxes, the default) or bar (a line a step)",
+    ),
 ]
 
 # vLLM's boolean switches: (flag, EngineArgs field, help)
@@ -188,7 +200,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests get to finish after SIGTERM",
     )
     g.add_argument(
-        "--log-stats-interval", type=float, default=10.0, help="seconds between engine stats lines (0: off)"
+        "--log-stats-interval", type=float, default=5.0, help="seconds between engine stats lines (0: off)"
     )
     g.add_argument(
         "--max-engine-restarts",

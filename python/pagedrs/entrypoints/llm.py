@@ -138,8 +138,13 @@ class LLM:
     ) -> list[Any]:
         engine = self.llm_engine
         ids: list[str] = []
+        pairs: Any = zip(prompts, params, strict=True)
+        if use_tqdm:  # vLLM's "Adding requests" bar, then its "Processed prompts" bar
+            from tqdm.auto import tqdm
+
+            pairs = tqdm(pairs, total=len(prompts), desc="Adding requests", dynamic_ncols=True)
         try:
-            for prompt, sp in zip(prompts, params, strict=True):
+            for prompt, sp in pairs:
                 rid = str(next(self._counter))
                 if isinstance(sp, SamplingParams) and sp.output_kind != RequestOutputKind.FINAL_ONLY:
                     sp = copy.copy(sp)

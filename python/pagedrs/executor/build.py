@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedrs import __version__
 from pagedrs.config import EngineConfig
+from pagedrs.engine.startup_log import log_startup
 from pagedrs.executor.executor import TPExecutor, UniProcExecutor
 from pagedrs.executor.start import start_workers, stop_workers
 from pagedrs.executor.worker import cpu_threads_per_rank
@@ -50,7 +50,6 @@ def load_engine(args: EngineArgs) -> tuple[EngineConfig, LoadedModel, UniProcExe
     ranks = len(parallel.liquid_gpu_range or ()) or parallel.tensor_parallel_size
     if device_cfg.device.type == "cpu" and (device_cfg.num_threads is not None or ranks > 1):
         torch.set_num_threads(cpu_threads_per_rank(device_cfg.num_threads, ranks))
-    logger.info("Initializing an LLM engine (pagedrs v%s) with config: %s", __version__, args.config_line())
     workers = start_workers(args, device_cfg.device) if ranks > 1 else None
     try:
         loaded = load_model(
@@ -62,9 +61,10 @@ def load_engine(args: EngineArgs) -> tuple[EngineConfig, LoadedModel, UniProcExe
             with_tokenizer=not args.skip_tokenizer_init,
             opts=args.load_options(),
         )
+        config = args.create_engine_config(loaded.max_len)
+        log_startup(args, config, loaded.model_path, loaded.hf_config, loaded.model.dtype)
         weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
         logger.info("Loading model weights took %.4f GB", weights / (1 << 30))
-        config = args.create_engine_config(loaded.max_len)
         return config, loaded, build_executor(config, loaded, workers)
     except BaseException:
         if workers is not None:

@@ -1,0 +1,111 @@
+"""The lines vLLM prints while an engine starts, with the values pagedrs resolved: the dtype cast, the
+config line (vLLM 0.4's), chunked prefill, and the KV cache's size in tokens and in requests (vLLM's
+later versions). Users grep for these; the text is vLLM's."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagedrs import __version__
+from pagedrs.config import EngineConfig
+
+if TYPE_CHECKING:
+    from pagedrs.engine.arg_utils import EngineArgs
+
+__all__ = ["config_line", "log_dtype_cast", "log_kv_cache_size", "log_startup"]
+
+logger = logging.getLogger("pagedrs.engine")
+
+_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
+    """The element type the checkpoint's config declares (None when it declares none)."""
+    d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(d, str):
+        return _DTYPE_NAMES.get(d)
+    return d if isinstance(d, torch.dtype) else None
+
+
+def log_dtype_cast(config_dtype: torch.dtype | None, dtype: torch.dtype) -> None:
+    """vLLM's message when the weights run in another type than the checkpoint's: up- and downcasts to
+    or from float32 are INFO, a float16 <-> bfloat16 cast (a range or precision change) a WARNING."""
+    if config_dtype is None or config_dtype == dtype:
+        return
+    if dtype == torch.float32:
+        logger.info("Upcasting %s to %s.", config_dtype, dtype)
+    elif config_dtype == torch.float32:
+        logger.info("Downcasting %s to %s.", config_dtype, dtype)
+    else:
+        logger.warning("Casting %s to %s.", config_dtype, dtype)
+
+
+def config_line(args: EngineArgs, config: EngineConfig, model_path: str, dtype: torch.dtype) -> str:
+    """vLLM 0.4's config line with resolved values: the model as given (the default model's file when
+    none was), `dtype=torch.float16`, `max_seq_len` the context length in force, `device_config=cuda`;
+    then pagedrs' scheduler settings."""
+    model = args.model if args.model is not None else model_path
+    values: dict[str, object] = {
+        "model": repr(model),
+        "tokenizer": repr(args.tokenizer if args.tokenizer is not None else model),
+        "skip_tokenizer_init": args.skip_tokenizer_init,
+        "tokenizer_mode": args.tokenizer_mode,
+        "revision": args.revision,
+        "rope_scaling": args.rope_scaling,
+        "rope_theta": args.rope_theta,
+        "tokenizer_revision": args.tokenizer_revision,
+        "trust_remote_code": args.trust_remote_code,
+        "dtype": dtype,
+        "max_seq_len": config.scheduler.max_model_len,
+        "download_dir": args.download_dir,
+        "load_format": args.load_format,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
+        "disable_custom_all_reduce": args.disable_custom_all_reduce,
+        "quantization": args.quantization,
+        "enforce_eager": args.enforce_eager,
+        "kv_cache_dtype": config.cache.cache_dtype,
+        "device_config": config.device.device.type,
+        "seed": args.seed,
+        "served_model_name": config.model.served_model_name or model,
+        "enable_prefix_caching": config.cache.enable_prefix_caching,
+        "enable_chunked_prefill": config.scheduler.enable_chunked_prefill,
+        "disable_sliding_window": args.disable_sliding_window,
+        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+        "max_num_seqs": config.scheduler.max_num_seqs,
+        "block_size": config.cache.block_size,
+        "swap_space": config.cache.swap_space,
+    }
+    return ", ".join(f"{k}={v}" for k, v in values.items())
+
+
+def log_startup(
+    args: EngineArgs, config: EngineConfig, model_path: str, hf_config: Any, dtype: torch.dtype
+) -> None:
+    """The lines vLLM prints before the weights are reported: the cast, the config line, chunked prefill."""
+    log_dtype_cast(checkpoint_dtype(hf_config), dtype)
+    logger.info(
+        "Initializing an LLM engine (pagedrs v%s) with config: %s",
+        __version__,
+        config_line(args, config, model_path, dtype),
+    )
+    if config.scheduler.enable_chunked_prefill:
+        logger.info(
+            "Chunked prefill is enabled with max_num_batched_tokens=%d.",
+            config.scheduler.max_num_batched_tokens,
+        )
+
+
+def log_kv_cache_size(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    """vLLM's KV cache lines: the pool's size in tokens and how many requests of the full context length
+    it holds at once (labelled "GPU" on every device, as vLLM prints it)."""
+    tokens = num_blocks * block_size
+    per_request = math.ceil(max_model_len / block_size) * block_size
+    logger.info("GPU KV cache size: %s tokens", f"{tokens:,}")
+    logger.info(
+        "Maximum concurrency for %s tokens per request: %.2fx", f"{max_model_len:,}", tokens / per_request
+    )
