@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import importlib
+import subprocess
+import sys
+
 import pytest
 
 from pagedrs.entrypoints.cli import make_parser
-from pagedrs.entrypoints.cli_args import engine_kwargs, make_engine_args
+from pagedrs.entrypoints.cli_args import (
+    check_serve_args,
+    engine_kwargs,
+    make_engine_args,
+    serve_args_error,
+)
 
 
 def test_serve_flags_map_to_engine_args() -> None:
@@ -89,3 +98,37 @@ def test_embedding_flags() -> None:
     )
     assert ea.task == "embed" and ea.pooling_type == "mean" and ea.normalize is False
     assert make_engine_args(make_parser().parse_args(["serve"])).normalize is True
+
+
+def test_auto_tool_choice_without_parser_is_a_usage_error() -> None:
+    """As vLLM: --enable-auto-tool-choice needs --tool-call-parser; argparse's exit (status 2, one error
+    line naming both flags), before any model loads, not a traceback from the server's start."""
+    r = subprocess.run(
+        [sys.executable, "-m", "pagedrs.entrypoints.cli", "serve", "--enable-auto-tool-choice"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "pagedrs: error: --enable-auto-tool-choice requires --tool-call-parser to be set"
+    )
+
+
+@pytest.mark.parametrize("module", ["pagedrs.entrypoints.openai.api_server", "pagedrs.launch_server"])
+def test_auto_tool_choice_without_parser_other_entrypoints(
+    module: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    main = importlib.import_module(module).main
+    with pytest.raises(SystemExit) as exc:
+        main(["--enable-auto-tool-choice"])
+    assert exc.value.code == 2
+    assert "error: --enable-auto-tool-choice requires --tool-call-parser" in capsys.readouterr().err
+
+
+def test_auto_tool_choice_with_parser_passes_the_check() -> None:
+    parser = make_parser()
+    args = parser.parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    check_serve_args(parser, args)  # no exit
+    assert serve_args_error(args) is None

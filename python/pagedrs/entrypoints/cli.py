@@ -7,7 +7,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from pagedrs.entrypoints.cli_args import add_engine_args, engine_kwargs, make_serve_parser
+from pagedrs.entrypoints.cli_args import add_engine_args, check_serve_args, engine_kwargs, make_serve_parser
 
 BENCHES = ("serving", "throughput")
 
@@ -120,7 +120,10 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        check_serve_args(parser, args)
     return int(args.func(args) or 0)
 
 

@@ -315,6 +315,21 @@ def make_serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse
     return parser
 
 
+def serve_args_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with a combination of serve flags (vLLM rejects the same ones), or None."""
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+        return "--enable-auto-tool-choice requires --tool-call-parser to be set"
+    return None
+
+
+def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exits as argparse does (usage, one error line, status 2) on a bad combination of serve flags,
+    before any model is loaded."""
+    error = serve_args_error(args)
+    if error is not None:
+        parser.error(error)
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineArgs / LLM keyword arguments from parsed flags (None values left out)."""
     kwargs: dict[str, Any] = {"model": args.model}

@@ -15,7 +15,12 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from pagedrs.entrypoints.cli_args import make_engine_args, make_serve_parser
+from pagedrs.entrypoints.cli_args import (
+    check_serve_args,
+    make_engine_args,
+    make_serve_parser,
+    serve_args_error,
+)
 
 if TYPE_CHECKING:
     from pagedrs.engine.async_engine import AsyncLLMEngine
@@ -71,6 +76,9 @@ def resolve_server_args(args: argparse.Namespace) -> argparse.Namespace:
     count = getattr(args, "api_server_count", 1)
     if count is None or count < 1:
         raise ValueError(f"--api-server-count must be at least 1, got {count}")
+    error = serve_args_error(args)
+    if error is not None:
+        raise ValueError(error)
     return args
 
 
@@ -129,12 +137,14 @@ def serve_app(
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_serve_parser(
+    parser = make_serve_parser(
         argparse.ArgumentParser(
             prog="python -m pagedrs.entrypoints.openai.api_server",
             description="pagedrs OpenAI-compatible API server",
         )
-    ).parse_args(argv)
+    )
+    args = parser.parse_args(argv)
+    check_serve_args(parser, args)
     return run_server(args)
 
 
