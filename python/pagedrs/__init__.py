@@ -22,10 +22,11 @@ from pagedrs.outputs import (
     RequestOutput,
 )
 from pagedrs.pooling_params import PoolingParams
-from pagedrs.sampling_params import RequestOutputKind, SamplingParams
+from pagedrs.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
+    "BeamSearchParams",
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 from dataclasses import dataclass, field
 
 from pagedrs.structured_outputs import StructuredOutputsParams
 
-__all__ = ["RequestOutputKind", "SamplingParams", "SamplingType"]
+__all__ = ["BeamSearchParams", "RequestOutputKind", "SamplingParams", "SamplingType"]
 
 _SAMPLING_EPS = 1e-5
 _MIN_TEMP = 1e-2  # vLLM clamps positive temperatures below this up to it (numerical stability)
@@ -207,3 +208,29 @@ class SamplingParams:
         if self.seed is not None:
             params.seed = self.seed + index
         return params
+
+
+@dataclass(frozen=True, slots=True)
+class BeamSearchParams:
+    """How to run `LLM.beam_search` (vLLM's `BeamSearchParams`): keep the `beam_width` most likely
+    sequences for up to `max_tokens` tokens; finished sequences rank by
+    cum_logprob / len(tokens) ** length_penalty. `temperature` is passed to each step's sampler (the
+    beams follow the raw logprobs either way, as in vLLM)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.beam_width) or self.beam_width < 1:
+            raise _bad("beam_width", self.beam_width, "must be an int >= 1")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= _INT64_MAX:
+            raise _bad("max_tokens", self.max_tokens, "must be an int >= 1 (64-bit)")
+        if not isinstance(self.ignore_eos, bool):
+            raise _bad("ignore_eos", self.ignore_eos, "must be a bool")
+        if not _is_num(self.temperature) or not self.temperature >= 0:
+            raise _bad("temperature", self.temperature, "must be a non-negative number")
+        if not _is_num(self.length_penalty) or not math.isfinite(self.length_penalty):
+            raise _bad("length_penalty", self.length_penalty, "must be a finite number")

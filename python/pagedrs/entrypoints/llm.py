@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 from pagedrs.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedrs.pooling_params import PoolingParams
-from pagedrs.sampling_params import RequestOutputKind, SamplingParams
+from pagedrs.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
+    from pagedrs.beam_search import BeamSearchOutput
     from pagedrs.executor.liquid import LiquidRequest
 
 __all__ = ["LLM", "PromptInput"]
@@ -96,6 +97,49 @@ class LLM:
         if not isinstance(params, PoolingParams):
             raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
         return self._run(prompt_list, [params] * len(prompt_list), use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """The `params.beam_width` most likely continuations of each prompt (text, token ids or
+        {"prompt"/"prompt_token_ids": ...}), best first, as vLLM's `LLM.beam_search`: each round submits
+        every live beam as a one-token request; the prefix cache shares the beams' common blocks."""
+        from pagedrs.beam_search import BeamSearch
+
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        engine = self.llm_engine
+        proc = engine.input_processor
+        ids_list = [proc.tokenize(p)[1] for p in _prompt_list(prompts)]
+        # Offline, as generate: a beam stops at max_model_len rather than the request failing.
+        limits = [
+            min(proc.resolve_max_tokens(len(ids), params.max_tokens), engine.max_model_len - len(ids))
+            for ids in ids_list
+        ]
+        search = BeamSearch(
+            ids_list, params, engine.eos_token_ids, max_tokens=limits, max_logprobs=proc.max_logprobs
+        )
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=max(limits, default=0), desc="Beam search", unit="token", dynamic_ncols=True)
+        try:
+            while beams := search.next_prompts():
+                step: list[PromptInput] = [{"prompt_token_ids": ids} for ids in beams]
+                search.update(self._run(step, [search.step_params] * len(step), use_tqdm=False))
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        tokenizer = engine.get_tokenizer()
+        if tokenizer is None:
+            return search.outputs()
+        return search.outputs(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
     def do_liquid(self, request: LiquidRequest) -> list[dict]:
         """Scale the model out or in across `liquid_gpu_range` (vLLM 0.5's liquid fork): e.g.
