@@ -3,6 +3,7 @@ the validated, frozen configs of `pagedrs.config`."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, fields
 from typing import Any
@@ -70,6 +71,8 @@ class EngineArgs:
     max_seq_len: int | None = None
     download_dir: str | None = None
     load_format: str = "auto"
+    gguf_file: str | None = None  # which .gguf file of a Hub repo (or "org/name:Q4_K_M")
+    hf_token: str | bool | None = None  # Hub token (default: HF_TOKEN or the saved login)
     pipeline_parallel_size: int = 1
     disable_custom_all_reduce: bool = False
     quantization: str | None = None
@@ -153,10 +156,31 @@ class EngineArgs:
             revision=self.revision,
             tokenizer_revision=self.tokenizer_revision,
             download_dir=self.download_dir,
+            gguf_file=self.gguf_file,
+            token=self.hf_token,
             trust_remote_code=self.trust_remote_code,
             tokenizer_mode=self.tokenizer_mode,
             overrides=self.model_overrides(),
             seed=self.seed,
+        )
+
+    def with_local_model(self) -> EngineArgs:
+        """These arguments with a Hub model or tokenizer name replaced by the local path it resolves to,
+        fetching what the cache lacks. The engine's first process calls it once, so that the core process
+        and every tensor-parallel rank read the same snapshot and none of them downloads; the name stays
+        the served model name."""
+        from pagedrs.loader import resolve_paths
+
+        model, tokenizer = resolve_paths(self.model, self.tokenizer, self.load_options())
+        return dataclasses.replace(
+            self,
+            model=self.model if self.model is None else model,  # None: the default model, named by its file
+            tokenizer=tokenizer,
+            revision=None,
+            tokenizer_revision=None,
+            gguf_file=None,
+            hf_token=None,  # the arguments travel to other processes on their command line
+            served_model_name=self.served_model_name or self.model,
         )
 
     def model_overrides(self) -> dict[str, Any]:

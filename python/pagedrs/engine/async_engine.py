@@ -238,6 +238,8 @@ class AsyncLLMEngine:
     def from_engine_args(cls, engine_args: Any, **kwargs: Any) -> AsyncLLMEngine:
         """The core in its own process, loading the model there; the tokenizer is loaded here."""
         engine_args.early_configs()  # bad arguments fail here, before any process starts
+        # A Hub name is fetched here, once: the tokenizer below and the core process read the local copy.
+        engine_args = engine_args.with_local_model()
         return cls(
             tokenizer=_frontend_tokenizer(engine_args),
             _make_handle=lambda ipc_dir, gen: ProcessCore(engine_args, ipc_dir, gen),

@@ -38,9 +38,11 @@ _ENGINE_FLAGS: list[tuple[str, str, Any, Any, str]] = [
     ("--attention-backend", "attention_backend", str, "auto", "auto, torch or cupy"),
     ("--seed", "seed", int, 0, "random seed"),
     ("--tokenizer-mode", "tokenizer_mode", str, None, "auto (fast tokenizer) or slow"),
-    ("--revision", "revision", str, None, "hub revision (looked up in the local HF cache only)"),
-    ("--tokenizer-revision", "tokenizer_revision", str, None, "hub revision of the tokenizer"),
-    ("--download-dir", "download_dir", str, None, "HF cache folder to look models up in"),
+    ("--revision", "revision", str, None, "Hub revision of the model: branch, tag or commit"),
+    ("--tokenizer-revision", "tokenizer_revision", str, None, "Hub revision of the tokenizer"),
+    ("--download-dir", "download_dir", str, None, "HF cache folder to download Hub models into"),
+    ("--gguf-file", "gguf_file", str, None, "the .gguf file of a Hub GGUF repo (or name it org/name:QUANT)"),
+    ("--hf-token", "hf_token", str, None, "Hub token (default: HF_TOKEN or the saved login)"),
     ("--load-format", "load_format", str, None, "auto, safetensors, pt, gguf or dummy (random weights)"),
     ("--pipeline-parallel-size", "pipeline_parallel_size", int, None, "only 1 (use -tp)"),
     ("--quantization", "quantization", str, None, "not supported (GGUF files are dequantized on load)"),
@@ -310,6 +312,9 @@ def make_serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse
     parser = parser or argparse.ArgumentParser(
         prog="pagedrs serve", description="OpenAI-compatible API server"
     )
+    parser.add_argument(
+        "model_tag", nargs="?", default=None, help="model path or Hub name, as `pagedrs serve org/name`"
+    )
     add_server_args(parser)
     add_engine_args(parser)
     return parser
@@ -332,7 +337,10 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineArgs / LLM keyword arguments from parsed flags (None values left out)."""
-    kwargs: dict[str, Any] = {"model": args.model}
+    tag = getattr(args, "model_tag", None)
+    if tag is not None and args.model not in (None, tag):
+        raise SystemExit(f"the model is named twice: {tag!r} and --model {args.model!r}")
+    kwargs: dict[str, Any] = {"model": args.model or tag}
     for _, dest, _, _, _ in _ENGINE_FLAGS:
         value = getattr(args, dest, None)
         if value is not None:

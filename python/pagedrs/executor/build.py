@@ -50,6 +50,7 @@ def load_engine(args: EngineArgs) -> tuple[EngineConfig, LoadedModel, UniProcExe
     ranks = len(parallel.liquid_gpu_range or ()) or parallel.tensor_parallel_size
     if device_cfg.device.type == "cpu" and (device_cfg.num_threads is not None or ranks > 1):
         torch.set_num_threads(cpu_threads_per_rank(device_cfg.num_threads, ranks))
+    args = args.with_local_model()  # a Hub name fetched here, once; the ranks get the local path
     workers = start_workers(args, device_cfg.device) if ranks > 1 else None
     try:
         loaded = load_model(

@@ -1,5 +1,6 @@
 """Model loading: a local HF folder (config.json + safetensors or PyTorch .bin, sharded or not, tokenizer
-files), a GGUF file (converted once into a cache folder), or None for the default model.
+files), a GGUF file (converted once into a cache folder), a Hugging Face Hub name (fetched into the HF
+cache: `hub.py`), or None for the default model.
 
 A GGUF file loaded with dtype "auto" on one CPU rank keeps its quantized tensors in their block layout
 (the CPU kernels multiply them); any explicit dtype, a GPU, or tensor parallelism loads the float32
@@ -43,6 +44,7 @@ __all__ = [
     "model_folder",
     "resolve_dtype",
     "resolve_model_path",
+    "resolve_paths",
 ]
 
 logger = logging.getLogger("pagedrs.loader")
@@ -87,28 +89,58 @@ class LoadedModel:
 
 
 def resolve_model_path(
-    model: str | None, revision: str | None = None, download_dir: str | None = None
+    model: str | None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    *,
+    opts: LoadOptions | None = None,
+    weights: bool = True,
 ) -> str:
     """Absolute path of a local model folder or GGUF file; None -> the default model's GGUF file.
 
-    A name like "org/model" that is not a local path is looked up in the local Hugging Face cache only
-    (pagedrs never downloads). ValueError naming the path when nothing is found."""
+    A name like "org/model" (or "gpt2", or "org/model:Q4_K_M" for one GGUF file) that is not a local path
+    is fetched from the Hugging Face Hub (`pagedrs.loader.hub`), only the files loading reads; `weights=False`
+    fetches a tokenizer's files only. `opts` supplies gguf_file, the token, load_format and
+    trust_remote_code. ValueError naming the path or repo when nothing is found."""
+    from pagedrs.loader import hub
+
+    opts = opts or LoadOptions()
     if model is None:
         return str(default_model_path())
     path = Path(model).expanduser()
     if path.exists():
+        if opts.gguf_file is not None and path.is_dir():
+            path = path / opts.gguf_file
+            if not path.is_file():
+                raise ValueError(f"gguf_file {opts.gguf_file!r} is not in the model folder {model!r}")
         return str(path.resolve())
-    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
-        try:
-            from huggingface_hub import snapshot_download
-
-            return snapshot_download(model, local_files_only=True, revision=revision, cache_dir=download_dir)
-        except Exception:
-            pass
+    if hub.is_hub_name(model):
+        return hub.fetch(
+            model,
+            revision=revision,
+            download_dir=download_dir,
+            token=opts.token,
+            gguf_file=opts.gguf_file if weights else None,
+            load_format=opts.load_format,
+            weights=weights,
+            trust_remote_code=opts.trust_remote_code,
+        )
     raise ValueError(
         f"model {model!r} not found: pass a local HF model folder (config.json + weights), a .gguf file, "
-        "or nothing for the default model"
+        "a Hugging Face Hub name (org/name), or nothing for the default model"
     )
+
+
+def resolve_paths(model: str | None, tokenizer: str | None, opts: LoadOptions) -> tuple[str, str | None]:
+    """(model path, tokenizer path or None) with Hub names fetched: what the engine's first process does
+    once, so that the core process and the tensor-parallel ranks only ever see local paths."""
+    path = resolve_model_path(model, opts.revision, opts.download_dir, opts=opts)
+    tok = None
+    if tokenizer is not None:
+        tok = resolve_model_path(
+            tokenizer, opts.tokenizer_revision, opts.download_dir, opts=opts, weights=False
+        )
+    return path, tok
 
 
 def model_folder(path: str) -> str:
@@ -211,15 +243,20 @@ def load_tokenizer(
     opts = opts or LoadOptions()
     if tokenizer is not None:
         return _load_tokenizer(
-            resolve_model_path(tokenizer, opts.tokenizer_revision, opts.download_dir), opts
+            resolve_model_path(
+                tokenizer, opts.tokenizer_revision, opts.download_dir, opts=opts, weights=False
+            ),
+            opts,
         )
-    return _load_tokenizer(model_folder(resolve_model_path(model, opts.revision, opts.download_dir)), opts)
+    return _load_tokenizer(
+        model_folder(resolve_model_path(model, opts.revision, opts.download_dir, opts=opts)), opts
+    )
 
 
 def load_hf_config(model: str | None, opts: LoadOptions | None = None) -> transformers.PretrainedConfig:
     """The HF config of `model` (folder, GGUF file or None) with `opts.overrides` applied, no weights."""
     opts = opts or LoadOptions()
-    folder = model_folder(resolve_model_path(model, opts.revision, opts.download_dir))
+    folder = model_folder(resolve_model_path(model, opts.revision, opts.download_dir, opts=opts))
     config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=opts.trust_remote_code)
     apply_overrides(config, opts.overrides)
     return config
@@ -258,7 +295,7 @@ def load_model(
     from pagedrs.models.utils import check_tensor_parallel
 
     opts = opts or LoadOptions()
-    path = resolve_model_path(model, opts.revision, opts.download_dir)
+    path = resolve_model_path(model, opts.revision, opts.download_dir, opts=opts)
     folder = model_folder(path)
     device = torch.device(device)
     config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=opts.trust_remote_code)
@@ -287,7 +324,9 @@ def load_model(
         source = (
             folder
             if tokenizer is None
-            else resolve_model_path(tokenizer, opts.tokenizer_revision, opts.download_dir)
+            else resolve_model_path(
+                tokenizer, opts.tokenizer_revision, opts.download_dir, opts=opts, weights=False
+            )
         )
         tok = _load_tokenizer(source, opts)
     return LoadedModel(model=net, hf_config=config, tokenizer=tok, model_path=path, max_len_cap=cap)

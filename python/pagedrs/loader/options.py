@@ -1,5 +1,5 @@
 """How a model is loaded beyond its path: vLLM's loading arguments (`load_format`, `revision`,
-`download_dir`, `trust_remote_code`, `tokenizer_mode`, `tokenizer_revision`) and the overrides of the
+`download_dir`, `gguf_file`, the Hub token, `trust_remote_code`, `tokenizer_mode`, `tokenizer_revision`) and the overrides of the
 model's own config (`rope_scaling`, `rope_theta`, `disable_sliding_window`)."""
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ class LoadOptions:
     revision: str | None = None
     tokenizer_revision: str | None = None
     download_dir: str | None = None
+    gguf_file: str | None = None  # the one .gguf file of a Hub repo (or local folder) to load
+    token: str | bool | None = None  # Hub token (None: HF_TOKEN or the saved login, as huggingface_hub)
     trust_remote_code: bool = False
     tokenizer_mode: str = "auto"  # auto (fast) | slow
     overrides: dict[str, Any] = field(default_factory=dict)

@@ -76,6 +76,12 @@ def run_multi_server(args: argparse.Namespace) -> int:
     try:
         engine_args = make_engine_args(args)
         engine_args.early_configs()  # bad arguments fail here, before any process starts
+        # A Hub name is fetched here, once; the core and the API servers (which load the tokenizer from
+        # these flags) get the local paths.
+        engine_args = engine_args.with_local_model()
+        for name in ("model", "tokenizer", "revision", "tokenizer_revision", "gguf_file", "hf_token"):
+            setattr(args, name, getattr(engine_args, name))
+        args.model_tag = None  # `pagedrs serve org/name`: now args.model
     except ValueError as exc:
         logger.error("%s", exc)
         print(f"pagedrs: {exc}", file=sys.stderr)
