@@ -22,6 +22,20 @@ MAX_STOP = 16
 MAX_SEED = 2**63 - 1
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+# What a beam search cannot follow: it ranks the model's own logprobs, one token per round.
+BEAM_SEARCH_UNSUPPORTED = (
+    "stream",
+    "stop",
+    "stop_token_ids",
+    "min_tokens",
+    "logit_bias",
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "tools",
+)
 
 
 class OpenAIModel(BaseModel):
@@ -74,6 +88,9 @@ class SamplingFields(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's beam search: n beams (best_of on completions, when larger), ranked with length_penalty.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     @field_validator("stop")
     @classmethod
@@ -97,6 +114,14 @@ class SamplingFields(OpenAIModel):
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         if self.top_k == 0:
             self.top_k = -1
+        if self.use_beam_search:
+            self.check_beam_search()
+
+    def check_beam_search(self) -> None:
+        """Fields beam search cannot honour are refused, not ignored."""
+        for name in BEAM_SEARCH_UNSUPPORTED:
+            if getattr(self, name, None):
+                raise bad_request(f"{name} is not supported with use_beam_search", param=name)
 
 
 class CompletionRequest(SamplingFields):
@@ -111,7 +136,13 @@ class CompletionRequest(SamplingFields):
         self.check_common()
         if self.suffix:
             raise bad_request("suffix is not supported", param="suffix")
-        if self.best_of is not None and self.best_of != self.n:
+        if self.use_beam_search:
+            if self.best_of is not None and self.best_of < self.n:
+                raise bad_request(
+                    f"best_of ({self.best_of}) must be at least n ({self.n}) with use_beam_search",
+                    param="best_of",
+                )
+        elif self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of other than n is not supported", param="best_of")
         prompts = self.prompts()
         if not prompts:

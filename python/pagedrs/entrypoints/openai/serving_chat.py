@@ -29,6 +29,7 @@ from pagedrs.entrypoints.openai.serving_base import (
     sse_error,
     usage_info,
 )
+from pagedrs.entrypoints.openai.serving_beam_search import beam_search_outputs
 from pagedrs.entrypoints.openai.tool_parsers import ParsedMessage, chat_deltas
 from pagedrs.sampling_params import SamplingParams
 
@@ -104,13 +105,18 @@ class OpenAIServingChat(OpenAIServing):
     ) -> dict[str, Any] | AsyncIterator[str]:
         prep = await self.prepare(req)
         request_id = random_id("chatcmpl")
-        streams = await self.submit_all(request_id, [prep.prompt_ids], prep.params)
-        if req.stream:
-            return self._stream(req, request_id, prep, streams)
-        try:
-            outputs = await self.until_disconnect(raw_request, self.collect(streams))
-        finally:
-            self.release_all(streams)
+        if req.use_beam_search:  # n beams, each one choice (vLLM's use_beam_search)
+            max_tokens = req.requested_max_tokens()
+            work = beam_search_outputs(self, request_id, req, [prep.prompt_ids], max_tokens, req.n, req.n)
+            outputs = await self.until_disconnect(raw_request, work)
+        else:
+            streams = await self.submit_all(request_id, [prep.prompt_ids], prep.params)
+            if req.stream:
+                return self._stream(req, request_id, prep, streams)
+            try:
+                outputs = await self.until_disconnect(raw_request, self.collect(streams))
+            finally:
+                self.release_all(streams)
         out = outputs[0]
         text_of = TokenText(self.tokenizer)
         choices = []

@@ -21,6 +21,7 @@ from pagedrs.entrypoints.openai.serving_base import (
     sse,
     sse_error,
     usage_info,
+from pagedrs.entrypoints.openai.serving_beam_search import beam_search_outputs
 )
 from pagedrs.outputs import CompletionOutput, RequestOutput
 from pagedrs.sampling_params import SamplingParams
@@ -48,6 +49,8 @@ class OpenAIServingCompletion(OpenAIServing):
             self.resolve_max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt") for ids in ids_list
         )
         params = self.sampling_params(req, max_tokens, req.logprobs, stream=bool(req.stream))
+        if req.use_beam_search:
+            return await self._beam_search(req, raw_request, request_id, model, ids_list, texts)
         return model, ids_list, texts, params
 
     async def create(
@@ -59,6 +62,23 @@ class OpenAIServingCompletion(OpenAIServing):
         streams = await self.submit_all(request_id, ids_list, params)
         if req.stream:
             return self._stream(req, request_id, model, ids_list, texts, streams)
+    async def _beam_search(
+        self,
+        req: CompletionRequest,
+        raw_request: Request | None,
+        request_id: str,
+        model: str,
+        ids_list: list[list[int]],
+        texts: list[str],
+    ) -> dict[str, Any]:
+        """The best n of best_of (default n) beams of each prompt as its choices (vLLM's use_beam_search)."""
+        width = req.best_of if req.best_of is not None else req.n
+        work = beam_search_outputs(self, request_id, req, ids_list, req.max_tokens, width, req.n)
+        outputs = await self.until_disconnect(raw_request, work)
+        if req.echo:
+            texts = [t or self.tokenizer.decode(ids) for t, ids in zip(texts, ids_list, strict=True)]
+        return self._response(req, request_id, model, ids_list, texts, outputs)
+
         try:
             outputs = await self.until_disconnect(raw_request, self.collect(streams))
         finally:

@@ -1,0 +1,87 @@
+"""`use_beam_search` on /v1/completions and /v1/chat/completions, as vLLM serves it: the request's
+n (or best_of, when larger) is the beam width, the best n beams are the choices. The rounds of
+`pagedrs.beam_search.BeamSearch` run through the async engine like any other requests."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from pagedrs.beam_search import BeamSearch
+from pagedrs.engine.input_processor import InputError
+from pagedrs.entrypoints.openai.errors import bad_request
+from pagedrs.entrypoints.openai.protocol import SamplingFields
+from pagedrs.entrypoints.openai.serving_base import OpenAIServing
+from pagedrs.outputs import CompletionOutput, RequestOutput
+from pagedrs.sampling_params import BeamSearchParams
+
+__all__ = ["beam_search_outputs"]
+
+
+async def beam_search_outputs(
+    serving: OpenAIServing,
+    request_id: str,
+    req: SamplingFields,
+    prompts: Sequence[list[int]],
+    requested_max_tokens: int | None,
+    width: int,
+    n: int,
+) -> list[RequestOutput]:
+    """One finished output per prompt whose n completions are its best n beams, best first."""
+    engine = serving.engine
+    proc = engine.input_processor
+    try:
+        limits = [proc.resolve_max_tokens(len(ids), requested_max_tokens) for ids in prompts]
+    except InputError as exc:
+        raise bad_request(str(exc), param=exc.param, code=exc.code) from None
+    try:
+        params = BeamSearchParams(
+            beam_width=width,
+            max_tokens=max(limits),
+            ignore_eos=req.ignore_eos,
+            temperature=req.temperature if req.temperature is not None else 0.0,
+            length_penalty=req.length_penalty,
+        )
+        search = BeamSearch(
+            prompts, params, engine.ready.eos_token_ids, max_tokens=limits, max_logprobs=proc.max_logprobs
+        )
+    except ValueError as exc:  # the message names the field
+        width_param = "best_of" if getattr(req, "best_of", None) is not None else "n"
+        param = width_param if "beam_width" in str(exc) else "length_penalty"
+        raise bad_request(str(exc), param=param) from None
+    for round_index in itertools.count():
+        beams = search.next_prompts()
+        if not beams:
+            break
+        streams = await serving.submit_all(f"{request_id}-{round_index}", beams, search.step_params)
+        try:
+            search.update(await serving.collect(streams))
+        finally:
+            serving.release_all(streams)
+    tokenizer = serving.tokenizer
+    results = search.outputs(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    outputs = []
+    for i, (ids, inst, result) in enumerate(zip(prompts, search.instances, results, strict=True)):
+        choices = [
+            CompletionOutput(
+                index=j,
+                text=beam.text or "",
+                token_ids=beam.tokens[len(ids) :],
+                cumulative_logprob=beam.cum_logprob,
+                logprobs=beam.logprobs,
+                finish_reason=beam.finish_reason,
+            )
+            for j, beam in enumerate(result.sequences[:n])
+        ]
+        outputs.append(
+            RequestOutput(
+                request_id=f"{request_id}-{i}",
+                prompt=None,
+                prompt_token_ids=list(ids),
+                prompt_logprobs=None,
+                outputs=choices,
+                finished=True,
+                num_cached_tokens=inst.num_cached_tokens,
+            )
+        )
+    return outputs
