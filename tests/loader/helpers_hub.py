@@ -72,6 +72,15 @@ class LoopbackHub:
         repo.gated = repo.gated or gated
         return commit
 
+    def repo_requests(self, repo_id: str) -> list[tuple[str, str]]:
+        """The requests about `repo_id` (its info, tree and files), in order."""
+        with self._lock:
+            return [
+                (m, p)
+                for m, p in self.requests
+                if p.startswith((f"/api/models/{repo_id}/", f"/{repo_id}/")) or p == f"/api/models/{repo_id}"
+            ]
+
     def downloads(self, repo_id: str | None = None) -> list[str]:
         """The file paths fetched with GET .../resolve/... (of `repo_id` if given), in order."""
         with self._lock:

@@ -1,6 +1,7 @@
 """Models by name, fetched from a Hub served on loopback (HF_ENDPOINT points at it; nothing leaves the
 machine): by name then generate, by revision, gated and missing repos, offline and unreachable with and
-without a cache, GGUF repos of several files, only the needed files, and one download for two TP ranks."""
+without a cache, GGUF repos of several files, only the needed files, and one download for two TP ranks
+and for a server's engine core process."""
 
 from __future__ import annotations
 
@@ -117,6 +118,8 @@ def test_offline_uses_the_cache_only(hub: LoopbackHub, tiny: Path, monkeypatch: 
     seen = len(hub.requests)
     assert fetch("org/tiny") == online
     assert len(hub.requests) == seen  # no request at all
+    shutil.rmtree(Path(online).parents[1] / "trees")  # a cache without the saved listing (older clients)
+    assert fetch("org/tiny") == online
 
 
 def test_unreachable_hub_falls_back_to_the_cache(
@@ -202,7 +205,7 @@ def test_tp2_downloads_once(hub: LoopbackHub, tiny: Path, tmp_path: Path) -> Non
     """The first process fetches; the second rank gets the local path and never asks the Hub."""
     hub.add("org/tiny", tiny)
     fetch("org/tiny", download_dir=str(tmp_path / "one-fetch"))
-    one_fetch = len(hub.requests)
+    one_fetch = len(hub.repo_requests("org/tiny"))
     hub.requests.clear()
     llm = LLM("org/tiny", tensor_parallel_size=2, **ENGINE)
     try:
@@ -210,7 +213,7 @@ def test_tp2_downloads_once(hub: LoopbackHub, tiny: Path, tmp_path: Path) -> Non
     finally:
         llm.llm_engine.shutdown()
     assert sorted(hub.downloads()) == sorted([*META, "model.safetensors"])  # each file once
-    assert len(hub.requests) == one_fetch
+    assert len(hub.repo_requests("org/tiny")) == one_fetch
 
 
 def test_engine_args_carry_the_local_path(hub: LoopbackHub, tiny: Path) -> None:
@@ -219,3 +222,21 @@ def test_engine_args_carry_the_local_path(hub: LoopbackHub, tiny: Path) -> None:
     assert Path(args.model, "config.json").is_file()
     assert (args.served_model_name, args.revision, args.hf_token) == ("org/tiny", None, None)
     assert EngineArgs(model=None).with_local_model().model is None
+
+
+def test_engine_core_process_gets_the_local_path(hub: LoopbackHub, tiny: Path, tmp_path: Path) -> None:
+    """The server's path: the frontend fetches (and loads the tokenizer); the core process never asks the Hub."""
+    from pagedrs.engine.async_engine import AsyncLLMEngine
+
+    hub.add("org/tiny", tiny)
+    fetch("org/tiny", download_dir=str(tmp_path / "one-fetch"))
+    one_fetch = len(hub.repo_requests("org/tiny"))
+    hub.requests.clear()
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model="org/tiny", **ENGINE))
+    try:
+        assert engine.model_name == "org/tiny"
+        assert engine.tokenizer.decode(engine.tokenizer("hub")["input_ids"]) == "hub"
+    finally:
+        engine.shutdown()
+    assert sorted(hub.downloads()) == sorted([*META, "model.safetensors"])
+    assert len(hub.repo_requests("org/tiny")) == one_fetch

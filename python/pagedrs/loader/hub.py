@@ -164,7 +164,7 @@ def fetch(
         trust_remote_code=trust_remote_code,
     )
     where = dict(revision=revision, cache_dir=download_dir, token=token)
-    if constants.is_offline_mode() or _env_true("HF_HUB_OFFLINE"):
+    if getattr(constants, "HF_HUB_OFFLINE", False) or _env_true("HF_HUB_OFFLINE"):
         return _from_cache(repo_id, choose, where, reason="HF_HUB_OFFLINE is set")
     try:
         files = _hub_files(repo_id, revision, token)
