@@ -253,6 +253,10 @@ def test_unfinished_background_responses_fail_after_a_restart(tmp_path: Path) ->
             {"input": "hi", "tools": [FN_TOOL], "tool_choice": {"type": "function", "name": "nope"}},
             "tool_choice",
         ),
+        # the engine's own checks, named as /v1/responses spells them, before anything is queued
+        ({"input": "hi", "max_output_tokens": 5000}, "max_output_tokens"),
+        ({"input": "hi", "max_output_tokens": 5000, "background": True}, "max_output_tokens"),
+        ({"input": "x" * 5000, "background": True}, "input"),
     ],
 )
 def test_bad_requests_are_400(server: ThreadedServer, body: dict[str, object], param: str) -> None:

@@ -134,6 +134,10 @@ def _post(server: ThreadedServer, path: str, body: object, **kw: object) -> http
         ({"prompt": "x" * 100, "max_tokens": 100}, 400, "max_tokens"),
         ({"prompt": "x" * 200}, 400, "prompt"),
         ({"prompt": [999999]}, 400, "prompt"),
+        ({"prompt": [[5], [999999]]}, 400, "prompt[1]"),
+        ({"prompt": "x", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
+        ({"prompt": "x", "stop_token_ids": [999999]}, 400, "stop_token_ids"),
+        ({"prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
         ({"prompt": "x", "model": "nope"}, 404, "model"),
         ({"prompt": "x" * 30_000}, 413, None),
     ],
@@ -143,7 +147,7 @@ def test_bad_input_then_good(server: ThreadedServer, body: object, status: int, 
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
-    assert err["param"] == param
+    assert err["param"] == param, err
     if param == "max_tokens":
         assert "128" in err["message"] and "200" in err["message"]
     good = _post(server, "/v1/completions", {"prompt": "ok", "max_tokens": 2})

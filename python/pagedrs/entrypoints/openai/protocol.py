@@ -147,9 +147,11 @@ class CompletionRequest(SamplingFields):
         prompts = self.prompts()
         if not prompts:
             raise bad_request("prompt must not be empty", param="prompt")
-        for p in prompts:
+        for i, p in enumerate(prompts):
             if len(p) == 0:
-                raise bad_request("prompt must not be empty", param="prompt")
+                raise bad_request(
+                    "prompt must not be empty", param="prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                )
         if len(prompts) * self.n > 1024:
             raise bad_request("too many choices: len(prompt) * n must be at most 1024", param="n")
 

@@ -7,9 +7,10 @@ import asyncio
 import copy
 import json
 import logging
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -121,31 +122,13 @@ class OpenAIServing:
             return fn(*args)
         return await asyncio.to_thread(fn, *args)
 
-    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
-        """The engine's InputProcessor check, as a 400 naming `param`."""
-        try:
-            self.engine.input_processor.check_token_ids(list(ids), param)
-        except InputError as exc:
-            raise bad_request(str(exc), param=param) from None
-
-    def resolve_max_tokens(
-        self, num_prompt: int, requested: int | None, param: str, prompt_param: str
-    ) -> int:
-        """The engine's InputProcessor check of prompt + max_tokens, with this endpoint's field names."""
-        try:
-            return self.engine.input_processor.resolve_max_tokens(num_prompt, requested)
-        except InputError as exc:
-            raise bad_request(
-                str(exc), param=prompt_param if exc.param == "prompt" else param, code=exc.code
-            ) from None
-
     def sampling_params(
-        self, req: SamplingFields, max_tokens: int, logprobs: int | None, stream: bool = False
+        self, req: SamplingFields, max_tokens: int | None, logprobs: int | None, stream: bool = False
     ) -> SamplingParams:
-        if req.min_tokens > max_tokens:
-            raise bad_request(
-                f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_tokens})", param="min_tokens"
-            )
+        """The request's sampling fields as SamplingParams (whose own checks name the field). What depends on
+        the prompt or the model (token ids in range, prompt + max_tokens within max_model_len, None = what
+        the context leaves, min_tokens <= max_tokens) is checked once, by the engine's InputProcessor, when
+        the request is submitted."""
         kwargs: dict[str, Any] = {
             "n": req.n,
             "max_tokens": max_tokens,
@@ -170,14 +153,11 @@ class OpenAIServing:
         if req.stop:
             kwargs["stop"] = list(req.stop)
         if req.stop_token_ids:
-            self.check_token_ids(req.stop_token_ids, "stop_token_ids")
             kwargs["stop_token_ids"] = list(req.stop_token_ids)
         if logprobs is not None:
             kwargs["logprobs"] = logprobs
         if req.logit_bias:
-            bias = {int(k): float(v) for k, v in req.logit_bias.items()}
-            self.check_token_ids(list(bias), "logit_bias")
-            kwargs["logit_bias"] = bias
+            kwargs["logit_bias"] = {int(k): float(v) for k, v in req.logit_bias.items()}
         structured = structured_outputs(req)
         if structured is not None:
             kwargs["structured_outputs"] = structured
@@ -188,20 +168,39 @@ class OpenAIServing:
 
     # ----------------------------------------------------------- engine
     async def submit(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams | PoolingParams
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams | PoolingParams,
+        names: Mapping[str, str] | None = None,
     ) -> RequestStream:
+        """Hands the request to the engine, whose InputProcessor validates it; its InputError becomes a 400
+        naming the field as this endpoint spells it (`names`: engine field -> request field, e.g.
+        {"prompt": "messages"})."""
         try:
             return await self.engine.add_request(request_id, prompt_ids, params)
+        except InputError as exc:
+            param = (names or {}).get(exc.param, exc.param) if exc.param else None
+            raise bad_request(str(exc), param=param, code=exc.code) from None
         except Exception as exc:  # mapped to an HTTP status
             raise to_api_error(exc) from None
 
     async def submit_all(
-        self, base_id: str, prompts: list[list[int]], params: SamplingParams | PoolingParams
+        self,
+        base_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams | PoolingParams,
+        prompt_param: str = "prompt",
+        names: Mapping[str, str] | None = None,
     ) -> list[RequestStream]:
+        """One request per prompt (all aborted if one is refused); a refused prompt of several is named
+        `prompt_param[i]`."""
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
-                streams.append(await self.submit(f"{base_id}-{i}", ids, params))
+                where = prompt_param if len(prompts) == 1 else f"{prompt_param}[{i}]"
+                fields = {"prompt": where, prompt_param: where, **(names or {})}
+                streams.append(await self.submit(f"{base_id}-{i}", ids, params, fields))
         except BaseException:
             self.release_all(streams)
             raise
@@ -288,10 +287,11 @@ def structured_outputs(req: SamplingFields) -> Any:
 
 
 def _param_in_message(message: str, kwargs: dict[str, Any]) -> str | None:
-    for name in kwargs:
-        if name in message:
-            return name
-    return None
+    """The field a SamplingParams error names: its messages start with it ("min_tokens must be ...")."""
+    first = message.split(" ", 1)[0].rstrip(":,")
+    if first in kwargs:
+        return first
+    return next((name for name in kwargs if re.search(rf"\b{re.escape(name)}\b", message)), None)
 
 
 async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, Any]]:

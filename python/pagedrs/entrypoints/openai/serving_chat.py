@@ -8,7 +8,7 @@ message, so the two agree for every output (see `tool_parsers.events`).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -44,6 +44,8 @@ class ChatPrepared:
     params: SamplingParams
     num_logprobs: int | None
     plan: ReplyPlan
+    # the engine's field names as this endpoint spells them in a 400 (see OpenAIServing.submit)
+    names: dict[str, str] = field(default_factory=dict)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -90,15 +92,15 @@ class OpenAIServingChat(OpenAIServing):
             plan.template_tools(),
             size=sum(len(m["content"]) for m in messages),
         )
-        requested = req.requested_max_tokens()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = self.resolve_max_tokens(len(ids), requested, param, "messages")
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens, num_logprobs, stream=bool(req.stream))
+        params = self.sampling_params(req, req.requested_max_tokens(), num_logprobs, stream=bool(req.stream))
         params.structured_outputs = plan.constraint(params.structured_outputs, text)
         if plan.keeps_special_tokens():
             params.skip_special_tokens = False
-        return ChatPrepared(model, ids, text, params, num_logprobs, plan)
+        return ChatPrepared(
+            model, ids, text, params, num_logprobs, plan, {"prompt": "messages", "max_tokens": param}
+        )
 
     async def create(
         self, req: ChatCompletionRequest, raw_request: Request | None = None
@@ -110,7 +112,7 @@ class OpenAIServingChat(OpenAIServing):
             work = beam_search_outputs(self, request_id, req, [prep.prompt_ids], max_tokens, req.n, req.n)
             outputs = await self.until_disconnect(raw_request, work)
         else:
-            streams = await self.submit_all(request_id, [prep.prompt_ids], prep.params)
+            streams = await self.submit_all(request_id, [prep.prompt_ids], prep.params, names=prep.names)
             if req.stream:
                 return self._stream(req, request_id, prep, streams)
             try:

@@ -8,7 +8,6 @@ from typing import Any
 from starlette.requests import Request
 
 from pagedrs.engine.async_engine import RequestStream
-from pagedrs.entrypoints.openai.errors import bad_request
 from pagedrs.entrypoints.openai.logprobs import TokenText, completion_logprobs
 from pagedrs.entrypoints.openai.protocol import CompletionRequest
 from pagedrs.entrypoints.openai.serving_base import (
@@ -21,8 +20,8 @@ from pagedrs.entrypoints.openai.serving_base import (
     sse,
     sse_error,
     usage_info,
-from pagedrs.entrypoints.openai.serving_beam_search import beam_search_outputs
 )
+from pagedrs.entrypoints.openai.serving_beam_search import beam_search_outputs
 from pagedrs.outputs import CompletionOutput, RequestOutput
 from pagedrs.sampling_params import SamplingParams
 
@@ -33,24 +32,15 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.check_model(req.model)
         ids_list: list[list[int]] = []
         texts: list[str] = []
-        for i, p in enumerate(req.prompts()):
+        for p in req.prompts():
             if isinstance(p, str):
                 ids = await self.offload(self.tokenize, p, size=len(p))
                 text = p
             else:
-                ids = list(p)
-                self.check_token_ids(ids, "prompt")
-                text = self.tokenizer.decode(ids) if req.echo else ""
-            if not ids:
-                raise bad_request("prompt must not be empty", param="prompt" if i == 0 else f"prompt[{i}]")
+                ids, text = list(p), ""  # echoed text decoded once the engine has checked the ids
             ids_list.append(ids)
             texts.append(text)
-        max_tokens = min(
-            self.resolve_max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt") for ids in ids_list
-        )
-        params = self.sampling_params(req, max_tokens, req.logprobs, stream=bool(req.stream))
-        if req.use_beam_search:
-            return await self._beam_search(req, raw_request, request_id, model, ids_list, texts)
+        params = self.sampling_params(req, req.max_tokens, req.logprobs, stream=bool(req.stream))
         return model, ids_list, texts, params
 
     async def create(
@@ -59,9 +49,19 @@ class OpenAIServingCompletion(OpenAIServing):
         """A response body, or an SSE text iterator when ``req.stream``."""
         model, ids_list, texts, params = await self.prepare(req)
         request_id = random_id("cmpl")
+        if req.use_beam_search:
+            return await self._beam_search(req, raw_request, request_id, model, ids_list, texts)
         streams = await self.submit_all(request_id, ids_list, params)
+        if req.echo:
+            texts = [t or self.tokenizer.decode(ids) for t, ids in zip(texts, ids_list, strict=True)]
         if req.stream:
             return self._stream(req, request_id, model, ids_list, texts, streams)
+        try:
+            outputs = await self.until_disconnect(raw_request, self.collect(streams))
+        finally:
+            self.release_all(streams)
+        return self._response(req, request_id, model, ids_list, texts, outputs)
+
     async def _beam_search(
         self,
         req: CompletionRequest,
@@ -77,12 +77,6 @@ class OpenAIServingCompletion(OpenAIServing):
         outputs = await self.until_disconnect(raw_request, work)
         if req.echo:
             texts = [t or self.tokenizer.decode(ids) for t, ids in zip(texts, ids_list, strict=True)]
-        return self._response(req, request_id, model, ids_list, texts, outputs)
-
-        try:
-            outputs = await self.until_disconnect(raw_request, self.collect(streams))
-        finally:
-            self.release_all(streams)
         return self._response(req, request_id, model, ids_list, texts, outputs)
 
     def _response(

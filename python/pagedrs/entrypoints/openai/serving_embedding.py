@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 from fastapi import Request
 
-from pagedrs.entrypoints.openai.errors import bad_request
 from pagedrs.entrypoints.openai.protocol import EmbeddingRequest
 from pagedrs.entrypoints.openai.serving_base import OpenAIServing, random_id, to_api_error
 from pagedrs.pooling_params import PoolingParams
@@ -20,34 +19,16 @@ __all__ = ["OpenAIServingEmbedding"]
 class OpenAIServingEmbedding(OpenAIServing):
     async def create(self, req: EmbeddingRequest, raw_request: Request | None = None) -> dict[str, Any]:
         model = self.check_model(req.model)
-        size = getattr(self.engine, "embedding_size", 0)
-        if req.dimensions is not None and size and req.dimensions > size:
-            raise bad_request(
-                f"dimensions ({req.dimensions}) is larger than the model's embedding size ({size})",
-                param="dimensions",
-            )
         ids_list: list[list[int]] = []
-        inputs = req.inputs()
-        for i, x in enumerate(inputs):
-            param = "input" if len(inputs) == 1 else f"input[{i}]"
-            if isinstance(x, str):
-                ids = await self.offload(self.tokenize, x, size=len(x))
-            else:
-                ids = list(x)
-                self.check_token_ids(ids, param)
-            if len(ids) >= self.max_model_len:
-                raise bad_request(
-                    f"This model's maximum context length is {self.max_model_len} tokens. However, {param} has "
-                    f"{len(ids)} tokens (inputs must be shorter than max_model_len {self.max_model_len}).",
-                    param=param,
-                    code="context_length_exceeded",
-                )
-            ids_list.append(ids)
+        for x in req.inputs():
+            ids_list.append(
+                await self.offload(self.tokenize, x, size=len(x)) if isinstance(x, str) else list(x)
+            )
         params = PoolingParams(
             pooling_type=req.pooling_type, normalize=req.normalize, dimensions=req.dimensions
         )
         request_id = random_id("embd")
-        streams = await self.submit_all(request_id, ids_list, params)
+        streams = await self.submit_all(request_id, ids_list, params, prompt_param="input")
         try:
             outputs = await self.until_disconnect(raw_request, self.collect(streams))
         finally:

@@ -64,15 +64,17 @@ class OpenAIServingResponses:
         )
         chat_req.check()
         prep = await self.chat.prepare(chat_req)
+        prep.names = {"prompt": "input", "max_tokens": "max_output_tokens"}
         response = self._response(req, prep.model)
+        # submitted before anything is stored, so a refused request is a 400 even in the background
+        streams = await self.chat.submit_all(response["id"], [prep.prompt_ids], prep.params, names=prep.names)
         if req.background:
             response["status"] = "queued"
             self.store.create(response, conversation)
-            task = asyncio.ensure_future(self._run_background(response, prep))
+            task = asyncio.ensure_future(self._run_background(response, prep, streams))
             self._background[response["id"]] = task
-            task.add_done_callback(lambda _: self._background.pop(response["id"], None))
+            task.add_done_callback(lambda _: self._background_done(response["id"], streams))
             return response
-        streams = await self.chat.submit_all(response["id"], [prep.prompt_ids], prep.params)
         if req.stream:
             return self._stream(response, prep, streams, conversation if req.store else None)
         try:
@@ -230,13 +232,12 @@ class OpenAIServingResponses:
                 self.store.update(response)
 
     # ------------------------------------------------------------------ background
-    async def _run_background(self, response: dict[str, Any], prep: ChatPrepared) -> None:
-        rid = response["id"]
-        streams: list[RequestStream] = []
+    async def _run_background(
+        self, response: dict[str, Any], prep: ChatPrepared, streams: list[RequestStream]
+    ) -> None:
         try:
             response["status"] = "in_progress"
             self.store.update(response)
-            streams = await self.chat.submit_all(rid, [prep.prompt_ids], prep.params)
             outputs = await self.chat.collect(streams)
             self._finish(response, prep, outputs[0])
         except asyncio.CancelledError:
@@ -247,9 +248,12 @@ class OpenAIServingResponses:
             err = to_api_error(exc)
             response["status"] = "failed"
             response["error"] = {"code": err.code or "server_error", "message": err.message}
-        finally:
-            self.chat.release_all(streams)
         self.store.update(response)
+
+    def _background_done(self, response_id: str, streams: list[RequestStream]) -> None:
+        """Runs once however the task ended (even cancelled before it started): its streams are released."""
+        self._background.pop(response_id, None)
+        self.chat.release_all(streams)
 
     # ------------------------------------------------------------------ stored
     def retrieve(self, response_id: str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from pagedrs.entrypoints.openai.serving_base import (
     sse,
     sse_error,
 )
-from pagedrs.entrypoints.sglang.protocol import GenerateRequest, in_sampling_params
+from pagedrs.entrypoints.sglang.protocol import _SGLANG_NAMES, GenerateRequest, in_sampling_params
 from pagedrs.outputs import CompletionOutput
 
 
@@ -31,6 +31,7 @@ class _Prompt:
     ids: list[int]
     params: Any
     max_tokens: int
+    names: dict[str, str]  # the engine's field names as /generate spells them in a 400
 
 
 @dataclass
@@ -50,22 +51,18 @@ class SGLangServingGenerate(OpenAIServing):
         prompts: list[_Prompt] = []
         for i, (p, sp) in enumerate(zip(req.prompts(), req.params_per_prompt(), strict=True)):
             where = param if len(req.prompts()) == 1 else f"{param}[{i}]"
-            if isinstance(p, str):
-                ids = await self.offload(self.tokenize, p, size=len(p))
-            else:
-                ids = p
-                self.check_token_ids(ids, where)
+            ids = await self.offload(self.tokenize, p, size=len(p)) if isinstance(p, str) else p
             fields = sp.as_openai()
             requested = sp.max_new_tokens
             if "max_new_tokens" not in sp.model_fields_set:  # SGLang's default, within the context
                 requested = max(1, min(requested, self.max_model_len - len(ids)))
-            max_tokens = self.resolve_max_tokens(len(ids), requested, "sampling_params.max_new_tokens", where)
             try:
-                params = self.sampling_params(fields, max_tokens, None, stream=stream)
+                params = self.sampling_params(fields, requested, None, stream=stream)
             except APIError as exc:
                 raise in_sampling_params(exc) from None
             rid = req.rid[i] if isinstance(req.rid, list) and i < len(req.rid) else f"{base_id}-{i}"
-            prompts.append(_Prompt(rid, ids, params, max_tokens))
+            names = {name: f"sampling_params.{_SGLANG_NAMES.get(name, name)}" for name in _SAMPLING_FIELDS}
+            prompts.append(_Prompt(rid, ids, params, requested, {**names, "prompt": where}))
         return prompts
 
     async def create(
@@ -76,7 +73,7 @@ class SGLangServingGenerate(OpenAIServing):
         streams = []
         try:
             for p in prompts:
-                streams.append(await self.submit(p.request_id, p.ids, p.params))
+                streams.append(await self.submit(p.request_id, p.ids, p.params, p.names))
         except BaseException:
             self.release_all(streams)
             raise
@@ -150,5 +147,8 @@ def finish_reason(c: CompletionOutput, ids: list[int], max_tokens: int) -> dict[
         return {"type": "stop", "matched": matched}
     return {"type": "abort", "message": f"the request ended: {c.finish_reason}"}
 
+
+# fields the engine's InputProcessor may refuse, beside the prompt
+_SAMPLING_FIELDS = ("max_tokens", "min_tokens", "stop_token_ids", "logit_bias")
 
 __all__ = ["SGLangServingGenerate", "finish_reason"]
