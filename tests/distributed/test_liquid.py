@@ -5,6 +5,7 @@ block leaks; a scale-in whose live blocks do not fit fails with both numbers and
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +14,14 @@ import pytest
 from pagedrs import LiquidRequest, LiquidType, SamplingParams
 from pagedrs.engine.arg_utils import EngineArgs
 from pagedrs.engine.llm_engine import LLMEngine
+from pagedrs.executor.liquid_log import shard_moves
 from pagedrs.worker.kv_cache import block_bytes
+from tests.distributed.helpers_liquid import liquid_blocks, pool_blocks
 from tests.engine.conftest import assert_pool_free
 from tests.helpers import FP8_SAME_CACHE_TOL, greedy_agreement, make_tiny_llama
 
 BLOCK = 4
+EVENTS = [(1, 2), (2, 4), (4, 2), (2, 1)]
 # hidden 64, 8 heads of 8, 4 KV heads, 2 layers: a block holds 2 * 2 * 4 * 4 * 8 floats = 2 KiB
 PER_BLOCK = block_bytes(2, BLOCK, 4, 8, __import__("torch").float32)
 BASE = dict(
@@ -66,33 +70,90 @@ def _run(
     return done
 
 
-def test_scale_1_2_4_2_1_with_requests_in_flight(tmp_path: Path) -> None:
+def test_shard_moves_are_the_forks() -> None:
+    """The shard ids each pair moves, as the liquid fork's log shows them over 4 shards."""
+    moves = {(a, b): [(m.src, m.dst, m.shard_ids) for m in shard_moves(a, b, 4)] for a, b in EVENTS}
+    assert moves == {
+        (1, 2): [(0, 1, [2, 3])],
+        (2, 4): [(0, 2, [1]), (1, 3, [3])],
+        (4, 2): [(2, 0, [1]), (3, 1, [3])],
+        (2, 1): [(1, 0, [2, 3])],
+    }
+
+
+def test_scale_1_2_4_2_1_with_requests_in_flight(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Each event logs the liquid fork's block (rank 0's lines here, each other sender's in its own log)."""
+    import logging
+
     folder = _model(tmp_path)
     prompts = _prompts(24, 12)
     want = _run(_engine(folder, 80, max_num_seqs=8), prompts)
     engine = _engine(folder, 80, max_num_seqs=8, liquid_gpu_range=[0, 1, 2, 3], liquid_total_num_shards=4)
+    caplog.set_level(logging.INFO, logger="pagedrs")
     try:
         core = engine.engine_core
         assert core.liquid_degree() == 1 and engine.get_stats().num_blocks == 80
         seen: list[tuple[int, int, int]] = []
+        held: list[int] = []
+        weights_1 = _param_bytes(engine)
         inner = core.liquid
 
         def liquid(target: int) -> list[dict]:
             before = _param_bytes(engine)
             events = inner(target)
             seen.append((target, engine.get_stats().num_blocks, _param_bytes(engine) * 1000 // before))
+            held.append(_param_bytes(engine))
             return events
 
         core.liquid = liquid  # type: ignore[method-assign]
         got = _run(engine, prompts, {3: 2, 8: 4, 14: 2, 20: 1})
         assert got == want
-        assert [(t, n) for t, n, _ in seen] == [(2, 160), (4, 320), (2, 160), (1, 80)]
+        # The pool is sized from each rank's memory after the move: the 80 blocks' budget plus the weight
+        # bytes rank 0 no longer holds, in blocks of fewer KV heads (more than the doubling to 160 and 320
+        # a fixed budget gives, as the fork's 964 -> 3381 -> 8179)
+        want_blocks = [
+            pool_blocks(80 * PER_BLOCK, PER_BLOCK, weights_1, h, t)
+            for (t, _, _), h in zip(seen, held, strict=True)
+        ]
+        assert [(t, n) for t, n, _ in seen] == list(zip((2, 4, 2, 1), want_blocks, strict=True))
+        assert want_blocks[0] > 160 and want_blocks[1] > 2 * want_blocks[0] and want_blocks[3] == 80
         # Split tensors halve on a scale-out and double back on a scale-in (norms are replicated, so a
         # little over half); per mille of rank 0's parameter bytes before the event.
         ratios = [r for _, _, r in seen]
         assert 490 <= ratios[0] <= 560 and 490 <= ratios[1] <= 560, ratios
         assert 1780 <= ratios[2] <= 2040 and 1780 <= ratios[3] <= 2040, ratios
         assert_pool_free(engine)
+        blocks = liquid_blocks(caplog.text)
+        assert [b.header for b in blocks] == [
+            "---------Start 0'th liquid: Scale out from rank0 to rank1---------",
+            "---------Start 1'th liquid: Scale out from rank[0,1] to rank[2,3]---------",
+            "---------Start 2'th liquid: Scale in from rank[2,3] to rank[0,1]---------",
+            "---------Start 3'th liquid: Scale in from rank1 to rank0---------",
+        ]
+        for i, (b, (src, dst), (_, n, _)) in enumerate(zip(blocks, EVENTS, seen, strict=True)):
+            assert b.moves == [(m.src, m.dst, m.shard_ids) for m in shard_moves(src, dst, 4)]
+            assert b.finished is not None and b.finished["n"] == str(i) and int(b.finished["blocks"]) == n
+            assert float(b.finished["e2e"]) >= float(b.finished["weights"]) > 0
+            assert "current mem info on rank0: allocated space on rank 0:" in b.text
+            if dst > src:  # rank 0 sent: the fork's sender lines; the pool after the move
+                assert b.after_scale_out == n and b.sent_kv == (b.moves[0][2], b.moves[0][1])
+                assert re.search(r"send weights shards takes: [0-9.]+s, sent out: [0-9.]+GB", b.text)
+            else:  # the pool shrinks first, to what the smaller degree holds
+                assert b.shrink is not None and b.shrink[0] == n and 0 < b.shrink[1] <= n
+                assert "move and shrink latency:" in b.text
+        # the other senders (rank 1 on 2 -> 4, ranks 2 and 3 on 4 -> 2, rank 1 on 2 -> 1) log their own
+        # sends (the pair names the sender), and each active worker its memory after an event
+        err = capfd.readouterr().err
+        for line in (
+            "Successfully send kv cache shards: [3] to rank: 3",
+            "Successfully send kv cache shards: [1] to rank: 0",
+            "Successfully send kv cache shards: [3] to rank: 1",
+            "Successfully send kv cache shards: [2, 3] to rank: 0",
+        ):
+            assert line in err, line
+        assert "After liquid kvc, allocated space on rank 3: " in err
     finally:
         engine.shutdown()
 
@@ -101,9 +162,11 @@ def test_seed_moves_and_blocked_scale_in(tmp_path: Path) -> None:
     folder = _model(tmp_path)
     engine = _engine(folder, 80, max_num_seqs=8, liquid_gpu_range=[0, 1], liquid_total_num_shards=4)
     try:
+        weights_1 = _param_bytes(engine)
         events = engine.do_liquid(LiquidRequest(LiquidType.LIQUID_1_2))
         assert len(events) == 1 and events[0]["weight_bytes"] > 0 and events[0]["kv_bytes"] > 0
-        assert engine.get_stats().num_blocks == 160
+        grown = pool_blocks(80 * PER_BLOCK, PER_BLOCK, weights_1, _param_bytes(engine), 2)
+        assert engine.get_stats().num_blocks == grown > 160  # the budget plus the freed weight bytes
         with pytest.raises(ValueError, match="from 1 active ranks"):
             engine.do_liquid(LiquidRequest(LiquidType.LIQUID_1_2))
         with pytest.raises(ValueError, match="power of two from 1 to 2"):

@@ -65,6 +65,10 @@ def test_streams_survive_scale_out_and_in(tmp_path: Path) -> None:
         assert [texts[i] for i in range(len(PROMPTS))] == expected
         anon = httpx.post(f"{server.base_url}/v1/admin/liquid", json={"target": 2}, timeout=30)
         assert anon.status_code == 401
-        assert "Scale out from rank[0] to rank[1]" in server.log()
+        log = server.log()  # the liquid fork's event blocks: shard 1 of 2 goes out to rank 1 and back
+        assert "---------Start 0'th liquid: Scale out from rank0 to rank1---------" in log
+        assert "Successfully send kv cache shards: [1] to rank: 1" in log
+        assert "---------Start 1'th liquid: Scale in from rank1 to rank0---------" in log
+        assert "Finished liquid for 1 times, output: Completed! Move shard: [1] from [1] to [0];" in log
     finally:
         server.kill()

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 from pagedrs import _core
 from pagedrs.config import ParallelConfig
 from pagedrs.executor.liquid_executor import LiquidExecutor
+from pagedrs.executor.liquid_log import event_header, finished_line, log_receives, log_sends, shard_moves
 from pagedrs.executor.liquid_policy import LiquidAutoPolicy
 
 __all__ = ["LiquidControl"]
@@ -67,23 +69,49 @@ class LiquidControl:
         return events
 
     def _move_once(self, target: int) -> dict[str, Any]:
+        """One doubling or halving, logged as the liquid fork logs an event (`executor.liquid_log`)."""
         ex, sched = self.executor, self.scheduler
+        n, src = len(ex.events), ex.degree
+        dst = src * 2 if target > src else src // 2
         before = int(sched.num_blocks)
-        if target > ex.degree:
-            stats = ex.scale_once(ex.degree * 2)
-            grown = ex.target_blocks(ex.degree)
-            if grown > sched.num_blocks:
-                sched.resize(grown)  # the next plan grows the pool on every active rank
-        else:
-            dst = ex.degree // 2
+        start = time.perf_counter()
+        moves = shard_moves(src, dst, ex.num_shards)
+        logger.info("%s", event_header(n, src, dst, ex.devices, ex.device_word))
+        shrink_seconds = 0.0
+        if dst < src:
             shrunk = ex.target_blocks(dst)
+            s = sched.stats()
+            logger.info(
+                "Shrink to: #%d, currently using blocks: #%d",
+                shrunk,
+                int(s.num_blocks) - int(s.num_free_blocks),
+            )
             if shrunk < sched.num_blocks:
                 sched.resize(shrunk)  # ResizeError (a ValueError) names both numbers
                 self._run_step()  # its plan applies the shrink on every rank before the shards move
-            stats = ex.scale_once(dst)
+            shrink_seconds = time.perf_counter() - start
+        for m in moves:
+            logger.info(
+                "Start to do liquid from src: %d to dst: %d with shard_ids: %s", m.src, m.dst, m.shard_ids
+            )
+        stats = ex.scale_once(dst)
+        mine = moves[0]  # rank 0's pair: it sends on a scale-out, receives on a scale-in
+        (log_sends if dst > src else log_receives)(stats, mine)
+        if dst > src:
+            grown = ex.target_blocks(dst)
+            if grown > sched.num_blocks:
+                sched.resize(grown)  # the next plan grows the pool on every active rank
+            logger.info("After scale out, num_gpu_blocks: #%d", int(sched.num_blocks))
         stats.num_blocks_before = before
         stats.num_blocks_after = int(sched.num_blocks)
-        logger.info("%s", ex.describe(stats))
+        logger.info(
+            "%s, current mem info on %s%d: %s, current gpu block: #%d",
+            finished_line(n, stats, moves, shrink_seconds, time.perf_counter() - start),
+            ex.device_word,
+            ex.devices[0],
+            ex.memory_info(),
+            stats.num_blocks_after,
+        )
         return dataclasses.asdict(stats)
 
     def tick(self, waiting_prompt_tokens: int) -> None:

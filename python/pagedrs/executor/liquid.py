@@ -163,6 +163,18 @@ def _params(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, str,
         yield name, modules[mod_name], leaf, p.data
 
 
+def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(all parameter bytes, replicated parameter bytes) of `model`: at degree d a rank holds the
+    replicated bytes plus 1/d of the split ones."""
+    total = replicated = 0
+    for _, module, leaf, t in _params(model):
+        n = t.numel() * t.element_size()
+        total += n
+        if _split_spec(module, leaf) is None:
+            replicated += n
+    return total, replicated
+
+
 def _halves(t: Tensor, dim: int, pieces: list[int]) -> tuple[Tensor, Tensor]:
     """Each piece cut in two along `dim`: (first halves, second halves), each concatenated."""
     first, second, off = [], [], 0

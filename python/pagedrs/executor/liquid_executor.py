@@ -1,9 +1,10 @@
 """Rank 0 of a liquid group: a tensor-parallel executor whose degree changes while it serves.
 
 It starts at degree 1 (rank 0 holds every shard, the other ranks idle) and moves one doubling or halving
-at a time (`scale_once`); `EngineCore.liquid` wraps that with the pool: grow after a scale-out (each
-rank's KV heads halve, so the same memory holds twice the blocks), shrink before a scale-in (live
-blocks moved below the new end by the scheduler's resize, applied by one step on every rank).
+at a time (`scale_once`); `EngineCore.liquid` wraps that with the pool, sized from each rank's memory
+after the move (`target_blocks`): grow after a scale-out (each rank's KV heads halve and the weight
+shards it sent free their memory), shrink before a scale-in (live blocks moved below the new end by the
+scheduler's resize, applied by one step on every rank).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import math
 import time
 
 from pagedrs.executor.executor import TPExecutor
-from pagedrs.executor.liquid import LiquidStats, rebuild_model, receive_shards, send_shards
+from pagedrs.executor.liquid import LiquidStats, rebuild_model, receive_shards, send_shards, weight_bytes
+from pagedrs.executor.liquid_log import memory_info
 from pagedrs.executor.step_packet import liquid_header
 from pagedrs.executor.workers import RankProcesses
 from pagedrs.worker.kv_cache import KVCachePool
@@ -22,8 +24,6 @@ from pagedrs.worker.model_runner import ModelRunner
 __all__ = ["LiquidExecutor"]
 
 logger = logging.getLogger("pagedrs.liquid")
-
-_GiB = 1 << 30
 
 
 class LiquidExecutor(TPExecutor):
@@ -36,6 +36,7 @@ class LiquidExecutor(TPExecutor):
         self.devices = list(runner.config.parallel.liquid_gpu_range or range(self.max_degree))
         self.events: list[LiquidStats] = []
         self._budget = 0  # bytes of KV pool per rank, from the first sizing
+        self._weights = self._replicated = 0  # parameter bytes at degree 1, and of those replicated
 
     @property
     def degree(self) -> int:
@@ -48,17 +49,24 @@ class LiquidExecutor(TPExecutor):
         pool = runner.init_kv_cache(runner.determine_num_blocks())
         runner.cuda_graphs = None  # the model object changes under the runner: eager steps only
         self._budget = pool.num_blocks * pool.bytes_per_block
+        self._weights, self._replicated = weight_bytes(runner.model)  # at degree 1: every shard
         return pool
 
     def target_blocks(self, degree: int) -> int:
-        """Blocks each rank's pool holds at `degree` (the same memory, fewer or more KV heads per block)."""
+        """Blocks each rank's pool holds at `degree`, sized from the memory a rank has after the move, as
+        the liquid fork does: the KV budget rank 0 was sized with at degree 1 (the start-up rule: the
+        profiled GPU memory, or the CPU budget) plus the weight bytes a rank no longer holds at `degree`,
+        over the bytes of a block at `degree` (fewer KV heads per block). Every rank holds the same
+        shard sizes, so rank 0's number is each rank's; on GPUs this assumes the ranks' devices have rank
+        0's memory (it is not measured on each)."""
         cache, sched = self.runner.config.cache, self.runner.config.scheduler
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         pool = self.runner.kv_pool
         assert pool is not None
         per_block = pool.bytes_per_block * self.degree // degree
-        num = self._budget // per_block
+        held = self._replicated + (self._weights - self._replicated) // degree
+        num = (self._budget + self._weights - held) // per_block
         if self.runner.device.type == "cpu" and cache.cpu_kv_cache_gb is None:
             num = min(num, sched.max_num_seqs * math.ceil(sched.max_model_len / cache.block_size))
         return int(num)
@@ -110,22 +118,20 @@ class LiquidExecutor(TPExecutor):
         self.events.append(stats)
         return stats
 
-    def describe(self, stats: LiquidStats) -> str:
-        """vLLM 0.5's liquid fork's log line for one event."""
-        kind = "Scale out" if stats.dst_degree > stats.src_degree else "Scale in"
-        what = "GPU" if self.runner.device.type == "cuda" else "rank"
-        lo, hi = sorted((stats.src_degree, stats.dst_degree))
-        moved = self.devices[lo:hi]
-        home = self.devices[: hi - lo]
-        src, dst = (home, moved) if kind == "Scale out" else (moved, home)
+    @property
+    def num_shards(self) -> int:
+        return int(self.runner.config.parallel.liquid_total_num_shards or self.max_degree)
 
-        def rate(b: int, s: float) -> str:
-            return f"{b / _GiB / s:.2f} GB/s" if s > 0 else "-"
+    @property
+    def device_word(self) -> str:
+        """How the liquid fork's log names a device: GPUs on CUDA, ranks on CPU."""
+        return "GPU" if self.runner.device.type == "cuda" else "rank"
 
-        return (
-            f"{kind} from {what}{src} to {what}{dst}: weights {stats.weight_bytes / _GiB:.4f} GB in "
-            f"{stats.weight_seconds:.3f} s ({rate(stats.weight_bytes, stats.weight_seconds)}), KV cache "
-            f"{stats.kv_bytes / _GiB:.4f} GB in {stats.kv_seconds:.3f} s ({rate(stats.kv_bytes, stats.kv_seconds)}), "
-            f"block pool {stats.num_blocks_before} -> {stats.num_blocks_after} blocks, "
-            f"{stats.total_seconds:.3f} s in all; {stats.dst_degree} of {self.max_degree} ranks active"
-        )
+    def memory_info(self) -> str:
+        """Rank 0's memory as the liquid fork reports it (`liquid_log.memory_info`)."""
+        runner = self.runner
+        held = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        pool = runner.kv_pool
+        if pool is not None:
+            held += sum(t.numel() * t.element_size() for t in pool.kv_caches)
+        return memory_info(runner.device, self.devices[0], held)

@@ -19,6 +19,7 @@ from pagedrs.executor.liquid import (
     receive_shards,
     send_shards,
 )
+from pagedrs.executor.liquid_log import log_sends, memory_info, shard_moves
 from pagedrs.executor.step_packet import HEADER_LEN, Op, unpack_step
 from pagedrs.models.interface import CausalLM
 
@@ -144,7 +145,16 @@ class LiquidWorker:
                     torch.cuda.empty_cache()
         else:
             raise RuntimeError(f"liquid: a move from {src} to {dst} ranks is not one doubling or halving")
+        num_shards = int(self.config.parallel.liquid_total_num_shards or self.world.size)
+        mine = [m for m in shard_moves(src, dst, num_shards) if m.src == r]
+        if mine:  # this rank sent shards: the liquid fork's sender lines
+            log_sends(stats, mine[0])
         logger.info("rank %d: liquid %d -> %d done (%s)", r, src, dst, "active" if self.runner else "idle")
+        if self.runner is not None:
+            held = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+            held += sum(t.numel() * t.element_size() for t in self.runner.kv_pool.kv_caches)
+            devices = list(self.config.parallel.liquid_gpu_range or range(self.world.size))
+            logger.info("After liquid kvc, %s", memory_info(self.device, devices[r], held))
 
     def _rebind(self, model: torch.nn.Module | None, pool: Any, tp: TPGroup) -> None:
         self.runner.model = model
