@@ -53,9 +53,11 @@ def test_formats_load_same_weights(reference, fmt):
     torch.testing.assert_close(logits_of(loaded, ids), ref, atol=1e-4, rtol=1e-4)
 
 
-def test_unknown_path():
+def test_unknown_path(monkeypatch):
     with pytest.raises(ValueError, match="no/such/model-dir"):
         load_model("/no/such/model-dir")
+    # a Hub name: offline here (the Hub's own errors are tested against a loopback Hub in test_hub_download)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="not-a-local-org/not-a-model"):
         resolve_model_path("not-a-local-org/not-a-model")
 

@@ -2,8 +2,8 @@
 object handed in, in a thread behind the same channel).
 
 The event loop never calls into the engine. Requests are validated and tokenized here (InputProcessor) and
-sent as msgspec messages over ZeroMQ; one asyncio task receives the core's one-message-per-step outputs,
-runs the OutputProcessor (detokenization, stop strings) and feeds each request's `RequestStream`. A stream
+sent through a `CoreClient` (ZeroMQ + msgspec); its task receives the core's one-message-per-step outputs,
+and this engine runs the OutputProcessor (detokenization, stop strings) and feeds each request's `RequestStream`. A stream
 whose reader is slow gets its deltas merged: the next read returns everything since the previous one.
 
 A dead core process is detected: every in-flight request gets `EngineCoreDiedError`, the engine reports
@@ -13,7 +13,6 @@ unhealthy, and the core is restarted (at most `max_restarts` times) so that new 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import shutil
 import tempfile
@@ -21,11 +20,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Generic, Protocol, TypeVar, overload
 
-import msgspec
-import zmq
-import zmq.asyncio
-
-from pagedrs.engine.core_client import (
+from pagedrs.engine.core_client import CoreClient
+from pagedrs.engine.core_handles import (
     CoreHandle,
     EngineStartupError,
     ProcessCore,
@@ -34,13 +30,7 @@ from pagedrs.engine.core_client import (
     connect_ready,
 )
 from pagedrs.engine.input_processor import InputProcessor
-from pagedrs.engine.messages import (
-    AbortRequests,
-    EngineCoreOutputs,
-    UtilityCall,
-    UtilityResult,
-    output_decoder,
-)
+from pagedrs.engine.messages import AbortRequests, EngineCoreOutputs
 from pagedrs.engine.output_processor import OutputProcessor, RequestObserver
 from pagedrs.metrics import EngineStats
 from pagedrs.outputs import EmbeddingRequestOutput, RequestOutput
@@ -225,13 +215,8 @@ class AsyncLLMEngine:
         self._closing = False
         self._started = False
         self._stats: EngineStats | None = None
-        self._ctx: zmq.asyncio.Context | None = None
-        self._in_sock: Any = None
-        self._out_sock: Any = None
+        self._client = CoreClient(client_index, self._on_outputs)
         self._tasks: list[asyncio.Task[None]] = []
-        self._calls: dict[int, asyncio.Future[Any]] = {}
-        self._call_ids = itertools.count()
-        self._encoder = msgspec.msgpack.Encoder()
         self._restart_listeners: list[Callable[[], None]] = []
 
     @classmethod
@@ -321,24 +306,15 @@ class AsyncLLMEngine:
         self._tasks.append(asyncio.create_task(self._monitor(), name="pagedrs-core-monitor"))
 
     def _connect(self) -> None:
-        self._ctx = self._ctx or zmq.asyncio.Context()
-        self._in_sock = self._ctx.socket(zmq.PUSH)
-        self._in_sock.setsockopt(zmq.LINGER, 0)
-        self._in_sock.connect(self._handle.input_addr)
         # The socket that read Ready goes on reading: one PULL peer per output address, ever.
-        self._out_sock = zmq.asyncio.Socket.shadow(self._ready_sock.underlying)
-        self._output_task = asyncio.create_task(self._output_loop(), name="pagedrs-outputs")
+        self._client.connect(self._handle.input_addr, self._ready_sock)
+        self._ready_sock = None  # the client's now
 
     def _disconnect(self) -> None:
-        task = getattr(self, "_output_task", None)
-        if task is not None:
-            task.cancel()
-        for s in (self._in_sock, self._out_sock):
-            if s is not None:
-                s.close(linger=0)
-        if self._ready_sock is not None:
+        self._client.disconnect()
+        if self._ready_sock is not None:  # read Ready, never connected
             self._ready_sock.close(linger=0)
-        self._in_sock = self._out_sock = self._ready_sock = None
+            self._ready_sock = None
 
     def begin_drain(self) -> None:
         """Stops accepting new requests; in-flight ones go on."""
@@ -455,51 +431,20 @@ class AsyncLLMEngine:
         """Run one of the core's utility methods (get_stats, resize, reset_prefix_cache, ping)."""
         if self._dead is not None or not self.is_running:
             raise EngineDeadError(f"the engine core is not running: {self._dead}")
-        call_id = next(self._call_ids)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = fut
-        self._send(UtilityCall(call_id, method, list(args), self.client_index))
-        try:
-            return await asyncio.wait_for(fut, timeout)
-        finally:
-            self._calls.pop(call_id, None)
+        return await self._client.call(method, list(args), timeout)
 
     def _send(self, msg: Any) -> None:
-        if self._in_sock is None:
-            return
-        try:  # PUSH to a connected peer does not block below the high-water mark
-            self._in_sock.send(self._encoder.encode(msg), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            fut = self._in_sock.send(self._encoder.encode(msg))
-            fut.add_done_callback(lambda f: f.exception())
+        self._client.send(msg)
 
     # ------------------------------------------------------------ outputs
-    async def _output_loop(self) -> None:
-        decoder = output_decoder()
-        sock = self._out_sock
-        while True:
-            raw = await sock.recv(copy=False)
-            start = time.perf_counter()
-            try:
-                msg = decoder.decode(raw.buffer)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                logger.warning("dropped a malformed message from the core: %s", exc)
-                continue
-            if isinstance(msg, EngineCoreOutputs):
-                try:
-                    self._process(msg)
-                except Exception as exc:  # a frontend bug fails these requests, not the loop
-                    logger.exception("processing a step message failed")
-                    self._fail_requests({o.request_id for o in msg.outputs}, exc)
-                if self.observer is not None:
-                    self.observer.on_step(msg.stats, time.perf_counter() - start)
-            elif isinstance(msg, UtilityResult):
-                fut = self._calls.get(msg.call_id)
-                if fut is not None and not fut.done():
-                    if msg.error is None:
-                        fut.set_result(msg.result)
-                    else:
-                        fut.set_exception(ValueError(msg.error))
+    def _on_outputs(self, msg: EngineCoreOutputs, received_at: float) -> None:
+        try:
+            self._process(msg)
+        except Exception as exc:  # a frontend bug fails these requests, not the loop
+            logger.exception("processing a step message failed")
+            self._fail_requests({o.request_id for o in msg.outputs}, exc)
+        if self.observer is not None:
+            self.observer.on_step(msg.stats, time.perf_counter() - received_at)
 
     def _process(self, msg: EngineCoreOutputs) -> None:
         self._stats = msg.stats
@@ -561,6 +506,4 @@ class AsyncLLMEngine:
         self.output_processor.abort_requests(list(streams))
         for stream in streams.values():
             stream._fail(exc)
-        for fut in self._calls.values():
-            if not fut.done():
-                fut.set_exception(EngineDeadError(str(exc)))
+        self._client.fail_calls(EngineDeadError(str(exc)))

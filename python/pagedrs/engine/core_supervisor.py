@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from pagedrs.engine.core_client import (
+from pagedrs.engine.core_handles import (
     CoreState,
     EngineStartupError,
     ProcessCore,

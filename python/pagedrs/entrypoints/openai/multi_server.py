@@ -69,7 +69,7 @@ class _Stop:
 
 
 def run_multi_server(args: argparse.Namespace) -> int:
-    from pagedrs.engine.core_client import EngineStartupError
+    from pagedrs.engine.core_handles import EngineStartupError
     from pagedrs.engine.core_supervisor import CoreSupervisor
 
     count = int(args.api_server_count)
