@@ -112,11 +112,16 @@ class EngineArgs:
                 "is not implemented); use tensor_parallel_size to spread a model over devices"
             )
         q = self.quantization
-        if q is not None and not (q == "gguf" and str(self.model or "").lower().endswith(".gguf")):
-            raise ValueError(
-                f"quantization={q!r} is not supported: weights run in `dtype`; GGUF files are dequantized "
-                "on load (pass the .gguf file with quantization=None)"
-            )
+        if q is not None:
+            from pagedrs.loader.quant_config import QUANTIZATION_METHODS
+
+            if q not in QUANTIZATION_METHODS:
+                raise ValueError(
+                    f"quantization={q!r} is not supported; one of {', '.join(QUANTIZATION_METHODS)} "
+                    "(or None: the checkpoint's own quantization_config decides)"
+                )
+            if q == "gguf" and not str(self.model or "").lower().endswith(".gguf") and self.gguf_file is None:
+                raise ValueError("quantization='gguf' needs a .gguf model file (or gguf_file=)")
         if (
             (self.revision or self.tokenizer_revision)
             and self.model is not None
@@ -162,6 +167,7 @@ class EngineArgs:
             tokenizer_mode=self.tokenizer_mode,
             overrides=self.model_overrides(),
             seed=self.seed,
+            quantization=self.quantization,
         )
 
     def with_local_model(self) -> EngineArgs:

@@ -28,6 +28,8 @@ from pagedrs.loader.default_model import default_model_path
 from pagedrs.loader.gguf import cache_root, convert_gguf, iter_gguf_weights
 from pagedrs.loader.options import LoadOptions, apply_overrides, init_dummy_weights
 from pagedrs.loader.pytorch_bin import iter_pytorch_bin, pytorch_bin_files
+from pagedrs.loader.quant_config import QuantConfig, detect_quantization
+from pagedrs.loader.quant_weights import quantized_checkpoint
 from pagedrs.loader.safetensors import TensorSlice, iter_safetensors, safetensors_files
 from pagedrs.models.interface import CausalLM
 
@@ -69,6 +71,7 @@ class LoadedModel:
     model_path: str  # what was resolved: the folder, or the GGUF file
 
     max_len_cap: int | None = None  # disable_sliding_window: the context is capped at the window
+    quantization: str | None = None  # what was loaded: "gguf", "gptq", "awq", "fp8", "compressed-tensors"
 
     @functools.cached_property
     def eos_token_ids(self) -> list[int]:
@@ -304,6 +307,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, config, device)
     if tp is not None and tp.size > 1:
         check_tensor_parallel(config, tp.size)
+    quant = detect_quantization(config, folder, opts.quantization) if gguf_file(path) is None else None
     with torch.device(device):
         net = model_cls(config, dtype=torch_dtype, device=device, tp=tp)
     if opts.load_format == "dummy":
@@ -316,8 +320,13 @@ def load_model(
         net.load_weights(iter_gguf_weights(gguf_path, num_heads, num_kv_heads))  # type: ignore[operator]
         use_cpu_fused_ops(net)
     else:
+        weights = _checkpoint(path, folder, opts.load_format)
+        if quant is not None:
+            weights = _quantized(weights, quant, dtype, device, tp)
         # each architecture's own loader (not a torch.nn.Module method, so not on CausalLM's stub)
-        net.load_weights(_checkpoint(path, folder, opts.load_format))  # type: ignore[operator]
+        net.load_weights(weights)  # type: ignore[operator]
+        if quant is not None and any(getattr(m, "qweight", None) is not None for m in net.modules()):
+            use_cpu_fused_ops(net)
     net.eval()
     tok = None
     if with_tokenizer:
@@ -329,4 +338,21 @@ def load_model(
             )
         )
         tok = _load_tokenizer(source, opts)
-    return LoadedModel(model=net, hf_config=config, tokenizer=tok, model_path=path, max_len_cap=cap)
+    qname = "gguf" if gguf_file(path) is not None else (quant.name if quant is not None else None)
+    return LoadedModel(
+        model=net, hf_config=config, tokenizer=tok, model_path=path, max_len_cap=cap, quantization=qname
+    )
+
+
+def _quantized(
+    weights: Iterator[tuple[str, Loaded | TensorSlice]],
+    quant: QuantConfig,
+    dtype: str | torch.dtype,
+    device: torch.device,
+    tp: TPGroup | None,
+) -> Iterator[tuple[str, Loaded | TensorSlice]]:
+    """A GPTQ/AWQ/FP8 checkpoint's weights as the layers take them: packed GGUF blocks on the GGUF rule
+    (dtype "auto", one CPU rank) where that is exact, else dequantized to float32 at load; under tensor
+    parallelism each rank dequantizes and then cuts its share of the float weight."""
+    keep = dtype == "auto" and device.type == "cpu" and (tp is None or tp.size == 1)
+    return quantized_checkpoint(weights, quant, keep_packed=keep)

@@ -1,5 +1,5 @@
 """How a model is loaded beyond its path: vLLM's loading arguments (`load_format`, `revision`,
-`download_dir`, `gguf_file`, the Hub token, `trust_remote_code`, `tokenizer_mode`, `tokenizer_revision`) and the overrides of the
+`download_dir`, `gguf_file`, the Hub token, `trust_remote_code`, `tokenizer_mode`, `tokenizer_revision`, `quantization`) and the overrides of the
 model's own config (`rope_scaling`, `rope_theta`, `disable_sliding_window`)."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class LoadOptions:
     tokenizer_mode: str = "auto"  # auto (fast) | slow
     overrides: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
+    quantization: str | None = None  # forced format (vLLM's `quantization=`); None: what config.json says
 
 
 def apply_overrides(config: Any, overrides: dict[str, Any]) -> int | None:

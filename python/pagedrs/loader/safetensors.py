@@ -79,7 +79,7 @@ class TensorSlice:
 
     def materialize(self) -> Tensor:
         if not self._ranges:
-            t = self._slice[:]  # type: ignore[index]
+            t = self._slice[...]  # type: ignore[index]  # a 0-d tensor (FP8's per-tensor scale) takes no slice
         else:
             t = self._slice[tuple(slice(a, b) for a, b in self._ranges)]  # type: ignore[index]
         return t.t() if self._transposed else t

@@ -1,0 +1,247 @@
+"""GPTQ, AWQ and FP8 checkpoint tensors turned into the `<layer>.weight` the model's loaders take.
+
+A quantized linear layer ships as parts (`qweight`, `qzeros`, `scales`, `g_idx` for GPTQ/AWQ; `weight` in
+float8_e4m3fn with `weight_scale` or `weight_scale_inv` for FP8). `quantized_checkpoint` gathers a layer's
+parts and yields one weight [out_features, in_features]:
+
+- kept packed, as GGUF blocks the CPU kernels multiply (`GGUFWeight`), when that is exact: GPTQ 4-bit
+  (Q4_0) or 8-bit (Q8_0) whose zero point is the symmetric midpoint everywhere, fp16 scales, groups that
+  are whole 32-weight blocks in input order (no act-order permutation). Q4_0 and Q8_0 compute
+  `d * (q - 8)` and `d * q8` with one fp16 `d` per 32 weights: the same values as GPTQ's
+  `scale * (q - zero)` when `zero` is 8 (or 128) and the group's scale is repeated over its blocks;
+- else dequantized to float32 (the values the format defines, computed exactly from the integers and
+  the stored scales); the layers then cast and shard the float weight like any other.
+
+Packing, as the formats write it:
+- GPTQ: `qweight` int32 [in / (32/bits), out], packed along the input dim, value j of a word in bits
+  [j*bits, (j+1)*bits); `qzeros` int32 [groups, out / (32/bits)], packed along the output dim the same
+  way; `scales` [groups, out]; `g_idx` int32 [in], each input row's group. AutoGPTQ's v1 format stores
+  each zero point minus one (read back as stored + 1); GPTQModel's v2 stores it as is.
+- AWQ (GEMM): `qweight` int32 [in, out / 8] and `qzeros` int32 [groups, out / 8], packed along the output
+  dim with nibble i of a word holding column `AWQ_PACK_ORDER[i]` of its 8; `scales` [groups, out];
+  group of input row r is r // group_size; zero points stored as is.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from pagedrs.layers.quantized import GGUFWeight
+from pagedrs.loader.quant_config import QuantConfig
+
+__all__ = [
+    "AWQ_PACK_ORDER",
+    "dequantize_awq",
+    "dequantize_fp8",
+    "dequantize_gptq",
+    "gptq_as_gguf",
+    "quantized_checkpoint",
+]
+
+logger = logging.getLogger("pagedrs.loader")
+
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_PACK_ORDER[i]
+_AWQ_UNPACK = (0, 4, 1, 5, 2, 6, 3, 7)  # column c of an AWQ word is nibble _AWQ_UNPACK[c]
+_PARTS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales")}
+_Q4_0, _Q8_0 = 2, 8  # gguf.GGMLQuantizationType values
+
+
+def _unpack(packed: Tensor, bits: int, dim: int) -> Tensor:
+    """int32 words -> int32 values, `32 // bits` per word, value j in bits [j*bits, (j+1)*bits), laid
+    out along `dim` (0: word [r, c] holds rows r*k..r*k+k-1; 1: columns)."""
+    k = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    p = packed.to(torch.int32)
+    if dim == 0:
+        vals = (p.unsqueeze(1) >> shifts.view(1, k, 1)) & ((1 << bits) - 1)
+        return vals.reshape(p.shape[0] * k, p.shape[1])
+    vals = (p.unsqueeze(2) >> shifts.view(1, 1, k)) & ((1 << bits) - 1)
+    return vals.reshape(p.shape[0], p.shape[1] * k)
+
+
+def _check(name: str, t: Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+
+
+def _gptq_ints(
+    name: str, parts: dict[str, Tensor], cfg: QuantConfig
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(q [in, out], zeros [groups, out], scales [groups, out], g_idx [in]) of one GPTQ layer."""
+    qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
+    k = 32 // cfg.bits
+    in_features, out_features = qweight.shape[0] * k, qweight.shape[1]
+    groups = 1 if cfg.group_size == -1 else -(-in_features // cfg.group_size)
+    _check(f"{name}.scales", scales, (groups, out_features))
+    _check(f"{name}.qzeros", qzeros, (groups, -(-out_features // k)))
+    g_idx = parts.get("g_idx")
+    if g_idx is None:
+        g_idx = torch.arange(in_features) // (in_features if cfg.group_size == -1 else cfg.group_size)
+    _check(f"{name}.g_idx", g_idx, (in_features,))
+    g_idx = g_idx.to(torch.int64)
+    if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+        raise ValueError(f"{name}.g_idx: group ids must lie in 0..{groups - 1}")
+    q = _unpack(qweight, cfg.bits, 0)
+    zeros = _unpack(qzeros, cfg.bits, 1)[:, :out_features] + (1 if cfg.zero_plus_one else 0)
+    return q, zeros, scales, g_idx
+
+
+def dequantize_gptq(name: str, parts: dict[str, Tensor], cfg: QuantConfig) -> Tensor:
+    """float32 [out, in]: W[c, r] = scales[g, c] * (q[r, c] - zero[g, c]) with g = g_idx[r]."""
+    q, zeros, scales, g_idx = _gptq_ints(name, parts, cfg)
+    w = (q - zeros[g_idx]).to(torch.float32) * scales.to(torch.float32)[g_idx]
+    return w.t().contiguous()
+
+
+def dequantize_awq(name: str, parts: dict[str, Tensor], cfg: QuantConfig) -> Tensor:
+    """float32 [out, in]: W[c, r] = scales[g, c] * (q[r, c] - zero[g, c]) with g = r // group_size."""
+    qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
+    in_features, out_features = qweight.shape[0], qweight.shape[1] * 8
+    group = in_features if cfg.group_size == -1 else cfg.group_size
+    groups = -(-in_features // group)
+    _check(f"{name}.scales", scales, (groups, out_features))
+    _check(f"{name}.qzeros", qzeros, (groups, out_features // 8))
+    order = torch.tensor(_AWQ_UNPACK)
+
+    def unpack(p: Tensor) -> Tensor:
+        vals = _unpack(p, 4, 1).view(p.shape[0], p.shape[1], 8)
+        return vals[:, :, order].reshape(p.shape[0], p.shape[1] * 8)
+
+    g = torch.arange(in_features) // group
+    w = (unpack(qweight) - unpack(qzeros)[g]).to(torch.float32) * scales.to(torch.float32)[g]
+    return w.t().contiguous()
+
+
+def dequantize_fp8(name: str, weight: Tensor, scale: Tensor, block: tuple[int, int] | None) -> Tensor:
+    """float32 [out, in] = weight * scale: one scale, one per output row ([out] or [out, 1]), or one per
+    `block` tile ([ceil(out/bo), ceil(in/bi)], `weight_scale_inv` as the block-FP8 checkpoints name it)."""
+    w = weight.to(torch.float32)
+    s = scale.to(torch.float32)
+    out_features, in_features = w.shape
+    if s.numel() == 1:
+        return w * s.reshape(())
+    if s.numel() == out_features and block is None:
+        return w * s.reshape(out_features, 1)
+    if block is not None:
+        bo, bi = block
+        _check(f"{name} scale", s, (-(-out_features // bo), -(-in_features // bi)))
+        full = s.repeat_interleave(bo, 0).repeat_interleave(bi, 1)[:out_features, :in_features]
+        return w * full
+    raise ValueError(
+        f"{name}: a weight scale of shape {tuple(s.shape)} fits neither per-tensor nor per-channel"
+    )
+
+
+def gptq_as_gguf(name: str, parts: dict[str, Tensor], cfg: QuantConfig) -> GGUFWeight | None:
+    """The layer as Q4_0 (4-bit) or Q8_0 (8-bit) blocks when that is exact (module docstring), else None."""
+    if cfg.bits not in (4, 8) or parts["scales"].dtype != torch.float16:
+        return None
+    q, zeros, scales, g_idx = _gptq_ints(name, parts, cfg)
+    in_features, out_features = q.shape
+    mid = 1 << (cfg.bits - 1)
+    if in_features % 32 or not bool((zeros == mid).all()):
+        return None
+    group = in_features if cfg.group_size == -1 else cfg.group_size
+    if group % 32 or not torch.equal(g_idx, torch.arange(in_features) // group):
+        return None
+    nb = in_features // 32
+    d = scales[g_idx[::32]].t().contiguous().numpy().view(np.uint8).reshape(out_features, nb, 2)
+    qt = q.t().contiguous().numpy().reshape(out_features, nb, 32)
+    if cfg.bits == 4:
+        body = (qt[..., :16] | (qt[..., 16:] << 4)).astype(np.uint8)
+        ggml_type = _Q4_0
+    else:
+        body = (qt - mid).astype(np.int8).view(np.uint8)
+        ggml_type = _Q8_0
+    data = np.concatenate([d, body], axis=2).reshape(out_features, -1)
+    return GGUFWeight(ggml_type, (out_features, in_features), np.ascontiguousarray(data))
+
+
+def _materialize(t: Any) -> Tensor:
+    read = getattr(t, "materialize", None)
+    return read() if read is not None else t
+
+
+def quantized_checkpoint(
+    weights: Iterator[tuple[str, Any]], cfg: QuantConfig, *, keep_packed: bool
+) -> Iterator[tuple[str, Any]]:
+    """`weights` with each quantized layer's parts replaced by its `<layer>.weight` (packed where
+    `keep_packed` and exact, else float32); other tensors pass through. Logs once what was done;
+    ValueError naming the layer when its parts are incomplete or misshapen."""
+    done: Counter[str] = Counter()
+    pending: dict[str, dict[str, Tensor]] = {}
+    for name, t in weights:
+        prefix, _, part = name.rpartition(".")
+        if cfg.method == "fp8":
+            if part == "input_scale":
+                continue  # activations run unquantized: the weights are dequantized
+            if part not in ("weight", "weight_scale", "weight_scale_inv"):
+                yield name, t
+                continue
+            t = _materialize(t)
+            if part == "weight" and t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+                yield name, t
+                continue
+        elif part not in _PARTS[cfg.method]:
+            yield name, t
+            continue
+        got = pending.setdefault(prefix, {})
+        got[part] = _materialize(t)
+        out = _complete(prefix, got, cfg, keep_packed, done, final=False)
+        if out is not None:
+            del pending[prefix]
+            yield out
+    for prefix, got in pending.items():
+        out = _complete(prefix, got, cfg, keep_packed, done, final=True)
+        if out is not None:
+            yield out
+    _log(cfg, done)
+
+
+def _complete(
+    prefix: str,
+    got: dict[str, Tensor],
+    cfg: QuantConfig,
+    keep_packed: bool,
+    done: Counter[str],
+    final: bool,
+) -> tuple[str, Tensor | GGUFWeight] | None:
+    """The layer's weight once its parts are in (at the end, `final`: what is missing is an error)."""
+    if cfg.method == "fp8":
+        scale = got.get("weight_scale_inv", got.get("weight_scale"))
+        if "weight" not in got or scale is None:
+            if final:
+                raise ValueError(f"{prefix}: FP8 weight without its scale (weight, weight_scale)")
+            return None
+        done["dequantized"] += 1
+        return f"{prefix}.weight", dequantize_fp8(prefix, got["weight"], scale, cfg.block)
+    needed = ("qweight", "qzeros", "scales") + (("g_idx",) if cfg.method == "gptq" and not final else ())
+    missing = [p for p in needed if p not in got]
+    if missing:
+        if final:
+            raise ValueError(f"{prefix}: {cfg.describe()} layer without {', '.join(missing)}")
+        return None
+    if cfg.method == "awq":
+        done["dequantized"] += 1
+        return f"{prefix}.weight", dequantize_awq(prefix, got, cfg)
+    packed = gptq_as_gguf(prefix, got, cfg) if keep_packed else None
+    if packed is not None:
+        done[f"kept packed as {packed.type_name}"] += 1
+        return f"{prefix}.weight", packed
+    done["dequantized"] += 1
+    return f"{prefix}.weight", dequantize_gptq(prefix, got, cfg)
+
+
+def _log(cfg: QuantConfig, done: Counter[str]) -> None:
+    if not done:
+        raise ValueError(f"the checkpoint declares {cfg.describe()} but holds no quantized layer")
+    for what, n in sorted(done.items()):
+        tail = " (the CPU kernels multiply them)" if what.startswith("kept") else " at load"
+        logger.info("%s weights %s%s: %d layers", cfg.describe(), what, tail, n)
