@@ -18,7 +18,7 @@ import torch
 from pagedrs import LLM, SamplingParams
 from pagedrs.engine.arg_utils import EngineArgs
 from pagedrs.executor import ExecutorDeadError, TPExecutor
-from pagedrs.executor.workers import rank_devices
+from pagedrs.executor.rank_processes import rank_devices
 from tests.distributed.helpers_tp import ENGINE, check_forced, run_workload, run_workload_logprobs, tp_engine
 from tests.engine.conftest import assert_pool_free, run_all
 from tests.helpers import FP8_SAME_CACHE_TOL, greedy_agreement, make_tiny_llama, make_tiny_model
@@ -164,7 +164,7 @@ def test_killed_worker_fails_the_step_naming_the_rank(tmp_path: Path) -> None:
     engine = tp_engine(folder, 2, num_kv_blocks=200)
     executor = engine.engine_core.executor
     assert isinstance(executor, TPExecutor)
-    procs = list(executor.workers.procs.values())  # type: ignore[attr-defined]
+    procs = list(executor.ranks.procs.values())  # type: ignore[attr-defined]
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     engine.add_request("a", [1, 2, 3], params)
     for _ in range(3):
@@ -191,7 +191,7 @@ def test_worker_that_raises_is_reported_with_its_error(tmp_path: Path) -> None:
     engine = tp_engine(folder, 2)
     executor = engine.engine_core.executor
     assert isinstance(executor, TPExecutor)
-    procs = list(executor.workers.procs.values())  # type: ignore[attr-defined]
+    procs = list(executor.ranks.procs.values())  # type: ignore[attr-defined]
     bogus = torch.zeros(HEADER_LEN, dtype=torch.int64)
     bogus[0] = 99
     executor.tp.broadcast_cpu(bogus)
@@ -205,7 +205,7 @@ def test_shutdown_stops_every_worker(tmp_path: Path) -> None:
     folder = make_tiny_llama(tmp_path)
     engine = tp_engine(folder, 2)
     executor = engine.engine_core.executor
-    procs = list(executor.workers.procs.values())  # type: ignore[attr-defined]
+    procs = list(executor.ranks.procs.values())  # type: ignore[attr-defined]
     engine.shutdown()
     assert all(p.wait(10) == 0 for p in procs)  # a clean exit, not a kill
 

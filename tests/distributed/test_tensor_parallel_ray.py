@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pagedrs import LLM
-from pagedrs.executor import ExecutorDeadError, RayWorkers, TPExecutor
+from pagedrs.executor import ExecutorDeadError, RayRanks, TPExecutor
 from tests.distributed.helpers_tp import ENGINE, check_forced, run_workload, tp_engine
 from tests.helpers import make_tiny_llama
 
@@ -32,7 +32,7 @@ def test_ray_tp2_equals_tp1(local_ray: None, tmp_path: Path) -> None:
     engine = tp_engine(folder, 2, distributed_executor_backend="ray")
     try:
         executor = engine.engine_core.executor
-        assert isinstance(executor, TPExecutor) and isinstance(executor.workers, RayWorkers)
+        assert isinstance(executor, TPExecutor) and isinstance(executor.ranks, RayRanks)
         got, spy = run_workload(engine)
         check_forced(engine, spy)
         assert got == want
@@ -45,10 +45,10 @@ def test_ray_killed_actor_fails_the_step(local_ray: None, tmp_path: Path) -> Non
 
     folder = make_tiny_llama(tmp_path)
     engine = tp_engine(folder, 2, distributed_executor_backend="ray", num_kv_blocks=200)
-    workers = engine.engine_core.executor.workers  # type: ignore[attr-defined]
+    ranks = engine.engine_core.executor.ranks  # type: ignore[attr-defined]
     engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
     engine.step()
-    ray.kill(workers.actors[1])
+    ray.kill(ranks.actors[1])
     start = time.monotonic()
     with pytest.raises(ExecutorDeadError, match="tensor-parallel rank 1 failed"):
         for _ in range(1000):

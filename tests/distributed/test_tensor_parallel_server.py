@@ -26,7 +26,7 @@ def _workers_of(pid: int) -> list[int]:
     found: list[int] = []
     for core in child_pids(pid):
         if "pagedrs.engine.core_proc" in cmdline(core):
-            found += [w for w in child_pids(core) if "pagedrs.executor.worker_proc" in cmdline(w)]
+            found += [w for w in child_pids(core) if "pagedrs.executor.rank_main" in cmdline(w)]
     return found
 
 

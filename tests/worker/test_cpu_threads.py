@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from pagedrs.executor.worker import cpu_threads_per_rank, usable_cpus
+from pagedrs.executor.rank import cpu_threads_per_rank, usable_cpus
 
 
 def test_explicit_num_threads_wins(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,7 +1,7 @@
 """Executors: the model on one device (`UniProcExecutor`) or split over tensor-parallel ranks
-(`TPExecutor` with `MpWorkers` or `RayWorkers`)."""
+(`TPExecutor` with `MpRanks` or `RayRanks`)."""
 
 from pagedrs.executor.executor import ExecutorDeadError, TPExecutor, UniProcExecutor
-from pagedrs.executor.workers import MpWorkers, RayWorkers, WorkerFailure
+from pagedrs.executor.rank_processes import MpRanks, RankFailure, RayRanks
 
-__all__ = ["ExecutorDeadError", "MpWorkers", "RayWorkers", "TPExecutor", "UniProcExecutor", "WorkerFailure"]
+__all__ = ["ExecutorDeadError", "MpRanks", "RayRanks", "TPExecutor", "UniProcExecutor", "RankFailure"]

@@ -12,9 +12,9 @@ import torch
 from pagedrs.config import EngineConfig
 from pagedrs.engine.startup_log import log_startup
 from pagedrs.executor.executor import TPExecutor, UniProcExecutor
-from pagedrs.executor.start import start_workers, stop_workers
-from pagedrs.executor.worker import cpu_threads_per_rank
-from pagedrs.executor.workers import RankProcesses
+from pagedrs.executor.rank import cpu_threads_per_rank
+from pagedrs.executor.rank_processes import RankProcesses
+from pagedrs.executor.start import start_ranks, stop_ranks
 from pagedrs.loader import LoadedModel, load_model
 from pagedrs.worker.model_runner import ModelRunner
 
@@ -27,19 +27,19 @@ logger = logging.getLogger("pagedrs.engine")
 
 
 def build_executor(
-    config: EngineConfig, loaded: LoadedModel, workers: RankProcesses | None = None
+    config: EngineConfig, loaded: LoadedModel, ranks: RankProcesses | None = None
 ) -> UniProcExecutor:
-    """The runner over `loaded` (rank 0's shard when `workers` are the other ranks) and its executor:
+    """The runner over `loaded` (rank 0's shard when `ranks` are the other ranks' processes) and its executor:
     one device, tensor-parallel, or liquid (a world group)."""
     eos = loaded.eos_token_ids
-    if workers is None:
+    if ranks is None:
         return UniProcExecutor(ModelRunner(config, loaded.model, eos_token_ids=eos))
-    runner = ModelRunner(config, loaded.model, eos_token_ids=eos, tp=workers.tp)
-    if workers.world is not None:
+    runner = ModelRunner(config, loaded.model, eos_token_ids=eos, tp=ranks.tp)
+    if ranks.world is not None:
         from pagedrs.executor.liquid_executor import LiquidExecutor
 
-        return LiquidExecutor(runner, workers)
-    return TPExecutor(runner, workers)
+        return LiquidExecutor(runner, ranks)
+    return TPExecutor(runner, ranks)
 
 
 def load_engine(args: EngineArgs) -> tuple[EngineConfig, LoadedModel, UniProcExecutor]:
@@ -47,18 +47,18 @@ def load_engine(args: EngineArgs) -> tuple[EngineConfig, LoadedModel, UniProcExe
     executor; the ranks are stopped again if anything fails."""
     _, _, device_cfg, _ = args.early_configs()  # bad arguments fail before any weight is read
     parallel = args.parallel_config()
-    ranks = len(parallel.liquid_gpu_range or ()) or parallel.tensor_parallel_size
-    if device_cfg.device.type == "cpu" and (device_cfg.num_threads is not None or ranks > 1):
-        torch.set_num_threads(cpu_threads_per_rank(device_cfg.num_threads, ranks))
+    size = len(parallel.liquid_gpu_range or ()) or parallel.tensor_parallel_size
+    if device_cfg.device.type == "cpu" and (device_cfg.num_threads is not None or size > 1):
+        torch.set_num_threads(cpu_threads_per_rank(device_cfg.num_threads, size))
     args = args.with_local_model()  # a Hub name fetched here, once; the ranks get the local path
-    workers = start_workers(args, device_cfg.device) if ranks > 1 else None
+    ranks = start_ranks(args, device_cfg.device) if size > 1 else None
     try:
         loaded = load_model(
             args.model,
             dtype=args.dtype,
             device=device_cfg.device,
             tokenizer=args.tokenizer,
-            tp=workers.tp if workers is not None else None,
+            tp=ranks.tp if ranks is not None else None,
             with_tokenizer=not args.skip_tokenizer_init,
             opts=args.load_options(),
         )
@@ -66,8 +66,8 @@ def load_engine(args: EngineArgs) -> tuple[EngineConfig, LoadedModel, UniProcExe
         log_startup(args, config, loaded.model_path, loaded.hf_config, loaded.model.dtype)
         weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
         logger.info("Loading model weights took %.4f GB", weights / (1 << 30))
-        return config, loaded, build_executor(config, loaded, workers)
+        return config, loaded, build_executor(config, loaded, ranks)
     except BaseException:
-        if workers is not None:
-            stop_workers(workers)
+        if ranks is not None:
+            stop_ranks(ranks)
         raise

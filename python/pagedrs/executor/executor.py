@@ -25,9 +25,9 @@ import torch
 
 from pagedrs._core import StepPlan
 from pagedrs.distributed.group import TPGroup
+from pagedrs.executor.rank import agree_kv_blocks
+from pagedrs.executor.rank_processes import RankFailure, RankProcesses
 from pagedrs.executor.step_packet import pack_step, shutdown_header
-from pagedrs.executor.worker import agree_kv_blocks
-from pagedrs.executor.workers import RankProcesses, WorkerFailure
 from pagedrs.layers.sampler import SamplingRow
 from pagedrs.worker.kv_cache import KVCachePool
 from pagedrs.worker.model_runner import ModelRunner, RunnerOutput
@@ -96,7 +96,7 @@ class UniProcExecutor:
         """Raise ExecutorDeadError if a step can no longer run."""
 
     def shutdown(self) -> None:
-        """Stop any workers, then free the model, the KV pool and the graphs (device memory)."""
+        """Stop any ranks, then free the model, the KV pool and the graphs (device memory)."""
         self._stop_ranks()
         self.runner.release()
 
@@ -107,16 +107,16 @@ class UniProcExecutor:
 class TPExecutor(UniProcExecutor):
     """Rank 0 of a tensor-parallel group: broadcasts each plan, runs its shard, samples."""
 
-    def __init__(self, runner: ModelRunner, workers: RankProcesses) -> None:
+    def __init__(self, runner: ModelRunner, ranks: RankProcesses) -> None:
         super().__init__(runner)
-        self.workers = workers
+        self.ranks = ranks
         # Step broadcasts reach every rank: the group itself, or under liquid scaling the world.
-        self.bcast: TPGroup = getattr(workers, "world", None) or runner.tp
+        self.bcast: TPGroup = getattr(ranks, "world", None) or runner.tp
         self._dead: ExecutorDeadError | None = None
         self._next_health_check = 0.0
         self._stopped = False
         # Workers must not outlive the engine, also when nobody calls shutdown().
-        self._finalizer = weakref.finalize(self, TPExecutor._stop_workers, workers, self.bcast, False)
+        self._finalizer = weakref.finalize(self, TPExecutor._shutdown_ranks, ranks, self.bcast, False)
         atexit.register(self._finalizer)
 
     @property
@@ -165,7 +165,7 @@ class TPExecutor(UniProcExecutor):
         if now < self._next_health_check:
             return
         self._next_health_check = now + _HEALTH_CHECK_INTERVAL_S
-        failure = self.workers.failure()
+        failure = self.ranks.failure()
         if failure is not None:
             raise self._fail(failure)
 
@@ -174,17 +174,17 @@ class TPExecutor(UniProcExecutor):
         every worker, and stay dead."""
         if self._dead is not None:
             return self._dead
-        failure = exc if isinstance(exc, WorkerFailure) else None
+        failure = exc if isinstance(exc, RankFailure) else None
         deadline = time.monotonic() + _FAILURE_REPORT_WAIT_S
         while failure is None and time.monotonic() < deadline:
-            failure = self.workers.failure()
+            failure = self.ranks.failure()
             if failure is None:
                 time.sleep(0.05)
         if failure is not None:
             dead = ExecutorDeadError(str(failure), failure.rank)
         else:
             dead = ExecutorDeadError(f"tensor-parallel rank 0 failed: {type(exc).__name__}: {exc}", 0)
-        logger.error("%s; stopping the tensor-parallel workers", dead)
+        logger.error("%s; stopping the tensor-parallel ranks", dead)
         self._dead = dead
         self._stop(graceful=False)
         return dead
@@ -198,14 +198,14 @@ class TPExecutor(UniProcExecutor):
         self._stopped = True
         self._finalizer.detach()
         atexit.unregister(self._finalizer)
-        TPExecutor._stop_workers(self.workers, self.bcast, graceful)
+        TPExecutor._shutdown_ranks(self.ranks, self.bcast, graceful)
 
     @staticmethod
-    def _stop_workers(workers: RankProcesses, bcast: TPGroup, graceful: bool) -> None:
+    def _shutdown_ranks(ranks: RankProcesses, bcast: TPGroup, graceful: bool) -> None:
         if graceful:
             try:
                 bcast.broadcast_cpu(shutdown_header())
             except Exception:  # a worker already gone: it is stopped below
                 graceful = False
-        workers.stop(5.0 if graceful else 0.0)
-        workers.abort_groups()
+        ranks.stop(5.0 if graceful else 0.0)
+        ranks.abort_groups()

@@ -16,8 +16,8 @@ import time
 from pagedrs.executor.executor import TPExecutor
 from pagedrs.executor.liquid import LiquidStats, rebuild_model, receive_shards, send_shards, weight_bytes
 from pagedrs.executor.liquid_log import memory_info
+from pagedrs.executor.rank_processes import RankProcesses
 from pagedrs.executor.step_packet import liquid_header
-from pagedrs.executor.workers import RankProcesses
 from pagedrs.worker.kv_cache import KVCachePool
 from pagedrs.worker.model_runner import ModelRunner
 
@@ -27,11 +27,11 @@ logger = logging.getLogger("pagedrs.liquid")
 
 
 class LiquidExecutor(TPExecutor):
-    def __init__(self, runner: ModelRunner, workers: RankProcesses) -> None:
-        super().__init__(runner, workers)
-        assert workers.world is not None, "a liquid group has a world group"
-        self.world = workers.world
-        self.groups = workers.groups
+    def __init__(self, runner: ModelRunner, ranks: RankProcesses) -> None:
+        super().__init__(runner, ranks)
+        assert ranks.world is not None, "a liquid group has a world group"
+        self.world = ranks.world
+        self.groups = ranks.groups
         self.max_degree = self.world.size
         self.devices = list(runner.config.parallel.liquid_gpu_range or range(self.max_degree))
         self.events: list[LiquidStats] = []

@@ -1,5 +1,5 @@
 """Starting a tensor-parallel group from EngineArgs: checks first (head counts, devices, Ray), then the
-workers, then rank 0 joins the group."""
+ranks, then rank 0 joins the group."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ from typing import Any
 import msgspec
 import torch
 
-from pagedrs.executor.workers import MpWorkers, RayWorkers, rank_devices
+from pagedrs.executor.rank_processes import MpRanks, RayRanks, rank_devices
 
-__all__ = ["STARTUP_TIMEOUT_S", "start_workers", "stop_workers"]
+__all__ = ["STARTUP_TIMEOUT_S", "start_ranks", "stop_ranks"]
 
 logger = logging.getLogger("pagedrs.executor")
 
 STARTUP_TIMEOUT_S = 180.0  # every worker must have started its interpreter and joined by then
 
 
-def start_workers(args: Any, device: torch.device) -> MpWorkers | RayWorkers:
+def start_ranks(args: Any, device: torch.device) -> MpRanks | RayRanks:
     """Ranks 1..N-1 started and joined: `.tp` is rank 0's TPGroup. ValueError for a model whose heads
     do not split over N ranks, too few devices or an unreachable Ray cluster, before any process starts."""
     from pagedrs.loader import load_hf_config
@@ -47,26 +47,26 @@ def start_workers(args: Any, device: torch.device) -> MpWorkers | RayWorkers:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     args_json = msgspec.json.encode(args).decode()
-    workers: MpWorkers | RayWorkers
+    ranks: MpRanks | RayRanks
     if parallel.backend == "ray":
         if liquid:
             raise ValueError(
                 "liquid scaling runs on the 'mp' executor; drop distributed_executor_backend='ray'"
             )
-        workers = RayWorkers(args_json, size, device)
+        ranks = RayRanks(args_json, size, device)
     else:
         level = logging.getLevelName(logging.getLogger("pagedrs").getEffectiveLevel()).lower()
-        workers = MpWorkers(args_json, size, device, log_level=level, devices=devices)
+        ranks = MpRanks(args_json, size, device, log_level=level, devices=devices)
     try:
-        workers.connect(STARTUP_TIMEOUT_S, liquid=liquid)
+        ranks.connect(STARTUP_TIMEOUT_S, liquid=liquid)
     except BaseException:
-        stop_workers(workers)
+        stop_ranks(ranks)
         raise
     logger.info("tensor-parallel group of %d ranks joined (%s backend)", size, parallel.backend)
-    return workers
+    return ranks
 
 
-def stop_workers(workers: MpWorkers | RayWorkers) -> None:
-    """Kill the workers and tear rank 0's group down (startup failed)."""
-    workers.stop(0.0)
-    workers.abort_groups()
+def stop_ranks(ranks: MpRanks | RayRanks) -> None:
+    """Kill the ranks and tear rank 0's group down (startup failed)."""
+    ranks.stop(0.0)
+    ranks.abort_groups()

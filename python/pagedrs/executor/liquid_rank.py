@@ -1,4 +1,4 @@
-"""A liquid worker (rank >= 1 of `liquid_gpu_range`): idle until a scale-out hands it shards, then a
+"""A liquid rank (rank >= 1 of `liquid_gpu_range`): idle until a scale-out hands it shards, then a
 tensor-parallel rank like any other, until a scale-in takes them back. Every step header reaches every
 rank (the world group); idle ranks drop the plan."""
 
@@ -23,12 +23,12 @@ from pagedrs.executor.liquid_log import log_sends, memory_info, shard_moves
 from pagedrs.executor.step_packet import HEADER_LEN, Op, unpack_step
 from pagedrs.models.interface import CausalLM
 
-__all__ = ["LiquidWorker"]
+__all__ = ["LiquidRank"]
 
 logger = logging.getLogger("pagedrs.worker")
 
 
-class LiquidWorker:
+class LiquidRank:
     def __init__(
         self,
         store: torch.distributed.Store,

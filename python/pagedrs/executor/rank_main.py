@@ -1,4 +1,4 @@
-"""Entry point of an `mp` tensor-parallel worker process: `python -m pagedrs.executor.worker_proc`.
+"""Entry point of the process of one tensor-parallel rank >= 1 under the `mp` backend: `python -m pagedrs.executor.rank_main`.
 
 (Its own module, imported by nothing else, so that `-m` runs it fresh.)
 """
@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from pagedrs.executor.worker import run_worker
+from pagedrs.executor.rank import run_rank
 from pagedrs.utils import die_with_parent
 
 __all__ = ["main"]
@@ -19,7 +19,7 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m pagedrs.executor.worker_proc", description="pagedrs TP worker"
+        prog="python -m pagedrs.executor.rank_main", description="pagedrs tensor-parallel rank"
     )
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
@@ -40,9 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         force=True,
     )
     logging.getLogger("pagedrs").setLevel(lvl)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when workers stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the other ranks stop
     try:
-        run_worker(a.rank, a.world_size, a.host, a.port, a.engine_args, a.device, a.timeout)
+        run_rank(a.rank, a.world_size, a.host, a.port, a.engine_args, a.device, a.timeout)
     except BaseException:  # reported through the store and the log
         return 1
     return 0

@@ -1,9 +1,9 @@
-"""Starting and watching the worker processes of ranks 1..N-1 (rank 0 is the engine core itself).
+"""Starting and watching the processes of ranks 1..N-1 (rank 0 is the engine core itself).
 
-- `MpWorkers`: one local process per rank, `python -m pagedrs.executor.worker_proc` (a fresh interpreter,
+- `MpRanks`: one local process per rank, `python -m pagedrs.executor.rank_main` (a fresh interpreter,
   as multiprocessing's spawn gives, but without re-running the user's `__main__`: a script with no
   `if __name__ == "__main__"` guard still works). Each dies with its parent.
-- `RayWorkers`: one Ray actor per rank (on any node of the cluster), running the same `run_worker`.
+- `RayRanks`: one Ray actor per rank (on any node of the cluster), running the same `run_rank`.
 
 Both expose the driver's `TPGroup` once every rank has joined, `failure()` (the first dead rank and
 why) and `stop()`.
@@ -23,14 +23,14 @@ from typing import Any
 import torch
 
 from pagedrs.distributed.group import TPGroup, connect_tp_group, create_store
-from pagedrs.executor.worker import error_key
+from pagedrs.executor.rank import error_key
 
 __all__ = [
     "COLLECTIVE_TIMEOUT_S",
-    "MpWorkers",
+    "MpRanks",
     "RankProcesses",
-    "RayWorkers",
-    "WorkerFailure",
+    "RayRanks",
+    "RankFailure",
     "rank_devices",
 ]
 
@@ -41,7 +41,7 @@ logger = logging.getLogger("pagedrs.executor")
 COLLECTIVE_TIMEOUT_S = 120.0
 
 
-class WorkerFailure(RuntimeError):
+class RankFailure(RuntimeError):
     """A tensor-parallel rank failed; `rank` names it."""
 
     def __init__(self, rank: int, message: str) -> None:
@@ -85,7 +85,7 @@ class RankProcesses:
             self.tp.abort()
 
     def connect(self, startup_timeout_s: float, liquid: bool = False) -> TPGroup:
-        """Join the group as rank 0, failing early (with the worker's own error) if a rank dies first.
+        """Join the group as rank 0, failing early (with that rank's own error) if a rank dies first.
         `liquid`: the world group plus one group per active degree (`self.world`, `self.groups`); rank 0
         starts alone (`self.tp` is the degree-1 group)."""
         box: dict[str, Any] = {}
@@ -115,7 +115,7 @@ class RankProcesses:
             if failure is not None:
                 raise failure
             if time.monotonic() > deadline:
-                raise TimeoutError(f"tensor-parallel workers did not join within {startup_timeout_s:.0f} s")
+                raise TimeoutError(f"tensor-parallel ranks did not join within {startup_timeout_s:.0f} s")
         if "error" in box:
             raise box["error"]
         self.tp = box["tp"]
@@ -129,15 +129,15 @@ class RankProcesses:
             return None
         return None
 
-    def failure(self) -> WorkerFailure | None:
+    def failure(self) -> RankFailure | None:
         raise NotImplementedError
 
     def stop(self, timeout_s: float = 5.0) -> None:
         raise NotImplementedError
 
 
-class MpWorkers(RankProcesses):
-    """Local worker processes."""
+class MpRanks(RankProcesses):
+    """One local process per rank."""
 
     def __init__(
         self,
@@ -154,7 +154,7 @@ class MpWorkers(RankProcesses):
             cmd = [
                 sys.executable,
                 "-m",
-                "pagedrs.executor.worker_proc",
+                "pagedrs.executor.rank_main",
                 "--rank",
                 str(rank),
                 "--world-size",
@@ -176,21 +176,23 @@ class MpWorkers(RankProcesses):
             ]
             self.procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
         logger.info(
-            "started %d tensor-parallel worker(s): pids %s", size - 1, [p.pid for p in self.procs.values()]
+            "started %d tensor-parallel rank process(es): pids %s",
+            size - 1,
+            [p.pid for p in self.procs.values()],
         )
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs.values()]
 
-    def failure(self) -> WorkerFailure | None:
+    def failure(self) -> RankFailure | None:
         # A rank that raises writes its error to the store and exits: its exit is what is watched (a
         # waitpid per rank; the store is read only then, not on every step).
         for rank, proc in self.procs.items():
             code = proc.poll()
             if code is not None:
                 why = self.reported_error(rank) or f"process {proc.pid} exited with code {code}"
-                return WorkerFailure(rank, why)
+                return RankFailure(rank, why)
         return None
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -206,7 +208,7 @@ class MpWorkers(RankProcesses):
             proc.wait()
 
 
-class RayWorkers(RankProcesses):
+class RayRanks(RankProcesses):
     """Ray actors, one per rank, on whichever nodes Ray places them."""
 
     def __init__(self, engine_args_json: str, size: int, device: torch.device) -> None:
@@ -229,7 +231,7 @@ class RayWorkers(RankProcesses):
         super().__init__(size, device, host)
         self._ray = ray
         use_gpu = device.type == "cuda"
-        actor_cls = ray.remote(num_cpus=0 if use_gpu else 1, num_gpus=1 if use_gpu else 0)(_RayWorker)
+        actor_cls = ray.remote(num_cpus=0 if use_gpu else 1, num_gpus=1 if use_gpu else 0)(_RayRank)
         self.actors = {r: actor_cls.remote() for r in range(1, size)}
         # Ray gives each GPU actor its own visible device: cuda:0 inside the actor.
         dev = "cuda:0" if use_gpu else "cpu"
@@ -240,7 +242,7 @@ class RayWorkers(RankProcesses):
         }
         logger.info("started %d tensor-parallel Ray actor(s) (store at %s:%d)", size - 1, host, self.port)
 
-    def failure(self) -> WorkerFailure | None:
+    def failure(self) -> RankFailure | None:
         ray = self._ray
         done, _ = ray.wait(list(self.refs.values()), num_returns=len(self.refs), timeout=0)
         for rank, ref in self.refs.items():
@@ -252,7 +254,7 @@ class RayWorkers(RankProcesses):
                         why = "actor exited"
                     except Exception as exc:  # the actor's error or its death
                         why = f"{type(exc).__name__}: {exc}"
-                return WorkerFailure(rank, why)
+                return RankFailure(rank, why)
         return None
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -280,14 +282,14 @@ def _check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
         raise ValueError(f"cannot reach the Ray cluster at {address} (RAY_ADDRESS): {exc}") from None
 
 
-class _RayWorker:
+class _RayRank:
     """Body of a Ray actor (decorated with `ray.remote` at run time, so Ray stays optional)."""
 
     def run(
         self, rank: int, size: int, host: str, port: int, args_json: str, device: str, timeout: float
     ) -> int:
-        from pagedrs.executor.worker import run_worker
+        from pagedrs.executor.rank import run_rank
 
         logging.basicConfig(level=logging.INFO, format=f"%(levelname)s [rank {rank}] %(message)s")
-        run_worker(rank, size, host, port, args_json, device, timeout)
+        run_rank(rank, size, host, port, args_json, device, timeout)
         return rank

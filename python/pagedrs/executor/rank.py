@@ -1,8 +1,8 @@
-"""A tensor-parallel worker (rank >= 1): its shard of the model and of the KV cache, and a loop that runs
-every step rank 0 broadcasts. Started as `python -m pagedrs.executor.worker_proc` by the `mp` executor, or
-inside a Ray actor by the `ray` executor; both call `run_worker`.
+"""A tensor-parallel rank >= 1: its shard of the model and of the KV cache, and a loop that runs
+every step rank 0 broadcasts. Started as `python -m pagedrs.executor.rank_main` by the `mp` executor, or
+inside a Ray actor by the `ray` executor; both call `run_rank`.
 
-A worker that fails writes its error into the group's store (`worker_error/<rank>`) for rank 0 to
+A rank that fails writes its error into the group's store (`worker_error/<rank>`) for rank 0 to
 report, then exits: its peers' collectives fail at once (the connection closes), so nobody hangs.
 """
 
@@ -18,7 +18,7 @@ from pagedrs.distributed.group import TPGroup, connect_tp_group, create_store
 from pagedrs.executor.step_packet import HEADER_LEN, Op, unpack_step
 from pagedrs.worker.model_runner import ModelRunner
 
-__all__ = ["agree_kv_blocks", "cpu_threads_per_rank", "error_key", "run_worker"]
+__all__ = ["agree_kv_blocks", "cpu_threads_per_rank", "error_key", "run_rank"]
 
 logger = logging.getLogger("pagedrs.worker")
 
@@ -54,7 +54,7 @@ def cpu_threads_per_rank(num_threads: int | None, size: int) -> int:
     return max(1, usable_cpus() // size)
 
 
-def run_worker(
+def run_rank(
     rank: int, size: int, host: str, port: int, engine_args_json: str, device: str, timeout_s: float
 ) -> None:
     """Join the group, load this rank's shard, agree on the pool, then execute steps until SHUTDOWN."""
@@ -71,12 +71,12 @@ def run_worker(
         else:
             torch.set_num_threads(cpu_threads_per_rank(args.num_threads, size))
         if args.liquid_gpu_range is not None:
-            from pagedrs.executor.liquid_worker import LiquidWorker
+            from pagedrs.executor.liquid_rank import LiquidRank
 
-            worker = LiquidWorker(store, rank, size, dev, host=host, timeout_s=timeout_s, args=args)
-            tp = worker.world
-            worker.loop()
-            worker.close()
+            liquid = LiquidRank(store, rank, size, dev, host=host, timeout_s=timeout_s, args=args)
+            tp = liquid.world
+            liquid.loop()
+            liquid.close()
             return
         tp = connect_tp_group(store, rank, size, dev, host=host, timeout_s=timeout_s)
         loaded = load_model(
