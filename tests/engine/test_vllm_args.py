@@ -45,7 +45,7 @@ def test_every_seed_argument_is_an_engine_argument() -> None:
     ("kwargs", "words"),
     [
         ({"pipeline_parallel_size": 2}, ["pipeline_parallel_size=2", "tensor_parallel_size"]),
-        ({"quantization": "awq"}, ["quantization='awq'", "dequantized"]),
+        ({"quantization": "bitsandbytes"}, ["quantization='bitsandbytes'", "gptq"]),
         ({"kv_cache_dtype": "int8"}, ["kv_cache_dtype", "'int8'", "fp8_e4m3"]),
         ({"tokenizer_mode": "mistral"}, ["tokenizer_mode='mistral'", "'slow'"]),
         ({"load_format": "bitsandbytes"}, ["load_format='bitsandbytes'", "dummy"]),

@@ -166,3 +166,37 @@ def test_unsupported_formats_are_refused(tmp_path: Path) -> None:
         (folder / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
         with pytest.raises(ValueError, match=msg):
             load_model(str(folder), dtype="float32")
+
+
+def test_startup_line_reports_what_was_loaded_and_packed_weight_size(tmp_path: Path, caplog) -> None:
+    from pagedrs import LLM
+
+    qdir, rdir = make_quantized_pair(tmp_path, "gptq", **CASES["gptq4-g32-sym"][1])
+    with caplog.at_level(logging.INFO, logger="pagedrs"):
+        llm = LLM(str(qdir), device="cpu", disable_log_stats=True, num_kv_blocks=8)
+    line = next(r.getMessage() for r in caplog.records if "with config:" in r.getMessage())
+    assert "load_format=safetensors" in line and "quantization=gptq" in line
+    llm.llm_engine.shutdown()
+    quant, ref = load_model(str(qdir)), load_model(str(rdir), dtype="float32")
+    packed = sum(m.qweight.nbytes for m in _linears(quant) if m.qweight is not None)
+    dense = sum(p.numel() * p.element_size() for p in quant.model.parameters())
+    assert packed > 0 and quant.weight_nbytes == dense + packed
+    # Q4_0: 18 bytes per 32 weights where float32 takes 128
+    linear_floats = sum(m.weight.numel() for m in _linears(ref))
+    assert packed == linear_floats // 32 * 18 and quant.weight_nbytes < ref.weight_nbytes
+
+
+def test_tp2_dequantized_gptq_equals_the_float_model(tmp_path: Path) -> None:
+    from pagedrs import LLM, SamplingParams
+
+    qdir, rdir = make_quantized_pair(tmp_path, "gptq", **CASES["gptq4-g32-asym-actorder"][1])
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    prompts = [{"prompt_token_ids": IDS}, {"prompt_token_ids": [1, 2, 3, 4, 5]}]
+    outs = {}
+    for name, folder, tp in (("quant", qdir, 2), ("ref", rdir, 1)):
+        llm = LLM(str(folder), device="cpu", dtype="float32", tensor_parallel_size=tp, disable_log_stats=True)
+        try:
+            outs[name] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+        finally:
+            llm.llm_engine.shutdown()
+    assert outs["quant"] == outs["ref"]

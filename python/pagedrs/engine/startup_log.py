@@ -16,7 +16,14 @@ from pagedrs.config import EngineConfig
 if TYPE_CHECKING:
     from pagedrs.engine.arg_utils import EngineArgs
 
-__all__ = ["config_line", "log_dtype_cast", "log_kv_cache_size", "log_startup"]
+__all__ = [
+    "config_line",
+    "loaded_format",
+    "loaded_quantization",
+    "log_dtype_cast",
+    "log_kv_cache_size",
+    "log_startup",
+]
 
 logger = logging.getLogger("pagedrs.engine")
 
@@ -44,10 +51,38 @@ def log_dtype_cast(config_dtype: torch.dtype | None, dtype: torch.dtype) -> None
         logger.warning("Casting %s to %s.", config_dtype, dtype)
 
 
-def config_line(args: EngineArgs, config: EngineConfig, model_path: str, dtype: torch.dtype) -> str:
+def loaded_format(load_format: str, model_path: str) -> str:
+    """What `load_format="auto"` loaded from `model_path`: gguf, safetensors or pt."""
+    from pagedrs.loader import gguf_file
+    from pagedrs.loader.safetensors import safetensors_files
+
+    if load_format != "auto":
+        return load_format
+    if gguf_file(model_path) is not None:
+        return "gguf"
+    return "safetensors" if safetensors_files(model_path) else "pt"
+
+
+def loaded_quantization(forced: str | None, model_path: str, hf_config: Any) -> str | None:
+    """The quantization the weights were loaded from: gguf, the checkpoint's quant_method, or None."""
+    from pagedrs.loader import gguf_file
+    from pagedrs.loader.quant_config import detect_quantization
+
+    if gguf_file(model_path) is not None:
+        return "gguf"
+    if hf_config is None:
+        return forced
+    quant = detect_quantization(hf_config, model_path, forced)
+    return quant.name if quant is not None else None
+
+
+def config_line(
+    args: EngineArgs, config: EngineConfig, model_path: str, dtype: torch.dtype, hf_config: Any = None
+) -> str:
     """vLLM 0.4's config line with resolved values: the model as given (the default model's file when
-    none was), `dtype=torch.float16`, `max_seq_len` the context length in force, `device_config=cuda`;
-    then pagedrs' scheduler settings."""
+    none was), `dtype=torch.float16`, `max_seq_len` the context length in force, `device_config=cuda`,
+    `load_format` and `quantization` what was loaded (`hf_config` declares the quantization); then
+    pagedrs' scheduler settings."""
     model = args.model if args.model is not None else model_path
     values: dict[str, object] = {
         "model": repr(model),
@@ -62,11 +97,11 @@ def config_line(args: EngineArgs, config: EngineConfig, model_path: str, dtype: 
         "dtype": dtype,
         "max_seq_len": config.scheduler.max_model_len,
         "download_dir": args.download_dir,
-        "load_format": args.load_format,
+        "load_format": loaded_format(args.load_format, model_path),
         "tensor_parallel_size": args.tensor_parallel_size,
         "pipeline_parallel_size": args.pipeline_parallel_size,
         "disable_custom_all_reduce": args.disable_custom_all_reduce,
-        "quantization": args.quantization,
+        "quantization": loaded_quantization(args.quantization, model_path, hf_config),
         "enforce_eager": args.enforce_eager,
         "kv_cache_dtype": config.cache.cache_dtype,
         "device_config": config.device.device.type,
@@ -91,7 +126,7 @@ def log_startup(
     logger.info(
         "Initializing an LLM engine (pagedrs v%s) with config: %s",
         __version__,
-        config_line(args, config, model_path, dtype),
+        config_line(args, config, model_path, dtype, hf_config),
     )
     if config.scheduler.enable_chunked_prefill:
         logger.info(

@@ -64,7 +64,7 @@ def load_engine(args: EngineArgs) -> tuple[EngineConfig, LoadedModel, UniProcExe
         )
         config = args.create_engine_config(loaded.max_len)
         log_startup(args, config, loaded.model_path, loaded.hf_config, loaded.model.dtype)
-        weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+        weights = loaded.weight_nbytes  # packed weights at their packed size
         logger.info("Loading model weights took %.4f GB", weights / (1 << 30))
         return config, loaded, build_executor(config, loaded, ranks)
     except BaseException:

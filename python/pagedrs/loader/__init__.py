@@ -81,6 +81,17 @@ class LoadedModel:
         return eos_token_ids(self.tokenizer, self.hf_config, str(self.model_path))
 
     @property
+    def weight_nbytes(self) -> int:
+        """Bytes the weights take: dense parameters, plus packed weights at their packed size."""
+        dense = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        packed: dict[int, int] = {}  # by id: a tied output head shares its table's slot
+        for m in self.model.modules():
+            for q in (getattr(m, "qweight", None), getattr(getattr(m, "quant", None), "weight", None)):
+                if q is not None:
+                    packed[id(q)] = int(q.nbytes)
+        return dense + sum(packed.values())
+
+    @property
     def max_len(self) -> int:
         """The longest sequence the model takes (its position limit, or the cap)."""
         limit = int(
