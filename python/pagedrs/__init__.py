@@ -21,6 +21,7 @@ from pagedrs.outputs import (
     RequestMetrics,
     RequestOutput,
 )
+from pagedrs.lora.request import LoRARequest
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -34,6 +35,7 @@ __all__ = [
     "LLMEngine",
     "LiquidRequest",
     "LiquidType",
+    "LoRARequest",
     "Logprob",
     "PoolingParams",
     "RequestMetrics",

@@ -15,6 +15,7 @@ __all__ = [
     "EngineConfig",
     "FP8_MAX",
     "KV_CACHE_DTYPES",
+    "LoRAConfig",
     "ModelConfig",
     "ObservabilityConfig",
     "ParallelConfig",
@@ -320,6 +321,33 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's names): `max_loras` adapters resident at once (a batch mixes up to that
+    many), ranks up to `max_lora_rank`, `max_cpu_loras` kept loaded on the host (default: max_loras)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            _is_int(self.max_loras) and self.max_loras >= 1,
+            "max_loras",
+            self.max_loras,
+            "must be an int >= 1",
+        )
+        r = self.max_lora_rank
+        _require(_is_int(r) and r >= 1, "max_lora_rank", r, "must be an int >= 1")
+        c = self.max_cpu_loras
+        _require(
+            c is None or (_is_int(c) and c >= self.max_loras),
+            "max_cpu_loras",
+            c,
+            f"must be an int >= max_loras ({self.max_loras})",
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -327,3 +355,4 @@ class EngineConfig:
     device: DeviceConfig
     observability: ObservabilityConfig
     parallel: ParallelConfig = ParallelConfig()
+    lora: LoRAConfig | None = None  # None: LoRA adapters are off

@@ -12,6 +12,7 @@ from pagedrs.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ObservabilityConfig,
     ParallelConfig,
@@ -91,6 +92,11 @@ class EngineArgs:
     liquid_auto_window: int = 16
     liquid_scale_out_threshold: float = 0.9
     liquid_scale_in_threshold: float = 0.7
+    # LoRA adapters per request (vLLM's names); LoRA steps run eagerly (no CUDA graphs).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -243,7 +249,7 @@ class EngineArgs:
         device = DeviceConfig(
             device=resolve_device(self.device),
             attention_backend=self.attention_backend,
-            enforce_eager=self.enforce_eager,
+            enforce_eager=self.enforce_eager or self.enable_lora,
             num_threads=self.num_threads,
         )
         obs = ObservabilityConfig(
@@ -264,7 +270,21 @@ class EngineArgs:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
         self.parallel_config()
+        self.lora_config()
         return model, cache, device, obs
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA settings, or None when `enable_lora` is off; ValueError for a setup LoRA cannot run on."""
+        if not self.enable_lora:
+            return None
+        if self.tensor_parallel_size != 1 or self.liquid_gpu_range is not None:
+            raise ValueError(
+                f"enable_lora needs tensor_parallel_size=1 without liquid scaling (got "
+                f"tensor_parallel_size={self.tensor_parallel_size}); LoRA is not sharded across ranks yet"
+            )
+        return LoRAConfig(
+            max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras
+        )
 
     def create_engine_config(self, model_max_len: int) -> EngineConfig:
         model, cache, device, obs = self.early_configs()
@@ -289,4 +309,5 @@ class EngineArgs:
             device=device,
             observability=obs,
             parallel=self.parallel_config(),
+            lora=self.lora_config(),
         )

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from pagedrs.engine.messages import EngineCoreRequest
+from pagedrs.lora.request import LoRARequest
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import SamplingParams
 
@@ -126,6 +127,7 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
         client_index: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         """(prompt text, the request for the core); InputError on bad input. A PoolingParams makes an
         embedding request (`process_pooling`)."""
@@ -140,6 +142,8 @@ class InputProcessor:
             )
         if not isinstance(params, SamplingParams):
             raise InputError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise InputError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
         if self.task == "embed":
             raise InputError(
                 "this model is served for embeddings (--task embed): it does not generate", "model"
@@ -175,6 +179,7 @@ class InputProcessor:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             priority=int(priority),
             client_index=client_index,
+            lora_request=lora_request,
         )
 
     def process_pooling(

@@ -18,6 +18,7 @@ from pagedrs.engine.output_processor import OutputProcessor
 from pagedrs.executor import UniProcExecutor
 from pagedrs.executor.build import build_executor
 from pagedrs.loader import LoadedModel
+from pagedrs.lora.request import LoRARequest
 from pagedrs.metrics import EngineStats
 from pagedrs.models.interface import CausalLM
 from pagedrs.outputs import EmbeddingRequestOutput, RequestOutput
@@ -117,20 +118,29 @@ class LLMEngine:
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate and queue a request; ValueError on bad input (the engine state is left unchanged)."""
+        """Validate and queue a request (with `lora_request`: under that adapter); ValueError on bad input
+        (the engine state is left unchanged)."""
         request_id = str(request_id)
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         # Frontend state first: a failure building it leaves the core untouched; a core rejection undoes it.
         if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("lora_request is for generation; embedding requests run the base model")
             text, req = self.input_processor.process_pooling(
                 request_id, prompt, params, arrival_time=arrival_time, priority=priority
             )
             self.output_processor.add_pooling_request(request_id, text, req.prompt_token_ids)
         else:
             text, req = self.input_processor.process(
-                request_id, prompt, params, arrival_time=arrival_time, priority=priority
+                request_id,
+                prompt,
+                params,
+                arrival_time=arrival_time,
+                priority=priority,
+                lora_request=lora_request,
             )
             self.output_processor.add_request(
                 request_id, text, req.prompt_token_ids, params, req.arrival_time

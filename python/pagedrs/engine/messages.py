@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from pagedrs.lora.request import LoRARequest
 from pagedrs.metrics import EngineStats
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import SamplingParams
@@ -56,6 +57,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True):
     priority: int = 0
     client_index: int = 0
     pooling: PoolingParams | None = None  # an embedding request: pool the prompt's hidden states
+    lora_request: LoRARequest | None = None  # the adapter this request runs with (None: the base model)
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

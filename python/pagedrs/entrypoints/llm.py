@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
+from pagedrs.lora.request import LoRARequest
 from pagedrs.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -36,6 +37,21 @@ def _prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInp
     raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
 
 
+def _lora_list(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if not isinstance(lora_request, (list, tuple)):
+        raise ValueError(
+            f"lora_request must be a LoRARequest or a list of them, got {type(lora_request).__name__}"
+        )
+    if len(lora_request) != num_prompts:
+        raise ValueError(f"lora_request has {len(lora_request)} entries but there are {num_prompts} prompts")
+    return list(lora_request)
+
+
 class LLM:
     """Offline generation over an `LLMEngine` (vLLM's `LLM`); keyword arguments are `EngineArgs` fields."""
 
@@ -56,10 +72,13 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text, token ids or {"prompt"/"prompt_token_ids": ...}); outputs in
-        prompt order."""
+        prompt order. `lora_request`: one adapter for every prompt, or one (or None: the base model) per
+        prompt, as vLLM's `LLM.generate`."""
         prompt_list = _prompt_list(prompts)
+        loras = _lora_list(lora_request, len(prompt_list))
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -81,7 +100,7 @@ class LLM:
                     raise ValueError(
                         f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}"
                     )
-        return self._run(prompt_list, params_list, use_tqdm)
+        return self._run(prompt_list, params_list, use_tqdm, loras)
 
     def embed(
         self,
@@ -178,22 +197,26 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(
-        self, prompts: list[PromptInput], params: Sequence[SamplingParams | PoolingParams], use_tqdm: bool
+        self,
+        prompts: list[PromptInput],
+        params: Sequence[SamplingParams | PoolingParams],
+        use_tqdm: bool,
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[Any]:
         engine = self.llm_engine
         ids: list[str] = []
-        pairs: Any = zip(prompts, params, strict=True)
+        pairs: Any = zip(prompts, params, loras or [None] * len(prompts), strict=True)
         if use_tqdm:  # vLLM's "Adding requests" bar, then its "Processed prompts" bar
             from tqdm.auto import tqdm
 
             pairs = tqdm(pairs, total=len(prompts), desc="Adding requests", dynamic_ncols=True)
         try:
-            for prompt, sp in pairs:
+            for prompt, sp, lora in pairs:
                 rid = str(next(self._counter))
                 if isinstance(sp, SamplingParams) and sp.output_kind != RequestOutputKind.FINAL_ONLY:
                     sp = copy.copy(sp)
                     sp.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, at its end
-                engine.add_request(rid, prompt, sp)
+                engine.add_request(rid, prompt, sp, lora_request=lora)
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)
