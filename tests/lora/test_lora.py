@@ -78,6 +78,7 @@ def test_adapter_matches_peft(arch: str, bases: dict[str, Path], tmp_path: Path)
     adapter = make_peft_adapter(bases[arch], tmp_path / "a", seed=7)
     prompts = [_prompt(5, 1), _prompt(37, 2)]
     ref = PeftReference(bases[arch], adapter)
+    merged = PeftReference(bases[arch], adapter, merged=True)
     base_ref = PeftReference(bases[arch], None)
     llm = LLM(str(bases[arch]), device="cpu", disable_log_stats=True, num_kv_blocks=128, enable_lora=True)
     lora = LoRARequest("a", 1, str(adapter))
@@ -87,6 +88,7 @@ def test_adapter_matches_peft(arch: str, bases: dict[str, Path], tmp_path: Path)
     for p, out in zip(prompts, outs, strict=True):
         expected = ref(p, MAX_TOKENS)
         assert out.outputs[0].token_ids == expected
+        assert out.outputs[0].token_ids == merged(p, MAX_TOKENS)  # the adapter merged into the weights
         assert expected != base_ref(p, MAX_TOKENS)  # the adapter changes the output: the test can fail
 
 
@@ -193,6 +195,11 @@ def test_lora_request_needs_enable_lora(bases: dict[str, Path], llama_adapters: 
         llm.generate(
             "hi", _greedy(), use_tqdm=False, lora_request=LoRARequest("all", 1, str(llama_adapters[0]))
         )
+
+
+def test_lora_refuses_tensor_parallel() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        EngineArgs(enable_lora=True, tensor_parallel_size=2).lora_config()
 
 
 def test_add_list_remove_adapters(bases: dict[str, Path], llama_adapters: list[Path]) -> None:
