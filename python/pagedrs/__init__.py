@@ -13,6 +13,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from pagedrs.lora.request import LoRARequest
 from pagedrs.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -21,7 +22,6 @@ from pagedrs.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from pagedrs.lora.request import LoRARequest
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
