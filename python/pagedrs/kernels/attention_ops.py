@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -168,7 +169,20 @@ def _check(name: str, t: Tensor, dtype: torch.dtype, dims: int, device: torch.de
         raise ValueError(f"{name} is on {t.device}, expected {device}")
 
 
-def paged_attention(
+@dataclass(frozen=True)
+class _Shapes:
+    """What the checks found, for the launches."""
+
+    num_tokens: int
+    num_heads: int
+    head_size: int
+    block_size: int
+    num_kv_heads: int
+    num_seqs: int
+    cache_ctype: str | None
+
+
+def _check_args(
     out: Tensor,
     q: Tensor,
     key_cache: Tensor,
@@ -176,19 +190,8 @@ def paged_attention(
     block_tables: Tensor,
     seq_lens: Tensor,
     query_start_loc: Tensor,
-    *,
-    scale: float,
-    sliding_window: int | None,
-    max_query_len: int,
-    max_seq_len: int,
-    prefill_impl: PrefillImpl = "auto",
-) -> Tensor:
-    """out[t] = attention of query q[t] over its request's cached keys/values.
-
-    out, q [T, H, D]; key_cache, value_cache [num_blocks, block_size, KVH, D] in q's dtype or an fp8 type
-    (widened to q's dtype as it is read); block_tables [B, M] int32;
-    seq_lens [B] int32; query_start_loc [B+1] int32 (all on one device). max_query_len and max_seq_len are
-    upper bounds (a CUDA graph passes its capacity); the kernels read the true lengths on the device."""
+) -> _Shapes:
+    """Every shape, dtype, device, contiguity and size rule of `paged_attention`, as ValueErrors."""
     device = q.device
     if q.dim() != 3:
         raise ValueError(f"q must be [T, H, D], got {tuple(q.shape)}")
@@ -228,63 +231,118 @@ def paged_attention(
         raise ValueError(f"query_start_loc must be [{num_seqs + 1}] and block_tables [>={num_seqs}, M]")
     if not (seq_lens.is_contiguous() and query_start_loc.is_contiguous()) or block_tables.stride(1) != 1:
         raise ValueError("seq_lens, query_start_loc and block_tables rows must be contiguous")
+    return _Shapes(num_tokens, num_heads, head_size, block_size, num_kv_heads, num_seqs, cache_ctype)
+
+
+def paged_attention(
+    out: Tensor,
+    q: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    max_query_len: int,
+    max_seq_len: int,
+    prefill_impl: PrefillImpl = "auto",
+) -> Tensor:
+    """out[t] = attention of query q[t] over its request's cached keys/values.
+
+    out, q [T, H, D]; key_cache, value_cache [num_blocks, block_size, KVH, D] in q's dtype or an fp8 type
+    (widened to q's dtype as it is read); block_tables [B, M] int32;
+    seq_lens [B] int32; query_start_loc [B+1] int32 (all on one device). max_query_len and max_seq_len are
+    upper bounds (a CUDA graph passes its capacity); the kernels read the true lengths on the device.
+    Decode rows (q_len 1) and prefill rows go to two kernels launched one after the other; each skips the
+    other's requests on the device."""
+    shapes = _check_args(out, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     if (
         q.stride(2) != 1
-        or q.stride(1) != head_size
+        or q.stride(1) != shapes.head_size
         or (q.stride(0) * q.element_size()) % 16
         or q.data_ptr() % 16
     ):
         q = q.contiguous()
-    if num_tokens == 0 or num_seqs == 0:
+    if shapes.num_tokens == 0 or shapes.num_seqs == 0:
         return out
-
     ctype = CTYPES[_name(q.dtype)]
-    names = attention_names(ctype, head_size, cache_ctype)
     window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
-    scale_log2 = np.float32(scale * _LOG2E)
-    common = (
-        ptr(key_cache),
-        ptr(value_cache),
-        ptr(block_tables),
-        np.int32(block_tables.stride(0)),
-        ptr(seq_lens),
-        ptr(query_start_loc),
+    launch_args = _LaunchArgs(
+        shapes=shapes,
+        ctype=ctype,
+        names=attention_names(ctype, shapes.head_size, shapes.cache_ctype),
+        window=window,
+        scale_log2=np.float32(scale * _LOG2E),
+        block_shift=np.int32(shapes.block_size.bit_length() - 1),
+        common=(
+            ptr(key_cache),
+            ptr(value_cache),
+            ptr(block_tables),
+            np.int32(block_tables.stride(0)),
+            ptr(seq_lens),
+            ptr(query_start_loc),
+        ),
     )
-    num_sms, arch = _device_info(device)
-    block_shift = np.int32(block_size.bit_length() - 1)
-    group = num_heads // num_kv_heads
+    _launch_decode(launch_args, out, q, seq_lens, query_start_loc, max_seq_len)
+    if max_query_len > 1:
+        _launch_prefill(launch_args, out, q, max_query_len, prefill_impl)
+    return out
 
-    # Decode: every request; the ones with q_len != 1 exit at once.
+
+@dataclass(frozen=True)
+class _LaunchArgs:
+    """What the decode and prefill launches share."""
+
+    shapes: _Shapes
+    ctype: str
+    names: Any
+    window: int
+    scale_log2: np.float32
+    block_shift: np.int32
+    common: tuple[Any, ...]  # caches, block tables (and row stride), seq_lens, query_start_loc
+
+
+def _launch_decode(
+    a: _LaunchArgs, out: Tensor, q: Tensor, seq_lens: Tensor, query_start_loc: Tensor, max_seq_len: int
+) -> None:
+    """Decode: every request (the ones with q_len != 1 exit at once), split into partitions of the
+    context when there are too few (request, kv head) pairs to fill the SMs, then reduced."""
+    sh, device = a.shapes, q.device
+    num_sms, _ = _device_info(device)
+    group = sh.num_heads // sh.num_kv_heads
     gp = next((g for g in GROUP_SIZES if g >= group), GROUP_SIZES[-1])
     chunks = -(-group // gp)
-    max_span = min(max_seq_len, window) if window else max_seq_len
-    part, max_parts = decode_partitions(num_seqs * num_kv_heads * chunks, max(max_span, 1), num_sms)
+    max_span = min(max_seq_len, a.window) if a.window else max_seq_len
+    part, max_parts = decode_partitions(sh.num_seqs * sh.num_kv_heads * chunks, max(max_span, 1), num_sms)
     if max_parts > 1:
-        tmp_out = torch.empty((num_seqs, num_heads, max_parts, head_size), dtype=torch.float32, device=device)
-        stats = torch.empty((2, num_seqs, num_heads, max_parts), dtype=torch.float32, device=device)
+        tmp_out = torch.empty(
+            (sh.num_seqs, sh.num_heads, max_parts, sh.head_size), dtype=torch.float32, device=device
+        )
+        stats = torch.empty((2, sh.num_seqs, sh.num_heads, max_parts), dtype=torch.float32, device=device)
         tmp_args = (ptr(tmp_out), ptr(stats[0]), ptr(stats[1]))
     else:
         tmp_args = (ptr(out), ptr(out), ptr(out))  # unused by the single-partition path
-    smem = decode_smem_bytes(head_size, gp, part)
     launch(
         Launch(
             _SOURCE,
-            names,
-            decode_name(ctype, head_size, gp, cache_ctype),
-            (num_seqs, num_kv_heads * chunks, max_parts),
+            a.names,
+            decode_name(a.ctype, sh.head_size, gp, sh.cache_ctype),
+            (sh.num_seqs, sh.num_kv_heads * chunks, max_parts),
             _THREADS,
-            smem,
+            decode_smem_bytes(sh.head_size, gp, part),
             (
                 ptr(out),
                 *tmp_args,
                 ptr(q),
                 np.int64(q.stride(0)),
-                *common,
-                np.int32(num_heads),
-                np.int32(num_kv_heads),
-                block_shift,
-                np.int32(window),
-                scale_log2,
+                *a.common,
+                np.int32(sh.num_heads),
+                np.int32(sh.num_kv_heads),
+                a.block_shift,
+                np.int32(a.window),
+                a.scale_log2,
                 np.int32(part),
                 np.int32(max_parts),
             ),
@@ -295,9 +353,9 @@ def paged_attention(
         launch(
             Launch(
                 _SOURCE,
-                names,
-                reduce_name(ctype, head_size),
-                (num_seqs, num_heads, 1),
+                a.names,
+                reduce_name(a.ctype, sh.head_size),
+                (sh.num_seqs, sh.num_heads, 1),
                 _THREADS,
                 4 * (max_parts + 4),
                 (
@@ -305,8 +363,8 @@ def paged_attention(
                     *tmp_args,
                     ptr(seq_lens),
                     ptr(query_start_loc),
-                    np.int32(num_heads),
-                    np.int32(window),
+                    np.int32(sh.num_heads),
+                    np.int32(a.window),
                     np.int32(part),
                     np.int32(max_parts),
                 ),
@@ -314,39 +372,45 @@ def paged_attention(
             device,
         )
 
-    # Prefill: requests with q_len > 1; the grid is an upper bound on their row tiles.
-    if max_query_len > 1:
-        mma = prefill_impl.startswith("mma") or (prefill_impl == "auto" and ctype != "float" and arch >= 80)
-        if mma and ctype == "float":
-            raise ValueError("the tensor-core prefill kernel takes float16/bfloat16 queries only")
-        m_tiles = prefill_m_tiles(prefill_impl, max_query_len, group) if mma else 1
-        assert m_tiles in PREFILL_MMA_TILES
-        if mma:
-            rows, smem = 64 * m_tiles, prefill_smem_bytes(head_size, m_tiles)
-        else:
-            rows, smem = _SCALAR_ROWS, scalar_prefill_smem_bytes(head_size)
-        tiles = -(-num_tokens * group // rows) + num_seqs
-        launch(
-            Launch(
-                _SOURCE,
-                names,
-                prefill_name(ctype, head_size, mma=mma, cache_ctype=cache_ctype, m_tiles=m_tiles),
-                (tiles, num_kv_heads, 1),
-                _THREADS,
-                smem,
-                (
-                    ptr(out),
-                    ptr(q),
-                    np.int64(q.stride(0)),
-                    *common,
-                    np.int32(num_seqs),
-                    np.int32(num_heads),
-                    np.int32(num_kv_heads),
-                    block_shift,
-                    np.int32(window),
-                    scale_log2,
-                ),
+
+def _launch_prefill(
+    a: _LaunchArgs, out: Tensor, q: Tensor, max_query_len: int, prefill_impl: PrefillImpl
+) -> None:
+    """Prefill: requests with q_len > 1; the grid is an upper bound on their row tiles. Tensor-core (mma)
+    tiles on sm80+ for half types, the scalar kernel otherwise."""
+    sh, device = a.shapes, q.device
+    _, arch = _device_info(device)
+    group = sh.num_heads // sh.num_kv_heads
+    mma = prefill_impl.startswith("mma") or (prefill_impl == "auto" and a.ctype != "float" and arch >= 80)
+    if mma and a.ctype == "float":
+        raise ValueError("the tensor-core prefill kernel takes float16/bfloat16 queries only")
+    m_tiles = prefill_m_tiles(prefill_impl, max_query_len, group) if mma else 1
+    assert m_tiles in PREFILL_MMA_TILES
+    if mma:
+        rows, smem = 64 * m_tiles, prefill_smem_bytes(sh.head_size, m_tiles)
+    else:
+        rows, smem = _SCALAR_ROWS, scalar_prefill_smem_bytes(sh.head_size)
+    tiles = -(-sh.num_tokens * group // rows) + sh.num_seqs
+    launch(
+        Launch(
+            _SOURCE,
+            a.names,
+            prefill_name(a.ctype, sh.head_size, mma=mma, cache_ctype=sh.cache_ctype, m_tiles=m_tiles),
+            (tiles, sh.num_kv_heads, 1),
+            _THREADS,
+            smem,
+            (
+                ptr(out),
+                ptr(q),
+                np.int64(q.stride(0)),
+                *a.common,
+                np.int32(sh.num_seqs),
+                np.int32(sh.num_heads),
+                np.int32(sh.num_kv_heads),
+                a.block_shift,
+                np.int32(a.window),
+                a.scale_log2,
             ),
-            device,
-        )
-    return out
+        ),
+        device,
+    )
