@@ -156,6 +156,26 @@ def _head_offsets(num_tokens: int, num_reqs: int) -> tuple[dict[str, int], int]:
     return offsets, end
 
 
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """One step's places in the packed buffer: head-array offsets, the tail arrays' offsets, the total size
+    and the counts they were sized for (`rows`/`toks`: padded to the graph size in a graph step)."""
+
+    offsets: dict[str, int]
+    logits_off: int
+    changed_off: int
+    table_off: int
+    end: int
+    num_tokens: int
+    num_reqs: int
+    num_logits: int
+    num_changed: int
+    width: int
+    rows: int
+    toks: int
+    graph_size: int | None
+
+
 class StepBuffers:
     """Packs a plan into the staging buffer, copies it once, and hands out device views."""
 
@@ -201,28 +221,35 @@ class StepBuffers:
         mirror_rows: np.ndarray | None = None,
         graph_size: int | None = None,
     ) -> StepInputs:
-        """Pack `plan` . `mirror_rows`: the scheduler's block-table view when the device keeps
-        a mirror of it (then the plan's changed rows travel, and the batch's row indices); None: the
-        plan's dense block table travels. `graph_size`: pack in the graph layout, padded to that size."""
-        p = plan
-        ids: np.ndarray = p.input_ids
-        num_tokens = len(ids)
-        seq_lens: np.ndarray = p.seq_lens
-        num_reqs = len(seq_lens)
-        logits: np.ndarray = p.logits_indices
-        extra = extra_logits_indices if extra_logits_indices is not None else logits[:0]
-        num_logits = len(logits) + len(extra)
-        if mirror_rows is not None:
-            changed: np.ndarray = p.changed_rows
-            width = mirror_rows.shape[1]
-            dense = None
-        else:
-            changed = logits[:0]
-            dense = p.block_tables
-            width = dense.shape[1]
-        assert (mirror_rows is None) != (dense is None)
-        num_changed = len(changed)
+        """Pack `plan` into one host buffer and copy it to the device in one transfer. `mirror_rows`: the
+        scheduler's block-table view when the device keeps a mirror of it (then the plan's changed rows
+        travel, and the batch's row indices); None: the plan's dense block table travels. `graph_size`:
+        pack in the graph layout, padded to that size."""
+        extra = extra_logits_indices if extra_logits_indices is not None else plan.logits_indices[:0]
+        lay = self._layout(plan, extra, mirror_rows, graph_size)
+        buf = self.main
+        if lay.end > buf.capacity:
+            if graph_size is not None:
+                raise ValueError(f"a graph step needs {lay.end} bytes, the step buffer holds {buf.capacity}")
+            if self._overflow is None or self._overflow.capacity < lay.end:
+                self._overflow = PackedBuffer(2 * lay.end, self.device)
+            buf = self._overflow
+        buf.begin()
+        self._write(buf, plan, lay, extra, mirror_rows)
+        buf.copy(lay.end)
+        return self._inputs(buf, plan, lay, extra, mirror_rows is not None)
 
+    def _layout(
+        self, p: StepPlan, extra: np.ndarray, mirror_rows: np.ndarray | None, graph_size: int | None
+    ) -> _Layout:
+        """Where each array of this step goes in the buffer (the head arrays, then logits indices, changed
+        row ids and block-table rows, each 16-byte aligned)."""
+        num_tokens, num_reqs = len(p.input_ids), len(p.seq_lens)
+        num_logits = len(p.logits_indices) + len(extra)
+        if mirror_rows is not None:
+            num_changed, width, table_rows = len(p.changed_rows), mirror_rows.shape[1], len(p.changed_rows)
+        else:
+            num_changed, width, table_rows = 0, p.block_tables.shape[1], num_reqs
         if graph_size is not None:
             if num_tokens != num_reqs or graph_size < num_reqs or graph_size > self.graph_rows:
                 raise ValueError(
@@ -237,59 +264,69 @@ class StepBuffers:
         changed_off = end
         end += aligned(8 * num_changed)
         table_off = end
-        table_rows = num_changed if dense is None else num_reqs
         end += aligned(4 * table_rows * width)
+        return _Layout(
+            offsets=offsets,
+            logits_off=logits_off,
+            changed_off=changed_off,
+            table_off=table_off,
+            end=end,
+            num_tokens=num_tokens,
+            num_reqs=num_reqs,
+            num_logits=num_logits,
+            num_changed=num_changed,
+            width=width,
+            rows=graph_size if graph_size is not None else num_reqs,
+            toks=graph_size if graph_size is not None else num_tokens,
+            graph_size=graph_size,
+        )
 
-        buf = self.main
-        if end > buf.capacity:
-            if graph_size is not None:
-                raise ValueError(f"a graph step needs {end} bytes, the step buffer holds {buf.capacity}")
-            if self._overflow is None or self._overflow.capacity < end:
-                self._overflow = PackedBuffer(2 * end, self.device)
-            buf = self._overflow
-        buf.begin()
-
-        rows = graph_size if graph_size is not None else num_reqs
-        toks = graph_size if graph_size is not None else num_tokens
-        w = buf.write
-        v_ids = w(offsets["input_ids"], ids, np.int64, toks)
-        v_pos = w(offsets["positions"], p.positions, np.int64, toks)
-        v_slot = w(offsets["slot_mapping"], p.slot_mapping, np.int64, toks)
-        v_len = w(offsets["seq_lens"], seq_lens, np.int32, rows)
-        v_qsl = w(offsets["query_start_loc"], p.query_start_loc, np.int32, rows + 1)
+    def _write(
+        self, buf: PackedBuffer, p: StepPlan, lay: _Layout, extra: np.ndarray, mirror_rows: np.ndarray | None
+    ) -> None:
+        """Writes the plan's arrays into the host side of `buf` (a graph step padded with inert rows)."""
+        w, o, rows, toks = buf.write, lay.offsets, lay.rows, lay.toks
+        v_ids = w(o["input_ids"], p.input_ids, np.int64, toks)
+        v_pos = w(o["positions"], p.positions, np.int64, toks)
+        v_slot = w(o["slot_mapping"], p.slot_mapping, np.int64, toks)
+        v_len = w(o["seq_lens"], p.seq_lens, np.int32, rows)
+        v_qsl = w(o["query_start_loc"], p.query_start_loc, np.int32, rows + 1)
+        v_rows = None
         if mirror_rows is not None:
-            v_rows = w(offsets["block_table_rows"], p.block_table_rows, np.int64, rows)
-            if num_changed:
-                w(changed_off, changed, np.int64)
-                host = buf.host_view(table_off, np.int32, num_changed * width)
-                np.take(mirror_rows, changed, axis=0, out=host.reshape(num_changed, width))
-        else:
-            v_rows = None
-            if num_reqs and width and dense is not None:
-                w(table_off, dense, np.int32)
-        if graph_size is not None and graph_size > num_reqs:
-            n = num_reqs
+            v_rows = w(o["block_table_rows"], p.block_table_rows, np.int64, rows)
+            if lay.num_changed:
+                n, width = lay.num_changed, lay.width
+                w(lay.changed_off, p.changed_rows, np.int64)
+                host = buf.host_view(lay.table_off, np.int32, n * width)
+                np.take(mirror_rows, p.changed_rows, axis=0, out=host.reshape(n, width))
+        elif lay.num_reqs and lay.width:
+            w(lay.table_off, p.block_tables, np.int32)
+        if lay.graph_size is not None and lay.graph_size > lay.num_reqs:
+            n = lay.num_reqs
             v_ids[n:] = 0
             v_pos[n:] = 0
             v_slot[n:] = -1
             v_len[n:] = 0
-            v_qsl[n + 1 :] = self._arange[n + 1 : graph_size + 1]
+            v_qsl[n + 1 :] = self._arange[n + 1 : lay.graph_size + 1]
             if v_rows is not None:
                 v_rows[n:] = 0
-        if num_logits:
-            w(logits_off, logits, np.int64)
+        if lay.num_logits:
+            logits = p.logits_indices
+            w(lay.logits_off, logits, np.int64)
             if len(extra):
-                w(logits_off + 8 * len(logits), extra, np.int64)
-        buf.copy(end)
+                w(lay.logits_off + 8 * len(logits), extra, np.int64)
 
-        v = buf.view
-        o = offsets
-        t = toks
+    def _inputs(
+        self, buf: PackedBuffer, p: StepPlan, lay: _Layout, extra: np.ndarray, mirrored: bool
+    ) -> StepInputs:
+        """The device-side views of what `_write` packed."""
+        v, o, t, rows, n_chg = buf.view, lay.offsets, lay.toks, lay.rows, lay.num_changed
+        logits = p.logits_indices
         all_rows = (
-            num_logits == num_tokens
-            and num_tokens > 0
-            and bool(np.array_equal(logits, self._arange[:num_tokens]))
+            lay.num_logits == lay.num_tokens
+            and lay.num_tokens > 0
             and not len(extra)
+            and bool(np.array_equal(logits, self._arange[: lay.num_tokens]))
         )
         return StepInputs(
             input_ids=v(o["input_ids"], np.int64, t),
@@ -297,11 +334,11 @@ class StepBuffers:
             slot_mapping=v(o["slot_mapping"], np.int64, t),
             query_start_loc=v(o["query_start_loc"], np.int32, rows + 1),
             seq_lens=v(o["seq_lens"], np.int32, rows),
-            block_table_rows=v(o["block_table_rows"], np.int64, rows) if mirror_rows is not None else None,
-            changed_rows=v(changed_off, np.int64, num_changed) if num_changed else None,
-            changed_row_data=v(table_off, np.int32, num_changed, width) if num_changed else None,
-            block_tables=v(table_off, np.int32, num_reqs, width) if dense is not None else None,
-            logits_indices=v(logits_off, np.int64, num_logits) if num_logits else None,
+            block_table_rows=v(o["block_table_rows"], np.int64, rows) if mirrored else None,
+            changed_rows=v(lay.changed_off, np.int64, n_chg) if n_chg else None,
+            changed_row_data=v(lay.table_off, np.int32, n_chg, lay.width) if n_chg else None,
+            block_tables=None if mirrored else v(lay.table_off, np.int32, lay.num_reqs, lay.width),
+            logits_indices=v(lay.logits_off, np.int64, lay.num_logits) if lay.num_logits else None,
             logits_are_all_rows=all_rows,
-            graph_size=graph_size,
+            graph_size=lay.graph_size,
         )
