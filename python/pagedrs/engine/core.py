@@ -5,7 +5,8 @@ sequence's new token ids (and logprobs), finish reasons from the scheduler (eos,
 and the step's stats. Text, stop strings and `RequestOutput`s belong to the frontend (`OutputProcessor`);
 the same core runs in-process under `LLMEngine` and in its own process behind the server (`core_proc`).
 Beside the step, each in its own module: the outputs (`step_outputs`), pooling (`pooling`), grammar
-admission (`grammar_queue`), liquid moves (`liquid_control`, between steps), the batch picture (`metrics`).
+admission (`grammar_queue`), LoRA slots and parking (`lora_queue`), liquid moves (`liquid_control`,
+between steps), the batch picture (`metrics`).
 Loading the model and starting the ranks is `executor.build`'s.
 """
 
@@ -25,6 +26,7 @@ from pagedrs.config import EngineConfig
 from pagedrs.engine.core_requests import CoreRequest, CoreSeq
 from pagedrs.engine.grammar_queue import GrammarQueue, compiled_grammar
 from pagedrs.engine.liquid_control import LiquidControl
+from pagedrs.engine.lora_queue import LoRAQueue
 from pagedrs.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -40,7 +42,6 @@ from pagedrs.executor.build import load_engine
 from pagedrs.executor.liquid_executor import LiquidExecutor
 from pagedrs.loader import LoadedModel
 from pagedrs.lora.manager import LoRAManager
-from pagedrs.lora.request import LoRARequest
 from pagedrs.metrics import EngineStats, StatLogger, token_boxes, visualize_batch
 from pagedrs.structured_outputs import StructuredOutputManager
 from pagedrs.worker.model_runner import RunnerOutput
@@ -105,8 +106,7 @@ class EngineCore:
         self.lora: LoRAManager | None = None
         if config.lora is not None:
             self.lora = LoRAManager(loaded.model, config.lora, self.device)
-        # Requests (with their compiled grammar) whose adapter waits for a free slot, in arrival order.
-        self._lora_waiting: list[tuple[EngineCoreRequest, Any]] = []
+        self._loras = LoRAQueue(self.lora)
         self._shut_down = False
         self.liquid_control: LiquidControl | None = None
         if isinstance(executor, LiquidExecutor):
@@ -191,16 +191,9 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a validated request; ValueError (state unchanged) if the scheduler rejects it. A request
         with structured outputs waits (outside the scheduler) until its grammar is compiled."""
-        if (
-            req.request_id in self._requests
-            or req.request_id in self._grammars
-            or self._lora_parked(req.request_id)
-        ):
+        if self.has_request(req.request_id):
             raise ValueError(f"request_id {req.request_id!r} is already in use")
-        if req.lora_request is not None:
-            if self.lora is None:
-                raise ValueError("lora_request needs an engine started with enable_lora=True")
-            self.lora.add_adapter(req.lora_request)  # ValueError (bad folder, rank) before anything is queued
+        self._loras.check(req)  # ValueError (LoRA off, bad folder, rank) before anything is queued
         so = req.params.structured_outputs
         if so is None:
             self._add_now(req, None)
@@ -219,13 +212,9 @@ class EngineCore:
             except ValueError as exc:
                 self.reject(req.request_id, str(exc))
 
-    def _lora_parked(self, request_id: str) -> bool:
-        return any(r.request_id == request_id for r, _ in self._lora_waiting)
-
-    def _admit_lora_waiting(self) -> None:
+    def _admit_lora_parked(self) -> None:
         """Parked LoRA requests whose adapter now finds a slot join the scheduler, in arrival order."""
-        waiting, self._lora_waiting = self._lora_waiting, []
-        for req, compiled in waiting:
+        for req, compiled in self._loras.take_parked():
             try:
                 self._add_now(req, compiled)
             except ValueError as exc:
@@ -242,12 +231,9 @@ class EngineCore:
             CoreSeq(sid, i, req.request_id, params.child(i), prompt, self.device)
             for i, sid in enumerate(seq_ids)
         ]
+        if not self._loras.activate(req, compiled, seq_ids):
+            return  # parked until its adapter finds a slot
         lora = req.lora_request
-        if lora is not None:
-            assert self.lora is not None  # checked in add_request
-            if not self.lora.try_activate(req.request_id, lora, seq_ids):
-                self._lora_waiting.append((req, compiled))
-                return
         try:
             self.scheduler.add_request(
                 seq_ids,
@@ -265,8 +251,7 @@ class EngineCore:
                 cache_salt=lora.cache_salt if lora is not None else None,
             )  # raises InvalidRequestError (a ValueError) before any state changes here
         except BaseException:
-            if self.lora is not None:
-                self.lora.release(req.request_id)
+            self._loras.release(req.request_id)
             raise
         for s in seqs:
             self._seqs[s.seq_id] = s
@@ -290,9 +275,7 @@ class EngineCore:
     def abort(self, request_ids: Iterable[str], seqs: Sequence[tuple[str, int]] = ()) -> None:
         """Free whole requests, or single samples (request id, index); unknown ids are ignored."""
         request_ids = list(request_ids)
-        if self._lora_waiting:
-            gone = set(request_ids)
-            self._lora_waiting = [(r, c) for r, c in self._lora_waiting if r.request_id not in gone]
+        self._loras.drop(request_ids)
         for rid in request_ids:
             req = self._drop(rid)
             if req is not None:
@@ -317,8 +300,7 @@ class EngineCore:
     def _drop(self, request_id: str) -> CoreRequest | None:
         self._grammars.drop(request_id)
         req = self._requests.pop(request_id, None)
-        if self.lora is not None:
-            self.lora.release(request_id)
+        self._loras.release(request_id)
         self._unscheduled.discard(request_id)
         self._wanting_prompt_logprobs.discard(request_id)
         if req is not None and req.pooling is not None:
@@ -332,13 +314,13 @@ class EngineCore:
         return self._requests.get(seq.request_id) if seq is not None else None
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(len(self._grammars)) or bool(self._lora_waiting)
+        return bool(self._requests) or bool(len(self._grammars)) or bool(len(self._loras))
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests or request_id in self._grammars or self._lora_parked(request_id)
+        return request_id in self._requests or request_id in self._grammars or request_id in self._loras
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._requests) + len(self._grammars) + len(self._lora_waiting)
+        return len(self._requests) + len(self._grammars) + len(self._loras)
 
     def take_pending(self) -> list[EngineCoreOutput]:
         out, self._pending = self._pending, []
@@ -359,8 +341,8 @@ class EngineCore:
                 self.liquid_control.tick(self._waiting_prompt_tokens())
             if len(self._grammars):
                 self._admit_compiled()
-            if self._lora_waiting:
-                self._admit_lora_waiting()
+            if len(self._loras):
+                self._admit_lora_parked()
             return self._step()
         except _core.SchedulerPoisonedError as exc:
             raise ExecutorDeadError(f"engine dead: {exc}") from exc
@@ -378,8 +360,7 @@ class EngineCore:
         self._mark_scheduled(plan, outs)
         rows = [self._seqs[sid] for sid in plan.sampled_seq_ids.tolist()]
         try:
-            if self.lora is not None:
-                self.lora.prepare(plan)  # which token rows take which adapter's deltas
+            self._loras.prepare(plan)
             out = self.executor.execute(
                 plan, rows, self._prompt_logprobs_wanted(plan), self._grammar_masks(rows)
             )
@@ -533,25 +514,18 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return bool(self.scheduler.reset_prefix_cache())
 
-    def _lora_manager(self) -> LoRAManager:
-        if self.lora is None:
-            raise ValueError("LoRA adapters need an engine started with enable_lora=True")
-        return self.lora
-
     def add_lora(self, name: str, lora_int_id: int, path: str) -> bool:
         """Load an adapter onto the host now (vLLM's `add_lora`); ValueError for a bad adapter."""
-        self._lora_manager().add_adapter(LoRARequest(name, int(lora_int_id), path))
+        self._loras.add_lora(name, lora_int_id, path)
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop an adapter (False if unknown); ValueError while requests use it."""
-        return self._lora_manager().remove_adapter(int(lora_int_id))
+        return self._loras.remove_lora(lora_int_id)
 
     def list_loras(self) -> list[tuple[str, int, str]]:
         """(name, id, path) of every adapter loaded on the host."""
-        if self.lora is None:
-            return []
-        return [(r.lora_name, r.lora_int_id, r.lora_path) for r in self.lora.list_adapters()]
+        return self._loras.list_loras()
 
     def ping(self) -> str:
         return "pong"
