@@ -237,7 +237,7 @@ class RayRanks(RankProcesses):
         dev = "cuda:0" if use_gpu else "cpu"
         self.refs = {
             # ray's stubs type an actor's method as the plain function (no .remote)
-            r: a.run.remote(r, size, host, self.port, engine_args_json, dev, COLLECTIVE_TIMEOUT_S)  # type: ignore[union-attr]
+            r: a.run.remote(r, size, host, self.port, engine_args_json, dev, COLLECTIVE_TIMEOUT_S)  # type: ignore[union-attr]  # a Ray actor handle: methods resolved at run time
             for r, a in self.actors.items()
         }
         logger.info("started %d tensor-parallel Ray actor(s) (store at %s:%d)", size - 1, host, self.port)

@@ -90,7 +90,7 @@ def default_weight_loader(param: Tensor, loaded_weight: Loaded, shard_id: object
 
 def _param(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str, loader: Callable) -> Tensor:
     p = torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-    p.weight_loader = loader  # type: ignore[attr-defined]
+    p.weight_loader = loader  # type: ignore[attr-defined]  # our attribute on a torch Parameter
     return p
 
 
@@ -499,5 +499,5 @@ class ParallelLMHead(VocabParallelEmbedding):
             return None
         return logits[..., : self.num_embeddings].float()
 
-    def forward(self, hidden: Tensor) -> Tensor | None:  # type: ignore[override]
+    def forward(self, hidden: Tensor) -> Tensor | None:  # type: ignore[override]  # None on ranks that get no logits
         return self.compute_logits(hidden)

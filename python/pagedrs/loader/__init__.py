@@ -328,7 +328,7 @@ def load_model(
         num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
         gguf_path = gguf_file(path)
         assert gguf_path is not None  # keeps_quantized checked it
-        net.load_weights(iter_gguf_weights(gguf_path, num_heads, num_kv_heads))  # type: ignore[operator]
+        net.load_weights(iter_gguf_weights(gguf_path, num_heads, num_kv_heads))  # type: ignore[operator]  # as below
         use_cpu_fused_ops(net)
     else:
         weights = _checkpoint(path, folder, opts.load_format)

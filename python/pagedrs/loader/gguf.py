@@ -122,12 +122,12 @@ def _qk_heads(name: str, arch: str, num_heads: int, num_kv_heads: int) -> int | 
     return None
 
 
-def _tensors(gguf_path: Path, num_heads: int, num_kv_heads: int) -> tuple[str, dict[str, object]]:
+def _tensors(gguf_path: Path, num_heads: int, num_kv_heads: int) -> tuple[str, dict[str, torch.Tensor]]:
     import gguf
     import torch
 
     reader, arch = _open(gguf_path)
-    tensors: dict[str, object] = {}
+    tensors: dict[str, torch.Tensor] = {}
     for name, t in _named(gguf_path, reader):
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         heads = _qk_heads(name, arch, num_heads, num_kv_heads)
@@ -213,7 +213,7 @@ def convert_gguf(gguf_path: str | Path, root: str | Path | None = None) -> Path:
         config.architectures = [GGUF_ARCHITECTURES[arch][0]]
         if "lm_head.weight" not in tensors:
             config.tie_word_embeddings = True
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})  # type: ignore[arg-type]
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(str(tmp))
         AutoTokenizer.from_pretrained(folder, gguf_file=fname).save_pretrained(str(tmp))
         marker = {"source": str(gguf_path), "architecture": arch, "format_version": _FORMAT_VERSION}

@@ -14,6 +14,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 __all__ = ["HubError", "fetch", "is_hub_name", "select_files", "split_quant"]
 
@@ -156,7 +157,7 @@ def fetch(
     from huggingface_hub import constants
 
     repo_id, quant = split_quant(model)
-    choose = dict(
+    choose: dict[str, Any] = dict(
         load_format=load_format,
         gguf_file=gguf_file,
         quant=quant,
@@ -168,7 +169,7 @@ def fetch(
         return _from_cache(repo_id, choose, where, reason="HF_HUB_OFFLINE is set")
     try:
         files = _hub_files(repo_id, revision, token)
-        chosen = select_files(repo_id, files, **choose)  # type: ignore[arg-type]
+        chosen = select_files(repo_id, files, **choose)
         logger.info(
             "fetching %d files of %s (revision %s) from %s",
             len(chosen),

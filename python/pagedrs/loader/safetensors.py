@@ -45,7 +45,7 @@ class TensorSlice:
 
     @classmethod
     def of(cls, file_slice: object) -> TensorSlice:
-        shape = file_slice.get_shape()  # type: ignore[attr-defined]
+        shape = file_slice.get_shape()  # type: ignore[attr-defined]  # safetensors' slice object has no stub
         return cls(file_slice, [(0, int(n)) for n in shape])
 
     def _dim_index(self, dim: int) -> int:
@@ -81,7 +81,7 @@ class TensorSlice:
         if not self._ranges:
             t = self._slice[...]  # type: ignore[index]  # a 0-d tensor (FP8's per-tensor scale) takes no slice
         else:
-            t = self._slice[tuple(slice(a, b) for a, b in self._ranges)]  # type: ignore[index]
+            t = self._slice[tuple(slice(a, b) for a, b in self._ranges)]  # type: ignore[index]  # as above: no stub for the slice
         return t.t() if self._transposed else t
 
     def __repr__(self) -> str:

@@ -162,9 +162,7 @@ class CompletionRequest(SamplingFields):
             return [p]
         if not p:
             return []
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+        return _as_prompts(p)
 
 
 class EmbeddingRequest(OpenAIModel):
@@ -196,9 +194,14 @@ class EmbeddingRequest(OpenAIModel):
             return [x]
         if not x:
             return []
-        if all(isinstance(t, int) for t in x):
-            return [list(x)]  # type: ignore[arg-type]
-        return list(x)  # type: ignore[arg-type]
+        return _as_prompts(x)
+
+
+def _as_prompts(x: list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """A non-empty list field of OpenAI's prompt shape: one token-id prompt, or a list of prompts."""
+    if all(isinstance(t, int) for t in x):
+        return [[int(t) for t in x if isinstance(t, int)]]
+    return [t if isinstance(t, str) else list(t) for t in x if not isinstance(t, int)]
 
 
 class TextPart(OpenAIModel):
