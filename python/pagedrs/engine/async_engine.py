@@ -29,9 +29,10 @@ from pagedrs.engine.core_handles import (
     ThreadCore,
     connect_ready,
 )
-from pagedrs.engine.input_processor import InputProcessor
+from pagedrs.engine.input_processor import InputError, InputProcessor
 from pagedrs.engine.messages import AbortRequests, EngineCoreOutputs
 from pagedrs.engine.output_processor import OutputProcessor, RequestObserver
+from pagedrs.lora.request import LoRARequest
 from pagedrs.metrics import EngineStats
 from pagedrs.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedrs.pooling_params import PoolingParams
@@ -345,16 +346,35 @@ class AsyncLLMEngine:
     # --------------------------------------------------------------- requests
     @overload
     async def add_request(
-        self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream[RequestOutput]: ...
     @overload
     async def add_request(
-        self, request_id: str, prompt: Any, params: PoolingParams, *, priority: int = 0
+        self,
+        request_id: str,
+        prompt: Any,
+        params: PoolingParams,
+        *,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,  # refused: embeddings run the base model
     ) -> RequestStream[EmbeddingRequestOutput]: ...
     async def add_request(
-        self, request_id: str, prompt: Any, params: SamplingParams | PoolingParams, *, priority: int = 0
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams | PoolingParams,
+        *,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream[Any]:
-        """Submits a request; raises InputError (a ValueError) for invalid input, EngineDeadError while the
+        """Submits a request (with `lora_request`: under that adapter, carried to the core in the
+        request message); raises InputError (a ValueError) for invalid input, EngineDeadError while the
         core is down, EngineDrainingError while shutting down."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine core is not running: {self._dead}")
@@ -365,8 +385,15 @@ class AsyncLLMEngine:
         request_id = str(request_id)
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if lora_request is not None and isinstance(params, PoolingParams):
+            raise InputError("embedding requests run the base model, not a LoRA adapter", "model")
         text, req = self.input_processor.process(
-            request_id, prompt, params, priority=priority, client_index=self.client_index
+            request_id,
+            prompt,
+            params,
+            priority=priority,
+            client_index=self.client_index,
+            lora_request=lora_request,
         )
         if isinstance(params, PoolingParams):
             self.output_processor.add_pooling_request(request_id, text, req.prompt_token_ids)

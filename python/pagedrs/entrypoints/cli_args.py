@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
 from typing import Any
@@ -55,6 +56,9 @@ _ENGINE_FLAGS: list[tuple[str, str, Any, Any, str]] = [
     ),
     ("--rope-scaling", "rope_scaling", json.loads, None, "JSON dict overriding the config's rope scaling"),
     ("--rope-theta", "rope_theta", float, None, "override the config's rope theta"),
+    ("--max-loras", "max_loras", int, None, "LoRA adapters resident at once, mixed in a batch (default 1)"),
+    ("--max-lora-rank", "max_lora_rank", int, None, "largest LoRA rank an adapter may have (default 16)"),
+    ("--max-cpu-loras", "max_cpu_loras", int, None, "LoRA adapters kept on the host (default: --max-loras)"),
     ("--task", "task", str, None, "auto (generation and embeddings), generate or embed"),
     ("--pooling-type", "pooling_type", str, None, "default embedding pooling: last, mean, cls or first"),
     (
@@ -86,6 +90,7 @@ _ENGINE_SWITCHES: list[tuple[str, str, str]] = [
     ("--disable-sliding-window", "disable_sliding_window", "no sliding window: the context is capped at it"),
     ("--enable-log-batch-visualization", "enable_log_batch_visualization", "log a picture of every step"),
     ("--disable-log-stats", "disable_log_stats", "no periodic stats line"),
+    ("--enable-lora", "enable_lora", "serve LoRA adapters (--lora-modules; the adapter name as `model`)"),
 ]
 
 
@@ -166,6 +171,39 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+RUNTIME_LORA_ENV = "PAGEDRS_ALLOW_RUNTIME_LORA_UPDATING"  # as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAModulePath:
+    """One --lora-modules entry: the adapter's served name, its PEFT folder, the base model it names
+    as its parent in /v1/models (default: the served model name)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_module(text: str) -> LoRAModulePath:
+    """`name=path`, or vLLM's JSON form `{"name": ..., "path": ..., "base_model_name": ...}`."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"invalid JSON for --lora-modules: {exc}") from None
+        if not isinstance(spec, dict) or not spec.get("name") or not spec.get("path"):
+            raise argparse.ArgumentTypeError(f'--lora-modules JSON needs "name" and "path", got {text!r}')
+        unknown = sorted(set(spec) - {"name", "path", "base_model_name"})
+        if unknown:
+            raise argparse.ArgumentTypeError(f"--lora-modules JSON: unknown keys {unknown}")
+        base = spec.get("base_model_name")
+        return LoRAModulePath(str(spec["name"]), str(spec["path"]), str(base) if base else None)
+    name, eq, path = text.partition("=")
+    if not eq or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules takes name=path or JSON, got {text!r}")
+    return LoRAModulePath(name, path)
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """The server flags. Long on purpose: one add_argument per flag, in the order --help shows them."""
     g = parser.add_argument_group("server")
@@ -234,6 +272,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help='allow tool_choice "auto" (needs --tool-call-parser)',
     )
     g.add_argument(
+        "--lora-modules",
+        type=parse_lora_module,
+        nargs="+",
+        default=None,
+        help='LoRA adapters served by name (needs --enable-lora): name=path, or JSON {"name": ..., '
+        '"path": ..., "base_model_name": ...}, as vLLM\'s flag',
+    )
+    g.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        default=None,
+        help=f"serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also ${RUNTIME_LORA_ENV}=1)",
+    )
+    g.add_argument(
         "--reasoning-parser",
         default=None,
         choices=["deepseek_r1", "qwen3"],
@@ -258,6 +310,14 @@ class ServerArgs:
     tool_call_parser: str | None = None  # --tool-call-parser, --enable-auto-tool-choice,
     enable_auto_tool_choice: bool = False  # --reasoning-parser: see openai/chat_output.py
     reasoning_parser: str | None = None
+    lora_modules: tuple[LoRAModulePath, ...] = ()  # --lora-modules
+    allow_runtime_lora_updating: bool = False  # or $PAGEDRS_ALLOW_RUNTIME_LORA_UPDATING
+
+    @property
+    def runtime_lora_updating(self) -> bool:
+        """Whether /v1/load_lora_adapter and /v1/unload_lora_adapter are served."""
+        env = os.environ.get(RUNTIME_LORA_ENV, "").strip().lower()
+        return self.allow_runtime_lora_updating or env in ("1", "true", "yes")
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace | SimpleNamespace | None) -> ServerArgs:
@@ -272,6 +332,8 @@ class ServerArgs:
         names = values.get("served_model_name")
         if names is not None:
             values["served_model_name"] = (names,) if isinstance(names, str) else tuple(names)
+        if "lora_modules" in values:
+            values["lora_modules"] = tuple(values["lora_modules"])
         return cls(**values)
 
 
@@ -324,6 +386,8 @@ def serve_args_error(args: argparse.Namespace) -> str | None:
     """What is wrong with a combination of serve flags (vLLM rejects the same ones), or None."""
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
         return "--enable-auto-tool-choice requires --tool-call-parser to be set"
+    if getattr(args, "lora_modules", None) and not getattr(args, "enable_lora", None):
+        return "--lora-modules requires --enable-lora"
     return None
 
 

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedrs import __version__
 from pagedrs.engine.async_engine import AsyncLLMEngine
 from pagedrs.entrypoints.cli_args import ServerArgs
-from pagedrs.entrypoints.openai import files_batches, responses_routes, routes
+from pagedrs.entrypoints.openai import files_batches, lora_routes, responses_routes, routes
 from pagedrs.entrypoints.openai.batch_store import BatchStore
 from pagedrs.entrypoints.openai.batch_worker import BatchRunner
 from pagedrs.entrypoints.openai.chat_output import OutputParsing
@@ -32,6 +32,7 @@ from pagedrs.entrypoints.openai.server_state import ServerState
 from pagedrs.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedrs.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from pagedrs.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedrs.entrypoints.openai.serving_models import ServingModels
 from pagedrs.entrypoints.sglang import routes as sglang_routes
 from pagedrs.entrypoints.sglang.serving_generate import SGLangServingGenerate
 
@@ -44,6 +45,7 @@ logger = logging.getLogger("pagedrs.server")
 # Every router the app serves. A new endpoint family adds its router here.
 ROUTERS: tuple[APIRouter, ...] = (
     routes.router,
+    lora_routes.router,
     files_batches.router,
     responses_routes.router,
     sglang_routes.router,
@@ -81,9 +83,10 @@ def make_state(engine: AsyncLLMEngine, args: ServerArgs) -> ServerState:
     names = list(args.served_model_name) or [engine.model_name]
     metrics = ServerMetrics(names[0], engine.get_stats, core_histograms=args.api_server_index == 0)
     engine.set_observer(metrics)
-    completions = OpenAIServingCompletion(engine, names)
+    models = ServingModels(engine, names)
+    completions = OpenAIServingCompletion(engine, names, models=models)
     parsing = OutputParsing.from_args(args)
-    chat = OpenAIServingChat(engine, names, tokenizer=completions.tokenizer, parsing=parsing)
+    chat = OpenAIServingChat(engine, names, tokenizer=completions.tokenizer, parsing=parsing, models=models)
     embeddings = OpenAIServingEmbedding(engine, names, tokenizer=completions.tokenizer)
     generate = SGLangServingGenerate(engine, names, tokenizer=completions.tokenizer)
     data_dir = args.data_dir or tempfile.mkdtemp(prefix="pagedrs-data-")
@@ -98,7 +101,7 @@ def make_state(engine: AsyncLLMEngine, args: ServerArgs) -> ServerState:
     )
     engine.add_restart_listener(runner.notify)  # unanswered batch lines run again on the new core
     return ServerState(
-        engine, args, names, metrics, completions, chat, embeddings, generate, store, runner, data_dir
+        engine, args, names, metrics, completions, chat, embeddings, generate, store, runner, data_dir, models
     )
 
 
@@ -107,6 +110,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     state: ServerState = app.state.server
     engine = state.engine
     engine.start()
+    await state.models.load_static(state.args.lora_modules)  # a bad adapter fails the start
     if state.args.api_server_index == 0:
         state.runner.start()
     logger.info(

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedrs import __version__
-from pagedrs.entrypoints.openai.errors import APIError, bad_request, not_found, unavailable
+from pagedrs.entrypoints.openai.errors import APIError, bad_request, unavailable
 from pagedrs.entrypoints.openai.metrics import CONTENT_TYPE
 from pagedrs.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -37,6 +37,7 @@ from pagedrs.entrypoints.openai.server_state import (
     SSEResponse,
 )
 from pagedrs.entrypoints.openai.serving_base import ClientDisconnected
+from pagedrs.lora.request import LoRARequest
 
 router = APIRouter()
 
@@ -101,18 +102,24 @@ def model_card(server: ServerState, name: str) -> dict[str, Any]:
     }
 
 
+def lora_card(server: ServerState, lora: LoRARequest) -> dict[str, Any]:
+    """An adapter's card, as vLLM lists one: its path as root, the base model as parent."""
+    card = model_card(server, lora.lora_name)
+    card.update(root=lora.lora_path, parent=lora.base_model_name or server.models.base_model_name)
+    return card
+
+
 @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
 async def list_models(server: ServerDep) -> JSONResponse:
-    return JSONResponse(
-        {"object": "list", "data": [model_card(server, n) for n in server.served_model_names]}
-    )
+    cards = [model_card(server, n) for n in server.served_model_names]
+    cards += [lora_card(server, lora) for lora in server.models.adapters()]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 @router.get("/v1/models/{model:path}", response_model=ModelCard, responses=ERRORS)
 async def retrieve_model(model: str, server: ServerDep) -> JSONResponse:
-    if model not in server.served_model_names:
-        raise not_found(f"The model `{model}` does not exist.", param="model", code="model_not_found")
-    return JSONResponse(model_card(server, model))
+    _, lora = server.models.resolve(model)  # 404 for a name the server does not serve
+    return JSONResponse(model_card(server, model) if lora is None else lora_card(server, lora))
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=streamed(CompletionResponse))

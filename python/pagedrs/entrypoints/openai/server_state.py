@@ -23,6 +23,7 @@ from pagedrs.entrypoints.openai.protocol import parse_body
 from pagedrs.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedrs.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from pagedrs.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedrs.entrypoints.openai.serving_models import ServingModels
 from pagedrs.entrypoints.sglang.serving_generate import SGLangServingGenerate
 
 logger = logging.getLogger("pagedrs.server")
@@ -47,6 +48,7 @@ class ServerState:
     store: BatchStore
     runner: BatchRunner
     data_dir: str
+    models: ServingModels  # the base model's names and the LoRA adapters'
     liquid_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     draining: bool = False
     drain_started: float = 0.0

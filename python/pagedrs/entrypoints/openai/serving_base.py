@@ -11,7 +11,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 
@@ -32,10 +32,14 @@ from pagedrs.entrypoints.openai.errors import (
     unavailable,
 )
 from pagedrs.entrypoints.openai.protocol import SamplingFields
+from pagedrs.lora.request import LoRARequest
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagedrs.serving")
+
+if TYPE_CHECKING:
+    from pagedrs.entrypoints.openai.serving_models import ServingModels
 
 T = TypeVar("T")
 
@@ -89,10 +93,16 @@ ENGINE_CORE_DIED = "engine_core_died"  # the request was lost with the core proc
 
 class OpenAIServing:
     def __init__(
-        self, engine: AsyncLLMEngine, served_model_names: Sequence[str], *, tokenizer: Any = None
+        self,
+        engine: AsyncLLMEngine,
+        served_model_names: Sequence[str],
+        *,
+        tokenizer: Any = None,
+        models: ServingModels | None = None,
     ) -> None:
         self.engine = engine
         self.served_model_names = list(served_model_names)
+        self.models = models  # the LoRA adapters served by name (None: the base model only)
         self.max_model_len = engine.max_model_len
         tok = tokenizer if tokenizer is not None else engine.get_tokenizer()
         # The server tokenizes on the event loop while the engine thread detokenizes: give the
@@ -109,6 +119,13 @@ class OpenAIServing:
         if name is None or name in self.served_model_names:
             return self.served_model_names[0]
         raise not_found(f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def resolve_model(self, name: str | None) -> tuple[str, LoRARequest | None]:
+        """(the model name a response reports, the LoRA adapter `name` selects or None), as vLLM's
+        completions and chat take an adapter's name as `model`; 404 for an unknown name."""
+        if self.models is None:
+            return self.check_model(name), None
+        return self.models.resolve(name)
 
     def tokenize(self, text: str) -> list[int]:
         try:
@@ -173,12 +190,13 @@ class OpenAIServing:
         prompt_ids: list[int],
         params: SamplingParams | PoolingParams,
         names: Mapping[str, str] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Hands the request to the engine, whose InputProcessor validates it; its InputError becomes a 400
         naming the field as this endpoint spells it (`names`: engine field -> request field, e.g.
         {"prompt": "messages"})."""
         try:
-            return await self.engine.add_request(request_id, prompt_ids, params)
+            return await self.engine.add_request(request_id, prompt_ids, params, lora_request=lora_request)
         except InputError as exc:
             param = (names or {}).get(exc.param, exc.param) if exc.param else None
             raise bad_request(str(exc), param=param, code=exc.code) from None
@@ -192,6 +210,7 @@ class OpenAIServing:
         params: SamplingParams | PoolingParams,
         prompt_param: str = "prompt",
         names: Mapping[str, str] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestStream]:
         """One request per prompt (all aborted if one is refused); a refused prompt of several is named
         `prompt_param[i]`."""
@@ -200,7 +219,7 @@ class OpenAIServing:
             for i, ids in enumerate(prompts):
                 where = prompt_param if len(prompts) == 1 else f"{prompt_param}[{i}]"
                 fields = {"prompt": where, prompt_param: where, **(names or {})}
-                streams.append(await self.submit(f"{base_id}-{i}", ids, params, fields))
+                streams.append(await self.submit(f"{base_id}-{i}", ids, params, fields, lora_request))
         except BaseException:
             self.release_all(streams)
             raise

@@ -12,6 +12,7 @@ from pagedrs.engine.input_processor import InputError
 from pagedrs.entrypoints.openai.errors import bad_request
 from pagedrs.entrypoints.openai.protocol import SamplingFields
 from pagedrs.entrypoints.openai.serving_base import OpenAIServing
+from pagedrs.lora.request import LoRARequest
 from pagedrs.outputs import CompletionOutput, RequestOutput
 from pagedrs.sampling_params import BeamSearchParams
 
@@ -26,8 +27,10 @@ async def beam_search_outputs(
     requested_max_tokens: int | None,
     width: int,
     n: int,
+    lora_request: LoRARequest | None = None,
 ) -> list[RequestOutput]:
-    """One finished output per prompt whose n completions are its best n beams, best first."""
+    """One finished output per prompt whose n completions are its best n beams, best first (every beam
+    under `lora_request`'s adapter when given)."""
     engine = serving.engine
     proc = engine.input_processor
     try:
@@ -53,7 +56,9 @@ async def beam_search_outputs(
         beams = search.next_prompts()
         if not beams:
             break
-        streams = await serving.submit_all(f"{request_id}-{round_index}", beams, search.step_params)
+        streams = await serving.submit_all(
+            f"{request_id}-{round_index}", beams, search.step_params, lora_request=lora_request
+        )
         try:
             search.update(await serving.collect(streams))
         finally:

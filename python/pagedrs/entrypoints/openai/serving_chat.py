@@ -30,7 +30,9 @@ from pagedrs.entrypoints.openai.serving_base import (
     usage_info,
 )
 from pagedrs.entrypoints.openai.serving_beam_search import beam_search_outputs
+from pagedrs.entrypoints.openai.serving_models import ServingModels
 from pagedrs.entrypoints.openai.tool_parsers import ParsedMessage, chat_deltas
+from pagedrs.lora.request import LoRARequest
 from pagedrs.sampling_params import SamplingParams
 
 
@@ -46,6 +48,7 @@ class ChatPrepared:
     plan: ReplyPlan
     # the engine's field names as this endpoint spells them in a 400 (see OpenAIServing.submit)
     names: dict[str, str] = field(default_factory=dict)
+    lora_request: LoRARequest | None = None  # the adapter `model` named (None: the base model)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -56,8 +59,9 @@ class OpenAIServingChat(OpenAIServing):
         *,
         tokenizer: Any = None,
         parsing: OutputParsing | None = None,
+        models: ServingModels | None = None,
     ) -> None:
-        super().__init__(engine, served_model_names, tokenizer=tokenizer)
+        super().__init__(engine, served_model_names, tokenizer=tokenizer, models=models)
         self.parsing = parsing or OutputParsing()
 
     def render(
@@ -82,7 +86,7 @@ class OpenAIServingChat(OpenAIServing):
             ) from None
 
     async def prepare(self, req: ChatCompletionRequest) -> ChatPrepared:
-        model = self.check_model(req.model)
+        model, lora = self.resolve_model(req.model)
         plan = self.parsing.plan(req.tools, req.resolved_tool_choice(), req.parallel_tool_calls)
         messages = req.chat_messages()
         text, ids = await self.offload(
@@ -99,7 +103,7 @@ class OpenAIServingChat(OpenAIServing):
         if plan.keeps_special_tokens():
             params.skip_special_tokens = False
         return ChatPrepared(
-            model, ids, text, params, num_logprobs, plan, {"prompt": "messages", "max_tokens": param}
+            model, ids, text, params, num_logprobs, plan, {"prompt": "messages", "max_tokens": param}, lora
         )
 
     async def create(
@@ -109,10 +113,14 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         if req.use_beam_search:  # n beams, each one choice (vLLM's use_beam_search)
             max_tokens = req.requested_max_tokens()
-            work = beam_search_outputs(self, request_id, req, [prep.prompt_ids], max_tokens, req.n, req.n)
+            work = beam_search_outputs(
+                self, request_id, req, [prep.prompt_ids], max_tokens, req.n, req.n, prep.lora_request
+            )
             outputs = await self.until_disconnect(raw_request, work)
         else:
-            streams = await self.submit_all(request_id, [prep.prompt_ids], prep.params, names=prep.names)
+            streams = await self.submit_all(
+                request_id, [prep.prompt_ids], prep.params, names=prep.names, lora_request=prep.lora_request
+            )
             if req.stream:
                 return self._stream(req, request_id, prep, streams)
             try:

@@ -29,7 +29,7 @@ from pagedrs.sampling_params import SamplingParams
 class OpenAIServingCompletion(OpenAIServing):
     async def prepare(self, req: CompletionRequest) -> tuple[str, list[list[int]], list[str], SamplingParams]:
         """Validates and tokenizes; returns (model, prompt ids, prompt texts, sampling params)."""
-        model = self.check_model(req.model)
+        model = self.resolve_model(req.model)[0]
         ids_list: list[list[int]] = []
         texts: list[str] = []
         for p in req.prompts():
@@ -51,7 +51,8 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = random_id("cmpl")
         if req.use_beam_search:
             return await self._beam_search(req, raw_request, request_id, model, ids_list, texts)
-        streams = await self.submit_all(request_id, ids_list, params)
+        lora = self.resolve_model(req.model)[1]  # the adapter `model` names (None: the base model)
+        streams = await self.submit_all(request_id, ids_list, params, lora_request=lora)
         if req.echo:
             texts = [t or self.tokenizer.decode(ids) for t, ids in zip(texts, ids_list, strict=True)]
         if req.stream:
@@ -73,7 +74,8 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> dict[str, Any]:
         """The best n of best_of (default n) beams of each prompt as its choices (vLLM's use_beam_search)."""
         width = req.best_of if req.best_of is not None else req.n
-        work = beam_search_outputs(self, request_id, req, ids_list, req.max_tokens, width, req.n)
+        lora = self.resolve_model(req.model)[1]
+        work = beam_search_outputs(self, request_id, req, ids_list, req.max_tokens, width, req.n, lora)
         outputs = await self.until_disconnect(raw_request, work)
         if req.echo:
             texts = [t or self.tokenizer.decode(ids) for t, ids in zip(texts, ids_list, strict=True)]

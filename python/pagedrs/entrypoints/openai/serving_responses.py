@@ -67,7 +67,9 @@ class OpenAIServingResponses:
         prep.names = {"prompt": "input", "max_tokens": "max_output_tokens"}
         response = self._response(req, prep.model)
         # submitted before anything is stored, so a refused request is a 400 even in the background
-        streams = await self.chat.submit_all(response["id"], [prep.prompt_ids], prep.params, names=prep.names)
+        streams = await self.chat.submit_all(
+            response["id"], [prep.prompt_ids], prep.params, names=prep.names, lora_request=prep.lora_request
+        )
         if req.background:
             response["status"] = "queued"
             self.store.create(response, conversation)
