@@ -5,12 +5,14 @@ activations to 8 bits), and the same greedy ids."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from pagedrs.engine.arg_utils import EngineArgs
 from pagedrs.layers.attention import ForwardContext
@@ -200,3 +202,31 @@ def test_tp2_dequantized_gptq_equals_the_float_model(tmp_path: Path) -> None:
         finally:
             llm.llm_engine.shutdown()
     assert outs["quant"] == outs["ref"]
+
+
+def test_autoawq_side_file_without_quant_method(tmp_path: Path) -> None:
+    """AutoAWQ writes quant_config.json beside a config.json without quantization_config, and names no
+    quant_method in it: the file's name says it is AWQ."""
+    qdir, rdir = make_quantized_pair(tmp_path, "awq", group_size=32)
+    config = json.loads((qdir / "config.json").read_text())
+    del config["quantization_config"]
+    (qdir / "config.json").write_text(json.dumps(config))
+    side = {"zero_point": True, "q_group_size": 32, "w_bit": 4, "version": "GEMM"}
+    (qdir / "quant_config.json").write_text(json.dumps(side))
+    quant = load_model(str(qdir), dtype="float32")
+    assert quant.quantization == "awq"
+    ref = load_model(str(rdir), dtype="float32")
+    torch.testing.assert_close(logits_of(quant, IDS), logits_of(ref, IDS), rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_checkpoint_with_kv_and_output_scales_loads(tmp_path: Path) -> None:
+    """FP8 checkpoints with a KV-cache or output scheme carry k/v scales and output scales: pagedrs keeps
+    the cache and activations in the model's dtype, so they are skipped, not refused as unknown tensors."""
+    qdir, rdir = make_quantized_pair(tmp_path, "fp8", strategy="tensor")
+    tensors = load_file(str(qdir / "model.safetensors"))
+    for layer in {n.split(".self_attn.")[0] for n in tensors if ".self_attn." in n}:
+        for name in ("self_attn.k_scale", "self_attn.v_scale", "self_attn.k_proj.output_scale"):
+            tensors[f"{layer}.{name}"] = torch.tensor(1.0)
+    save_file(tensors, str(qdir / "model.safetensors"), metadata={"format": "pt"})
+    quant, ref = load_model(str(qdir), dtype="float32"), load_model(str(rdir), dtype="float32")
+    torch.testing.assert_close(logits_of(quant, IDS), logits_of(ref, IDS), rtol=1e-4, atol=1e-4)

@@ -70,7 +70,11 @@ def _raw_config(hf_config: Any, folder: str | Path) -> dict[str, Any] | None:
     for name in _SIDE_FILES:
         p = Path(folder) / name
         if p.is_file():
-            return dict(json.loads(p.read_text()))
+            side = dict(json.loads(p.read_text()))
+            # AutoAWQ's quant_config.json and older AutoGPTQ quantize_config.json carry no quant_method:
+            # the file's name says which it is
+            side.setdefault("quant_method", "awq" if name == "quant_config.json" else "gptq")
+            return side
     return None
 
 

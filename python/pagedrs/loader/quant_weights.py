@@ -169,6 +169,11 @@ def _materialize(t: Any) -> Tensor:
     return read() if read is not None else t
 
 
+# Scales an FP8 checkpoint may carry for what pagedrs keeps in the model's dtype: activations
+# (input_scale, output_scale) and the KV cache (k/v/q_scale, kv_scale: vLLM's and llm-compressor's names).
+_FP8_UNUSED_SCALES = frozenset({"input_scale", "output_scale", "k_scale", "v_scale", "q_scale", "kv_scale"})
+
+
 def quantized_checkpoint(
     weights: Iterator[tuple[str, Any]], cfg: QuantConfig, *, keep_packed: bool
 ) -> Iterator[tuple[str, Any]]:
@@ -180,8 +185,8 @@ def quantized_checkpoint(
     for name, t in weights:
         prefix, _, part = name.rpartition(".")
         if cfg.method == "fp8":
-            if part == "input_scale":
-                continue  # activations run unquantized: the weights are dequantized
+            if part in _FP8_UNUSED_SCALES:
+                continue  # activations and the KV cache run unquantized: only the weights' scales apply
             if part not in ("weight", "weight_scale", "weight_scale_inv"):
                 yield name, t
                 continue

@@ -66,9 +66,9 @@ def build_app(
     app.state.server = state
     # Starlette types a handler as taking any Exception; each of these takes the class it is registered
     # for, which is what Starlette passes it (hence the arg-type ignores).
-    app.add_exception_handler(APIError, api_error_handler)  # type: ignore[arg-type]
-    app.add_exception_handler(RequestValidationError, validation_handler)  # type: ignore[arg-type]
-    app.add_exception_handler(StarletteHTTPException, http_error_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(APIError, api_error_handler)  # type: ignore[arg-type]  # starlette types handlers by Exception, ours take a subclass
+    app.add_exception_handler(RequestValidationError, validation_handler)  # type: ignore[arg-type]  # as above
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)  # type: ignore[arg-type]  # as above
     app.add_exception_handler(Exception, unhandled_handler)
     app.add_middleware(
         ServerMiddleware,
