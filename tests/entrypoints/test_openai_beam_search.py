@@ -98,6 +98,15 @@ def test_chat_beams(server: tuple[ThreadedServer, Path]) -> None:
         ("completions", {"stream": True}, "stream", "stream is not supported with use_beam_search"),
         ("completions", {"stop": ["a"]}, "stop", "stop is not supported with use_beam_search"),
         ("chat/completions", {"n": 11}, "n", "beam_width must be at most 10"),
+        # the engine's context check, named as each endpoint spells the field
+        ("chat/completions", {"max_tokens": 5000}, "max_tokens", "maximum context length"),
+        (
+            "chat/completions",
+            {"max_completion_tokens": 5000},
+            "max_completion_tokens",
+            "maximum context length",
+        ),
+        ("completions", {"prompt": ["hi", "x " * 5000]}, "prompt[1]", "maximum context length"),
         ("chat/completions", {"guided_regex": "a+"}, "guided_regex", "not supported with use_beam_search"),
     ],
 )
@@ -107,7 +116,7 @@ def test_bad_beam_search_requests_are_400(
     srv, _ = server
     body: dict[str, Any] = {"use_beam_search": True, "max_tokens": 2, **extra}
     if route == "completions":
-        body["prompt"] = PROMPT
+        body.setdefault("prompt", PROMPT)
     else:
         body["messages"] = [{"role": "user", "content": "hi"}]
     r = _post(srv, route, body)

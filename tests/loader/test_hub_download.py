@@ -17,7 +17,7 @@ from pagedrs import LLM, SamplingParams
 from pagedrs.engine.arg_utils import EngineArgs
 from pagedrs.entrypoints.cli_args import make_engine_args, make_serve_parser
 from pagedrs.loader import LoadOptions, load_hf_config, load_model, resolve_model_path
-from pagedrs.loader.hub import HubError, fetch, select_files
+from pagedrs.loader.hub import HubError, _is_network_error, _raise_repo_error, fetch, select_files
 from tests.helpers import make_tiny_gguf, make_tiny_llama
 from tests.loader.helpers_hub import TOKEN, LoopbackHub, point_hf_at, set_offline
 
@@ -104,6 +104,21 @@ def test_missing_repo(hub: LoopbackHub) -> None:
     with pytest.raises(ValueError, match="not found"):
         resolve_model_path("no/such/dir")  # a path, not a name: never sent to the Hub
     assert not any("no/such" in p for _, p in hub.requests)
+
+
+def test_missing_file_and_local_errors_are_not_network_errors(hub: LoopbackHub, tiny: Path) -> None:
+    """A file the repo lacks (a shard its index lists) is named as such, not as 'no such repo' nor as
+    'the Hub cannot be reached'; a local permission error is not a network error either."""
+    from huggingface_hub import hf_hub_download
+
+    hub.add("org/tiny-files", tiny)
+    with pytest.raises(Exception) as missing:
+        hf_hub_download("org/tiny-files", "model-00009-of-00009.safetensors")
+    assert not _is_network_error(missing.value)
+    with pytest.raises(HubError, match=r"'org/tiny-files' lacks a file"):
+        _raise_repo_error("org/tiny-files", None, missing.value)
+    assert not _is_network_error(PermissionError(13, "denied", "/cache"))
+    assert _is_network_error(ConnectionRefusedError(111, "refused"))
 
 
 def test_offline_uses_the_cache_only(hub: LoopbackHub, tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:

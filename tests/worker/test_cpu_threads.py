@@ -16,6 +16,9 @@ def test_explicit_num_threads_wins(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_omp_num_threads_is_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert cpu_threads_per_rank(None, 1) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")  # a budget shared by the ranks, never oversubscribed
+    assert cpu_threads_per_rank(None, 2) == 4
+    assert cpu_threads_per_rank(None, 16) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "not-a-number")
     assert cpu_threads_per_rank(None, 1) == usable_cpus()
 

@@ -44,14 +44,14 @@ def usable_cpus() -> int:
 
 
 def cpu_threads_per_rank(num_threads: int | None, size: int) -> int:
-    """Torch intra-op threads for one of `size` CPU ranks, in the order a user sets them: `--num-threads`, then
-    `OMP_NUM_THREADS` (as torch itself honours it), then the usable CPUs shared out between the ranks."""
+    """Torch intra-op threads for one of `size` CPU ranks, in the order a user sets them: `--num-threads`
+    (per rank), then `OMP_NUM_THREADS` (the process's budget, as torch honours it), then the usable CPUs;
+    a budget is shared out between the ranks."""
     if num_threads:
         return num_threads
     omp = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if omp.isdigit() and int(omp) >= 1:
-        return int(omp)
-    return max(1, usable_cpus() // size)
+    budget = int(omp) if omp.isdigit() and int(omp) >= 1 else usable_cpus()
+    return max(1, budget // size)
 
 
 def run_rank(

@@ -9,6 +9,7 @@ be reached falls back to the cached copy with a warning. Every failure is a `Hub
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -199,6 +200,13 @@ def fetch(
 def _is_network_error(e: BaseException) -> bool:
     """A connection or timeout error of the HTTP client (httpx, whichever major version huggingface_hub
     ships), or an HTTP error status other than the repo errors (the Hub down: an OSError)."""
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    if status is not None and 400 <= status < 500:
+        return False  # the Hub answered: about the request, not the network
+    if isinstance(e, (PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError)):
+        return False  # the local cache or --download-dir, not the network
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
+        return False
     if isinstance(e, (OSError, TimeoutError)) and not isinstance(e, HubError):
         return True
     return any(
@@ -286,9 +294,18 @@ def _raise_repo_error(repo_id: str, revision: str | None, e: Exception) -> None:
     """HubError for what the Hub said about the repo itself (gone, gated, private, no such revision);
     returns for anything else (a network failure, the Hub down)."""
     from huggingface_hub import constants
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     status = getattr(getattr(e, "response", None), "status_code", None)
+    if isinstance(
+        e, RemoteEntryNotFoundError
+    ):  # the repo exists; a file it lists (a shard of an index) does not
+        raise HubError(repo_id, f"Hub repo {repo_id!r} lacks a file it needs: {e}") from e
     if isinstance(e, GatedRepoError) or status == 403:
         raise HubError(
             repo_id,

@@ -5,7 +5,7 @@ n (or best_of, when larger) is the beam width, the best n beams are the choices.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pagedrs.beam_search import BeamSearch
 from pagedrs.engine.input_processor import InputError
@@ -28,15 +28,22 @@ async def beam_search_outputs(
     width: int,
     n: int,
     lora_request: LoRARequest | None = None,
+    names: Mapping[str, str] | None = None,
 ) -> list[RequestOutput]:
     """One finished output per prompt whose n completions are its best n beams, best first (every beam
-    under `lora_request`'s adapter when given)."""
+    under `lora_request`'s adapter when given). `names`: the engine's field names as this endpoint spells
+    them in a 400 (see `OpenAIServing.submit`; a prompt of several is `prompt[i]`)."""
     engine = serving.engine
     proc = engine.input_processor
-    try:
-        limits = [proc.resolve_max_tokens(len(ids), requested_max_tokens) for ids in prompts]
-    except InputError as exc:
-        raise bad_request(str(exc), param=exc.param, code=exc.code) from None
+    names = dict(names or {})
+    limits = []
+    for i, ids in enumerate(prompts):
+        try:
+            limits.append(proc.resolve_max_tokens(len(ids), requested_max_tokens))
+        except InputError as exc:
+            where = names.get("prompt", "prompt") + (f"[{i}]" if len(prompts) > 1 else "")
+            param = where if exc.param == "prompt" else names.get(exc.param or "", exc.param)
+            raise bad_request(str(exc), param=param, code=exc.code) from None
     try:
         params = BeamSearchParams(
             beam_width=width,
@@ -57,7 +64,7 @@ async def beam_search_outputs(
         if not beams:
             break
         streams = await serving.submit_all(
-            f"{request_id}-{round_index}", beams, search.step_params, lora_request=lora_request
+            f"{request_id}-{round_index}", beams, search.step_params, names=names, lora_request=lora_request
         )
         try:
             search.update(await serving.collect(streams))

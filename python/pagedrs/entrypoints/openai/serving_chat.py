@@ -114,7 +114,15 @@ class OpenAIServingChat(OpenAIServing):
         if req.use_beam_search:  # n beams, each one choice (vLLM's use_beam_search)
             max_tokens = req.requested_max_tokens()
             work = beam_search_outputs(
-                self, request_id, req, [prep.prompt_ids], max_tokens, req.n, req.n, prep.lora_request
+                self,
+                request_id,
+                req,
+                [prep.prompt_ids],
+                max_tokens,
+                req.n,
+                req.n,
+                prep.lora_request,
+                prep.names,
             )
             outputs = await self.until_disconnect(raw_request, work)
         else:

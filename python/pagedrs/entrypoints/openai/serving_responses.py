@@ -72,7 +72,11 @@ class OpenAIServingResponses:
         )
         if req.background:
             response["status"] = "queued"
-            self.store.create(response, conversation)
+            try:
+                self.store.create(response, conversation)
+            except BaseException:  # not stored: nobody could collect or cancel it
+                self.chat.release_all(streams)
+                raise
             task = asyncio.ensure_future(self._run_background(response, prep, streams))
             self._background[response["id"]] = task
             task.add_done_callback(lambda _: self._background_done(response["id"], streams))
