@@ -11,19 +11,19 @@ import torch
 from pagedrs import SamplingParams
 from pagedrs.layers.sampler import (
     Sampler,
-    SamplingMetadata,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
 )
 from tests.engine.conftest import greedy, make_engine, random_prompts, run_all
 from tests.helpers import SamplerRow as Row
+from tests.helpers_sampling import metadata_from_rows
 
 V = 8
 
 
 def sample(logits: torch.Tensor, rows: list[Row], seed: int = 0, eos: tuple[int, ...] = ()) -> torch.Tensor:
-    meta = SamplingMetadata.from_rows(
+    meta = metadata_from_rows(
         rows,
         vocab_size=logits.shape[1],
         device=torch.device("cpu"),
@@ -170,7 +170,7 @@ def test_logprobs_are_raw_log_softmax_with_ranks() -> None:
         Row(SamplingParams(temperature=0, logprobs=2)),
         Row(SamplingParams(temperature=0, logprobs=0, repetition_penalty=2.0), prompt_token_ids=[2]),
     ]
-    meta = SamplingMetadata.from_rows(rows, vocab_size=4, device=torch.device("cpu"))
+    meta = metadata_from_rows(rows, vocab_size=4, device=torch.device("cpu"))
     out = Sampler()(logits.clone(), meta)
     ref = logits.log_softmax(-1)
     lp = out.logprobs
@@ -187,7 +187,7 @@ def test_logprobs_are_raw_log_softmax_with_ranks() -> None:
 def test_rank_of_a_non_top_token() -> None:
     logits = torch.tensor([[0.0, 3.0, 2.0, 1.0]])
     rows = [Row(SamplingParams(temperature=1.0, logprobs=1, logit_bias={0: 100.0}))]
-    meta = SamplingMetadata.from_rows(rows, vocab_size=4, device=torch.device("cpu"))
+    meta = metadata_from_rows(rows, vocab_size=4, device=torch.device("cpu"))
     out = Sampler()(logits, meta)
     assert out.sampled_token_ids.tolist() == [0]
     assert out.logprobs is not None and out.logprobs.ranks.tolist() == [4]
@@ -196,7 +196,7 @@ def test_rank_of_a_non_top_token() -> None:
 @pytest.mark.parametrize("n", [1, 3])
 def test_all_simple_greedy_fast_path(n: int) -> None:
     rows = [Row(SamplingParams(temperature=0))] * n
-    meta = SamplingMetadata.from_rows(rows, vocab_size=V, device=torch.device("cpu"))
+    meta = metadata_from_rows(rows, vocab_size=V, device=torch.device("cpu"))
     assert meta.all_greedy and meta.temperature is None
 
 
@@ -209,7 +209,7 @@ def test_greedy_fast_path_equals_the_full_sampler(
     logits = (torch.randn(6, 40, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
     logits[2, 7] = logits[2, 9] = logits[2].max() + 1  # a tie: both paths take the first index
     rows = [Row(SamplingParams(temperature=0, logprobs=k)) for k in (3, None, 0, 5, None, 1)]
-    meta = SamplingMetadata.from_rows(rows, vocab_size=40, device=torch.device("cpu"))
+    meta = metadata_from_rows(rows, vocab_size=40, device=torch.device("cpu"))
     assert meta.is_plain_greedy and meta.max_num_logprobs == 5
     full = Sampler().full(logits.clone(), meta)
 
@@ -228,7 +228,7 @@ def test_greedy_fast_path_equals_the_full_sampler(
     torch.testing.assert_close(fast.sampled_logprobs, full.sampled_logprobs, rtol=0, atol=0)
     # without logprobs: the sampled tokens' logprobs still (cumulative_logprob), no top-k
     plain = [Row(SamplingParams(temperature=0)) for _ in range(6)]
-    meta = SamplingMetadata.from_rows(plain, vocab_size=40, device=torch.device("cpu"))
+    meta = metadata_from_rows(plain, vocab_size=40, device=torch.device("cpu"))
     fast = Sampler()(logits.clone(), meta)
     assert fast.logprobs is None and fast.sampled_logprobs is not None
     ref = logits.float().log_softmax(-1).gather(1, fast.sampled_token_ids[:, None])[:, 0]
@@ -242,9 +242,7 @@ def test_greedy_rows_with_processors_take_the_full_sampler() -> None:
         SamplingParams(temperature=0, presence_penalty=0.5),
         SamplingParams(temperature=0.5),
     ):
-        meta = SamplingMetadata.from_rows(
-            [Row(params)], vocab_size=V, device=torch.device("cpu"), eos_token_ids=(2,)
-        )
+        meta = metadata_from_rows([Row(params)], vocab_size=V, device=torch.device("cpu"), eos_token_ids=(2,))
         assert not meta.is_plain_greedy, params
 
 
@@ -258,7 +256,7 @@ def test_random_rows_sample_without_asking_the_device() -> None:
         Row(SamplingParams(temperature=0)),
         Row(SamplingParams(temperature=1.3, seed=9)),
     ]
-    meta = SamplingMetadata.from_rows(rows, vocab_size=V, device=torch.device("cpu"))
+    meta = metadata_from_rows(rows, vocab_size=V, device=torch.device("cpu"))
     assert meta.random_rows_cpu is not None and meta.random_rows_cpu.tolist() == [1, 2, 4]
     assert meta.top_k_max == 3
     states = [r.generator.get_state() if r.generator is not None else None for r in rows]

@@ -1,4 +1,4 @@
-"""The persistent per-sequence sampling state against a from-scratch rebuild (`SamplingMetadata.from_rows`)
+"""The persistent per-sequence sampling state against a from-scratch rebuild (`metadata_from_rows`)
 over random add / sample / finish / preempt events with mixed parameters: same metadata, same tokens."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pagedrs import SamplingParams
 from pagedrs.layers.sampler import Sampler, SamplingMetadata
 from pagedrs.worker.sampling_state import SamplingState
 from tests.helpers import SamplerRow as Row
+from tests.helpers_sampling import metadata_from_rows
 
 V = 50
 EOS = (3,)
@@ -118,7 +119,7 @@ def test_state_equals_rebuild_over_random_events(seed: int) -> None:
         rows = [seqs[s] for s in batch]
         ids = np.array(batch, dtype=np.int64)
         ours = state.metadata(ids, rows)
-        ref = SamplingMetadata.from_rows(rows, vocab_size=V, device=torch.device("cpu"), eos_token_ids=EOS)
+        ref = metadata_from_rows(rows, vocab_size=V, device=torch.device("cpu"), eos_token_ids=EOS)
         assert_same_metadata(ours, ref)
         logits = torch.randn(len(rows), V, generator=torch.Generator().manual_seed(steps))
         a = sample_with(ours, logits, rows, steps)

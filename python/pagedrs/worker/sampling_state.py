@@ -30,7 +30,7 @@ _F32, _I64, _I32 = np.float32, np.int64, np.int32
 
 class SamplingState:
     """Per-slot sampling columns for the sequences being sampled; `metadata` builds a step's
-    `SamplingMetadata` equal to `SamplingMetadata.from_rows` over the same rows."""
+    `SamplingMetadata` equal to a from-scratch rebuild over the same rows (the tests' oracle)."""
 
     # One column per parameter, `capacity` long (allocated and grown by `_grow`).
     seq_ids: np.ndarray
