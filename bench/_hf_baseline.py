@@ -45,7 +45,8 @@ def hf_only(args: Any, model_config: dict[str, Any] | None, src: str, dst: str) 
     spec = json.loads(Path(src).read_text())
     reqs: Requests = [(list(ids), int(n)) for ids, n in spec["requests"]]
     pad_id = int(spec["pad_id"])
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    default = "bfloat16" if args.device == "cuda" else "float32"
+    dtype = getattr(torch, default if args.dtype in (None, "auto") else args.dtype)  # auto: pagedrs' choice
     hf = load_hf(args.model, model_config, dtype, torch.device(args.device), args.seed)
     out: dict[str, Any] = {"device": args.device, "threads": torch.get_num_threads()}
 

@@ -110,7 +110,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="random weights of this shape instead of --model",
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="float32 (CPU default) | bfloat16 (CUDA default) | float16 | auto (pagedrs' own choice: the default "
+        "GGUF kept quantized on a CPU; transformers then runs float32 / bfloat16)",
+    )
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
@@ -213,10 +218,11 @@ def new_prompts(reqs: Requests, vocab_size: int, special: set[int], seed: int, k
 
 
 def engine_args(args: argparse.Namespace, dtype: torch.dtype, max_len: int, **extra: Any) -> EngineArgs:
-    """The pagedrs settings every run of this benchmark shares."""
+    """The pagedrs settings every run of this benchmark shares (`--dtype auto`: the engine's own default,
+    e.g. a GGUF kept quantized on a CPU, while transformers runs `dtype`)."""
     return EngineArgs(
         model=args.model,
-        dtype=str(dtype).removeprefix("torch."),
+        dtype="auto" if args.dtype == "auto" else str(dtype).removeprefix("torch."),
         device=args.device,
         max_model_len=max_len,
         block_size=args.block_size,
@@ -260,7 +266,7 @@ def load_engine(args: argparse.Namespace, dtype: torch.dtype, max_len: int) -> t
         loaded = LoadedModel(model=net.eval(), hf_config=cfg, tokenizer=None, model_path=args.model_config)
         eng_args.model = args.model_config
     else:
-        loaded = load_model(args.model, dtype=dtype, device=device)
+        loaded = load_model(args.model, dtype="auto" if args.dtype == "auto" else dtype, device=device)
     config = eng_args.create_engine_config(max_len)
     return LLMEngine(config, loaded, max_logprobs=0), loaded
 
@@ -439,7 +445,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         hf_only(args, MODEL_CONFIGS[args.model_config] if args.model_config else None, *args.hf_only)
         return {}
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    dtype = getattr(torch, dtype_name)
+    # auto: pagedrs picks (a GGUF stays quantized on a CPU); transformers gets the float dtype it would
+    dtype = getattr(
+        torch, ("bfloat16" if args.device == "cuda" else "float32") if dtype_name == "auto" else dtype_name
+    )
     max_len = args.input_len[1] + args.output_len[1]
     engine, loaded = load_engine(args, dtype, max_len)
     special = set(engine.eos_token_ids)

@@ -152,3 +152,26 @@ def test_tied_embedding_and_head_share_the_quantized_table():
     logits = head.compute_logits(h)
     assert logits is not None and logits.shape == (2, 50)
     assert ((logits - h @ dense.T).abs() <= error_bound(h, dense)).all()
+
+
+def test_long_chunks_take_a_float32_gemm_over_the_dequantized_weight():
+    """From DEQUANT_MIN_ROWS rows on (a prefill chunk), x @ W^T is torch's float32 GEMM over W dequantized
+    (pieces of mixed types included), no 8-bit activations; below it, the integer kernels."""
+    from pagedrs.layers import quantized
+
+    pieces = [
+        random_weight(Q.Q4_1, 6, 64, 1),
+        random_weight(Q.Q8_0, 5, 64, 2),
+        random_weight(Q.Q6_K, 3, 256, 3),
+    ]
+    qw = QuantizedWeight(pieces[:2])
+    dense = torch.cat([dequantized(p) for p in pieces[:2]])
+    assert torch.equal(qw.dequantized(), dense)
+    rows = quantized.DEQUANT_MIN_ROWS
+    x = torch.randn(rows + 3, 64, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(qw.matmul(x), x @ dense.T, rtol=1e-5, atol=1e-5)
+    short = qw.matmul(x[: rows - 1])
+    assert (short - x[: rows - 1] @ dense.T).abs().max() > 1e-4  # the 8-bit activations show below it
+    assert (short - x[: rows - 1] @ dense.T).abs().max() <= error_bound(x[: rows - 1], dense).max()
+    k6 = QuantizedWeight(pieces[2:])
+    assert torch.equal(k6.dequantized(), dequantized(pieces[2]))

@@ -110,6 +110,13 @@ class _Run:
     n: int
 
 
+# Rows of x from which `QuantizedWeight.matmul` dequantizes W and runs a float32 GEMM instead of the
+# integer kernels: the crossing point measured on the 2-core AVX2 CI machine (bench/cpu_peer.py's model,
+# its Q8_0 output head: 188 vs 198 ms at 128 rows, 287 vs 271 ms at 192, 765 vs 567 ms at 512). Decode
+# steps (a row per running request) stay below it; prefill chunks go above.
+DEQUANT_MIN_ROWS = 160
+
+
 class QuantizedWeight:
     """W [out_features, in_features] as GGUF blocks: pieces stacked along the output rows (q|k|v,
     gate|up), pieces of the same type merged into one contiguous matrix."""
@@ -146,13 +153,26 @@ class QuantizedWeight:
         if not xn.flags.c_contiguous:
             xn = np.ascontiguousarray(xn)
         on = np.empty((xn.shape[0], self.out_features), dtype=np.float32)
-        threads = torch.get_num_threads()
-        for r in self.runs:
-            _core.quant_matmul(xn, r.data, r.ggml_type, on, r.col0, threads)
+        if xn.shape[0] >= DEQUANT_MIN_ROWS:
+            # a long prefill chunk: the weight dequantized once (a transient copy, freed after the call) and
+            # torch's float32 GEMM, which beats the integer dot products from about this many rows on
+            torch.mm(torch.from_numpy(xn), self.dequantized().T, out=torch.from_numpy(on))
+        else:
+            threads = torch.get_num_threads()
+            for r in self.runs:
+                _core.quant_matmul(xn, r.data, r.ggml_type, on, r.col0, threads)
         out = torch.from_numpy(on)
         if bias is not None:
             out += bias
         return out if len(lead) == 1 else out.view(*lead, self.out_features)
+
+    def dequantized(self) -> Tensor:
+        """W as float32 [out_features, in_features] (a new tensor: the blocks stay the stored form)."""
+        w = np.empty((self.out_features, self.in_features), dtype=np.float32)
+        for r in self.runs:
+            ids = np.arange(r.n, dtype=np.int64)
+            _core.quant_get_rows(r.data, r.ggml_type, ids, w[r.col0 : r.col0 + r.n])
+        return torch.from_numpy(w)
 
     def rows(self, ids: Tensor) -> Tensor:
         """Dequantized rows `ids` (an embedding lookup): float32 [len(ids), in_features]."""
