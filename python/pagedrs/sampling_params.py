@@ -109,6 +109,7 @@ class SamplingParams:
             self.logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in self.logit_bias.items()}
 
     def _verify(self) -> None:
+        """Every field's rule, one `if` each, so each error names its field. Long on purpose."""
         if not _is_int(self.n) or self.n < 1:
             raise _bad("n", self.n, "must be an int >= 1")
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of != self.n):

@@ -130,7 +130,8 @@ class InputProcessor:
         lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         """(prompt text, the request for the core); InputError on bad input. A PoolingParams makes an
-        embedding request (`process_pooling`)."""
+        embedding request (`process_pooling`). Long because it is the one place where a request's rules
+        are checked, one after the other."""
         if isinstance(params, PoolingParams):
             return self.process_pooling(
                 request_id,

@@ -86,6 +86,8 @@ class LiquidRank:
                 raise RuntimeError(f"unknown step opcode {op}")
 
     def scale(self, src: int, dst: int, num_blocks: int, num_swap: int) -> None:
+        """This rank's part of one liquid event (send or receive shards, resize its pool, log). Long
+        because scale-out and scale-in are mirror images kept side by side."""
         from pagedrs.worker.model_runner import ModelRunner
 
         stats = LiquidStats(src, dst, num_blocks, num_blocks)

@@ -308,7 +308,8 @@ def _launch_decode(
     a: _LaunchArgs, out: Tensor, q: Tensor, seq_lens: Tensor, query_start_loc: Tensor, max_seq_len: int
 ) -> None:
     """Decode: every request (the ones with q_len != 1 exit at once), split into partitions of the
-    context when there are too few (request, kv head) pairs to fill the SMs, then reduced."""
+    context when there are too few (request, kv head) pairs to fill the SMs, then reduced. Long because
+    of the two launches' argument lists, one argument per line."""
     sh, device = a.shapes, q.device
     num_sms, _ = _device_info(device)
     group = sh.num_heads // sh.num_kv_heads

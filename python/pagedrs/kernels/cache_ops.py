@@ -42,7 +42,8 @@ def reshape_and_cache(
     """Write key/value [T, KVH, D] into key_cache/value_cache [num_blocks, block_size, KVH, D] at
     slot_mapping [T] (int64; a negative slot skips its token). The token stride of key/value may be
     padded (a view of a fused qkv tensor); the inner two dims must be contiguous. An fp8 cache holds
-    fp16/bf16/fp32 K/V converted as they are written (round to nearest even, saturating, scale 1.0)."""
+    fp16/bf16/fp32 K/V converted as they are written (round to nearest even, saturating, scale 1.0).
+    Long because of its argument checks, one rule each, before one launch."""
     _check_cache(key_cache, "key_cache")
     _check_cache(value_cache, "value_cache")
     _, _, kvh, d = key_cache.shape

@@ -157,7 +157,8 @@ def rotary_embedding(
     cos_sin_cache [max_position, rotary_dim] float32 (cos | sin per position; rotary_dim <= head_size:
     the dims past it stay). is_neox: rotate halves, else (GPT-J) interleaved pairs. With
     long_cos_sin_cache (longrope), token t uses it when seq_lens[t] (int64) > long_threshold. Positions
-    must lie inside the caches (not checked on the device: that would synchronize)."""
+    must lie inside the caches (not checked on the device: that would synchronize). Long because of the
+    argument checks of its two cache layouts, before one launch."""
     ctype = _ctype(q, "q")
     _rows(q, "q")
     _rows(k, "k")

@@ -218,6 +218,9 @@ class SamplingState:
         *,
         default_generator: torch.Generator | None = None,
     ) -> SamplingMetadata:
+        """This step's SamplingMetadata from the persistent slots. Long because it is one pass per sampling
+        feature (temperature, top-k/p, min-p, penalties, bans, bias, logprobs), each gathered only when
+        a row of the step uses it; split up, the per-step feature checks would run twice."""
         slots = self.slots(seq_ids, rows)
         n = len(slots)
         if self.simple_greedy[slots].all():

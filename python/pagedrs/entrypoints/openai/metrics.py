@@ -158,7 +158,8 @@ class ServerMetrics:
     ) -> None:
         """`core_histograms`: observe the core's per-step figures (step time, send time, batch size).
         Every API server process gets every step message; one of them observes these, so the summed
-        histograms count each step once."""
+        histograms count each step once. Long because it declares every metric, one per statement, with
+        vLLM's names."""
         self.core_histograms = core_histograms
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name

@@ -69,6 +69,8 @@ class _Stop:
 
 
 def run_multi_server(args: argparse.Namespace) -> int:
+    """`--api-server-count N`: the supervisor's loop. Long because start-up, the supervision loop and the
+    shutdown share the child handles and their cleanup in one try/finally (no process left behind)."""
     from pagedrs.engine.core_handles import EngineStartupError
     from pagedrs.engine.core_supervisor import CoreSupervisor
 

@@ -32,7 +32,8 @@ async def beam_search_outputs(
 ) -> list[RequestOutput]:
     """One finished output per prompt whose n completions are its best n beams, best first (every beam
     under `lora_request`'s adapter when given). `names`: the engine's field names as this endpoint spells
-    them in a 400 (see `OpenAIServing.submit`; a prompt of several is `prompt[i]`)."""
+    them in a 400 (see `OpenAIServing.submit`; a prompt of several is `prompt[i]`). Long because the
+    checks, the rounds and the outputs share the search's state; the algorithm is `BeamSearch`'s."""
     engine = serving.engine
     proc = engine.input_processor
     names = dict(names or {})

@@ -180,6 +180,8 @@ class OpenAIServingChat(OpenAIServing):
         prep: ChatPrepared,
         streams: list[RequestStream],
     ) -> AsyncIterator[str]:
+        """The SSE chunks of a chat stream, in OpenAI's order (role, deltas, tool calls, finish, usage).
+        Long because the per-choice state and the release of the streams share one try/finally."""
         created = now_s()
         n = req.n
         finished = [False] * n

@@ -33,6 +33,8 @@ class MistralToolParser(ToolParser):
         return True
 
     def _advance(self, final: bool) -> bool:
+        """One transition of the streaming state machine (content -> marker -> calls -> after). Long
+        because every state's branch is here, read top to bottom as the text arrives."""
         state = self._state
         if state == "content":
             i = self._buf.find(MARKER)
