@@ -135,7 +135,8 @@ def test_scale_1_2_4_2_1_with_requests_in_flight(
         for i, (b, (src, dst), (_, n, _)) in enumerate(zip(blocks, EVENTS, seen, strict=True)):
             assert b.moves == [(m.src, m.dst, m.shard_ids) for m in shard_moves(src, dst, 4)]
             assert b.finished is not None and b.finished["n"] == str(i) and int(b.finished["blocks"]) == n
-            assert float(b.finished["e2e"]) >= float(b.finished["weights"]) > 0
+            # printed with 2 decimals as the fork does: a tiny model's weight move can read 0.00s
+            assert float(b.finished["e2e"]) >= float(b.finished["weights"]) >= 0
             assert "current mem info on rank0: allocated space on rank 0:" in b.text
             if dst > src:  # rank 0 sent: the fork's sender lines; the pool after the move
                 assert b.after_scale_out == n and b.sent_kv == (b.moves[0][2], b.moves[0][1])
