@@ -130,6 +130,13 @@ class SchedulerStats:
     def prefix_cache_hits(self) -> int: ...
     @property
     def num_preemptions(self) -> int: ...
+    @property
+    def spec_num_drafts(self) -> int:
+        """Speculative decoding: verification rows so far (a sequence that speculated in a step)."""
+    @property
+    def spec_num_draft_tokens(self) -> int: ...
+    @property
+    def spec_num_accepted_tokens(self) -> int: ...
 
 class StepPlan:
     """One scheduler step. Every array is a numpy array owned by the plan.
@@ -174,9 +181,20 @@ class StepPlan:
         rewrote. A device copy of the table that applies them (`dev[rows] = view[rows]`) before
         every forward stays equal to the view."""
     @property
-    def logits_indices(self) -> npt.NDArray[np.int64]: ...
+    def logits_indices(self) -> npt.NDArray[np.int64]:
+        """int64: hidden rows whose logits are wanted, one per sampled sequence, or 1 + d consecutive
+        rows for a sequence speculating with d drafts (row j predicts the token after draft j)."""
     @property
     def sampled_seq_ids(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def num_draft_tokens(self) -> npt.NDArray[np.int32]:
+        """int32 [S]: draft tokens of each sampled sequence in this step (0: not speculating)."""
+    @property
+    def draft_token_ids(self) -> npt.NDArray[np.int64]:
+        """int64: the drafts, flattened in sampled order (the sequence's last token as a placeholder
+        when the runner's drafter proposes; the runner writes the real drafts into its inputs)."""
+    @property
+    def has_drafts(self) -> bool: ...
     @property
     def swap_out(self) -> npt.NDArray[np.int64]: ...
     @property
@@ -225,7 +243,16 @@ class Scheduler:
         num_swap_blocks: int = 0,
         watermark: float = 0.01,
         vocab_size: int | None = None,
-    ) -> None: ...
+        num_speculative_tokens: int = 0,
+        spec_method: str | None = None,
+        prompt_lookup_min: int = 1,
+        prompt_lookup_max: int = 3,
+        spec_disable_batch_size: int | None = None,
+    ) -> None:
+        """`num_speculative_tokens` > 0 turns on speculative decoding for requests added with
+        `speculate=True`: `spec_method="ngram"` proposes drafts here by prompt lookup
+        (`prompt_lookup_min/max`), `"runner"` (or None) reserves lookahead slots for the runner's
+        drafter. Speculation pauses while more than `spec_disable_batch_size` sequences run."""
     def add_request(
         self,
         seq_ids: Sequence[int],
@@ -239,6 +266,7 @@ class Scheduler:
         priority: int = 0,
         cache_salt: str | None = None,
         skip_prefix_cache: bool = False,
+        speculate: bool = False,
     ) -> None: ...
     def schedule(self) -> StepPlan: ...
     def block_table_view(self) -> npt.NDArray[np.int32]:
@@ -252,6 +280,12 @@ class Scheduler:
     def update(
         self, plan: StepPlan, sampled_token_ids: npt.NDArray[np.int64] | Sequence[int]
     ) -> list[tuple[int, FinishReason, int | None]]: ...
+    def update_spec(
+        self, plan: StepPlan, token_ids: npt.NDArray[np.int64], counts: npt.NDArray[np.int32]
+    ) -> tuple[list[tuple[int, FinishReason, int | None]], npt.NDArray[np.int32]]:
+        """`update` for a plan with drafts: sampled sequence i emitted counts[i] tokens (accepted drafts,
+        then one more), flattened in token_ids. Returns (finished, kept): kept[i] of sequence i's tokens
+        count (fewer when a stop condition ended it early, 0 when it was aborted since schedule())."""
     def abort(self, seq_ids: Sequence[int]) -> None: ...
     def resize(self, num_blocks: int) -> None: ...
     def reset_prefix_cache(self) -> bool: ...

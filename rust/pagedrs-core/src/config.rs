@@ -16,6 +16,24 @@ pub struct Config {
     pub watermark: f64,
     /// When set, token ids must be below it.
     pub vocab_size: Option<usize>,
+    /// Speculative decoding: draft tokens verified per decoding sequence and step (0: off).
+    pub num_speculative_tokens: usize,
+    /// Where drafts come from: n-gram lookup over the sequence's own tokens, here, or the runner's
+    /// drafter (the plan then carries placeholder draft tokens the runner replaces).
+    pub spec_proposer: SpecProposer,
+    /// Speculation pauses for a step while more sequences than this run (vLLM's
+    /// `disable_by_batch_size`); None: never.
+    pub spec_disable_batch_size: Option<usize>,
+}
+
+/// Who proposes the draft tokens of speculative decoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpecProposer {
+    /// Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's last
+    /// `n` tokens, for the largest `n` in `min..=max` that occurs (vLLM's `prompt_lookup_min/max`).
+    Ngram { min: usize, max: usize },
+    /// A draft model in the runner proposes; the scheduler only reserves the lookahead slots.
+    Runner,
 }
 
 impl Default for Config {
@@ -31,6 +49,9 @@ impl Default for Config {
             num_swap_blocks: 0,
             watermark: 0.01,
             vocab_size: None,
+            num_speculative_tokens: 0,
+            spec_proposer: SpecProposer::Runner,
+            spec_disable_batch_size: None,
         }
     }
 }
@@ -59,6 +80,19 @@ impl Config {
             return Err(Error::InvalidConfig(format!(
                 "watermark must be in [0, 1), got {}",
                 self.watermark
+            )));
+        }
+        if let SpecProposer::Ngram { min, max } = self.spec_proposer {
+            if min == 0 || min > max {
+                return Err(Error::InvalidConfig(format!(
+                    "prompt_lookup_min must be in [1, prompt_lookup_max={max}], got {min}"
+                )));
+            }
+        }
+        if self.num_speculative_tokens >= self.max_num_batched_tokens {
+            return Err(Error::InvalidConfig(format!(
+                "num_speculative_tokens must be < max_num_batched_tokens={}, got {}",
+                self.max_num_batched_tokens, self.num_speculative_tokens
             )));
         }
         if self.vocab_size == Some(0) {
@@ -98,6 +132,8 @@ pub struct NewRequest {
     pub priority: i64,
     pub cache_salt: Option<String>,
     pub skip_prefix_cache: bool,
+    /// The request may speculate (its sampling has no per-token state the verifier does not model).
+    pub speculate: bool,
 }
 
 /// Checks token ids against `[0, vocab_size)` (or the u32 range) and narrows them.

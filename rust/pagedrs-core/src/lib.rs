@@ -16,12 +16,13 @@ pub mod request;
 mod resize;
 mod schedule;
 pub mod scheduler;
+pub mod spec;
 pub mod swap_pool;
 mod update;
 pub mod wire;
 
 pub use block_table::BlockTable;
-pub use config::{Config, NewRequest};
+pub use config::{Config, NewRequest, SpecProposer};
 pub use error::{Error, Result};
 pub use plan::StepPlan;
 pub use request::{FinishReason, Finished, Status};

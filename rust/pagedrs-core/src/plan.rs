@@ -34,8 +34,15 @@ pub struct StepPlan {
     pub changed_rows: Vec<i32>,
     /// Longest block table in the batch (the width of [`Scheduler::plan_block_tables`]).
     pub max_blocks: usize,
+    /// Hidden rows whose logits are wanted: one per sampled sequence, `1 + d` consecutive rows for
+    /// one that speculates with `d` drafts (row `j` predicts the token after draft `j`).
     pub logits_indices: Vec<i64>,
     pub sampled_seq_ids: Vec<i64>,
+    /// Per sampled sequence: its draft tokens in this step (0: not speculating).
+    pub num_draft_tokens: Vec<i32>,
+    /// The draft tokens, flattened in `sampled_seq_ids` order (placeholders, the sequence's last
+    /// token, when the runner's drafter proposes).
+    pub draft_token_ids: Vec<i64>,
     /// `[k, 2]` pairs, flattened: (device, swap), (swap, device), (src, dst), (src, dst).
     pub swap_out: Vec<i64>,
     pub swap_in: Vec<i64>,
@@ -129,6 +136,8 @@ impl Scheduler {
             max_blocks,
             logits_indices: Vec::with_capacity(b),
             sampled_seq_ids: Vec::with_capacity(b),
+            num_draft_tokens: Vec::with_capacity(b),
+            draft_token_ids: Vec::new(),
             swap_out: ops.swap_out,
             swap_in: ops.swap_in,
             copies: ops.copies,
@@ -147,7 +156,8 @@ impl Scheduler {
             let seq = &mut self.seqs[slot as usize];
             let nc = seq.num_computed;
             let end = nc + n;
-            let completes = end == seq.num_tokens();
+            let d = seq.drafts.len();
+            let completes = end - d == seq.num_tokens();
             p.req_ids.push(seq.seq_id);
             p.num_scheduled_tokens.push(n as i32);
             p.num_computed_tokens.push(nc as i32);
@@ -159,6 +169,11 @@ impl Scheduler {
             let table = &seq.block_table;
             if n == 1 && completes {
                 p.input_ids.push(i64::from(seq.last_token));
+            } else if d > 0 {
+                p.input_ids.push(i64::from(seq.last_token));
+                p.input_ids.extend(seq.drafts.iter().map(|&x| i64::from(x)));
+                p.draft_token_ids
+                    .extend(seq.drafts.iter().map(|&x| i64::from(x)));
             } else {
                 seq.extend_tokens(nc, end, &mut p.input_ids);
             }
@@ -174,17 +189,20 @@ impl Scheduler {
                 };
                 (i64::from(block) << shift) | (pos & (bs - 1)) as i64
             }));
-            if n == 1 && completes && nc >= seq.prompt_len {
-                p.num_decode_tokens += 1;
+            if (n == 1 || d > 0) && completes && nc >= seq.prompt_len {
+                p.num_decode_tokens += n;
             } else {
                 p.num_prefill_tokens += n;
             }
-            seq.num_computed = end;
+            // A speculating sequence computes its drafts' KV too, but only the accepted ones count
+            // (`update_spec()` adds them).
+            seq.num_computed = end - d;
             self.rows.push((slot, seq.gen));
             if completes {
-                let row = (start + n - 1) as i64;
-                p.logits_indices.push(row);
+                let row = (start + n - 1 - d) as i64;
+                p.logits_indices.extend(row..=row + d as i64);
                 p.sampled_seq_ids.push(seq.seq_id);
+                p.num_draft_tokens.push(d as i32);
                 self.samples.push((slot, seq.gen));
                 // Only a first prompt completion can have children waiting to fork.
                 if nc < seq.prompt_len && !seq.children.is_empty() {
@@ -251,6 +269,7 @@ impl Scheduler {
             self.insert_running(c);
             p.logits_indices.push(row);
             p.sampled_seq_ids.push(id);
+            p.num_draft_tokens.push(0);
             self.samples.push((c, self.seqs[c as usize].gen));
         }
         let mut children = children;

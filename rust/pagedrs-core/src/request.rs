@@ -176,6 +176,10 @@ pub struct Seq {
     /// Prefix-cache hit tokens at first admission.
     pub num_cached_tokens: usize,
     pub admitted: bool,
+    /// May speculate (set per request).
+    pub speculate: bool,
+    /// Draft tokens scheduled after `last_token` in the pending plan (empty when not speculating).
+    pub drafts: Vec<u32>,
 }
 
 /// Output tokens buffered inline in a sequence before they are moved to its token buffer.

@@ -71,6 +71,7 @@ impl Scheduler {
     ) {
         let bs = self.cfg.block_size;
         let capacity = self.pool.num_blocks() * bs;
+        let spec = self.spec_active();
         let mut i = 0;
         while i < self.running.len() && *budget > 0 {
             let slot = self.running[i];
@@ -95,12 +96,21 @@ impl Scheduler {
                 self.finish_unfittable(slot);
                 continue;
             }
-            let num_new = remaining.min(*budget);
+            let mut num_new = remaining.min(*budget);
+            if spec && remaining == 1 && *budget > 1 {
+                num_new += self.propose(slot, *budget - 1);
+            }
             let scheduled = loop {
                 let (new, cow) = self.blocks_needed(slot, num_new, ops);
                 if new + usize::from(cow) <= self.pool.num_free() {
                     self.allocate(slot, num_new, cow, ops);
                     break true;
+                }
+                if num_new > remaining {
+                    // Drafts never preempt anyone: drop them first.
+                    self.seqs[slot as usize].drafts.clear();
+                    num_new = remaining;
+                    continue;
                 }
                 let victim = self.preempt_last(ops);
                 if victim == slot {
@@ -194,6 +204,7 @@ impl Scheduler {
         }
         seq.shared_tail = false;
         seq.last_block = 0;
+        seq.drafts.clear();
         ops.preempted.push(seq.seq_id);
         self.num_preemptions += 1;
         slot

@@ -32,6 +32,11 @@ pub struct Stats {
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,
     pub num_preemptions: u64,
+    /// Speculative decoding: verification rows (sequences that speculated, summed over steps), draft
+    /// tokens proposed, and draft tokens accepted.
+    pub spec_num_drafts: u64,
+    pub spec_num_draft_tokens: u64,
+    pub spec_num_accepted_tokens: u64,
 }
 
 #[derive(Debug)]
@@ -65,6 +70,7 @@ pub struct Scheduler {
     pub(crate) prefix_queries: u64,
     pub(crate) prefix_hits: u64,
     pub(crate) num_preemptions: u64,
+    pub(crate) spec_counts: [u64; 3],
     /// Scratch reused every step: (slot, num_new) in batch order.
     pub(crate) sched: Vec<(u32, usize)>,
     pub(crate) hit_scratch: Vec<u32>,
@@ -99,6 +105,7 @@ impl Scheduler {
             prefix_queries: 0,
             prefix_hits: 0,
             num_preemptions: 0,
+            spec_counts: [0; 3],
             sched: Vec::new(),
             hit_scratch: Vec::new(),
             cache_scratch: Vec::new(),
@@ -202,6 +209,8 @@ impl Scheduler {
         seq.prompt_len = prompt_len;
         seq.extra_key = req.cache_salt.as_deref().map_or(0, extra_key_of);
         seq.skip_prefix_cache = req.skip_prefix_cache;
+        seq.speculate = req.speculate;
+        seq.drafts.clear();
         seq.stop = stop;
         seq.children = req.seq_ids[1..]
             .iter()
@@ -339,6 +348,8 @@ impl Scheduler {
                     children: Vec::new(),
                     num_cached_tokens: 0,
                     admitted: false,
+                    speculate: false,
+                    drafts: Vec::new(),
                 });
                 (self.seqs.len() - 1) as u32
             }
@@ -353,6 +364,8 @@ impl Scheduler {
         seq.children.clear();
         seq.num_cached_tokens = 0;
         seq.admitted = false;
+        seq.speculate = false;
+        seq.drafts.clear();
         slot
     }
 
@@ -446,6 +459,9 @@ impl Scheduler {
             prefix_cache_queries: self.prefix_queries,
             prefix_cache_hits: self.prefix_hits,
             num_preemptions: self.num_preemptions,
+            spec_num_drafts: self.spec_counts[0],
+            spec_num_draft_tokens: self.spec_counts[1],
+            spec_num_accepted_tokens: self.spec_counts[2],
         }
     }
 }

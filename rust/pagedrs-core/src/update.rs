@@ -13,11 +13,34 @@ impl Scheduler {
     /// `sampled_seq_ids[i]`). Returns the sequences that finished, including any the pool could
     /// never hold. Sequences aborted since `schedule()` are skipped.
     pub fn update(&mut self, step_id: u64, sampled: &[i64]) -> Result<Vec<Finished>> {
+        self.apply(step_id, sampled, None).map(|(f, _)| f)
+    }
+
+    /// [`Self::update`] for a plan with drafts: sampled sequence `i` emitted `counts[i]` tokens
+    /// (its accepted drafts, then one more), flattened in `tokens`. Returns the finished sequences
+    /// and how many of each sequence's tokens count (fewer than emitted when a stop condition ends
+    /// it early; 0 for a sequence aborted since `schedule()`).
+    pub fn update_spec(
+        &mut self,
+        step_id: u64,
+        tokens: &[i64],
+        counts: &[i32],
+    ) -> Result<(Vec<Finished>, Vec<i32>)> {
+        self.apply(step_id, tokens, Some(counts))
+    }
+
+    fn apply(
+        &mut self,
+        step_id: u64,
+        tokens: &[i64],
+        counts: Option<&[i32]>,
+    ) -> Result<(Vec<Finished>, Vec<i32>)> {
         match self.pending {
             Some(s) if s == step_id => {}
             // A plan without rows needs no update; accept one anyway.
-            None if step_id + 1 == self.step && sampled.is_empty() => {
-                return Ok(std::mem::take(&mut self.pending_finished));
+            None if step_id + 1 == self.step && tokens.is_empty() => {
+                let n = counts.map_or(0, <[i32]>::len);
+                return Ok((std::mem::take(&mut self.pending_finished), vec![0; n]));
             }
             other => {
                 return Err(Error::PlanMismatch {
@@ -26,63 +49,133 @@ impl Scheduler {
                 })
             }
         }
-        if sampled.len() != self.samples.len() {
-            return Err(Error::SampledLength {
-                got: sampled.len(),
-                expected: self.samples.len(),
-            });
-        }
-        let limit = self.cfg.vocab_size.map_or(1u64 << 32, |v| v as u64);
-        if let Some(&t) = sampled.iter().find(|&&t| t < 0 || t as u64 >= limit) {
-            return Err(Error::TokenOutOfRange { token_id: t, limit });
-        }
+        self.check_sampled(tokens, counts)?;
         self.pending = None;
         if self.cfg.enable_prefix_caching {
-            let mut items = std::mem::take(&mut self.cache_scratch);
-            items.clear();
-            for i in 0..self.rows.len() {
-                let (slot, gen) = self.rows[i];
-                if self.seqs[slot as usize].alive && self.seqs[slot as usize].gen == gen {
-                    self.collect_full_blocks(slot, &mut items);
-                }
-            }
-            if !items.is_empty() {
-                let bs = self.cfg.block_size;
-                let seqs = &self.seqs;
-                self.pool.cache_blocks(&mut items, |it| {
-                    let i = it.idx as usize * bs;
-                    &seqs[it.slot as usize].tokens[i..i + bs]
-                });
-            }
-            self.cache_scratch = items;
+            self.cache_full_blocks();
         }
         let mut finished = std::mem::take(&mut self.pending_finished);
+        let mut kept = Vec::with_capacity(if counts.is_some() {
+            self.samples.len()
+        } else {
+            0
+        });
         let mut any_finished = false;
         let max_model_len = self.cfg.max_model_len;
-        for (i, &token) in sampled.iter().enumerate() {
+        let mut at = 0usize;
+        for i in 0..self.samples.len() {
+            let c = counts.map_or(1, |c| c[i] as usize);
+            let row = &tokens[at..at + c];
+            at += c;
             let (slot, gen) = self.samples[i];
             let seq = &mut self.seqs[slot as usize];
             if !seq.alive || seq.gen != gen {
+                if counts.is_some() {
+                    kept.push(0);
+                }
                 continue;
             }
-            let token = token as u32;
-            seq.push_token(token);
-            if let Some(mut f) =
-                seq.stop
-                    .check(token, seq.num_output(), seq.num_tokens(), max_model_len)
-            {
-                f.seq_id = seq.seq_id;
-                finished.push(f);
-                self.num_running_seqs -= 1;
-                self.release_slot(slot);
-                any_finished = true;
+            let mut used = c;
+            let mut done = None;
+            for (j, &token) in row.iter().enumerate() {
+                let token = token as u32;
+                seq.push_token(token);
+                if let Some(mut f) =
+                    seq.stop
+                        .check(token, seq.num_output(), seq.num_tokens(), max_model_len)
+                {
+                    f.seq_id = seq.seq_id;
+                    done = Some(f);
+                    used = j + 1;
+                    break;
+                }
+            }
+            if counts.is_some() {
+                kept.push(used as i32);
+            }
+            match done {
+                Some(f) => {
+                    if !seq.drafts.is_empty() {
+                        let d = seq.drafts.len() as u64;
+                        self.spec_counts[0] += 1;
+                        self.spec_counts[1] += d;
+                        self.spec_counts[2] += (c - 1) as u64;
+                    }
+                    finished.push(f);
+                    self.num_running_seqs -= 1;
+                    self.release_slot(slot);
+                    any_finished = true;
+                }
+                None if !seq.drafts.is_empty() => self.settle_drafts(slot, c),
+                None => {}
             }
         }
         if any_finished {
             let seqs = &self.seqs;
             self.running.retain(|&s| seqs[s as usize].alive);
         }
-        Ok(finished)
+        Ok((finished, kept))
+    }
+
+    /// Shapes and ranges of what the runner sampled for the pending plan.
+    fn check_sampled(&self, tokens: &[i64], counts: Option<&[i32]>) -> Result<()> {
+        let rows = counts.map_or(tokens.len(), <[i32]>::len);
+        if rows != self.samples.len() {
+            return Err(Error::SampledLength {
+                got: rows,
+                expected: self.samples.len(),
+            });
+        }
+        if let Some(counts) = counts {
+            let mut total = 0usize;
+            for (i, &c) in counts.iter().enumerate() {
+                let (slot, gen) = self.samples[i];
+                let seq = &self.seqs[slot as usize];
+                let most = if seq.alive && seq.gen == gen {
+                    1 + seq.drafts.len()
+                } else {
+                    usize::MAX
+                };
+                if c < 1 || c as usize > most {
+                    return Err(Error::InvalidRequest(format!(
+                        "sampled sequence {i} emitted {c} tokens; it can emit 1..={most}"
+                    )));
+                }
+                total += c as usize;
+            }
+            if total != tokens.len() {
+                return Err(Error::InvalidRequest(format!(
+                    "counts sum to {total} but {} tokens were given",
+                    tokens.len()
+                )));
+            }
+        }
+        let limit = self.cfg.vocab_size.map_or(1u64 << 32, |v| v as u64);
+        if let Some(&t) = tokens.iter().find(|&&t| t < 0 || t as u64 >= limit) {
+            return Err(Error::TokenOutOfRange { token_id: t, limit });
+        }
+        Ok(())
+    }
+
+    /// Offers the pending plan's newly full computed blocks to the prefix cache.
+    fn cache_full_blocks(&mut self) {
+        let mut items = std::mem::take(&mut self.cache_scratch);
+        items.clear();
+        for i in 0..self.rows.len() {
+            let (slot, gen) = self.rows[i];
+            if self.seqs[slot as usize].alive && self.seqs[slot as usize].gen == gen {
+                self.collect_full_blocks(slot, &mut items);
+            }
+        }
+        if !items.is_empty() {
+            let bs = self.cfg.block_size;
+            let seqs = &self.seqs;
+            self.pool.cache_blocks(&mut items, |it| {
+                let i = it.idx as usize * bs;
+                &seqs[it.slot as usize].tokens[i..i + bs]
+            });
+        }
+        self.cache_scratch = items;
     }
 
     /// Hashes the sequence's newly computed full blocks into `items` (cached by the caller).

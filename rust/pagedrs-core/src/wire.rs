@@ -14,7 +14,7 @@ use crate::plan::StepPlan;
 pub const OP_EXECUTE: i64 = 1;
 
 const NUM_SCALARS: usize = 6; // step_id, num_blocks, num_prefill, num_decode, num_tokens, max_blocks
-const NUM_ARRAYS: usize = 20; // the plan's 18 arrays, block tables, extra logits rows
+const NUM_ARRAYS: usize = 22; // the plan's 20 arrays, block tables, extra logits rows
 
 /// Length of the header of every message on the step channel.
 pub const WIRE_HEADER_LEN: usize = 2 + NUM_SCALARS + NUM_ARRAYS;
@@ -91,6 +91,8 @@ impl StepPlan {
         push(&mut self.copies.iter().copied());
         push(&mut self.block_moves.iter().copied());
         push(&mut self.preempted.iter().copied());
+        push(&mut i32s(&self.num_draft_tokens));
+        push(&mut self.draft_token_ids.iter().copied());
         push(&mut i32s(block_tables));
         push(&mut extra_logits_indices.iter().copied());
         debug_assert_eq!(lens.len(), NUM_ARRAYS);
@@ -144,12 +146,14 @@ impl StepPlan {
             copies: parts[15].to_vec(),
             block_moves: parts[16].to_vec(),
             preempted: parts[17].to_vec(),
+            num_draft_tokens: narrow("num_draft_tokens", parts[18])?,
+            draft_token_ids: parts[19].to_vec(),
             num_blocks: count("num_blocks", s[1])?,
             num_prefill_tokens: count("num_prefill_tokens", s[2])?,
             num_decode_tokens: count("num_decode_tokens", s[3])?,
             num_tokens: count("num_tokens", s[4])?,
         };
-        let block_tables = narrow("block_tables", parts[18])?;
+        let block_tables = narrow("block_tables", parts[20])?;
         if block_tables.len() != plan.num_reqs() * plan.max_blocks {
             return Err(Error::InvalidRequest(format!(
                 "step wire: {} block-table entries for {} requests x {} blocks",
@@ -161,7 +165,7 @@ impl StepPlan {
         Ok(WirePlan {
             plan,
             block_tables,
-            extra_logits_indices: parts[19].to_vec(),
+            extra_logits_indices: parts[21].to_vec(),
         })
     }
 }
@@ -187,6 +191,8 @@ mod tests {
             max_blocks: 2,
             logits_indices: vec![1, 2],
             sampled_seq_ids: vec![3, 9],
+            num_draft_tokens: vec![0, 1],
+            draft_token_ids: vec![13],
             swap_out: vec![1, 0],
             swap_in: vec![],
             copies: vec![2, 5],

@@ -4,7 +4,7 @@
 mod common;
 
 use common::Sim;
-use pagedrs_core::Config;
+use pagedrs_core::{Config, SpecProposer};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -63,11 +63,21 @@ fn config_with(pool: std::ops::Range<usize>) -> impl Strategy<Value = Config> {
             prop::sample::select(vec![0usize, 0, 4, 24]),
             prop::sample::select(vec![0.0, 0.05, 0.2]),
         ),
+        (
+            prop::sample::select(vec![0usize, 0, 1, 3, 5]),
+            prop::sample::select(vec![
+                SpecProposer::Runner,
+                SpecProposer::Ngram { min: 1, max: 3 },
+                SpecProposer::Ngram { min: 2, max: 2 },
+            ]),
+            prop::option::weighted(0.3, 1usize..4),
+        ),
     )
         .prop_map(
             |(
                 (num_blocks, block_size, budget, max_num_seqs, max_model_len),
                 (caching, chunked, swap, watermark),
+                (spec, proposer, disable),
             )| Config {
                 num_blocks,
                 block_size,
@@ -79,6 +89,9 @@ fn config_with(pool: std::ops::Range<usize>) -> impl Strategy<Value = Config> {
                 num_swap_blocks: swap,
                 watermark,
                 vocab_size: None,
+                num_speculative_tokens: spec.min(budget - 1),
+                spec_proposer: proposer,
+                spec_disable_batch_size: disable,
             },
         )
 }
@@ -181,6 +194,7 @@ fn random_runs_cover_preemption_swap_cow_hits_and_moves() {
     ];
     let (mut preempt, mut swaps, mut copies, mut hits, mut moves, mut steps, mut rows) =
         (0, 0, 0, 0u64, 0, 0, 0);
+    let (mut drafts, mut accepted, mut rolled_back) = (0u64, 0u64, 0usize);
     for _ in 0..300 {
         let (cfg, ops, seed) = strategy.new_tree(&mut runner).unwrap().current();
         let sim = run(cfg, ops, seed);
@@ -191,7 +205,12 @@ fn random_runs_cover_preemption_swap_cow_hits_and_moves() {
         hits += sim.s.stats().prefix_cache_hits;
         moves += sim.moves_seen;
         steps += sim.steps;
+        drafts += sim.s.stats().spec_num_draft_tokens;
+        accepted += sim.s.stats().spec_num_accepted_tokens;
+        rolled_back += sim.rollbacks_seen;
     }
+    eprintln!("draft tokens {drafts} accepted {accepted} rows rolled back {rolled_back}");
+    assert!(drafts > 500 && accepted > 100 && accepted < drafts && rolled_back > 100);
     eprintln!("steps {steps} preemptions {preempt} swap-outs {swaps} copies {copies} hit tokens {hits} block moves {moves} changed rows {rows}");
     assert!(preempt > 50 && swaps > 20 && copies > 20 && hits > 100 && moves > 20);
     assert!(rows > 1000, "changed rows {rows}");

@@ -69,6 +69,11 @@ pub struct PyStepPlan {
     sched: Option<Py<PyScheduler>>,
     logits_indices: Arr<i64>,
     sampled_seq_ids: Arr<i64>,
+    num_draft_tokens: Arr<i32>,
+    draft_token_ids: Arr<i64>,
+    /// Whether any sampled sequence speculates in this step.
+    #[pyo3(get)]
+    has_drafts: bool,
     swap_out: Arr<i64>,
     swap_in: Arr<i64>,
     copies: Arr<i64>,
@@ -112,6 +117,9 @@ impl PyStepPlan {
             sched,
             logits_indices: Arr::Raw(p.logits_indices),
             sampled_seq_ids: Arr::Raw(p.sampled_seq_ids),
+            has_drafts: !p.draft_token_ids.is_empty(),
+            num_draft_tokens: Arr::Raw(p.num_draft_tokens),
+            draft_token_ids: Arr::Raw(p.draft_token_ids),
             swap_out: Arr::Raw(p.swap_out),
             swap_in: Arr::Raw(p.swap_in),
             copies: Arr::Raw(p.copies),
@@ -213,6 +221,16 @@ impl PyStepPlan {
     fn sampled_seq_ids(&mut self, py: Python<'_>) -> Py<PyAny> {
         self.sampled_seq_ids.get(py, 0)
     }
+
+    #[getter]
+    fn num_draft_tokens(&mut self, py: Python<'_>) -> Py<PyAny> {
+        self.num_draft_tokens.get(py, 0)
+    }
+
+    #[getter]
+    fn draft_token_ids(&mut self, py: Python<'_>) -> Py<PyAny> {
+        self.draft_token_ids.get(py, 0)
+    }
     #[getter]
     fn swap_out(&mut self, py: Python<'_>) -> Py<PyAny> {
         self.swap_out.get(py, 2)
@@ -264,6 +282,8 @@ impl PyStepPlan {
             max_blocks: self.max_blocks,
             logits_indices: self.logits_indices.to_vec(py)?,
             sampled_seq_ids: self.sampled_seq_ids.to_vec(py)?,
+            num_draft_tokens: self.num_draft_tokens.to_vec(py)?,
+            draft_token_ids: self.draft_token_ids.to_vec(py)?,
             swap_out: self.swap_out.to_vec(py)?,
             swap_in: self.swap_in.to_vec(py)?,
             copies: self.copies.to_vec(py)?,

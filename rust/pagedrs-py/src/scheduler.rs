@@ -3,10 +3,10 @@
 use std::sync::{Mutex, TryLockError};
 
 use numpy::ndarray::ArrayView2;
-use numpy::{PyArray2, PyReadonlyArray1};
+use numpy::{IntoPyArray, PyArray2, PyReadonlyArray1};
 use pyo3::prelude::*;
 
-use pagedrs_core::{Config, NewRequest, Scheduler};
+use pagedrs_core::{Config, NewRequest, Scheduler, SpecProposer};
 
 use crate::errors::{invalid, poisoned, to_py};
 use crate::plan::PyStepPlan;
@@ -80,7 +80,9 @@ impl PyScheduler {
     #[new]
     #[pyo3(signature = (*, num_blocks, block_size=16, max_num_batched_tokens=2048, max_num_seqs=256,
                         max_model_len=2048, enable_prefix_caching=true, enable_chunked_prefill=true,
-                        num_swap_blocks=0, watermark=0.01, vocab_size=None))]
+                        num_swap_blocks=0, watermark=0.01, vocab_size=None, num_speculative_tokens=0,
+                        spec_method=None, prompt_lookup_min=1, prompt_lookup_max=3,
+                        spec_disable_batch_size=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
@@ -93,7 +95,24 @@ impl PyScheduler {
         num_swap_blocks: i64,
         watermark: f64,
         vocab_size: Option<i64>,
+        num_speculative_tokens: i64,
+        spec_method: Option<&str>,
+        prompt_lookup_min: i64,
+        prompt_lookup_max: i64,
+        spec_disable_batch_size: Option<i64>,
     ) -> PyResult<Self> {
+        let spec_proposer = match spec_method {
+            Some("ngram") => SpecProposer::Ngram {
+                min: size("prompt_lookup_min", prompt_lookup_min, 1)?,
+                max: size("prompt_lookup_max", prompt_lookup_max, 1)?,
+            },
+            None | Some("runner") => SpecProposer::Runner,
+            Some(other) => {
+                return Err(invalid(format!(
+                    "spec_method must be 'ngram', 'runner' or None, got {other:?}"
+                )))
+            }
+        };
         let cfg = Config {
             num_blocks: size("num_blocks", num_blocks, 1)?,
             block_size: size("block_size", block_size, 1)?,
@@ -105,6 +124,11 @@ impl PyScheduler {
             num_swap_blocks: size("num_swap_blocks", num_swap_blocks, 0)?,
             watermark,
             vocab_size: vocab_size.map(|v| size("vocab_size", v, 1)).transpose()?,
+            num_speculative_tokens: size("num_speculative_tokens", num_speculative_tokens, 0)?,
+            spec_proposer,
+            spec_disable_batch_size: spec_disable_batch_size
+                .map(|v| size("spec_disable_batch_size", v, 1))
+                .transpose()?,
         };
         let inner = Scheduler::new(cfg).map_err(to_py)?;
         Ok(Self {
@@ -114,7 +138,7 @@ impl PyScheduler {
 
     #[pyo3(signature = (seq_ids, prompt_token_ids, *, max_tokens, min_tokens=0, eos_token_ids=Vec::new(),
                         stop_token_ids=Vec::new(), ignore_eos=false, priority=0, cache_salt=None,
-                        skip_prefix_cache=false))]
+                        skip_prefix_cache=false, speculate=false))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &self,
@@ -129,6 +153,7 @@ impl PyScheduler {
         priority: i64,
         cache_salt: Option<String>,
         skip_prefix_cache: bool,
+        speculate: bool,
     ) -> PyResult<()> {
         let req = NewRequest {
             seq_ids,
@@ -141,6 +166,7 @@ impl PyScheduler {
             priority,
             cache_salt,
             skip_prefix_cache,
+            speculate,
         };
         self.with(py, |s| s.add_request(req))?.map_err(to_py)
     }
@@ -198,6 +224,31 @@ impl PyScheduler {
             .into_iter()
             .map(|f| (f.seq_id, f.reason.into(), f.stop_token))
             .collect())
+    }
+
+    /// `update` for a plan with drafts: sampled sequence `i` emitted `counts[i]` tokens (accepted
+    /// drafts, then one more), flattened in `token_ids`. Returns (finished, kept): `kept[i]` of
+    /// sequence `i`'s tokens count (fewer when a stop condition ended it early).
+    #[allow(clippy::type_complexity)]
+    fn update_spec(
+        &self,
+        py: Python<'_>,
+        plan: PyRef<'_, PyStepPlan>,
+        token_ids: PyReadonlyArray1<'_, i64>,
+        counts: PyReadonlyArray1<'_, i32>,
+    ) -> PyResult<(Vec<(i64, PyFinishReason, Option<i64>)>, Py<PyAny>)> {
+        let step = plan.step_id;
+        drop(plan);
+        let tokens = token_ids.as_slice()?;
+        let counts = counts.as_slice()?;
+        let (finished, kept) = self
+            .detached(py, |s| s.update_spec(step, tokens, counts))?
+            .map_err(to_py)?;
+        let finished = finished
+            .into_iter()
+            .map(|f| (f.seq_id, f.reason.into(), f.stop_token))
+            .collect();
+        Ok((finished, kept.into_pyarray(py).into_any().unbind()))
     }
 
     fn abort(&self, py: Python<'_>, seq_ids: Vec<i64>) -> PyResult<()> {

@@ -60,6 +60,9 @@ pub struct PySchedulerStats {
     prefix_cache_queries: u64,
     prefix_cache_hits: u64,
     num_preemptions: u64,
+    spec_num_drafts: u64,
+    spec_num_draft_tokens: u64,
+    spec_num_accepted_tokens: u64,
 }
 
 impl From<Stats> for PySchedulerStats {
@@ -76,6 +79,9 @@ impl From<Stats> for PySchedulerStats {
             prefix_cache_queries: s.prefix_cache_queries,
             prefix_cache_hits: s.prefix_cache_hits,
             num_preemptions: s.num_preemptions,
+            spec_num_drafts: s.spec_num_drafts,
+            spec_num_draft_tokens: s.spec_num_draft_tokens,
+            spec_num_accepted_tokens: s.spec_num_accepted_tokens,
         }
     }
 }

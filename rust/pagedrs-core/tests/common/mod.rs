@@ -8,7 +8,8 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use pagedrs_core::{Config, FinishReason, Finished, NewRequest, Scheduler, StepPlan};
+use pagedrs_core::spec::ngram_propose;
+use pagedrs_core::{Config, FinishReason, Finished, NewRequest, Scheduler, SpecProposer, StepPlan};
 
 pub fn prefix_hash(prev: u64, token: u32, pos: usize) -> u64 {
     let mut x = prev ^ (u64::from(token) << 20) ^ (pos as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
@@ -63,6 +64,8 @@ pub struct Sim {
     pub table: Vec<i32>,
     pub width: usize,
     pub rows_changed_seen: usize,
+    /// Speculating rows whose rejected drafts were rolled back.
+    pub rollbacks_seen: usize,
 }
 
 impl Sim {
@@ -75,6 +78,7 @@ impl Sim {
             table: s.block_table().as_slice().to_vec(),
             width,
             rows_changed_seen: 0,
+            rollbacks_seen: 0,
             mem: vec![0; cfg.num_blocks * cfg.block_size],
             swap_mem: vec![0; cfg.num_swap_blocks * cfg.block_size],
             s,
@@ -116,6 +120,7 @@ impl Sim {
             priority,
             cache_salt: salt,
             skip_prefix_cache: skip,
+            speculate: self.rng.below(4) != 0,
         };
         let before = self.s.stats();
         match self.s.add_request(req) {
@@ -193,12 +198,45 @@ impl Sim {
         assert_eq!(back.extra_logits_indices, extra);
     }
 
-    /// update with random tokens; checks the finished list against the mirrors.
+    /// update with random tokens; checks the finished list against the mirrors. A speculating
+    /// sequence accepts a random number of its drafts, then emits a random token.
     pub fn update(&mut self, p: &StepPlan) -> Vec<Finished> {
-        let sampled: Vec<i64> = (0..p.sampled_seq_ids.len())
-            .map(|_| self.rng.below(u64::from(self.vocab)) as i64)
-            .collect();
-        self.update_with(p, &sampled)
+        if p.num_draft_tokens.iter().all(|&d| d == 0) {
+            let sampled: Vec<i64> = (0..p.sampled_seq_ids.len())
+                .map(|_| self.rng.below(u64::from(self.vocab)) as i64)
+                .collect();
+            return self.update_with(p, &sampled);
+        }
+        let (mut tokens, mut counts) = (Vec::new(), Vec::new());
+        let mut at = 0usize;
+        for &d in &p.num_draft_tokens {
+            let d = d as usize;
+            let a = self.rng.below(d as u64 + 1) as usize;
+            tokens.extend_from_slice(&p.draft_token_ids[at..at + a]);
+            tokens.push(self.rng.below(u64::from(self.vocab)) as i64);
+            counts.push(a as i32 + 1);
+            if a < d {
+                self.rollbacks_seen += 1;
+            }
+            at += d;
+        }
+        let (fin, kept) = self
+            .s
+            .update_spec(p.step_id, &tokens, &counts)
+            .expect("update_spec");
+        let mut at = 0usize;
+        for (i, &id) in p.sampled_seq_ids.iter().enumerate() {
+            let c = counts[i] as usize;
+            let k = kept[i] as usize;
+            assert!(k <= c);
+            if let Some(m) = self.live.get_mut(&id) {
+                assert!(k >= 1, "a live sequence kept none of its tokens");
+                m.tokens
+                    .extend(tokens[at..at + k].iter().map(|&t| t as u32));
+            }
+            at += c;
+        }
+        self.check_finished(fin)
     }
 
     pub fn update_with(&mut self, p: &StepPlan, sampled: &[i64]) -> Vec<Finished> {
@@ -208,6 +246,10 @@ impl Sim {
                 m.tokens.push(sampled[i] as u32);
             }
         }
+        self.check_finished(fin)
+    }
+
+    fn check_finished(&mut self, fin: Vec<Finished>) -> Vec<Finished> {
         let finished_ids: HashSet<i64> = fin.iter().map(|f| f.seq_id).collect();
         assert_eq!(finished_ids.len(), fin.len(), "a seq finished twice");
         for f in &fin {
@@ -321,7 +363,48 @@ impl Sim {
         assert_eq!(p.slot_mapping.len(), t);
         assert_eq!(p.query_start_loc.len(), b + 1);
         assert_eq!(p.num_prefill_tokens + p.num_decode_tokens, t);
-        assert_eq!(p.logits_indices.len(), p.sampled_seq_ids.len());
+        assert_eq!(p.num_draft_tokens.len(), p.sampled_seq_ids.len());
+        let num_drafts: usize = p.num_draft_tokens.iter().map(|&d| d as usize).sum();
+        assert_eq!(p.draft_token_ids.len(), num_drafts);
+        assert_eq!(p.logits_indices.len(), p.sampled_seq_ids.len() + num_drafts);
+        // Each speculating sequence's tokens as the forward sees them: its own, then its drafts.
+        let mut virt: BTreeMap<i64, Vec<u32>> = BTreeMap::new();
+        let mut at = 0usize;
+        for (i, &id) in p.sampled_seq_ids.iter().enumerate() {
+            let d = p.num_draft_tokens[i] as usize;
+            if d == 0 {
+                continue;
+            }
+            assert!(self.cfg.num_speculative_tokens >= d, "too many drafts");
+            let m = &self.live[&id];
+            let drafts = &p.draft_token_ids[at..at + d];
+            at += d;
+            assert!(
+                m.tokens.len() - m.prompt_len + d < m.max_tokens,
+                "drafts past max_tokens"
+            );
+            assert!(
+                m.tokens.len() + d < self.cfg.max_model_len,
+                "drafts past max_model_len"
+            );
+            match self.cfg.spec_proposer {
+                SpecProposer::Ngram { min, max } => {
+                    let want = ngram_propose(&m.tokens, min, max, usize::MAX);
+                    assert_eq!(
+                        &want[..d].iter().map(|&x| i64::from(x)).collect::<Vec<_>>(),
+                        drafts
+                    );
+                }
+                SpecProposer::Runner => {
+                    assert!(drafts
+                        .iter()
+                        .all(|&x| x == i64::from(*m.tokens.last().unwrap())));
+                }
+            }
+            let mut v = m.tokens.clone();
+            v.extend(drafts.iter().map(|&x| x as u32));
+            virt.insert(id, v);
+        }
         let rows: HashSet<i64> = p.req_ids.iter().copied().collect();
         assert_eq!(rows.len(), b, "a seq appears twice in one batch");
         // Pool resize and block ops, in the runner's order.
@@ -389,13 +472,14 @@ impl Sim {
                 .live
                 .get(&id)
                 .unwrap_or_else(|| panic!("plan row for unknown seq {id}"));
+            let m_tokens = virt.get(&id).unwrap_or(&m.tokens);
             let nc = p.num_computed_tokens[r] as usize;
             let n = p.num_scheduled_tokens[r] as usize;
             assert!(n > 0);
             assert_eq!(p.seq_lens[r] as usize, nc + n);
             assert_eq!(p.num_prompt_tokens[r] as usize, m.prompt_len);
             assert!(
-                nc + n <= m.tokens.len(),
+                nc + n <= m_tokens.len(),
                 "seq {id} schedules past its tokens"
             );
             let q0 = p.query_start_loc[r] as usize;
@@ -404,12 +488,12 @@ impl Sim {
             let row = &self.table[rr * w..(rr + 1) * w];
             let mut h = 0u64;
             for pos in 0..nc {
-                h = prefix_hash(h, m.tokens[pos], pos);
+                h = prefix_hash(h, m_tokens[pos], pos);
             }
             for j in 0..n {
                 let pos = nc + j;
-                h = prefix_hash(h, m.tokens[pos], pos);
-                assert_eq!(p.input_ids[q0 + j], i64::from(m.tokens[pos]));
+                h = prefix_hash(h, m_tokens[pos], pos);
+                assert_eq!(p.input_ids[q0 + j], i64::from(m_tokens[pos]));
                 assert_eq!(p.positions[q0 + j], pos as i64);
                 let blk = row[pos / bs] as usize;
                 assert!(blk < nb, "block {blk} >= pool {nb}");
@@ -425,12 +509,13 @@ impl Sim {
         for r in 0..b {
             let id = p.req_ids[r];
             let m = &self.live[&id];
+            let m_tokens = virt.get(&id).unwrap_or(&m.tokens);
             let len = p.seq_lens[r] as usize;
             let rr = p.block_table_rows[r] as usize;
             let row = &self.table[rr * w..(rr + 1) * w];
             let mut h = 0u64;
             for pos in 0..len {
-                h = prefix_hash(h, m.tokens[pos], pos);
+                h = prefix_hash(h, m_tokens[pos], pos);
                 let slot = row[pos / bs] as usize * bs + pos % bs;
                 assert_eq!(
                     self.mem[slot], h,
@@ -442,17 +527,19 @@ impl Sim {
                 self.hits_seen += 1;
             }
         }
-        // Logits rows sample the last known token of their sequence.
+        // Logits rows sample the last known token of their sequence (then each draft).
+        let mut li = 0usize;
         for (i, &id) in p.sampled_seq_ids.iter().enumerate() {
             let m = &self.live[&id];
-            let idx = p.logits_indices[i] as usize;
-            assert!(idx < t);
-            assert_eq!(
-                p.positions[idx] as usize,
-                m.tokens.len() - 1,
-                "logits row of seq {id}"
-            );
-            assert_eq!(p.input_ids[idx], i64::from(*m.tokens.last().unwrap()));
+            let m_tokens = virt.get(&id).unwrap_or(&m.tokens);
+            for j in 0..=p.num_draft_tokens[i] as usize {
+                let idx = p.logits_indices[li] as usize;
+                li += 1;
+                assert!(idx < t);
+                let pos = m.tokens.len() - 1 + j;
+                assert_eq!(p.positions[idx] as usize, pos, "logits row of seq {id}");
+                assert_eq!(p.input_ids[idx], i64::from(m_tokens[pos]));
+            }
         }
         if nb * bs < self.mem.len() {
             self.mem.truncate(nb * bs);

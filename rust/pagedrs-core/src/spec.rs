@@ -1,0 +1,120 @@
+//! Speculative decoding in the scheduler: how many lookahead slots a decoding sequence reserves, the
+//! n-gram (prompt lookup) proposer, and the rollback of rejected drafts after `update_spec()`.
+//!
+//! A speculating sequence is scheduled as `1 + s` query tokens: its last token, then `s` drafts. The
+//! plan asks for the logits of all `1 + s` rows; the verifier emits `1 + a` tokens (`a` accepted
+//! drafts, then one more), and the KV of the `a` accepted drafts stays: `num_computed` grows by `a`,
+//! the blocks past the new last token are freed (their slots held rejected drafts).
+
+use crate::config::SpecProposer;
+use crate::scheduler::Scheduler;
+use crate::BlockId;
+
+/// The tokens that followed the latest earlier occurrence of `tokens`' last `n` tokens, for the
+/// largest `n` in `min_n..=max_n` that occurs; at most `k` of them (empty when nothing matches).
+pub fn ngram_propose(tokens: &[u32], min_n: usize, max_n: usize, k: usize) -> &[u32] {
+    let len = tokens.len();
+    if k == 0 || min_n == 0 {
+        return &[];
+    }
+    for n in (min_n..=max_n.min(len.saturating_sub(1))).rev() {
+        let pattern = &tokens[len - n..];
+        // Latest start first; the match must end before the pattern itself (i + n < len).
+        for i in (0..len - n).rev() {
+            if &tokens[i..i + n] == pattern {
+                let start = i + n;
+                return &tokens[start..start.saturating_add(k).min(len)];
+            }
+        }
+    }
+    &[]
+}
+
+impl Scheduler {
+    /// Whether sequences may speculate this step (on, and the batch not above the disable size).
+    pub(crate) fn spec_active(&self) -> bool {
+        self.cfg.num_speculative_tokens > 0
+            && self
+                .cfg
+                .spec_disable_batch_size
+                .is_none_or(|b| self.num_running_seqs <= b)
+    }
+
+    /// Fills `drafts` of the decoding sequence `slot` with at most `room` draft tokens and returns
+    /// how many: bounded by `num_speculative_tokens`, what `max_tokens` and `max_model_len` leave
+    /// after the token the step emits anyway, and (n-gram) what the lookup finds.
+    pub(crate) fn propose(&mut self, slot: u32, room: usize) -> usize {
+        let cfg = &self.cfg;
+        let seq = &mut self.seqs[slot as usize];
+        seq.drafts.clear();
+        if !seq.speculate || seq.num_computed < seq.prompt_len || !seq.children.is_empty() {
+            return 0;
+        }
+        let n_tok = seq.num_tokens();
+        let left_out = (seq.stop.max_tokens as usize).saturating_sub(seq.num_output() + 1);
+        let left_len = cfg.max_model_len.saturating_sub(n_tok + 1);
+        let k = cfg
+            .num_speculative_tokens
+            .min(room)
+            .min(left_out)
+            .min(left_len);
+        if k == 0 {
+            return 0;
+        }
+        match cfg.spec_proposer {
+            SpecProposer::Ngram { min, max } => {
+                seq.flush();
+                let found = ngram_propose(&seq.tokens, min, max, k);
+                seq.drafts.extend_from_slice(found);
+            }
+            // Placeholders: the runner's drafter writes the real drafts into the step's inputs.
+            SpecProposer::Runner => seq.drafts.resize(k, seq.last_token),
+        }
+        seq.drafts.len()
+    }
+
+    /// After `update_spec()` appended `emitted` tokens to the speculating sequence `slot`: the
+    /// accepted drafts' KV counts as computed, blocks past the new last token are freed.
+    pub(crate) fn settle_drafts(&mut self, slot: u32, emitted: usize) {
+        let bs = self.cfg.block_size;
+        let seq = &mut self.seqs[slot as usize];
+        let proposed = seq.drafts.len();
+        seq.drafts.clear();
+        self.spec_counts[0] += 1;
+        self.spec_counts[1] += proposed as u64;
+        self.spec_counts[2] += emitted.saturating_sub(1) as u64;
+        seq.num_computed += emitted - 1;
+        let keep = seq.num_tokens().div_ceil(bs);
+        if seq.block_table.len() > keep {
+            for b in seq.block_table.drain(keep..) {
+                self.pool.free(BlockId(b));
+            }
+            seq.sync_last_block();
+            if let Some(row) = seq.row {
+                self.tables.mark(row, keep);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ngram_propose;
+
+    #[test]
+    fn ngram_takes_the_longest_latest_match() {
+        let t = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3];
+        // Suffix [2, 3]: the latest earlier [2, 3] is at 5 (followed by 7, 8, 5, 2).
+        assert_eq!(ngram_propose(&t, 1, 2, 3), &[7, 8, 5]);
+        // The longest n wins: suffix [5, 2, 3] never occurred before; [2, 3] did.
+        assert_eq!(ngram_propose(&t, 2, 3, 9), &[7, 8, 5, 2, 3]);
+        // The proposal stops at the end of the sequence.
+        let t = [4, 5, 6, 4, 5];
+        assert_eq!(ngram_propose(&t, 1, 3, 8), &[6, 4, 5]);
+        assert_eq!(ngram_propose(&[1, 2, 3], 1, 3, 4), &[] as &[u32]);
+        assert_eq!(ngram_propose(&[7], 1, 3, 4), &[] as &[u32]);
+        assert_eq!(ngram_propose(&[7, 7], 1, 3, 0), &[] as &[u32]);
+        // [7, 7]: the suffix [7] occurred at 0, followed by the last 7.
+        assert_eq!(ngram_propose(&[7, 7], 1, 3, 4), &[7]);
+    }
+}
