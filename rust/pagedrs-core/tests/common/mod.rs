@@ -487,8 +487,8 @@ impl Sim {
             let rr = p.block_table_rows[r] as usize;
             let row = &self.table[rr * w..(rr + 1) * w];
             let mut h = 0u64;
-            for pos in 0..nc {
-                h = prefix_hash(h, m_tokens[pos], pos);
+            for (pos, &tok) in m_tokens.iter().enumerate().take(nc) {
+                h = prefix_hash(h, tok, pos);
             }
             for j in 0..n {
                 let pos = nc + j;
@@ -514,8 +514,8 @@ impl Sim {
             let rr = p.block_table_rows[r] as usize;
             let row = &self.table[rr * w..(rr + 1) * w];
             let mut h = 0u64;
-            for pos in 0..len {
-                h = prefix_hash(h, m_tokens[pos], pos);
+            for (pos, &tok) in m_tokens.iter().enumerate().take(len) {
+                h = prefix_hash(h, tok, pos);
                 let slot = row[pos / bs] as usize * bs + pos % bs;
                 assert_eq!(
                     self.mem[slot], h,
