@@ -20,6 +20,7 @@ __all__ = [
     "ObservabilityConfig",
     "ParallelConfig",
     "SchedulerConfig",
+    "SpeculativeConfig",
     "as_bytes",
     "kv_cache_torch_dtype",
     "resolve_device",
@@ -347,6 +348,90 @@ class LoRAConfig:
         )
 
 
+SPEC_METHODS = ("ngram", "self_draft")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` names where vLLM has them).
+
+    `method`: "ngram" (prompt lookup over the request's own tokens, proposed by the Rust scheduler:
+    the tokens that followed the latest earlier occurrence of the last n tokens, for the largest n in
+    [`prompt_lookup_min`, `prompt_lookup_max`]) or "self_draft" (early exit: the target's first
+    `draft_layers` layers, its final norm and its LM head propose, writing the KV of those layers in
+    place; default a quarter of the layers). `num_speculative_tokens` drafts are verified per decoding
+    sequence and step. Speculation pauses for a step while more than `disable_by_batch_size` sequences
+    run (None: never). Requests whose sampling keeps per-token state the verifier does not model
+    (penalties, logit_bias, min_tokens, logprobs, structured outputs) decode without drafts."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    draft_layers: int | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            self.method in SPEC_METHODS,
+            "speculative_config method",
+            self.method,
+            f"must be one of {SPEC_METHODS}",
+        )
+        k = self.num_speculative_tokens
+        _require(_is_int(k) and 1 <= k <= 32, "num_speculative_tokens", k, "must be an int in [1, 32]")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        _require(_is_int(hi) and hi >= 1, "prompt_lookup_max", hi, "must be an int >= 1")
+        _require(
+            _is_int(lo) and 1 <= lo <= hi,
+            "prompt_lookup_min",
+            lo,
+            f"must be an int in [1, prompt_lookup_max={hi}]",
+        )
+        d = self.draft_layers
+        _require(d is None or (_is_int(d) and d >= 1), "draft_layers", d, "must be an int >= 1")
+        b = self.disable_by_batch_size
+        _require(b is None or (_is_int(b) and b >= 1), "disable_by_batch_size", b, "must be an int >= 1")
+
+    @classmethod
+    def from_dict(cls, spec: dict | str | None) -> SpeculativeConfig | None:
+        """From `speculative_config` (a dict or its JSON text, as `--speculative-config` takes);
+        ValueError naming an unknown key or a method pagedrs does not implement."""
+        if spec is None:
+            return None
+        if isinstance(spec, str):
+            import json
+
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        _require(isinstance(spec, dict), "speculative_config", spec, "must be a dict (or its JSON)")
+        assert isinstance(spec, dict)
+        spec = dict(spec)
+        if spec.get("model") is not None or spec.get("method") in (
+            "draft_model",
+            "eagle",
+            "eagle3",
+            "medusa",
+            "mtp",
+        ):
+            raise ValueError(
+                f"speculative_config {spec!r}: a separate draft model is not implemented; use "
+                "method 'ngram' (prompt lookup) or 'self_draft' (the model's own first layers)"
+            )
+        spec.pop("model", None)
+        if spec.get("method") == "[ngram]":
+            spec["method"] = "ngram"
+        names = set(cls.__dataclass_fields__)
+        unknown = sorted(set(spec) - names)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(names)}")
+        if "method" not in spec or "num_speculative_tokens" not in spec:
+            raise ValueError(f"speculative_config needs 'method' and 'num_speculative_tokens', got {spec!r}")
+        return cls(**spec)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig
@@ -356,3 +441,4 @@ class EngineConfig:
     observability: ObservabilityConfig
     parallel: ParallelConfig = ParallelConfig()
     lora: LoRAConfig | None = None  # None: LoRA adapters are off
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding

@@ -48,6 +48,11 @@ class EngineStats(msgspec.Struct, array_like=True):
     step_time_s: float = 0.0  # schedule + execute + update of the latest step
     batch_size: int = 0  # sequences that sampled a token in the latest step
     send_time_s: float = 0.0  # encoding + sending the previous step message (engine core process only)
+    # Speculative decoding (cumulative): verifications (a sequence speculating in a step), draft tokens
+    # proposed, draft tokens accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -74,6 +79,17 @@ def format_hit_rate_line(hit_rate: float) -> str:
     return f"Prefix cache hit rate: GPU: {100.0 * hit_rate:.2f}%, CPU: 0.00%"
 
 
+def format_spec_line(drafts: int, draft_tokens: int, accepted: int, elapsed: float) -> str:
+    """vLLM V1's speculative-decoding line over one logging interval."""
+    return (
+        f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / max(drafts, 1):.2f}, "
+        f"Accepted throughput: {accepted / elapsed:.2f} tokens/s, "
+        f"Drafted throughput: {draft_tokens / elapsed:.2f} tokens/s, "
+        f"Accepted: {accepted} tokens, Drafted: {draft_tokens} tokens, "
+        f"Avg Draft acceptance rate: {100.0 * accepted / max(draft_tokens, 1):.1f}%"
+    )
+
+
 class StatLogger:
     """Logs vLLM's stats line every `interval` seconds (checked after each step), then the prefix-cache
     hit rate line."""
@@ -88,6 +104,8 @@ class StatLogger:
         self.last_hits = 0
         self.last_line: str | None = None
         self.last_hit_rate_line: str | None = None
+        self.last_spec = (0, 0, 0)
+        self.last_spec_line: str | None = None
 
     def maybe_log(self, stats: EngineStats, now: float | None = None) -> str | None:
         now = time.monotonic() if now is None else now
@@ -110,6 +128,12 @@ class StatLogger:
         if stats.prefix_cache_queries:
             self.last_hit_rate_line = format_hit_rate_line(hit_rate)
             self.log.info(self.last_hit_rate_line)
+        spec = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
+        if spec[0] > self.last_spec[0]:
+            d, dt, acc = (a - b for a, b in zip(spec, self.last_spec, strict=True))
+            self.last_spec_line = format_spec_line(d, dt, acc, elapsed)
+            self.log.info(self.last_spec_line)
+        self.last_spec = spec
         self.last_time = now
         self.last_prompt = stats.prompt_tokens_total
         self.last_gen = stats.generation_tokens_total

@@ -17,6 +17,7 @@ from pagedrs.config import (
     ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     resolve_device,
 )
 
@@ -97,6 +98,9 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Speculative decoding: {"method": "ngram" | "self_draft", "num_speculative_tokens": k, ...}
+    # (a dict or its JSON; `SpeculativeConfig`).
+    speculative_config: dict | str | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -271,7 +275,22 @@ class EngineArgs:
             raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
         self.parallel_config()
         self.lora_config()
+        self.speculative()
         return model, cache, device, obs
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The speculative-decoding settings, or None; ValueError for a setup they cannot run on."""
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
+        if (
+            spec is not None
+            and spec.method == "self_draft"
+            and (self.tensor_parallel_size != 1 or self.liquid_gpu_range is not None)
+        ):
+            raise ValueError(
+                f"speculative_config method 'self_draft' needs tensor_parallel_size=1 without liquid scaling "
+                f"(got tensor_parallel_size={self.tensor_parallel_size}); 'ngram' runs under tensor parallelism"
+            )
+        return spec
 
     def lora_config(self) -> LoRAConfig | None:
         """The LoRA settings, or None when `enable_lora` is off; ValueError for a setup LoRA cannot run on."""
@@ -310,4 +329,5 @@ class EngineArgs:
             observability=obs,
             parallel=self.parallel_config(),
             lora=self.lora_config(),
+            speculative=self.speculative(),
         )

@@ -35,6 +35,8 @@ from pagedrs.engine.messages import (
     Ready,
 )
 from pagedrs.engine.pooling import pool_step
+from pagedrs.engine.spec_decode import can_speculate
+from pagedrs.engine.spec_decode import spec_scheduler_args as _spec_scheduler_args
 from pagedrs.engine.startup_log import log_kv_cache_size
 from pagedrs.engine.step_outputs import StepOutputs
 from pagedrs.executor import ExecutorDeadError, UniProcExecutor
@@ -100,6 +102,7 @@ class EngineCore:
             enable_chunked_prefill=sched.enable_chunked_prefill,
             num_swap_blocks=kv.num_swap_blocks,
             vocab_size=self.vocab_size or None,
+            **_spec_scheduler_args(config),
         )
         executor.attach_block_table(self.scheduler.block_table_view())
         # LoRA deltas hook into the model's linear layers; one device, eager steps (`lora_config`).
@@ -249,6 +252,10 @@ class EngineCore:
                 or (req.pooling is not None and req.pooling.pooling_type != "last"),
                 # An adapter's KV differs from the base model's: its blocks hash under its own key.
                 cache_salt=lora.cache_salt if lora is not None else None,
+                speculate=self.config.speculative is not None
+                and can_speculate(
+                    params, compiled is not None or lora is not None or req.pooling is not None
+                ),
             )  # raises InvalidRequestError (a ValueError) before any state changes here
         except BaseException:
             self._loras.release(req.request_id)
@@ -385,14 +392,22 @@ class EngineCore:
     ) -> None:
         """The sampled tokens into the scheduler (stop checks, frees) and the step's outputs."""
         pooled = pool_step(plan, out.hidden, self._request_of) if self._num_pooling else {}
-        finished = self.scheduler.update(plan, out.sampled_token_ids)
+        kept = None
+        if out.token_counts is not None:
+            finished, kept = self.scheduler.update_spec(plan, out.sampled_token_ids, out.token_counts)
+        else:
+            finished = self.scheduler.update(plan, out.sampled_token_ids)
         self._prompt_tokens_total += int(plan.num_prefill_tokens)
-        self._generation_tokens_total += len(rows)
+        self._generation_tokens_total += len(rows) if kept is None else int(kept.sum())
         outs.prompt_logprobs(out)
-        for seq, tok in outs.sampled(rows, out, pooled):
-            seq.output_token_ids.append(tok)
-            if seq.matcher is not None and not seq.matcher.accept_token(tok):
-                logger.warning("request %s: token %d does not follow its grammar", seq.request_id, tok)
+        for seq, toks in outs.sampled(rows, out, pooled, kept):
+            seq.output_token_ids.extend(toks)
+            if seq.matcher is not None:
+                for tok in toks:
+                    if not seq.matcher.accept_token(tok):
+                        logger.warning(
+                            "request %s: token %d does not follow its grammar", seq.request_id, tok
+                        )
             req = self._requests.get(seq.request_id)
             if req is not None and req.prompt_logprobs is not None:
                 req.prompt_logprobs = None  # the prompt is done: its logprobs are complete
@@ -489,6 +504,9 @@ class EngineCore:
             num_steps=self._num_steps,
             step_time_s=self._last_step_time,
             batch_size=self._last_batch,
+            spec_num_drafts=int(s.spec_num_drafts),
+            spec_num_draft_tokens=int(s.spec_num_draft_tokens),
+            spec_num_accepted_tokens=int(s.spec_num_accepted_tokens),
         )
 
     def resize(self, num_blocks: int) -> int:

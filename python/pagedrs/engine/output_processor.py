@@ -154,23 +154,33 @@ class OutputProcessor:
             for j in range(len(lp.ranks)):
                 seq.add_logprobs(lp.token_ids[j], lp.logprobs[j], lp.ranks[j], k, self.tokenizer)
         if o.new_token_ids:
-            if seq.cumulative_logprob is not None and len(o.new_token_logprobs) == len(o.new_token_ids):
-                seq.cumulative_logprob += sum(o.new_token_logprobs)
-            else:
-                seq.cumulative_logprob = None  # a core that did not send them: unknown, not wrong
-            seq.output_token_ids.extend(o.new_token_ids)
             det = seq.detokenizer
             stop_terminated = reason == FinishReason.STOP.value
-            if det is not None and (not stop_terminated or seq.params.include_stop_str_in_output):
-                new_chars = det.add(o.new_token_ids)
-                stop = seq.params.stop
-                if not stop_terminated and stop and len(seq.output_token_ids) > seq.params.min_tokens:
-                    hit = check_stop_strings(det.text, new_chars, stop, seq.params.include_stop_str_in_output)
-                    if hit is not None:
-                        seq.text_cut = hit[1] if hit[1] != -1 else None
-                        if reason is None:
-                            result.abort_seqs.append((seq.request.request_id, seq.index))
-                        reason, stop_reason = FinishReason.STOP.value, hit[0]
+            ids, lps = o.new_token_ids, o.new_token_logprobs
+            stop = seq.params.stop if det is not None and not stop_terminated else None
+            # Several tokens in one step (speculative decoding) are checked one at a time: a stop string an
+            # early one completes drops the ones after it, as if they had come one a step.
+            pieces = [ids[j : j + 1] for j in range(len(ids))] if stop and len(ids) > 1 else [ids]
+            kept = 0
+            for piece in pieces:
+                seq.output_token_ids.extend(piece)
+                kept += len(piece)
+                if det is not None and (not stop_terminated or seq.params.include_stop_str_in_output):
+                    new_chars = det.add(piece)
+                    if stop and len(seq.output_token_ids) > seq.params.min_tokens:
+                        hit = check_stop_strings(
+                            det.text, new_chars, stop, seq.params.include_stop_str_in_output
+                        )
+                        if hit is not None:
+                            seq.text_cut = hit[1] if hit[1] != -1 else None
+                            if reason is None:
+                                result.abort_seqs.append((seq.request.request_id, seq.index))
+                            reason, stop_reason = FinishReason.STOP.value, hit[0]
+                            break
+            if seq.cumulative_logprob is not None and len(lps) == len(ids):
+                seq.cumulative_logprob += sum(lps[:kept])
+            else:
+                seq.cumulative_logprob = None  # a core that did not send them: unknown, not wrong
         if reason is None:
             return False
         seq.finish_reason, seq.stop_reason = reason, stop_reason

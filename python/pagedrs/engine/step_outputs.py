@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
+
 from pagedrs.engine.core_requests import CoreSeq
 from pagedrs.engine.messages import EngineCoreOutput, PromptLogprobsMsg, SampleLogprobsMsg
 from pagedrs.worker.model_runner import RunnerOutput
@@ -40,28 +42,42 @@ class StepOutputs:
             )
 
     def sampled(
-        self, rows: list[CoreSeq], out: RunnerOutput, pooled: Mapping[int, list[float]]
-    ) -> list[tuple[CoreSeq, int]]:
-        """Each row's new token (and logprobs), or its pooled vector (an embedding request's last prompt
-        step: no token). Returns the rows that got a token, with it."""
+        self,
+        rows: list[CoreSeq],
+        out: RunnerOutput,
+        pooled: Mapping[int, list[float]],
+        kept: np.ndarray | None = None,
+    ) -> list[tuple[CoreSeq, list[int]]]:
+        """Each row's new tokens (and logprobs), or its pooled vector (an embedding request's last prompt
+        step: no token). A speculative step gives a row several tokens (`out.token_counts`), of which the
+        scheduler kept `kept[i]` (a stop condition may cut the rest). Returns the rows that got tokens."""
         tokens = out.sampled_token_ids.tolist()
         token_lps = out.sampled_logprobs.tolist() if out.sampled_logprobs is not None else None
+        counts = out.token_counts.tolist() if out.token_counts is not None else None
+        keep = kept.tolist() if kept is not None else None
         lp = out.logprobs
         lp_ids = lp_vals = lp_ranks = None
-        got: list[tuple[CoreSeq, int]] = []
+        got: list[tuple[CoreSeq, list[int]]] = []
+        at = 0
         for i, seq in enumerate(rows):
+            c = 1 if counts is None else counts[i]
+            n = c if keep is None else keep[i]
             o = self.for_seq(seq.seq_id)
             if seq.seq_id in pooled:
                 o.embedding = pooled[seq.seq_id]
+                at += c
                 continue
-            o.new_token_ids = [tokens[i]]
+            new = tokens[at : at + n]
+            o.new_token_ids = new
             if token_lps is not None:
-                o.new_token_logprobs = [token_lps[i]]
+                o.new_token_logprobs = token_lps[at : at + n]
             if seq.num_logprobs is not None and lp is not None:
                 if lp_ids is None:
                     lp_ids, lp_vals, lp_ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
                 assert lp_vals is not None and lp_ranks is not None
                 k = 1 + seq.num_logprobs
                 o.new_logprobs = SampleLogprobsMsg([lp_ids[i][:k]], [lp_vals[i][:k]], [int(lp_ranks[i])])
-            got.append((seq, tokens[i]))
+            at += c
+            if new:
+                got.append((seq, new))
         return got

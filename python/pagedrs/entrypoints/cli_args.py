@@ -59,6 +59,14 @@ _ENGINE_FLAGS: list[tuple[str, str, Any, Any, str]] = [
     ("--max-loras", "max_loras", int, None, "LoRA adapters resident at once, mixed in a batch (default 1)"),
     ("--max-lora-rank", "max_lora_rank", int, None, "largest LoRA rank an adapter may have (default 16)"),
     ("--max-cpu-loras", "max_cpu_loras", int, None, "LoRA adapters kept on the host (default: --max-loras)"),
+    (
+        "--speculative-config",
+        "speculative_config",
+        json.loads,
+        None,
+        'speculative decoding as JSON: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} '
+        'or {"method": "self_draft", "num_speculative_tokens": 3, "draft_layers": 8}',
+    ),
     ("--task", "task", str, None, "auto (generation and embeddings), generate or embed"),
     ("--pooling-type", "pooling_type", str, None, "default embedding pooling: last, mean, cls or first"),
     (

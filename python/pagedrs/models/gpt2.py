@@ -122,7 +122,7 @@ class GPT2Model(torch.nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
         hidden = self.wte(input_ids) + self.wpe(positions)
-        for block in self.h:
+        for block in self.h if ctx.exit_layer is None else self.h[: ctx.exit_layer]:
             hidden = block(hidden, ctx)
         return self.ln_f(hidden)
 

@@ -173,7 +173,7 @@ class LlamaModel(torch.nn.Module):
             seq_lens = token_seq_lens(ctx.attn_metadata)
         hidden = self.embed_tokens(input_ids)
         residual: Tensor | None = None
-        for layer in self.layers:
+        for layer in self.layers if ctx.exit_layer is None else self.layers[: ctx.exit_layer]:
             hidden, residual = layer(positions, hidden, residual, ctx, seq_lens)
         hidden, _ = self.norm(hidden, residual)
         return hidden

@@ -138,7 +138,7 @@ class OPTDecoder(torch.nn.Module):
         if self.project_in is not None:
             hidden = self.project_in(hidden)
         hidden = hidden + self.embed_positions(positions + POSITION_OFFSET)
-        for layer in self.layers:
+        for layer in self.layers if ctx.exit_layer is None else self.layers[: ctx.exit_layer]:
             hidden = layer(hidden, ctx)
         if self.final_layer_norm is not None:
             hidden = self.final_layer_norm(hidden)

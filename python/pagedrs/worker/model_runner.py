@@ -38,6 +38,8 @@ from pagedrs.worker.prompt_logprobs import (
     plan_prompt_logprobs,
 )
 from pagedrs.worker.sampling_state import SamplingState
+from pagedrs.worker.self_draft import SelfDrafter, default_draft_layers
+from pagedrs.worker.spec_verify import first_rows, sample_with_drafts
 from pagedrs.worker.step_buffers import StepBuffers, StepInputs
 
 __all__ = [
@@ -73,6 +75,9 @@ class RunnerOutput:
     prompt_logprobs: dict[int, PromptLogprobsChunk]
     sampled_logprobs: np.ndarray | None = None  # float32 [S]: each sampled token's raw logprob
     hidden: Tensor | None = None  # the step's final hidden states [T, H] (pooled for embedding requests)
+    # A plan with drafts: int32 [S] tokens emitted per sampled sequence (accepted drafts, then one more);
+    # sampled_token_ids and sampled_logprobs are then flat in that layout. None: one token each.
+    token_counts: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -121,6 +126,13 @@ class ModelRunner:
         self._bt_view: np.ndarray | None = None
         self.last_hidden: Tensor | None = None
         self._bt_device: Tensor | None = None
+        # Speculative decoding by early exit: the drafts of the last step's forward (sampled order).
+        self.drafter: SelfDrafter | None = None
+        self.last_drafts: np.ndarray | None = None
+        spec = config.speculative
+        if spec is not None and spec.method == "self_draft":
+            layers = spec.draft_layers or default_draft_layers(int(model.num_layers))
+            self.drafter = SelfDrafter(self, layers)
 
     def attach_block_table(self, view: np.ndarray, *, mirror: bool | None = None) -> None:
         """Use the scheduler's persistent block table. With a mirror (the default off the CPU) only the rows
@@ -362,16 +374,21 @@ class ModelRunner:
             out.prompt_logprobs = compute_prompt_logprobs(logits[num_rows:], plp)
         if hasattr(token_bitmask, "result"):  # built in a helper thread while the forward ran
             token_bitmask = token_bitmask.result()
+        main = logits[:num_rows]
+        if num_rows and plan.has_drafts:  # one row per sequence for the sampler: each one's first
+            main = logits.index_select(
+                0, torch.as_tensor(first_rows(plan.num_draft_tokens), device=logits.device)
+            )
         if num_rows and token_bitmask is not None:
             import xgrammar as xgr
 
             mask, indices = token_bitmask
             xgr.apply_token_bitmask_inplace(
-                logits[:num_rows], mask.to(logits.device), vocab_size=logits.shape[-1], indices=indices
+                main, mask.to(logits.device), vocab_size=logits.shape[-1], indices=indices
             )
         if num_rows:
             sampling = self._sampling_metadata(plan, rows, logits.shape[-1])
-            sampled = self.sampler(logits[:num_rows], sampling)
+            sampled = self.sampler(main, sampling)
             # Every copy to the host is queued, then one wait.
             ids = sampled.sampled_token_ids.to("cpu", non_blocking=True)
             token_lps = None
@@ -387,6 +404,9 @@ class ModelRunner:
             out.sampled_token_ids = ids.numpy().astype(np.int64, copy=False)
             out.sampled_logprobs = token_lps.numpy() if token_lps is not None else None
             out.logprobs = lp
+            if plan.has_drafts:
+                drafts = self.last_drafts if self.last_drafts is not None else plan.draft_token_ids
+                sample_with_drafts(out, plan, rows, logits[:num_rows], drafts, self.generator)
         return out
 
     @torch.inference_mode()
@@ -420,6 +440,9 @@ class ModelRunner:
             if inputs.changed_rows is not None:
                 assert self._bt_device is not None and inputs.changed_row_data is not None
                 self._bt_device.index_copy_(0, inputs.changed_rows, inputs.changed_row_data)
+            self.last_drafts = None
+            if plan.has_drafts and self.drafter is not None and num_tokens > 0:
+                self.last_drafts = self.drafter.propose(plan, inputs)
             if num_tokens > 0:
                 if graph is not None:
                     hidden = self._replay(graph, inputs, num_reqs)

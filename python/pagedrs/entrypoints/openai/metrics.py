@@ -148,6 +148,16 @@ class _EngineStatsCollector(Collector):
         yield c("pagedrs:prompt_tokens", "Prompt tokens processed.", get("prompt_tokens_total"))
         yield c("pagedrs:generation_tokens", "Generated tokens.", get("generation_tokens_total"))
         yield c("pagedrs:num_preemptions", "Preemptions.", get("num_preemptions"))
+        # vLLM's spec_decode counters: verifications, draft tokens proposed, draft tokens accepted.
+        yield c("pagedrs:spec_decode_num_drafts", "Speculative verifications.", get("spec_num_drafts"))
+        yield c(
+            "pagedrs:spec_decode_num_draft_tokens", "Draft tokens proposed.", get("spec_num_draft_tokens")
+        )
+        yield c(
+            "pagedrs:spec_decode_num_accepted_tokens",
+            "Draft tokens accepted.",
+            get("spec_num_accepted_tokens"),
+        )
 
 
 class ServerMetrics:

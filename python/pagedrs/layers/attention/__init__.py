@@ -84,6 +84,8 @@ class ForwardContext:
     attn_metadata: AttentionMetadata | None  # None: no KV cache (profiling) -> plain causal attention
     kv_caches: list[Tensor]  # per layer [2, num_blocks, block_size, num_kv_heads, head_size]
     backend: AttentionBackend | None = None
+    # Run only the first `exit_layer` decoder layers, then the final norm (self-drafting by early exit).
+    exit_layer: int | None = None
 
 
 def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:

@@ -1,0 +1,128 @@
+"""Self-drafting by early exit: the target model's first L layers, its final norm and its LM head propose
+the drafts of speculative decoding, inside the step that verifies them.
+
+The scheduler reserves `1 + d` query slots for a speculating sequence (its last token, then `d` draft
+placeholders). Before the step's forward, the drafter runs `d` decode-shaped sub-forwards over the
+speculating sequences only: sub-step `j` feeds the token at position `nc + j` (the last token, then the
+previous draft), through layers `[0, L)`, and takes the argmax as draft `j + 1`. Those sub-forwards write
+the KV of layers `[0, L)` at the same slots the verifying forward then writes again for the same tokens,
+so no second KV pool exists and nothing has to be rolled back: the draft's context is the target's own
+cache. The drafts are written into the step's device inputs, and the verifier reads them from
+`last_drafts`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pagedrs.layers.attention import ForwardContext
+from pagedrs.worker.step_buffers import StepBuffers, StepInputs
+
+if TYPE_CHECKING:
+    from pagedrs._core import StepPlan
+    from pagedrs.worker.model_runner import ModelRunner
+
+__all__ = ["SelfDrafter", "default_draft_layers"]
+
+
+def default_draft_layers(num_layers: int) -> int:
+    """A quarter of the layers (at least one, fewer than all)."""
+    return max(1, min(num_layers - 1, num_layers // 4)) if num_layers > 1 else 1
+
+
+@dataclass
+class _DraftStep:
+    """A decode-shaped plan over the speculating sequences: what `StepBuffers.pack` and the attention
+    metadata read from a `StepPlan`."""
+
+    input_ids: np.ndarray  # int64 [A]
+    positions: np.ndarray  # int64 [A]
+    slot_mapping: np.ndarray  # int64 [A]
+    seq_lens: np.ndarray  # int32 [A]
+    query_start_loc: np.ndarray  # int32 [A + 1]
+    block_table_rows: np.ndarray  # int32 [A]
+    changed_rows: np.ndarray  # int32 [0]
+    block_tables: np.ndarray | None  # int32 [A, M] (no device mirror)
+    logits_indices: np.ndarray  # int64 [A]
+    num_scheduled_tokens: np.ndarray  # int32 [A]
+    num_tokens: int
+    num_decode_tokens: int
+
+
+class SelfDrafter:
+    """Proposes drafts with the runner's own model cut after `num_layers` layers."""
+
+    def __init__(self, runner: ModelRunner, num_layers: int) -> None:
+        total = int(runner.model.num_layers)
+        if not 1 <= num_layers <= total:
+            raise ValueError(f"draft_layers must be in [1, {total}] for this model, got {num_layers}")
+        self.runner = runner
+        self.num_layers = num_layers
+        sched = runner.config.scheduler
+        self.buffers = StepBuffers(
+            max_num_tokens=sched.max_num_seqs,
+            max_num_reqs=sched.max_num_seqs,
+            table_width=runner.max_blocks_per_seq,
+            graph_rows=1,
+            device=runner.device,
+        )
+
+    @torch.inference_mode()
+    def propose(self, plan: StepPlan, main: StepInputs) -> np.ndarray:
+        """The drafts of every speculating sequence of `plan`, flattened in sampled order (the layout of
+        `plan.draft_token_ids`); also written into `main.input_ids` at their positions."""
+        nd = np.asarray(plan.num_draft_tokens)
+        spec = np.nonzero(nd)[0]
+        if not len(spec):
+            return np.zeros(0, dtype=np.int64)
+        runner = self.runner
+        pool = runner.kv_pool
+        assert pool is not None
+        batch_of = {int(r): b for b, r in enumerate(plan.req_ids.tolist())}
+        rows = np.array([batch_of[int(s)] for s in plan.sampled_seq_ids[spec].tolist()], dtype=np.int64)
+        first = plan.query_start_loc[rows].astype(np.int64)  # each sequence's last-token index
+        counts = nd[spec].astype(np.int64)
+        drafts = np.zeros((len(spec), int(counts.max())), dtype=np.int64)
+        current = plan.input_ids[first].astype(np.int64)
+        mirror = runner._bt_view if runner._bt_device is not None else None
+        dense = None if mirror is not None else plan.block_tables
+        for j in range(drafts.shape[1]):
+            act = np.nonzero(counts > j)[0]
+            tok = first[act] + j
+            n = len(act)
+            positions = plan.positions[tok].astype(np.int64)
+            step = _DraftStep(
+                input_ids=current[act],
+                positions=positions,
+                slot_mapping=plan.slot_mapping[tok].astype(np.int64),
+                seq_lens=(positions + 1).astype(np.int32),
+                query_start_loc=np.arange(n + 1, dtype=np.int32),
+                block_table_rows=plan.block_table_rows[rows[act]],
+                changed_rows=np.zeros(0, dtype=np.int32),
+                block_tables=None if dense is None else np.ascontiguousarray(dense[rows[act]]),
+                logits_indices=np.arange(n, dtype=np.int64),
+                num_scheduled_tokens=np.ones(n, dtype=np.int32),
+                num_tokens=n,
+                num_decode_tokens=n,
+            )
+            inputs = self.buffers.pack(step, mirror_rows=mirror)  # type: ignore[arg-type]  # a StepPlan's fields
+            meta = runner._attn_metadata(step, inputs, 1, int(positions.max()) + 1)  # type: ignore[arg-type]
+            ctx = ForwardContext(
+                attn_metadata=meta,
+                kv_caches=pool.kv_caches,
+                backend=runner.backend,
+                exit_layer=self.num_layers,
+            )
+            hidden = runner.model(inputs.input_ids, inputs.positions, ctx)
+            logits = runner.model.compute_logits(hidden)
+            assert logits is not None, "self-drafting runs on one rank"
+            nxt = logits.argmax(dim=-1)
+            main.input_ids.index_copy_(0, torch.as_tensor(tok + 1, device=main.input_ids.device), nxt)
+            got = nxt.cpu().numpy()
+            drafts[act, j] = got
+            current[act] = got
+        return np.concatenate([drafts[i, : counts[i]] for i in range(len(spec))])

@@ -1,0 +1,78 @@
+"""The verifying half of a speculative step, on the runner's side: which logits rows the plain sampler
+reads, and how the speculating sequences' rows become their emitted tokens (`layers/spec_sampler.py`
+decides acceptance)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from pagedrs.layers.sampler import SamplingRow
+from pagedrs.layers.spec_sampler import verify_drafts
+
+if TYPE_CHECKING:
+    from pagedrs._core import StepPlan
+    from pagedrs.worker.model_runner import RunnerOutput
+
+__all__ = ["first_rows", "sample_with_drafts"]
+
+
+def first_rows(num_draft_tokens: np.ndarray) -> np.ndarray:
+    """int64 [S]: each sampled sequence's first logits row (its 1 + d rows are consecutive)."""
+    sizes = 1 + np.asarray(num_draft_tokens, dtype=np.int64)
+    return np.cumsum(sizes) - sizes
+
+
+def sample_with_drafts(
+    out: RunnerOutput,
+    plan: StepPlan,
+    rows: Sequence[SamplingRow],
+    logits: Tensor,
+    drafts: np.ndarray,
+    default_generator: torch.Generator | None,
+) -> None:
+    """Replace the speculating sequences' sampled token in `out` with their verified tokens (accepted
+    drafts, then one more) and set `out.token_counts`; the other sequences keep their one token.
+
+    `logits` holds the plan's logits rows (each sequence's 1 + d rows consecutive); `drafts` the drafts in
+    sampled order. The sampler already drew row 0 of every sequence (a speculating sequence's draw is
+    discarded, which keeps the per-sequence seeded streams deterministic)."""
+    nd = np.asarray(plan.num_draft_tokens, dtype=np.int64)
+    spec = np.nonzero(nd)[0]
+    starts = first_rows(nd)
+    idx = np.concatenate([np.arange(starts[i], starts[i] + 1 + nd[i]) for i in spec])
+    params = [rows[int(i)].params for i in spec]
+    vocab = logits.shape[-1]
+    res = verify_drafts(
+        logits.index_select(0, torch.as_tensor(idx, device=logits.device)),
+        nd[spec],
+        np.asarray(drafts, dtype=np.int64),
+        np.array([p.temperature for p in params], dtype=np.float32),
+        np.array([p.top_k if p.top_k > 0 else vocab for p in params], dtype=np.int64),
+        np.array([p.top_p for p in params], dtype=np.float32),
+        np.array([p.min_p for p in params], dtype=np.float32),
+        [rows[int(i)].generator for i in spec],
+        default_generator,
+    )
+    counts = np.ones(len(nd), dtype=np.int32)
+    counts[spec] = res.counts
+    tokens = np.empty(int(counts.sum()), dtype=np.int64)
+    lps = np.zeros(len(tokens), dtype=np.float32)
+    at_out = np.cumsum(counts) - counts
+    plain = np.nonzero(nd == 0)[0]
+    tokens[at_out[plain]] = out.sampled_token_ids[plain]
+    if out.sampled_logprobs is not None:
+        lps[at_out[plain]] = out.sampled_logprobs[plain]
+    at_res = 0
+    for i in spec:
+        c = int(counts[i])
+        tokens[at_out[i] : at_out[i] + c] = res.token_ids[at_res : at_res + c]
+        lps[at_out[i] : at_out[i] + c] = res.logprobs[at_res : at_res + c]
+        at_res += c
+    out.sampled_token_ids = tokens
+    out.sampled_logprobs = lps
+    out.token_counts = counts

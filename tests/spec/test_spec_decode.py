@@ -1,0 +1,188 @@
+"""Speculative decoding end to end: greedy token ids with speculation (n-gram and self-draft) equal those
+without it, for tiny random models of every architecture, under forced preemption, chunked prefill,
+prefix-cache hits and n=2 (each checked to have fired, and drafts checked to have been accepted); stop
+tokens, stop strings and max_tokens stay exact; seeded sampling is reproducible; requests the verifier
+cannot serve decode one token a step; the batch-size cut-off pauses speculation; the settings are
+validated, on `LLM` and on the serve command line; n-gram speculation under tensor parallelism equals
+one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagedrs import LLM, SamplingParams
+from pagedrs.config import SpeculativeConfig
+from pagedrs.engine.arg_utils import EngineArgs
+from tests.distributed.helpers_tp import ENGINE, check_forced, run_workload, tp_engine
+from tests.distributed.test_tensor_parallel import MODELS
+from tests.engine.conftest import assert_pool_free, run_all
+from tests.helpers import make_tiny_llama
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SELF_DRAFT = {"method": "self_draft", "num_speculative_tokens": 3, "draft_layers": 1}
+
+
+def _spec(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {**cfg, "disable_by_batch_size": 64}  # speculate at every batch size the workload reaches
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    folder = MODELS[request.param](tmp_path_factory.mktemp(request.param))
+    want, _ = run_workload(tp_engine(folder, 1))
+    return folder, want
+
+
+@pytest.mark.parametrize("method", [NGRAM, SELF_DRAFT], ids=["ngram", "self_draft"])
+def test_greedy_ids_equal_without_speculation(model: tuple[Path, dict], method: dict) -> None:
+    folder, want = model
+    engine = tp_engine(folder, 1, speculative_config=_spec(method))
+    got, spy = run_workload(engine)
+    check_forced(engine, spy)
+    stats = engine.get_stats()
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0, stats
+    assert stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
+    assert got == want
+    assert_pool_free(engine)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("spec-llama"))
+
+
+def _llm(folder: Path, spec: dict | None, **kw: Any) -> LLM:
+    return LLM(str(folder), **{**ENGINE, "speculative_config": spec, **kw})
+
+
+@pytest.mark.parametrize("method", [NGRAM, SELF_DRAFT], ids=["ngram", "self_draft"])
+def test_stops_and_lengths_are_exact(llama: Path, method: dict) -> None:
+    """A stop token id, a stop string and max_tokens cut the output where they would without drafts
+    (the drafts after a stop are dropped), with the same finish reasons and text."""
+    prompts = ["abcabcabcabc", "hello hello hello", "xyz"]
+    plain = _llm(llama, None)
+    base = plain.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False
+    )
+    params = []
+    for o in base:
+        ids, text = o.outputs[0].token_ids, o.outputs[0].text
+        params.append(SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[ids[9]]))
+        cut = text[len(text) // 2 : len(text) // 2 + 2]
+        params.append(
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[cut] if cut else None)
+        )
+        params.append(SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+    many = [p for p in prompts for _ in range(3)]
+    want = plain.generate(many, params, use_tqdm=False)
+    spec = _llm(llama, _spec(method))
+    got = spec.generate(many, params, use_tqdm=False)
+    assert spec.llm_engine.get_stats().spec_num_accepted_tokens > 0
+    for a, b in zip(want, got, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].text == b.outputs[0].text
+        assert (a.outputs[0].finish_reason, a.outputs[0].stop_reason) == (
+            b.outputs[0].finish_reason,
+            b.outputs[0].stop_reason,
+        )
+
+
+@pytest.mark.parametrize("method", [NGRAM, SELF_DRAFT], ids=["ngram", "self_draft"])
+def test_seeded_sampling_is_reproducible(llama: Path, method: dict) -> None:
+    """temperature > 0 with a seed: the same tokens on every run and whatever else is in the batch."""
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=7, max_tokens=20, ignore_eos=True)
+    llm = _llm(llama, _spec(method))
+    alone = llm.generate(["abcabcabcabc"], params, use_tqdm=False)[0].outputs[0].token_ids
+    again = llm.generate(["abcabcabcabc"], params, use_tqdm=False)[0].outputs[0].token_ids
+    other = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    batch = llm.generate(["zzz zzz", "abcabcabcabc", "qq"], [other, params, other], use_tqdm=False)
+    assert alone == again == batch[1].outputs[0].token_ids
+    assert len(alone) == 20
+    assert llm.llm_engine.get_stats().spec_num_draft_tokens > 0
+
+
+def test_requests_the_verifier_cannot_serve_decode_plainly(llama: Path) -> None:
+    """logprobs, penalties and min_tokens keep per-token state: such requests never get drafts, and their
+    outputs equal the run without speculation."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=5),
+    ]
+    prompts = ["abcabcabcabc"] * 3
+    want = _llm(llama, None).generate(prompts, params, use_tqdm=False)
+    llm = _llm(llama, _spec(NGRAM))
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.llm_engine.get_stats().spec_num_drafts == 0
+    for a, b in zip(want, got, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert [sorted(d) for d in want[0].outputs[0].logprobs] == [sorted(d) for d in got[0].outputs[0].logprobs]
+
+
+def test_speculation_pauses_above_the_batch_size(llama: Path) -> None:
+    """disable_by_batch_size=1: no plan with drafts while two or more sequences run; drafts once one is left."""
+    engine = tp_engine(llama, 1, speculative_config={**NGRAM, "disable_by_batch_size": 1})
+    seen: list[tuple[int, bool]] = []
+    executor = engine.engine_core.executor
+    inner = executor.execute
+
+    def execute(plan: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append((int(engine.engine_core.scheduler.stats().num_running), bool(plan.has_drafts)))
+        return inner(plan, *args, **kwargs)
+
+    executor.execute = execute  # type: ignore[method-assign]
+    for i, n in enumerate([4, 30]):
+        engine.add_request(
+            str(i), [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        )
+    run_all(engine)
+    assert not any(drafts for running, drafts in seen if running > 1)
+    assert any(drafts for running, drafts in seen if running == 1)
+
+
+def test_config_is_validated() -> None:
+    assert SpeculativeConfig.from_dict(
+        '{"method": "ngram", "num_speculative_tokens": 2}'
+    ) == SpeculativeConfig("ngram", 2)
+    assert SpeculativeConfig.from_dict({"method": "[ngram]", "num_speculative_tokens": 2}).method == "ngram"
+    for bad, match in [
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, "prompt_lookup_min"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 5}, "unknown keys.*lookahead"),
+        ({"method": "magic", "num_speculative_tokens": 2}, "magic"),
+        ({"model": "some/draft", "num_speculative_tokens": 2}, "draft model is not implemented"),
+        ({"num_speculative_tokens": 2}, "needs 'method'"),
+        ("{not json", "not valid JSON"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            SpeculativeConfig.from_dict(bad)
+    with pytest.raises(ValueError, match="self_draft.*tensor_parallel_size"):
+        EngineArgs(tensor_parallel_size=2, speculative_config=SELF_DRAFT).speculative()
+
+
+def test_serve_flag_reaches_the_engine_args() -> None:
+    import argparse
+
+    from pagedrs.entrypoints.cli_args import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
+    kwargs = engine_kwargs(args)
+    assert kwargs["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4}
+    assert EngineArgs(**kwargs).speculative() == SpeculativeConfig("ngram", 4)
+
+
+def test_ngram_under_tensor_parallelism_equals_one_process(llama: Path) -> None:
+    want, _ = run_workload(tp_engine(llama, 1))
+    engine = tp_engine(llama, 2, speculative_config=_spec(NGRAM))
+    try:
+        got, spy = run_workload(engine)
+        check_forced(engine, spy)
+        assert engine.get_stats().spec_num_accepted_tokens > 0
+        assert got == want
+    finally:
+        engine.shutdown()
