@@ -50,6 +50,49 @@ impl QuantizedActs {
     }
 }
 
+/// `R` activation rows `i..i + R` with their block scales interleaved for the block-group kernels:
+/// `d[b * R + r]` is row `i + r`'s scale of block `b` (and `s` likewise), zero-padded so that 8 floats
+/// can be read from any `b * R` with `b < nb`.
+pub struct Interleaved {
+    pub i: usize,
+    pub r: usize,
+    pub d: Vec<f32>,
+    pub s: Vec<f32>,
+}
+
+impl Interleaved {
+    pub fn new(acts: &QuantizedActs, i: usize, r: usize) -> Self {
+        let nb = acts.k / SUB;
+        let len = nb * r + 8;
+        let (mut d, mut s) = (vec![0.0f32; len], vec![0.0f32; len]);
+        for rr in 0..r {
+            let row = acts.row(i + rr);
+            for b in 0..nb {
+                d[b * r + rr] = row.d[b];
+                s[b * r + rr] = row.s[b];
+            }
+        }
+        Interleaved { i, r, d, s }
+    }
+
+    /// The group borrowed, with its rows (`R` must be `self.r`).
+    pub fn group<'a, const R: usize>(&'a self, acts: &'a QuantizedActs) -> RowGroup<'a, R> {
+        debug_assert_eq!(R, self.r);
+        RowGroup {
+            rows: std::array::from_fn(|r| acts.row(self.i + r)),
+            d: &self.d,
+            s: &self.s,
+        }
+    }
+}
+
+/// `R` quantized rows and their interleaved block scales (see `Interleaved`).
+pub struct RowGroup<'a, const R: usize> {
+    pub rows: [ActRow<'a>; R],
+    pub d: &'a [f32],
+    pub s: &'a [f32],
+}
+
 /// Round to nearest (ties to even, as `_mm256_round_ps` does); returns (d, d * sum(q)).
 #[inline]
 fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32) {

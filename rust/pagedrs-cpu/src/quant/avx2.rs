@@ -8,7 +8,7 @@
 
 use std::arch::x86_64::*;
 
-use super::act::ActRow;
+use super::act::{ActRow, RowGroup};
 use super::formats::scale_min_k4;
 use super::QuantType;
 
@@ -326,4 +326,258 @@ unsafe fn q6_k<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> 
         }
     }
     finish(acc, [[0.0; R]; 2])
+}
+
+// ---- Block-group kernels for the 32-weight block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) -------------------
+//
+// One "unit" is (weight block, activation row): the integer dot of 32 weights with 32 activations, times
+// the two block scales. Instead of reducing each unit's `maddubs` products on its own (a `madd`, a
+// convert and an FMA per unit, with a broadcast scale), 8 units at a time -- 8 / R consecutive blocks of
+// the weight row times the group's R activation rows -- are summed into the 8 lanes of one vector by an
+// add / unpack tree, and then converted and scaled by one FMA with 8 different scales. Lane u holds
+// block b + u / R and activation row u % R, matching the interleaved scales of `RowGroup`. Each row's
+// output is the sum of its lanes once at the end (no per-block horizontal sum).
+
+const T_Q4_0: u8 = 0;
+const T_Q4_1: u8 = 1;
+const T_Q5_0: u8 = 2;
+const T_Q5_1: u8 = 3;
+const T_Q8_0: u8 = 4;
+
+const fn tree_block_bytes(t: u8) -> usize {
+    match t {
+        T_Q4_0 => 18,
+        T_Q4_1 => 20,
+        T_Q5_0 => 22,
+        T_Q5_1 => 24,
+        _ => 34,
+    }
+}
+
+/// Sums of each of 8 vectors of 16 i16 lanes: lane u of the result (i32) is the sum of `p[u]`. Exact
+/// when any 8 lanes of one vector sum within i16 (true for |lane| <= 4095).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn sum8_i16(p: &[__m256i; 8]) -> __m256i {
+    // Per 128-bit half: [u0 u1 u0 u1 ...], then [u0 u1 u2 u3 u0 u1 u2 u3], then [u0 .. u7].
+    let l1 = |a: __m256i, b: __m256i| {
+        _mm256_add_epi16(_mm256_unpacklo_epi16(a, b), _mm256_unpackhi_epi16(a, b))
+    };
+    let (a01, a23, a45, a67) = (
+        l1(p[0], p[1]),
+        l1(p[2], p[3]),
+        l1(p[4], p[5]),
+        l1(p[6], p[7]),
+    );
+    let l2 = |a: __m256i, b: __m256i| {
+        _mm256_add_epi16(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b))
+    };
+    let (a03, a47) = (l2(a01, a23), l2(a45, a67));
+    let a07 = _mm256_add_epi16(
+        _mm256_unpacklo_epi64(a03, a47),
+        _mm256_unpackhi_epi64(a03, a47),
+    );
+    // The two halves, widened to i32 before their sum (which may exceed i16).
+    _mm256_add_epi32(
+        _mm256_cvtepi16_epi32(_mm256_castsi256_si128(a07)),
+        _mm256_cvtepi16_epi32(_mm256_extracti128_si256(a07, 1)),
+    )
+}
+
+/// Sums of each of 8 vectors of 8 i32 lanes: lane u of the result is the sum of `p[u]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn sum8_i32(p: &[__m256i; 8]) -> __m256i {
+    // Per 128-bit half: [u0 u1 u0 u1], then [u0 u1 u2 u3]; then the halves of the two sets combined.
+    let l1 = |a: __m256i, b: __m256i| {
+        _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b))
+    };
+    let (a01, a23, a45, a67) = (
+        l1(p[0], p[1]),
+        l1(p[2], p[3]),
+        l1(p[4], p[5]),
+        l1(p[6], p[7]),
+    );
+    let l2 = |a: __m256i, b: __m256i| {
+        _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b))
+    };
+    let (a03, a47) = (l2(a01, a23), l2(a45, a67));
+    // [a03.lo | a47.lo] + [a03.hi | a47.hi] (inserts and an extract: cheap on every AVX2 CPU).
+    let lo = _mm256_inserti128_si256(a03, _mm256_castsi256_si128(a47), 1);
+    let hi = _mm256_inserti128_si256(a47, _mm256_extracti128_si256(a03, 1), 0);
+    _mm256_add_epi32(lo, hi)
+}
+
+/// The f16 bits at `p` (inside a block).
+#[inline(always)]
+unsafe fn half_bits(p: *const u8) -> u64 {
+    u64::from(p.cast::<u16>().read_unaligned())
+}
+
+/// The f16 field at byte `at` of blocks `b..b + nblk` of the row, one per lane (lane u: block b + u / R),
+/// as f32; lanes of blocks past `nblk` are 0.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn lane_halves<const R: usize>(
+    w: *const u8,
+    bb: usize,
+    b: usize,
+    nblk: usize,
+    at: usize,
+) -> __m256 {
+    let mut v = [0u64; 8];
+    for (j, v) in v.iter_mut().enumerate().take(8 / R) {
+        if j < nblk {
+            *v = half_bits(w.add((b + j) * bb + at));
+        }
+    }
+    let mut q = [0u64; 2];
+    for u in 0..8 {
+        q[u / 4] |= v[u / R] << (16 * (u % 4));
+    }
+    _mm256_cvtph_ps(_mm_set_epi64x(q[1] as i64, q[0] as i64))
+}
+
+/// The 32 weights of the block at `p`: unsigned (0..15) for Q4_0 / Q4_1, signed (-16..15, i.e. q - 16)
+/// for Q5_0 / Q5_1, signed bytes for Q8_0.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tree_weights<const T: u8>(p: *const u8) -> __m256i {
+    match T {
+        T_Q4_0 => nibbles16(p.add(2)),
+        T_Q4_1 => nibbles16(p.add(4)),
+        T_Q5_0 | T_Q5_1 => {
+            let at = if T == T_Q5_0 { 2 } else { 4 };
+            let qh = u32::from_le(p.add(at).cast::<u32>().read_unaligned());
+            let q = _mm256_or_si256(nibbles16(p.add(at + 4)), high_bits(qh));
+            _mm256_sub_epi8(q, _mm256_set1_epi8(16))
+        }
+        _ => _mm256_loadu_si256(p.add(2).cast()),
+    }
+}
+
+/// Integer products of the 8 units of the blocks `b..b + nblk` (nblk <= 8 / R) into `p` (the units of
+/// missing blocks stay 0): i16 pairs for the 4- and 5-bit types, i32 quads for Q8_0.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tree_products<const R: usize, const T: u8>(
+    w: *const u8,
+    g: &RowGroup<'_, R>,
+    b: usize,
+    nblk: usize,
+) -> [__m256i; 8] {
+    let bb = tree_block_bytes(T);
+    let ones = _mm256_set1_epi16(1);
+    let mut p = [_mm256_setzero_si256(); 8];
+    for j in 0..8 / R {
+        if j >= nblk {
+            break;
+        }
+        let q = tree_weights::<T>(w.add((b + j) * bb));
+        if T == T_Q4_0 || T == T_Q4_1 {
+            for r in 0..R {
+                p[j * R + r] = _mm256_maddubs_epi16(q, load_x(&g.rows[r], b + j));
+            }
+        } else {
+            // Signed x signed through maddubs: |w| times x with w's sign moved onto x.
+            let aq = _mm256_sign_epi8(q, q);
+            for r in 0..R {
+                let x = _mm256_sign_epi8(load_x(&g.rows[r], b + j), q);
+                let s = _mm256_maddubs_epi16(aq, x);
+                p[j * R + r] = if T == T_Q8_0 {
+                    _mm256_madd_epi16(s, ones)
+                } else {
+                    s
+                };
+            }
+        }
+    }
+    p
+}
+
+/// Blocks `b..b + nblk` (nblk <= 8 / R) of the row against the group: `acc += sums * dw * dx` and
+/// `off += offset_w * sx` per lane.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tree_step<const R: usize, const T: u8, const FULL: bool>(
+    w: *const u8,
+    g: &RowGroup<'_, R>,
+    b: usize,
+    nblk: usize,
+    acc: &mut __m256,
+    off: &mut __m256,
+) {
+    let nblk = if FULL { 8 / R } else { nblk };
+    let bb = tree_block_bytes(T);
+    let p = tree_products::<R, T>(w, g, b, nblk);
+    let sums = if T == T_Q8_0 {
+        sum8_i32(&p)
+    } else {
+        sum8_i16(&p)
+    };
+    let dw = lane_halves::<R>(w, bb, b, nblk, 0);
+    let dx = _mm256_loadu_ps(g.d.as_ptr().add(b * R));
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, dx), *acc);
+    // The weight offset per lane, times the activation block's d * sum(q).
+    let mw = match T {
+        T_Q4_0 => _mm256_mul_ps(dw, _mm256_set1_ps(-8.0)),
+        T_Q4_1 => lane_halves::<R>(w, bb, b, nblk, 2),
+        T_Q5_1 => _mm256_fmadd_ps(
+            dw,
+            _mm256_set1_ps(16.0),
+            lane_halves::<R>(w, bb, b, nblk, 2),
+        ),
+        _ => return,
+    };
+    *off = _mm256_fmadd_ps(mw, _mm256_loadu_ps(g.s.as_ptr().add(b * R)), *off);
+}
+
+/// Dot products of one weight row (`nb` blocks of a 32-weight type `T`) with the R rows of `g`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tree_rows<const R: usize, const T: u8>(
+    w: *const u8,
+    nb: usize,
+    g: &RowGroup<'_, R>,
+) -> [f32; R] {
+    let per = 8 / R;
+    let (mut acc, mut off) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    // Whole groups, then the tail: two instantiations with one call site each, so both are inlined (and
+    // the whole groups' block count is a constant).
+    let full = nb / per * per;
+    let mut b = 0;
+    while b < full {
+        tree_step::<R, T, true>(w, g, b, per, &mut acc, &mut off);
+        b += per;
+    }
+    if b < nb {
+        tree_step::<R, T, false>(w, g, b, nb - b, &mut acc, &mut off);
+    }
+    let mut lanes = [0.0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc, off));
+    let mut out = [0.0f32; R];
+    for (u, v) in lanes.into_iter().enumerate() {
+        out[u % R] += v;
+    }
+    out
+}
+
+/// Dot products of one weight row (`nb` blocks of the 32-weight type `qt`) with the rows of `g`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn group_rows<const R: usize>(
+    qt: QuantType,
+    w: *const u8,
+    nb: usize,
+    g: &RowGroup<'_, R>,
+) -> [f32; R] {
+    match qt {
+        QuantType::Q4_0 => tree_rows::<R, T_Q4_0>(w, nb, g),
+        QuantType::Q4_1 => tree_rows::<R, T_Q4_1>(w, nb, g),
+        // One row of the 5-bit types: the per-block kernel is faster (measured) than 8 blocks' fifth bits
+        // and signs for a single row's units.
+        QuantType::Q5_0 | QuantType::Q5_1 if R == 1 => dot_rows(qt, w, nb, &g.rows),
+        QuantType::Q5_0 => tree_rows::<R, T_Q5_0>(w, nb, g),
+        QuantType::Q5_1 => tree_rows::<R, T_Q5_1>(w, nb, g),
+        QuantType::Q8_0 => tree_rows::<R, T_Q8_0>(w, nb, g),
+        _ => dot_rows(qt, w, nb, &g.rows),
+    }
 }

@@ -13,7 +13,7 @@ mod act;
 mod avx2;
 mod formats;
 
-pub use act::{dot_portable, ActRow, QuantizedActs};
+pub use act::{dot_portable, ActRow, Interleaved, QuantizedActs, RowGroup};
 pub use formats::{dequantize_row, f16_to_f32, QuantType};
 
 use crate::pool::parallel_for;
@@ -99,6 +99,7 @@ pub fn quant_matmul_with(
         return Ok(());
     }
     let acts = QuantizedActs::new(x, d.m, d.k);
+    let groups = row_groups(isa, qt, &acts);
     let row_bytes = qt.row_bytes(d.k);
     let out = OutPtr(out.as_mut_ptr());
     let tasks = d.n.div_ceil(ROWS_PER_TASK);
@@ -110,6 +111,7 @@ pub fn quant_matmul_with(
             w,
             row_bytes,
             acts: &acts,
+            groups: &groups,
             out,
             d,
         };
@@ -188,51 +190,68 @@ struct Tile<'a> {
     w: &'a [u8],
     row_bytes: usize,
     acts: &'a QuantizedActs,
+    groups: &'a [Interleaved],
     out: OutPtr,
     d: MatmulDims,
 }
 
-impl Tile<'_> {
-    /// Outputs of weight rows `rows` for every activation row: 4 activation rows at a time, each weight
-    /// row of the range (a few KiB, cache resident) unpacked once per 4.
-    fn run(&self, rows: std::ops::Range<usize>) {
-        let m = self.d.m;
-        let mut i = 0;
-        while i + 4 <= m {
-            let a = [
-                self.acts.row(i),
-                self.acts.row(i + 1),
-                self.acts.row(i + 2),
-                self.acts.row(i + 3),
-            ];
-            for n in rows.clone() {
-                self.store(i, n, self.dot(n, &a));
-            }
-            i += 4;
+/// The activation rows split into groups that share each weight row's unpacking: 8 rows at a time for
+/// the AVX2 block-group kernels of the 32-weight types, 4 for the K-quants (whose per-row accumulators
+/// would not fit the registers at 8), then 2 and 1 for the rest (m = 7 runs as 4 + 2 + 1).
+fn row_groups(isa: Isa, qt: QuantType, acts: &QuantizedActs) -> Vec<Interleaved> {
+    let max = if isa != Isa::Portable && qt.block_len() == 32 {
+        8
+    } else {
+        4
+    };
+    let mut groups = Vec::new();
+    let mut i = 0;
+    for r in [8, 4, 2, 1] {
+        while r <= max && i + r <= acts.rows {
+            groups.push(Interleaved::new(acts, i, r));
+            i += r;
         }
-        for i in i..m {
-            let a = [self.acts.row(i)];
-            for n in rows.clone() {
-                self.store(i, n, self.dot(n, &a));
+    }
+    groups
+}
+
+impl Tile<'_> {
+    /// Outputs of weight rows `rows` for every activation row, one row group at a time: each weight row of
+    /// the range (a few KiB, cache resident) is unpacked once per group.
+    fn run(&self, rows: std::ops::Range<usize>) {
+        for g in self.groups {
+            match g.r {
+                8 => self.run_group::<8>(g, rows.clone()),
+                4 => self.run_group::<4>(g, rows.clone()),
+                2 => self.run_group::<2>(g, rows.clone()),
+                _ => self.run_group::<1>(g, rows.clone()),
             }
         }
     }
 
+    fn run_group<const R: usize>(&self, g: &Interleaved, rows: std::ops::Range<usize>) {
+        let group = g.group::<R>(self.acts);
+        for n in rows {
+            self.store(g.i, n, self.dot(n, &group));
+        }
+    }
+
     #[inline]
-    fn dot<const R: usize>(&self, n: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
+    fn dot<const R: usize>(&self, n: usize, g: &RowGroup<'_, R>) -> [f32; R] {
         let wrow = &self.w[n * self.row_bytes..][..self.row_bytes];
         match self.isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => {
                 let nb = self.d.k / self.qt.block_len();
-                // SAFETY: `Isa::Avx2` is used only when detected; `wrow` holds `nb` whole blocks and every
-                // activation row `k / 32` sub-blocks (checked in `validate`).
+                // SAFETY: `Isa::Avx2` is used only when detected; `wrow` holds `nb` whole blocks, every
+                // activation row `k / 32` sub-blocks (checked in `validate`) and the interleaved scales
+                // 8 floats past any block's start.
                 #[allow(unsafe_code)]
                 unsafe {
-                    avx2::dot_rows(self.qt, wrow.as_ptr(), nb, a)
+                    avx2::group_rows(self.qt, wrow.as_ptr(), nb, g)
                 }
             }
-            Isa::Portable => a.map(|r| dot_portable(self.qt, wrow, r)),
+            Isa::Portable => g.rows.map(|r| dot_portable(self.qt, wrow, r)),
         }
     }
 

@@ -307,6 +307,88 @@ fn matmul_matches_reference_on_odd_shapes() {
 }
 
 #[test]
+fn row_groups_and_block_tails_match_reference() {
+    // Every activation row count splits into groups of 8 / 4 / 2 / 1 rows (m = 13 runs 8 + 4 + 1), and
+    // every block count leaves a different tail of the 8 units the block-group kernels sum at once.
+    let mut rng = Rng(13);
+    for qt in QuantType::ALL {
+        let bl = qt.block_len();
+        for m in [1, 2, 3, 5, 6, 7, 8, 9, 13] {
+            for kb in [1, 3, 5, 8, 18] {
+                if bl > 32 && kb > 3 {
+                    continue;
+                }
+                let (n, k) = (7, kb * bl);
+                let w = random_weights(qt, n, k, &mut rng);
+                let x: Vec<f32> = (0..m * k).map(|_| 2.0 * rng.uniform()).collect();
+                let (want, mag) = reference_matmul(qt, &w, &x, m, k);
+                for isa in isas() {
+                    let mut out = vec![f32::NAN; m * n];
+                    let dims = MatmulDims {
+                        m,
+                        k,
+                        n,
+                        ldo: n,
+                        col0: 0,
+                    };
+                    quant_matmul_with(isa, qt, &w, &x, &mut out, &dims, 1).unwrap();
+                    for (at, (&got, (&e, &s))) in out.iter().zip(want.iter().zip(&mag)).enumerate()
+                    {
+                        assert!(
+                            (f64::from(got) - e).abs() <= 1e-5 * s + 1e-6,
+                            "{} {isa:?} m{m} k{k} [{}, {}]: {got} vs {e}",
+                            qt.name(),
+                            at / n,
+                            at % n
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn extreme_weights_do_not_overflow_the_integer_sums() {
+    // All-maximal weights and activations of one sign: the largest integer partial sums each kernel
+    // forms (the 16-bit tree sums of the 4- and 5-bit types, Q8_0's -128 weights).
+    for qt in QuantType::ALL {
+        let (m, n, k) = (8, 3, 2 * qt.block_len());
+        let mut w = random_weights(qt, n, k, &mut Rng(17));
+        for block in w.chunks_exact_mut(qt.block_bytes()) {
+            let fields = half_fields(qt);
+            for (i, byte) in block.iter_mut().enumerate() {
+                if !fields.iter().any(|&at| i == at || i == at + 1) {
+                    *byte = if qt == QuantType::Q8_0 { 0x80 } else { 0xff };
+                }
+            }
+        }
+        for sign in [1.0f32, -1.0] {
+            let x = vec![sign; m * k];
+            let (want, mag) = reference_matmul(qt, &w, &x, m, k);
+            for isa in isas() {
+                let mut out = vec![0.0f32; m * n];
+                let dims = MatmulDims {
+                    m,
+                    k,
+                    n,
+                    ldo: n,
+                    col0: 0,
+                };
+                quant_matmul_with(isa, qt, &w, &x, &mut out, &dims, 1).unwrap();
+                for ((&got, &e), &s) in out.iter().zip(&want).zip(&mag) {
+                    assert!(
+                        (f64::from(got) - e).abs() <= 1e-5 * s + 1e-6,
+                        "{} {isa:?}: {got} vs {e}",
+                        qt.name()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn matmul_is_close_to_float_activations() {
     // The 8-bit activations cost well under 1% against float32 x times the dequantized weights.
     let mut rng = Rng(5);
