@@ -142,3 +142,43 @@ def test_decodes_grouped_by_length():
 def test_group_bounds():
     assert _group_bounds(np.array([10, 9, 8, 7, 3, 2, 1])) == [(0, 3), (3, 4), (4, 7)]
     assert len(_group_bounds(np.arange(1000, 0, -1))) == MAX_GROUPS
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_short_queries_over_a_context_equal_decoding_token_by_token(cpu_kernels: bool) -> None:
+    """A speculative verification (the last token and its drafts over a cached context) gives, bit for
+    bit, what decoding its tokens one a step gives; next to a fresh prefill and a plain decode."""
+    block_size, h, kvh, d = 4, 4, 2, 16
+    seq_lens, query_lens = [23, 9, 7], [5, 1, 7]
+    meta, _ = make_step_metadata(seq_lens, query_lens, block_size=block_size, num_blocks=16, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.zeros(2, 16, block_size, kvh, d)
+    ks = [torch.randn(s, kvh, d, generator=gen) for s in seq_lens]
+    vs = [torch.randn(s, kvh, d, generator=gen) for s in seq_lens]
+    for b, s in enumerate(seq_lens):
+        table = meta.block_tables[b].long()
+        pos = torch.arange(s)
+        write_kv_cache(ks[b], vs[b], cache, table[pos // block_size] * block_size + pos % block_size)
+    q = torch.randn(sum(query_lens), h, d, generator=gen)
+    backend = TorchAttentionBackend(use_cpu_kernels=cpu_kernels)
+    plan = _plan(meta)
+    assert [p[0] for p in plan.prefills] == [2]  # only the fresh prefill runs as one query block
+    q_new = [ks[b][s - n :] for b, (s, n) in enumerate(zip(seq_lens, query_lens, strict=True))]
+    v_new = [vs[b][s - n :] for b, (s, n) in enumerate(zip(seq_lens, query_lens, strict=True))]
+    out = backend.forward(q, torch.cat(q_new), torch.cat(v_new), cache, meta, scale=0.25, sliding_window=None)
+    for j in range(5):  # request 0's token j alone, as the decode of a context of 19 + j tokens
+        one, _ = make_step_metadata([19 + j], [1], block_size=block_size, num_blocks=16, seed=3)
+        one.block_tables = meta.block_tables[:1].clone()
+        one.slot_mapping = meta.slot_mapping[j : j + 1].clone()
+        alone = backend.forward(
+            q[j : j + 1],
+            ks[0][18 + j : 19 + j],
+            vs[0][18 + j : 19 + j],
+            cache,
+            one,
+            scale=0.25,
+            sliding_window=None,
+        )
+        assert torch.equal(alone[0], out[j]), f"token {j}"
+    ref = naive_attention(q[:5], ks[0], vs[0], 18, 0.25, None)
+    torch.testing.assert_close(out[:5].double(), ref, atol=1e-5, rtol=1e-5)

@@ -76,6 +76,10 @@ GROUP_FILL = 0.75
 GROUP_SLACK = 2
 MAX_GROUPS = 8
 
+# Queries of at most this many tokens over a cached context run as decodes (one per token), as a
+# speculative verification must (its drafts bound it: num_speculative_tokens + 1 <= 33).
+DECODE_LIKE_MAX_QUERY = 33
+
 
 @dataclass
 class _DecodeGroup:
@@ -150,36 +154,48 @@ def _plan(meta: AttentionMetadata) -> _StepPlan:
     qsl = np.asarray(meta.query_start_loc_cpu, dtype=np.int64)
     seq_lens = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
     q_lens = qsl[1:] - qsl[:-1]
-    is_decode = q_lens == 1
+    # A short query over a cached context (a speculative verification: the last token and its drafts) is
+    # computed as that many decodes, each token attending to its own prefix: the same arithmetic as
+    # decoding the tokens one a step, so greedy speculation gives the ids plain decoding gives.
+    as_decodes = (q_lens == 1) | ((q_lens > 1) & (q_lens <= DECODE_LIKE_MAX_QUERY) & (seq_lens > q_lens))
     device = meta.block_tables.device
     plan = _StepPlan([], [])
-    dec = np.nonzero(is_decode)[0]
+    dec = np.nonzero(as_decodes)[0]
+    # One entry per decoded token: its flat index, its context length, its request's block-table row.
+    if len(dec) and bool((q_lens[dec] == 1).all()):
+        e_tok, e_len, e_row = qsl[dec], seq_lens[dec], dec
+    else:
+        n = q_lens[dec]
+        e_row = np.repeat(dec, n)
+        offset = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+        e_tok = qsl[e_row] + offset
+        e_len = seq_lens[e_row] - q_lens[e_row] + offset + 1
     if len(dec) and device.type == "cpu":
         tables = meta.block_tables.numpy()
-        all_tokens = len(dec) == len(qsl) - 1 == qsl[-1]
+        all_tokens = len(e_tok) == qsl[-1] and len(dec) == len(qsl) - 1 and bool((q_lens == 1).all())
         plan.cpu_decodes = _CpuDecodes(
-            token_idx=torch.from_numpy(qsl[dec]),
-            block_tables=np.ascontiguousarray(tables if all_tokens else tables[dec], dtype=np.int32),
-            seq_lens=np.ascontiguousarray(seq_lens[dec], dtype=np.int32),
+            token_idx=torch.from_numpy(e_tok),
+            block_tables=np.ascontiguousarray(tables if all_tokens else tables[e_row], dtype=np.int32),
+            seq_lens=np.ascontiguousarray(e_len, dtype=np.int32),
             all_tokens=bool(all_tokens),
         )
     if len(dec):
-        nblocks = -(-seq_lens[dec] // meta.block_size)
+        nblocks = -(-e_len // meta.block_size)
         order = np.argsort(-nblocks, kind="stable")
-        dec, nblocks = dec[order], nblocks[order]
+        nblocks = nblocks[order]
         for start, end in _group_bounds(nblocks):
-            reqs = dec[start:end]
+            sel = order[start:end]
             nb = int(nblocks[start])
-            rows = meta.block_tables.index_select(0, torch.from_numpy(reqs).to(device))
+            rows = meta.block_tables.index_select(0, torch.from_numpy(e_row[sel]).to(device))
             plan.decode_groups.append(
                 _DecodeGroup(
-                    token_idx=torch.from_numpy(qsl[reqs]).to(device),
+                    token_idx=torch.from_numpy(e_tok[sel]).to(device),
                     blocks=rows[:, :nb].reshape(-1).long(),
-                    seq_lens=torch.from_numpy(seq_lens[reqs]).to(device),
+                    seq_lens=torch.from_numpy(e_len[sel]).to(device),
                     num_blocks=nb,
                 )
             )
-    for b in np.nonzero((~is_decode) & (q_lens > 0))[0].tolist():
+    for b in np.nonzero((~as_decodes) & (q_lens > 0))[0].tolist():
         plan.prefills.append((b, int(qsl[b]), int(qsl[b + 1])))
     meta.cache["torch_ref_plan"] = (key, plan)
     return plan
