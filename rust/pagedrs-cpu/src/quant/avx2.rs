@@ -1,7 +1,9 @@
 //! AVX2 + FMA + F16C dot products of one weight row with `R` quantized activation rows (the weight
 //! block is unpacked once for all `R`). Integer products as llama.cpp does them: `maddubs` of unsigned
 //! weights (0..63) by signed 8-bit activations, `madd` by ones (or by 16-bit scales) to 32 bits, then one
-//! float FMA per 32 weights with the product of the two block scales.
+//! float FMA per 32 weights with the product of the two block scales. The 32-weight block types run
+//! the block-group kernels below instead (8 integer dots reduced together, one FMA per 8); the K-quants
+//! the per-block ones.
 //!
 //! Every function here is `unsafe`: callers must have checked that the CPU has AVX2, FMA and F16C, and
 //! that `w` points at `nb` whole blocks of the type and every `ActRow` holds the matching sub-blocks.
@@ -336,7 +338,10 @@ unsafe fn q6_k<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> 
 // the weight row times the group's R activation rows -- are summed into the 8 lanes of one vector by an
 // add / unpack tree, and then converted and scaled by one FMA with 8 different scales. Lane u holds
 // block b + u / R and activation row u % R, matching the interleaved scales of `RowGroup`. Each row's
-// output is the sum of its lanes once at the end (no per-block horizontal sum).
+// output is the sum of its lanes once at the end (no per-block horizontal sum). The 4- and 5-bit types
+// sum in 16 bits until the last step: a `maddubs` lane is at most 2 * 15 * 127 = 3810 (Q4, unsigned) or
+// 2 * 16 * 127 = 4064 (Q5 as signed q - 16 with its sign moved onto x), so 8 of them fit. Q8_0's lanes
+// (up to 2 * 128 * 127) go to 32 bits by `madd` first.
 
 const T_Q4_0: u8 = 0;
 const T_Q4_1: u8 = 1;
@@ -438,6 +443,23 @@ unsafe fn lane_halves<const R: usize>(
     _mm256_cvtph_ps(_mm_set_epi64x(q[1] as i64, q[0] as i64))
 }
 
+/// The f16 fields at bytes 0 and 2 of blocks `b..b + 8` (the scale, and the min where the type has one),
+/// as 8 f32 each: one 4-byte load per block instead of two 2-byte ones and the packing of each.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn eight_block_halves(w: *const u8, bb: usize, b: usize) -> (__m256, __m256) {
+    let ld = |j: usize| w.add((b + j) * bb).cast::<i32>().read_unaligned();
+    let v = _mm256_setr_epi32(ld(0), ld(1), ld(2), ld(3), ld(4), ld(5), ld(6), ld(7));
+    // [d0 m0 d1 m1 d2 m2 d3 m3] and [d4 m4 .. d7 m7]; the shuffles leave blocks in order 0 1 4 5 2 3 6 7.
+    let lo = _mm256_cvtph_ps(_mm256_castsi256_si128(v));
+    let hi = _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1));
+    let order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    (
+        _mm256_permutevar8x32_ps(_mm256_shuffle_ps(lo, hi, 0x88), order),
+        _mm256_permutevar8x32_ps(_mm256_shuffle_ps(lo, hi, 0xdd), order),
+    )
+}
+
 /// The 32 weights of the block at `p`: unsigned (0..15) for Q4_0 / Q4_1, signed (-16..15, i.e. q - 16)
 /// for Q5_0 / Q5_1, signed bytes for Q8_0.
 #[inline]
@@ -495,8 +517,8 @@ unsafe fn tree_products<const R: usize, const T: u8>(
     p
 }
 
-/// Blocks `b..b + nblk` (nblk <= 8 / R) of the row against the group: `acc += sums * dw * dx` and
-/// `off += offset_w * sx` per lane.
+/// Blocks `b..b + nblk` (nblk <= 8 / R) of the row against the group: `acc += sums * dw * dx`, then
+/// `acc += offset_w * sx`, per lane.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tree_step<const R: usize, const T: u8, const FULL: bool>(
@@ -505,7 +527,6 @@ unsafe fn tree_step<const R: usize, const T: u8, const FULL: bool>(
     b: usize,
     nblk: usize,
     acc: &mut __m256,
-    off: &mut __m256,
 ) {
     let nblk = if FULL { 8 / R } else { nblk };
     let bb = tree_block_bytes(T);
@@ -515,24 +536,35 @@ unsafe fn tree_step<const R: usize, const T: u8, const FULL: bool>(
     } else {
         sum8_i16(&p)
     };
-    let dw = lane_halves::<R>(w, bb, b, nblk, 0);
+    let with_min = T == T_Q4_1 || T == T_Q5_1;
+    let (dw, min) = if R == 1 && FULL {
+        eight_block_halves(w, bb, b)
+    } else {
+        let min = if with_min {
+            lane_halves::<R>(w, bb, b, nblk, 2)
+        } else {
+            _mm256_setzero_ps()
+        };
+        (lane_halves::<R>(w, bb, b, nblk, 0), min)
+    };
     let dx = _mm256_loadu_ps(g.d.as_ptr().add(b * R));
     *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, dx), *acc);
     // The weight offset per lane, times the activation block's d * sum(q).
     let mw = match T {
         T_Q4_0 => _mm256_mul_ps(dw, _mm256_set1_ps(-8.0)),
-        T_Q4_1 => lane_halves::<R>(w, bb, b, nblk, 2),
-        T_Q5_1 => _mm256_fmadd_ps(
-            dw,
-            _mm256_set1_ps(16.0),
-            lane_halves::<R>(w, bb, b, nblk, 2),
-        ),
+        T_Q4_1 => min,
+        T_Q5_1 => _mm256_fmadd_ps(dw, _mm256_set1_ps(16.0), min),
         _ => return,
     };
-    *off = _mm256_fmadd_ps(mw, _mm256_loadu_ps(g.s.as_ptr().add(b * R)), *off);
+    *acc = _mm256_fmadd_ps(mw, _mm256_loadu_ps(g.s.as_ptr().add(b * R)), *acc);
 }
 
 /// Dot products of one weight row (`nb` blocks of a 32-weight type `T`) with the R rows of `g`.
+///
+/// Every row gets the same bits whatever R (and so whatever the batch around it: a sequence decoded
+/// alone, verified with draft tokens, or batched): its blocks are accumulated in 8 classes (block index
+/// mod 8), each a chain of FMAs in block order, and the 8 classes summed in a fixed order at the end.
+/// With R rows a vector holds 8 / R classes of R rows, so R accumulators hold all 8 classes.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tree_rows<const R: usize, const T: u8>(
     w: *const u8,
@@ -540,25 +572,38 @@ unsafe fn tree_rows<const R: usize, const T: u8>(
     g: &RowGroup<'_, R>,
 ) -> [f32; R] {
     let per = 8 / R;
-    let (mut acc, mut off) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut acc = [_mm256_setzero_ps(); R];
+    if R <= 2 {
+        // Few rows: little work per byte of weights, so ask for the row 4 ahead (the next rows of this
+        // task are contiguous; a prefetch past the end of the weights is harmless).
+        let row = nb * tree_block_bytes(T);
+        let ahead = w.wrapping_add(4 * row);
+        let mut at = 0;
+        while at < row {
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(at).cast());
+            at += 64;
+        }
+    }
     // Whole groups, then the tail: two instantiations with one call site each, so both are inlined (and
-    // the whole groups' block count is a constant).
+    // the whole groups' block count is a constant). Step s (blocks s * per ..) holds classes
+    // (s % R) * per ..; lane u of accumulator k: class k * per + u / R of row u % R.
     let full = nb / per * per;
     let mut b = 0;
     while b < full {
-        tree_step::<R, T, true>(w, g, b, per, &mut acc, &mut off);
+        tree_step::<R, T, true>(w, g, b, per, &mut acc[(b / per) % R]);
         b += per;
     }
     if b < nb {
-        tree_step::<R, T, false>(w, g, b, nb - b, &mut acc, &mut off);
+        tree_step::<R, T, false>(w, g, b, nb - b, &mut acc[(b / per) % R]);
     }
-    let mut lanes = [0.0f32; 8];
-    _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc, off));
-    let mut out = [0.0f32; R];
-    for (u, v) in lanes.into_iter().enumerate() {
-        out[u % R] += v;
+    let mut lanes = [[0.0f32; 8]; R];
+    for (l, a) in lanes.iter_mut().zip(acc) {
+        _mm256_storeu_ps(l.as_mut_ptr(), a);
     }
-    out
+    std::array::from_fn(|r| {
+        let c = |c: usize| lanes[c / per][(c % per) * R + r];
+        ((c(0) + c(1)) + (c(2) + c(3))) + ((c(4) + c(5)) + (c(6) + c(7)))
+    })
 }
 
 /// Dot products of one weight row (`nb` blocks of the 32-weight type `qt`) with the rows of `g`.
@@ -572,9 +617,6 @@ pub(super) unsafe fn group_rows<const R: usize>(
     match qt {
         QuantType::Q4_0 => tree_rows::<R, T_Q4_0>(w, nb, g),
         QuantType::Q4_1 => tree_rows::<R, T_Q4_1>(w, nb, g),
-        // One row of the 5-bit types: the per-block kernel is faster (measured) than 8 blocks' fifth bits
-        // and signs for a single row's units.
-        QuantType::Q5_0 | QuantType::Q5_1 if R == 1 => dot_rows(qt, w, nb, &g.rows),
         QuantType::Q5_0 => tree_rows::<R, T_Q5_0>(w, nb, g),
         QuantType::Q5_1 => tree_rows::<R, T_Q5_1>(w, nb, g),
         QuantType::Q8_0 => tree_rows::<R, T_Q8_0>(w, nb, g),

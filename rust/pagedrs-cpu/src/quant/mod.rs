@@ -3,7 +3,8 @@
 //!
 //! As llama.cpp does: the activations are quantized to 8 bits per block of 32 once per call, then each
 //! output is a sum of integer dot products (32 weights at a time) times the two block scales. Weight
-//! rows are split over the warm thread pool; each weight row is unpacked once for 4 activation rows.
+//! rows are split over the warm thread pool; each weight row is unpacked once per group of activation
+//! rows (8, 4, 2 or 1 rows; see `row_groups`).
 //! On x86-64 the AVX2 + FMA + F16C kernels are chosen at run time; elsewhere (or without them) the
 //! portable decoder runs.
 
