@@ -362,7 +362,8 @@ class SpeculativeConfig:
     place; default a quarter of the layers). `num_speculative_tokens` drafts are verified per decoding
     sequence and step. Speculation pauses for a step while more than `disable_by_batch_size` sequences
     run (None: never). Requests whose sampling keeps per-token state the verifier does not model
-    (penalties, logit_bias, min_tokens, logprobs, structured outputs) decode without drafts."""
+    (penalties, logit_bias, min_tokens, logprobs, LoRA adapters) decode without drafts; a grammar
+    (structured outputs) masks each verified row, so a draft it rejects is cut there."""
 
     method: str
     num_speculative_tokens: int

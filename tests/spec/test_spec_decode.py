@@ -215,3 +215,52 @@ def test_ngram_under_tensor_parallelism_equals_one_process(llama: Path) -> None:
         assert got == want
     finally:
         engine.shutdown()
+
+
+def test_structured_outputs_speculate_and_stay_valid() -> None:
+    """Default model (float32), JSON schemas whose keys the prompt repeats (so prompt lookup proposes
+    them): with n-gram speculation the greedy outputs equal the plain run and validate; a sampled one is
+    valid too; drafts were proposed and some accepted, and the grammar cut the ones it rejects."""
+    import json
+
+    import jsonschema
+
+    from pagedrs.structured_outputs import StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "first_name": {"type": "string", "maxLength": 12},
+            "last_name": {"type": "string", "maxLength": 12},
+            "favourite_colour": {"enum": ["red", "green", "blue"]},
+            "lucky_numbers": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": 99},
+                "minItems": 3,
+                "maxItems": 3,
+            },
+        },
+        "required": ["first_name", "last_name", "favourite_colour", "lucky_numbers"],
+        "additionalProperties": False,
+    }
+    prompts = [
+        'Fill in {"first_name": ..., "last_name": ..., "favourite_colour": ..., "lucky_numbers": [...]} for Ada:',
+        'JSON with first_name, last_name, favourite_colour and lucky_numbers for "Grace Hopper":',
+    ]
+    so = StructuredOutputsParams(json=schema)
+    greedy_p = SamplingParams(temperature=0.0, max_tokens=200, structured_outputs=so)
+    small = {"device": "cpu", "dtype": "float32", "max_model_len": 512, "cpu_kv_cache_gb": 0.25}
+    plain = LLM(**small, disable_log_stats=True)
+    want = [o.outputs[0].text for o in plain.generate(prompts, greedy_p, use_tqdm=False)]
+    plain.shutdown()
+    llm = LLM(**small, disable_log_stats=True, speculative_config=_spec(NGRAM))
+    got = [o.outputs[0].text for o in llm.generate(prompts, greedy_p, use_tqdm=False)]
+    sampled = SamplingParams(temperature=0.7, seed=5, max_tokens=200, structured_outputs=so)
+    got_sampled = llm.generate(prompts[:1], sampled, use_tqdm=False)[0].outputs[0].text
+    stats = llm.llm_engine.get_stats()
+    llm.shutdown()
+    assert got == want
+    for text in [*got, got_sampled]:
+        jsonschema.validate(json.loads(text), schema)  # finished inside max_tokens, and valid
+    assert stats.spec_num_accepted_tokens > 0
+    assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens

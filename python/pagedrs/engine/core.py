@@ -253,9 +253,7 @@ class EngineCore:
                 # An adapter's KV differs from the base model's: its blocks hash under its own key.
                 cache_salt=lora.cache_salt if lora is not None else None,
                 speculate=self.config.speculative is not None
-                and can_speculate(
-                    params, compiled is not None or lora is not None or req.pooling is not None
-                ),
+                and can_speculate(params, lora is not None or req.pooling is not None),
             )  # raises InvalidRequestError (a ValueError) before any state changes here
         except BaseException:
             self._loras.release(req.request_id)

@@ -2,8 +2,9 @@
 speculate.
 
 A request speculates when its sampling is a function of the logits row alone (temperature, top-k, top-p,
-min-p, a seed): the verifier then accepts exactly what the target distribution allows. Penalties,
-logit_bias, min_tokens, logprobs, grammars, LoRA adapters and pooling keep per-token state (or a hook)
+min-p, a seed), possibly limited by a grammar (each row masked by the state after the drafts before it,
+`worker/spec_verify.py`): the verifier then accepts exactly what the target distribution allows.
+Penalties, logit_bias, min_tokens, logprobs, LoRA adapters and pooling keep per-token state (or a hook)
 the verifier does not model: those requests decode one token a step, next to speculating ones.
 """
 
@@ -41,8 +42,8 @@ def spec_scheduler_args(config: EngineConfig) -> dict[str, Any]:
 
 
 def can_speculate(params: SamplingParams, has_hooks: bool) -> bool:
-    """Whether a request with these sampling parameters may speculate (`has_hooks`: a grammar, an
-    adapter or pooling)."""
+    """Whether a request with these sampling parameters may speculate (`has_hooks`: an adapter or
+    pooling)."""
     return not (
         has_hooks
         or params.needs_penalties

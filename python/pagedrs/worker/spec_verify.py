@@ -5,7 +5,7 @@ decides acceptance)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -47,10 +47,15 @@ def sample_with_drafts(
     idx = np.concatenate([np.arange(starts[i], starts[i] + 1 + nd[i]) for i in spec])
     params = [rows[int(i)].params for i in spec]
     vocab = logits.shape[-1]
+    drafts = np.asarray(drafts, dtype=np.int64)
+    spec_logits = logits.index_select(0, torch.as_tensor(idx, device=logits.device))
+    matchers = [getattr(rows[int(i)], "matcher", None) for i in spec]
+    if any(m is not None for m in matchers):
+        _mask_by_grammar(spec_logits, nd[spec], drafts, matchers)
     res = verify_drafts(
-        logits.index_select(0, torch.as_tensor(idx, device=logits.device)),
+        spec_logits,
         nd[spec],
-        np.asarray(drafts, dtype=np.int64),
+        drafts,
         np.array([p.temperature for p in params], dtype=np.float32),
         np.array([p.top_k if p.top_k > 0 else vocab for p in params], dtype=np.int64),
         np.array([p.top_p for p in params], dtype=np.float32),
@@ -76,3 +81,34 @@ def sample_with_drafts(
     out.sampled_token_ids = tokens
     out.sampled_logprobs = lps
     out.token_counts = counts
+
+
+def _mask_by_grammar(logits: Tensor, nd: np.ndarray, drafts: np.ndarray, matchers: Sequence[Any]) -> None:
+    """Limit each constrained sequence's rows to the tokens its grammar allows after the drafts before
+    them: row j gets the mask of the state after drafts 0..j-1. A draft the grammar rejects gets
+    probability 0 in its row, so verification cuts the proposal there (the rows after it are never read;
+    they keep the mask of the rejecting state). The matcher is rolled back: the core advances it by the
+    tokens actually emitted."""
+    import xgrammar as xgr
+
+    vocab = logits.shape[-1]
+    row = 0
+    at = 0
+    for i, m in enumerate(matchers):
+        d = int(nd[i])
+        if m is not None:
+            mask = xgr.allocate_token_bitmask(d + 1, vocab)
+            advanced = 0
+            for j in range(d + 1):
+                m.fill_next_token_bitmask(mask, j)
+                if j == d or not m.accept_token(int(drafts[at + j])):
+                    mask[j + 1 :] = mask[j]
+                    break
+                advanced += 1
+            if advanced:
+                m.rollback(advanced)
+            xgr.apply_token_bitmask_inplace(
+                logits[row : row + d + 1], mask.to(logits.device), vocab_size=vocab
+            )
+        row += d + 1
+        at += d
