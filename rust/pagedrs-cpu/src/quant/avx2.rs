@@ -1,9 +1,9 @@
 //! AVX2 + FMA + F16C dot products of one weight row with `R` quantized activation rows (the weight
 //! block is unpacked once for all `R`). Integer products as llama.cpp does them: `maddubs` of unsigned
 //! weights (0..63) by signed 8-bit activations, `madd` by ones (or by 16-bit scales) to 32 bits, then one
-//! float FMA per 32 weights with the product of the two block scales. The 32-weight block types run
-//! the block-group kernels below instead (8 integer dots reduced together, one FMA per 8); the K-quants
-//! the per-block ones.
+//! float FMA per 32 weights with the product of the two block scales. Q4_0, Q4_1 and Q8_0 run the
+//! block-group kernels below instead (8 integer dots reduced together, one FMA per 8); the others the
+//! per-block ones.
 //!
 //! Every function here is `unsafe`: callers must have checked that the CPU has AVX2, FMA and F16C, and
 //! that `w` points at `nb` whole blocks of the type and every `ActRow` holds the matching sub-blocks.
@@ -330,7 +330,7 @@ unsafe fn q6_k<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> 
     finish(acc, [[0.0; R]; 2])
 }
 
-// ---- Block-group kernels for the 32-weight block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) -------------------
+// ---- Block-group kernels for Q4_0, Q4_1 and Q8_0 ---------------------------------------------------------
 //
 // One "unit" is (weight block, activation row): the integer dot of 32 weights with 32 activations, times
 // the two block scales. Instead of reducing each unit's `maddubs` products on its own (a `madd`, a
@@ -338,23 +338,20 @@ unsafe fn q6_k<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> 
 // the weight row times the group's R activation rows -- are summed into the 8 lanes of one vector by an
 // add / unpack tree, and then converted and scaled by one FMA with 8 different scales. Lane u holds
 // block b + u / R and activation row u % R, matching the interleaved scales of `RowGroup`. Each row's
-// output is the sum of its lanes once at the end (no per-block horizontal sum). The 4- and 5-bit types
-// sum in 16 bits until the last step: a `maddubs` lane is at most 2 * 15 * 127 = 3810 (Q4, unsigned) or
-// 2 * 16 * 127 = 4064 (Q5 as signed q - 16 with its sign moved onto x), so 8 of them fit. Q8_0's lanes
-// (up to 2 * 128 * 127) go to 32 bits by `madd` first.
+// output is the sum of its lanes once at the end (no per-block horizontal sum). The 4-bit types sum in
+// 16 bits until the last step: a `maddubs` lane is at most 2 * 15 * 127 = 3810, so 8 of them fit. Q8_0's
+// lanes (up to 2 * 128 * 127) go to 32 bits by `madd` first. (Q5_0 / Q5_1 stay on the per-block kernels:
+// their fifth bits and signs made the one-row case slower here than there, measured, and a row's
+// arithmetic must not change with the batch, so one kernel serves every row count.)
 
 const T_Q4_0: u8 = 0;
 const T_Q4_1: u8 = 1;
-const T_Q5_0: u8 = 2;
-const T_Q5_1: u8 = 3;
-const T_Q8_0: u8 = 4;
+const T_Q8_0: u8 = 2;
 
 const fn tree_block_bytes(t: u8) -> usize {
     match t {
         T_Q4_0 => 18,
         T_Q4_1 => 20,
-        T_Q5_0 => 22,
-        T_Q5_1 => 24,
         _ => 34,
     }
 }
@@ -460,26 +457,19 @@ unsafe fn eight_block_halves(w: *const u8, bb: usize, b: usize) -> (__m256, __m2
     )
 }
 
-/// The 32 weights of the block at `p`: unsigned (0..15) for Q4_0 / Q4_1, signed (-16..15, i.e. q - 16)
-/// for Q5_0 / Q5_1, signed bytes for Q8_0.
+/// The 32 weights of the block at `p`: unsigned (0..15) for Q4_0 / Q4_1, signed bytes for Q8_0.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tree_weights<const T: u8>(p: *const u8) -> __m256i {
     match T {
         T_Q4_0 => nibbles16(p.add(2)),
         T_Q4_1 => nibbles16(p.add(4)),
-        T_Q5_0 | T_Q5_1 => {
-            let at = if T == T_Q5_0 { 2 } else { 4 };
-            let qh = u32::from_le(p.add(at).cast::<u32>().read_unaligned());
-            let q = _mm256_or_si256(nibbles16(p.add(at + 4)), high_bits(qh));
-            _mm256_sub_epi8(q, _mm256_set1_epi8(16))
-        }
         _ => _mm256_loadu_si256(p.add(2).cast()),
     }
 }
 
 /// Integer products of the 8 units of the blocks `b..b + nblk` (nblk <= 8 / R) into `p` (the units of
-/// missing blocks stay 0): i16 pairs for the 4- and 5-bit types, i32 quads for Q8_0.
+/// missing blocks stay 0): i16 pairs for the 4-bit types, i32 quads for Q8_0.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tree_products<const R: usize, const T: u8>(
@@ -505,12 +495,7 @@ unsafe fn tree_products<const R: usize, const T: u8>(
             let aq = _mm256_sign_epi8(q, q);
             for r in 0..R {
                 let x = _mm256_sign_epi8(load_x(&g.rows[r], b + j), q);
-                let s = _mm256_maddubs_epi16(aq, x);
-                p[j * R + r] = if T == T_Q8_0 {
-                    _mm256_madd_epi16(s, ones)
-                } else {
-                    s
-                };
+                p[j * R + r] = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, x), ones);
             }
         }
     }
@@ -521,7 +506,7 @@ unsafe fn tree_products<const R: usize, const T: u8>(
 /// `acc += offset_w * sx`, per lane.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tree_step<const R: usize, const T: u8, const FULL: bool>(
+unsafe fn tree_step<const R: usize, const T: u8, const FULL: bool, const SITE: u8>(
     w: *const u8,
     g: &RowGroup<'_, R>,
     b: usize,
@@ -536,7 +521,7 @@ unsafe fn tree_step<const R: usize, const T: u8, const FULL: bool>(
     } else {
         sum8_i16(&p)
     };
-    let with_min = T == T_Q4_1 || T == T_Q5_1;
+    let with_min = T == T_Q4_1;
     let (dw, min) = if R == 1 && FULL {
         eight_block_halves(w, bb, b)
     } else {
@@ -553,7 +538,6 @@ unsafe fn tree_step<const R: usize, const T: u8, const FULL: bool>(
     let mw = match T {
         T_Q4_0 => _mm256_mul_ps(dw, _mm256_set1_ps(-8.0)),
         T_Q4_1 => min,
-        T_Q5_1 => _mm256_fmadd_ps(dw, _mm256_set1_ps(16.0), min),
         _ => return,
     };
     *acc = _mm256_fmadd_ps(mw, _mm256_loadu_ps(g.s.as_ptr().add(b * R)), *acc);
@@ -584,17 +568,23 @@ unsafe fn tree_rows<const R: usize, const T: u8>(
             at += 64;
         }
     }
-    // Whole groups, then the tail: two instantiations with one call site each, so both are inlined (and
-    // the whole groups' block count is a constant). Step s (blocks s * per ..) holds classes
+    // Each instantiation of the step has one call site, so all are inlined (two sites of one would
+    // leave the larger steps out of line), and whole steps have a constant block count. Step s (blocks s * per ..) holds classes
     // (s % R) * per ..; lane u of accumulator k: class k * per + u / R of row u % R.
-    let full = nb / per * per;
+    // Rounds of R steps (8 blocks) first, with a constant accumulator per step (kept in registers).
     let mut b = 0;
-    while b < full {
-        tree_step::<R, T, true>(w, g, b, per, &mut acc[(b / per) % R]);
+    while b + 8 <= nb {
+        for (k, acc) in acc.iter_mut().enumerate() {
+            tree_step::<R, T, true, 0>(w, g, b + k * per, per, acc);
+        }
+        b += 8;
+    }
+    while b + per <= nb {
+        tree_step::<R, T, true, 1>(w, g, b, per, &mut acc[(b / per) % R]);
         b += per;
     }
     if b < nb {
-        tree_step::<R, T, false>(w, g, b, nb - b, &mut acc[(b / per) % R]);
+        tree_step::<R, T, false, 0>(w, g, b, nb - b, &mut acc[(b / per) % R]);
     }
     let mut lanes = [[0.0f32; 8]; R];
     for (l, a) in lanes.iter_mut().zip(acc) {
@@ -606,7 +596,7 @@ unsafe fn tree_rows<const R: usize, const T: u8>(
     })
 }
 
-/// Dot products of one weight row (`nb` blocks of the 32-weight type `qt`) with the rows of `g`.
+/// Dot products of one weight row (`nb` blocks of `qt`) with the rows of `g`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn group_rows<const R: usize>(
     qt: QuantType,
@@ -617,8 +607,6 @@ pub(super) unsafe fn group_rows<const R: usize>(
     match qt {
         QuantType::Q4_0 => tree_rows::<R, T_Q4_0>(w, nb, g),
         QuantType::Q4_1 => tree_rows::<R, T_Q4_1>(w, nb, g),
-        QuantType::Q5_0 => tree_rows::<R, T_Q5_0>(w, nb, g),
-        QuantType::Q5_1 => tree_rows::<R, T_Q5_1>(w, nb, g),
         QuantType::Q8_0 => tree_rows::<R, T_Q8_0>(w, nb, g),
         _ => dot_rows(qt, w, nb, &g.rows),
     }

@@ -197,10 +197,12 @@ struct Tile<'a> {
 }
 
 /// The activation rows split into groups that share each weight row's unpacking: 8 rows at a time for
-/// the AVX2 block-group kernels of the 32-weight types, 4 for the K-quants (whose per-row accumulators
-/// would not fit the registers at 8), then 2 and 1 for the rest (m = 7 runs as 4 + 2 + 1).
+/// the AVX2 block-group kernels (Q4_0, Q4_1, Q8_0), 4 for the others (whose per-row accumulators would
+/// not fit the registers at 8), then 2 and 1 for the rest (m = 7 runs as 4 + 2 + 1). Every kernel gives
+/// a row the same bits in any group.
 fn row_groups(isa: Isa, qt: QuantType, acts: &QuantizedActs) -> Vec<Interleaved> {
-    let max = if isa != Isa::Portable && qt.block_len() == 32 {
+    let block_group = matches!(qt, QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0);
+    let max = if isa != Isa::Portable && block_group {
         8
     } else {
         4
