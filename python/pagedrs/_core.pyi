@@ -248,11 +248,13 @@ class Scheduler:
         prompt_lookup_min: int = 1,
         prompt_lookup_max: int = 3,
         spec_disable_batch_size: int | None = None,
+        spec_adaptive: bool = True,
     ) -> None:
         """`num_speculative_tokens` > 0 turns on speculative decoding for requests added with
         `speculate=True`: `spec_method="ngram"` proposes drafts here by prompt lookup
         (`prompt_lookup_min/max`), `"runner"` (or None) reserves lookahead slots for the runner's
-        drafter. Speculation pauses while more than `spec_disable_batch_size` sequences run."""
+        drafter. Speculation pauses while more than `spec_disable_batch_size` sequences run;
+        `spec_adaptive` shortens and pauses a sequence's proposals after rejections."""
     def add_request(
         self,
         seq_ids: Sequence[int],

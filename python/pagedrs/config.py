@@ -360,8 +360,9 @@ class SpeculativeConfig:
     [`prompt_lookup_min`, `prompt_lookup_max`]) or "self_draft" (early exit: the target's first
     `draft_layers` layers, its final norm and its LM head propose, writing the KV of those layers in
     place; default a quarter of the layers). `num_speculative_tokens` drafts are verified per decoding
-    sequence and step. Speculation pauses for a step while more than `disable_by_batch_size` sequences
-    run (None: never). Requests whose sampling keeps per-token state the verifier does not model
+    sequence and step (at most: with `adaptive`, a sequence proposes one more draft than it had accepted
+    last time, and after a proposal with none accepted it pauses 1, 2, 4, .. 32 decode steps). Speculation
+    pauses for a step while more than `disable_by_batch_size` sequences run (None: the method's default). Requests whose sampling keeps per-token state the verifier does not model
     (penalties, logit_bias, min_tokens, logprobs, LoRA adapters) decode without drafts; a grammar
     (structured outputs) masks each verified row, so a draft it rejects is cut there."""
 
@@ -371,6 +372,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     draft_layers: int | None = None
     disable_by_batch_size: int | None = None
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         _require(
@@ -393,6 +395,7 @@ class SpeculativeConfig:
         _require(d is None or (_is_int(d) and d >= 1), "draft_layers", d, "must be an int >= 1")
         b = self.disable_by_batch_size
         _require(b is None or (_is_int(b) and b >= 1), "disable_by_batch_size", b, "must be an int >= 1")
+        _require(isinstance(self.adaptive, bool), "adaptive", self.adaptive, "must be a bool")
 
     @classmethod
     def from_dict(cls, spec: dict | str | None) -> SpeculativeConfig | None:

@@ -175,3 +175,20 @@ def test_long_chunks_take_a_float32_gemm_over_the_dequantized_weight():
     assert (short - x[: rows - 1] @ dense.T).abs().max() <= error_bound(x[: rows - 1], dense).max()
     k6 = QuantizedWeight(pieces[2:])
     assert torch.equal(k6.dequantized(), dequantized(pieces[2]))
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_each_row_is_bit_identical_whatever_the_batch(qtype):
+    """A row's outputs do not depend on how many rows share the call or where it sits (tiles of several
+    rows, tails, threads): a decode step of one sequence and a speculative verification of five, or a
+    batch of 13, give that sequence the same bits (greedy speculative decoding relies on it)."""
+    block = 256 if qtype.name.endswith("_K") else 32
+    n, k = 45, 2 * block
+    w = random_weight(qtype, n, k, seed=11)
+    x = torch.randn(13, k, generator=torch.Generator().manual_seed(11)) * 2
+    full = _matmul_1(x, w)
+    for m in (1, 2, 3, 4, 5, 7, 8, 9):
+        for start in range(0, 13 - m + 1, 2):
+            part = _matmul_1(x[start : start + m].contiguous(), w)
+            assert torch.equal(part, full[start : start + m]), f"m={m} start={start}"
+    assert torch.equal(QuantizedWeight([w]).matmul(x), full)  # the warm pool's threads too

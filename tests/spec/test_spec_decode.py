@@ -31,7 +31,8 @@ NGRAM_NEVER_ACCEPTS = {"smollm2-kv1-tied", "phi3"}
 
 
 def _spec(cfg: dict[str, Any]) -> dict[str, Any]:
-    return {**cfg, "disable_by_batch_size": 64}  # speculate at every batch size the workload reaches
+    # Speculate at every batch size the workload reaches, with the most drafts every step.
+    return {**cfg, "disable_by_batch_size": 64, "adaptive": False}
 
 
 def _echo_prompts(want: dict) -> list[list[int]]:

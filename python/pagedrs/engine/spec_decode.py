@@ -38,6 +38,7 @@ def spec_scheduler_args(config: EngineConfig) -> dict[str, Any]:
         "prompt_lookup_min": spec.prompt_lookup_min,
         "prompt_lookup_max": spec.prompt_lookup_max,
         "spec_disable_batch_size": disable,
+        "spec_adaptive": spec.adaptive,
     }
 
 

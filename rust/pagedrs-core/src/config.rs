@@ -24,6 +24,9 @@ pub struct Config {
     /// Speculation pauses for a step while more sequences than this run (vLLM's
     /// `disable_by_batch_size`); None: never.
     pub spec_disable_batch_size: Option<usize>,
+    /// Shorten (and pause) a sequence's proposals after rejections (`spec::adapt`); off: every
+    /// decoding step proposes the most drafts the limits allow.
+    pub spec_adaptive: bool,
 }
 
 /// Who proposes the draft tokens of speculative decoding.
@@ -52,6 +55,7 @@ impl Default for Config {
             num_speculative_tokens: 0,
             spec_proposer: SpecProposer::Runner,
             spec_disable_batch_size: None,
+            spec_adaptive: true,
         }
     }
 }

@@ -180,6 +180,11 @@ pub struct Seq {
     pub speculate: bool,
     /// Draft tokens scheduled after `last_token` in the pending plan (empty when not speculating).
     pub drafts: Vec<u32>,
+    /// Adaptive speculation: the most drafts the next proposal may have (0: the configured number),
+    /// decode steps to skip before proposing again, and proposals in a row that had none accepted.
+    pub spec_len: u8,
+    pub spec_skip: u16,
+    pub spec_misses: u8,
 }
 
 /// Output tokens buffered inline in a sequence before they are moved to its token buffer.

@@ -350,6 +350,9 @@ impl Scheduler {
                     admitted: false,
                     speculate: false,
                     drafts: Vec::new(),
+                    spec_len: 0,
+                    spec_skip: 0,
+                    spec_misses: 0,
                 });
                 (self.seqs.len() - 1) as u32
             }
@@ -366,6 +369,9 @@ impl Scheduler {
         seq.admitted = false;
         seq.speculate = false;
         seq.drafts.clear();
+        seq.spec_len = 0;
+        seq.spec_skip = 0;
+        seq.spec_misses = 0;
         slot
     }
 

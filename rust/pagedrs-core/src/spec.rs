@@ -50,11 +50,21 @@ impl Scheduler {
         if !seq.speculate || seq.num_computed < seq.prompt_len || !seq.children.is_empty() {
             return 0;
         }
+        if seq.spec_skip > 0 {
+            seq.spec_skip -= 1;
+            return 0;
+        }
         let n_tok = seq.num_tokens();
         let left_out = (seq.stop.max_tokens as usize).saturating_sub(seq.num_output() + 1);
         let left_len = cfg.max_model_len.saturating_sub(n_tok + 1);
+        let adaptive = if seq.spec_len == 0 {
+            usize::MAX
+        } else {
+            usize::from(seq.spec_len)
+        };
         let k = cfg
             .num_speculative_tokens
+            .min(adaptive)
             .min(room)
             .min(left_out)
             .min(left_len);
@@ -83,6 +93,9 @@ impl Scheduler {
         self.spec_counts[0] += 1;
         self.spec_counts[1] += proposed as u64;
         self.spec_counts[2] += emitted.saturating_sub(1) as u64;
+        if self.cfg.spec_adaptive {
+            adapt(seq, proposed, emitted - 1, self.cfg.num_speculative_tokens);
+        }
         seq.num_computed += emitted - 1;
         let keep = seq.num_tokens().div_ceil(bs);
         if seq.block_table.len() > keep {
@@ -94,6 +107,28 @@ impl Scheduler {
                 self.tables.mark(row, keep);
             }
         }
+    }
+}
+
+/// Longest pause between two proposals of a sequence whose drafts keep being rejected.
+pub const MAX_SPEC_SKIP: u16 = 32;
+
+/// Adapts a sequence's next proposal to how its last one fared (as speculation that stops paying should
+/// stop costing): all accepted, one more draft next time (up to `k_max`); some accepted, as many as were
+/// plus one; none accepted, one draft, after a pause that doubles with every miss in a row (1, 2, 4, ..
+/// up to [`MAX_SPEC_SKIP`] decode steps without drafts), so a drafter that never agrees costs a
+/// verification row only now and then.
+pub(crate) fn adapt(seq: &mut crate::request::Seq, proposed: usize, accepted: usize, k_max: usize) {
+    let k_max = k_max.min(usize::from(u8::MAX));
+    if accepted == 0 {
+        seq.spec_len = 1;
+        seq.spec_misses = seq.spec_misses.saturating_add(1);
+        let pause = 1u32 << u32::from(seq.spec_misses.min(6) - 1);
+        seq.spec_skip = (pause as u16).min(MAX_SPEC_SKIP);
+    } else {
+        seq.spec_misses = 0;
+        debug_assert!(accepted <= proposed);
+        seq.spec_len = (accepted + 1).min(k_max).max(1) as u8;
     }
 }
 
@@ -116,5 +151,57 @@ mod tests {
         assert_eq!(ngram_propose(&[7, 7], 1, 3, 0), &[] as &[u32]);
         // [7, 7]: the suffix [7] occurred at 0, followed by the last 7.
         assert_eq!(ngram_propose(&[7, 7], 1, 3, 4), &[7]);
+    }
+
+    #[test]
+    fn proposals_adapt_to_acceptance() {
+        use crate::{Config, NewRequest, Scheduler, SpecProposer};
+        let mut s = Scheduler::new(Config {
+            num_blocks: 64,
+            block_size: 4,
+            num_speculative_tokens: 4,
+            spec_proposer: SpecProposer::Runner,
+            ..Config::default()
+        })
+        .unwrap();
+        s.add_request(NewRequest {
+            seq_ids: vec![1],
+            prompt_token_ids: vec![3, 4, 5],
+            max_tokens: 200,
+            speculate: true,
+            ..Default::default()
+        })
+        .unwrap();
+        let p = s.schedule().unwrap();
+        s.update(p.step_id, &[7]).unwrap();
+        // (drafts the step proposes, drafts then accepted): all 4 accepted keeps 4 (the cap); 1 of 4
+        // shrinks the next proposal to 2; none accepted pauses for 1, 2, 4, 8 steps, proposing 1 between.
+        let mut seen = Vec::new();
+        for accept in [4usize, 1, 2, 0, 0, 0, 0, 1, 2] {
+            loop {
+                let p = s.schedule().unwrap();
+                let d = p.num_draft_tokens[0] as usize;
+                let a = accept.min(d);
+                let mut toks: Vec<i64> = p.draft_token_ids[..a].to_vec();
+                toks.push(9);
+                s.update_spec(p.step_id, &toks, &[a as i32 + 1]).unwrap();
+                seen.push(d);
+                if d > 0 {
+                    break;
+                }
+            }
+            s.check_invariants().unwrap();
+        }
+        let pause = |n: usize| std::iter::repeat_n(0, n);
+        let mut want = vec![4, 4, 2, 3];
+        for n in [1, 2, 4] {
+            want.extend(pause(n));
+            want.push(1);
+        }
+        want.extend(pause(8));
+        want.extend([1, 2]);
+        assert_eq!(seen, want);
+        let st = s.stats();
+        assert_eq!(st.spec_num_accepted_tokens, 4 + 1 + 2 + 1 + 2);
     }
 }

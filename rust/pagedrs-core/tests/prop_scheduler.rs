@@ -71,13 +71,14 @@ fn config_with(pool: std::ops::Range<usize>) -> impl Strategy<Value = Config> {
                 SpecProposer::Ngram { min: 2, max: 2 },
             ]),
             prop::option::weighted(0.3, 1usize..4),
+            any::<bool>(),
         ),
     )
         .prop_map(
             |(
                 (num_blocks, block_size, budget, max_num_seqs, max_model_len),
                 (caching, chunked, swap, watermark),
-                (spec, proposer, disable),
+                (spec, proposer, disable, adaptive),
             )| Config {
                 num_blocks,
                 block_size,
@@ -92,6 +93,7 @@ fn config_with(pool: std::ops::Range<usize>) -> impl Strategy<Value = Config> {
                 num_speculative_tokens: spec.min(budget - 1),
                 spec_proposer: proposer,
                 spec_disable_batch_size: disable,
+                spec_adaptive: adaptive,
             },
         )
 }

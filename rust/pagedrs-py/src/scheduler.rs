@@ -82,7 +82,7 @@ impl PyScheduler {
                         max_model_len=2048, enable_prefix_caching=true, enable_chunked_prefill=true,
                         num_swap_blocks=0, watermark=0.01, vocab_size=None, num_speculative_tokens=0,
                         spec_method=None, prompt_lookup_min=1, prompt_lookup_max=3,
-                        spec_disable_batch_size=None))]
+                        spec_disable_batch_size=None, spec_adaptive=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
@@ -100,6 +100,7 @@ impl PyScheduler {
         prompt_lookup_min: i64,
         prompt_lookup_max: i64,
         spec_disable_batch_size: Option<i64>,
+        spec_adaptive: bool,
     ) -> PyResult<Self> {
         let spec_proposer = match spec_method {
             Some("ngram") => SpecProposer::Ngram {
@@ -129,6 +130,7 @@ impl PyScheduler {
             spec_disable_batch_size: spec_disable_batch_size
                 .map(|v| size("spec_disable_batch_size", v, 1))
                 .transpose()?,
+            spec_adaptive,
         };
         let inner = Scheduler::new(cfg).map_err(to_py)?;
         Ok(Self {
