@@ -265,3 +265,23 @@ def test_structured_outputs_speculate_and_stay_valid() -> None:
         jsonschema.validate(json.loads(text), schema)  # finished inside max_tokens, and valid
     assert stats.spec_num_accepted_tokens > 0
     assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+@pytest.mark.parametrize("method", [NGRAM, SELF_DRAFT], ids=["ngram", "self_draft"])
+def test_default_model_quantized_greedy_is_lossless(method: dict) -> None:
+    """The main job's model as served (GGUF kept quantized, 8-bit activations): greedy ids with speculation
+    equal those without, on a copy-heavy chat prompt (the quantized matmul gives a row the same bits
+    whatever the batch, and a verification attends as token-by-token decodes do)."""
+    prompt = (
+        "<|im_start|>user\nRepeat exactly: The library opens at nine in the morning and closes at six in the "
+        "evening on weekdays. On Saturdays it opens at ten and closes at four.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    small = {"cpu_kv_cache_gb": 0.25, "disable_log_stats": True}
+    want = LLM(**small).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    method = {**_spec(method), "draft_layers": 24} if method is SELF_DRAFT else _spec(method)
+    llm = LLM(**small, speculative_config=method)
+    got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    stats = llm.llm_engine.get_stats()
+    assert got == want
+    assert stats.spec_num_accepted_tokens > 0, stats
