@@ -5,6 +5,7 @@ mechanisms really fired."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,21 @@ from pagedrs import SamplingParams
 from pagedrs.engine.arg_utils import EngineArgs
 from pagedrs.engine.llm_engine import LLMEngine
 from tests.engine.conftest import PlanSpy, run_all
+from tests.helpers import make_tiny_llama, make_tiny_model
+from tests.models.helpers_configs import gpt2_config, opt_config, phi3_config
+
+# Tiny random models of every architecture, each with its quirk for tensor parallelism.
+MODELS: dict[str, Callable[[Path], Path]] = {
+    "llama-gqa": lambda d: make_tiny_llama(d, arch="llama"),  # 4 heads, 2 KV heads
+    "qwen2-bias": lambda d: make_tiny_llama(d, arch="qwen2"),
+    "mistral-window": lambda d: make_tiny_llama(d, arch="mistral", sliding_window=6),
+    "smollm2-kv1-tied": lambda d: make_tiny_llama(d, arch="smollm2"),  # 1 KV head: replicated
+    "gpt2-odd-vocab": lambda d: make_tiny_model(d / "gpt2", gpt2_config(vocab_size=259)),
+    "opt-proj": lambda d: make_tiny_model(
+        d / "opt", opt_config(do_layer_norm_before=False, word_embed_proj_dim=32)
+    ),
+    "phi3": lambda d: make_tiny_model(d / "phi3", phi3_config()),
+}
 
 MAX_TOKENS = 10
 # A pool of 20 blocks of 4 tokens cannot hold every request at once (preemption), a 16-token budget

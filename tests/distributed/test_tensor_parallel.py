@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,22 +18,16 @@ from pagedrs import LLM, SamplingParams
 from pagedrs.engine.arg_utils import EngineArgs
 from pagedrs.executor import ExecutorDeadError, TPExecutor
 from pagedrs.executor.rank_processes import rank_devices
-from tests.distributed.helpers_tp import ENGINE, check_forced, run_workload, run_workload_logprobs, tp_engine
+from tests.distributed.helpers_tp import (
+    ENGINE,
+    MODELS,
+    check_forced,
+    run_workload,
+    run_workload_logprobs,
+    tp_engine,
+)
 from tests.engine.conftest import assert_pool_free, run_all
-from tests.helpers import FP8_SAME_CACHE_TOL, greedy_agreement, make_tiny_llama, make_tiny_model
-from tests.models.helpers_configs import gpt2_config, opt_config, phi3_config
-
-MODELS: dict[str, Callable[[Path], Path]] = {
-    "llama-gqa": lambda d: make_tiny_llama(d, arch="llama"),  # 4 heads, 2 KV heads
-    "qwen2-bias": lambda d: make_tiny_llama(d, arch="qwen2"),
-    "mistral-window": lambda d: make_tiny_llama(d, arch="mistral", sliding_window=6),
-    "smollm2-kv1-tied": lambda d: make_tiny_llama(d, arch="smollm2"),  # 1 KV head: replicated
-    "gpt2-odd-vocab": lambda d: make_tiny_model(d / "gpt2", gpt2_config(vocab_size=259)),
-    "opt-proj": lambda d: make_tiny_model(
-        d / "opt", opt_config(do_layer_norm_before=False, word_embed_proj_dim=32)
-    ),
-    "phi3": lambda d: make_tiny_model(d / "phi3", phi3_config()),
-}
+from tests.helpers import FP8_SAME_CACHE_TOL, greedy_agreement, make_tiny_llama
 
 
 @pytest.fixture(scope="module", params=list(MODELS))

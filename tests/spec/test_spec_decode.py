@@ -16,8 +16,7 @@ import pytest
 from pagedrs import LLM, SamplingParams
 from pagedrs.config import SpeculativeConfig
 from pagedrs.engine.arg_utils import EngineArgs
-from tests.distributed.helpers_tp import ENGINE, PROMPTS, check_forced, run_workload, tp_engine
-from tests.distributed.test_tensor_parallel import MODELS
+from tests.distributed.helpers_tp import ENGINE, MODELS, PROMPTS, check_forced, run_workload, tp_engine
 from tests.engine.conftest import assert_pool_free, run_all
 from tests.helpers import make_tiny_llama
 
