@@ -149,7 +149,15 @@ class QuantizedWeight:
         Kept lean (a batch-1 decode step makes over a hundred of these calls): numpy views in and out,
         no torch allocation; the binding checks dtype and shapes."""
         lead = x.shape[:-1]
-        xn = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).numpy()
+        out = torch.from_numpy(
+            self.matmul_rows((x if x.dim() == 2 else x.reshape(-1, self.in_features)).numpy())
+        )
+        if bias is not None:
+            out += bias
+        return out if len(lead) == 1 else out.view(*lead, self.out_features)
+
+    def matmul_rows(self, xn: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        """Rows xn [T, in_features] float32 -> xn @ W^T, a new float32 array [T, out_features]."""
         if not xn.flags.c_contiguous:
             xn = np.ascontiguousarray(xn)
         on = np.empty((xn.shape[0], self.out_features), dtype=np.float32)
@@ -161,10 +169,7 @@ class QuantizedWeight:
             threads = torch.get_num_threads()
             for r in self.runs:
                 _core.quant_matmul(xn, r.data, r.ggml_type, on, r.col0, threads)
-        out = torch.from_numpy(on)
-        if bias is not None:
-            out += bias
-        return out if len(lead) == 1 else out.view(*lead, self.out_features)
+        return on
 
     def dequantized(self) -> Tensor:
         """W as float32 [out_features, in_features] (a new tensor: the blocks stay the stored form)."""

@@ -31,6 +31,7 @@ from pagedrs.loader.pytorch_bin import iter_pytorch_bin, pytorch_bin_files
 from pagedrs.loader.quant_config import QuantConfig, detect_quantization
 from pagedrs.loader.quant_weights import quantized_checkpoint
 from pagedrs.loader.safetensors import TensorSlice, iter_safetensors, safetensors_files
+from pagedrs.models.cpu_decode import enable_cpu_decode
 from pagedrs.models.interface import CausalLM
 
 __all__ = [
@@ -330,6 +331,7 @@ def load_model(
         assert gguf_path is not None  # keeps_quantized checked it
         net.load_weights(iter_gguf_weights(gguf_path, num_heads, num_kv_heads))  # type: ignore[operator]  # as below
         use_cpu_fused_ops(net)
+        enable_cpu_decode(net)
     else:
         weights = _checkpoint(path, folder, opts.load_format)
         if quant is not None:
@@ -338,6 +340,7 @@ def load_model(
         net.load_weights(weights)  # type: ignore[operator]
         if quant is not None and any(getattr(m, "qweight", None) is not None for m in net.modules()):
             use_cpu_fused_ops(net)
+            enable_cpu_decode(net)
     net.eval()
     tok = None
     if with_tokenizer:

@@ -8,7 +8,7 @@ Same structure as HF's LlamaForCausalLM and the same parameter names, except tha
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
@@ -29,6 +29,9 @@ from pagedrs.layers.norm import RMSNorm
 from pagedrs.layers.rotary import RotaryEmbedding, get_rope
 from pagedrs.models.interface import CausalLM
 from pagedrs.models.utils import StackedParam, load_weights_into
+
+if TYPE_CHECKING:
+    from pagedrs.models.cpu_decode import CpuDecodeStep
 
 __all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"]
 
@@ -166,8 +169,15 @@ class LlamaModel(torch.nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        # Decode-only steps of a quantized CPU model, one Rust call per op (set by the loader:
+        # pagedrs.models.cpu_decode.enable_cpu_decode).
+        self.cpu_decode: CpuDecodeStep | None = None
 
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
+        if self.cpu_decode is not None:
+            fast = self.cpu_decode.forward(input_ids, positions, ctx)
+            if fast is not None:
+                return fast
         seq_lens = None
         if self.rotary_emb.long_cos_sin_cache is not None and ctx.attn_metadata is not None:
             seq_lens = token_seq_lens(ctx.attn_metadata)

@@ -27,7 +27,7 @@ from pagedrs import _core
 from pagedrs.config import FP8_MAX, as_bytes
 from pagedrs.layers.attention import AttentionMetadata
 
-__all__ = ["TorchAttentionBackend", "write_kv_cache", "gather_kv"]
+__all__ = ["TorchAttentionBackend", "gather_kv", "step_plan", "write_kv_cache"]
 
 
 def to_cache_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -144,7 +144,8 @@ def _group_bounds(num_blocks_desc: np.ndarray) -> list[tuple[int, int]]:
     return bounds
 
 
-def _plan(meta: AttentionMetadata) -> _StepPlan:
+def step_plan(meta: AttentionMetadata) -> _StepPlan:
+    """The step's decodes (grouped, and as the Rust kernel takes them) and prefills; built once per step."""
     # Built once per step and shared by every layer; keyed on the identity of the step's arrays in case a
     # caller refills one metadata object in place.
     key = (id(meta.query_start_loc_cpu), id(meta.seq_lens_cpu), id(meta.block_tables))
@@ -235,7 +236,7 @@ class TorchAttentionBackend:
         sliding_window: int | None,
     ) -> Tensor:
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        plan = _plan(meta)
+        plan = step_plan(meta)
         out = torch.empty_like(q)
         if plan.cpu_decodes is not None and self._cpu_kernel_applies(q, kv_cache):
             self._decode_cpu(q, kv_cache, plan.cpu_decodes, out, scale, sliding_window)

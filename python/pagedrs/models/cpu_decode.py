@@ -1,0 +1,227 @@
+"""The Llama family's decode step on a CPU with the weights kept quantized: every op of every layer one
+Rust call on numpy views, no torch module in between.
+
+A batch-1 decode step of the default model runs 30 layers of about ten ops each; through the torch modules
+each op also pays a module call, its dispatch checks and tensor wrapping, which together cost about as
+much as the matmuls themselves (cProfile of `LLMEngine.step` at one row, 1 thread). llama.cpp avoids this
+with a graph built once and replayed; this is the same idea for the one case it matters most in: a step of
+decodes only (one token a request, or a speculative verification's few), float32 activations, GGUF
+weights in their block layout, one rank, no LoRA.
+
+The arithmetic is the module path's, op for op and call for call (the same Rust kernels in the same
+order: RMSNorm with the residual add fused in, the quantized matmuls, neox rotary in place, the K/V
+store, the paged decode-attention kernel, SiLU-and-mul), so the hidden states are bit-identical to it
+(tests/models/test_cpu_decode.py). Any other step, or a model outside that case, takes the modules.
+`PAGEDRS_CPU_DECODE=0` turns the fast path off (the before/after of bench/cpu_peer.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch import Tensor
+
+from pagedrs import _core
+from pagedrs.layers.activation import SiluAndMul
+from pagedrs.layers.attention import ForwardContext
+from pagedrs.layers.attention.torch_ref import CPU_KERNEL_THREADS, TorchAttentionBackend, step_plan
+from pagedrs.layers.quantized import QuantizedWeight
+
+if TYPE_CHECKING:
+    from pagedrs.models.llama import LlamaDecoderLayer, LlamaModel
+
+__all__ = ["CpuDecodeStep", "enable_cpu_decode"]
+
+F32 = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    """One decoder layer's weights as the Rust ops take them."""
+
+    input_norm: F32
+    post_norm: F32
+    eps: float
+    qkv: QuantizedWeight
+    qkv_bias: F32 | None
+    o_proj: QuantizedWeight
+    gate_up: QuantizedWeight
+    down: QuantizedWeight
+    q_size: int
+    kv_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    sliding_window: int | None
+    layer_idx: int
+
+
+def _decoder_layers(model: LlamaModel) -> list[LlamaDecoderLayer]:
+    return [cast("LlamaDecoderLayer", layer) for layer in model.layers]  # ModuleList items are typed Module
+
+
+def _why_not(model: LlamaModel) -> str | None:
+    """Why the model cannot take the fast path, or None when it can."""
+    rope = model.rotary_emb
+    if not (rope.cpu_fused and rope.is_neox_style and rope.long_cos_sin_cache is None):
+        return "rotary embedding is not the fused neox one"
+    if rope.rope_type == "dynamic":
+        return "dynamic rope rescales per step"
+    if rope.cos_sin_cache.device.type != "cpu" or rope.cos_sin_cache.dtype != torch.float32:
+        return "not float32 on the CPU"
+    for layer in _decoder_layers(model):
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(lin.qweight is None or lin.tp_size != 1 for lin in linears):
+            return "a linear layer is not quantized on one rank"
+        if (
+            attn.o_proj.bias is not None
+            or mlp.gate_up_proj.bias is not None
+            or mlp.down_proj.bias is not None
+        ):
+            return "a bias other than q/k/v's"
+        if not (isinstance(mlp.act_fn, SiluAndMul) and mlp.act_fn.cpu_fused):
+            return "the MLP activation is not the fused SiLU-and-mul"
+        if not (layer.input_layernorm.cpu_fused and layer.post_attention_layernorm.cpu_fused):
+            return "a norm is not the fused RMSNorm"
+    if not model.norm.cpu_fused:
+        return "the final norm is not the fused RMSNorm"
+    return None
+
+
+def _layer(layer: LlamaDecoderLayer) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = attn.qkv_proj
+    assert qkv.qweight is not None and attn.o_proj.qweight is not None  # checked by _why_not
+    assert mlp.gate_up_proj.qweight is not None and mlp.down_proj.qweight is not None
+    a = attn.attn
+    return _Layer(
+        input_norm=layer.input_layernorm.weight.detach().numpy(),
+        post_norm=layer.post_attention_layernorm.weight.detach().numpy(),
+        eps=float(layer.input_layernorm.eps),
+        qkv=qkv.qweight,
+        qkv_bias=None if qkv.bias is None else qkv.bias.detach().numpy(),
+        o_proj=attn.o_proj.qweight,
+        gate_up=mlp.gate_up_proj.qweight,
+        down=mlp.down_proj.qweight,
+        q_size=qkv.q_size,
+        kv_size=qkv.kv_size,
+        num_heads=a.num_heads,
+        num_kv_heads=a.num_kv_heads,
+        head_size=a.head_size,
+        scale=float(a.scale),
+        sliding_window=a.sliding_window,
+        layer_idx=a.layer_idx,
+    )
+
+
+class CpuDecodeStep:
+    """The decode-only forward of one LlamaModel through the Rust ops (see the module docstring)."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        why = _why_not(model)
+        if why is not None:
+            raise ValueError(f"the CPU decode step does not apply: {why}")
+        self.model = model
+        decoder_layers = _decoder_layers(model)
+        self.layers = [_layer(layer) for layer in decoder_layers]
+        self.final_norm = model.norm.weight.detach().numpy()
+        self.final_eps = float(model.norm.eps)
+        rope = model.rotary_emb
+        self.cos_sin = rope.cos_sin_cache.numpy()
+        self.rope_head_size = rope.head_size
+        self.rotary_dim = rope.rotary_dim
+        self._linears = [
+            m for layer in decoder_layers for m in (*layer.self_attn.children(), *layer.mlp.children())
+        ]
+
+    def _hooked(self) -> bool:
+        # LoRA adds forward hooks to the linear layers; the fast path would skip them.
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self._linears)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor | None:
+        """Hidden states [T, hidden] after the final norm, or None when this step is not a decode-only
+        step the fast path takes (the caller then runs the modules)."""
+        meta, backend = ctx.attn_metadata, ctx.backend
+        if meta is None or not isinstance(backend, TorchAttentionBackend) or not backend.use_cpu_kernels:
+            return None
+        t = int(input_ids.shape[0])
+        plan = step_plan(meta)
+        dec = plan.cpu_decodes
+        if plan.prefills or dec is None or len(dec.seq_lens) != t or t == 0:
+            return None
+        caches = [c.numpy() for c in ctx.kv_caches]
+        if any(c.dtype != np.float32 or not c.flags.c_contiguous for c in caches):
+            return None
+        if positions.dtype != torch.int64 or input_ids.device.type != "cpu" or self._hooked():
+            return None
+        pos = positions.numpy()
+        slots = meta.slot_mapping.numpy()
+        layers = self.layers if ctx.exit_layer is None else self.layers[: ctx.exit_layer]
+        if not layers:
+            return None
+        residual = self.model.embed_tokens(input_ids).numpy()
+        hidden = np.empty_like(residual)
+        for i, w in enumerate(layers):
+            if i == 0:
+                _core.cpu_rms_norm(residual, w.input_norm, w.eps, hidden)
+            else:
+                _core.cpu_fused_add_rms_norm(hidden, residual, w.input_norm, w.eps)
+            hidden = self._attention(
+                w, hidden, pos, caches[w.layer_idx], slots, dec.block_tables, dec.seq_lens
+            )
+            _core.cpu_fused_add_rms_norm(hidden, residual, w.post_norm, w.eps)
+            gate_up = w.gate_up.matmul_rows(hidden)
+            act = np.empty((t, gate_up.shape[1] // 2), dtype=np.float32)
+            _core.cpu_silu_and_mul(gate_up, act)
+            hidden = w.down.matmul_rows(act)
+        _core.cpu_fused_add_rms_norm(hidden, residual, self.final_norm, self.final_eps)
+        return torch.from_numpy(hidden)
+
+    def _attention(
+        self,
+        w: _Layer,
+        hidden: F32,
+        pos: npt.NDArray[np.int64],
+        cache: F32,
+        slots: npt.NDArray[np.int64],
+        block_tables: npt.NDArray[np.int32],
+        seq_lens: npt.NDArray[np.int32],
+    ) -> F32:
+        t = hidden.shape[0]
+        qkv = w.qkv.matmul_rows(hidden)
+        if w.qkv_bias is not None:
+            qkv += w.qkv_bias
+        q = qkv[:, : w.q_size]
+        k = qkv[:, w.q_size : w.q_size + w.kv_size]
+        v = qkv[:, w.q_size + w.kv_size :]
+        _core.cpu_rope_neox(pos, q, k, self.cos_sin, self.rope_head_size, self.rotary_dim)
+        flat = cache.reshape(2, -1, w.num_kv_heads, w.head_size)
+        flat[0][slots] = k.reshape(t, w.num_kv_heads, w.head_size)
+        flat[1][slots] = v.reshape(t, w.num_kv_heads, w.head_size)
+        qd = np.ascontiguousarray(q).reshape(t, w.num_heads, w.head_size)
+        out = np.empty_like(qd)
+        _core.paged_decode_attention(
+            qd, cache, block_tables, seq_lens, out, w.scale, w.sliding_window, CPU_KERNEL_THREADS
+        )
+        return w.o_proj.matmul_rows(out.reshape(t, w.num_heads * w.head_size))
+
+
+def enable_cpu_decode(model: torch.nn.Module) -> bool:
+    """Give a quantized CPU model of the Llama family its fast decode step (`LlamaModel.cpu_decode`);
+    False (and the modules for every step) for other models, or with PAGEDRS_CPU_DECODE=0."""
+    from pagedrs.models.llama import LlamaModel
+
+    inner = getattr(model, "model", None)
+    if os.environ.get("PAGEDRS_CPU_DECODE", "1") == "0" or not isinstance(inner, LlamaModel):
+        return False
+    if _why_not(inner) is not None:
+        return False
+    inner.cpu_decode = CpuDecodeStep(inner)
+    return True
