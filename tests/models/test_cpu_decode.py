@@ -50,9 +50,7 @@ def gguf_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return make_tiny_gguf(tmp_path_factory.mktemp(f"{arch}-{qtype}"), arch, qtype=qtype)
 
 
-def test_fast_path_equals_the_modules_bit_for_bit(
-    gguf_file: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_fast_path_equals_the_modules_bit_for_bit(gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _Calls(monkeypatch)
     fast = tp_engine(gguf_file, 1, dtype="auto")
     assert _model(fast).model.cpu_decode is not None, "a quantized GGUF on one CPU rank takes the fast path"
