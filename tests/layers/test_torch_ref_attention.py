@@ -14,8 +14,8 @@ from pagedrs.layers.attention.torch_ref import (
     MAX_GROUPS,
     TorchAttentionBackend,
     _group_bounds,
-    _plan,
     gather_kv,
+    step_plan,
     write_kv_cache,
 )
 from tests.helpers import make_step_metadata
@@ -132,7 +132,7 @@ def test_decodes_grouped_by_length():
     run_case(lens, [1] * len(lens), block_size=4, window=None)
     run_case(lens, [1] * len(lens), block_size=4, window=20)
     meta, _ = make_step_metadata(lens, [1] * len(lens), block_size=4, num_blocks=200)
-    groups = _plan(meta).decode_groups
+    groups = step_plan(meta).decode_groups
     assert 1 < len(groups) <= MAX_GROUPS
     assert sorted(int(i) for g in groups for i in g.token_idx) == list(range(len(lens)))
     for g in groups:  # each group pads to its own longest context only
@@ -161,7 +161,7 @@ def test_short_queries_over_a_context_equal_decoding_token_by_token(cpu_kernels:
         write_kv_cache(ks[b], vs[b], cache, table[pos // block_size] * block_size + pos % block_size)
     q = torch.randn(sum(query_lens), h, d, generator=gen)
     backend = TorchAttentionBackend(use_cpu_kernels=cpu_kernels)
-    plan = _plan(meta)
+    plan = step_plan(meta)
     assert [p[0] for p in plan.prefills] == [2]  # only the fresh prefill runs as one query block
     q_new = [ks[b][s - n :] for b, (s, n) in enumerate(zip(seq_lens, query_lens, strict=True))]
     v_new = [vs[b][s - n :] for b, (s, n) in enumerate(zip(seq_lens, query_lens, strict=True))]
