@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
 from _common import add_commit_arg, command_line, git_info, machine_info, write_json
 
 from pagedrs import EngineArgs, LLMEngine, SamplingParams
@@ -28,6 +27,8 @@ def main() -> None:
     p.add_argument("--json", default=None)
     add_commit_arg(p)
     args = p.parse_args()
+    import torch  # after pagedrs, which sets the OpenMP spin count torch's libgomp reads when it loads
+
     torch.set_num_threads(args.threads)
     engine = LLMEngine.from_engine_args(EngineArgs(disable_log_stats=True, cpu_kv_cache_gb=0.5))
     inner = engine.runner.model.model
