@@ -47,19 +47,27 @@ def quant_matmul(
     out: npt.NDArray[np.float32],
     col0: int = 0,
     num_threads: int = 1,
+    packed: bool = False,
 ) -> None:
     """out[:, col0:col0 + N] = x @ W^T with W kept in a GGUF block layout; GIL released.
 
     x float32 [M, K]; weight uint8 [N, row_bytes] (each row its GGUF blocks of type ``ggml_type``, a
-    ``gguf.GGMLQuantizationType`` value); out float32 [M, ldo]. ValueError on a bad shape or type."""
+    ``gguf.GGMLQuantizationType`` value; with ``packed``, the layout of ``quant_pack_x8``); out float32
+    [M, ldo]. ValueError on a bad shape or type."""
+
+def quant_pack_x8(weight: npt.NDArray[np.uint8], ggml_type: int) -> npt.NDArray[np.uint8]:
+    """W (uint8 [N, row_bytes] of Q4_0 or Q4_1 blocks, N a multiple of 8) repacked 8 rows at a time for
+    ``quant_matmul(..., packed=True)``: a new array of the same shape. ValueError otherwise."""
 
 def quant_get_rows(
     weight: npt.NDArray[np.uint8],
     ggml_type: int,
     ids: npt.NDArray[np.int64],
     out: npt.NDArray[np.float32],
+    packed: bool = False,
 ) -> None:
-    """out[i] = dequantized row ids[i] of the GGUF-quantized weight (an embedding lookup)."""
+    """out[i] = dequantized row ids[i] of the GGUF-quantized weight (an embedding lookup); ``packed``: the
+    weight is in the layout of ``quant_pack_x8``."""
 
 def quant_type_ids() -> list[int]:
     """GGML type ids the quantized kernels take (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)."""

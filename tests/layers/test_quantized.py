@@ -192,3 +192,43 @@ def test_each_row_is_bit_identical_whatever_the_batch(qtype):
             part = _matmul_1(x[start : start + m].contiguous(), w)
             assert torch.equal(part, full[start : start + m]), f"m={m} start={start}"
     assert torch.equal(QuantizedWeight([w]).matmul(x), full)  # the warm pool's threads too
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
+def test_x8_layout_multiplies_and_dequantizes_as_the_file_layout(qtype):
+    """Q4_0 / Q4_1 weights with a multiple of 8 rows are repacked 8 rows at a time at load (on AVX2):
+    same products within the kernels' bound, same dequantized rows, each row's bits independent of the
+    batch."""
+    n, k = 40, 3 * 32
+    w = random_weight(qtype, n, k, seed=7)
+    packed = _core.quant_pack_x8(w.data, int(qtype))
+    assert packed.shape == w.data.shape and not np.array_equal(packed, w.data)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(7)) * 3
+    dense = dequantized(w)
+    full = torch.empty(9, n)
+    _core.quant_matmul(x.numpy(), packed, int(qtype), full.numpy(), 0, 2, packed=True)
+    assert ((full - x @ dense.T).abs() <= error_bound(x, dense)).all()
+    for start, m in ((0, 1), (3, 1), (2, 4), (1, 5)):
+        part = torch.empty(m, n)
+        _core.quant_matmul(x[start : start + m].numpy(), packed, int(qtype), part.numpy(), 0, 1, packed=True)
+        assert torch.equal(part, full[start : start + m]), f"rows {start}+{m}"
+    ids = np.array([39, 0, 8, 8], dtype=np.int64)
+    rows = np.empty((4, k), dtype=np.float32)
+    _core.quant_get_rows(packed, int(qtype), ids, rows, packed=True)
+    torch.testing.assert_close(torch.from_numpy(rows), dense[ids], rtol=1e-6, atol=1e-7)
+    qw = QuantizedWeight([w])
+    assert qw.runs[0].packed == (_core.quant_isa() == "avx2")
+    if qw.runs[0].packed:
+        assert torch.equal(qw.matmul(x), full)
+    torch.testing.assert_close(qw.dequantized(), dense, rtol=1e-6, atol=1e-7)
+
+
+def test_x8_layout_refuses_what_it_cannot_lay_out():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        _core.quant_pack_x8(random_weight(Q.Q4_1, 12, 32).data, int(Q.Q4_1))
+    with pytest.raises(ValueError, match="Q8_0"):
+        _core.quant_pack_x8(random_weight(Q.Q8_0, 8, 32).data, int(Q.Q8_0))
+    w = random_weight(Q.Q4_0, 8, 64)
+    out = np.empty((1, 16), dtype=np.float32)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        _core.quant_matmul(np.ones((1, 64), np.float32), w.data[:4], int(Q.Q4_0), out, 0, 1, packed=True)

@@ -152,9 +152,11 @@ pub fn cpu_pool_workers() -> usize {
 }
 
 /// out[:, col0:col0 + N] = x @ W^T with W in a GGUF block layout. x float32 [M, K]; weight uint8
-/// [N, row_bytes] (each row its GGUF blocks); out float32 [M, ldo].
+/// [N, row_bytes] (each row its GGUF blocks, or with `packed` the 8-row interleaved layout of
+/// `quant_pack_x8`); out float32 [M, ldo].
 #[pyfunction]
-#[pyo3(signature = (x, weight, ggml_type, out, col0=0, num_threads=1))]
+#[pyo3(signature = (x, weight, ggml_type, out, col0=0, num_threads=1, packed=false))]
+#[allow(clippy::too_many_arguments)]
 pub fn quant_matmul(
     py: Python<'_>,
     x: &Bound<'_, PyAny>,
@@ -163,6 +165,7 @@ pub fn quant_matmul(
     out: &Bound<'_, PyAny>,
     col0: usize,
     num_threads: usize,
+    packed: bool,
 ) -> PyResult<()> {
     let qt = quant_type(ggml_type)?;
     let x = array::<f32>(x, "x", 2, "float32")?;
@@ -193,19 +196,54 @@ pub fn quant_matmul(
         .try_readwrite()
         .map_err(|e| PyValueError::new_err(format!("out cannot be written: {e}")))?;
     let (x, w, out) = (x.as_slice()?, w.as_slice()?, out.as_slice_mut()?);
-    py.detach(|| quant::quant_matmul(qt, w, x, out, &dims, num_threads))
-        .map_err(|e| PyValueError::new_err(e.to_string()))
+    py.detach(|| {
+        if packed {
+            quant::quant_matmul_x8(qt, w, x, out, &dims, num_threads)
+        } else {
+            quant::quant_matmul(qt, w, x, out, &dims, num_threads)
+        }
+    })
+    .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
-/// out[i] = dequantized row ids[i] of W (an embedding lookup). weight uint8 [N, row_bytes]; ids int64
-/// [T]; out float32 [T, K].
+/// W (uint8 [N, row_bytes], GGUF blocks of `ggml_type`) repacked 8 rows at a time for
+/// `quant_matmul(..., packed=True)`: a new array of the same shape. ValueError unless the type is Q4_0 or
+/// Q4_1 and N a multiple of 8.
 #[pyfunction]
+pub fn quant_pack_x8<'py>(
+    py: Python<'py>,
+    weight: &Bound<'py, PyAny>,
+    ggml_type: u32,
+) -> PyResult<Bound<'py, PyArray2<u8>>> {
+    let qt = quant_type(ggml_type)?;
+    let w = array::<u8>(weight, "weight", 2, "uint8")?;
+    let (n, rb) = (w.shape()[0], w.shape()[1]);
+    if rb % qt.block_bytes() != 0 {
+        return Err(shape_error(
+            "quant_pack_x8 needs weight [N, row_bytes]",
+            format!("rows of {rb} bytes are not whole {} blocks", qt.name()),
+        ));
+    }
+    let k = rb / qt.block_bytes() * qt.block_len();
+    let w = w.readonly();
+    let w = w.as_slice()?;
+    let packed = py
+        .detach(|| quant::x8::pack(qt, w, n, k))
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    numpy::PyArray1::from_vec(py, packed).reshape([n, rb])
+}
+
+/// out[i] = dequantized row ids[i] of W (an embedding lookup). weight uint8 [N, row_bytes] (with
+/// `packed`, the layout of `quant_pack_x8`); ids int64 [T]; out float32 [T, K].
+#[pyfunction]
+#[pyo3(signature = (weight, ggml_type, ids, out, packed=false))]
 pub fn quant_get_rows(
     py: Python<'_>,
     weight: &Bound<'_, PyAny>,
     ggml_type: u32,
     ids: &Bound<'_, PyAny>,
     out: &Bound<'_, PyAny>,
+    packed: bool,
 ) -> PyResult<()> {
     let qt = quant_type(ggml_type)?;
     let w = array::<u8>(weight, "weight", 2, "uint8")?;
@@ -217,8 +255,14 @@ pub fn quant_get_rows(
         .try_readwrite()
         .map_err(|e| PyValueError::new_err(format!("out cannot be written: {e}")))?;
     let (w, ids, out) = (w.as_slice()?, ids.as_slice()?, out.as_slice_mut()?);
-    py.detach(|| quant::quant_get_rows(qt, w, n, k, ids, out))
-        .map_err(|e| PyValueError::new_err(e.to_string()))
+    py.detach(|| {
+        if packed {
+            quant::quant_get_rows_x8(qt, w, n, k, ids, out)
+        } else {
+            quant::quant_get_rows(qt, w, n, k, ids, out)
+        }
+    })
+    .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 /// `out = rms_norm(x) * weight` per row. x/out float32 [T, H]; weight float32 [H].

@@ -47,6 +47,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_kernels::paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::quant_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::quant_get_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_kernels::quant_pack_x8, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::quant_type_ids, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::quant_isa, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_pool_workers, m)?)?;

@@ -13,6 +13,7 @@ mod act;
 #[allow(unsafe_code)]
 mod avx2;
 mod formats;
+pub mod x8;
 
 pub use act::{dot_portable, ActRow, Interleaved, QuantizedActs, RowGroup};
 pub use formats::{dequantize_row, f16_to_f32, QuantType};
@@ -134,6 +135,136 @@ pub fn quant_matmul_with(
     Ok(())
 }
 
+/// `quant_matmul` over W in the x8 layout (`x8::pack`): `n` a multiple of 8.
+pub fn quant_matmul_x8(
+    qt: QuantType,
+    w: &[u8],
+    x: &[f32],
+    out: &mut [f32],
+    dims: &MatmulDims,
+    num_threads: usize,
+) -> Result<(), KernelError> {
+    quant_matmul_x8_with(Isa::detect(), qt, w, x, out, dims, num_threads)
+}
+
+/// `quant_matmul_x8` with the kernels chosen by the caller; both give the same bits (see `x8`).
+pub fn quant_matmul_x8_with(
+    isa: Isa,
+    qt: QuantType,
+    w: &[u8],
+    x: &[f32],
+    out: &mut [f32],
+    dims: &MatmulDims,
+    num_threads: usize,
+) -> Result<(), KernelError> {
+    validate(qt, w, x, out, dims)?;
+    x8::check(qt, w.len(), dims.n, dims.k)?;
+    let isa = if isa == Isa::detect() {
+        isa
+    } else {
+        Isa::Portable
+    };
+    let d = *dims;
+    if d.m == 0 {
+        return Ok(());
+    }
+    let acts = QuantizedActs::new(x, d.m, d.k);
+    let nb = d.k / qt.block_len();
+    let group_bytes = x8::ROWS * qt.row_bytes(d.k);
+    let groups = d.n / x8::ROWS;
+    let per_task = rows_per_task(d.n, num_threads).div_ceil(x8::ROWS);
+    let out = OutPtr(out.as_mut_ptr());
+    parallel_for(num_threads, groups.div_ceil(per_task), &|task| {
+        for g in task * per_task..((task + 1) * per_task).min(groups) {
+            let wg = &w[g * group_bytes..][..group_bytes];
+            let store = |i: usize, v: [f32; x8::ROWS]| {
+                let at = i * d.ldo + d.col0 + g * x8::ROWS;
+                // SAFETY: `at + 8 <= m * ldo` (validated); only this task writes these 8 columns.
+                #[allow(unsafe_code)]
+                unsafe {
+                    std::ptr::copy_nonoverlapping(v.as_ptr(), out.ptr().add(at), x8::ROWS);
+                }
+            };
+            let mut i = 0;
+            #[cfg(target_arch = "x86_64")]
+            if isa == Isa::Avx2 {
+                // 4 activation rows share each block's unpacking, then one at a time: the same bits.
+                while i + 4 <= d.m {
+                    let rows = std::array::from_fn(|r| acts.row(i + r));
+                    // SAFETY: AVX2/FMA/F16C detected; `wg` is `nb` packed blocks, each row `nb` sub-blocks.
+                    #[allow(unsafe_code)]
+                    let v = unsafe { x8_avx2::<4>(qt, wg.as_ptr(), nb, &rows) };
+                    for (r, v) in v.into_iter().enumerate() {
+                        store(i + r, v);
+                    }
+                    i += 4;
+                }
+                while i < d.m {
+                    // SAFETY: as above.
+                    #[allow(unsafe_code)]
+                    let v = unsafe { x8_avx2::<1>(qt, wg.as_ptr(), nb, &[acts.row(i)]) };
+                    store(i, v[0]);
+                    i += 1;
+                }
+            }
+            for i in i..d.m {
+                store(i, x8::group_portable(qt, wg, nb, acts.row(i)));
+            }
+        }
+    });
+    Ok(())
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn x8_avx2<const R: usize>(
+    qt: QuantType,
+    w: *const u8,
+    nb: usize,
+    rows: &[ActRow<'_>; R],
+) -> [[f32; x8::ROWS]; R] {
+    let acc = if qt == QuantType::Q4_1 {
+        avx2::x8_group::<R, true>(w, nb, rows)
+    } else {
+        avx2::x8_group::<R, false>(w, nb, rows)
+    };
+    acc.map(|a| {
+        let mut v = [0.0f32; x8::ROWS];
+        std::arch::x86_64::_mm256_storeu_ps(v.as_mut_ptr(), a);
+        v
+    })
+}
+
+/// `quant_get_rows` over W in the x8 layout.
+pub fn quant_get_rows_x8(
+    qt: QuantType,
+    w: &[u8],
+    n: usize,
+    k: usize,
+    ids: &[i64],
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    x8::check(qt, w.len(), n, k)?;
+    KernelError::check_len("out", out.len(), ids.len() * k)?;
+    check_ids(ids, n)?;
+    let mut row = vec![0u8; qt.row_bytes(k)];
+    for (&id, o) in ids.iter().zip(out.chunks_exact_mut(k)) {
+        x8::unpack_row(qt, w, k, id as usize, &mut row);
+        dequantize_row(qt, &row, o);
+    }
+    Ok(())
+}
+
+fn check_ids(ids: &[i64], n: usize) -> Result<(), KernelError> {
+    for (i, &id) in ids.iter().enumerate() {
+        if id < 0 || id as usize >= n {
+            return Err(KernelError::Row { index: i, id, n });
+        }
+    }
+    Ok(())
+}
+
 /// Dequantizes rows `ids` of W (`[n, k]`) into `out` (`[ids.len(), k]`): an embedding lookup.
 pub fn quant_get_rows(
     qt: QuantType,
@@ -147,11 +278,7 @@ pub fn quant_get_rows(
     let rb = qt.row_bytes(k);
     KernelError::check_len("weight", w.len(), n * rb)?;
     KernelError::check_len("out", out.len(), ids.len() * k)?;
-    for (i, &id) in ids.iter().enumerate() {
-        if id < 0 || id as usize >= n {
-            return Err(KernelError::Row { index: i, id, n });
-        }
-    }
+    check_ids(ids, n)?;
     for (&id, o) in ids.iter().zip(out.chunks_exact_mut(k.max(1))) {
         dequantize_row(qt, &w[id as usize * rb..][..rb], o);
     }
@@ -197,6 +324,13 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 #[allow(unsafe_code)]
 unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// The pointer (a method, so that closures capture the `Sync` wrapper rather than its field).
+    fn ptr(self) -> *mut f32 {
+        self.0
+    }
+}
 
 struct Tile<'a> {
     isa: Isa,
