@@ -155,8 +155,9 @@ def test_tied_embedding_and_head_share_the_quantized_table():
 
 
 def test_long_chunks_take_a_float32_gemm_over_the_dequantized_weight():
-    """From DEQUANT_MIN_ROWS rows on (a prefill chunk), x @ W^T is torch's float32 GEMM over W dequantized
-    (pieces of mixed types included), no 8-bit activations; below it, the integer kernels."""
+    """From the weight's `dequant_min_rows` on (a prefill chunk), x @ W^T is torch's float32 GEMM over W
+    dequantized (pieces of mixed types included), no 8-bit activations; below it, the integer kernels.
+    Weights all in the x8 layout cross over later."""
     from pagedrs.layers import quantized
 
     pieces = [
@@ -168,6 +169,10 @@ def test_long_chunks_take_a_float32_gemm_over_the_dequantized_weight():
     dense = torch.cat([dequantized(p) for p in pieces[:2]])
     assert torch.equal(qw.dequantized(), dense)
     rows = quantized.DEQUANT_MIN_ROWS
+    assert qw.dequant_min_rows == rows  # a Q8_0 piece: not all x8
+    x8 = QuantizedWeight([random_weight(Q.Q4_1, 16, 64, 5)])
+    want = quantized.DEQUANT_MIN_ROWS_X8 if _core.quant_isa() == "avx2" else rows
+    assert x8.dequant_min_rows == want
     x = torch.randn(rows + 3, 64, generator=torch.Generator().manual_seed(4))
     torch.testing.assert_close(qw.matmul(x), x @ dense.T, rtol=1e-5, atol=1e-5)
     short = qw.matmul(x[: rows - 1])

@@ -29,7 +29,7 @@ from torch import Tensor
 from pagedrs import _core
 from pagedrs.layers.activation import SiluAndMul
 from pagedrs.layers.attention import ForwardContext
-from pagedrs.layers.attention.torch_ref import CPU_KERNEL_THREADS, TorchAttentionBackend, step_plan
+from pagedrs.layers.attention.torch_ref import TorchAttentionBackend, cpu_kernel_threads, step_plan
 from pagedrs.layers.quantized import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -208,7 +208,7 @@ class CpuDecodeStep:
         qd = np.ascontiguousarray(q).reshape(t, w.num_heads, w.head_size)
         out = np.empty_like(qd)
         _core.paged_decode_attention(
-            qd, cache, block_tables, seq_lens, out, w.scale, w.sliding_window, CPU_KERNEL_THREADS
+            qd, cache, block_tables, seq_lens, out, w.scale, w.sliding_window, cpu_kernel_threads()
         )
         return w.o_proj.matmul_rows(out.reshape(t, w.num_heads * w.head_size))
 

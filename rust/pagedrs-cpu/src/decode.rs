@@ -99,29 +99,33 @@ pub fn paged_decode_f32(
         run_items(&ctx, 0, out);
         return Ok(());
     }
-    // Contiguous item ranges of about equal cost (context length plus a constant per item).
-    let cost = |item: usize| ctx.context(item / d.num_kv_heads).len() + 16;
-    let total: usize = (0..num_items).map(cost).sum();
-    std::thread::scope(|s| {
-        let mut rest = out;
-        let (mut first, mut acc) = (0, 0);
-        for t in 0..threads {
-            let target = total * (t + 1) / threads;
-            let mut end = first;
-            while end < num_items && (acc < target || t + 1 == threads) {
-                acc += cost(end);
-                end += 1;
-            }
-            let (mine, tail) = rest.split_at_mut((end - first) * item_len);
-            rest = tail;
-            let (ctx, start) = (&ctx, first);
-            if !mine.is_empty() {
-                s.spawn(move || run_items(ctx, start, mine));
-            }
-            first = end;
-        }
+    // One task per item on the warm pool (the tasks are handed out in order, so the long and the short
+    // contexts even out); each item's output is its own slice.
+    let out = ItemsOut(out.as_mut_ptr());
+    crate::pool::parallel_for(threads, num_items, &|item| {
+        // SAFETY: items are disjoint `item_len` runs of `out` (`num_items * item_len` elements, checked
+        // in `validate`), and each task index is run exactly once.
+        #[allow(unsafe_code)]
+        let mine = unsafe { std::slice::from_raw_parts_mut(out.at(item * item_len), item_len) };
+        run_items(&ctx, item, mine);
     });
     Ok(())
+}
+
+/// `out` of `paged_decode_f32`, written by the pool's threads at disjoint items.
+#[derive(Clone, Copy)]
+struct ItemsOut(*mut f32);
+// SAFETY: every task writes only its own item's elements.
+#[allow(unsafe_code)]
+unsafe impl Send for ItemsOut {}
+#[allow(unsafe_code)]
+unsafe impl Sync for ItemsOut {}
+
+impl ItemsOut {
+    /// The element at `offset` (a method, so closures capture the `Sync` wrapper, not its field).
+    fn at(self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
 }
 
 fn validate(
@@ -228,6 +232,16 @@ trait Vector {
             Self::axpy(w, row, out);
         }
     }
+    /// `s[i] = exp(s[i] - max)` for every element (each <= max); returns their sum.
+    #[inline(always)]
+    fn exp_shifted(s: &mut [f32], max: f32) -> f32 {
+        let mut sum = 0.0f32;
+        for x in s.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        sum
+    }
 }
 
 struct Portable;
@@ -296,6 +310,12 @@ impl Vector for Avx2 {
                 *o = Self::dot(q, row) * scale;
             }
         }
+    }
+
+    #[inline(always)]
+    fn exp_shifted(s: &mut [f32], max: f32) -> f32 {
+        // SAFETY: as for `dot`.
+        unsafe { avx2::exp_shifted(s, max) }
     }
 
     #[inline(always)]
@@ -425,6 +445,63 @@ mod avx2 {
         }
     }
 
+    /// `exp(x)` of 8 lanes, x <= 0: Cephes' `expf` (range reduction by ln 2 in two parts, degree-5
+    /// polynomial; within a few ulp of the correctly rounded value), lanes below -87.3 taken as -87.3
+    /// (exp ~ 1e-38, the smallest normal range).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn exp8(x: __m256) -> __m256 {
+        let x = _mm256_max_ps(x, _mm256_set1_ps(-87.3));
+        let fx = _mm256_floor_ps(_mm256_fmadd_ps(
+            x,
+            _mm256_set1_ps(std::f32::consts::LOG2_E),
+            _mm256_set1_ps(0.5),
+        ));
+        let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
+        let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), r);
+        let mut y = _mm256_set1_ps(1.987_569_1e-4);
+        for c in [1.398_2e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+            y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+        }
+        let y = _mm256_fmadd_ps(
+            y,
+            _mm256_mul_ps(r, r),
+            _mm256_add_ps(r, _mm256_set1_ps(1.0)),
+        );
+        // 2^fx with fx >= -126: the exponent field fx + 127 >= 1.
+        let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)),
+            23,
+        ));
+        _mm256_mul_ps(y, pow2)
+    }
+
+    /// `s[i] = exp(s[i] - max)` (each `s[i] <= max`) 8 at a time (the tail through a padded copy);
+    /// returns their sum.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn exp_shifted(s: &mut [f32], max: f32) -> f32 {
+        let m = _mm256_set1_ps(max);
+        let mut acc = _mm256_setzero_ps();
+        let mut chunks = s.chunks_exact_mut(8);
+        for c in &mut chunks {
+            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m));
+            _mm256_storeu_ps(c.as_mut_ptr(), e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        let tail = chunks.into_remainder();
+        let mut buf = [max; 8];
+        buf[..tail.len()].copy_from_slice(tail);
+        let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(buf.as_ptr()), m));
+        _mm256_storeu_ps(buf.as_mut_ptr(), e);
+        tail.copy_from_slice(&buf[..tail.len()]);
+        let mut lanes = [0.0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+        let body = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+            + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+        body + tail.iter().sum::<f32>()
+    }
+
     /// `y += alpha * x` over `min(len)` elements.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
@@ -534,11 +611,7 @@ fn attend<V: Vector, const HD: usize>(
     // Softmax per head, normalized before the value sum (as torch's softmax then bmm).
     for s in scores.chunks_exact_mut(n) {
         let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0f32;
-        for x in s.iter_mut() {
-            *x = (*x - max).exp();
-            sum += *x;
-        }
+        let sum = V::exp_shifted(s, max);
         let inv = 1.0 / sum;
         for x in s.iter_mut() {
             *x *= inv;
@@ -669,6 +742,32 @@ mod tests {
         )
         .unwrap();
         out
+    }
+
+    #[test]
+    fn vector_exp_is_within_a_few_ulp() {
+        if !avx2_available() {
+            return;
+        }
+        let mut rng = Rng(3);
+        let mut xs: Vec<f32> = (0..4003)
+            .map(|_| -87.0 * (rng.next() + 1.0) / 2.0)
+            .collect();
+        xs.extend([0.0, -1e-30, -0.5, -1.0, -20.0, -87.0]);
+        let mut got = xs.clone();
+        // SAFETY: AVX2 and FMA detected above.
+        #[allow(unsafe_code)]
+        let sum = unsafe { avx2::exp_shifted(&mut got, 0.0) };
+        let mut want_sum = 0.0f64;
+        for (&x, &g) in xs.iter().zip(&got) {
+            let want = f64::from(x).exp();
+            want_sum += want;
+            assert!(
+                ((f64::from(g) - want) / want).abs() < 4e-7,
+                "exp({x}) = {g}, want {want}"
+            );
+        }
+        assert!((f64::from(sum) - want_sum).abs() <= 1e-6 * want_sum);
     }
 
     fn assert_close(a: &[f32], b: &[f32]) {
