@@ -2,10 +2,14 @@
 
     taskset -c 0 env OMP_NUM_THREADS=1 python bench/quant_kernel.py [--n 49152] [--k 576]
         [--types Q4_1,Q8_0] [--rows 1,2,4,6,8,16] [--repeats 7] [--threads 1]
+    python bench/quant_kernel.py --types Q4_1 --n 3072 --x8      # also the 8-row interleaved layout
+
 
 The weight is random bytes with sane f16 scales (the kernels' cost does not depend on the values); x is
 random float32. Prints the best-of-repeats and the median time per call, and the best time per activation
 row, for each (type, M). The default shape is SmolLM2-135M's tied embedding / LM head (49152 x 576).
+With --x8, Q4_0 / Q4_1 also run in the layout the loader repacks them into (`_core.quant_pack_x8`), the
+two layouts' calls alternating within each repeat (same machine load), with the ratio file / x8.
 """
 
 from __future__ import annotations
@@ -48,23 +52,33 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,6,8,16")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--x8", action="store_true", help="also time the x8 layout of Q4_0 / Q4_1")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     print(f"isa {_core.quant_isa()}  N={args.n} K={args.k} threads={args.threads}")
-    print(f"{'type':5} {'M':>3} {'best ms':>9} {'median ms':>10} {'ms/row':>8}")
+    print(f"{'type':5} {'layout':6} {'M':>3} {'best ms':>9} {'median ms':>10} {'ms/row':>8}")
     for name in args.types.split(","):
+        qid = TYPES[name][0]
         w = weight(name, args.n, args.k, rng)
+        layouts = [("file", w, False)]
+        if args.x8 and name in ("Q4_0", "Q4_1"):
+            layouts.append(("x8", _core.quant_pack_x8(w, qid), True))
         for m in (int(r) for r in args.rows.split(",")):
             x = rng.standard_normal((m, args.k), dtype=np.float32)
             out = np.empty((m, args.n), dtype=np.float32)
-            _core.quant_matmul(x, w, TYPES[name][0], out, num_threads=args.threads)  # warm-up
-            times = []
+            times: dict[str, list[float]] = {label: [] for label, _, _ in layouts}
+            for _, data, packed in layouts:  # warm-up
+                _core.quant_matmul(x, data, qid, out, 0, args.threads, packed)
             for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                _core.quant_matmul(x, w, TYPES[name][0], out, num_threads=args.threads)
-                times.append((time.perf_counter() - t0) * 1e3)
-            best, med = min(times), statistics.median(times)
-            print(f"{name:5} {m:>3} {best:>9.2f} {med:>10.2f} {best / m:>8.2f}", flush=True)
+                for label, data, packed in layouts:
+                    t0 = time.perf_counter()
+                    _core.quant_matmul(x, data, qid, out, 0, args.threads, packed)
+                    times[label].append((time.perf_counter() - t0) * 1e3)
+            for label, ts in times.items():
+                best, med = min(ts), statistics.median(ts)
+                print(f"{name:5} {label:6} {m:>3} {best:>9.2f} {med:>10.2f} {best / m:>8.2f}", flush=True)
+            if len(times) == 2:
+                print(f"{name:5} file/x8 {m:>2} {min(times['file']) / min(times['x8']):.2f}x", flush=True)
 
 
 if __name__ == "__main__":
