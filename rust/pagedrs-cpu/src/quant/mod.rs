@@ -102,17 +102,10 @@ pub fn quant_matmul_with(
     dims: &MatmulDims,
     num_threads: usize,
 ) -> Result<(), KernelError> {
-    validate(qt, w, x, out, dims)?;
-    let isa = if isa == Isa::detect() {
-        isa
-    } else {
-        Isa::Portable
+    let Some((isa, acts)) = begin(isa, qt, w, x, out, dims)? else {
+        return Ok(());
     };
     let d = *dims;
-    if d.m == 0 || d.n == 0 {
-        return Ok(());
-    }
-    let acts = QuantizedActs::new(x, d.m, d.k);
     let groups = row_groups(isa, qt, &acts);
     let row_bytes = qt.row_bytes(d.k);
     let out = OutPtr(out.as_mut_ptr());
@@ -133,6 +126,28 @@ pub fn quant_matmul_with(
         tile.run(rows);
     });
     Ok(())
+}
+
+/// What both layouts' matmuls do first: check the arguments, pick the kernels that run (`isa` where this
+/// CPU has it, else the portable ones) and quantize the activations; None when there is nothing to compute.
+fn begin(
+    isa: Isa,
+    qt: QuantType,
+    w: &[u8],
+    x: &[f32],
+    out: &[f32],
+    dims: &MatmulDims,
+) -> Result<Option<(Isa, QuantizedActs)>, KernelError> {
+    validate(qt, w, x, out, dims)?;
+    if dims.m == 0 || dims.n == 0 {
+        return Ok(None);
+    }
+    let isa = if isa == Isa::detect() {
+        isa
+    } else {
+        Isa::Portable
+    };
+    Ok(Some((isa, QuantizedActs::new(x, dims.m, dims.k))))
 }
 
 /// `quant_matmul` over W in the x8 layout (`x8::pack`): `n` a multiple of 8.
@@ -157,18 +172,11 @@ pub fn quant_matmul_x8_with(
     dims: &MatmulDims,
     num_threads: usize,
 ) -> Result<(), KernelError> {
-    validate(qt, w, x, out, dims)?;
     x8::check(qt, w.len(), dims.n, dims.k)?;
-    let isa = if isa == Isa::detect() {
-        isa
-    } else {
-        Isa::Portable
+    let Some((isa, acts)) = begin(isa, qt, w, x, out, dims)? else {
+        return Ok(());
     };
     let d = *dims;
-    if d.m == 0 {
-        return Ok(());
-    }
-    let acts = QuantizedActs::new(x, d.m, d.k);
     let nb = d.k / qt.block_len();
     let group_bytes = x8::ROWS * qt.row_bytes(d.k);
     let groups = d.n / x8::ROWS;
