@@ -198,7 +198,7 @@ pub fn quant_matmul(
     let (x, w, out) = (x.as_slice()?, w.as_slice()?, out.as_slice_mut()?);
     py.detach(|| {
         if packed {
-            quant::quant_matmul_x8(qt, w, x, out, &dims, num_threads)
+            quant::quant_matmul_x8_with(Isa::detect(), qt, w, x, out, &dims, num_threads)
         } else {
             quant::quant_matmul(qt, w, x, out, &dims, num_threads)
         }

@@ -150,19 +150,8 @@ fn begin(
     Ok(Some((isa, QuantizedActs::new(x, dims.m, dims.k))))
 }
 
-/// `quant_matmul` over W in the x8 layout (`x8::pack`): `n` a multiple of 8.
-pub fn quant_matmul_x8(
-    qt: QuantType,
-    w: &[u8],
-    x: &[f32],
-    out: &mut [f32],
-    dims: &MatmulDims,
-    num_threads: usize,
-) -> Result<(), KernelError> {
-    quant_matmul_x8_with(Isa::detect(), qt, w, x, out, dims, num_threads)
-}
-
-/// `quant_matmul_x8` with the kernels chosen by the caller; both give the same bits (see `x8`).
+/// `quant_matmul` over W in the x8 layout (`x8::pack`; `n` a multiple of 8), on the kernels chosen by the
+/// caller (`Isa::detect()` for the best); the AVX2 and portable kernels give the same bits (see `x8`).
 pub fn quant_matmul_x8_with(
     isa: Isa,
     qt: QuantType,
