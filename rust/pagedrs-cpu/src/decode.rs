@@ -101,7 +101,7 @@ pub fn paged_decode_f32(
     }
     // One task per item on the warm pool (the tasks are handed out in order, so the long and the short
     // contexts even out); each item's output is its own slice.
-    let out = ItemsOut(out.as_mut_ptr());
+    let out = crate::pool::SharedOut::new(out);
     crate::pool::parallel_for(threads, num_items, &|item| {
         // SAFETY: items are disjoint `item_len` runs of `out` (`num_items * item_len` elements, checked
         // in `validate`), and each task index is run exactly once.
@@ -110,22 +110,6 @@ pub fn paged_decode_f32(
         run_items(&ctx, item, mine);
     });
     Ok(())
-}
-
-/// `out` of `paged_decode_f32`, written by the pool's threads at disjoint items.
-#[derive(Clone, Copy)]
-struct ItemsOut(*mut f32);
-// SAFETY: every task writes only its own item's elements.
-#[allow(unsafe_code)]
-unsafe impl Send for ItemsOut {}
-#[allow(unsafe_code)]
-unsafe impl Sync for ItemsOut {}
-
-impl ItemsOut {
-    /// The element at `offset` (a method, so closures capture the `Sync` wrapper, not its field).
-    fn at(self, offset: usize) -> *mut f32 {
-        self.0.wrapping_add(offset)
-    }
 }
 
 fn validate(

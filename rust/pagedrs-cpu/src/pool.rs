@@ -96,6 +96,27 @@ fn join(shared: &Shared, epoch: u64) -> bool {
     }
 }
 
+/// An output buffer that the tasks of one `parallel_for` write at disjoint positions (each task only
+/// its own elements: the caller's invariant, stated at each write).
+#[derive(Clone, Copy)]
+pub struct SharedOut(*mut f32);
+// SAFETY: the tasks write disjoint elements, and `parallel_for` returns after the last one has.
+#[allow(unsafe_code)]
+unsafe impl Send for SharedOut {}
+#[allow(unsafe_code)]
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    pub fn new(out: &mut [f32]) -> Self {
+        SharedOut(out.as_mut_ptr())
+    }
+
+    /// The element at `offset` (a method, so that closures capture the `Sync` wrapper, not its field).
+    pub fn at(self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
+}
+
 /// Worker count of the pool (the number of CPUs the process may use, minus the caller).
 pub fn num_workers() -> usize {
     Pool::get().workers

@@ -18,7 +18,7 @@ pub mod x8;
 pub use act::{dot_portable, ActRow, Interleaved, QuantizedActs, RowGroup};
 pub use formats::{dequantize_row, f16_to_f32, QuantType};
 
-use crate::pool::parallel_for;
+use crate::pool::{parallel_for, SharedOut};
 use crate::KernelError;
 
 /// Which kernels run.
@@ -108,7 +108,7 @@ pub fn quant_matmul_with(
     let d = *dims;
     let groups = row_groups(isa, qt, &acts);
     let row_bytes = qt.row_bytes(d.k);
-    let out = OutPtr(out.as_mut_ptr());
+    let out = SharedOut::new(out);
     let per_task = rows_per_task(d.n, num_threads);
     let tasks = d.n.div_ceil(per_task);
     parallel_for(num_threads, tasks, &|task| {
@@ -170,7 +170,7 @@ pub fn quant_matmul_x8_with(
     let group_bytes = x8::ROWS * qt.row_bytes(d.k);
     let groups = d.n / x8::ROWS;
     let per_task = rows_per_task(d.n, num_threads).div_ceil(x8::ROWS);
-    let out = OutPtr(out.as_mut_ptr());
+    let out = SharedOut::new(out);
     parallel_for(num_threads, groups.div_ceil(per_task), &|task| {
         for g in task * per_task..((task + 1) * per_task).min(groups) {
             let wg = &w[g * group_bytes..][..group_bytes];
@@ -179,7 +179,7 @@ pub fn quant_matmul_x8_with(
                 // SAFETY: `at + 8 <= m * ldo` (validated); only this task writes these 8 columns.
                 #[allow(unsafe_code)]
                 unsafe {
-                    std::ptr::copy_nonoverlapping(v.as_ptr(), out.ptr().add(at), x8::ROWS);
+                    std::ptr::copy_nonoverlapping(v.as_ptr(), out.at(at), x8::ROWS);
                 }
             };
             let mut i = 0;
@@ -313,22 +313,6 @@ fn validate(
     KernelError::check_len("out", out.len(), d.m * d.ldo)
 }
 
-/// The output buffer, written by several threads at disjoint (row, column) positions.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: every task writes only the columns of its own weight rows (disjoint ranges).
-#[allow(unsafe_code)]
-unsafe impl Send for OutPtr {}
-#[allow(unsafe_code)]
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    /// The pointer (a method, so that closures capture the `Sync` wrapper rather than its field).
-    fn ptr(self) -> *mut f32 {
-        self.0
-    }
-}
-
 struct Tile<'a> {
     isa: Isa,
     qt: QuantType,
@@ -336,7 +320,7 @@ struct Tile<'a> {
     row_bytes: usize,
     acts: &'a QuantizedActs,
     groups: &'a [Interleaved],
-    out: OutPtr,
+    out: SharedOut,
     d: MatmulDims,
 }
 
@@ -409,7 +393,7 @@ impl Tile<'_> {
             // SAFETY: `at < m * ldo` (validated); only this task writes column `col0 + n`.
             #[allow(unsafe_code)]
             unsafe {
-                *self.out.0.add(at) = v;
+                *self.out.at(at) = v;
             }
         }
     }
