@@ -361,6 +361,10 @@ class SamplerRow:
     generator: torch.Generator | None = None
     is_simple_greedy: bool = False
 
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
     def __post_init__(self) -> None:
         p = self.params
         if p.seed is not None and p.temperature > 0:

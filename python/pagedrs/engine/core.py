@@ -231,7 +231,7 @@ class EngineCore:
         seq_ids = [next(self._seq_counter) for _ in range(params.n)]
         prompt = req.prompt_token_ids
         seqs = [
-            CoreSeq(sid, i, req.request_id, params.child(i), prompt, self.device)
+            CoreSeq(sid, i, req.request_id, params.child(i), prompt, self.device, self.scheduler)
             for i, sid in enumerate(seq_ids)
         ]
         if not self._loras.activate(req, compiled, seq_ids):
@@ -399,7 +399,6 @@ class EngineCore:
         self._generation_tokens_total += len(rows) if kept is None else int(kept.sum())
         outs.prompt_logprobs(out)
         for seq, toks in outs.sampled(rows, out, pooled, kept):
-            seq.output_token_ids.extend(toks)
             if seq.matcher is not None:
                 for tok in toks:
                     if not seq.matcher.accept_token(tok):

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from pagedrs import _core
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import SamplingParams
 
@@ -23,14 +24,21 @@ class CoreSeq:
         "params",
         "generator",
         "prompt_token_ids",
-        "output_token_ids",
+        "_scheduler",
         "is_simple_greedy",
         "num_logprobs",
         "matcher",
     )
 
     def __init__(
-        self, seq_id: int, index: int, request_id: str, params: SamplingParams, prompt: list[int], dev: Any
+        self,
+        seq_id: int,
+        index: int,
+        request_id: str,
+        params: SamplingParams,
+        prompt: list[int],
+        dev: Any,
+        scheduler: _core.Scheduler,
     ) -> None:
         self.seq_id = seq_id
         self.index = index
@@ -42,8 +50,9 @@ class CoreSeq:
             self.generator.manual_seed(params.seed)
         self.prompt_token_ids: Sequence[int] = prompt
         self.matcher: Any = None  # an xgrammar GrammarMatcher (structured outputs)
-        # The sampled tokens, kept once in the core: penalties, grammars and the token-box picture read them.
-        self.output_token_ids: list[int] = []
+        # The sampled tokens are kept once in the core, by the scheduler (stop checks, recompute after
+        # preemption, prefix hashes); penalties, min_tokens and the token-box picture read them there.
+        self._scheduler = scheduler
         self.num_logprobs = params.logprobs
         self.is_simple_greedy = (
             params.temperature == 0.0
@@ -52,6 +61,15 @@ class CoreSeq:
             and params.min_tokens == 0
             and params.logprobs is None
         )
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The tokens sampled so far (a copy, read from the scheduler; the sequence must be live)."""
+        return self._scheduler.output_token_ids(self.seq_id)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._scheduler.num_output_tokens(self.seq_id)
 
 
 class CoreRequest:

@@ -51,8 +51,15 @@ class SamplingRow(Protocol):
     params: SamplingParams
     generator: torch.Generator | None
     prompt_token_ids: Sequence[int]
-    output_token_ids: list[int]
     is_simple_greedy: bool  # greedy, no penalties / bias / min_tokens / logprobs
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        """The tokens sampled so far."""
+        ...
+
+    @property
+    def num_output_tokens(self) -> int: ...
 
 
 @dataclass

@@ -263,7 +263,7 @@ class SamplingState:
         ban_ids: list[np.ndarray] = []
         for i in np.nonzero(min_tokens)[0].tolist():
             stops = self.stop_ids[slots[i]]
-            if len(rows[i].output_token_ids) < min_tokens[i] and stops is not None and len(stops):
+            if rows[i].num_output_tokens < min_tokens[i] and stops is not None and len(stops):
                 ban_rows.append(np.full(len(stops), i, dtype=_I64))
                 ban_ids.append(stops)
         if ban_rows:

@@ -415,18 +415,45 @@ impl Scheduler {
         Ok(self.seqs[r.slot as usize].status)
     }
 
-    /// Token ids (prompt + output) of a live seq id.
-    pub fn token_ids(&self, seq_id: i64) -> Result<&[u32]> {
+    /// Token ids (prompt + output, the newest output tokens included) of a live seq id; a child
+    /// not yet forked has its parent's prompt and no output.
+    pub fn token_ids(&self, seq_id: i64) -> Result<Vec<u32>> {
+        self.tokens_from(seq_id, 0)
+    }
+
+    /// Output token ids of a live seq id: the one copy the engine keeps (penalties, min_tokens and
+    /// the batch picture read it from here).
+    pub fn output_token_ids(&self, seq_id: i64) -> Result<Vec<u32>> {
+        self.tokens_from(seq_id, usize::MAX)
+    }
+
+    /// `output_token_ids(seq_id).len()` without the copy.
+    pub fn num_output_tokens(&self, seq_id: i64) -> Result<usize> {
+        let r = self
+            .ids
+            .get(&seq_id)
+            .ok_or(Error::UnknownSeqId { seq_id })?;
+        Ok(if r.child {
+            0
+        } else {
+            self.seqs[r.slot as usize].num_output()
+        })
+    }
+
+    /// Tokens of a live seq id from position `start` (`usize::MAX`: from the end of the prompt).
+    fn tokens_from(&self, seq_id: i64, start: usize) -> Result<Vec<u32>> {
         let r = self
             .ids
             .get(&seq_id)
             .ok_or(Error::UnknownSeqId { seq_id })?;
         let seq = &self.seqs[r.slot as usize];
-        Ok(if r.child {
-            &seq.tokens[..seq.prompt_len]
+        let start = start.min(seq.prompt_len);
+        let end = if r.child {
+            seq.prompt_len
         } else {
-            &seq.tokens
-        })
+            seq.num_tokens()
+        };
+        Ok((start..end).map(|i| seq.token(i)).collect())
     }
 
     /// Device blocks of a live seq id (empty for a child not yet forked).
@@ -557,10 +584,47 @@ mod tests {
     }
 
     #[test]
+    fn output_token_ids_include_the_newest_tokens_across_tail_flushes() {
+        let mut s = Scheduler::new(Config {
+            num_blocks: 16,
+            block_size: 4,
+            max_model_len: 64,
+            ..Config::default()
+        })
+        .unwrap();
+        s.add_request(NewRequest {
+            max_tokens: 40,
+            ..req(&[7, 8], 3)
+        })
+        .unwrap();
+        let mut want: Vec<u32> = Vec::new();
+        for step in 0..37u32 {
+            let p = s.schedule().unwrap();
+            let sampled: Vec<i64> = (0..p.sampled_seq_ids.len())
+                .map(|i| i64::from(100 + step * 2 + i as u32))
+                .collect();
+            let row = p.sampled_seq_ids.iter().position(|&id| id == 7).unwrap();
+            want.push(sampled[row] as u32);
+            s.update(p.step_id, &sampled).unwrap();
+            assert_eq!(s.output_token_ids(7).unwrap(), want, "step {step}");
+            assert_eq!(s.num_output_tokens(7).unwrap(), want.len());
+            let mut all = vec![1, 2, 3];
+            all.extend(&want);
+            assert_eq!(s.token_ids(7).unwrap(), all);
+        }
+        assert!(matches!(
+            s.output_token_ids(99),
+            Err(Error::UnknownSeqId { seq_id: 99 })
+        ));
+    }
+
+    #[test]
     fn token_ids_and_cached_tokens_queries() {
         let mut s = sched();
         s.add_request(req(&[1, 2], 3)).unwrap();
         assert_eq!(s.token_ids(2).unwrap(), vec![1, 2, 3]);
+        assert_eq!(s.output_token_ids(2).unwrap(), Vec::<u32>::new());
+        assert_eq!(s.num_output_tokens(2).unwrap(), 0);
         assert_eq!(s.num_cached_tokens(1).unwrap(), 0);
         assert!(matches!(
             s.num_cached_tokens(5),

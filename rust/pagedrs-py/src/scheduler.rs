@@ -288,6 +288,17 @@ impl PyScheduler {
             .map_err(to_py)
     }
 
+    /// Output token ids of a live seq id (the newest included): the engine's one copy of them.
+    fn output_token_ids(&self, py: Python<'_>, seq_id: i64) -> PyResult<Vec<u32>> {
+        self.with(py, |s| s.output_token_ids(seq_id))?
+            .map_err(to_py)
+    }
+
+    fn num_output_tokens(&self, py: Python<'_>, seq_id: i64) -> PyResult<usize> {
+        self.with(py, |s| s.num_output_tokens(seq_id))?
+            .map_err(to_py)
+    }
+
     /// Raises PagedrsError naming the first broken invariant (debugging; O(pool + tokens)).
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
         self.detached(py, |s| s.check_invariants())?.map_err(to_py)
