@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from conftest import API_KEY, ThreadedServer
 
@@ -86,6 +87,67 @@ def test_chat_beams(server: tuple[ThreadedServer, Path]) -> None:
     assert out["usage"]["completion_tokens"] == 3 * 5
 
 
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_streamed_beam_search_sends_the_whole_choices(
+    server: tuple[ThreadedServer, Path], include_usage: bool
+) -> None:
+    """As vLLM: a streamed beam search gives each choice whole once the search is done, in the chunk
+    shapes of a token-by-token stream; the official client reads it, and the pieces equal the
+    non-streamed response."""
+    srv, _ = server
+    client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=API_KEY)
+    extra = {"use_beam_search": True, "ignore_eos": True}
+    opts = {"stream_options": {"include_usage": True}} if include_usage else {}
+    whole = client.completions.create(
+        model="tiny", prompt=PROMPT, n=2, max_tokens=6, logprobs=1, extra_body=extra
+    )
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt=PROMPT, n=2, max_tokens=6, logprobs=1, stream=True, extra_body=extra, **opts
+        )
+    )
+    got = sorted((c for ch in chunks for c in ch.choices), key=lambda c: c.index)
+    assert [c.text for c in got] == [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
+    assert [c.finish_reason for c in got] == ["length", "length"]
+    for c, w in zip(got, sorted(whole.choices, key=lambda c: c.index), strict=True):
+        # two runs of the search: the same beams, logprobs equal up to float32 batch-order rounding
+        assert c.logprobs.token_logprobs == pytest.approx(w.logprobs.token_logprobs, abs=1e-4)
+    assert (chunks[-1].usage is not None) == include_usage
+    if include_usage:
+        # the counts; the cached-token count may differ (the second run finds the first's blocks)
+        assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+        assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 2 * 6
+
+    messages = [{"role": "user", "content": "hi there"}]
+    whole_chat = client.chat.completions.create(
+        model="tiny", messages=messages, n=3, max_tokens=5, logprobs=True, extra_body=extra
+    )
+    chat_chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            n=3,
+            max_tokens=5,
+            logprobs=True,
+            stream=True,
+            extra_body=extra,
+            **opts,
+        )
+    )
+    deltas = sorted((c for ch in chat_chunks for c in ch.choices), key=lambda c: c.index)
+    assert [d.index for d in deltas] == [0, 1, 2]
+    for d, w in zip(deltas, whole_chat.choices, strict=True):
+        assert d.delta.role == "assistant" and d.delta.content == w.message.content
+        assert d.finish_reason == w.finish_reason
+        assert [t.logprob for t in d.logprobs.content] == pytest.approx(
+            [t.logprob for t in w.logprobs.content], abs=1e-4
+        )
+    assert all(ch.object == "chat.completion.chunk" for ch in chat_chunks)
+    if include_usage:
+        assert chat_chunks[-1].usage.completion_tokens == whole_chat.usage.completion_tokens == 3 * 5
+        assert chat_chunks[-1].usage.prompt_tokens == whole_chat.usage.prompt_tokens
+
+
 @pytest.mark.parametrize(
     "route,extra,param,message",
     [
@@ -95,7 +157,6 @@ def test_chat_beams(server: tuple[ThreadedServer, Path]) -> None:
         ("completions", {"best_of": 11}, "best_of", "beam_width must be at most 10"),
         ("completions", {"max_tokens": 0}, "max_tokens", None),
         ("completions", {"max_tokens": 5000}, "max_tokens", "maximum context length"),
-        ("completions", {"stream": True}, "stream", "stream is not supported with use_beam_search"),
         ("completions", {"stop": ["a"]}, "stop", "stop is not supported with use_beam_search"),
         ("chat/completions", {"n": 11}, "n", "beam_width must be at most 10"),
         # the engine's context check, named as each endpoint spells the field

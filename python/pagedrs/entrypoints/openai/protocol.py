@@ -24,7 +24,6 @@ MAX_SEED = 2**63 - 1
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 # What a beam search cannot follow: it ranks the model's own logprobs, one token per round.
 BEAM_SEARCH_UNSUPPORTED = (
-    "stream",
     "stop",
     "stop_token_ids",
     "min_tokens",

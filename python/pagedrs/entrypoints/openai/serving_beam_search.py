@@ -1,22 +1,25 @@
 """`use_beam_search` on /v1/completions and /v1/chat/completions, as vLLM serves it: the request's
 n (or best_of, when larger) is the beam width, the best n beams are the choices. The rounds of
-`pagedrs.beam_search.BeamSearch` run through the async engine like any other requests."""
+`pagedrs.beam_search.BeamSearch` run through the async engine like any other requests. A streamed
+beam search (vLLM streams it too) sends each choice whole, in one chunk, once the search is done: no
+beam is final before the last round."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
 
 from pagedrs.beam_search import BeamSearch
 from pagedrs.engine.input_processor import InputError
 from pagedrs.entrypoints.openai.errors import bad_request
 from pagedrs.entrypoints.openai.protocol import SamplingFields
-from pagedrs.entrypoints.openai.serving_base import OpenAIServing
+from pagedrs.entrypoints.openai.serving_base import SSE_DONE, OpenAIServing, sse
 from pagedrs.lora.request import LoRARequest
 from pagedrs.outputs import CompletionOutput, RequestOutput
 from pagedrs.sampling_params import BeamSearchParams
 
-__all__ = ["beam_search_outputs"]
+__all__ = ["beam_search_outputs", "whole_response_stream"]
 
 
 async def beam_search_outputs(
@@ -98,3 +101,29 @@ async def beam_search_outputs(
             )
         )
     return outputs
+
+
+async def whole_response_stream(body: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
+    """A finished completion or chat completion `body` as the SSE stream of its chunks: one chunk per
+    choice holding all of it (a chat choice's message as its delta), then the usage chunk when asked
+    for (`stream_options.include_usage`), then [DONE]; the same chunk shapes a token-by-token stream has."""
+    chat = body["object"] == "chat.completion"
+    head = {
+        "id": body["id"],
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": body["created"],
+        "model": body["model"],
+    }
+    for choice in body["choices"]:
+        if chat:
+            message = dict(choice["message"])
+            if message.get("tool_calls"):
+                message["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+            choice = {**{k: v for k, v in choice.items() if k != "message"}, "delta": message}
+        chunk: dict[str, Any] = {**head, "choices": [choice]}
+        if include_usage:
+            chunk["usage"] = None
+        yield sse(chunk)
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": body["usage"]})
+    yield SSE_DONE

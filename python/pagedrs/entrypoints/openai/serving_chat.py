@@ -29,7 +29,7 @@ from pagedrs.entrypoints.openai.serving_base import (
     sse_error,
     usage_info,
 )
-from pagedrs.entrypoints.openai.serving_beam_search import beam_search_outputs
+from pagedrs.entrypoints.openai.serving_beam_search import beam_search_outputs, whole_response_stream
 from pagedrs.entrypoints.openai.serving_models import ServingModels
 from pagedrs.entrypoints.openai.tool_parsers import ParsedMessage, chat_deltas
 from pagedrs.lora.request import LoRARequest
@@ -153,7 +153,7 @@ class OpenAIServingChat(OpenAIServing):
                 }
             )
             completion_tokens += len(c.token_ids)
-        return {
+        body = {
             "id": request_id,
             "object": "chat.completion",
             "created": now_s(),
@@ -161,6 +161,9 @@ class OpenAIServingChat(OpenAIServing):
             "choices": choices,
             "usage": usage_info(len(prep.prompt_ids), completion_tokens, cached_tokens(outputs)),
         }
+        if req.stream:  # a streamed beam search: the others returned their stream above
+            return whole_response_stream(body, bool(req.stream_options and req.stream_options.include_usage))
+        return body
 
     def message(self, prep: ChatPrepared, text: str) -> tuple[dict[str, Any], int]:
         """The assistant message of a whole reply (and its number of calls)."""

@@ -21,7 +21,7 @@ from pagedrs.entrypoints.openai.serving_base import (
     sse_error,
     usage_info,
 )
-from pagedrs.entrypoints.openai.serving_beam_search import beam_search_outputs
+from pagedrs.entrypoints.openai.serving_beam_search import beam_search_outputs, whole_response_stream
 from pagedrs.outputs import CompletionOutput, RequestOutput
 from pagedrs.sampling_params import SamplingParams
 
@@ -50,7 +50,12 @@ class OpenAIServingCompletion(OpenAIServing):
         model, ids_list, texts, params = await self.prepare(req)
         request_id = random_id("cmpl")
         if req.use_beam_search:
-            return await self._beam_search(req, raw_request, request_id, model, ids_list, texts)
+            body = await self._beam_search(req, raw_request, request_id, model, ids_list, texts)
+            if req.stream:
+                return whole_response_stream(
+                    body, bool(req.stream_options and req.stream_options.include_usage)
+                )
+            return body
         lora = self.resolve_model(req.model)[1]  # the adapter `model` names (None: the base model)
         streams = await self.submit_all(request_id, ids_list, params, lora_request=lora)
         if req.echo:
