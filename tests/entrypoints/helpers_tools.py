@@ -61,6 +61,11 @@ class ScriptedEngine(FakeEngine):
             self._replies[req.request_id] = list(self.scripts[key].encode("utf-8"))
             self._sent[req.request_id] = 0
 
+    @property
+    def generating(self) -> set[str]:
+        """Request ids whose scripted reply is still being sent (not finished, not aborted)."""
+        return set(self._replies)
+
     def abort(self, request_ids: Any, seqs: Any = ()) -> None:
         super().abort(request_ids, seqs)
         for rid in list(request_ids):

@@ -209,12 +209,12 @@ def test_background_and_cancel(engine: ScriptedEngine, client: openai.OpenAI) ->
     cancelled = client.responses.cancel(slow.id)
     assert cancelled.status == "cancelled"
     assert client.responses.retrieve(slow.id).status == "cancelled"
-    wait_until(lambda: not engine.requests, timeout=10)  # the engine request was aborted
+    wait_until(lambda: not engine.generating, timeout=10)  # the engine request was aborted
     with pytest.raises(openai.BadRequestError):
         client.responses.cancel(client.responses.create(model="fake", input=script(engine, "sync")).id)
     deleted = client.responses.create(model="fake", input=script(engine, "d" * 3000), background=True)
     client.responses.delete(deleted.id)
-    wait_until(lambda: not engine.requests, timeout=10)  # deleting a running response aborts it
+    wait_until(lambda: not engine.generating, timeout=10)  # deleting a running response aborts it
     with pytest.raises(openai.NotFoundError):  # and it does not come back when its task ends
         client.responses.retrieve(deleted.id)
 
@@ -263,3 +263,77 @@ def test_bad_requests_are_400(server: ThreadedServer, body: dict[str, object], p
     r = httpx.post(f"{server.base_url}/v1/responses", json={"model": "fake", **body}, headers=AUTH)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_truncation_auto_drops_the_oldest_items(engine: ScriptedEngine, server: ThreadedServer) -> None:
+    """A conversation longer than the context (4096 byte tokens here): "disabled" (the default) is a 400
+    naming input; "auto" drops items from the front, a tool output whose call went with them too,
+    and keeps the instructions and the newest turns."""
+    key = script(engine, "Still here.")
+    items = [
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": W},
+        {"type": "function_call_output", "call_id": "call_1", "output": "b" * 2000},
+        {"role": "user", "content": "c" * 1500},
+        {"role": "assistant", "content": "d" * 800},
+        {"role": "user", "content": key},
+    ]
+    body = {"model": "fake", "input": items, "instructions": "Be brief.", "max_output_tokens": 100}
+    url = f"{server.base_url}/v1/responses"
+    r = httpx.post(url, json=body, headers=AUTH)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "input" and "context length" in r.json()["error"]["message"]
+    r = httpx.post(url, json={**body, "truncation": "auto"}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["truncation"] == "auto" and out["output"][0]["content"][0]["text"] == "Still here."
+    prompt = engine.prompts[key]
+    assert "b" * 100 not in prompt and "get_weather" not in prompt  # the call went with its output
+    assert "c" * 1500 in prompt and "d" * 800 in prompt and prompt.startswith("<system>Be brief.")
+    assert out["usage"]["input_tokens"] + 100 <= 4096
+    # The stored conversation is the whole one.
+    listed = httpx.get(f"{url}/{out['id']}/input_items", params={"order": "asc"}, headers=AUTH).json()
+    assert [x["type"] for x in listed["data"]][:2] == ["function_call", "function_call_output"]
+    # Nothing left to drop: the newest item alone is too long, a 400 as with "disabled".
+    r = httpx.post(url, json={**body, "input": "x" * 5000, "truncation": "auto"}, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+
+
+def test_include_values(engine: ScriptedEngine, client: openai.OpenAI, server: ThreadedServer) -> None:
+    """OpenAI's include values are accepted (only the logprobs add anything here); others are a 400."""
+    key = script(engine, "ok")
+    r = client.responses.create(
+        model="fake", input=key, include=["reasoning.encrypted_content", "file_search_call.results"]
+    )
+    assert r.output_text == "ok" and r.output[0].content[0].logprobs == []
+    bad = httpx.post(
+        f"{server.base_url}/v1/responses",
+        json={"model": "fake", "input": "hi", "include": ["message.everything"]},
+        headers=AUTH,
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("include")
+
+
+def test_a_cancel_or_delete_through_another_api_server_aborts_the_owner(tmp_path: Path) -> None:
+    """With several API server processes sharing the store (`--api-server-count`), a background
+    response runs where it was created; cancelling or deleting it through another server stops the
+    owner's generation too, not just the stored status."""
+    owner_engine, other_engine = ScriptedEngine(max_model_len=4096), ScriptedEngine(max_model_len=4096)
+    args = server_args(tmp_path, api_server_count=2)
+    with (
+        ThreadedServer(build_app(owner_engine, args)) as owner,
+        ThreadedServer(build_app(other_engine, args)) as other,
+    ):
+        mine = openai.OpenAI(base_url=f"{owner.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=30)
+        theirs = openai.OpenAI(base_url=f"{other.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=30)
+        slow = mine.responses.create(model="fake", input=script(owner_engine, "z" * 20000), background=True)
+        wait_until(lambda: owner_engine.generating, timeout=10)
+        assert theirs.responses.cancel(slow.id).status == "cancelled"
+        wait_until(lambda: not owner_engine.generating, timeout=5)  # the owner aborted it (else ~50 s)
+        assert mine.responses.retrieve(slow.id).status == "cancelled"
+        gone = mine.responses.create(model="fake", input=script(owner_engine, "y" * 20000), background=True)
+        wait_until(lambda: owner_engine.generating, timeout=10)
+        theirs.responses.delete(gone.id)
+        wait_until(lambda: not owner_engine.generating, timeout=5)
+        with pytest.raises(openai.NotFoundError):
+            mine.responses.retrieve(gone.id)
+        assert not other_engine.generating

@@ -118,6 +118,21 @@ class TextConfig(ResponsesModel):
     format: TextFormat = Field(default_factory=lambda: TextFormat.model_validate({"type": "text"}))
 
 
+# OpenAI's values of `include`. Only the logprobs change what is returned here: the others add to item
+# types this server never produces (search, code and computer calls, input images), and reasoning is
+# kept in clear text, so there is nothing encrypted to add.
+IncludeValue = Literal[
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+]
+
+
 class ResponsesRequest(ResponsesModel):
     model: str | None = None
     input: list[InputItem] | str  # the list first: its errors name the item (pydantic reports in this order)
@@ -136,6 +151,10 @@ class ResponsesRequest(ResponsesModel):
     metadata: dict[str, str] | None = Field(None, max_length=16)
     user: str | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)  # vLLM's extra
+    include: list[IncludeValue] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    # "disabled": a conversation longer than the context is a 400; "auto": its oldest items are dropped.
+    truncation: Literal["auto", "disabled"] = "disabled"
 
     @model_validator(mode="before")
     @classmethod
@@ -160,6 +179,10 @@ class ResponsesRequest(ResponsesModel):
         if fmt is not None and fmt.type == "json_schema" and fmt.schema_ is None:
             raise bad_request("text.format json_schema needs a schema", param="text.format.schema")
 
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.include is not None and "message.output_text.logprobs" in self.include
+
     def input_items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem]:
         if isinstance(self.input, str):
             return [MessageItem(role="user", content=self.input)]
@@ -176,6 +199,9 @@ class ResponsesRequest(ResponsesModel):
                 body[name] = value
         if self.max_output_tokens is not None:
             body["max_tokens"] = self.max_output_tokens
+        if self.wants_logprobs:
+            body["logprobs"] = True
+            body["top_logprobs"] = self.top_logprobs or 0
         if self.tools:
             body["tools"] = [
                 {"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}

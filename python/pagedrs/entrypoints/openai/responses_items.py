@@ -4,6 +4,12 @@ One `OutputItems` consumes the same events (`tool_parsers.events`) for a stream 
 reply: a stream sends the Responses events it returns (OpenAI's response.output_item.added,
 response.content_part.added, response.output_text.delta, ... response.output_item.done), a
 non-streamed response keeps only `items`; both end with the same items.
+
+Logprobs (`include: ["message.output_text.logprobs"]`) are given by token with `add_logprobs` and go to
+the next text delta of the message; any left when the reply ends (tokens whose text was held back, or
+that came after the message's last text) go to the message at `close`. So a message's logprobs are
+those of every sampled token of the reply, reasoning and tool-call tokens included (vLLM's rule), the
+same whether streamed or not; `response.output_text.done` carries them all.
 """
 
 from __future__ import annotations
@@ -28,10 +34,17 @@ def item_id(prefix: str) -> str:
 
 
 class OutputItems:
-    def __init__(self) -> None:
+    def __init__(self, logprobs: bool = False) -> None:
         self.items: list[dict[str, Any]] = []
         self._open: int | None = None  # the output index of the item still growing
         self._calls: dict[int, int] = {}  # parser call index -> output index
+        self._logprobs = logprobs
+        self._pending: list[dict[str, Any]] = []  # token logprobs not yet given to a text delta
+
+    def add_logprobs(self, entries: list[dict[str, Any]]) -> None:
+        """Token logprobs ({token, logprob, bytes, top_logprobs}, as chat's) of the tokens fed next."""
+        if self._logprobs:
+            self._pending += entries
 
     def add(self, events: list[Event]) -> list[StreamEvent]:
         out: list[StreamEvent] = []
@@ -50,7 +63,10 @@ class OutputItems:
                 )
             elif isinstance(ev, ContentDelta):
                 index = self._ensure("message", out)
-                self.items[index]["content"][0]["text"] += ev.text
+                part = self.items[index]["content"][0]
+                part["text"] += ev.text
+                logprobs, self._pending = self._pending, []
+                part["logprobs"] += logprobs
                 out.append(
                     {
                         "type": "response.output_text.delta",
@@ -58,7 +74,7 @@ class OutputItems:
                         "output_index": index,
                         "content_index": 0,
                         "delta": ev.text,
-                        "logprobs": [],
+                        "logprobs": copy.deepcopy(logprobs),
                     }
                 )
             elif isinstance(ev, ToolCallStart):
@@ -87,7 +103,12 @@ class OutputItems:
         return out
 
     def close(self, status: str = "completed") -> list[StreamEvent]:
-        """Ends the growing item (`status`: "completed", or "incomplete" when the reply was cut)."""
+        """Ends the growing item (`status`: "completed", or "incomplete" when the reply was cut); the
+        logprobs still pending go to the reply's last message."""
+        messages = [item for item in self.items if item["type"] == "message"]
+        if self._pending and messages:
+            messages[-1]["content"][0]["logprobs"] += self._pending
+        self._pending = []
         return self._close(status)
 
     def _ensure(self, kind: str, out: list[StreamEvent]) -> int:
@@ -150,7 +171,9 @@ class OutputItems:
             done = (
                 "response.output_text.done" if item["type"] == "message" else "response.reasoning_text.done"
             )
-            extra: dict[str, Any] = {"logprobs": []} if item["type"] == "message" else {}
+            extra: dict[str, Any] = (
+                {"logprobs": copy.deepcopy(part["logprobs"])} if item["type"] == "message" else {}
+            )
             out.append({"type": done, **ref, "content_index": 0, "text": part["text"], **extra})
             out.append(
                 {"type": "response.content_part.done", **ref, "content_index": 0, "part": copy.deepcopy(part)}

@@ -73,6 +73,14 @@ class ResponsesStore:
             )
             return cur.rowcount > 0
 
+    def statuses(self, response_ids: list[str]) -> dict[str, str]:
+        """The status of each of these responses still stored (a deleted one is missing)."""
+        if not response_ids:
+            return {}
+        marks = ",".join("?" * len(response_ids))
+        rows = self._exec(f"SELECT id, status FROM responses WHERE id IN ({marks})", tuple(response_ids))
+        return {row["id"]: row["status"] for row in rows}
+
     def get(self, response_id: str) -> dict[str, Any] | None:
         rows = self._exec("SELECT body FROM responses WHERE id = ?", (response_id,))
         return json.loads(rows[0]["body"]) if rows else None

@@ -19,6 +19,7 @@ from starlette.requests import Request
 
 from pagedrs.engine.async_engine import RequestStream
 from pagedrs.entrypoints.openai.errors import bad_request, from_validation_error, not_found
+from pagedrs.entrypoints.openai.logprobs import TokenText, chat_logprobs
 from pagedrs.entrypoints.openai.protocol import ChatCompletionRequest, parse_request
 from pagedrs.entrypoints.openai.protocol_responses import (
     FunctionCallItem,
@@ -41,11 +42,15 @@ _ITEMS = TypeAdapter(list[InputItem])
 class OpenAIServingResponses:
     def __init__(self, chat: OpenAIServingChat, store: ResponsesStore, *, only_server: bool = True) -> None:
         """`only_server`: no other API server process shares the store, so a background response
-        still unfinished in it was left by a previous process and has failed. (With several
-        processes, a background response runs in the one that took it; a cancel through another
-        marks it cancelled, and the owner's result does not overwrite that.)"""
+        still unfinished in it was left by a previous process and has failed. With several
+        processes, a background response runs in the one that took it; a cancel or delete through
+        another marks it in the store, the owner sees that within `watch_interval` seconds and
+        aborts its generation, and its result does not overwrite the mark."""
         self.chat = chat
         self.store = store
+        self._token_text: TokenText | None = None  # token id -> text, kept across requests
+        self.watch_interval = None if only_server else 0.25
+        self._watcher: asyncio.Task[None] | None = None
         self._background: dict[str, asyncio.Task[None]] = {}
         if only_server:
             store.fail_unfinished("the server restarted before the response finished")
@@ -55,16 +60,9 @@ class OpenAIServingResponses:
         self, req: ResponsesRequest, raw_request: Request | None = None
     ) -> dict[str, Any] | AsyncIterator[str]:
         conversation = self._conversation(req)
-        try:
-            items = _ITEMS.validate_python(conversation)
-        except ValidationError as exc:
-            raise from_validation_error(exc) from None
-        chat_req = parse_request(
-            ChatCompletionRequest, req.chat_fields(to_chat_messages(req.instructions, items))
-        )
-        chat_req.check()
-        prep = await self.chat.prepare(chat_req)
-        prep.names = {"prompt": "input", "max_tokens": "max_output_tokens"}
+        prep = await self._prepare(req, conversation)
+        if req.truncation == "auto":
+            prep = await self._truncate(req, conversation, prep)
         response = self._response(req, prep.model)
         # submitted before anything is stored, so a refused request is a 400 even in the background
         streams = await self.chat.submit_all(
@@ -80,6 +78,8 @@ class OpenAIServingResponses:
             task = asyncio.ensure_future(self._run_background(response, prep, streams))
             self._background[response["id"]] = task
             task.add_done_callback(lambda _: self._background_done(response["id"], streams))
+            if self.watch_interval is not None and (self._watcher is None or self._watcher.done()):
+                self._watcher = asyncio.ensure_future(self._watch_store(self.watch_interval))
             return response
         if req.stream:
             return self._stream(response, prep, streams, conversation if req.store else None)
@@ -91,6 +91,37 @@ class OpenAIServingResponses:
         if req.store:
             self.store.create(response, conversation)
         return response
+
+    async def _prepare(self, req: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatPrepared:
+        """The conversation as the equivalent chat request, checked and rendered."""
+        try:
+            items = _ITEMS.validate_python(conversation)
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
+        chat_req = parse_request(
+            ChatCompletionRequest, req.chat_fields(to_chat_messages(req.instructions, items))
+        )
+        chat_req.check()
+        prep = await self.chat.prepare(chat_req)
+        prep.names = {"prompt": "input", "max_tokens": "max_output_tokens"}
+        return prep
+
+    async def _truncate(
+        self, req: ResponsesRequest, conversation: list[dict[str, Any]], prep: ChatPrepared
+    ) -> ChatPrepared:
+        """`truncation: "auto"`: while the rendered prompt leaves no room for max_output_tokens (or, if
+        unset, one token), drop the conversation's oldest item, with the tool outputs and reasoning it
+        leaves at the front (a tool output whose call is gone would break the chat template). The
+        instructions and the newest item always stay; if that is still too long, the engine's
+        context check answers 400 as with "disabled". The stored conversation stays whole."""
+        room = self.chat.max_model_len - (req.max_output_tokens or 1)
+        kept = conversation
+        while len(prep.prompt_ids) > room and len(kept) > 1:
+            kept = kept[1:]
+            while len(kept) > 1 and kept[0].get("type") in ("function_call_output", "reasoning"):
+                kept = kept[1:]
+            prep = await self._prepare(req, kept)
+        return prep
 
     def _conversation(self, req: ResponsesRequest) -> list[dict[str, Any]]:
         """The input items of the whole conversation: the previous response's, its output, then these."""
@@ -134,7 +165,7 @@ class OpenAIServingResponses:
             else choice or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
             "top_p": req.top_p if req.top_p is not None else 1.0,
-            "truncation": "disabled",
+            "truncation": req.truncation,
             "usage": None,
             "user": req.user,
             "metadata": req.metadata or {},
@@ -144,11 +175,20 @@ class OpenAIServingResponses:
         """Fills a non-streamed response from the engine's final output."""
         c = output.outputs[0]
         reader = prep.plan.reader(prep.prompt_text)
-        items = OutputItems()
+        items = OutputItems(logprobs=prep.num_logprobs is not None)
+        items.add_logprobs(self._logprobs(prep, c))
         items.add(reader.feed(c.text))
         items.add(reader.finish())
         items.close("incomplete" if c.finish_reason == "length" else "completed")
         self._complete(response, prep, items, c.finish_reason, len(c.token_ids), cached_tokens([output]))
+
+    def _logprobs(self, prep: ChatPrepared, c: Any) -> list[dict[str, Any]]:
+        """The token logprobs of a (delta) output as the Responses API gives them (chat's entries)."""
+        if prep.num_logprobs is None or not c.token_ids:
+            return []
+        if self._token_text is None or self._token_text.tokenizer is not self.chat.tokenizer:
+            self._token_text = TokenText(self.chat.tokenizer)
+        return chat_logprobs(c.token_ids, c.logprobs, prep.num_logprobs, self._token_text)["content"]
 
     def _complete(
         self,
@@ -203,12 +243,13 @@ class OpenAIServingResponses:
             yield event({"type": "response.created", "response": dict(response)})
             yield event({"type": "response.in_progress", "response": dict(response)})
             reader = prep.plan.reader(prep.prompt_text)
-            items = OutputItems()
+            items = OutputItems(logprobs=prep.num_logprobs is not None)
             output_tokens, cached, finish_reason = 0, 0, None
             async for _, out in merge_streams(streams):
                 cached = max(cached, out.num_cached_tokens or 0)
                 for c in out.outputs:
                     output_tokens += len(c.token_ids)
+                    items.add_logprobs(self._logprobs(prep, c))
                     events = reader.feed(c.text)
                     if c.finish_reason is not None:
                         finish_reason = c.finish_reason
@@ -255,6 +296,22 @@ class OpenAIServingResponses:
             response["status"] = "failed"
             response["error"] = {"code": err.code or "server_error", "message": err.message}
         self.store.update(response)
+
+    async def _watch_store(self, interval: float) -> None:
+        """While this process runs background responses: cancel the task of each one that another
+        API server process cancelled or deleted in the shared store (ends when none is left)."""
+        while self._background:
+            await asyncio.sleep(interval)
+            try:
+                ids = list(self._background)
+                statuses = await asyncio.to_thread(self.store.statuses, ids)
+            except Exception:  # a busy or closed store: try again next time
+                logger.exception("checking the background responses for a cancel failed")
+                continue
+            for response_id in ids:
+                task = self._background.get(response_id)
+                if task is not None and statuses.get(response_id, "cancelled") == "cancelled":
+                    task.cancel()
 
     def _background_done(self, response_id: str, streams: list[RequestStream]) -> None:
         """Runs once however the task ended (even cancelled before it started): its streams are released."""
