@@ -173,6 +173,16 @@ def test_gguf_repo_picks_one_file(hub: LoopbackHub, tmp_path: Path) -> None:
     with pytest.raises(HubError, match=r"no GGUF file for 'Q4_K_M'"):
         fetch("org/tiny-GGUF:Q4_K_M")
 
+    # quantization="gguf" (vLLM's flag for GGUF models) takes the Hub name with its type too
+    forced = LLM("org/tiny-GGUF:F16", quantization="gguf", **ENGINE)
+    got = greedy_ids(forced)
+    del forced
+    assert got == greedy_ids(LLM(str(repo / "tiny-F16.gguf"), **ENGINE))
+    with pytest.raises(
+        ValueError, match=r"quantization='gguf' needs a GGUF model, got model='org/tiny-GGUF'"
+    ):
+        LLM("org/tiny-GGUF", quantization="gguf", **ENGINE)
+
     by_name = load_model("org/tiny-GGUF:F16", dtype="float32")
     local = load_model(str(repo / "tiny-F16.gguf"), dtype="float32")
     for a, b in zip(by_name.model.state_dict().values(), local.model.state_dict().values(), strict=True):

@@ -130,8 +130,11 @@ class EngineArgs:
                     f"quantization={q!r} is not supported; one of {', '.join(QUANTIZATION_METHODS)} "
                     "(or None: the checkpoint's own quantization_config decides)"
                 )
-            if q == "gguf" and not str(self.model or "").lower().endswith(".gguf") and self.gguf_file is None:
-                raise ValueError("quantization='gguf' needs a .gguf model file (or gguf_file=)")
+            if q == "gguf" and not self._names_a_gguf():
+                raise ValueError(
+                    f"quantization='gguf' needs a GGUF model, got model={self.model!r}: a .gguf file, a "
+                    "folder holding one, gguf_file=, or a Hub name with the file's type (org/name:Q4_K_M)"
+                )
         if (
             (self.revision or self.tokenizer_revision)
             and self.model is not None
@@ -155,6 +158,18 @@ class EngineArgs:
             isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0
         ):
             raise ValueError(f"rope_theta must be a number > 0, got {self.rope_theta!r}")
+
+    def _names_a_gguf(self) -> bool:
+        """The model is a GGUF file: a path to one, a local folder with one, gguf_file=, or a Hub
+        name whose ":QUANT" suffix picks one (as `vllm serve org/name:Q4_K_M`)."""
+        from pagedrs.loader.hub import split_quant
+
+        model = os.path.expanduser(str(self.model or ""))
+        if self.gguf_file is not None or model.lower().endswith(".gguf"):
+            return True
+        if os.path.isdir(model):
+            return any(name.lower().endswith(".gguf") for name in os.listdir(model))
+        return not os.path.exists(model) and split_quant(model)[1] is not None
 
     def _served_name(self) -> str | None:
         n = self.served_model_name

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,7 +129,9 @@ def resolve_model_path(
             path = path / opts.gguf_file
             if not path.is_file():
                 raise ValueError(f"gguf_file {opts.gguf_file!r} is not in the model folder {model!r}")
-        return str(path.resolve())
+        # absolute, symlinks kept: a Hub snapshot's file is a link to a blob named by its hash, and the
+        # link's name (its .gguf suffix) is what says what the file is
+        return os.path.abspath(path)
     if hub.is_hub_name(model):
         return hub.fetch(
             model,
