@@ -348,7 +348,7 @@ class LoRAConfig:
         )
 
 
-SPEC_METHODS = ("ngram", "self_draft")
+SPEC_METHODS = ("ngram", "self_draft", "draft_model")
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,7 +359,9 @@ class SpeculativeConfig:
     the tokens that followed the latest earlier occurrence of the last n tokens, for the largest n in
     [`prompt_lookup_min`, `prompt_lookup_max`]) or "self_draft" (early exit: the target's first
     `draft_layers` layers, its final norm and its LM head propose, writing the KV of those layers in
-    place; default a quarter of the layers). `num_speculative_tokens` drafts are verified per decoding
+    place; default a quarter of the layers) or "draft_model" (`model`: a smaller model folder, GGUF
+    file or Hub name sharing the target's tokenizer, with its own KV pool over the target's block ids;
+    vLLM infers this method from `model` alone). `num_speculative_tokens` drafts are verified per decoding
     sequence and step (at most: with `adaptive`, a sequence proposes one more draft than it had accepted
     last time, and after a proposal with none accepted it pauses 1, 2, 4, .. 32 decode steps). Speculation
     pauses for a step while more than `disable_by_batch_size` sequences run (None: the method's default). Requests whose sampling keeps per-token state the verifier does not model
@@ -373,6 +375,7 @@ class SpeculativeConfig:
     draft_layers: int | None = None
     disable_by_batch_size: int | None = None
     adaptive: bool = True
+    model: str | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -396,6 +399,17 @@ class SpeculativeConfig:
         b = self.disable_by_batch_size
         _require(b is None or (_is_int(b) and b >= 1), "disable_by_batch_size", b, "must be an int >= 1")
         _require(isinstance(self.adaptive, bool), "adaptive", self.adaptive, "must be a bool")
+        if self.method == "draft_model":
+            _require(
+                isinstance(self.model, str) and bool(self.model),
+                "speculative_config model",
+                self.model,
+                "must name the draft model (a folder, a .gguf file or a Hub name) for method 'draft_model'",
+            )
+        else:
+            _require(
+                self.model is None, "speculative_config model", self.model, "is only for method 'draft_model'"
+            )
 
     @classmethod
     def from_dict(cls, spec: dict | str | None) -> SpeculativeConfig | None:
@@ -413,18 +427,13 @@ class SpeculativeConfig:
         _require(isinstance(spec, dict), "speculative_config", spec, "must be a dict (or its JSON)")
         assert isinstance(spec, dict)
         spec = dict(spec)
-        if spec.get("model") is not None or spec.get("method") in (
-            "draft_model",
-            "eagle",
-            "eagle3",
-            "medusa",
-            "mtp",
-        ):
+        if spec.get("method") in ("eagle", "eagle3", "medusa", "mtp"):
             raise ValueError(
-                f"speculative_config {spec!r}: a separate draft model is not implemented; use "
-                "method 'ngram' (prompt lookup) or 'self_draft' (the model's own first layers)"
+                f"speculative_config {spec!r}: method {spec['method']!r} is not implemented; use 'ngram' "
+                "(prompt lookup), 'self_draft' (the model's own first layers) or 'draft_model'"
             )
-        spec.pop("model", None)
+        if "method" not in spec and spec.get("model") is not None:  # vLLM: a model alone is a draft model
+            spec["method"] = "draft_model"
         if spec.get("method") == "[ngram]":
             spec["method"] = "ngram"
         names = set(cls.__dataclass_fields__)

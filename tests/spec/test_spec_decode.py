@@ -1,4 +1,5 @@
-"""Speculative decoding end to end: greedy token ids with speculation (n-gram and self-draft) equal those
+"""Speculative decoding end to end: greedy token ids with speculation (n-gram, self-draft and a draft
+model) equal those
 without it, for tiny random models of every architecture, under forced preemption, chunked prefill,
 prefix-cache hits and n=2 (each checked to have fired, and drafts checked to have been accepted); stop
 tokens, stop strings and max_tokens stay exact; seeded sampling is reproducible; requests the verifier
@@ -182,14 +183,60 @@ def test_config_is_validated() -> None:
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, "prompt_lookup_min"),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 5}, "unknown keys.*lookahead"),
         ({"method": "magic", "num_speculative_tokens": 2}, "magic"),
-        ({"model": "some/draft", "num_speculative_tokens": 2}, "draft model is not implemented"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "model.*must name the draft model"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "only for method 'draft_model'"),
+        ({"method": "eagle", "model": "x", "num_speculative_tokens": 2}, "'eagle' is not implemented"),
         ({"num_speculative_tokens": 2}, "needs 'method'"),
         ("{not json", "not valid JSON"),
     ]:
         with pytest.raises(ValueError, match=match):
             SpeculativeConfig.from_dict(bad)
+    # vLLM's form: a model alone is a draft model
+    draft = SpeculativeConfig.from_dict({"model": "some/draft", "num_speculative_tokens": 2})
+    assert draft == SpeculativeConfig("draft_model", 2, model="some/draft")
     with pytest.raises(ValueError, match="self_draft.*tensor_parallel_size"):
         EngineArgs(tensor_parallel_size=2, speculative_config=SELF_DRAFT).speculative()
+    with pytest.raises(ValueError, match="draft_model.*tensor_parallel_size"):
+        EngineArgs(
+            tensor_parallel_size=2, speculative_config={"model": "x", "num_speculative_tokens": 2}
+        ).speculative()
+
+
+def _draft(model: Path) -> dict[str, Any]:
+    return _spec({"method": "draft_model", "model": str(model), "num_speculative_tokens": 3})
+
+
+def test_draft_model_greedy_ids_equal_without_speculation(model: tuple[Path, dict, Any]) -> None:
+    """The target as its own draft model: the ids equal decoding without speculation under forced
+    preemption, chunked prefill, prefix hits and n=2, and (the draft's KV pool following the target's
+    blocks exactly) every draft is accepted."""
+    folder, want, (echo, want_echo, _) = model
+    engine = tp_engine(folder, 1, speculative_config=_draft(folder))
+    got, spy = run_workload(engine)
+    check_forced(engine, spy)
+    assert got == want
+    assert _run_echo(engine, echo) == want_echo
+    stats = engine.get_stats()
+    assert stats.spec_num_draft_tokens > 0, stats
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens, stats
+    assert_pool_free(engine)
+
+
+def test_a_smaller_draft_model(llama: Path, tmp_path: Path) -> None:
+    """A different, smaller model over the same vocabulary proposes; the target decides (greedy ids as
+    without speculation); a draft with a larger vocabulary is refused."""
+    small = make_tiny_llama(tmp_path, num_hidden_layers=1, seed=5, subdir="draft")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["abcabcabcabc", "hello hello hello", "xyz"]
+    want = [o.outputs[0].token_ids for o in _llm(llama, None).generate(prompts, params, use_tqdm=False)]
+    spec = _llm(llama, _draft(small))
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    stats = spec.llm_engine.get_stats()
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
+    big = make_tiny_llama(tmp_path, vocab_size=400, subdir="big-vocab")
+    with pytest.raises(ValueError, match="vocabulary of 400 tokens.*share the target's tokenizer"):
+        _llm(llama, _draft(big))
 
 
 def test_serve_flag_reaches_the_engine_args() -> None:

@@ -98,7 +98,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
-    # Speculative decoding: {"method": "ngram" | "self_draft", "num_speculative_tokens": k, ...}
+    # Speculative decoding: {"method": "ngram" | "self_draft" | "draft_model", "num_speculative_tokens": k, ...}
     # (a dict or its JSON; `SpeculativeConfig`).
     speculative_config: dict | str | None = None
 
@@ -298,11 +298,11 @@ class EngineArgs:
         spec = SpeculativeConfig.from_dict(self.speculative_config)
         if (
             spec is not None
-            and spec.method == "self_draft"
+            and spec.method in ("self_draft", "draft_model")
             and (self.tensor_parallel_size != 1 or self.liquid_gpu_range is not None)
         ):
             raise ValueError(
-                f"speculative_config method 'self_draft' needs tensor_parallel_size=1 without liquid scaling "
+                f"speculative_config method {spec.method!r} needs tensor_parallel_size=1 without liquid scaling "
                 f"(got tensor_parallel_size={self.tensor_parallel_size}); 'ngram' runs under tensor parallelism"
             )
         return spec

@@ -65,7 +65,8 @@ _ENGINE_FLAGS: list[tuple[str, str, Any, Any, str]] = [
         json.loads,
         None,
         'speculative decoding as JSON: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} '
-        'or {"method": "self_draft", "num_speculative_tokens": 3, "draft_layers": 8}',
+        'or {"method": "self_draft", "num_speculative_tokens": 3, "draft_layers": 8} '
+        'or {"model": "path/to/small-draft", "num_speculative_tokens": 4}',
     ),
     ("--task", "task", str, None, "auto (generation and embeddings), generate or embed"),
     ("--pooling-type", "pooling_type", str, None, "default embedding pooling: last, mean, cls or first"),

@@ -20,8 +20,9 @@ from pagedrs.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
     from pagedrs.engine.arg_utils import EngineArgs
+    from pagedrs.models.interface import CausalLM
 
-__all__ = ["build_executor", "load_engine"]
+__all__ = ["build_executor", "load_draft_model", "load_engine"]
 
 logger = logging.getLogger("pagedrs.engine")
 
@@ -33,13 +34,33 @@ def build_executor(
     one device, tensor-parallel, or liquid (a world group)."""
     eos = loaded.eos_token_ids
     if ranks is None:
-        return UniProcExecutor(ModelRunner(config, loaded.model, eos_token_ids=eos))
+        draft = load_draft_model(config)
+        return UniProcExecutor(ModelRunner(config, loaded.model, eos_token_ids=eos, draft_model=draft))
     runner = ModelRunner(config, loaded.model, eos_token_ids=eos, tp=ranks.tp)
     if ranks.world is not None:
         from pagedrs.executor.liquid_executor import LiquidExecutor
 
         return LiquidExecutor(runner, ranks)
     return TPExecutor(runner, ranks)
+
+
+def load_draft_model(config: EngineConfig) -> CausalLM | None:
+    """The draft model of speculative decoding's "draft_model" method (on the target's device, in the
+    engine's dtype), else None."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft_model":
+        return None
+    assert spec.model is not None  # SpeculativeConfig checks it
+    draft = load_model(
+        spec.model, dtype=config.model.dtype, device=config.device.device, with_tokenizer=False
+    )
+    logger.info(
+        "speculative decoding: draft model %s (%d layers), %d drafts a step",
+        spec.model,
+        draft.model.num_layers,
+        spec.num_speculative_tokens,
+    )
+    return draft.model
 
 
 def load_engine(args: EngineArgs) -> tuple[EngineConfig, LoadedModel, UniProcExecutor]:

@@ -29,6 +29,7 @@ from pagedrs.layers.attention import AttentionMetadata, ForwardContext, get_atte
 from pagedrs.layers.kernel_switch import use_layer_kernels
 from pagedrs.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, SamplingRow
 from pagedrs.models.interface import CausalLM
+from pagedrs.worker.draft_model import DraftModelDrafter
 from pagedrs.worker.kv_cache import KVCachePool, block_bytes, num_blocks_for_bytes, profile_num_gpu_blocks
 from pagedrs.worker.prompt_logprobs import (
     PromptLogprobsChunk,
@@ -90,7 +91,9 @@ class ModelRunner:
         *,
         eos_token_ids: Sequence[int] = (),
         tp: TPGroup | None = None,
+        draft_model: CausalLM | None = None,
     ) -> None:
+        """`draft_model`: the loaded draft of speculative decoding's "draft_model" method."""
         self.config = config
         self.model = model
         self.tp = tp or TPGroup()
@@ -127,12 +130,16 @@ class ModelRunner:
         self.last_hidden: Tensor | None = None
         self._bt_device: Tensor | None = None
         # Speculative decoding by early exit: the drafts of the last step's forward (sampled order).
-        self.drafter: SelfDrafter | None = None
+        self.drafter: SelfDrafter | DraftModelDrafter | None = None
         self.last_drafts: np.ndarray | None = None
         spec = config.speculative
         if spec is not None and spec.method == "self_draft":
             layers = spec.draft_layers or default_draft_layers(int(model.num_layers))
             self.drafter = SelfDrafter(self, layers)
+        elif spec is not None and spec.method == "draft_model":
+            if draft_model is None:
+                raise ValueError("speculative_config method 'draft_model' needs the loaded draft model")
+            self.drafter = DraftModelDrafter(self, draft_model)
 
     def attach_block_table(self, view: np.ndarray, *, mirror: bool | None = None) -> None:
         """Use the scheduler's persistent block table. With a mirror (the default off the CPU) only the rows
@@ -146,6 +153,7 @@ class ModelRunner:
         self.kv_pool = None
         self.cuda_graphs = None
         self.last_hidden = None
+        self.drafter = None  # a draft model and its pool with it
         self.__dict__.pop("model", None)  # no reference left here; a second release is a no-op
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -153,8 +161,10 @@ class ModelRunner:
     # ---- KV pool sizing -------------------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
+        """One block's bytes on this rank: the target's KV, plus a draft model's (its pool has as many)."""
         m = self.model
-        return block_bytes(m.num_layers, self.block_size, m.num_kv_heads, m.head_size, self.kv_dtype)
+        own = block_bytes(m.num_layers, self.block_size, m.num_kv_heads, m.head_size, self.kv_dtype)
+        return own + (self.drafter.bytes_per_block if isinstance(self.drafter, DraftModelDrafter) else 0)
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -205,6 +215,8 @@ class ModelRunner:
         """Allocate the KV pool, then (CUDA) capture every decode graph, before any request runs."""
         num_swap = self.determine_num_swap_blocks() if num_swap_blocks is None else num_swap_blocks
         self.kv_pool = self._new_pool(num_blocks, num_swap)
+        if isinstance(self.drafter, DraftModelDrafter):
+            self.drafter.init_pool(num_blocks, num_swap)
         self.capture_model()
         return self.kv_pool
 
@@ -418,6 +430,9 @@ class ModelRunner:
         pool = self.kv_pool
         assert pool is not None, "init_kv_cache() first"
         pool.apply_plan_ops(plan)
+        draft_pool = self.drafter.pool if isinstance(self.drafter, DraftModelDrafter) else None
+        if draft_pool is not None:
+            draft_pool.apply_plan_ops(plan)
         logits: Tensor | None = None
         self.last_hidden = None
         num_tokens = int(plan.num_tokens)
@@ -441,8 +456,9 @@ class ModelRunner:
                 assert self._bt_device is not None and inputs.changed_row_data is not None
                 self._bt_device.index_copy_(0, inputs.changed_rows, inputs.changed_row_data)
             self.last_drafts = None
-            if plan.has_drafts and self.drafter is not None and num_tokens > 0:
-                self.last_drafts = self.drafter.propose(plan, inputs)
+            drafter = self.drafter
+            if drafter is not None and num_tokens > 0 and (plan.has_drafts or drafter.every_step):
+                self.last_drafts = drafter.propose(plan, inputs)
             if num_tokens > 0:
                 if graph is not None:
                     hidden = self._replay(graph, inputs, num_reqs)
@@ -459,6 +475,8 @@ class ModelRunner:
                     )
                     logits = self.model.compute_logits(rows)
         pool.apply_plan_shrink(plan)
+        if draft_pool is not None:
+            draft_pool.apply_plan_shrink(plan)
         return logits
 
     def _replay(self, graph: tuple[int, int], inputs: StepInputs, num_reqs: int) -> Tensor:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from pagedrs._core import StepPlan
     from pagedrs.worker.model_runner import ModelRunner
 
-__all__ = ["SelfDrafter", "default_draft_layers"]
+__all__ = ["SelfDrafter", "default_draft_layers", "speculating_rows", "substep_forward"]
 
 
 def default_draft_layers(num_layers: int) -> int:
@@ -53,8 +53,60 @@ class _DraftStep:
     num_decode_tokens: int
 
 
+def speculating_rows(plan: StepPlan, spec: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For the sampled sequences `spec` (indices into `plan.sampled_seq_ids`): their batch rows and the
+    flattened index of each one's last token (its first query token; the draft placeholders follow)."""
+    batch_of = {int(r): b for b, r in enumerate(plan.req_ids.tolist())}
+    rows = np.array([batch_of[int(s)] for s in plan.sampled_seq_ids[spec].tolist()], dtype=np.int64)
+    return rows, plan.query_start_loc[rows].astype(np.int64)
+
+
+def substep_forward(
+    runner: ModelRunner,
+    buffers: StepBuffers,
+    plan: StepPlan,
+    rows: np.ndarray,
+    tok: np.ndarray,
+    input_ids: np.ndarray,
+    *,
+    kv_caches: list[torch.Tensor],
+    model: torch.nn.Module | None = None,
+    exit_layer: int | None = None,
+) -> torch.Tensor:
+    """One decode-shaped forward of `model` (default the runner's) over batch rows `rows` of `plan`:
+    row i feeds `input_ids[i]` at the position and KV slot of the plan's token `tok[i]`, attending to
+    its sequence up to there in `kv_caches`. The final hidden states, one row each."""
+    n = len(rows)
+    mirror = runner._bt_view if runner._bt_device is not None else None
+    dense = None if mirror is not None else plan.block_tables
+    positions = plan.positions[tok].astype(np.int64)
+    step = _DraftStep(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=plan.slot_mapping[tok].astype(np.int64),
+        seq_lens=(positions + 1).astype(np.int32),
+        query_start_loc=np.arange(n + 1, dtype=np.int32),
+        block_table_rows=plan.block_table_rows[rows],
+        changed_rows=np.zeros(0, dtype=np.int32),
+        block_tables=None if dense is None else np.ascontiguousarray(dense[rows]),
+        logits_indices=np.arange(n, dtype=np.int64),
+        num_scheduled_tokens=np.ones(n, dtype=np.int32),
+        num_tokens=n,
+        num_decode_tokens=n,
+    )
+    inputs = buffers.pack(step, mirror_rows=mirror)  # type: ignore[arg-type]  # a StepPlan's fields
+    meta = runner._attn_metadata(step, inputs, 1, int(positions.max()) + 1)  # type: ignore[arg-type]
+    ctx = ForwardContext(
+        attn_metadata=meta, kv_caches=kv_caches, backend=runner.backend, exit_layer=exit_layer
+    )
+    net = model if model is not None else runner.model
+    return net(inputs.input_ids, inputs.positions, ctx)
+
+
 class SelfDrafter:
     """Proposes drafts with the runner's own model cut after `num_layers` layers."""
+
+    every_step = False  # runs only in steps with drafts
 
     def __init__(self, runner: ModelRunner, num_layers: int) -> None:
         total = int(runner.model.num_layers)
@@ -82,42 +134,23 @@ class SelfDrafter:
         runner = self.runner
         pool = runner.kv_pool
         assert pool is not None
-        batch_of = {int(r): b for b, r in enumerate(plan.req_ids.tolist())}
-        rows = np.array([batch_of[int(s)] for s in plan.sampled_seq_ids[spec].tolist()], dtype=np.int64)
-        first = plan.query_start_loc[rows].astype(np.int64)  # each sequence's last-token index
+        rows, first = speculating_rows(plan, spec)
         counts = nd[spec].astype(np.int64)
         drafts = np.zeros((len(spec), int(counts.max())), dtype=np.int64)
         current = plan.input_ids[first].astype(np.int64)
-        mirror = runner._bt_view if runner._bt_device is not None else None
-        dense = None if mirror is not None else plan.block_tables
         for j in range(drafts.shape[1]):
             act = np.nonzero(counts > j)[0]
             tok = first[act] + j
-            n = len(act)
-            positions = plan.positions[tok].astype(np.int64)
-            step = _DraftStep(
-                input_ids=current[act],
-                positions=positions,
-                slot_mapping=plan.slot_mapping[tok].astype(np.int64),
-                seq_lens=(positions + 1).astype(np.int32),
-                query_start_loc=np.arange(n + 1, dtype=np.int32),
-                block_table_rows=plan.block_table_rows[rows[act]],
-                changed_rows=np.zeros(0, dtype=np.int32),
-                block_tables=None if dense is None else np.ascontiguousarray(dense[rows[act]]),
-                logits_indices=np.arange(n, dtype=np.int64),
-                num_scheduled_tokens=np.ones(n, dtype=np.int32),
-                num_tokens=n,
-                num_decode_tokens=n,
-            )
-            inputs = self.buffers.pack(step, mirror_rows=mirror)  # type: ignore[arg-type]  # a StepPlan's fields
-            meta = runner._attn_metadata(step, inputs, 1, int(positions.max()) + 1)  # type: ignore[arg-type]
-            ctx = ForwardContext(
-                attn_metadata=meta,
+            hidden = substep_forward(
+                runner,
+                self.buffers,
+                plan,
+                rows[act],
+                tok,
+                current[act],
                 kv_caches=pool.kv_caches,
-                backend=runner.backend,
                 exit_layer=self.num_layers,
             )
-            hidden = runner.model(inputs.input_ids, inputs.positions, ctx)
             logits = runner.model.compute_logits(hidden)
             assert logits is not None, "self-drafting runs on one rank"
             nxt = logits.argmax(dim=-1)
