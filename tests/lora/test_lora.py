@@ -1,5 +1,5 @@
 """LoRA adapters through the whole engine: greedy outputs equal HF transformers + PEFT token for token
-(tiny float32 Llama / Qwen2 / Mistral), a batch mixing adapters and the base model equals each run alone,
+(tiny float32 Llama / Qwen2 / Mistral, GPT-2, OPT, Phi-3), a batch mixing adapters and the base model equals each run alone,
 adapters wait for a slot when `max_loras` are busy, and the prefix cache never shares KV across adapters."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from pagedrs import LoRARequest, SamplingParams
 from pagedrs.engine.llm_engine import EngineArgs, LLMEngine
 from pagedrs.entrypoints.llm import LLM
 from pagedrs.outputs import RequestOutput
-from tests.helpers import make_tiny_llama
+from tests.helpers import make_tiny_llama, make_tiny_model
 from tests.lora.helpers_lora import PeftReference, make_peft_adapter
+from tests.models.helpers_configs import gpt2_config, opt_config, phi3_config
 
 ARCHS = ("llama", "qwen2", "mistral")
 MAX_TOKENS = 10
@@ -90,6 +91,45 @@ def test_adapter_matches_peft(arch: str, bases: dict[str, Path], tmp_path: Path)
         assert out.outputs[0].token_ids == expected
         assert out.outputs[0].token_ids == merged(p, MAX_TOKENS)  # the adapter merged into the weights
         assert expected != base_ref(p, MAX_TOKENS)  # the adapter changes the output: the test can fail
+
+
+# The other architectures' projections, as PEFT names them: GPT-2's fused c_attn (Conv1D), OPT's
+# separate q/k/v and fc1/fc2, Phi-3's fused qkv_proj and gate_up_proj.
+OTHER_ARCHS = {
+    "gpt2": (
+        lambda d: make_tiny_model(d / "gpt2", gpt2_config(vocab_size=259)),
+        ("c_attn", "c_proj", "c_fc"),
+    ),
+    "opt": (
+        lambda d: make_tiny_model(d / "opt", opt_config()),
+        ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+    ),
+    "phi3": (
+        lambda d: make_tiny_model(d / "phi3", phi3_config()),
+        ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+    ),
+}
+
+
+@pytest.mark.parametrize("arch", list(OTHER_ARCHS))
+def test_adapter_matches_peft_on_other_architectures(arch: str, tmp_path: Path) -> None:
+    make, targets = OTHER_ARCHS[arch]
+    base = make(tmp_path)
+    adapter = make_peft_adapter(base, tmp_path / "a", seed=7, target_modules=targets)
+    prompts = [_prompt(6, 3), _prompt(29, 4)]
+    ref = PeftReference(base, adapter)
+    merged = PeftReference(base, adapter, merged=True)
+    base_ref = PeftReference(base, None)
+    llm = LLM(str(base), device="cpu", disable_log_stats=True, num_kv_blocks=128, enable_lora=True)
+    lora = LoRARequest("a", 1, str(adapter))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False, lora_request=lora
+    )
+    plain = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
+    for p, out, without in zip(prompts, outs, plain, strict=True):
+        expected = ref(p, MAX_TOKENS)
+        assert out.outputs[0].token_ids == expected == merged(p, MAX_TOKENS)
+        assert without.outputs[0].token_ids == base_ref(p, MAX_TOKENS) != expected
 
 
 def test_rslora_patterns_and_partial_targets_match_peft(
