@@ -165,7 +165,9 @@ def test_mixed_batch_equals_each_alone(bases: dict[str, Path], llama_adapters: l
     engine.step()
     manager = engine.engine_core.lora
     assert manager is not None
-    assert len(manager.batch.groups) == 3  # one step held rows of all three adapters (and the base's)
+    rows = manager.batch.slot_of_row
+    assert rows is not None  # one step held rows of all three adapters and the base's
+    assert sorted(set(rows.tolist())) == [-1, 0, 1, 2]
     outs = _run(engine)
     refs = [PeftReference(base, p) for p in llama_adapters] + [PeftReference(base, None)]
     for i, (p, w) in enumerate(zip(prompts, which, strict=True)):

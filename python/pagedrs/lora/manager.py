@@ -84,7 +84,7 @@ class LoRAManager:
         self.config = config
         self.device = device
         self.dtype = next(model.parameters()).dtype
-        self.batch = LoRABatch()
+        self.batch = LoRABatch(num_slots=config.max_loras)
         self.layers: dict[str, LoRALinear] = {}  # our module name -> its LoRA hook (made on first use)
         self._host: OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = OrderedDict()  # LRU order
         self._slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU order
@@ -208,17 +208,10 @@ class LoRAManager:
 
     # ---- the step ----------------------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> None:
-        """Group this step's token rows by adapter slot (rows of the base model get no delta)."""
-        groups: list[tuple[int, torch.Tensor | None]] = []
+        """Each of this step's token rows' adapter slot (-1: the base model, no delta)."""
+        rows = None
         if self._seq_slot and int(plan.num_tokens):
             slots = np.array([self._seq_slot.get(s, -1) for s in plan.req_ids.tolist()], dtype=np.int64)
-            per_token = np.repeat(slots, plan.num_scheduled_tokens)
-            for slot in np.unique(slots).tolist():
-                if slot < 0:
-                    continue
-                rows = np.flatnonzero(per_token == slot)
-                if len(rows) == len(per_token):
-                    groups.append((slot, None))
-                else:
-                    groups.append((slot, torch.from_numpy(rows).to(self.device)))
-        self.batch.groups = groups
+            if (slots >= 0).any():
+                rows = torch.from_numpy(np.repeat(slots, plan.num_scheduled_tokens)).to(self.device)
+        self.batch.set_rows(rows)
