@@ -3,9 +3,10 @@
 Engines over GGUF files kept quantized (tiny random Llama and Qwen2 with q/k/v biases, in two block types,
 and the default model), with the fast path and without it (PAGEDRS_CPU_DECODE=0), under forced
 preemption, chunked prefill, prefix-cache hits and n=2: token ids and every top-5 logprob are equal, not
-close, and the fast path is checked to have run on the decode steps (and only on them). It declines steps
-it does not cover (a forward hook as LoRA adds, prefill chunks) and models it does not cover (float32
-weights)."""
+close, and the fast path is checked to have run on the decode steps (and only on them). It runs the linear
+layers' forward hooks (LoRA's deltas: the same bits as the modules, with an adapter and without in one
+batch) and declines steps it does not cover (a forward pre-hook, prefill chunks) and models it does not
+cover (float32 weights)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ from typing import Any
 import pytest
 import torch
 
-from pagedrs import LLM, SamplingParams
+from pagedrs import LLM, LoRARequest, SamplingParams
 from pagedrs.engine.llm_engine import LLMEngine
 from pagedrs.models.cpu_decode import CpuDecodeStep, enable_cpu_decode
 from tests.distributed.helpers_tp import check_forced, run_workload, run_workload_logprobs, tp_engine
 from tests.helpers import make_tiny_gguf
+from tests.lora.helpers_lora import make_peft_adapter
 
 
 class _Calls:
@@ -86,19 +88,55 @@ def test_default_model_decode_is_bit_identical(monkeypatch: pytest.MonkeyPatch) 
     assert [g.logprobs for g in got] == [w.logprobs for w in want]
 
 
-def test_declines_hooked_layers_and_float32_models(gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_forward_hooks_run_pre_hooks_decline_and_float32_models_decline(
+    gguf_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls = _Calls(monkeypatch)
     engine = tp_engine(gguf_file, 1, dtype="auto")
     layer = _model(engine).model.layers[0]
-    # A hook on a linear layer (what LoRA adds) must run, so the step goes through the modules.
-    seen: list[int] = []
-    layer.mlp.down_proj.register_forward_hook(lambda m, a, out: seen.append(out.shape[0]))
+    # A forward hook on a linear layer (what LoRA adds) runs in the fast path, on its input and output.
+    seen: list[tuple[int, int]] = []
+    layer.mlp.down_proj.register_forward_hook(lambda m, a, out: seen.append((a[0].shape[0], out.shape[0])))
     run_workload(engine)
-    assert calls.taken == 0 and calls.declined > 0
-    assert seen and max(seen) >= 1
+    assert calls.taken > 0
+    assert seen and all(rows_in == rows_out for rows_in, rows_out in seen)
+    # A pre-hook (it may change the input) is not run there: such steps take the modules.
+    other = tp_engine(gguf_file, 1, dtype="auto")
+    _model(other).model.layers[0].mlp.down_proj.register_forward_pre_hook(lambda m, a: None)
+    before = calls.taken
+    run_workload(other)
+    assert calls.taken == before and calls.declined > 0
 
     dense = tp_engine(gguf_file, 1, dtype="float32")
     assert _model(dense).model.cpu_decode is None
     assert not enable_cpu_decode(_model(dense))
     with pytest.raises(ValueError, match="CPU decode step does not apply"):
         CpuDecodeStep(_model(dense).model)
+
+
+def test_lora_deltas_in_the_fast_path_are_the_modules_bits(
+    gguf_file: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A PEFT adapter on the quantized model: its decode steps take the fast path, which runs the LoRA
+    hooks as the modules do; ids and logprobs equal the module path's, and the adapter changes them."""
+    src = gguf_file.with_name(f"{gguf_file.stem}-gguf-src")
+    adapter = make_peft_adapter(src, tmp_path / "adapter", seed=3, r=4)
+    lora = LoRARequest("a", 1, str(adapter))
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": list(range(20, 47))}] * 2
+    loras = [lora, lora, None, None]  # the same prompts with and without the adapter, in one batch
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    engine = dict(device="cpu", dtype="auto", enable_lora=True, num_kv_blocks=64, disable_log_stats=True)
+    calls = _Calls(monkeypatch)
+    got = [
+        o.outputs[0]
+        for o in LLM(str(gguf_file), **engine).generate(prompts, params, use_tqdm=False, lora_request=loras)
+    ]
+    assert calls.taken > 0
+    monkeypatch.setenv("PAGEDRS_CPU_DECODE", "0")
+    want = [
+        o.outputs[0]
+        for o in LLM(str(gguf_file), **engine).generate(prompts, params, use_tqdm=False, lora_request=loras)
+    ]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [g.logprobs for g in got] == [w.logprobs for w in want]
+    assert got[0].token_ids != got[2].token_ids or got[1].token_ids != got[3].token_ids

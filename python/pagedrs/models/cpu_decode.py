@@ -6,7 +6,8 @@ each op also pays a module call, its dispatch checks and tensor wrapping, which 
 much as the matmuls themselves (cProfile of `LLMEngine.step` at one row, 1 thread). llama.cpp avoids this
 with a graph built once and replayed; this is the same idea for the one case it matters most in: a step of
 decodes only (one token a request, or a speculative verification's few), float32 activations, GGUF
-weights in their block layout, one rank, no LoRA.
+weights in their block layout, one rank. A linear module's forward hooks (LoRA's deltas) run after its
+matmul, on torch views of the same arrays, as the module would run them.
 
 The arithmetic is the module path's, op for op and call for call (the same Rust kernels in the same
 order: RMSNorm with the residual add fused in, the quantized matmuls, neox rotary in place, the K/V
@@ -60,6 +61,8 @@ class _Layer:
     scale: float
     sliding_window: int | None
     layer_idx: int
+    # the qkv, o, gate_up and down modules (their forward hooks: LoRA)
+    modules: tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module, torch.nn.Module]
 
 
 def _decoder_layers(model: LlamaModel) -> list[LlamaDecoderLayer]:
@@ -118,6 +121,7 @@ def _layer(layer: LlamaDecoderLayer) -> _Layer:
         scale=float(a.scale),
         sliding_window=a.sliding_window,
         layer_idx=a.layer_idx,
+        modules=(qkv, attn.o_proj, mlp.gate_up_proj, mlp.down_proj),
     )
 
 
@@ -142,8 +146,23 @@ class CpuDecodeStep:
         ]
 
     def _hooked(self) -> bool:
-        # LoRA adds forward hooks to the linear layers; the fast path would skip them.
-        return any(m._forward_hooks or m._forward_pre_hooks for m in self._linears)
+        """A hook this path cannot run as the module would: pre-hooks, or forward hooks taking kwargs."""
+        return any(m._forward_pre_hooks or m._forward_hooks_with_kwargs for m in self._linears)
+
+    @staticmethod
+    def _linear(module: torch.nn.Module, weight: QuantizedWeight, x: F32, bias: F32 | None = None) -> F32:
+        """The module's output for rows `x`: the quantized matmul, its bias, then its forward hooks (LoRA
+        adds its deltas in place), as `module(x)` would give it."""
+        out = weight.matmul_rows(x)
+        if bias is not None:
+            out += bias
+        if module._forward_hooks:
+            xt, ot = torch.from_numpy(x), torch.from_numpy(out)
+            for hook in list(module._forward_hooks.values()):
+                res = hook(module, (xt,), ot)
+                if res is not None and res is not ot:
+                    ot.copy_(res)
+        return out
 
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor | None:
         """Hidden states [T, hidden] after the final norm, or None when this step is not a decode-only
@@ -177,10 +196,10 @@ class CpuDecodeStep:
                 w, hidden, pos, caches[w.layer_idx], slots, dec.block_tables, dec.seq_lens
             )
             _core.cpu_fused_add_rms_norm(hidden, residual, w.post_norm, w.eps)
-            gate_up = w.gate_up.matmul_rows(hidden)
+            gate_up = self._linear(w.modules[2], w.gate_up, hidden)
             act = np.empty((t, gate_up.shape[1] // 2), dtype=np.float32)
             _core.cpu_silu_and_mul(gate_up, act)
-            hidden = w.down.matmul_rows(act)
+            hidden = self._linear(w.modules[3], w.down, act)
         _core.cpu_fused_add_rms_norm(hidden, residual, self.final_norm, self.final_eps)
         return torch.from_numpy(hidden)
 
@@ -195,9 +214,7 @@ class CpuDecodeStep:
         seq_lens: npt.NDArray[np.int32],
     ) -> F32:
         t = hidden.shape[0]
-        qkv = w.qkv.matmul_rows(hidden)
-        if w.qkv_bias is not None:
-            qkv += w.qkv_bias
+        qkv = self._linear(w.modules[0], w.qkv, hidden, w.qkv_bias)
         q = qkv[:, : w.q_size]
         k = qkv[:, w.q_size : w.q_size + w.kv_size]
         v = qkv[:, w.q_size + w.kv_size :]
@@ -210,7 +227,7 @@ class CpuDecodeStep:
         _core.paged_decode_attention(
             qd, cache, block_tables, seq_lens, out, w.scale, w.sliding_window, cpu_kernel_threads()
         )
-        return w.o_proj.matmul_rows(out.reshape(t, w.num_heads * w.head_size))
+        return self._linear(w.modules[1], w.o_proj, out.reshape(t, w.num_heads * w.head_size))
 
 
 def enable_cpu_decode(model: torch.nn.Module) -> bool:
