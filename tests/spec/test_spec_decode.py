@@ -135,21 +135,57 @@ def test_seeded_sampling_is_reproducible(llama: Path, method: dict) -> None:
 
 
 def test_requests_the_verifier_cannot_serve_decode_plainly(llama: Path) -> None:
-    """logprobs, penalties and min_tokens keep per-token state: such requests never get drafts, and their
-    outputs equal the run without speculation."""
+    """Penalties and min_tokens keep per-token state: such requests never get drafts, and their outputs
+    equal the run without speculation."""
     params = [
-        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
         SamplingParams(temperature=0, max_tokens=12, min_tokens=5),
     ]
-    prompts = ["abcabcabcabc"] * 3
+    prompts = ["abcabcabcabc"] * 2
     want = _llm(llama, None).generate(prompts, params, use_tqdm=False)
     llm = _llm(llama, _spec(NGRAM))
     got = llm.generate(prompts, params, use_tqdm=False)
     assert llm.llm_engine.get_stats().spec_num_drafts == 0
     for a, b in zip(want, got, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    assert [sorted(d) for d in want[0].outputs[0].logprobs] == [sorted(d) for d in got[0].outputs[0].logprobs]
+
+
+@pytest.mark.parametrize("method", [NGRAM, SELF_DRAFT], ids=["ngram", "self_draft"])
+def test_logprobs_of_speculating_requests_equal_decoding_without(llama: Path, method: dict) -> None:
+    """A request with logprobs speculates; each emitted token's logprobs (the token's, its rank, the top
+    3) come from its verification row and equal those of decoding without speculation, next to a request
+    without logprobs and one with prompt logprobs."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0, prompt_logprobs=2),
+    ]
+    prompts = ["abcabcabcabc", "hello hello hello", "abcabcab"]
+    want = _llm(llama, None).generate(prompts, params, use_tqdm=False)
+    alone = _llm(llama, _spec(method))  # the logprobs request by itself gets drafts (self-draft: accepted)
+    got0 = alone.generate(prompts[:1], params[:1], use_tqdm=False)[0].outputs[0]
+    stats = alone.llm_engine.get_stats()
+    assert stats.spec_num_draft_tokens > 0, stats
+    assert method is NGRAM or stats.spec_num_accepted_tokens > 0, stats
+    assert got0.token_ids == want[0].outputs[0].token_ids
+    llm = _llm(llama, _spec(method))
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.llm_engine.get_stats().spec_num_accepted_tokens > 0
+    for a, b in zip(want, got, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-4)
+    for wa, ga in [
+        (want[0].outputs[0].logprobs, got[0].outputs[0].logprobs),
+        (want[2].outputs[0].logprobs, got[2].outputs[0].logprobs),
+        (want[0].outputs[0].logprobs, got0.logprobs),
+    ]:
+        assert wa is not None and ga is not None and len(wa) == len(ga) == 16
+        for pos_w, pos_g in zip(wa, ga, strict=True):
+            assert set(pos_w) == set(pos_g)
+            for tok, lw in pos_w.items():
+                assert lw.rank == pos_g[tok].rank
+                assert lw.logprob == pytest.approx(pos_g[tok].logprob, abs=1e-4)
+    assert got[1].outputs[0].logprobs is None
 
 
 def test_speculation_pauses_above_the_batch_size(llama: Path) -> None:

@@ -4,8 +4,9 @@ speculate.
 A request speculates when its sampling is a function of the logits row alone (temperature, top-k, top-p,
 min-p, a seed), possibly limited by a grammar (each row masked by the state after the drafts before it,
 `worker/spec_verify.py`): the verifier then accepts exactly what the target distribution allows.
-Penalties, logit_bias, min_tokens, logprobs, LoRA adapters and pooling keep per-token state (or a hook)
-the verifier does not model: those requests decode one token a step, next to speculating ones.
+Penalties, logit_bias, min_tokens, LoRA adapters and pooling keep per-token state (or a hook) the
+verifier does not model: those requests decode one token a step, next to speculating ones. Logprobs
+come from each emitted token's verification row (`worker/spec_verify.py`).
 """
 
 from __future__ import annotations
@@ -48,10 +49,4 @@ def spec_scheduler_args(config: EngineConfig) -> dict[str, Any]:
 def can_speculate(params: SamplingParams, has_hooks: bool) -> bool:
     """Whether a request with these sampling parameters may speculate (`has_hooks`: an adapter or
     pooling)."""
-    return not (
-        has_hooks
-        or params.needs_penalties
-        or params.logit_bias
-        or params.min_tokens > 0
-        or params.logprobs is not None
-    )
+    return not (has_hooks or params.needs_penalties or params.logit_bias or params.min_tokens > 0)

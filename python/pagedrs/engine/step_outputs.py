@@ -76,7 +76,13 @@ class StepOutputs:
                     lp_ids, lp_vals, lp_ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
                 assert lp_vals is not None and lp_ranks is not None
                 k = 1 + seq.num_logprobs
-                o.new_logprobs = SampleLogprobsMsg([lp_ids[i][:k]], [lp_vals[i][:k]], [int(lp_ranks[i])])
+                # one logprobs row per token (a speculative step's rows follow its tokens)
+                span = range(at, at + n)
+                o.new_logprobs = SampleLogprobsMsg(
+                    [lp_ids[j][:k] for j in span],
+                    [lp_vals[j][:k] for j in span],
+                    [int(lp_ranks[j]) for j in span],
+                )
             at += c
             if new:
                 got.append((seq, new))

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pagedrs.layers.sampler import SamplingRow
+from pagedrs.layers.sampler import LogprobsTensors, SamplingRow, compute_token_logprobs
 from pagedrs.layers.spec_sampler import verify_drafts
 
 if TYPE_CHECKING:
@@ -78,9 +78,46 @@ def sample_with_drafts(
         tokens[at_out[i] : at_out[i] + c] = res.token_ids[at_res : at_res + c]
         lps[at_out[i] : at_out[i] + c] = res.logprobs[at_res : at_res + c]
         at_res += c
+    if out.logprobs is not None:
+        out.logprobs = _token_layout_logprobs(out.logprobs, spec_logits, nd, spec, counts, tokens, at_out)
     out.sampled_token_ids = tokens
     out.sampled_logprobs = lps
     out.token_counts = counts
+
+
+def _token_layout_logprobs(
+    lp: LogprobsTensors,
+    spec_logits: Tensor,
+    nd: np.ndarray,
+    spec: np.ndarray,
+    counts: np.ndarray,
+    tokens: np.ndarray,
+    at_out: np.ndarray,
+) -> LogprobsTensors:
+    """The top-k logprobs one row per emitted token (the layout of the new `sampled_token_ids`): a plain
+    sequence keeps its sampler row; a speculating sequence's token j gets the raw logprobs of its
+    verification row j (the row it was accepted or drawn from, grammar mask applied, as the sampler
+    reports them), so they equal those of the same token decoded without speculation."""
+    width = lp.token_ids.shape[1]
+    n = len(tokens)
+    ids = torch.zeros(n, width, dtype=lp.token_ids.dtype)
+    vals = torch.zeros(n, width, dtype=lp.logprobs.dtype)
+    ranks = torch.zeros(n, dtype=lp.ranks.dtype)
+    plain = torch.as_tensor(np.nonzero(nd == 0)[0])
+    dest = torch.as_tensor(at_out[nd == 0])
+    ids[dest], vals[dest], ranks[dest] = lp.token_ids[plain], lp.logprobs[plain], lp.ranks[plain]
+    row = 0
+    for i in spec.tolist():
+        c = int(counts[i])
+        raw = spec_logits[row : row + c].float().log_softmax(dim=-1)
+        emitted = torch.as_tensor(tokens[at_out[i] : at_out[i] + c], device=raw.device)
+        got = compute_token_logprobs(raw, emitted, width - 1)
+        a = int(at_out[i])
+        ids[a : a + c] = got.token_ids.cpu()
+        vals[a : a + c] = got.logprobs.cpu().to(vals.dtype)
+        ranks[a : a + c] = got.ranks.cpu()
+        row += 1 + int(nd[i])
+    return LogprobsTensors(token_ids=ids, logprobs=vals, ranks=ranks)
 
 
 def _mask_by_grammar(logits: Tensor, nd: np.ndarray, drafts: np.ndarray, matchers: Sequence[Any]) -> None:
