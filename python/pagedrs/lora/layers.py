@@ -5,22 +5,21 @@ every row gets `(x A^T) B^T * scaling` of its own adapter added to its slice of 
 base result first, then the delta). A packed layer (q|k|v, gate|up) holds one slice per HF module, so an
 adapter that targets only q_proj changes only the q columns.
 
-The adapters of all slots are stacked per output slice, in the manner of punica's shrink/expand kernels
-(SGMV/BGMV) but as two dense matmuls, which is what a CPU does well: `A` of slot s takes rows
-[s R, (s + 1) R) of one [slots x R, in] matrix (R: the largest rank resident for that slice, smaller ranks
-padded with zeros) and `B * scaling` the same columns of one [out, slots x R] matrix. A step computes
-`x A_all^T` for every row ("shrink"), zeroes each row's columns outside its own slot (the step's mask,
-built once per R from the rows' slots and shared by every layer; base-model rows get all zeros), then
-multiplies by `B_all^T` ("expand"). So a layer costs the same few ops however many adapters the batch
-mixes, where a loop over adapters paid a gather, two matmuls and a scatter per adapter and layer.
+The adapters of all slots are stacked, in the manner of punica's segmented kernels (SGMV): a step groups
+its rows by adapter into a padded [adapters, rows, in] batch (the layout is built once per step and
+shared by every layer); each module then takes one gather, two batched matmuls, `x A^T` ("shrink") and
+`B^T` ("expand", the scaling folded into B), a mask that zeroes the padding rows, and one gather back to
+the rows' order added to its output (a base-model row reads a padding row: zeros). A packed module's
+slices share the pair: their A's are stacked along the rank and B is block-diagonal over them. A slice's
+rank is the largest resident for it (smaller ones padded with zeros). So a layer costs the same few ops
+however many adapters the step mixes, and no row pays for another adapter's rank.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["LoRABatch", "LoRALinear", "LoRASlice"]
@@ -29,27 +28,38 @@ __all__ = ["LoRABatch", "LoRALinear", "LoRASlice"]
 @dataclass
 class LoRABatch:
     """This step's adapter slot of each token row (-1: the base model), or None when no row has one;
-    `num_slots` is the number of slots (`max_loras`)."""
+    `num_slots` is the number of slots (`max_loras`). `layout()` groups the rows by slot."""
 
     num_slots: int = 1
     slot_of_row: Tensor | None = None
-    _masks: dict[tuple[int, torch.dtype], Tensor] = field(default_factory=dict)
+    _layout: tuple[tuple[int, ...], Tensor, Tensor, Tensor] | None = None
 
     def set_rows(self, slot_of_row: Tensor | None) -> None:
         self.slot_of_row = slot_of_row
-        self._masks = {}
+        self._layout = None
 
-    def mask(self, rank: int, dtype: torch.dtype) -> Tensor:
-        """[rows, num_slots x rank]: 1 in each row's own slot's `rank` columns, 0 elsewhere."""
-        key = (rank, dtype)
-        m = self._masks.get(key)
-        if m is None:
+    def layout(self) -> tuple[tuple[int, ...], Tensor, Tensor, Tensor]:
+        """(the slots present; the gather index [slots x M] of the rows grouped by slot, each group padded
+        to M; the padding mask [slots, M, 1], 1 for a real row; the back index [rows]: where each row's
+        result is in that layout, a padding position (all zeros) for a base-model row). M is one more
+        than the largest group, so a padding position always exists."""
+        if self._layout is None:
             rows = self.slot_of_row
             assert rows is not None
-            col_slot = torch.arange(self.num_slots * rank, device=rows.device) // rank
-            m = (rows.unsqueeze(1) == col_slot.unsqueeze(0)).to(dtype)
-            self._masks[key] = m
-        return m
+            host = rows.cpu()
+            present = sorted(set(host.tolist()) - {-1})
+            groups = [torch.nonzero(host == s).flatten() for s in present]
+            m = max(len(g) for g in groups) + 1
+            index = torch.zeros(len(present), m, dtype=torch.int64)
+            mask = torch.zeros(len(present), m, 1)
+            back = torch.full((len(host),), m - 1, dtype=torch.int64)  # slot 0's last row: padding
+            for i, g in enumerate(groups):
+                index[i, : len(g)] = g
+                mask[i, : len(g)] = 1.0
+                back[g] = i * m + torch.arange(len(g))
+            dev = rows.device
+            self._layout = (tuple(present), index.flatten().to(dev), mask.to(dev), back.to(dev))
+        return self._layout
 
 
 @dataclass(frozen=True)
@@ -68,8 +78,10 @@ class LoRALinear:
         self.batch = batch
         # slot -> [(slice, A [r, in], B [size, r], scaling)]
         self.weights: dict[int, list[tuple[LoRASlice, Tensor, Tensor, float]]] = {}
-        # per output slice: (slice, A_all [slots x R, in], B_all [size, slots x R] with the scaling, R)
-        self._stacked: list[tuple[LoRASlice, Tensor, Tensor, int]] | None = None
+        # every slot's adapter over all slices (see _stack), and that cut to the slots of the last step's
+        # layout (the next step usually has the same)
+        self._stacked: tuple[int, int, Tensor, Tensor] | None = None
+        self._cut: tuple[tuple[int, ...], tuple[int, int, Tensor, Tensor]] | None = None
         self._handle = module.register_forward_hook(self._hook)
 
     def set_slot(self, slot: int, pieces: list[tuple[LoRASlice, Tensor, Tensor, float]]) -> None:
@@ -77,43 +89,60 @@ class LoRALinear:
             self.weights[slot] = pieces
         else:
             self.weights.pop(slot, None)
-        self._stacked = None
+        self._stacked = self._cut = None
 
     def clear_slot(self, slot: int) -> None:
         self.weights.pop(slot, None)
-        self._stacked = None
+        self._stacked = self._cut = None
 
     def remove(self) -> None:
         self._handle.remove()
 
-    def _stack(self) -> list[tuple[LoRASlice, Tensor, Tensor, int]]:
-        """The slots' adapters stacked per output slice (rebuilt after a slot changed)."""
+    def _stack(self) -> tuple[int, int, Tensor, Tensor]:
+        """Every slot's adapter, all of this module's slices in one pair (rebuilt after a slot changed):
+        (first output column, width, A [slots, sum R, in], B * scaling [slots, width, sum R]). Slice j
+        takes rank rows [o_j, o_j + R_j) of A and the same columns of B, at its own output rows, so B is
+        block-diagonal over the slices and one shrink and one expand serve the whole module."""
         by_slice: dict[LoRASlice, list[tuple[int, Tensor, Tensor, float]]] = {}
         for slot, pieces in self.weights.items():
             for sl, a, b, scaling in pieces:
                 by_slice.setdefault(sl, []).append((slot, a, b, scaling))
+        first = min(sl.offset for sl in by_slice)
+        width = max(sl.offset + sl.size for sl in by_slice) - first
+        ranks = {sl: max(a.shape[0] for _, a, _, _ in items) for sl, items in by_slice.items()}
+        some_a = next(iter(by_slice.values()))[0][1]
         n = self.batch.num_slots
-        out = []
+        a_all = some_a.new_zeros(n, sum(ranks.values()), some_a.shape[1])
+        b_all = some_a.new_zeros(n, width, sum(ranks.values()))
+        at = 0
         for sl, items in by_slice.items():
-            rank = max(a.shape[0] for _, a, _, _ in items)
-            a0, b0 = items[0][1], items[0][2]
-            a_all = a0.new_zeros(n * rank, a0.shape[1])
-            b_all = b0.new_zeros(b0.shape[0], n * rank)
+            rows = slice(sl.offset - first, sl.offset - first + sl.size)
             for slot, a, b, scaling in items:
                 r = a.shape[0]
-                a_all[slot * rank : slot * rank + r] = a
-                b_all[:, slot * rank : slot * rank + r] = b * scaling
-            out.append((sl, a_all, b_all, rank))
-        return out
+                a_all[slot, at : at + r] = a
+                b_all[slot, rows, at : at + r] = b * scaling
+            at += ranks[sl]
+        return first, width, a_all, b_all
+
+    def _pieces(self, present: tuple[int, ...]) -> tuple[int, int, Tensor, Tensor]:
+        """(first column, width, A^T [present, in, sum R], B^T [present, sum R, width]) of the slots present."""
+        if self._cut is None or self._cut[0] != present:
+            if self._stacked is None:
+                self._stacked = self._stack()
+            first, width, a, b = self._stacked
+            pick = list(present)
+            cut = (first, width, a[pick].transpose(1, 2).contiguous(), b[pick].transpose(1, 2).contiguous())
+            self._cut = (present, cut)
+        return self._cut[1]
 
     def _hook(self, module: torch.nn.Module, args: tuple, out: Tensor) -> Tensor:
         if not self.weights or self.batch.slot_of_row is None:
             return out
-        if self._stacked is None:
-            self._stacked = self._stack()
+        present, gather, mask, back = self.batch.layout()
+        first, width, a_t, b_t = self._pieces(present)
         x = args[0]
-        for sl, a_all, b_all, rank in self._stacked:
-            shrunk = F.linear(x, a_all)  # [rows, slots x R]
-            shrunk.mul_(self.batch.mask(rank, shrunk.dtype))
-            out.narrow(-1, sl.offset, sl.size).add_(F.linear(shrunk, b_all))
+        xs = x.index_select(0, gather).view(len(present), -1, x.shape[-1])  # [slots, M, in]
+        shrunk = torch.bmm(xs, a_t).mul_(mask)  # [slots, M, sum R], padding rows zeroed
+        delta = torch.bmm(shrunk, b_t).view(-1, width)  # [slots x M, width]
+        out.narrow(-1, first, width).add_(delta.index_select(0, back))
         return out
