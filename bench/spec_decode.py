@@ -1,5 +1,6 @@
 """Speculative decoding: the same copy-heavy chat requests through pagedrs without speculation, with n-gram
-(prompt lookup) and with self-drafting (early exit), side by side in one run, at several batch sizes.
+(prompt lookup) and with self-drafting (early exit), and with a draft model when one is given
+(`--methods ... draft_model --draft-model PATH`), side by side in one run, at several batch sizes.
 
     python bench/spec_decode.py                              # default model, batch 1, 4, 16
     python bench/spec_decode.py --batch-sizes 1 --json bench/results/spec-decode-cpu.json
@@ -119,7 +120,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--draft-layers", type=int, default=None, help="self_draft's layers (default: a quarter)")
-    p.add_argument("--methods", nargs="+", default=["ngram", "self_draft"], choices=["ngram", "self_draft"])
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=["ngram", "self_draft"],
+        choices=["ngram", "self_draft", "draft_model"],
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="draft_model's model (folder, GGUF file or Hub name): a smaller "
+        "model sharing the target's tokenizer",
+    )
     p.add_argument("--json", default=None, help="write the figures here")
     add_commit_arg(p)
     args = p.parse_args(argv)
@@ -139,6 +151,14 @@ def main(argv: list[str] | None = None) -> int:
             "method": "self_draft",
             "num_speculative_tokens": args.k,
             "draft_layers": args.draft_layers,
+            "disable_by_batch_size": forced,
+        }
+    if "draft_model" in args.methods:
+        if args.draft_model is None:
+            p.error("--methods draft_model needs --draft-model")
+        configs["draft_model"] = {
+            "model": args.draft_model,
+            "num_speculative_tokens": args.k,
             "disable_by_batch_size": forced,
         }
     runs = {name: run_config(args, spec) for name, spec in configs.items()}
