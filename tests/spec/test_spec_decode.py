@@ -23,6 +23,7 @@ from tests.helpers import make_tiny_llama
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SELF_DRAFT = {"method": "self_draft", "num_speculative_tokens": 3, "draft_layers": 1}
+DRAFT_ITSELF = {"method": "draft_model"}  # the test's model folder is its own draft (see _draft)
 
 
 # Random tiny models whose greedy outputs never repeat a token pair, so prompt lookup proposes but no draft
@@ -61,10 +62,15 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     return folder, want, (echo, _run_echo(engine, echo), request.param)
 
 
-@pytest.mark.parametrize("method", [NGRAM, SELF_DRAFT], ids=["ngram", "self_draft"])
+@pytest.mark.parametrize(
+    "method", [NGRAM, SELF_DRAFT, DRAFT_ITSELF], ids=["ngram", "self_draft", "draft_model"]
+)
 def test_greedy_ids_equal_without_speculation(model: tuple[Path, dict, Any], method: dict) -> None:
+    """draft_model: the target as its own draft model, whose KV pool follows the target's blocks
+    exactly: every draft is accepted."""
     folder, want, (echo, want_echo, name) = model
-    engine = tp_engine(folder, 1, speculative_config=_spec(method))
+    spec = _draft(folder) if method is DRAFT_ITSELF else _spec(method)
+    engine = tp_engine(folder, 1, speculative_config=spec)
     got, spy = run_workload(engine)
     check_forced(engine, spy)
     assert got == want
@@ -72,7 +78,9 @@ def test_greedy_ids_equal_without_speculation(model: tuple[Path, dict, Any], met
     stats = engine.get_stats()
     assert stats.spec_num_draft_tokens > 0, stats
     assert stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
-    if method is SELF_DRAFT or name not in NGRAM_NEVER_ACCEPTS:
+    if method is DRAFT_ITSELF:
+        assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens, stats
+    if method is not NGRAM or name not in NGRAM_NEVER_ACCEPTS:
         # Early exit agrees with these models often; n-gram lookup only where the random model's greedy
         # output repeats itself.
         assert stats.spec_num_accepted_tokens > 0, stats
@@ -240,22 +248,6 @@ def test_config_is_validated() -> None:
 
 def _draft(model: Path) -> dict[str, Any]:
     return _spec({"method": "draft_model", "model": str(model), "num_speculative_tokens": 3})
-
-
-def test_draft_model_greedy_ids_equal_without_speculation(model: tuple[Path, dict, Any]) -> None:
-    """The target as its own draft model: the ids equal decoding without speculation under forced
-    preemption, chunked prefill, prefix hits and n=2, and (the draft's KV pool following the target's
-    blocks exactly) every draft is accepted."""
-    folder, want, (echo, want_echo, _) = model
-    engine = tp_engine(folder, 1, speculative_config=_draft(folder))
-    got, spy = run_workload(engine)
-    check_forced(engine, spy)
-    assert got == want
-    assert _run_echo(engine, echo) == want_echo
-    stats = engine.get_stats()
-    assert stats.spec_num_draft_tokens > 0, stats
-    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens, stats
-    assert_pool_free(engine)
 
 
 def test_a_smaller_draft_model(llama: Path, tmp_path: Path) -> None:

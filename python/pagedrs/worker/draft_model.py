@@ -23,8 +23,8 @@ import torch
 from pagedrs.config import kv_cache_torch_dtype
 from pagedrs.layers.attention import ForwardContext
 from pagedrs.worker.kv_cache import KVCachePool, block_bytes
-from pagedrs.worker.self_draft import speculating_rows, substep_forward
-from pagedrs.worker.step_buffers import StepBuffers, StepInputs
+from pagedrs.worker.self_draft import speculating_rows, substep_buffers, substep_forward
+from pagedrs.worker.step_buffers import StepInputs
 
 if TYPE_CHECKING:
     from pagedrs._core import StepPlan
@@ -50,14 +50,7 @@ class DraftModelDrafter:
         self.model = model
         self.kv_dtype = kv_cache_torch_dtype(runner.config.cache.cache_dtype, model.dtype)
         self.pool: KVCachePool | None = None
-        sched = runner.config.scheduler
-        self.buffers = StepBuffers(
-            max_num_tokens=sched.max_num_seqs,
-            max_num_reqs=sched.max_num_seqs,
-            table_width=runner.max_blocks_per_seq,
-            graph_rows=1,
-            device=runner.device,
-        )
+        self.buffers = substep_buffers(runner)
 
     @property
     def bytes_per_block(self) -> int:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from pagedrs._core import StepPlan
     from pagedrs.worker.model_runner import ModelRunner
 
-__all__ = ["SelfDrafter", "default_draft_layers", "speculating_rows", "substep_forward"]
+__all__ = ["SelfDrafter", "default_draft_layers", "speculating_rows", "substep_buffers", "substep_forward"]
 
 
 def default_draft_layers(num_layers: int) -> int:
@@ -59,6 +59,18 @@ def speculating_rows(plan: StepPlan, spec: np.ndarray) -> tuple[np.ndarray, np.n
     batch_of = {int(r): b for b, r in enumerate(plan.req_ids.tolist())}
     rows = np.array([batch_of[int(s)] for s in plan.sampled_seq_ids[spec].tolist()], dtype=np.int64)
     return rows, plan.query_start_loc[rows].astype(np.int64)
+
+
+def substep_buffers(runner: ModelRunner) -> StepBuffers:
+    """Step buffers for the drafters' decode-shaped sub-steps (at most one row per running sequence)."""
+    sched = runner.config.scheduler
+    return StepBuffers(
+        max_num_tokens=sched.max_num_seqs,
+        max_num_reqs=sched.max_num_seqs,
+        table_width=runner.max_blocks_per_seq,
+        graph_rows=1,
+        device=runner.device,
+    )
 
 
 def substep_forward(
@@ -114,14 +126,7 @@ class SelfDrafter:
             raise ValueError(f"draft_layers must be in [1, {total}] for this model, got {num_layers}")
         self.runner = runner
         self.num_layers = num_layers
-        sched = runner.config.scheduler
-        self.buffers = StepBuffers(
-            max_num_tokens=sched.max_num_seqs,
-            max_num_reqs=sched.max_num_seqs,
-            table_width=runner.max_blocks_per_seq,
-            graph_rows=1,
-            device=runner.device,
-        )
+        self.buffers = substep_buffers(runner)
 
     @torch.inference_mode()
     def propose(self, plan: StepPlan, main: StepInputs) -> np.ndarray:
