@@ -21,7 +21,7 @@ __all__ = ["can_speculate", "spec_scheduler_args"]
 # Speculation pauses above this many running sequences when the config names no disable_by_batch_size:
 # past it a step's extra verification rows cost more than the accepted tokens save. Measured on the
 # 2-core CPU with the default model (bench/spec_decode.py, README): n-gram pays at batch 1 (1.16x with 2
-# drafts) and not at 4 (0.96x); self-draft by early exit did not pay at any batch size there. A draft
+# drafts; 1.06x once the fast decode path had halved the baseline) and not at 4 (0.96x); self-draft by early exit did not pay at any batch size there. A draft
 # model was not measured (no smaller model shares the default model's tokenizer here): batch 1 too.
 DEFAULT_DISABLE_BY_BATCH_SIZE = {"ngram": 1, "self_draft": 1, "draft_model": 1}
 
