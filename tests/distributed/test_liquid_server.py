@@ -1,10 +1,19 @@
 """`pagedrs serve --liquid-gpu-range 0 1`: streams in flight while the model scales out to two ranks and
-back come out identical to offline greedy; the admin endpoint takes the API key."""
+back come out identical to offline greedy, token for token with the same logprobs, up to a float near-tie;
+the admin endpoint takes the API key.
+
+Why a near-tie may differ: at degree 2 the row-parallel layers (o_proj, down_proj) sum two partial
+products where one rank sums the whole row, so their float32 results can differ in the last bits, and the
+batch a stream shares a step with differs from the offline run's. Greedy ids are equal unless the top two
+logprobs at some position lie within that rounding; there, either token is the argmax, and the texts
+diverge after it. The check accepts a difference only at such a position (top two within 1e-3, the stream
+taking the offline runner-up) and compares nothing after it."""
 
 from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -20,8 +29,8 @@ MAX_TOKENS = 160
 def test_streams_survive_scale_out_and_in(tmp_path: Path) -> None:
     folder = make_tiny_llama(tmp_path, num_attention_heads=8, num_key_value_heads=4)
     llm = LLM(str(folder), device="cpu", dtype="float32", disable_log_stats=True)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    expected = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    expected = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     server = SubprocessServer(
         tmp_path / "data",
         ["--model", str(folder), "--liquid-gpu-range", "0", "1", "--liquid-total-num-shards", "2"],
@@ -31,7 +40,7 @@ def test_streams_survive_scale_out_and_in(tmp_path: Path) -> None:
     try:
         client = server.client()
         name = client.models.list().data[0].id
-        texts: dict[int, str] = {}
+        streamed: dict[int, tuple[list[str], list[float]]] = {}
         started = threading.Barrier(len(PROMPTS) + 1)
 
         def stream(i: int) -> None:
@@ -41,14 +50,18 @@ def test_streams_survive_scale_out_and_in(tmp_path: Path) -> None:
                 max_tokens=MAX_TOKENS,
                 temperature=0,
                 stream=True,
+                logprobs=1,
                 extra_body={"ignore_eos": True},
             )
-            parts = []
+            tokens: list[str] = []
+            lps: list[float] = []
             for n, chunk in enumerate(s):
                 if n == 1:
                     started.wait(60)
-                parts.append(chunk.choices[0].text if chunk.choices else "")
-            texts[i] = "".join(parts)
+                if chunk.choices and chunk.choices[0].logprobs is not None:
+                    tokens += chunk.choices[0].logprobs.tokens
+                    lps += chunk.choices[0].logprobs.token_logprobs
+            streamed[i] = (tokens, lps)
 
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(PROMPTS))]
         for t in threads:
@@ -62,7 +75,8 @@ def test_streams_survive_scale_out_and_in(tmp_path: Path) -> None:
             assert back.status_code == 200, back.text
         for t in threads:
             t.join(120)
-        assert [texts[i] for i in range(len(PROMPTS))] == expected
+        for i in range(len(PROMPTS)):
+            _same_up_to_a_near_tie(*streamed[i], expected[i], f"request {i}")
         anon = httpx.post(f"{server.base_url}/v1/admin/liquid", json={"target": 2}, timeout=30)
         assert anon.status_code == 401
         log = server.log()  # the liquid fork's event blocks: shard 1 of 2 goes out to rank 1 and back
@@ -72,3 +86,23 @@ def test_streams_survive_scale_out_and_in(tmp_path: Path) -> None:
         assert "Finished liquid for 1 times, output: Completed! Move shard: [1] from [1] to [0];" in log
     finally:
         server.kill()
+
+
+def _same_up_to_a_near_tie(tokens: list[str], lps: list[float], want: Any, what: str) -> None:
+    """The streamed tokens (text, logprob) equal the offline output's, up to the first position where the
+    offline top two are within 1e-3 and the stream took the runner-up (see the module docstring)."""
+    assert len(tokens) == len(lps) == len(want.token_ids) == MAX_TOKENS, what
+    for j, (tok, lp) in enumerate(zip(tokens, lps, strict=True)):
+        top = sorted(want.logprobs[j].values(), key=lambda x: x.rank)
+        chosen = want.logprobs[j][want.token_ids[j]]
+        if tok == chosen.decoded_token and abs(lp - chosen.logprob) < 1e-3:
+            continue
+        runner_up = [x for x in top if x.rank == 2]
+        assert runner_up, f"{what}: token {j} differs ({tok!r} vs {chosen.decoded_token!r}), no runner-up"
+        second = runner_up[0]
+        assert chosen.logprob - second.logprob < 1e-3, (
+            f"{what}: token {j} is {tok!r} ({lp:.6f}), offline {chosen.decoded_token!r} "
+            f"({chosen.logprob:.6f}) with runner-up {second.decoded_token!r} ({second.logprob:.6f}): no near-tie"
+        )
+        assert tok == second.decoded_token and abs(lp - second.logprob) < 1e-3, what
+        return
