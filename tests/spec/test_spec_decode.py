@@ -67,7 +67,7 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 )
 def test_greedy_ids_equal_without_speculation(model: tuple[Path, dict, Any], method: dict) -> None:
     """draft_model: the target as its own draft model, whose KV pool follows the target's blocks
-    exactly: every draft is accepted."""
+    exactly: every draft is accepted (up to float near-ties)."""
     folder, want, (echo, want_echo, name) = model
     spec = _draft(folder) if method is DRAFT_ITSELF else _spec(method)
     engine = tp_engine(folder, 1, speculative_config=spec)
@@ -79,7 +79,10 @@ def test_greedy_ids_equal_without_speculation(model: tuple[Path, dict, Any], met
     assert stats.spec_num_draft_tokens > 0, stats
     assert stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
     if method is DRAFT_ITSELF:
-        assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens, stats
+        # Every draft, up to a float near-tie between the draft's decode-shaped rows and the verifying
+        # forward's (other batch shapes may round differently on another CPU). A draft KV with a hole
+        # (the last draft's KV not written) accepts 35-60% here.
+        assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens, stats
     if method is not NGRAM or name not in NGRAM_NEVER_ACCEPTS:
         # Early exit agrees with these models often; n-gram lookup only where the random model's greedy
         # output repeats itself.

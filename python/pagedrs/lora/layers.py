@@ -17,8 +17,9 @@ however many adapters the step mixes, and no row pays for another adapter's rank
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -31,34 +32,40 @@ class LoRABatch:
     `num_slots` is the number of slots (`max_loras`). `layout()` groups the rows by slot."""
 
     num_slots: int = 1
-    slot_of_row: Tensor | None = None
+    slot_of_row: np.ndarray | None = None  # int64 [rows], on the host
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _layout: tuple[tuple[int, ...], Tensor, Tensor, Tensor] | None = None
 
-    def set_rows(self, slot_of_row: Tensor | None) -> None:
+    def set_rows(self, slot_of_row: np.ndarray | None) -> None:
         self.slot_of_row = slot_of_row
         self._layout = None
 
     def layout(self) -> tuple[tuple[int, ...], Tensor, Tensor, Tensor]:
         """(the slots present; the gather index [slots x M] of the rows grouped by slot, each group padded
         to M; the padding mask [slots, M, 1], 1 for a real row; the back index [rows]: where each row's
-        result is in that layout, a padding position (all zeros) for a base-model row). M is one more
-        than the largest group, so a padding position always exists."""
+        result is in that layout, a padding position (all zeros) for a base-model row), on the device.
+        M is one more than the largest group, so a padding position always exists. Built on the host
+        once a step, then shared by every layer."""
         if self._layout is None:
             rows = self.slot_of_row
             assert rows is not None
-            host = rows.cpu()
-            present = sorted(set(host.tolist()) - {-1})
-            groups = [torch.nonzero(host == s).flatten() for s in present]
+            present = sorted(set(np.unique(rows).tolist()) - {-1})
+            groups = [np.flatnonzero(rows == s) for s in present]
             m = max(len(g) for g in groups) + 1
-            index = torch.zeros(len(present), m, dtype=torch.int64)
-            mask = torch.zeros(len(present), m, 1)
-            back = torch.full((len(host),), m - 1, dtype=torch.int64)  # slot 0's last row: padding
+            index = np.zeros((len(present), m), dtype=np.int64)
+            mask = np.zeros((len(present), m, 1), dtype=np.float32)
+            back = np.full(len(rows), m - 1, dtype=np.int64)  # slot 0's last row: padding
             for i, g in enumerate(groups):
                 index[i, : len(g)] = g
                 mask[i, : len(g)] = 1.0
-                back[g] = i * m + torch.arange(len(g))
-            dev = rows.device
-            self._layout = (tuple(present), index.flatten().to(dev), mask.to(dev), back.to(dev))
+                back[g] = i * m + np.arange(len(g))
+            dev = self.device
+            self._layout = (
+                tuple(present),
+                torch.from_numpy(index.reshape(-1)).to(dev),
+                torch.from_numpy(mask).to(dev),
+                torch.from_numpy(back).to(dev),
+            )
         return self._layout
 
 

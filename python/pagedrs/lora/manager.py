@@ -84,7 +84,7 @@ class LoRAManager:
         self.config = config
         self.device = device
         self.dtype = next(model.parameters()).dtype
-        self.batch = LoRABatch(num_slots=config.max_loras)
+        self.batch = LoRABatch(num_slots=config.max_loras, device=device)
         self.layers: dict[str, LoRALinear] = {}  # our module name -> its LoRA hook (made on first use)
         self._host: OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = OrderedDict()  # LRU order
         self._slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU order
@@ -213,5 +213,5 @@ class LoRAManager:
         if self._seq_slot and int(plan.num_tokens):
             slots = np.array([self._seq_slot.get(s, -1) for s in plan.req_ids.tolist()], dtype=np.int64)
             if (slots >= 0).any():
-                rows = torch.from_numpy(np.repeat(slots, plan.num_scheduled_tokens)).to(self.device)
+                rows = np.repeat(slots, plan.num_scheduled_tokens)
         self.batch.set_rows(rows)

@@ -22,7 +22,7 @@ import torch
 
 from pagedrs.config import kv_cache_torch_dtype
 from pagedrs.layers.attention import ForwardContext
-from pagedrs.worker.kv_cache import KVCachePool, block_bytes
+from pagedrs.worker.kv_cache import KVCachePool, model_block_bytes
 from pagedrs.worker.self_draft import speculating_rows, substep_buffers, substep_forward
 from pagedrs.worker.step_buffers import StepInputs
 
@@ -54,15 +54,11 @@ class DraftModelDrafter:
 
     @property
     def bytes_per_block(self) -> int:
-        m = self.model
-        return block_bytes(m.num_layers, self.runner.block_size, m.num_kv_heads, m.head_size, self.kv_dtype)
+        return model_block_bytes(self.model, self.runner.block_size, self.kv_dtype)
 
     def init_pool(self, num_blocks: int, num_swap_blocks: int) -> KVCachePool:
-        m = self.model
-        self.pool = KVCachePool(
-            num_layers=m.num_layers,
-            num_kv_heads=m.num_kv_heads,
-            head_size=m.head_size,
+        self.pool = KVCachePool.for_model(
+            self.model,
             block_size=self.runner.block_size,
             num_blocks=num_blocks,
             dtype=self.kv_dtype,

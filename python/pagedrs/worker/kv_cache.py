@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = [
     "KVCachePool",
     "block_bytes",
+    "model_block_bytes",
     "kv_budget_bytes",
     "num_blocks_for_bytes",
     "profile_num_gpu_blocks",
@@ -41,6 +42,11 @@ def block_bytes(
     """Bytes one block takes over all layers, K and V."""
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_size * elem
+
+
+def model_block_bytes(model: Any, block_size: int, dtype: torch.dtype) -> int:
+    """`block_bytes` of `model`'s layers on this rank."""
+    return block_bytes(model.num_layers, block_size, model.num_kv_heads, model.head_size, dtype)
 
 
 def num_blocks_for_bytes(num_bytes: float, per_block: int) -> int:
@@ -140,6 +146,29 @@ class KVCachePool:
             else []
         )
         self.num_swap_blocks = num_swap_blocks
+
+    @classmethod
+    def for_model(
+        cls,
+        model: Any,
+        *,
+        block_size: int,
+        num_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_swap_blocks: int = 0,
+    ) -> KVCachePool:
+        """The pool of `model`'s layers (its `num_layers`, `num_kv_heads`, `head_size` on this rank)."""
+        return cls(
+            num_layers=model.num_layers,
+            num_kv_heads=model.num_kv_heads,
+            head_size=model.head_size,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            dtype=dtype,
+            device=device,
+            num_swap_blocks=num_swap_blocks,
+        )
 
     def _alloc(self, n: int, device: torch.device, pin: bool = False) -> Tensor:
         shape = (2, n, self.block_size, self.num_kv_heads, self.head_size)

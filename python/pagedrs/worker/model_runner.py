@@ -30,7 +30,12 @@ from pagedrs.layers.kernel_switch import use_layer_kernels
 from pagedrs.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, SamplingRow
 from pagedrs.models.interface import CausalLM
 from pagedrs.worker.draft_model import DraftModelDrafter
-from pagedrs.worker.kv_cache import KVCachePool, block_bytes, num_blocks_for_bytes, profile_num_gpu_blocks
+from pagedrs.worker.kv_cache import (
+    KVCachePool,
+    model_block_bytes,
+    num_blocks_for_bytes,
+    profile_num_gpu_blocks,
+)
 from pagedrs.worker.prompt_logprobs import (
     PromptLogprobsChunk,
     PromptLogprobsPlan,
@@ -162,8 +167,7 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         """One block's bytes on this rank: the target's KV, plus a draft model's (its pool has as many)."""
-        m = self.model
-        own = block_bytes(m.num_layers, self.block_size, m.num_kv_heads, m.head_size, self.kv_dtype)
+        own = model_block_bytes(self.model, self.block_size, self.kv_dtype)
         return own + (self.drafter.bytes_per_block if isinstance(self.drafter, DraftModelDrafter) else 0)
 
     def determine_num_blocks(self) -> int:
@@ -199,11 +203,8 @@ class ModelRunner:
         return num_blocks_for_bytes(self.config.cache.swap_space * _GiB, self.bytes_per_block)
 
     def _new_pool(self, num_blocks: int, num_swap: int) -> KVCachePool:
-        m = self.model
-        return KVCachePool(
-            num_layers=m.num_layers,
-            num_kv_heads=m.num_kv_heads,
-            head_size=m.head_size,
+        return KVCachePool.for_model(
+            self.model,
             block_size=self.block_size,
             num_blocks=num_blocks,
             dtype=self.kv_dtype,

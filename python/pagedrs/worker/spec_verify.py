@@ -106,17 +106,22 @@ def _token_layout_logprobs(
     plain = torch.as_tensor(np.nonzero(nd == 0)[0])
     dest = torch.as_tensor(at_out[nd == 0])
     ids[dest], vals[dest], ranks[dest] = lp.token_ids[plain], lp.logprobs[plain], lp.ranks[plain]
-    row = 0
-    for i in spec.tolist():
-        c = int(counts[i])
-        raw = spec_logits[row : row + c].float().log_softmax(dim=-1)
-        emitted = torch.as_tensor(tokens[at_out[i] : at_out[i] + c], device=raw.device)
-        got = compute_token_logprobs(raw, emitted, width - 1)
-        a = int(at_out[i])
-        ids[a : a + c] = got.token_ids.cpu()
-        vals[a : a + c] = got.logprobs.cpu().to(vals.dtype)
-        ranks[a : a + c] = got.ranks.cpu()
-        row += 1 + int(nd[i])
+    if len(spec):
+        # every speculating sequence's first counts[i] verification rows, in one log-softmax
+        spec_counts = counts[spec].astype(np.int64)
+        starts = np.cumsum(1 + nd[spec]) - (1 + nd[spec])
+        src = np.concatenate([np.arange(st, st + c) for st, c in zip(starts, spec_counts, strict=True)])
+        dst = np.concatenate([np.arange(at_out[i], at_out[i] + counts[i]) for i in spec])
+        raw = (
+            spec_logits.index_select(0, torch.as_tensor(src, device=spec_logits.device))
+            .float()
+            .log_softmax(-1)
+        )
+        got = compute_token_logprobs(raw, torch.as_tensor(tokens[dst], device=raw.device), width - 1)
+        where = torch.as_tensor(dst)
+        ids[where] = got.token_ids.cpu()
+        vals[where] = got.logprobs.cpu().to(vals.dtype)
+        ranks[where] = got.ranks.cpu()
     return LogprobsTensors(token_ids=ids, logprobs=vals, ranks=ranks)
 
 
