@@ -56,7 +56,7 @@ def quant_matmul(
     [M, ldo]. ValueError on a bad shape or type."""
 
 def quant_pack_x8(weight: npt.NDArray[np.uint8], ggml_type: int) -> npt.NDArray[np.uint8]:
-    """W (uint8 [N, row_bytes] of Q4_0 or Q4_1 blocks, N a multiple of 8) repacked 8 rows at a time for
+    """W (uint8 [N, row_bytes] of Q4_0, Q4_1 or Q8_0 blocks, N a multiple of 8) repacked 8 rows at a time for
     ``quant_matmul(..., packed=True)``: a new array of the same shape. ValueError otherwise."""
 
 def quant_get_rows(

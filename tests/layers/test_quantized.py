@@ -169,10 +169,12 @@ def test_long_chunks_take_a_float32_gemm_over_the_dequantized_weight():
     dense = torch.cat([dequantized(p) for p in pieces[:2]])
     assert torch.equal(qw.dequantized(), dense)
     rows = quantized.DEQUANT_MIN_ROWS
-    assert qw.dequant_min_rows == rows  # a Q8_0 piece: not all x8
+    assert qw.dequant_min_rows == rows  # pieces of 6 and 5 rows: not in the x8 layout
     x8 = QuantizedWeight([random_weight(Q.Q4_1, 16, 64, 5)])
     want = quantized.DEQUANT_MIN_ROWS_X8 if _core.quant_isa() == "avx2" else rows
     assert x8.dequant_min_rows == want
+    q8 = QuantizedWeight([random_weight(Q.Q8_0, 16, 64, 5)])  # x8 too, but cheap to dequantize
+    assert q8.runs[0].packed == (_core.quant_isa() == "avx2") and q8.dequant_min_rows == rows
     x = torch.randn(rows + 3, 64, generator=torch.Generator().manual_seed(4))
     torch.testing.assert_close(qw.matmul(x), x @ dense.T, rtol=1e-5, atol=1e-5)
     short = qw.matmul(x[: rows - 1])
@@ -199,9 +201,9 @@ def test_each_row_is_bit_identical_whatever_the_batch(qtype):
     assert torch.equal(QuantizedWeight([w]).matmul(x), full)  # the warm pool's threads too
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
 def test_x8_layout_multiplies_and_dequantizes_as_the_file_layout(qtype):
-    """Q4_0 / Q4_1 weights with a multiple of 8 rows are repacked 8 rows at a time at load (on AVX2):
+    """Q4_0 / Q4_1 / Q8_0 weights with a multiple of 8 rows are repacked 8 rows at a time at load (on AVX2):
     same products within the kernels' bound, same dequantized rows, each row's bits independent of the
     batch."""
     n, k = 40, 3 * 32
@@ -213,7 +215,7 @@ def test_x8_layout_multiplies_and_dequantizes_as_the_file_layout(qtype):
     full = torch.empty(9, n)
     _core.quant_matmul(x.numpy(), packed, int(qtype), full.numpy(), 0, 2, packed=True)
     assert ((full - x @ dense.T).abs() <= error_bound(x, dense)).all()
-    for start, m in ((0, 1), (3, 1), (2, 4), (1, 5)):
+    for start, m in ((0, 1), (3, 1), (4, 2), (6, 3), (2, 4), (1, 5)):
         part = torch.empty(m, n)
         _core.quant_matmul(x[start : start + m].numpy(), packed, int(qtype), part.numpy(), 0, 1, packed=True)
         assert torch.equal(part, full[start : start + m]), f"rows {start}+{m}"
@@ -231,8 +233,8 @@ def test_x8_layout_multiplies_and_dequantizes_as_the_file_layout(qtype):
 def test_x8_layout_refuses_what_it_cannot_lay_out():
     with pytest.raises(ValueError, match="multiple of 8"):
         _core.quant_pack_x8(random_weight(Q.Q4_1, 12, 32).data, int(Q.Q4_1))
-    with pytest.raises(ValueError, match="Q8_0"):
-        _core.quant_pack_x8(random_weight(Q.Q8_0, 8, 32).data, int(Q.Q8_0))
+    with pytest.raises(ValueError, match="Q6_K"):
+        _core.quant_pack_x8(random_weight(Q.Q6_K, 8, 256).data, int(Q.Q6_K))
     w = random_weight(Q.Q4_0, 8, 64)
     out = np.empty((1, 16), dtype=np.float32)
     with pytest.raises(ValueError, match="multiple of 8"):

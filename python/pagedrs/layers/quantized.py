@@ -113,8 +113,10 @@ class _Run:
 
 
 # Types the kernels repack 8 rows at a time at load (their fastest layout on AVX2: the default model's
-# batch-1 matmuls 17.9 -> 13.3 ms a step with 1 thread, 10.3 -> 8.1 ms with 2, on the CI machine).
-_X8_TYPES = frozenset({2, 3})  # gguf.GGMLQuantizationType.Q4_0, Q4_1
+# batch-1 matmuls 17.9 -> 13.3 ms a step with 1 thread, 10.3 -> 8.1 ms with 2, on the CI machine; its
+# Q8_0 output head, 49152 x 576, 2 threads: 0.70 -> 0.56 ms at 1 row, 2.2 -> 1.3 ms at 5, 6.4 -> 4.6 ms
+# at 16).
+_X8_TYPES = frozenset({2, 3, 8})  # gguf.GGMLQuantizationType.Q4_0, Q4_1, Q8_0
 
 
 def _packed_run(ggml_type: int, data: npt.NDArray[np.uint8], col0: int, n: int) -> _Run:
@@ -129,10 +131,12 @@ def _packed_run(ggml_type: int, data: npt.NDArray[np.uint8], col0: int, n: int) 
 # its Q8_0 output head: 188 vs 198 ms at 128 rows, 287 vs 271 ms at 192, 765 vs 567 ms at 512). Decode
 # steps (a row per running request) stay below it; prefill chunks go above.
 DEQUANT_MIN_ROWS = 160
-# The same for weights whose every run is in the x8 layout, whose kernel is faster: the default model's
-# first 6 layers, 2 threads: 285 vs 332 ms at 400 rows, 385 vs 356 at 512, 529 vs 641 at 768, 724 vs 685
-# at 1024 (integer kernel vs dequantize + GEMM).
+# The same for weights whose every run is 4-bit in the x8 layout, whose kernel is faster: the default
+# model's first 6 layers, 2 threads: 285 vs 332 ms at 400 rows, 385 vs 356 at 512, 529 vs 641 at 768, 724
+# vs 685 at 1024 (integer kernel vs dequantize + GEMM). Q8_0 in the x8 layout keeps DEQUANT_MIN_ROWS: its
+# dequantization is cheap (576 x 1536, 2 threads: 3.1 vs 2.4 ms at 160 rows; 3072 x 576: 3.6 vs 5.3 ms).
 DEQUANT_MIN_ROWS_X8 = 512
+_X8_4BIT = frozenset({2, 3})
 
 
 class QuantizedWeight:
@@ -156,7 +160,8 @@ class QuantizedWeight:
             col0 += n
         self.runs = runs
         self.nbytes = sum(r.data.nbytes for r in runs)
-        self.dequant_min_rows = DEQUANT_MIN_ROWS_X8 if all(r.packed for r in runs) else DEQUANT_MIN_ROWS
+        x8_4bit = all(r.packed and r.ggml_type in _X8_4BIT for r in runs)
+        self.dequant_min_rows = DEQUANT_MIN_ROWS_X8 if x8_4bit else DEQUANT_MIN_ROWS
 
     @property
     def type_names(self) -> list[str]:

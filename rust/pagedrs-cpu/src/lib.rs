@@ -47,7 +47,7 @@ pub enum KernelError {
     Columns { col0: usize, n: usize, ldo: usize },
     #[error("ids[{index}] = {id} is outside 0..{n}")]
     Row { index: usize, id: i64, n: usize },
-    #[error("{qtype} weights of {n} rows have no 8-row interleaved layout (Q4_0 or Q4_1, rows a multiple of 8)")]
+    #[error("{qtype} weights of {n} rows have no 8-row interleaved layout (Q4_0, Q4_1 or Q8_0, rows a multiple of 8)")]
     Packing { qtype: &'static str, n: usize },
 }
 

@@ -207,8 +207,8 @@ pub fn quant_matmul(
 }
 
 /// W (uint8 [N, row_bytes], GGUF blocks of `ggml_type`) repacked 8 rows at a time for
-/// `quant_matmul(..., packed=True)`: a new array of the same shape. ValueError unless the type is Q4_0 or
-/// Q4_1 and N a multiple of 8.
+/// `quant_matmul(..., packed=True)`: a new array of the same shape. ValueError unless the type is Q4_0,
+/// Q4_1 or Q8_0 and N a multiple of 8.
 #[pyfunction]
 pub fn quant_pack_x8<'py>(
     py: Python<'py>,

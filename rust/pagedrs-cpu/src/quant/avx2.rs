@@ -612,7 +612,12 @@ pub(super) unsafe fn group_rows<const R: usize>(
     }
 }
 
-// ---- The x8 kernel (Q4_0 / Q4_1 repacked 8 rows at a time; see `x8`) ------------------------------------
+// ---- The x8 kernels (Q4_0 / Q4_1 / Q8_0 repacked 8 rows at a time; see `x8`) -----------------------------
+//
+// Per block, the weights of the 8 rows are loaded 32 bytes at a time and each of the `R` activation rows'
+// integer sums kept in its own register (t outer, rows inner: R sums, R accumulators and the one weight
+// vector in flight fit the 16 registers at R <= 4). Integer sums are exact in any order, so a row gets the
+// same bits for any R (and from `x8::group_portable`).
 
 /// The 8 outputs of one packed group (`nb` blocks at `w`) for each of the `R` activation rows: lane `j` of
 /// the result is weight row `j` of the group. `Q41`: the type is Q4_1 (else Q4_0).
@@ -628,36 +633,63 @@ pub(super) unsafe fn x8_group<const R: usize, const Q41: bool>(
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..nb {
         let p = w.add(b * bb);
+        // i16 sums of 8 maddubs lanes (each |lane| <= 2 * 15 * 127): at most 30480, exact.
+        let mut s = [_mm256_setzero_si256(); R];
+        for t in 0..4 {
+            let v = _mm256_loadu_si256(p.add(head + 32 * t).cast());
+            let lo = _mm256_and_si256(v, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            for r in 0..R {
+                // Activations 4t..4t+3 (low nibbles) and 16+4t.. (high ones), broadcast to the 8 rows.
+                let x = a[r].qs.as_ptr().add(32 * b).cast::<i32>();
+                let bx = |i: usize| _mm256_set1_epi32(x.add(i).read_unaligned());
+                s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, bx(t)));
+                s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(hi, bx(4 + t)));
+            }
+        }
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
         let mw = if Q41 {
             _mm256_cvtph_ps(_mm_loadu_si128(p.add(16).cast()))
         } else {
             _mm256_mul_ps(dw, _mm256_set1_ps(-8.0))
         };
-        let mut lo = [_mm256_setzero_si256(); 4];
-        let mut hi = [_mm256_setzero_si256(); 4];
-        for t in 0..4 {
-            let v = _mm256_loadu_si256(p.add(head + 32 * t).cast());
-            lo[t] = _mm256_and_si256(v, m4);
-            hi[t] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        }
         for r in 0..R {
-            // Activations 4t..4t+3 (low nibbles) and 16+4t.. (high ones), broadcast to the 8 rows.
-            let x = a[r].qs.as_ptr().add(32 * b).cast::<i32>();
-            let bx = |i: usize| _mm256_set1_epi32(x.add(i).read_unaligned());
-            // i16 sums of 8 maddubs lanes (each |lane| <= 2 * 15 * 127): at most 30480, exact.
-            let mut s = _mm256_add_epi16(
-                _mm256_maddubs_epi16(lo[0], bx(0)),
-                _mm256_maddubs_epi16(hi[0], bx(4)),
-            );
-            for t in 1..4 {
-                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[t], bx(t)));
-                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[t], bx(4 + t)));
-            }
-            let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+            let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r], ones));
             let dx = _mm256_set1_ps(*a[r].d.get_unchecked(b));
             acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, dx), acc[r]);
             acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*a[r].s.get_unchecked(b)), acc[r]);
+        }
+    }
+    acc
+}
+
+/// `x8_group` for Q8_0: signed weights, each `maddubs` of |w| by x with w's sign (pairs up to
+/// 2 * 128 * 127, so each goes to 32 bits by `madd` at once).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn x8_group_q8<const R: usize>(
+    w: *const u8,
+    nb: usize,
+    a: &[ActRow<'_>; R],
+) -> [__m256; R] {
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..nb {
+        let p = w.add(b * 272);
+        let mut s = [_mm256_setzero_si256(); R];
+        for t in 0..8 {
+            let v = _mm256_loadu_si256(p.add(16 + 32 * t).cast());
+            let av = _mm256_sign_epi8(v, v);
+            for r in 0..R {
+                let x = a[r].qs.as_ptr().add(32 * b + 4 * t).cast::<i32>();
+                let sx = _mm256_sign_epi8(_mm256_set1_epi32(x.read_unaligned()), v);
+                let pair = _mm256_madd_epi16(_mm256_maddubs_epi16(av, sx), ones);
+                s[r] = _mm256_add_epi32(s[r], pair);
+            }
+        }
+        let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
+        for r in 0..R {
+            let dx = _mm256_set1_ps(*a[r].d.get_unchecked(b));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dw, dx), acc[r]);
         }
     }
     acc

@@ -185,23 +185,21 @@ pub fn quant_matmul_x8_with(
             let mut i = 0;
             #[cfg(target_arch = "x86_64")]
             if isa == Isa::Avx2 {
-                // 4 activation rows share each block's unpacking, then one at a time: the same bits.
-                while i + 4 <= d.m {
-                    let rows = std::array::from_fn(|r| acts.row(i + r));
+                // 4 activation rows share each block's loads, then the 1-3 left in one group: the
+                // same bits for a row in any group.
+                while i < d.m {
+                    let r = (d.m - i).min(4);
                     // SAFETY: AVX2/FMA/F16C detected; `wg` is `nb` packed blocks, each row `nb` sub-blocks.
                     #[allow(unsafe_code)]
-                    let v = unsafe { x8_avx2::<4>(qt, wg.as_ptr(), nb, &rows) };
-                    for (r, v) in v.into_iter().enumerate() {
-                        store(i + r, v);
+                    unsafe {
+                        match r {
+                            4 => x8_rows::<4>(qt, wg.as_ptr(), nb, &acts, i, &store),
+                            3 => x8_rows::<3>(qt, wg.as_ptr(), nb, &acts, i, &store),
+                            2 => x8_rows::<2>(qt, wg.as_ptr(), nb, &acts, i, &store),
+                            _ => x8_rows::<1>(qt, wg.as_ptr(), nb, &acts, i, &store),
+                        }
                     }
-                    i += 4;
-                }
-                while i < d.m {
-                    // SAFETY: as above.
-                    #[allow(unsafe_code)]
-                    let v = unsafe { x8_avx2::<1>(qt, wg.as_ptr(), nb, &[acts.row(i)]) };
-                    store(i, v[0]);
-                    i += 1;
+                    i += r;
                 }
             }
             for i in i..d.m {
@@ -212,25 +210,29 @@ pub fn quant_matmul_x8_with(
     Ok(())
 }
 
+/// Activation rows `i..i + R` against one packed group of W, each row's 8 outputs given to `store`.
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn x8_avx2<const R: usize>(
+unsafe fn x8_rows<const R: usize>(
     qt: QuantType,
     w: *const u8,
     nb: usize,
-    rows: &[ActRow<'_>; R],
-) -> [[f32; x8::ROWS]; R] {
-    let acc = if qt == QuantType::Q4_1 {
-        avx2::x8_group::<R, true>(w, nb, rows)
-    } else {
-        avx2::x8_group::<R, false>(w, nb, rows)
+    acts: &QuantizedActs,
+    i: usize,
+    store: &impl Fn(usize, [f32; x8::ROWS]),
+) {
+    let rows: [ActRow<'_>; R] = std::array::from_fn(|r| acts.row(i + r));
+    let acc = match qt {
+        QuantType::Q4_1 => avx2::x8_group::<R, true>(w, nb, &rows),
+        QuantType::Q4_0 => avx2::x8_group::<R, false>(w, nb, &rows),
+        _ => avx2::x8_group_q8::<R>(w, nb, &rows),
     };
-    acc.map(|a| {
+    for (r, a) in acc.into_iter().enumerate() {
         let mut v = [0.0f32; x8::ROWS];
         std::arch::x86_64::_mm256_storeu_ps(v.as_mut_ptr(), a);
-        v
-    })
+        store(i + r, v);
+    }
 }
 
 /// `quant_get_rows` over W in the x8 layout.

@@ -531,7 +531,7 @@ fn bad_shapes_are_errors() {
 
 // ---- The x8 layout --------------------------------------------------------------------------------------
 
-const X8_TYPES: [QuantType; 2] = [QuantType::Q4_0, QuantType::Q4_1];
+const X8_TYPES: [QuantType; 3] = [QuantType::Q4_0, QuantType::Q4_1, QuantType::Q8_0];
 
 #[test]
 fn x8_pack_round_trips_and_only_takes_what_it_can_lay_out() {
@@ -567,10 +567,10 @@ fn x8_pack_round_trips_and_only_takes_what_it_can_lay_out() {
             n: 12
         })
     );
-    let w = random_weights(QuantType::Q8_0, 8, 32, &mut rng);
+    let w = random_weights(QuantType::Q4_K, 8, 256, &mut rng);
     assert!(matches!(
-        x8::pack(QuantType::Q8_0, &w, 8, 32),
-        Err(KernelError::Packing { qtype: "Q8_0", .. })
+        x8::pack(QuantType::Q4_K, &w, 8, 256),
+        Err(KernelError::Packing { qtype: "Q4_K", .. })
     ));
 }
 
@@ -618,7 +618,16 @@ fn x8_matmul_matches_reference_and_is_the_same_bits_on_every_isa_and_batch() {
             }
             for isa in isas() {
                 for threads in [1, 2, 3] {
-                    for (start, m) in [(0, rows), (0, 1), (4, 1), (2, 4), (1, 5), (3, 6)] {
+                    for (start, m) in [
+                        (0, rows),
+                        (0, 1),
+                        (4, 1),
+                        (2, 2),
+                        (5, 3),
+                        (2, 4),
+                        (1, 5),
+                        (3, 6),
+                    ] {
                         let part = run(isa, start, m, threads);
                         let same = part
                             .iter()

@@ -1,6 +1,7 @@
-//! Q4_0 / Q4_1 weights repacked once at load, 8 rows interleaved ("x8"), for a matmul whose outputs come
-//! 8 at a time without any horizontal sum: llama.cpp's answer on AVX2 for its `Q4_0` (`q4_0_8x8`
-//! repacking), here for both 4-bit types of the default model.
+//! Q4_0 / Q4_1 / Q8_0 weights repacked once at load, 8 rows interleaved ("x8"), for a matmul whose
+//! outputs come 8 at a time without any horizontal sum: llama.cpp's answer on AVX2 for its `Q4_0`
+//! (`q4_0_8x8` repacking), here for both 4-bit types of the default model and the Q8_0 of its output
+//! head (the costliest matmul of a step with a few rows: 49152 x 576).
 //!
 //! Layout: rows are taken in groups of 8 (the row count must be a multiple of 8); a group is `nb` packed
 //! blocks, one per 32 weights, each the 8 rows' blocks of that index interleaved, with the same bytes in
@@ -9,17 +10,20 @@
 //! ```text
 //! d[0..8]   f16 scales of rows 0..7
 //! m[0..8]   f16 mins of rows 0..7                          (Q4_1 only)
-//! qs[t][r]  for t in 0..4, r in 0..8: bytes 4t..4t+4 of row r's 16 nibble bytes
+//! qs[t][r]  for t in 0..Q/4, r in 0..8: bytes 4t..4t+4 of row r's Q quant bytes (16 nibble bytes for
+//!           the 4-bit types, 32 signed bytes for Q8_0)
 //! ```
 //!
 //! so one 32-byte load holds, in its low nibbles, weights 4t..4t+3 of each of the 8 rows (the high
-//! nibbles: weights 16+4t..16+4t+3), and a `maddubs` against activations 4t..4t+3 broadcast to every
-//! lane gives the 8 rows' partial dots side by side.
+//! nibbles: weights 16+4t..16+4t+3; for Q8_0 the bytes are weights 4t..4t+3 themselves), and a `maddubs`
+//! against activations 4t..4t+3 broadcast to every lane gives the 8 rows' partial dots side by side
+//! (Q8_0's signed weights through the sign trick: |w| times x with w's sign moved onto x).
 //!
 //! Arithmetic of one output (row of W, row of x), the same in the AVX2 and the portable kernels and for
 //! any number of activation rows, so a row gets the same bits alone or in a batch: per block in order,
 //! `acc = fma(isum, dw * dx, acc)` then `acc = fma(mw, sx, acc)` with `isum` the exact integer dot
-//! (`mw` = the min for Q4_1, `-8 * dw` for Q4_0; `sx` = the activation block's `d * sum(q)`).
+//! (`mw` = the min for Q4_1, `-8 * dw` for Q4_0; `sx` = the activation block's `d * sum(q)`; Q8_0 has no
+//! second FMA).
 
 use super::act::ActRow;
 use super::formats::{f16_to_f32, QuantType};
@@ -30,16 +34,21 @@ pub const ROWS: usize = 8;
 
 /// Whether the type has an x8 layout.
 pub fn packs(qt: QuantType) -> bool {
-    matches!(qt, QuantType::Q4_0 | QuantType::Q4_1)
+    matches!(qt, QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0)
 }
 
-/// Bytes of the f16 fields before the nibbles in a packed block (8 scales, and 8 mins for Q4_1).
+/// Bytes of the f16 fields before the quants in a packed block (8 scales, and 8 mins for Q4_1).
 fn head_bytes(qt: QuantType) -> usize {
     if qt == QuantType::Q4_1 {
         32
     } else {
         16
     }
+}
+
+/// Quant bytes of one row's block (after its f16 fields): 16 nibble bytes, or Q8_0's 32 bytes.
+fn quant_bytes(qt: QuantType) -> usize {
+    qt.block_bytes() - head_bytes(qt) / ROWS
 }
 
 /// `Err` unless `n` rows of `k` weights of `qt` have an x8 layout and `len` is their byte count.
@@ -68,7 +77,7 @@ pub fn pack(qt: QuantType, w: &[u8], n: usize, k: usize) -> Result<Vec<u8>, Kern
                 for f in 0..fields {
                     dst[16 * f + 2 * r..][..2].copy_from_slice(&src[2 * f..][..2]);
                 }
-                for t in 0..4 {
+                for t in 0..quant_bytes(qt) / 4 {
                     dst[head + 32 * t + 4 * r..][..4]
                         .copy_from_slice(&src[head / 8 + 4 * t..][..4]);
                 }
@@ -89,7 +98,7 @@ pub fn unpack_row(qt: QuantType, packed: &[u8], k: usize, row: usize, out: &mut 
         for f in 0..fields {
             dst[2 * f..][..2].copy_from_slice(&src[16 * f + 2 * r..][..2]);
         }
-        for t in 0..4 {
+        for t in 0..quant_bytes(qt) / 4 {
             dst[head / 8 + 4 * t..][..4].copy_from_slice(&src[head + 32 * t + 4 * r..][..4]);
         }
     }
@@ -105,12 +114,22 @@ pub fn group_portable(qt: QuantType, w: &[u8], nb: usize, a: ActRow<'_>) -> [f32
         let x = &a.qs[32 * b..][..32];
         for (r, acc) in acc.iter_mut().enumerate() {
             let dw = f16_to_f32(u16::from_le_bytes([p[2 * r], p[2 * r + 1]]));
+            let mut isum = 0i32;
+            if qt == QuantType::Q8_0 {
+                for t in 0..8 {
+                    for j in 0..4 {
+                        let q = p[head + 32 * t + 4 * r + j] as i8;
+                        isum += i32::from(q) * i32::from(x[4 * t + j]);
+                    }
+                }
+                *acc = (isum as f32).mul_add(dw * a.d[b], *acc);
+                continue;
+            }
             let mw = if qt == QuantType::Q4_1 {
                 f16_to_f32(u16::from_le_bytes([p[16 + 2 * r], p[17 + 2 * r]]))
             } else {
                 -8.0 * dw
             };
-            let mut isum = 0i32;
             for t in 0..4 {
                 for j in 0..4 {
                     let q = p[head + 32 * t + 4 * r + j];
