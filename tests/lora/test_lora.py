@@ -239,11 +239,6 @@ def test_lora_request_needs_enable_lora(bases: dict[str, Path], llama_adapters: 
         )
 
 
-def test_lora_refuses_tensor_parallel() -> None:
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
-        EngineArgs(enable_lora=True, tensor_parallel_size=2).lora_config()
-
-
 def test_add_list_remove_adapters(bases: dict[str, Path], llama_adapters: list[Path]) -> None:
     engine = _engine(bases["llama"], max_loras=1)
     core = engine.engine_core

@@ -311,10 +311,10 @@ class EngineArgs:
         """The LoRA settings, or None when `enable_lora` is off; ValueError for a setup LoRA cannot run on."""
         if not self.enable_lora:
             return None
-        if self.tensor_parallel_size != 1 or self.liquid_gpu_range is not None:
+        if self.liquid_gpu_range is not None:
             raise ValueError(
-                f"enable_lora needs tensor_parallel_size=1 without liquid scaling (got "
-                f"tensor_parallel_size={self.tensor_parallel_size}); LoRA is not sharded across ranks yet"
+                f"enable_lora does not run with liquid scaling (liquid_gpu_range={self.liquid_gpu_range}): "
+                "adapters are not moved between degrees; use a fixed tensor_parallel_size"
             )
         return LoRAConfig(
             max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras

@@ -105,10 +105,13 @@ class EngineCore:
             **_spec_scheduler_args(config),
         )
         executor.attach_block_table(self.scheduler.block_table_view())
-        # LoRA deltas hook into the model's linear layers; one device, eager steps (`lora_config`).
+        # LoRA deltas hook into the model's linear layers, eager steps (`lora_config`); under tensor
+        # parallelism the other ranks follow the slots through the executor's step channel.
         self.lora: LoRAManager | None = None
         if config.lora is not None:
-            self.lora = LoRAManager(loaded.model, config.lora, self.device)
+            tp = executor.tensor_parallel_size > 1
+            self.lora = LoRAManager(loaded.model, config.lora, self.device, broadcast=tp)
+            executor.attach_lora(self.lora)
         self._loras = LoRAQueue(self.lora)
         self._shut_down = False
         self.liquid_control: LiquidControl | None = None

@@ -27,8 +27,9 @@ from pagedrs._core import StepPlan
 from pagedrs.distributed.group import TPGroup
 from pagedrs.executor.rank import agree_kv_blocks
 from pagedrs.executor.rank_processes import RankFailure, RankProcesses
-from pagedrs.executor.step_packet import pack_step, shutdown_header
+from pagedrs.executor.step_packet import lora_header, pack_step, shutdown_header
 from pagedrs.layers.sampler import SamplingRow
+from pagedrs.lora.manager import LoRAManager
 from pagedrs.worker.kv_cache import KVCachePool
 from pagedrs.worker.model_runner import ModelRunner, RunnerOutput
 
@@ -83,6 +84,9 @@ class UniProcExecutor:
         """The scheduler's persistent block table (a read-only view the runner reads every step)."""
         self.runner.attach_block_table(view)
 
+    def attach_lora(self, manager: LoRAManager) -> None:
+        """The core's adapters (the other ranks follow their slots; one rank: nothing to do)."""
+
     def execute(
         self,
         plan: StepPlan,
@@ -115,6 +119,7 @@ class TPExecutor(UniProcExecutor):
         self._dead: ExecutorDeadError | None = None
         self._next_health_check = 0.0
         self._stopped = False
+        self.lora: LoRAManager | None = None
         # Workers must not outlive the engine, also when nobody calls shutdown().
         self._finalizer = weakref.finalize(self, TPExecutor._shutdown_ranks, ranks, self.bcast, False)
         atexit.register(self._finalizer)
@@ -135,7 +140,14 @@ class TPExecutor(UniProcExecutor):
             raise self._fail(exc) from exc
         return self.runner.init_kv_cache(num_blocks, num_swap)
 
+    def attach_lora(self, manager: LoRAManager) -> None:
+        self.lora = manager
+
     def _broadcast(self, plan: StepPlan, extra: np.ndarray | None) -> None:
+        message = self.lora.wire_message() if self.lora is not None else None
+        if message is not None:  # slot changes and the step's adapter rows, before the step
+            self.bcast.broadcast_cpu(lora_header(len(message)))
+            self.bcast.broadcast_cpu(torch.frombuffer(bytearray(message), dtype=torch.uint8))
         header, payload = pack_step(plan, extra)
         self.bcast.broadcast_cpu(header)
         if payload.numel():

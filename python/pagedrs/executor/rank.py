@@ -16,6 +16,7 @@ import torch
 
 from pagedrs.distributed.group import TPGroup, connect_tp_group, create_store
 from pagedrs.executor.step_packet import HEADER_LEN, Op, unpack_step
+from pagedrs.lora.manager import LoRASlots
 from pagedrs.worker.model_runner import ModelRunner
 
 __all__ = ["agree_kv_blocks", "cpu_threads_per_rank", "error_key", "run_rank"]
@@ -86,8 +87,9 @@ def run_rank(
         runner = ModelRunner(config, loaded.model, tp=tp)
         num_blocks, num_swap = agree_kv_blocks(runner, tp)
         runner.init_kv_cache(num_blocks, num_swap)
+        lora = LoRASlots(loaded.model, config.lora, dev) if config.lora is not None else None
         logger.info("rank %d ready: %d KV blocks on %s", rank, num_blocks, dev)
-        _step_loop(runner, tp)
+        _step_loop(runner, tp, lora)
     except BaseException as exc:
         logger.exception("tensor-parallel rank %d failed", rank)
         try:
@@ -100,17 +102,26 @@ def run_rank(
         tp.abort()
 
 
-def _step_loop(runner: ModelRunner, tp: TPGroup) -> None:
+def _step_loop(runner: ModelRunner, tp: TPGroup, lora: LoRASlots | None = None) -> None:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     while True:
         tp.broadcast_cpu(header)
         h = header.numpy().copy()
         if h[0] == Op.SHUTDOWN:
             return
+        if h[0] == Op.LORA:
+            if lora is None:
+                raise RuntimeError("a LoRA message reached a rank started without enable_lora")
+            message = torch.empty(int(h[1]), dtype=torch.uint8)
+            tp.broadcast_cpu(message)
+            lora.apply(message.numpy().tobytes())
+            continue
         if h[0] != Op.EXECUTE:
             raise RuntimeError(f"unknown step opcode {int(h[0])}")
         payload = torch.empty(int(h[1]), dtype=torch.int64)
         if payload.numel():
             tp.broadcast_cpu(payload)
         plan, extra = unpack_step(h, payload.numpy())
+        if lora is not None:
+            lora.prepare(plan)
         runner.execute_model(plan, extra)

@@ -4,7 +4,8 @@ header per message, then for a step its payload.
 A step's header and payload are `_core.StepPlan.to_wire` / `from_wire`: the format is built from the Rust
 plan itself (no second declaration of its fields here), and a non-driver rank runs the same
 `_core.StepPlan` type the driver does. No per-request Python objects and no pickle. The other opcodes are
-control messages carried in the header alone.
+control messages carried in the header alone, but for LORA: header[1] bytes of msgpack (a
+`pagedrs.lora.manager.LoRAWire`) follow it as a uint8 tensor, before the step they apply to.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from pagedrs import _core
 
-__all__ = ["HEADER_LEN", "Op", "liquid_header", "pack_step", "shutdown_header", "unpack_step"]
+__all__ = ["HEADER_LEN", "Op", "liquid_header", "lora_header", "pack_step", "shutdown_header", "unpack_step"]
 
 HEADER_LEN: int = _core.STEP_WIRE_HEADER_LEN
 
@@ -25,6 +26,7 @@ class Op(IntEnum):
     EXECUTE = 1  # the header and payload of `StepPlan.to_wire`
     SHUTDOWN = 2
     LIQUID = 3  # header[2:6] = from degree, to degree, pool blocks, swap blocks
+    LORA = 4  # header[1] = bytes of the LoRA message that follows
 
 
 def pack_step(
@@ -54,3 +56,9 @@ def shutdown_header() -> torch.Tensor:
 
 def liquid_header(src: int, dst: int, num_blocks: int, num_swap_blocks: int) -> torch.Tensor:
     return _control(Op.LIQUID, src, dst, num_blocks, num_swap_blocks)
+
+
+def lora_header(num_bytes: int) -> torch.Tensor:
+    header = _control(Op.LORA)
+    header[1] = num_bytes
+    return header

@@ -380,6 +380,9 @@ class RowParallelLinear(_LinearBase):
         self.output_size = output_size
         self.input_size_per_partition = _divide(input_size, self.tp_size, "input size")
         self.reduce_results = reduce_results
+        # Called as hook(x, partial output) on each rank before the all-reduce (tp_size > 1): what is added
+        # there is summed over ranks with the products (LoRA's row-parallel deltas).
+        self.partial_hooks: list[Callable[[Tensor, Tensor], None]] = []
         self.weight = _param((output_size, self.input_size_per_partition), dtype, device, self.weight_loader)
         self.bias = _param((output_size,), dtype, device, self.weight_loader) if bias else None
 
@@ -396,6 +399,8 @@ class RowParallelLinear(_LinearBase):
         if self.tp_size == 1:
             return self._matmul(x, self.bias)
         out = self._matmul(x, None)
+        for hook in self.partial_hooks:
+            hook(x, out)
         if self.reduce_results:
             self.tp.all_reduce(out)
         return out + self.bias if self.bias is not None else out

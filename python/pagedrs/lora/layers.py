@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
+
+from pagedrs.layers.linear import RowParallelLinear
 
 __all__ = ["LoRABatch", "LoRALinear", "LoRASlice"]
 
@@ -89,7 +92,15 @@ class LoRALinear:
         # layout (the next step usually has the same)
         self._stacked: tuple[int, int, Tensor, Tensor] | None = None
         self._cut: tuple[tuple[int, ...], tuple[int, int, Tensor, Tensor]] | None = None
-        self._handle = module.register_forward_hook(self._hook)
+        # A row-parallel layer over several ranks adds its rank's partial delta before the all-reduce
+        # (which sums the deltas with the products); any other layer adds the delta to its output.
+        self._partial: RowParallelLinear | None = None
+        self._handle: RemovableHandle | None = None
+        if isinstance(module, RowParallelLinear) and module.tp_size > 1:
+            self._partial = module
+            module.partial_hooks.append(self._partial_hook)
+        else:
+            self._handle = module.register_forward_hook(self._hook)
 
     def set_slot(self, slot: int, pieces: list[tuple[LoRASlice, Tensor, Tensor, float]]) -> None:
         if pieces:
@@ -103,7 +114,14 @@ class LoRALinear:
         self._stacked = self._cut = None
 
     def remove(self) -> None:
-        self._handle.remove()
+        if self._partial is not None:
+            self._partial.partial_hooks.remove(self._partial_hook)
+        if self._handle is not None:
+            self._handle.remove()
+
+    def _partial_hook(self, x: Tensor, out: Tensor) -> None:
+        assert self._partial is not None
+        self._hook(self._partial, (x,), out)
 
     def _stack(self) -> tuple[int, int, Tensor, Tensor]:
         """Every slot's adapter, all of this module's slices in one pair (rebuilt after a slot changed):
