@@ -9,8 +9,10 @@ gate/up/down projections of every layer, lora_A and lora_B random, scaled so the
 to a temporary folder from the model's config. Requests: random token prompts (fixed seed), greedy,
 ignore_eos, output lengths uniform in --output-len. Systems, in this order, each in a fresh engine:
 "base" (enable_lora off), "base+lora" (enable_lora on, every request on the base model), "N adapters"
-(enable_lora on, request i on adapter i mod N, max_loras N). Output throughput counts the requested tokens;
-the headline ratio is N adapters / base. The JSON records the commit, the machine and the torch threads.
+(enable_lora on, request i on adapter i mod N, max_loras N), then the same with the CPU deltas forced onto
+the batched-matmul form (`pagedrs.lora.layers.CPU_KERNEL_MAX_ROWS = 0`; on a CPU the Rust BGMV kernel
+otherwise takes steps of up to that many rows). Output throughput counts the requested tokens; the
+headline ratio is N adapters / base. The JSON records the commit, the machine and the torch threads.
 """
 
 from __future__ import annotations
@@ -144,7 +146,14 @@ def main() -> None:
         loras = [adapters[i % len(adapters)] for i in range(len(prompts))]
         _run(llm, prompts[:2], params[:2], loras[:2])  # loads two adapters; the run loads the rest
         name = f"{args.num_adapters} adapters"
+        llm.reset_prefix_cache()  # each timed run computes every prompt (none cached by the one before)
         record(name, _run(llm, prompts, params, loras))
+        from pagedrs.lora import layers
+
+        kernel_rows, layers.CPU_KERNEL_MAX_ROWS = layers.CPU_KERNEL_MAX_ROWS, 0
+        llm.reset_prefix_cache()
+        record(f"{name} (bmm)", _run(llm, prompts, params, loras))
+        layers.CPU_KERNEL_MAX_ROWS = kernel_rows
     ratio = results[name]["output_tok_s"] / results["base"]["output_tok_s"]
     print(
         f"output throughput: {results[name]['output_tok_s']:.1f} tok/s ({name}) vs "

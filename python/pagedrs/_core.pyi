@@ -94,6 +94,21 @@ def cpu_fused_add_rms_norm(
 def cpu_silu_and_mul(x: npt.NDArray[np.float32], out: npt.NDArray[np.float32]) -> None:
     """out = silu(x[:, :d]) * x[:, d:]; x float32 [T, 2d], out [T, d]."""
 
+def cpu_lora_add(
+    x: npt.NDArray[np.float32],
+    a: npt.NDArray[np.float32],
+    bt: npt.NDArray[np.float32],
+    slots: npt.NDArray[np.int64],
+    out: npt.NDArray[np.float32],
+    col0: int = 0,
+    num_threads: int = 1,
+    cols: npt.NDArray[np.int64] | None = None,
+) -> None:
+    """LoRA deltas of a batch mixing adapters: for each row i with slots[i] >= 0, out[i, col0:col0 + W] +=
+    (a[s] @ x[i]) @ bt[s]. x float32 [T, K]; a [S, R, K]; bt [S, R, W] (B transposed, scaling folded in);
+    slots int64 [T] (-1: no delta); out float32 [T, ldo]; cols int64 [R, 2]: each rank row's output
+    columns [start, end) within 0..W (default: all)."""
+
 def cpu_rope_neox(
     positions: npt.NDArray[np.int64],
     q: npt.NDArray[np.float32],

@@ -126,3 +126,8 @@ def test_default_model_prefix_cache_and_chat(loaded: Any, hf_ref: HFReference) -
         assert outs[str(i)].outputs[0].token_ids == hf_ref(ids[i], 8)
     assert engine.get_stats().prefix_cache_hits > 0
     assert_pool_free(engine)
+    # vLLM's reset_prefix_cache: the same prompt again computes every token
+    assert engine.reset_prefix_cache()
+    engine.add_request("3", ids[1], greedy(8))
+    again = run_all(engine)["3"]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == outs["1"].outputs[0].token_ids

@@ -184,6 +184,11 @@ class LLMEngine:
             self.engine_core.abort((), processed.abort_seqs)
         return processed.outputs
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's `reset_prefix_cache`); False when blocks in use by
+        running requests kept it from being reset."""
+        return self.engine_core.reset_prefix_cache()
+
     # ---- stats -------------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
         return self.engine_core.get_stats()

@@ -67,6 +67,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block, as vLLM's `LLM.reset_prefix_cache` (a benchmark's second pass
+        over the same prompts then computes them again); False if running requests kept it."""
+        return self.llm_engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],

@@ -6,6 +6,7 @@
 //! index 0 = K, 1 = V.
 
 mod decode;
+pub mod lora;
 pub mod ops;
 pub mod pool;
 pub mod quant;
@@ -45,6 +46,13 @@ pub enum KernelError {
     },
     #[error("columns {col0}..{col0}+{n} do not fit in output rows of {ldo}")]
     Columns { col0: usize, n: usize, ldo: usize },
+    #[error("cols[{row}] = {start}..{end} is not a column range within 0..{width}")]
+    RankColumns {
+        row: usize,
+        start: i64,
+        end: i64,
+        width: usize,
+    },
     #[error("ids[{index}] = {id} is outside 0..{n}")]
     Row { index: usize, id: i64, n: usize },
     #[error("{qtype} weights of {n} rows have no 8-row interleaved layout (Q4_0, Q4_1 or Q8_0, rows a multiple of 8)")]

@@ -1,0 +1,311 @@
+//! LoRA deltas of a batch that mixes adapters, on the CPU, in one call per layer: for each row `i` whose
+//! adapter slot is `s = slots[i] >= 0`,
+//!
+//! ```text
+//! t = A[s] @ x[i]                      (shrink: A[s] is [rank, k])
+//! out[i, col0 .. col0 + width] += t @ Bt[s]  (expand: Bt[s] = B[s]^T is [rank, width], the scaling
+//!                                             folded in; row r of it added t[r] times, r in order)
+//! ```
+//!
+//! and rows with slot -1 (the base model) are left alone. Rank row `r` may be given an output column range
+//! (`cols[r]`): the rank rows of one slice of a fused layer (q of q|k|v) then expand only into that
+//! slice's columns, skipping the zeros of the block-diagonal B. This is punica's BGMV (one adapter per row,
+//! gathered by index) for the few rows of a decode step: the torch form of the same arithmetic takes a
+//! gather, two batched matmuls, a mask and a scatter per layer, whose per-op cost is most of a small
+//! step's LoRA time. Rows are independent and each row's sums run in a fixed order, so a row gets the same
+//! bits whatever the batch or thread count.
+
+use crate::pool::{parallel_for, SharedOut};
+use crate::KernelError;
+
+/// Shapes of one call: x `[m, k]`; A `[num_slots, rank, k]`; Bt `[num_slots, rank, width]`; out rows of
+/// `ldo` floats of which columns `col0 .. col0 + width` get the delta added.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoraDims {
+    pub m: usize,
+    pub k: usize,
+    pub rank: usize,
+    pub width: usize,
+    pub num_slots: usize,
+    pub ldo: usize,
+    pub col0: usize,
+}
+
+/// Rows per task on the pool: a row costs `rank * (k + width)` multiply-adds (tens of thousands), so a
+/// few rows already pay for the hand-out.
+const ROWS_PER_TASK: usize = 4;
+
+/// `dot(a, b)` in 8 lanes then summed (vectorizes without reassociation: the same bits on any CPU).
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
+}
+
+/// Adds every row's LoRA delta of its slot to `out` (see the module docs).
+/// `cols`: `[start, end)` of each rank row's columns within `0..width` (2 * rank values), or empty for
+/// every column.
+#[allow(clippy::too_many_arguments)]
+pub fn lora_add(
+    x: &[f32],
+    a: &[f32],
+    bt: &[f32],
+    slots: &[i64],
+    cols: &[i64],
+    out: &mut [f32],
+    d: &LoraDims,
+    num_threads: usize,
+) -> Result<(), KernelError> {
+    KernelError::check_len("x", x.len(), d.m * d.k)?;
+    KernelError::check_len("a", a.len(), d.num_slots * d.rank * d.k)?;
+    KernelError::check_len("bt", bt.len(), d.num_slots * d.rank * d.width)?;
+    KernelError::check_len("slots", slots.len(), d.m)?;
+    KernelError::check_len("out", out.len(), d.m * d.ldo)?;
+    if d.col0 + d.width > d.ldo {
+        return Err(KernelError::Columns {
+            col0: d.col0,
+            n: d.width,
+            ldo: d.ldo,
+        });
+    }
+    let ranges: Vec<(usize, usize)> = if cols.is_empty() {
+        vec![(0, d.width); d.rank]
+    } else {
+        KernelError::check_len("cols", cols.len(), 2 * d.rank)?;
+        let mut v = Vec::with_capacity(d.rank);
+        for (r, c) in cols.chunks_exact(2).enumerate() {
+            if c[0] < 0 || c[0] > c[1] || c[1] > d.width as i64 {
+                return Err(KernelError::RankColumns {
+                    row: r,
+                    start: c[0],
+                    end: c[1],
+                    width: d.width,
+                });
+            }
+            v.push((c[0] as usize, c[1] as usize));
+        }
+        v
+    };
+    for (i, &s) in slots.iter().enumerate() {
+        if s < -1 || s >= d.num_slots as i64 {
+            return Err(KernelError::Row {
+                index: i,
+                id: s,
+                n: d.num_slots,
+            });
+        }
+    }
+    if d.rank == 0 || d.width == 0 || d.k == 0 {
+        return Ok(());
+    }
+    let shared = SharedOut::new(out);
+    let dims = *d;
+    parallel_for(num_threads, d.m.div_ceil(ROWS_PER_TASK), &|task| {
+        let mut t = vec![0.0f32; dims.rank];
+        for i in task * ROWS_PER_TASK..((task + 1) * ROWS_PER_TASK).min(dims.m) {
+            let Ok(s) = usize::try_from(slots[i]) else {
+                continue; // -1: the base model
+            };
+            let xr = &x[i * dims.k..][..dims.k];
+            let a_s = &a[s * dims.rank * dims.k..][..dims.rank * dims.k];
+            for (r, t) in t.iter_mut().enumerate() {
+                *t = dot(&a_s[r * dims.k..][..dims.k], xr);
+            }
+            let bs = &bt[s * dims.rank * dims.width..][..dims.rank * dims.width];
+            // SAFETY: the row's columns `col0 .. col0 + width` are inside `out` (checked above); only
+            // this task writes row `i`.
+            #[allow(unsafe_code)]
+            let orow = unsafe {
+                std::slice::from_raw_parts_mut(shared.at(i * dims.ldo + dims.col0), dims.width)
+            };
+            for (r, (&tr, &(c0, c1))) in t.iter().zip(&ranges).enumerate() {
+                let w = &bs[r * dims.width..][c0..c1];
+                for (o, &w) in orow[c0..c1].iter_mut().zip(w) {
+                    *o += tr * w;
+                }
+            }
+        }
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+    }
+
+    /// With B as `[num_slots, width, rank]` (the kernel takes its transpose).
+    fn reference(x: &[f32], a: &[f32], b: &[f32], slots: &[i64], out: &mut [f32], d: &LoraDims) {
+        for i in 0..d.m {
+            if slots[i] < 0 {
+                continue;
+            }
+            let s = slots[i] as usize;
+            let t: Vec<f64> = (0..d.rank)
+                .map(|r| {
+                    (0..d.k)
+                        .map(|j| {
+                            f64::from(a[(s * d.rank + r) * d.k + j]) * f64::from(x[i * d.k + j])
+                        })
+                        .sum()
+                })
+                .collect();
+            for c in 0..d.width {
+                let v: f64 = (0..d.rank)
+                    .map(|r| f64::from(b[(s * d.width + c) * d.rank + r]) * t[r])
+                    .sum();
+                out[i * d.ldo + d.col0 + c] += v as f32;
+            }
+        }
+    }
+
+    #[test]
+    fn matches_a_reference_and_leaves_base_rows_and_other_columns_alone() {
+        let mut seed = 7u64;
+        for &(m, k, rank, width, slots_n) in
+            &[(1, 64, 8, 24, 1), (9, 37, 5, 13, 3), (17, 96, 24, 40, 4)]
+        {
+            let d = LoraDims {
+                m,
+                k,
+                rank,
+                width,
+                num_slots: slots_n,
+                ldo: width + 7,
+                col0: 3,
+            };
+            let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
+            let a: Vec<f32> = (0..slots_n * rank * k).map(|_| lcg(&mut seed)).collect();
+            let b: Vec<f32> = (0..slots_n * width * rank)
+                .map(|_| lcg(&mut seed))
+                .collect();
+            let mut bt = vec![0.0f32; b.len()];
+            for s in 0..slots_n {
+                for c in 0..width {
+                    for r in 0..rank {
+                        bt[(s * rank + r) * width + c] = b[(s * width + c) * rank + r];
+                    }
+                }
+            }
+            let slots: Vec<i64> = (0..m).map(|i| (i % (slots_n + 1)) as i64 - 1).collect();
+            let base: Vec<f32> = (0..m * d.ldo).map(|_| lcg(&mut seed)).collect();
+            let mut want = base.clone();
+            reference(&x, &a, &b, &slots, &mut want, &d);
+            let mut full = base.clone();
+            lora_add(&x, &a, &bt, &slots, &[], &mut full, &d, 1).unwrap();
+            for (at, (&g, &w)) in full.iter().zip(&want).enumerate() {
+                assert!(
+                    (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                    "m{m} k{k} [{at}]: {g} vs {w}"
+                );
+                let (i, c) = (at / d.ldo, at % d.ldo);
+                if slots[i] < 0 || c < 3 || c >= 3 + width {
+                    assert_eq!(g.to_bits(), base[at].to_bits(), "touched [{i}, {c}]");
+                }
+            }
+            // column ranges: with B zero outside each rank row's range, the same result
+            let ranges: Vec<i64> = (0..rank)
+                .flat_map(|r| {
+                    let c0 = (r * width / rank) as i64;
+                    [c0, (c0 + 1 + (r % 3) as i64).min(width as i64)]
+                })
+                .collect();
+            let mut bz = bt.clone();
+            for s in 0..slots_n {
+                for r in 0..rank {
+                    for c in 0..width {
+                        if (c as i64) < ranges[2 * r] || (c as i64) >= ranges[2 * r + 1] {
+                            bz[(s * rank + r) * width + c] = 0.0;
+                        }
+                    }
+                }
+            }
+            let (mut dense, mut ranged) = (base.clone(), base.clone());
+            lora_add(&x, &a, &bz, &slots, &[], &mut dense, &d, 1).unwrap();
+            lora_add(&x, &a, &bz, &slots, &ranges, &mut ranged, &d, 2).unwrap();
+            for (g, w) in ranged.iter().zip(&dense) {
+                assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "ranged {g} vs {w}");
+            }
+            // each row's bits do not depend on the batch around it or the threads
+            for threads in [2, 3] {
+                let mut again = base.clone();
+                lora_add(&x, &a, &bt, &slots, &[], &mut again, &d, threads).unwrap();
+                assert_eq!(again, full);
+            }
+            for i in 0..m {
+                let one = LoraDims { m: 1, ..d };
+                let mut row = base[i * d.ldo..][..d.ldo].to_vec();
+                lora_add(
+                    &x[i * k..][..k],
+                    &a,
+                    &bt,
+                    &slots[i..=i],
+                    &[],
+                    &mut row,
+                    &one,
+                    1,
+                )
+                .unwrap();
+                assert_eq!(row, full[i * d.ldo..][..d.ldo]);
+            }
+        }
+    }
+
+    #[test]
+    fn bad_arguments_are_errors() {
+        let d = LoraDims {
+            m: 2,
+            k: 4,
+            rank: 2,
+            width: 3,
+            num_slots: 2,
+            ldo: 3,
+            col0: 0,
+        };
+        let (x, a, b) = (vec![0.0; 8], vec![0.0; 16], vec![0.0; 12]);
+        let mut out = vec![0.0; 6];
+        assert!(matches!(
+            lora_add(&x, &a, &b, &[0, 2], &[], &mut out, &d, 1),
+            Err(KernelError::Row {
+                index: 1,
+                id: 2,
+                n: 2
+            })
+        ));
+        assert!(matches!(
+            lora_add(&x, &a[..8], &b, &[0, -1], &[], &mut out, &d, 1),
+            Err(KernelError::Length { name: "a", .. })
+        ));
+        assert!(matches!(
+            lora_add(&x, &a, &b[..6], &[0, -1], &[], &mut out, &d, 1),
+            Err(KernelError::Length { name: "bt", .. })
+        ));
+        assert!(matches!(
+            lora_add(&x, &a, &b, &[0, -1], &[0, 4, 0, 1], &mut out, &d, 1),
+            Err(KernelError::RankColumns { row: 0, .. })
+        ));
+        let wide = LoraDims { col0: 1, ..d };
+        assert!(matches!(
+            lora_add(&x, &a, &b, &[0, -1], &[], &mut out, &wide, 1),
+            Err(KernelError::Columns { .. })
+        ));
+    }
+}
