@@ -247,13 +247,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         )
         self.shard_ids: tuple[object, ...] = tuple(range(len(self.output_sizes)))
 
-    def _shard_range(self, shard_id: object) -> tuple[int, int, int]:
-        """(offset in this rank's param, size per rank, full HF size) of one piece."""
+    def piece(self, shard_id: object) -> tuple[int, int, int, int]:
+        """Where one piece's rows go on this rank: (offset in this rank's output, rows per rank, the full
+        HF piece's rows, the first of its rows this rank holds). The weight loader cuts a checkpoint tensor
+        with it, and LoRA the rows of a B matrix."""
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"unknown shard {shard_id!r}")
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         full = self.output_sizes[shard_id]
-        return offset, full // self.tp_size, full
+        n = full // self.tp_size
+        return offset, n, full, self.tp_rank * n
 
     def weight_loader(self, param: Tensor, loaded_weight: Loaded, shard_id: object = None) -> None:
         if shard_id is None:
@@ -264,8 +267,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                 self.weight_loader(param, loaded_weight.narrow(0, start, full), sid)
                 start += full
             return
-        offset, n, full = self._shard_range(shard_id)
-        self._load_piece(param, loaded_weight, shard_id, offset, n, full, self.tp_rank * n)
+        self._load_piece(param, loaded_weight, shard_id, *self.piece(shard_id))
 
     def _load_piece(
         self, param: Tensor, loaded: Loaded, shard_id: object, offset: int, n: int, full: int, start: int
@@ -336,24 +338,16 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         kv = self.total_num_kv_heads * self.head_size
         return [self.total_num_heads * self.head_size, kv, kv]
 
-    def weight_loader(self, param: Tensor, loaded_weight: Loaded, shard_id: object = None) -> None:
-        if shard_id is None:
-            super().weight_loader(param, loaded_weight, None)
-            return
+    def piece(self, shard_id: object) -> tuple[int, int, int, int]:
+        """As `MergedColumnParallelLinear.piece` for "q", "k" or "v": a KV head replicated on several ranks
+        is the same rows on each."""
         if shard_id not in self.shard_ids:
             raise ValueError(f"unknown shard {shard_id!r}")
         if shard_id == "q":
-            offset, n, full, start = (
-                0,
-                self.q_size,
-                self.total_num_heads * self.head_size,
-                self.tp_rank * self.q_size,
-            )
-        else:
-            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
-            n, full = self.kv_size, self.total_num_kv_heads * self.head_size
-            start = (self.tp_rank // self.kv_replicas) * n
-        self._load_piece(param, loaded_weight, shard_id, offset, n, full, start)
+            return 0, self.q_size, self.total_num_heads * self.head_size, self.tp_rank * self.q_size
+        offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+        n = self.kv_size
+        return offset, n, self.total_num_kv_heads * self.head_size, (self.tp_rank // self.kv_replicas) * n
 
     def split_qkv(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -85,6 +85,17 @@ class LoRABatch:
 
 
 @dataclass(frozen=True)
+class _Stacked:
+    """Every slot's adapter over all of a module's slices, in one pair (see `LoRALinear._stack`)."""
+
+    first: int  # first output column
+    width: int
+    a: Tensor  # [slots, sum R, in]
+    b: Tensor  # B * scaling, [slots, width, sum R]
+    cols: np.ndarray  # int64 [sum R, 2]: each rank row's output columns [start, end) within 0..width
+
+
+@dataclass(frozen=True)
 class LoRASlice:
     """Columns [offset, offset + size) of a layer's output that one HF module owns (the q columns of a
     fused qkv_proj; the whole output of an unfused layer)."""
@@ -102,10 +113,9 @@ class LoRALinear:
         self.weights: dict[int, list[tuple[LoRASlice, Tensor, Tensor, float]]] = {}
         # every slot's adapter over all slices (see _stack), and that cut to the slots of the last step's
         # layout (the next step usually has the same)
-        self._stacked: tuple[int, int, Tensor, Tensor] | None = None
+        self._stacked: _Stacked | None = None
         self._cut: tuple[tuple[int, ...], tuple[int, int, Tensor, Tensor]] | None = None
         self._kernel: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None  # see _kernel_pair
-        self._cols = np.zeros((0, 2), dtype=np.int64)  # made by _stack
         # A row-parallel layer over several ranks adds its rank's partial delta before the all-reduce
         # (which sums the deltas with the products); any other layer adds the delta to its output.
         self._partial: RowParallelLinear | None = None
@@ -137,9 +147,9 @@ class LoRALinear:
         assert self._partial is not None
         self._hook(self._partial, (x,), out)
 
-    def _stack(self) -> tuple[int, int, Tensor, Tensor]:
+    def _stack(self) -> _Stacked:
         """Every slot's adapter, all of this module's slices in one pair (rebuilt after a slot changed):
-        (first output column, width, A [slots, sum R, in], B * scaling [slots, width, sum R]). Slice j
+        A [slots, sum R, in] and B * scaling [slots, width, sum R] from the first output column on. Slice j
         takes rank rows [o_j, o_j + R_j) of A and the same columns of B, at its own output rows, so B is
         block-diagonal over the slices and one shrink and one expand serve the whole module."""
         by_slice: dict[LoRASlice, list[tuple[int, Tensor, Tensor, float]]] = {}
@@ -163,29 +173,30 @@ class LoRALinear:
                 b_all[slot, rows, at : at + r] = b * scaling
             cols[at : at + ranks[sl]] = (rows.start, rows.stop)
             at += ranks[sl]
-        self._cols = cols
-        return first, width, a_all, b_all
+        return _Stacked(first, width, a_all, b_all, cols)
+
+    def _stacked_pair(self) -> _Stacked:
+        if self._stacked is None:
+            self._stacked = self._stack()
+        return self._stacked
 
     def _kernel_pair(self) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
         """(first column, A [slots, sum R, in], B^T [slots, sum R, width], each rank row's output columns
         [sum R, 2]) of every slot, as the CPU kernel takes them (numpy views, made once after a slot
         changed): a rank row of one slice expands only into that slice's columns."""
         if self._kernel is None:
-            if self._stacked is None:
-                self._stacked = self._stack()
-            first, _, a, b = self._stacked
-            bt = b.transpose(1, 2).contiguous().numpy()
-            self._kernel = (first, a.contiguous().numpy(), bt, self._cols)
+            st = self._stacked_pair()
+            bt = st.b.transpose(1, 2).contiguous().numpy()
+            self._kernel = (st.first, st.a.contiguous().numpy(), bt, st.cols)
         return self._kernel
 
     def _pieces(self, present: tuple[int, ...]) -> tuple[int, int, Tensor, Tensor]:
         """(first column, width, A^T [present, in, sum R], B^T [present, sum R, width]) of the slots present."""
         if self._cut is None or self._cut[0] != present:
-            if self._stacked is None:
-                self._stacked = self._stack()
-            first, width, a, b = self._stacked
+            st = self._stacked_pair()
             pick = list(present)
-            cut = (first, width, a[pick].transpose(1, 2).contiguous(), b[pick].transpose(1, 2).contiguous())
+            a_t, b_t = st.a[pick].transpose(1, 2).contiguous(), st.b[pick].transpose(1, 2).contiguous()
+            cut = (st.first, st.width, a_t, b_t)
             self._cut = (present, cut)
         return self._cut[1]
 

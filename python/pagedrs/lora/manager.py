@@ -29,7 +29,6 @@ from pagedrs.config import LoRAConfig
 from pagedrs.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
-    QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
 )
@@ -64,12 +63,8 @@ def _target(model: torch.nn.Module, hf_module: str) -> tuple[str, _Linear, LoRAS
             f"LoRA target module {hf_module!r} is not a linear layer of {type(model).__name__} "
             "(supported: the attention and MLP projections)"
         )
-    if isinstance(module, QKVParallelLinear) and shard is not None:
-        q, kv = module.q_size, module.kv_size
-        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[str(shard)]
-    elif isinstance(module, MergedColumnParallelLinear) and isinstance(shard, int):
-        sizes = [s // module.tp_size for s in module.output_sizes]
-        offset, size = sum(sizes[:shard]), sizes[shard]
+    if isinstance(module, MergedColumnParallelLinear) and shard is not None:  # gate|up and q|k|v
+        offset, size, _, _ = module.piece(shard)
     else:
         shard = None
         size = (
@@ -83,38 +78,27 @@ def _target(model: torch.nn.Module, hf_module: str) -> tuple[str, _Linear, LoRAS
 
 def _full_shape(module: _Linear, shard: object) -> tuple[int, int]:
     """(output features, input features) of the HF module behind a target, over all ranks."""
-    if isinstance(module, QKVParallelLinear) and shard is not None:
-        heads = module.total_num_heads if shard == "q" else module.total_num_kv_heads
-        return heads * module.head_size, module.input_size
     if isinstance(module, MergedColumnParallelLinear):
-        sizes = module._full_sizes()
-        return (sizes[shard] if isinstance(shard, int) else sum(sizes)), module.input_size
+        out = module.piece(shard)[2] if shard is not None else sum(module._full_sizes())
+        return out, module.input_size
     if isinstance(module, ColumnParallelLinear):
         return module.output_size_per_partition * module.tp_size, module.input_size
     return module.output_size, module.input_size
 
 
-def _rows_of_rank(module: _Linear, shard: object, b: torch.Tensor) -> torch.Tensor:
-    """The rows of B ([full out, r]) that this rank's part of a column-parallel layer outputs, as its
-    weight loader cuts the weight's rows (KV heads replicated when there are fewer than ranks)."""
-    rank = module.tp_rank
-    if isinstance(module, QKVParallelLinear):
-        if shard is None:  # one adapter module over the fused q|k|v (Phi-3's qkv_proj)
-            parts = b.split(module._full_sizes())
-            return torch.cat([_rows_of_rank(module, sid, p) for sid, p in zip("qkv", parts, strict=True)])
-        if shard == "q":
-            return b.narrow(0, rank * module.q_size, module.q_size)
-        return b.narrow(0, (rank // module.kv_replicas) * module.kv_size, module.kv_size)
+def _rows_of_rank(module: ColumnParallelLinear, shard: object, b: torch.Tensor) -> torch.Tensor:
+    """The rows of B ([full out, r]) that this rank's part of a column-parallel layer outputs, cut as its
+    weight loader cuts the weight's rows (`piece`)."""
     if isinstance(module, MergedColumnParallelLinear):
-        if shard is None:  # one adapter module over the fused gate|up (Phi-3's gate_up_proj)
+        if shard is None:  # one adapter module over a whole fused layer (Phi-3's qkv_proj, gate_up_proj)
             parts = b.split(module._full_sizes())
-            return torch.cat([_rows_of_rank(module, i, p) for i, p in enumerate(parts)])
-        assert isinstance(shard, int)
-        n = module.output_sizes[shard] // module.tp_size
-        return b.narrow(0, rank * n, n)
-    assert isinstance(module, ColumnParallelLinear)
-    cols = module.output_size_per_partition
-    return b.narrow(0, rank * cols, cols)
+            return torch.cat(
+                [_rows_of_rank(module, sid, p) for sid, p in zip(module.shard_ids, parts, strict=True)]
+            )
+        _, n, _, start = module.piece(shard)
+        return b.narrow(0, start, n)
+    n = module.output_size_per_partition
+    return b.narrow(0, module.tp_rank * n, n)
 
 
 def _rank_part(module: _Linear, shard: object, w: LoRAWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,6 +111,7 @@ def _rank_part(module: _Linear, shard: object, w: LoRAWeights) -> tuple[torch.Te
     if isinstance(module, RowParallelLinear):
         n = module.input_size_per_partition
         return a.narrow(1, module.tp_rank * n, n).contiguous(), b
+    assert isinstance(module, ColumnParallelLinear)
     return a, _rows_of_rank(module, shard, b).contiguous()
 
 
@@ -215,8 +200,6 @@ class LoRAManager:
         self.model = model
         self.config = config
         self.slots = LoRASlots(model, config, device)
-        self.batch = self.slots.batch
-        self.dtype = self.slots.dtype
         self.broadcast = broadcast
         self._changes: list[tuple[int, str]] = []  # slot changes not yet sent to the other ranks
         self._request_slots: np.ndarray | None = None  # this step's, for the other ranks
@@ -241,7 +224,9 @@ class LoRAManager:
                 )
             self._host.move_to_end(lora.lora_int_id)
             return
-        adapter = load_peft_adapter(lora.lora_path, max_lora_rank=self.config.max_lora_rank, dtype=self.dtype)
+        adapter = load_peft_adapter(
+            lora.lora_path, max_lora_rank=self.config.max_lora_rank, dtype=self.slots.dtype
+        )
         check_adapter(self.model, adapter)
         self._host[lora.lora_int_id] = (lora, adapter)
         self._trim_host(keep=lora.lora_int_id)
@@ -272,6 +257,10 @@ class LoRAManager:
                 del self._host[aid]
 
     # ---- slots ---------------------------------------------------------------------------------------
+    @property
+    def batch(self) -> LoRABatch:
+        return self.slots.batch
+
     @property
     def layers(self) -> dict[str, LoRALinear]:
         return self.slots.layers
