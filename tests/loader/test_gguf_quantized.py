@@ -49,14 +49,14 @@ def test_tiny_q8_gguf_keeps_quantized_weights(tmp_path, cache):
     assert (lq - ld).abs().max() <= 0.05 * ld.abs().max()
 
 
-def test_quantized_only_for_auto_dtype_one_cpu_rank(tmp_path):
+def test_quantized_only_for_auto_dtype_on_cpu(tmp_path):
     path = str(make_tiny_gguf(tmp_path, "llama", qtype="Q8_0"))
     cpu = torch.device("cpu")
-    assert keeps_quantized(path, "auto", cpu, None, "auto")
-    assert not keeps_quantized(path, "float32", cpu, None, "auto")
-    assert not keeps_quantized(path, "auto", torch.device("cuda"), None, "auto")
-    assert not keeps_quantized(path, "auto", cpu, None, "dummy")
-    assert not keeps_quantized(str(tmp_path / "tiny-llama-gguf-src"), "auto", cpu, None, "auto")
+    assert keeps_quantized(path, "auto", cpu, "auto")
+    assert not keeps_quantized(path, "float32", cpu, "auto")
+    assert not keeps_quantized(path, "auto", torch.device("cuda"), "auto")
+    assert not keeps_quantized(path, "auto", cpu, "dummy")
+    assert not keeps_quantized(str(tmp_path / "tiny-llama-gguf-src"), "auto", cpu, "auto")
 
 
 def test_type_without_kernel_is_dequantized_with_a_log_line(tmp_path, caplog):

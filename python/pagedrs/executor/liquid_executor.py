@@ -46,6 +46,11 @@ class LiquidExecutor(TPExecutor):
     def _init_pool(self) -> KVCachePool:
         """Rank 0 alone holds the model at first; its pool is sized as on one device."""
         runner = self.runner
+        if any(getattr(m, "qweight", None) is not None for m in runner.model.modules()):
+            raise ValueError(
+                "liquid scaling moves float weights between ranks, and this model's weights are kept "
+                "quantized: pass dtype='float32' to load them dequantized"
+            )
         pool = runner.init_kv_cache(runner.determine_num_blocks())
         runner.cuda_graphs = None  # the model object changes under the runner: eager steps only
         self._budget = pool.num_blocks * pool.bytes_per_block

@@ -387,6 +387,15 @@ class RowParallelLinear(_LinearBase):
             return
         n = self.input_size_per_partition
         _check_dim(loaded_weight, 1, n * self.tp_size)
+        if isinstance(loaded_weight, GGUFWeight) and _keeps_quantized(param, loaded_weight):
+            block = loaded_weight.block_size
+            if n % block:
+                raise ValueError(
+                    f"tensor parallelism over {self.tp_size} ranks gives each rank {n} of this "
+                    f"{loaded_weight.type_name} weight's {n * self.tp_size} input columns, which cuts its "
+                    f"{block}-weight blocks: use a tensor-parallel size that divides {n * self.tp_size // block} "
+                    "blocks, or dtype='float32' to load it dequantized"
+                )
         self._load_rows(param, 0, loaded_weight.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -410,7 +419,8 @@ class QuantSlot:
 
 class VocabParallelEmbedding(torch.nn.Module):
     """Token embedding with the vocabulary split across ranks (padded to a multiple of tp_size). A
-    GGUF-quantized table on one CPU rank stays quantized: rows are dequantized as they are looked up."""
+    GGUF-quantized table on CPU stays quantized (each rank its rows): rows are dequantized as they are
+    looked up."""
 
     def __init__(
         self,
@@ -441,27 +451,25 @@ class VocabParallelEmbedding(torch.nn.Module):
             raise ValueError(
                 f"shape mismatch: expected {(self.num_embeddings, self.embedding_dim)}, got {tuple(loaded_weight.shape)}"
             )
-        if (
-            self.tp_size == 1
-            and isinstance(loaded_weight, GGUFWeight)
-            and _keeps_quantized(param, loaded_weight)
-        ):
-            self.quant.weight = QuantizedWeight([loaded_weight])
+        n = max(0, min(self.num_embeddings_per_partition, self.num_embeddings - self.vocab_start))
+        if n and isinstance(loaded_weight, GGUFWeight) and _keeps_quantized(param, loaded_weight):
+            # this rank's rows of the table (without the padding rows past the vocabulary)
+            self.quant.weight = QuantizedWeight([loaded_weight.narrow(0, self.vocab_start, n)])
             param.data = torch.empty(0, self.embedding_dim, dtype=param.dtype)
             return
-        n = max(0, min(self.num_embeddings_per_partition, self.num_embeddings - self.vocab_start))
         if n:
             param.data[:n].copy_(_materialize(loaded_weight.narrow(0, self.vocab_start, n)))
         param.data[n:].zero_()
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        if self.quant.weight is not None:
-            return self.quant.weight.rows(input_ids)
+        qweight = self.quant.weight
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return qweight.rows(input_ids) if qweight is not None else F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
-        mask = (local < 0) | (local >= self.num_embeddings_per_partition)
-        out = F.embedding(local.masked_fill(mask, 0), self.weight)
+        held = qweight.out_features if qweight is not None else self.num_embeddings_per_partition
+        mask = (local < 0) | (local >= held)
+        local = local.masked_fill(mask, 0)
+        out = qweight.rows(local) if qweight is not None else F.embedding(local, self.weight)
         out.masked_fill_(mask[:, None], 0)
         return self.tp.all_reduce(out)
 
@@ -493,6 +501,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         None on the other ranks."""
         qweight = self.quant.weight
         local = qweight.matmul(hidden) if qweight is not None else F.linear(hidden, self.weight)
+        if local.shape[-1] < self.num_embeddings_per_partition:  # a quantized slice holds no padding rows
+            local = F.pad(local, (0, self.num_embeddings_per_partition - local.shape[-1]))
         logits = self.tp.gather_last_dim(local)
         if logits is None:
             return None

@@ -65,6 +65,11 @@ class GGUFWeight:
         return _type_name(self.ggml_type)
 
     @property
+    def block_size(self) -> int:
+        """Weights per block along a row (32, or 256 for the K-quants)."""
+        return _block_shape(self.ggml_type)[0]
+
+    @property
     def has_kernel(self) -> bool:
         """Whether the CPU kernels multiply this type directly."""
         return self.ggml_type in _KERNEL_TYPES

@@ -2,9 +2,10 @@
 files), a GGUF file (converted once into a cache folder), a Hugging Face Hub name (fetched into the HF
 cache: `hub.py`), or None for the default model.
 
-A GGUF file loaded with dtype "auto" on one CPU rank keeps its quantized tensors in their block layout
-(the CPU kernels multiply them); any explicit dtype, a GPU, or tensor parallelism loads the float32
-dequantized tensors of the cache folder instead (the oracle the quantized path is tested against).
+A GGUF file loaded with dtype "auto" on CPU keeps its quantized tensors in their block layout (the CPU
+kernels multiply them; under tensor parallelism each rank keeps its shard's blocks); any explicit dtype or
+a GPU loads the float32 dequantized tensors of the cache folder instead (the oracle the quantized path is
+tested against).
 
 Every check happens here, at load time: unknown path or architecture, a checkpoint missing a tensor or
 holding one of the wrong shape -> ValueError naming it, before any request can be accepted.
@@ -188,22 +189,11 @@ def gguf_file(path: str) -> Path | None:
     return None
 
 
-def keeps_quantized(
-    path: str, dtype: str | torch.dtype, device: torch.device, tp: TPGroup | None, load_format: str
-) -> bool:
+def keeps_quantized(path: str, dtype: str | torch.dtype, device: torch.device, load_format: str) -> bool:
     """Whether `load_model` keeps a GGUF file's quantized tensors quantized (see the module docstring)."""
     if gguf_file(path) is None or load_format not in ("auto", "gguf"):
         return False
-    if dtype != "auto" or device.type != "cpu":
-        return False
-    if tp is not None and tp.size > 1:
-        logger.info(
-            "tensor parallelism over %d ranks: the GGUF weights are loaded dequantized to float32 "
-            "(the quantized CPU kernels run on one rank)",
-            tp.size,
-        )
-        return False
-    return True
+    return dtype == "auto" and device.type == "cpu"
 
 
 def iter_checkpoint(folder: str | Path) -> Iterator[tuple[str, Loaded | TensorSlice]]:
@@ -327,7 +317,7 @@ def load_model(
         net = model_cls(config, dtype=torch_dtype, device=device, tp=tp)
     if opts.load_format == "dummy":
         init_dummy_weights(net, opts.seed)
-    elif keeps_quantized(path, dtype, device, tp, opts.load_format):
+    elif keeps_quantized(path, dtype, device, opts.load_format):
         num_heads = int(config.num_attention_heads)
         num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
         gguf_path = gguf_file(path)
@@ -338,7 +328,7 @@ def load_model(
     else:
         weights = _checkpoint(path, folder, opts.load_format)
         if quant is not None:
-            weights = _quantized(weights, quant, dtype, device, tp)
+            weights = _quantized(weights, quant, dtype, device)
         # each architecture's own loader (not a torch.nn.Module method, so not on CausalLM's stub)
         net.load_weights(weights)  # type: ignore[operator]
         if quant is not None and any(getattr(m, "qweight", None) is not None for m in net.modules()):
@@ -366,10 +356,11 @@ def _quantized(
     quant: QuantConfig,
     dtype: str | torch.dtype,
     device: torch.device,
-    tp: TPGroup | None,
 ) -> Iterator[tuple[str, Loaded | TensorSlice]]:
     """A GPTQ/AWQ/FP8 checkpoint's weights as the layers take them: packed GGUF blocks on the GGUF rule
-    (dtype "auto", one CPU rank) where that is exact, else dequantized to float32 at load; under tensor
-    parallelism each rank dequantizes and then cuts its share of the float weight."""
-    keep = dtype == "auto" and device.type == "cpu" and (tp is None or tp.size == 1)
+    (dtype "auto" on CPU) where that is exact, else dequantized to float32 at load. Under tensor
+    parallelism each rank cuts its share of the packed blocks (column-parallel layers: whole rows;
+    row-parallel: whole 32-weight blocks of the input, each carrying its group's scale, so a cut inside
+    a GPTQ group of 128 is still exact) or of the float weight."""
+    keep = dtype == "auto" and device.type == "cpu"
     return quantized_checkpoint(weights, quant, keep_packed=keep)

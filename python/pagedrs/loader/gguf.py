@@ -2,8 +2,8 @@
 (config.json, model.safetensors in float32, tokenizer files), reused by every later load.
 
 Two ways to load the weights: the cache folder's float32 tensors (the dequantized oracle, and the path for
-GPUs, 16-bit dtypes and tensor parallelism), or `iter_gguf_weights`, straight from the GGUF file with the
-quantized tensors kept in their block layout (`GGUFWeight`) for the CPU kernels.
+GPUs and explicit dtypes), or `iter_gguf_weights`, straight from the GGUF file with the quantized tensors
+kept in their block layout (`GGUFWeight`) for the CPU kernels (each tensor-parallel rank cuts its shard).
 
 Config and tokenizer (chat template included) come from transformers' own GGUF readers
 (`AutoConfig/AutoTokenizer.from_pretrained(dir, gguf_file=...)`); tensors are dequantized with the `gguf`
