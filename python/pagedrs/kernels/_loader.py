@@ -39,12 +39,14 @@ __all__ = [
     "instantiation_groups",
     "kernel_source",
     "layer_op_names",
+    "lora_op_names",
     "nvrtc_version",
+    "quant_op_names",
     "register_usage",
     "vector_width",
 ]
 
-SOURCES = ("cache_kernels", "paged_attention", "layer_ops")
+SOURCES = ("cache_kernels", "paged_attention", "layer_ops", "quant_ops", "lora_ops")
 HEADERS = ("common.cuh",)  # included by the sources, inlined by kernel_source
 HEAD_SIZES = (16, 32, 64, 80, 96, 128)
 # Query heads per decode CTA: the group size G = num_heads / num_kv_heads rounded up to one of these
@@ -184,10 +186,29 @@ def layer_op_names(ctype: str) -> tuple[str, ...]:
     return tuple(names)
 
 
+def quant_op_names(ctype: str) -> tuple[str, ...]:
+    """Every instantiation of cuda/quant_ops.cu for one output dtype (one module): GPTQ at 2, 4 and 8 bits
+    (quant_ops.GPTQ_BITS) and AWQ, each with scales in any of the three float dtypes."""
+    names: list[str] = []
+    for scale_ctype in CTYPES.values():
+        names += [f"pagedrs::dequantize_gptq<{ctype}, {scale_ctype}, {bits}>" for bits in (2, 4, 8)]
+        names.append(f"pagedrs::dequantize_awq<{ctype}, {scale_ctype}>")
+    return tuple(names)
+
+
+def lora_op_names(ctype: str) -> tuple[str, ...]:
+    """Every instantiation of cuda/lora_ops.cu for one dtype (one module): the shrink and the expand, each
+    with 16-byte vectors and with scalar accesses."""
+    vecs = (vector_width(ctype), 1)
+    return tuple(f"pagedrs::lora_{op}<{ctype}, {vec}>" for op in ("shrink", "expand") for vec in vecs)
+
+
 def instantiation_groups() -> list[tuple[str, tuple[str, ...]]]:
     """Every (source, names) module the package can load; together: every instantiation."""
     groups: list[tuple[str, tuple[str, ...]]] = [("cache_kernels", cache_names())]
     groups += [("layer_ops", layer_op_names(ctype)) for ctype in CTYPES.values()]
+    groups += [("quant_ops", quant_op_names(ctype)) for ctype in CTYPES.values() if quant_op_names(ctype)]
+    groups += [("lora_ops", lora_op_names(ctype)) for ctype in CTYPES.values() if lora_op_names(ctype)]
     for ctype in CTYPES.values():
         for head_size in HEAD_SIZES:
             groups.append(("paged_attention", attention_names(ctype, head_size)))

@@ -13,9 +13,10 @@ The HF tensor may be a lazy slice of a checkpoint file (anything with `shape`, `
 and `materialize()`): then only this rank's share is ever read.
 
 Weight format: a layer holds its weight dense (`weight`, multiplied by torch) or, when the checkpoint hands
-it GGUF-quantized pieces of types the CPU kernels take (`GGUFWeight`), as a `QuantizedWeight` that owns
-the matmul (`qweight`; the dense `weight` is then an empty placeholder). `forward` is the same call
-either way, so model code never branches on the format.
+it GGUF-quantized pieces of types the CPU kernels take (`GGUFWeight`), as a `QuantizedWeight`, or GPTQ /
+AWQ / FP8 pieces kept packed for a GPU (`PackedInt`, `Fp8`), as a `DevicePackedWeight`; either owns the
+matmul (`qweight`; the dense `weight` is then an empty placeholder). `forward` is the same call either
+way, so model code never branches on the format.
 
 A layer takes its rank and size from `tp` (a `TPGroup`, whose collectives it uses), or from
 `tp_rank`/`tp_size` alone (no process group: enough to load and check a shard, not to run a forward that
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pagedrs.distributed.group import TPGroup
+from pagedrs.layers.packed import DevicePackedWeight, Fp8, PackedInt, PackedPiece
 from pagedrs.layers.quantized import GGUFWeight, QuantizedWeight
 
 __all__ = [
@@ -48,14 +50,15 @@ __all__ = [
 ]
 
 
-# What a weight loader takes: a tensor, a lazy checkpoint slice, or a GGUF-quantized tensor.
-Loaded = Tensor | GGUFWeight
+# What a weight loader takes: a tensor, a lazy checkpoint slice, a GGUF-quantized tensor, or a GPTQ/AWQ/FP8
+# layer kept packed for the GPU.
+Loaded = Tensor | GGUFWeight | PackedInt | Fp8
 
 
 def _materialize(loaded: Loaded) -> Tensor:
     """A lazy checkpoint slice is read here, once it is cut to this rank's share (a GGUF-quantized one is
     dequantized)."""
-    if isinstance(loaded, GGUFWeight):
+    if isinstance(loaded, (GGUFWeight, PackedInt, Fp8)):
         return loaded.materialize()
     read = getattr(loaded, "materialize", None)
     return read() if read is not None else loaded
@@ -109,7 +112,10 @@ def _group(tp: TPGroup | None, tp_rank: int, tp_size: int) -> TPGroup:
 
 
 def _keeps_quantized(param: Tensor, loaded: Loaded) -> bool:
-    """A float32 CPU weight keeps a GGUF piece of a type the kernels take in its block layout."""
+    """A float32 CPU weight keeps a GGUF piece of a type the kernels take in its block layout; a GPTQ, AWQ
+    or FP8 piece is kept packed (the loader hands those over only for a GPU)."""
+    if isinstance(loaded, (PackedInt, Fp8)):
+        return True
     return (
         isinstance(loaded, GGUFWeight)
         and loaded.has_kernel
@@ -126,9 +132,9 @@ class _LinearBase(torch.nn.Module):
         self.tp_size = self.tp.size
         self.weight: Tensor
         self.bias: Tensor | None
-        self.qweight: QuantizedWeight | None = None
+        self.qweight: QuantizedWeight | DevicePackedWeight | None = None
         # Until every row of the weight has arrived: quantized pieces by first row, and dense rows seen.
-        self._qpieces: dict[int, GGUFWeight] = {}
+        self._qpieces: dict[int, GGUFWeight | PackedPiece] = {}
         self._dense_rows = 0
 
     def forward(self, x: Tensor) -> Tensor:
@@ -148,7 +154,7 @@ class _LinearBase(torch.nn.Module):
             _copy_checked(param.data.narrow(0, offset, n), loaded, what)
             self._dense_rows += n
         else:
-            assert isinstance(loaded, GGUFWeight)  # narrowed by _keeps_quantized
+            assert isinstance(loaded, (GGUFWeight, PackedInt, Fp8))  # narrowed by _keeps_quantized
             want = (n, int(param.shape[1]))
             if tuple(loaded.shape) != want or offset + n > param.shape[0]:
                 where = f" ({what})" if what else ""
@@ -157,8 +163,10 @@ class _LinearBase(torch.nn.Module):
         if sum(p.shape[0] for p in self._qpieces.values()) + self._dense_rows < param.shape[0]:
             return
         pieces = [self._qpieces[o] for o in sorted(self._qpieces)]
-        if pieces and not self._dense_rows:
-            self.qweight = QuantizedWeight(pieces)
+        gguf = [p for p in pieces if isinstance(p, GGUFWeight)]
+        packed = [p for p in pieces if not isinstance(p, GGUFWeight)]
+        if pieces and not self._dense_rows and (not gguf or not packed):
+            self.qweight = QuantizedWeight(gguf) if gguf else DevicePackedWeight(packed, param.device)
             param.data = torch.empty(0, param.shape[1], dtype=param.dtype)  # the dense copy is never made
         else:  # mixed dense and quantized pieces: all dense
             for o in sorted(self._qpieces):

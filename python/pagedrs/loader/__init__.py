@@ -25,7 +25,7 @@ import transformers
 
 from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.linear import Loaded
-from pagedrs.layers.quantized import use_cpu_fused_ops
+from pagedrs.layers.quantized import QuantizedWeight, use_cpu_fused_ops
 from pagedrs.loader.default_model import default_model_path
 from pagedrs.loader.gguf import cache_root, convert_gguf, iter_gguf_weights
 from pagedrs.loader.options import LoadOptions, apply_overrides, init_dummy_weights
@@ -331,7 +331,9 @@ def load_model(
             weights = _quantized(weights, quant, dtype, device)
         # each architecture's own loader (not a torch.nn.Module method, so not on CausalLM's stub)
         net.load_weights(weights)  # type: ignore[operator]
-        if quant is not None and any(getattr(m, "qweight", None) is not None for m in net.modules()):
+        if device.type == "cpu" and any(
+            isinstance(getattr(m, "qweight", None), QuantizedWeight) for m in net.modules()
+        ):
             use_cpu_fused_ops(net)
             enable_cpu_decode(net)
     net.eval()
@@ -362,5 +364,13 @@ def _quantized(
     parallelism each rank cuts its share of the packed blocks (column-parallel layers: whole rows;
     row-parallel: whole 32-weight blocks of the input, each carrying its group's scale, so a cut inside
     a GPTQ group of 128 is still exact) or of the float weight."""
-    keep = dtype == "auto" and device.type == "cpu"
-    return quantized_checkpoint(weights, quant, keep_packed=keep)
+    return quantized_checkpoint(weights, quant, keep_packed=packed_form(dtype, device))
+
+
+def packed_form(dtype: str | torch.dtype, device: torch.device) -> str | None:
+    """How a GPTQ/AWQ/FP8 checkpoint's layers are kept: "gguf" on CPU with dtype "auto" (the CPU
+    kernels' blocks, where exact), "device" on a GPU (the checkpoint's own packing, multiplied through
+    pagedrs.layers.packed), else None (dequantized to float32 at load)."""
+    if device.type == "cuda":
+        return "device"
+    return "gguf" if dtype == "auto" and device.type == "cpu" else None

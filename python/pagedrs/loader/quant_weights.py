@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pagedrs.layers.packed import Fp8, PackedInt
 from pagedrs.layers.quantized import GGUFWeight
 from pagedrs.loader.quant_config import QuantConfig
 
@@ -174,12 +175,18 @@ def _materialize(t: Any) -> Tensor:
 _FP8_UNUSED_SCALES = frozenset({"input_scale", "output_scale", "k_scale", "v_scale", "q_scale", "kv_scale"})
 
 
+# How `quantized_checkpoint` hands over a layer it can keep packed: as GGUF blocks for the CPU kernels
+# ("gguf", where that is exact), as its own parts for the GPU ("device": `PackedInt`, `Fp8`), or never
+# (None: float32 dequantized).
+PackedForm = str | None
+
+
 def quantized_checkpoint(
-    weights: Iterator[tuple[str, Any]], cfg: QuantConfig, *, keep_packed: bool
+    weights: Iterator[tuple[str, Any]], cfg: QuantConfig, *, keep_packed: PackedForm
 ) -> Iterator[tuple[str, Any]]:
-    """`weights` with each quantized layer's parts replaced by its `<layer>.weight` (packed where
-    `keep_packed` and exact, else float32); other tensors pass through. Logs once what was done;
-    ValueError naming the layer when its parts are incomplete or misshapen."""
+    """`weights` with each quantized layer's parts replaced by its `<layer>.weight` (packed in the form
+    `keep_packed` names where it applies, else float32); other tensors pass through. Logs once what was
+    done; ValueError naming the layer when its parts are incomplete or misshapen."""
     done: Counter[str] = Counter()
     pending: dict[str, dict[str, Tensor]] = {}
     for name, t in weights:
@@ -214,10 +221,10 @@ def _complete(
     prefix: str,
     got: dict[str, Tensor],
     cfg: QuantConfig,
-    keep_packed: bool,
+    keep_packed: PackedForm,
     done: Counter[str],
     final: bool,
-) -> tuple[str, Tensor | GGUFWeight] | None:
+) -> tuple[str, Tensor | GGUFWeight | PackedInt | Fp8] | None:
     """The layer's weight once its parts are in (at the end, `final`: what is missing is an error)."""
     if cfg.method == "fp8":
         scale = got.get("weight_scale_inv", got.get("weight_scale"))
@@ -225,6 +232,15 @@ def _complete(
             if final:
                 raise ValueError(f"{prefix}: FP8 weight without its scale (weight, weight_scale)")
             return None
+        if keep_packed == "device" and cfg.block is None and got["weight"].dtype == torch.float8_e4m3fn:
+            w = got["weight"]
+            if scale.numel() not in (1, w.shape[0]):
+                raise ValueError(
+                    f"{prefix}: a weight scale of shape {tuple(scale.shape)} fits neither per-tensor nor "
+                    "per-channel"
+                )
+            done["kept in fp8"] += 1
+            return f"{prefix}.weight", Fp8(w, scale.to(torch.float32).reshape(-1))
         done["dequantized"] += 1
         return f"{prefix}.weight", dequantize_fp8(prefix, got["weight"], scale, cfg.block)
     needed = ("qweight", "qzeros", "scales") + (("g_idx",) if cfg.method == "gptq" and not final else ())
@@ -233,10 +249,12 @@ def _complete(
         if final:
             raise ValueError(f"{prefix}: {cfg.describe()} layer without {', '.join(missing)}")
         return None
+    if keep_packed == "device":
+        return f"{prefix}.weight", _device_packed(prefix, got, cfg, done)
     if cfg.method == "awq":
         done["dequantized"] += 1
         return f"{prefix}.weight", dequantize_awq(prefix, got, cfg)
-    packed = gptq_as_gguf(prefix, got, cfg) if keep_packed else None
+    packed = gptq_as_gguf(prefix, got, cfg) if keep_packed == "gguf" else None
     if packed is not None:
         done[f"kept packed as {packed.type_name}"] += 1
         return f"{prefix}.weight", packed
@@ -244,9 +262,31 @@ def _complete(
     return f"{prefix}.weight", dequantize_gptq(prefix, got, cfg)
 
 
+def _device_packed(prefix: str, got: dict[str, Tensor], cfg: QuantConfig, done: Counter[str]) -> PackedInt:
+    """The layer's own parts for the GPU kernels, checked as the dequantizers check them."""
+    if cfg.method == "gptq":
+        q, zeros, scales, g_idx = _gptq_ints(prefix, got, cfg)  # checks shapes and group ids
+        del q, zeros
+        parts = PackedInt(cfg, got["qweight"], got["qzeros"], scales, g_idx.to(torch.int32))
+    else:
+        qweight, qzeros, scales = got["qweight"], got["qzeros"], got["scales"]
+        in_features, out_features = qweight.shape[0], qweight.shape[1] * 8
+        group = in_features if cfg.group_size == -1 else cfg.group_size
+        groups = -(-in_features // group)
+        _check(f"{prefix}.scales", scales, (groups, out_features))
+        _check(f"{prefix}.qzeros", qzeros, (groups, out_features // 8))
+        parts = PackedInt(cfg, qweight, qzeros, scales, None)
+    done["kept packed for the GPU kernels"] += 1
+    return parts
+
+
 def _log(cfg: QuantConfig, done: Counter[str]) -> None:
     if not done:
         raise ValueError(f"the checkpoint declares {cfg.describe()} but holds no quantized layer")
     for what, n in sorted(done.items()):
-        tail = " (the CPU kernels multiply them)" if what.startswith("kept") else " at load"
+        tail = (
+            " (the CPU kernels multiply them)"
+            if what.startswith("kept packed as")
+            else ("" if what.startswith("kept") else " at load")
+        )
         logger.info("%s weights %s%s: %d layers", cfg.describe(), what, tail, n)

@@ -81,7 +81,7 @@ def _why_not(model: LlamaModel) -> str | None:
     for layer in _decoder_layers(model):
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(lin.qweight is None or lin.tp_size != 1 for lin in linears):
+        if any(not isinstance(lin.qweight, QuantizedWeight) or lin.tp_size != 1 for lin in linears):
             return "a linear layer is not quantized on one rank"
         if (
             attn.o_proj.bias is not None
@@ -101,8 +101,9 @@ def _why_not(model: LlamaModel) -> str | None:
 def _layer(layer: LlamaDecoderLayer) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     qkv = attn.qkv_proj
-    assert qkv.qweight is not None and attn.o_proj.qweight is not None  # checked by _why_not
-    assert mlp.gate_up_proj.qweight is not None and mlp.down_proj.qweight is not None
+    assert isinstance(qkv.qweight, QuantizedWeight) and isinstance(attn.o_proj.qweight, QuantizedWeight)
+    assert isinstance(mlp.gate_up_proj.qweight, QuantizedWeight)  # all checked by _why_not
+    assert isinstance(mlp.down_proj.qweight, QuantizedWeight)
     a = attn.attn
     return _Layer(
         input_norm=layer.input_layernorm.weight.detach().numpy(),

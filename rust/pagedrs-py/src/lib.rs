@@ -20,6 +20,8 @@ const KERNELS: &[(&str, &str)] = &[
         include_str!("../../../cuda/paged_attention.cu"),
     ),
     ("layer_ops", include_str!("../../../cuda/layer_ops.cu")),
+    ("quant_ops", include_str!("../../../cuda/quant_ops.cu")),
+    ("lora_ops", include_str!("../../../cuda/lora_ops.cu")),
     ("common.cuh", include_str!("../../../cuda/common.cuh")),
 ];
 

@@ -61,6 +61,8 @@ _MAIN = r"""
 #include "cache_kernels.cu"
 #include "paged_attention.cu"
 #include "layer_ops.cu"
+#include "quant_ops.cu"
+#include "lora_ops.cu"
 
 #include <cstdio>
 #include <type_traits>
