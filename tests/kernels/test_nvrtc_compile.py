@@ -138,7 +138,7 @@ def test_compile_errors_after_the_header_keep_the_files_line_numbers(
 
 
 @pytest.mark.parametrize("arch", _loader.COMPILE_CHECK_ARCHS)
-def test_tensor_core_prefill_and_layer_kernels_do_not_spill(
+def test_tensor_core_prefill_layer_quant_and_lora_kernels_do_not_spill(
     arch: str, nvrtc_ok: tuple[int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The mma prefill holds a 16*MT x HEAD accumulator per warp in registers; a spill would put it in local
@@ -153,6 +153,13 @@ def test_tensor_core_prefill_and_layer_kernels_do_not_spill(
     usage = _loader.register_usage("paged_attention", prefill, arch)
     layer = _loader.register_usage("layer_ops", _loader.layer_op_names("pagedrs::bf16_t"), arch)
     assert set(usage) == set(prefill) and set(layer) == set(_loader.layer_op_names("pagedrs::bf16_t"))
+    for source, names in (
+        ("quant_ops", _loader.quant_op_names("pagedrs::bf16_t")),
+        ("lora_ops", _loader.lora_op_names("pagedrs::bf16_t")),
+    ):
+        found = _loader.register_usage(source, names, arch)
+        assert set(found) == set(names)
+        layer.update(found)
     spilled = {n: u for n, u in {**usage, **layer}.items() if u[1]}
     assert not spilled, f"kernels spilling registers on {arch}: {spilled}"
     assert all(regs <= 255 for regs, _ in usage.values())

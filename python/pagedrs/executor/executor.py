@@ -85,7 +85,9 @@ class UniProcExecutor:
         self.runner.attach_block_table(view)
 
     def attach_lora(self, manager: LoRAManager) -> None:
-        """The core's adapters (the other ranks follow their slots; one rank: nothing to do)."""
+        """The core's adapters (the other ranks follow their slots); their CUDA kernels are on where the
+        runner's layer kernels are."""
+        manager.batch.use_kernels = self.runner.layer_kernels
 
     def execute(
         self,
@@ -141,6 +143,7 @@ class TPExecutor(UniProcExecutor):
         return self.runner.init_kv_cache(num_blocks, num_swap)
 
     def attach_lora(self, manager: LoRAManager) -> None:
+        super().attach_lora(manager)
         self.lora = manager
 
     def _broadcast(self, plan: StepPlan, extra: np.ndarray | None) -> None:

@@ -88,6 +88,8 @@ def run_rank(
         num_blocks, num_swap = agree_kv_blocks(runner, tp)
         runner.init_kv_cache(num_blocks, num_swap)
         lora = LoRASlots(loaded.model, config.lora, dev) if config.lora is not None else None
+        if lora is not None:  # as rank 0's (UniProcExecutor.attach_lora)
+            lora.batch.use_kernels = runner.layer_kernels
         logger.info("rank %d ready: %d KV blocks on %s", rank, num_blocks, dev)
         _step_loop(runner, tp, lora)
     except BaseException as exc:

@@ -207,8 +207,8 @@ def instantiation_groups() -> list[tuple[str, tuple[str, ...]]]:
     """Every (source, names) module the package can load; together: every instantiation."""
     groups: list[tuple[str, tuple[str, ...]]] = [("cache_kernels", cache_names())]
     groups += [("layer_ops", layer_op_names(ctype)) for ctype in CTYPES.values()]
-    groups += [("quant_ops", quant_op_names(ctype)) for ctype in CTYPES.values() if quant_op_names(ctype)]
-    groups += [("lora_ops", lora_op_names(ctype)) for ctype in CTYPES.values() if lora_op_names(ctype)]
+    groups += [("quant_ops", quant_op_names(ctype)) for ctype in CTYPES.values()]
+    groups += [("lora_ops", lora_op_names(ctype)) for ctype in CTYPES.values()]
     for ctype in CTYPES.values():
         for head_size in HEAD_SIZES:
             groups.append(("paged_attention", attention_names(ctype, head_size)))

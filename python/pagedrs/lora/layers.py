@@ -18,6 +18,11 @@ On a CPU, a step of few rows (decodes, a speculative verification, short chunks)
 layer instead (`_core.cpu_lora_add`, punica's BGMV: each row shrinks and expands with its own slot's
 pair), the same arithmetic without the torch ops' per-call cost, which is most of a small step's LoRA
 time; longer chunks keep the batched matmuls.
+
+With `LoRABatch.use_kernels` (the executors set it where the model runner switched the layer kernels on:
+the "cupy" attention backend, on CUDA) every step takes the CUDA pair of the same BGMV instead
+(pagedrs.kernels.lora_ops: a shrink and an expand launch per layer, no gather, mask or scatter); the
+torch ops stay the CPU path and the oracle the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from pagedrs import _core
+from pagedrs.layers.kernel_switch import KERNEL_DTYPES
 from pagedrs.layers.linear import RowParallelLinear
 
 __all__ = ["CPU_KERNEL_MAX_ROWS", "LoRABatch", "LoRALinear", "LoRASlice"]
@@ -49,11 +55,20 @@ class LoRABatch:
     num_slots: int = 1
     slot_of_row: np.ndarray | None = None  # int64 [rows], on the host
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    use_kernels: bool = False  # the CUDA kernels of pagedrs.kernels.lora_ops (see the module docs)
     _layout: tuple[tuple[int, ...], Tensor, Tensor, Tensor] | None = None
+    _slots_on_device: Tensor | None = None
 
     def set_rows(self, slot_of_row: np.ndarray | None) -> None:
         self.slot_of_row = slot_of_row
-        self._layout = None
+        self._layout = self._slots_on_device = None
+
+    def slots_on_device(self) -> Tensor:
+        """slot_of_row as int32 on the device, as the kernels take it (copied once a step)."""
+        if self._slots_on_device is None:
+            assert self.slot_of_row is not None
+            self._slots_on_device = torch.from_numpy(self.slot_of_row.astype(np.int32)).to(self.device)
+        return self._slots_on_device
 
     def layout(self) -> tuple[tuple[int, ...], Tensor, Tensor, Tensor]:
         """(the slots present; the gather index [slots x M] of the rows grouped by slot, each group padded
@@ -116,6 +131,7 @@ class LoRALinear:
         self._stacked: _Stacked | None = None
         self._cut: tuple[tuple[int, ...], tuple[int, int, Tensor, Tensor]] | None = None
         self._kernel: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None  # see _kernel_pair
+        self._device_kernel: tuple[int, Tensor, Tensor, Tensor] | None = None  # see _device_pair
         # A row-parallel layer over several ranks adds its rank's partial delta before the all-reduce
         # (which sums the deltas with the products); any other layer adds the delta to its output.
         self._partial: RowParallelLinear | None = None
@@ -131,11 +147,11 @@ class LoRALinear:
             self.weights[slot] = pieces
         else:
             self.weights.pop(slot, None)
-        self._stacked = self._cut = self._kernel = None
+        self._stacked = self._cut = self._kernel = self._device_kernel = None
 
     def clear_slot(self, slot: int) -> None:
         self.weights.pop(slot, None)
-        self._stacked = self._cut = self._kernel = None
+        self._stacked = self._cut = self._kernel = self._device_kernel = None
 
     def remove(self) -> None:
         if self._partial is not None:
@@ -190,6 +206,17 @@ class LoRALinear:
             self._kernel = (st.first, st.a.contiguous().numpy(), bt, st.cols)
         return self._kernel
 
+    def _device_pair(self) -> tuple[int, Tensor, Tensor, Tensor]:
+        """(first column, A [slots, sum R, in], B^T [slots, sum R, width], each rank row's output columns
+        int32 [sum R, 2]) of every slot on the device, as the CUDA kernels take them (made once after a
+        slot changed)."""
+        if self._device_kernel is None:
+            st = self._stacked_pair()
+            bt = st.b.transpose(1, 2).contiguous()
+            cols = torch.from_numpy(st.cols.astype(np.int32)).to(st.a.device)
+            self._device_kernel = (st.first, st.a.contiguous(), bt, cols)
+        return self._device_kernel
+
     def _pieces(self, present: tuple[int, ...]) -> tuple[int, int, Tensor, Tensor]:
         """(first column, width, A^T [present, in, sum R], B^T [present, sum R, width]) of the slots present."""
         if self._cut is None or self._cut[0] != present:
@@ -200,11 +227,33 @@ class LoRALinear:
             self._cut = (present, cut)
         return self._cut[1]
 
+    def _kernels_fit(self, x: Tensor, out: Tensor) -> bool:
+        """The CUDA kernels are on and take these: 2-d rows with a contiguous last dim, in the adapters'
+        dtype (a kernel dtype) and on their device."""
+        if not self.batch.use_kernels:
+            return False
+        a = self._stacked_pair().a
+        return (
+            x.dim() == 2
+            and out.dim() == 2
+            and x.stride(1) == 1
+            and out.stride(1) == 1
+            and x.dtype == out.dtype == a.dtype
+            and a.dtype in KERNEL_DTYPES
+            and x.device == out.device == a.device
+        )
+
     def _hook(self, module: torch.nn.Module, args: tuple, out: Tensor) -> Tensor:
         rows = self.batch.slot_of_row
         if not self.weights or rows is None:
             return out
         x = args[0]
+        if self._kernels_fit(x, out):
+            from pagedrs.kernels.lora_ops import lora_add
+
+            first, a, bt, cols = self._device_pair()
+            lora_add(x, a, bt, self.batch.slots_on_device(), cols, out, first)
+            return out
         if (
             x.device.type == "cpu"
             and x.dim() == 2
@@ -214,9 +263,9 @@ class LoRALinear:
             and x.is_contiguous()
             and out.is_contiguous()
         ):
-            first, a_np, bt_np, cols = self._kernel_pair()
+            first, a_np, bt_np, cols_np = self._kernel_pair()
             threads = torch.get_num_threads()
-            _core.cpu_lora_add(x.numpy(), a_np, bt_np, rows, out.numpy(), first, threads, cols)
+            _core.cpu_lora_add(x.numpy(), a_np, bt_np, rows, out.numpy(), first, threads, cols_np)
             return out
         if not (rows >= 0).any():
             return out
