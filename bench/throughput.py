@@ -116,6 +116,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="float32 (CPU default) | bfloat16 (CUDA default) | float16 | auto (pagedrs' own choice: the default "
         "GGUF kept quantized on a CPU; transformers then runs float32 / bfloat16)",
     )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        help="pagedrs' quantization= (q8_0: a float checkpoint's weights quantized at load to Q8_0 for the CPU "
+        "kernels; transformers keeps the float weights)",
+    )
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
@@ -231,6 +237,7 @@ def engine_args(args: argparse.Namespace, dtype: torch.dtype, max_len: int, **ex
         disable_log_stats=True,
         cpu_kv_cache_gb=None if args.device == "cuda" else args.cpu_kv_cache_gb,
         gpu_memory_utilization=0.85,
+        quantization=args.quantization,
         **extra,
     )
 
@@ -266,7 +273,12 @@ def load_engine(args: argparse.Namespace, dtype: torch.dtype, max_len: int) -> t
         loaded = LoadedModel(model=net.eval(), hf_config=cfg, tokenizer=None, model_path=args.model_config)
         eng_args.model = args.model_config
     else:
-        loaded = load_model(args.model, dtype="auto" if args.dtype == "auto" else dtype, device=device)
+        loaded = load_model(
+            args.model,
+            dtype="auto" if args.dtype == "auto" else dtype,
+            device=device,
+            opts=eng_args.load_options(),
+        )
     config = eng_args.create_engine_config(max_len)
     return LLMEngine(config, loaded, max_logprobs=0), loaded
 

@@ -20,6 +20,13 @@ from tests.helpers import make_tiny_gguf
 from tests.layers.helpers_quant import Q, random_weight
 from tests.loader.helpers_quant import make_quantized_pair
 
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GGUF conversions into the test's folder, not the user's cache (the rank processes inherit it)."""
+    monkeypatch.setenv("PAGEDRS_CACHE", str(tmp_path / "cache"))
+
+
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 

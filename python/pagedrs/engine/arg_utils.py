@@ -130,6 +130,11 @@ class EngineArgs:
                     f"quantization={q!r} is not supported; one of {', '.join(QUANTIZATION_METHODS)} "
                     "(or None: the checkpoint's own quantization_config decides)"
                 )
+            if q == "q8_0" and (self.model is None or self._names_a_gguf()):
+                raise ValueError(
+                    f"quantization='q8_0' quantizes a 16/32-bit checkpoint at load; model={self.model!r} is a "
+                    "GGUF file (None: the default model's), already quantized (leave quantization unset)"
+                )
             if q == "gguf" and not self._names_a_gguf():
                 raise ValueError(
                     f"quantization='gguf' needs a GGUF model, got model={self.model!r}: a .gguf file, a "

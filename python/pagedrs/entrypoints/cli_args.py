@@ -46,7 +46,14 @@ _ENGINE_FLAGS: list[tuple[str, str, Any, Any, str]] = [
     ("--hf-token", "hf_token", str, None, "Hub token (default: HF_TOKEN or the saved login)"),
     ("--load-format", "load_format", str, None, "auto, safetensors, pt, gguf or dummy (random weights)"),
     ("--pipeline-parallel-size", "pipeline_parallel_size", int, None, "only 1 (use -tp)"),
-    ("--quantization", "quantization", str, None, "not supported (GGUF files are dequantized on load)"),
+    (
+        "--quantization",
+        "quantization",
+        str,
+        None,
+        "the checkpoint's format (gptq, awq, fp8, compressed-tensors, gguf; default: what config.json says), "
+        "or q8_0: a 16/32-bit checkpoint quantized at load to Q8_0 for the CPU kernels",
+    ),
     (
         "--kv-cache-dtype",
         "kv_cache_dtype",

@@ -336,6 +336,8 @@ def load_model(
         ):
             use_cpu_fused_ops(net)
             enable_cpu_decode(net)
+    if opts.quantization == "q8_0":
+        _quantize_at_load(net, path, torch_dtype, device)
     net.eval()
     tok = None
     if with_tokenizer:
@@ -347,10 +349,33 @@ def load_model(
             )
         )
         tok = _load_tokenizer(source, opts)
-    qname = "gguf" if gguf_file(path) is not None else (quant.name if quant is not None else None)
+    qname = (
+        "gguf" if gguf_file(path) is not None else (quant.name if quant is not None else opts.quantization)
+    )
     return LoadedModel(
         model=net, hf_config=config, tokenizer=tok, model_path=path, max_len_cap=cap, quantization=qname
     )
+
+
+def _quantize_at_load(
+    net: torch.nn.Module, path: str, dtype: str | torch.dtype, device: torch.device
+) -> None:
+    """quantization="q8_0": the loaded float weights to Q8_0 blocks for the CPU kernels."""
+    from pagedrs.layers.quantize_at_load import quantize_q8_0
+
+    if gguf_file(path) is not None:
+        raise ValueError(
+            f"quantization='q8_0' quantizes a 16/32-bit checkpoint; {path!r} is a GGUF file already"
+        )
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(
+            f"quantization='q8_0' runs on the CPU kernels, which take float32 activations: needs device cpu "
+            f"and dtype auto or float32, got device {device.type!r}, dtype {str(dtype).removeprefix('torch.')!r}"
+        )
+    n = quantize_q8_0(net)
+    logger.info("weights quantized at load to Q8_0 (the CPU kernels multiply them): %d layers", n)
+    use_cpu_fused_ops(net)
+    enable_cpu_decode(net)
 
 
 def _quantized(

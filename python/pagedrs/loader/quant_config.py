@@ -26,6 +26,7 @@ QUANTIZATION_METHODS: dict[str, str] = {
     "compressed-tensors": "fp8",
     "compressed_tensors": "fp8",
     "gguf": "gguf",
+    "q8_0": "q8_0",  # a float checkpoint quantized at load to llama.cpp's Q8_0 (pagedrs.layers.quantize_at_load)
 }
 _SIDE_FILES = ("quantize_config.json", "quant_config.json")
 
@@ -141,6 +142,13 @@ def detect_quantization(hf_config: Any, folder: str | Path, forced: str | None =
         )
     raw = _raw_config(hf_config, folder)
     method = str(raw.get("quant_method", "")).lower() if raw else ""
+    if forced == "q8_0":
+        if raw:
+            raise ValueError(
+                f"quantization='q8_0' quantizes a 16/32-bit checkpoint at load, but {str(folder)!r} is "
+                f"already quantized (quant_method {method!r}); leave quantization unset"
+            )
+        return None
     if forced is not None and forced != "gguf":
         if not raw:
             raise ValueError(

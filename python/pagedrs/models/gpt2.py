@@ -147,7 +147,7 @@ class GPT2LMHeadModel(CausalLM):
             config.vocab_size, config.hidden_size, tp=tp, dtype=dtype, device=device
         )
         if self.tie_word_embeddings:
-            self.lm_head.weight = self.transformer.wte.weight
+            self.lm_head.tie_to(self.transformer.wte)
         first = cast(GPT2Block, self.transformer.h[0])  # ModuleList items are typed Module
         attn = first.attn.attn
         self.num_layers: int = config.num_hidden_layers

@@ -182,7 +182,7 @@ class OPTForCausalLM(CausalLM):
             config.vocab_size, config.word_embed_proj_dim, tp=tp, dtype=dtype, device=device
         )
         if self.tie_word_embeddings:
-            self.lm_head.weight = decoder.embed_tokens.weight
+            self.lm_head.tie_to(decoder.embed_tokens)
         first = cast(OPTDecoderLayer, decoder.layers[0])  # ModuleList items are typed Module
         attn = first.self_attn.attn
         self.num_layers: int = config.num_hidden_layers
