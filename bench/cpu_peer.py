@@ -17,9 +17,13 @@ in flight. Per row it prints
 
 and TTFT / TPOT (p50, mean) of both; --json and --plot write the rows, the commands and the machine.
 
---quality N (offline, no server): greedy outputs of the quantized path (dtype auto) against the float32
-dequantized path on N of the same prompts x --max-tokens tokens: how many tokens agree up to the first
-difference, and the max-abs error of the first token's logits.
+--quality N (offline, no pagedrs server): greedy outputs of the quantized path (dtype auto) against the
+float32 dequantized path on N of the same prompts x --max-tokens tokens: how many tokens agree up to the
+first difference, and the max-abs error of the first token's logits. Where `llama-server` is found (as
+above) it is the second reference: started once (-t --threads, one slot), it gets each prompt as the
+token ids pagedrs fed its engine (POST /completion, greedy, `ignore_eos`, no prompt cache, the first
+token's top logprobs), and its outputs are compared with both pagedrs paths the same way (the `llama_cpp`
+key of --json); without one that part is skipped with a message.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -238,8 +243,106 @@ def plot(ours: list[dict[str, Any]], peer: list[dict[str, Any]], path: str) -> N
     fig.savefig(path, dpi=120)
 
 
-def quality(model: str, prompts: list[str], max_tokens: int) -> dict[str, Any]:
-    """Quantized (dtype auto) vs float32-dequantized greedy outputs and first-token logits."""
+def _equal_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens agree before the first difference (the shorter length where one is a prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def _post_json(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    # loopback only: never through a proxy from the environment
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(req, timeout=timeout) as resp:
+        return dict(json.loads(resp.read()))
+
+
+def llama_server_version(binary: str) -> str | None:
+    """`llama-server --version`'s first line ("version: N (commit)"), or None."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = [ln.strip() for ln in (out.stdout + out.stderr).splitlines() if ln.strip().startswith("version")]
+    return lines[0] if lines else None
+
+
+LLAMA_TOP_LOGPROBS = 10
+
+
+def llama_cpp_outputs(
+    binary: str,
+    model: str,
+    prompt_ids: list[list[int]],
+    max_tokens: int,
+    threads: int,
+    log: str,
+    timeout: float,
+) -> tuple[list[list[int]], list[list[tuple[int, float]]], dict[str, Any]]:
+    """llama-server's greedy continuation of each prompt's token ids (one slot, no prompt cache, all
+    `max_tokens` tokens) and its first token's top logprobs [(id, logprob)]; the server is always stopped."""
+    ctx = max(len(ids) for ids in prompt_ids) + max_tokens + 16
+    proc, url = start_llama_server(binary, model, threads, 1, ctx, log, timeout)
+    outputs: list[list[int]] = []
+    top: list[list[tuple[int, float]]] = []
+    notes: dict[str, Any] = {
+        "command": f"{binary} -m {model} -t {threads} -tb {threads} -np 1 -c {ctx} -ngl 0",
+        "prompt_tokens_mismatch": 0,
+        "short_outputs": 0,
+        "top_logprob_not_output": 0,
+    }
+    try:
+        for ids in prompt_ids:
+            body = {
+                "prompt": ids,  # token ids: no tokenizer, and no BOS added (the prompt is not a string)
+                "n_predict": max_tokens,
+                "temperature": 0.0,
+                "top_k": 1,
+                "repeat_penalty": 1.0,
+                "ignore_eos": True,
+                "cache_prompt": False,
+                "return_tokens": True,
+                "n_probs": LLAMA_TOP_LOGPROBS,
+            }
+            out = _post_json(f"{url}/completion", body, timeout=900)
+            toks = [int(t) for t in out.get("tokens") or []]
+            probs = out.get("completion_probabilities") or []
+            first = probs[0].get("top_logprobs", []) if probs else []
+            outputs.append(toks)
+            top.append([(int(e["id"]), float(e["logprob"])) for e in first])
+            if out.get("tokens_evaluated", len(ids)) != len(ids):
+                notes["prompt_tokens_mismatch"] += 1
+            if len(toks) != max_tokens:
+                notes["short_outputs"] += 1
+            if toks and top[-1] and top[-1][0][0] != toks[0]:
+                notes["top_logprob_not_output"] += 1
+    finally:
+        stop_process_group(proc, 10)
+    return outputs, top, notes
+
+
+def _compare(
+    ref: list[list[int]], other: list[list[int]], ref_logits: list[Any], max_tokens: int
+) -> dict[str, Any]:
+    """`other`'s greedy outputs against a pagedrs path's (`ref`, with its first-token logits)."""
+    agree = [_equal_prefix(a, b) for a, b in zip(ref, other, strict=True)]
+    return {
+        "identical_outputs": sum(n == max_tokens for n in agree),
+        "tokens_equal_before_first_difference_mean": sum(agree) / len(agree),
+        "tokens_equal_before_first_difference_min": min(agree),
+        "first_token_same_argmax": sum(
+            bool(o) and int(lg.argmax()) == o[0] for lg, o in zip(ref_logits, other, strict=True)
+        ),
+        "tokens_equal_before_first_difference": agree,
+    }
+
+
+def quality(
+    model: str, prompts: list[str], max_tokens: int, llama: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Quantized (dtype auto) vs float32-dequantized greedy outputs and first-token logits; with `llama`
+    (binary, threads, log, timeout), llama-server's outputs on the same token ids against both."""
     import torch
 
     from pagedrs import LLM, SamplingParams
@@ -248,9 +351,12 @@ def quality(model: str, prompts: list[str], max_tokens: int) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     runs: dict[str, list[list[int]]] = {}
     logits: dict[str, list[torch.Tensor]] = {}
+    prompt_ids: dict[str, list[list[int]]] = {}
     for dtype in ("auto", "float32"):
         llm = LLM(model=model, dtype=dtype, device="cpu")
-        runs[dtype] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[dtype] = [list(o.outputs[0].token_ids) for o in outs]
+        prompt_ids[dtype] = [list(o.prompt_token_ids) for o in outs]  # what the engine was fed
         net, tok = llm.llm_engine.model, llm.get_tokenizer()
         with torch.inference_mode():
             logits[dtype] = []
@@ -259,13 +365,10 @@ def quality(model: str, prompts: list[str], max_tokens: int) -> dict[str, Any]:
                 hidden = net(ids, torch.arange(len(ids)), ForwardContext(None, [], None))
                 logits[dtype].append(net.compute_logits(hidden[-1:])[0])
         del llm
-    agree = []
-    for a, b in zip(runs["auto"], runs["float32"], strict=True):
-        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-        agree.append(n)
+    agree = [_equal_prefix(a, b) for a, b in zip(runs["auto"], runs["float32"], strict=True)]
     errs = [float((a - b).abs().max()) for a, b in zip(logits["auto"], logits["float32"], strict=True)]
     scale = [float(b.abs().max()) for b in logits["float32"]]
-    return {
+    report: dict[str, Any] = {
         "prompts": len(prompts),
         "max_tokens": max_tokens,
         "identical_outputs": sum(n == max_tokens for n in agree),
@@ -277,6 +380,77 @@ def quality(model: str, prompts: list[str], max_tokens: int) -> dict[str, Any]:
         "first_token_logits_max_abs_err": max(errs),
         "first_token_logits_max_abs": max(scale),
     }
+    if llama is None:
+        return report
+    ids = prompt_ids["float32"]
+    if ids != prompt_ids["auto"]:
+        raise SystemExit("the two pagedrs runs were fed different prompt token ids")
+    binary = llama["binary"]
+    lc: dict[str, Any] = {
+        "binary": binary,
+        "version": llama_server_version(binary),
+        "request": "POST /completion: prompt = pagedrs's token ids, temperature 0, top_k 1, ignore_eos, "
+        f"cache_prompt false, n_probs {LLAMA_TOP_LOGPROBS}",
+        # the logits pass above re-encodes the text; it should be what the engine saw
+        "prompt_ids_match_logits_pass": sum(
+            list(tok.encode(p)) == i for p, i in zip(prompts, ids, strict=True)
+        ),
+    }
+    start = time.perf_counter()
+    try:
+        outputs, top, notes = llama_cpp_outputs(
+            binary, model, ids, max_tokens, llama["threads"], llama["log"], llama["timeout"]
+        )
+    except (SystemExit, OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        # the server did not start or answered something unexpected: keep pagedrs's figures
+        report["llama_cpp"] = {**lc, "skipped": f"llama-server failed: {exc} (log {llama['log']})"}
+        return report
+    lc["seconds"] = time.perf_counter() - start
+    lc.update(notes)
+    for key, dtype in (("vs_float32", "float32"), ("vs_quantized", "auto")):
+        row = _compare(runs[dtype], outputs, logits[dtype], max_tokens)
+        # llama.cpp's first-token logprobs of its top tokens against pagedrs's log-softmax of the same ids
+        diffs = [
+            abs(float(torch.log_softmax(lg.float(), -1)[i]) - lp)
+            for lg, entries in zip(logits[dtype], top, strict=True)
+            for i, lp in entries
+        ]
+        row[f"first_token_top{LLAMA_TOP_LOGPROBS}_logprob_max_abs_diff"] = max(diffs) if diffs else None
+        lc[key] = row
+    report["llama_cpp"] = lc
+    return report
+
+
+def quality_lines(report: dict[str, Any]) -> list[str]:
+    """The figures as sentences a person can paste."""
+    n, t = report["prompts"], report["max_tokens"]
+
+    def line(name: str, r: dict[str, Any]) -> str:
+        return (
+            f"{name}: {r['identical_outputs']} of {n} greedy outputs identical over all {t} tokens; "
+            f"{r['tokens_equal_before_first_difference_mean']:.1f} tokens equal before the first difference "
+            f"on average (min {r['tokens_equal_before_first_difference_min']}); the first token agrees on "
+            f"{r['first_token_same_argmax']} of {n}"
+        )
+
+    lines = [
+        line("pagedrs quantized vs float32", report)
+        + f"; first-token logits max-abs error {report['first_token_logits_max_abs_err']:.2f} "
+        f"(logits up to {report['first_token_logits_max_abs']:.1f})"
+    ]
+    lc = report.get("llama_cpp")
+    if lc and "skipped" in lc:
+        lines.append(f"llama.cpp reference skipped: {lc['skipped']}")
+    elif lc and "vs_float32" in lc:
+        key = f"first_token_top{LLAMA_TOP_LOGPROBS}_logprob_max_abs_diff"
+        for name, r in (("float32", lc["vs_float32"]), ("quantized", lc["vs_quantized"])):
+            extra = (
+                ""
+                if r.get(key) is None
+                else f"; its top-{LLAMA_TOP_LOGPROBS} first-token logprobs within {r[key]:.2f}"
+            )
+            lines.append(line(f"llama.cpp vs pagedrs {name}", r) + extra)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,8 +476,21 @@ def main(argv: list[str] | None = None) -> int:
     prompts_by_level = {c: pool[: total[c]] for c in levels}
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
     if args.quality:
-        report = quality(model, make_prompts(args.quality, args.seed), args.max_tokens)
+        binary = find_llama_server(args.llama_server)
+        llama = None
+        if binary is not None:
+            log = str(logs / "cpu_peer_quality_llama_server.log")
+            llama = {"binary": binary, "threads": args.threads, "log": log, "timeout": args.start_timeout}
+            print(f"llama.cpp reference: {binary} -t {args.threads} (log {log})", flush=True)
+        report = quality(model, make_prompts(args.quality, args.seed), args.max_tokens, llama)
+        if binary is None:
+            report["llama_cpp"] = {
+                "skipped": "llama-server not found (--llama-server, PATH, ~/.cache/peers/llama.cpp/bin); "
+                "see the README's CPU section to build one"
+            }
         print(json.dumps(report, indent=2))
+        for line in quality_lines(report):
+            print(line)
         if args.json:
             out = {"benchmark": "cpu_peer_quality", "model": model, **report, "machine": machine_info()}
             Path(args.json).write_text(json.dumps(json_safe(out), indent=2))

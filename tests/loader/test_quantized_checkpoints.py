@@ -188,10 +188,12 @@ def test_startup_line_reports_what_was_loaded_and_packed_weight_size(tmp_path: P
     assert packed == linear_floats // 32 * 18 and quant.weight_nbytes < ref.weight_nbytes
 
 
-def test_tp2_dequantized_gptq_equals_the_float_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", ["gptq4-g32-asym-actorder", "awq4-g32", "ct-fp8-channel"])
+def test_tp2_dequantized_equals_the_float_model(tmp_path: Path, case: str) -> None:
     from pagedrs import LLM, SamplingParams
 
-    qdir, rdir = make_quantized_pair(tmp_path, "gptq", **CASES["gptq4-g32-asym-actorder"][1])
+    method, kw = CASES[case]
+    qdir, rdir = make_quantized_pair(tmp_path, method, **kw)
     params = SamplingParams(max_tokens=6, temperature=0.0)
     prompts = [{"prompt_token_ids": IDS}, {"prompt_token_ids": [1, 2, 3, 4, 5]}]
     outs = {}
