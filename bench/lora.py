@@ -11,7 +11,7 @@ ignore_eos, output lengths uniform in --output-len. Systems, in this order, each
 "base" (enable_lora off), "base+lora" (enable_lora on, every request on the base model), "N adapters"
 (enable_lora on, request i on adapter i mod N, max_loras N), then the same with the CPU deltas forced onto
 the batched-matmul form (`pagedrs.lora.layers.CPU_KERNEL_MAX_ROWS = 0`; on a CPU the Rust BGMV kernel
-otherwise takes steps of up to that many rows). Output throughput counts the requested tokens; the
+otherwise takes every step). Output throughput counts the requested tokens; the
 headline ratio is N adapters / base. The JSON records the commit, the machine and the torch threads.
 """
 

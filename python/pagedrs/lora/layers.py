@@ -14,10 +14,10 @@ slices share the pair: their A's are stacked along the rank and B is block-diago
 rank is the largest resident for it (smaller ones padded with zeros). So a layer costs the same few ops
 however many adapters the step mixes, and no row pays for another adapter's rank.
 
-On a CPU, a step of few rows (decodes, a speculative verification, short chunks) takes one Rust call per
-layer instead (`_core.cpu_lora_add`, punica's BGMV: each row shrinks and expands with its own slot's
-pair), the same arithmetic without the torch ops' per-call cost, which is most of a small step's LoRA
-time; longer chunks keep the batched matmuls.
+On a CPU (float32) every step takes one Rust call per layer instead (`_core.cpu_lora_add`, punica's BGMV:
+each row shrinks and expands with its own slot's pair, consecutive rows of one slot in tiles sharing the
+adapter's loads as SGMV's grouping does), the same arithmetic without the torch ops' per-call cost, the
+padding and the gathers.
 
 With `LoRABatch.use_kernels` (the executors set it where the model runner switched the layer kernels on:
 the "cupy" attention backend, on CUDA) every step takes the CUDA pair of the same BGMV instead
@@ -40,11 +40,14 @@ from pagedrs.layers.linear import RowParallelLinear
 
 __all__ = ["CPU_KERNEL_MAX_ROWS", "LoRABatch", "LoRALinear", "LoRASlice"]
 
-# Rows up to which a CPU step's deltas take the Rust kernel rather than the batched matmuls. Measured on
-# the 2-core AVX2 CI machine, 8 slots of rank 16 over a 576 -> 3072 layer, rows spread over the slots,
-# 2 threads, kernel vs batched matmuls: 12 vs 36 us at 1 row, 77 vs 232 at 8, 338 vs 498 at 32, 1035 vs
-# 1360 at 128, 1939 vs 976 at 256.
-CPU_KERNEL_MAX_ROWS = 128
+# Rows up to which a CPU step's deltas take the Rust kernel rather than the batched matmuls: every step
+# since its rows of one slot go in tiles. Measured on the 2-core AVX2 CI machine, 8 slots of two rank-8
+# slices over a 576 -> 3072 layer, 2 threads, kernel vs batched matmuls (a compiler running beside them on
+# both cores): rows interleaved over the slots (decodes) 17 vs 178 us at 1 row, 270 vs 597 at 32, 1133 vs
+# 4692 at 256, 5830 vs 21112 at 1024; rows in runs of one slot (prefill chunks) 559 vs 946 at 128, 1410
+# vs 5011 at 512, 4818 vs 17500 at 1024. The batched form stays for other devices and dtypes, and as the
+# oracle (bench/lora.py runs it with this set to 0).
+CPU_KERNEL_MAX_ROWS = 1 << 30
 
 
 @dataclass

@@ -12,8 +12,10 @@
 //! slice's columns, skipping the zeros of the block-diagonal B. This is punica's BGMV (one adapter per row,
 //! gathered by index) for the few rows of a decode step: the torch form of the same arithmetic takes a
 //! gather, two batched matmuls, a mask and a scatter per layer, whose per-op cost is most of a small
-//! step's LoRA time. Rows are independent and each row's sums run in a fixed order, so a row gets the same
-//! bits whatever the batch or thread count.
+//! step's LoRA time. Consecutive rows of one slot (a prefill chunk of one request) go in tiles of up to
+//! four that share each load of the adapter's rows (the reuse punica's SGMV gets from grouping rows by
+//! adapter). Rows are independent and each row's sums run in a fixed order, so a row gets the same bits
+//! whatever the batch, the tiling or the thread count.
 
 use crate::pool::{parallel_for, SharedOut};
 use crate::KernelError;
@@ -32,26 +34,154 @@ pub struct LoraDims {
 }
 
 /// Rows per task on the pool: a row costs `rank * (k + width)` multiply-adds (tens of thousands), so a
-/// few rows already pay for the hand-out.
+/// few rows already pay for the hand-out; long calls (prefill chunks) take more, so that consecutive rows
+/// of one request (one slot) share their adapter's loads in tiles of up to `TILE` rows.
 const ROWS_PER_TASK: usize = 4;
+const ROWS_PER_LONG_TASK: usize = 16;
+const TILE: usize = 4;
 
-/// `dot(a, b)` in 8 lanes then summed (vectorizes without reassociation: the same bits on any CPU).
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
+/// `dot(a, x_j)` for `N` rows at once, each in 8 lanes then summed (vectorizes without reassociation:
+/// every row gets the same bits as alone, on any CPU).
+#[inline(always)]
+fn dots<const N: usize>(a: &[f32], xs: &[&[f32]; N]) -> [f32; N] {
+    let k = a.len();
+    let full = k - k % 8;
+    let mut acc = [[0.0f32; 8]; N];
+    let mut c = 0;
+    while c < full {
+        let av = &a[c..c + 8];
+        for (acc, x) in acc.iter_mut().zip(xs) {
+            let xv = &x[c..c + 8];
+            for l in 0..8 {
+                acc[l] += av[l] * xv[l];
+            }
+        }
+        c += 8;
+    }
+    let mut out = [0.0f32; N];
+    for ((o, acc), x) in out.iter_mut().zip(&acc).zip(xs) {
+        let tail: f32 = a[full..].iter().zip(&x[full..]).map(|(p, q)| p * q).sum();
+        *o = ((acc[0] + acc[1]) + (acc[2] + acc[3]))
+            + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
+            + tail;
+    }
+    out
+}
+
+/// The delta of `N` consecutive rows `i0..i0 + N` that share slot `s`: one pass over each rank row of
+/// `A[s]` and `Bt[s]` serves all of them.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn tile<const N: usize>(
+    x: &[f32],
+    a_s: &[f32],
+    b_s: &[f32],
+    ranges: &[(usize, usize)],
+    out: SharedOut,
+    i0: usize,
+    d: &LoraDims,
+    t: &mut [f32],
+) {
+    let xs: [&[f32]; N] = std::array::from_fn(|j| &x[(i0 + j) * d.k..][..d.k]);
+    for r in 0..d.rank {
+        let v = dots::<N>(&a_s[r * d.k..][..d.k], &xs);
+        for j in 0..N {
+            t[j * d.rank + r] = v[j];
         }
     }
-    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
+    // SAFETY: the rows' columns `col0 .. col0 + width` are inside `out` (checked by `lora_add`); only
+    // this task writes rows `i0 .. i0 + N`.
+    #[allow(unsafe_code)]
+    let mut rows: [&mut [f32]; N] = std::array::from_fn(|j| unsafe {
+        std::slice::from_raw_parts_mut(out.at((i0 + j) * d.ldo + d.col0), d.width)
+    });
+    for (r, &(c0, c1)) in ranges.iter().enumerate() {
+        let w = &b_s[r * d.width..][c0..c1];
+        for (j, row) in rows.iter_mut().enumerate() {
+            let tr = t[j * d.rank + r];
+            for (o, &w) in row[c0..c1].iter_mut().zip(w) {
+                *o += tr * w;
+            }
+        }
+    }
+}
+
+/// Rows `lo..hi`: runs of one slot in tiles of up to `TILE` rows (base-model rows skipped).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn rows_body(
+    x: &[f32],
+    a: &[f32],
+    bt: &[f32],
+    slots: &[i64],
+    ranges: &[(usize, usize)],
+    out: SharedOut,
+    d: &LoraDims,
+    lo: usize,
+    hi: usize,
+) {
+    let mut t = vec![0.0f32; TILE * d.rank];
+    let mut i = lo;
+    while i < hi {
+        let Ok(s) = usize::try_from(slots[i]) else {
+            i += 1; // -1: the base model
+            continue;
+        };
+        let mut n = 1;
+        while n < TILE && i + n < hi && slots[i + n] == slots[i] {
+            n += 1;
+        }
+        let a_s = &a[s * d.rank * d.k..][..d.rank * d.k];
+        let b_s = &bt[s * d.rank * d.width..][..d.rank * d.width];
+        match n {
+            1 => tile::<1>(x, a_s, b_s, ranges, out, i, d, &mut t),
+            2 => tile::<2>(x, a_s, b_s, ranges, out, i, d, &mut t),
+            3 => tile::<3>(x, a_s, b_s, ranges, out, i, d, &mut t),
+            _ => tile::<4>(x, a_s, b_s, ranges, out, i, d, &mut t),
+        }
+        i += n;
+    }
+}
+
+/// `rows_body` compiled for AVX2 (wider vectors for the same operations in the same order: the same bits).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[allow(unsafe_code, clippy::too_many_arguments)]
+unsafe fn rows_avx2(
+    x: &[f32],
+    a: &[f32],
+    bt: &[f32],
+    slots: &[i64],
+    ranges: &[(usize, usize)],
+    out: SharedOut,
+    d: &LoraDims,
+    lo: usize,
+    hi: usize,
+) {
+    rows_body(x, a, bt, slots, ranges, out, d, lo, hi)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rows(
+    x: &[f32],
+    a: &[f32],
+    bt: &[f32],
+    slots: &[i64],
+    ranges: &[(usize, usize)],
+    out: SharedOut,
+    d: &LoraDims,
+    lo: usize,
+    hi: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        #[allow(unsafe_code)]
+        unsafe {
+            return rows_avx2(x, a, bt, slots, ranges, out, d, lo, hi);
+        }
+    }
+    rows_body(x, a, bt, slots, ranges, out, d, lo, hi)
 }
 
 /// Adds every row's LoRA delta of its slot to `out` (see the module docs).
@@ -111,32 +241,24 @@ pub fn lora_add(
         return Ok(());
     }
     let shared = SharedOut::new(out);
-    let dims = *d;
-    parallel_for(num_threads, d.m.div_ceil(ROWS_PER_TASK), &|task| {
-        let mut t = vec![0.0f32; dims.rank];
-        for i in task * ROWS_PER_TASK..((task + 1) * ROWS_PER_TASK).min(dims.m) {
-            let Ok(s) = usize::try_from(slots[i]) else {
-                continue; // -1: the base model
-            };
-            let xr = &x[i * dims.k..][..dims.k];
-            let a_s = &a[s * dims.rank * dims.k..][..dims.rank * dims.k];
-            for (r, t) in t.iter_mut().enumerate() {
-                *t = dot(&a_s[r * dims.k..][..dims.k], xr);
-            }
-            let bs = &bt[s * dims.rank * dims.width..][..dims.rank * dims.width];
-            // SAFETY: the row's columns `col0 .. col0 + width` are inside `out` (checked above); only
-            // this task writes row `i`.
-            #[allow(unsafe_code)]
-            let orow = unsafe {
-                std::slice::from_raw_parts_mut(shared.at(i * dims.ldo + dims.col0), dims.width)
-            };
-            for (r, (&tr, &(c0, c1))) in t.iter().zip(&ranges).enumerate() {
-                let w = &bs[r * dims.width..][c0..c1];
-                for (o, &w) in orow[c0..c1].iter_mut().zip(w) {
-                    *o += tr * w;
-                }
-            }
-        }
+    let per_task = if d.m >= 4 * ROWS_PER_LONG_TASK {
+        ROWS_PER_LONG_TASK
+    } else {
+        ROWS_PER_TASK
+    };
+    parallel_for(num_threads, d.m.div_ceil(per_task), &|task| {
+        let lo = task * per_task;
+        rows(
+            x,
+            a,
+            bt,
+            slots,
+            &ranges,
+            shared,
+            d,
+            lo,
+            (lo + per_task).min(d.m),
+        );
     });
     Ok(())
 }
@@ -265,6 +387,68 @@ mod tests {
                 )
                 .unwrap();
                 assert_eq!(row, full[i * d.ldo..][..d.ldo]);
+            }
+        }
+    }
+
+    #[test]
+    fn tiles_of_one_slot_give_each_row_its_bits_alone() {
+        // runs of one slot as a prefill chunk has them (tiles of 1-4 rows, tails, base rows between),
+        // enough rows for the long tasks
+        let mut seed = 11u64;
+        let (m, k, rank, width, slots_n) = (70, 45, 6, 21, 3);
+        let d = LoraDims {
+            m,
+            k,
+            rank,
+            width,
+            num_slots: slots_n,
+            ldo: width + 2,
+            col0: 1,
+        };
+        let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
+        let a: Vec<f32> = (0..slots_n * rank * k).map(|_| lcg(&mut seed)).collect();
+        let b: Vec<f32> = (0..slots_n * width * rank)
+            .map(|_| lcg(&mut seed))
+            .collect();
+        let mut bt = vec![0.0f32; b.len()];
+        for s in 0..slots_n {
+            for c in 0..width {
+                for r in 0..rank {
+                    bt[(s * rank + r) * width + c] = b[(s * width + c) * rank + r];
+                }
+            }
+        }
+        let runs = [7usize, 1, 3, 5, 2, 9, 4, 6, 1, 8, 3, 2, 19];
+        let mut slots = Vec::new();
+        for (n, &len) in runs.iter().enumerate() {
+            slots.extend(std::iter::repeat_n((n % (slots_n + 1)) as i64 - 1, len));
+        }
+        assert_eq!(slots.len(), m);
+        let base: Vec<f32> = (0..m * d.ldo).map(|_| lcg(&mut seed)).collect();
+        let mut want = base.clone();
+        reference(&x, &a, &b, &slots, &mut want, &d);
+        for threads in [1, 2, 3] {
+            let mut got = base.clone();
+            lora_add(&x, &a, &bt, &slots, &[], &mut got, &d, threads).unwrap();
+            for (g, w) in got.iter().zip(&want) {
+                assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "{g} vs {w}");
+            }
+            for i in 0..m {
+                let one = LoraDims { m: 1, ..d };
+                let mut row = base[i * d.ldo..][..d.ldo].to_vec();
+                lora_add(
+                    &x[i * k..][..k],
+                    &a,
+                    &bt,
+                    &slots[i..=i],
+                    &[],
+                    &mut row,
+                    &one,
+                    1,
+                )
+                .unwrap();
+                assert_eq!(row, got[i * d.ldo..][..d.ldo], "row {i}, {threads} threads");
             }
         }
     }
