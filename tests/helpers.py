@@ -423,3 +423,20 @@ def greedy_agreement(a: tuple[list[int], list[Any]], b: tuple[list[int], list[An
         assert lps_b[i][y].logprob - lps_b[i][x].logprob <= NEAR_TIE + tol, (i, lps_b[i])
         return i
     return len(ids_a)
+
+
+def logits_of(loaded: Any, ids: list[int]) -> torch.Tensor:
+    """A loaded model's logits over one prompt run as a single prefill (no KV cache)."""
+    from pagedrs.layers.attention import ForwardContext
+
+    m = loaded.model
+    with torch.no_grad():
+        return m.compute_logits(m(torch.tensor(ids), torch.arange(len(ids)), ForwardContext(None, [], None)))
+
+
+def greedy_by_logits(loaded: Any, ids: list[int], steps: int = 6) -> list[int]:
+    """`steps` greedy tokens after `ids`, each from a full recompute (`logits_of`)."""
+    ids = list(ids)
+    for _ in range(steps):
+        ids.append(int(logits_of(loaded, ids)[-1].argmax()))
+    return ids[-steps:]

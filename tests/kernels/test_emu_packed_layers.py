@@ -17,10 +17,10 @@ import torch
 import pagedrs.loader
 from pagedrs.distributed.group import TPGroup
 from pagedrs.kernels._loader import CTYPES, quant_op_names
-from pagedrs.layers.attention import ForwardContext
 from pagedrs.layers.packed import DevicePackedWeight, Fp8, PackedInt
 from pagedrs.loader import LoadedModel, load_model
 from pagedrs.loader.quant_config import QuantConfig
+from tests.helpers import greedy_by_logits, logits_of
 from tests.kernels.emu.emulator import host_kernels, needs_emulator
 from tests.loader.helpers_quant import make_quantized_pair
 
@@ -51,19 +51,6 @@ def as_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pagedrs.loader, "packed_form", lambda dtype, device: "device")
 
 
-def logits_of(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
-    m = loaded.model
-    with torch.no_grad():
-        return m.compute_logits(m(torch.tensor(ids), torch.arange(len(ids)), ForwardContext(None, [], None)))
-
-
-def greedy(loaded: LoadedModel, ids: list[int], steps: int = 6) -> list[int]:
-    ids = list(ids)
-    for _ in range(steps):
-        ids.append(int(logits_of(loaded, ids)[-1].argmax()))
-    return ids[-steps:]
-
-
 def _packed_bytes(loaded: LoadedModel) -> int:
     return sum(m.qweight.nbytes for m in loaded.model.modules() if getattr(m, "qweight", None) is not None)
 
@@ -84,7 +71,7 @@ def test_packed_model_equals_the_dequantized_model(
             q = layer.get_submodule(name)
             assert isinstance(q.qweight, DevicePackedWeight) and q.weight.numel() == 0, name
     torch.testing.assert_close(logits_of(quant, IDS), logits_of(ref, IDS), rtol=1e-4, atol=1e-4)
-    assert greedy(quant, IDS) == greedy(ref, IDS)
+    assert greedy_by_logits(quant, IDS) == greedy_by_logits(ref, IDS)
     assert quant.weight_nbytes < ref.weight_nbytes
 
 

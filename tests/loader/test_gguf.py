@@ -12,16 +12,9 @@ import transformers
 
 import pagedrs.loader.default_model as default_model
 import pagedrs.loader.gguf as gguf_loader
-from pagedrs.layers.attention import ForwardContext
-from pagedrs.loader import LoadedModel, load_model
+from pagedrs.loader import load_model
 from pagedrs.loader.gguf import convert_gguf, gguf_cache_dir, hf_tensor_name, unpermute_qk
-from tests.helpers import load_hf_model, make_tiny_gguf
-
-
-def logits_of(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
-    m = loaded.model
-    with torch.no_grad():
-        return m.compute_logits(m(torch.tensor(ids), torch.arange(len(ids)), ForwardContext(None, [], None)))
+from tests.helpers import load_hf_model, logits_of, make_tiny_gguf
 
 
 def hf_gguf_logits(gguf_path: str | Path, ids: list[int], config=None) -> torch.Tensor:

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from pagedrs.layers.attention import ForwardContext
 from pagedrs.layers.quantized import GGUFWeight
-from pagedrs.loader import LoadedModel, keeps_quantized, load_model
+from pagedrs.loader import keeps_quantized, load_model
 from pagedrs.loader.gguf import iter_gguf_weights
-from tests.helpers import make_tiny_gguf
+from tests.helpers import logits_of, make_tiny_gguf
 from tests.layers.helpers_quant import Q, random_blocks
 
 
@@ -23,12 +22,6 @@ def cache(tmp_path, monkeypatch):
     root = tmp_path / "cache"
     monkeypatch.setenv("PAGEDRS_CACHE", str(root))
     return root
-
-
-def logits_of(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
-    m = loaded.model
-    with torch.no_grad():
-        return m.compute_logits(m(torch.tensor(ids), torch.arange(len(ids)), ForwardContext(None, [], None)))
 
 
 def test_tiny_q8_gguf_keeps_quantized_weights(tmp_path, cache):

@@ -8,15 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagedrs.layers.attention import ForwardContext
 from pagedrs.loader import LoadedModel, load_model, resolve_dtype, resolve_model_path
-from tests.helpers import load_hf_model, make_config, make_tiny_llama
-
-
-def logits_of(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
-    m = loaded.model
-    with torch.no_grad():
-        return m.compute_logits(m(torch.tensor(ids), torch.arange(len(ids)), ForwardContext(None, [], None)))
+from tests.helpers import load_hf_model, logits_of, make_config, make_tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -18,14 +18,13 @@ import pytest
 import torch
 
 from pagedrs.engine.arg_utils import EngineArgs
-from pagedrs.layers.attention import ForwardContext
 from pagedrs.layers.linear import ReplicatedEmbedding, VocabParallelEmbedding
 from pagedrs.layers.quantize_at_load import quantize_to_q8_0
 from pagedrs.layers.quantized import QuantizedWeight
 from pagedrs.loader import LoadedModel, load_model
 from pagedrs.loader.options import LoadOptions
 from tests.distributed.helpers_tp import MODELS, check_forced, run_workload, tp_engine
-from tests.helpers import make_tiny_gguf, make_tiny_llama
+from tests.helpers import logits_of, make_tiny_gguf, make_tiny_llama
 from tests.loader.helpers_quant import make_quantized_pair
 
 
@@ -38,12 +37,6 @@ def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 IDS = [7, 8, 9, 10, 120, 3, 200, 45]
 STEPS = 8
 Q8 = LoadOptions(quantization="q8_0")
-
-
-def logits_of(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
-    m = loaded.model
-    with torch.no_grad():
-        return m.compute_logits(m(torch.tensor(ids), torch.arange(len(ids)), ForwardContext(None, [], None)))
 
 
 def test_blocks_are_the_q8_0_round_trip() -> None:

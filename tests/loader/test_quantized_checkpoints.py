@@ -15,12 +15,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedrs.engine.arg_utils import EngineArgs
-from pagedrs.layers.attention import ForwardContext
 from pagedrs.loader import LoadedModel, load_model
 from pagedrs.loader.options import LoadOptions
 from pagedrs.loader.quant_config import QuantConfig
 from pagedrs.loader.quant_weights import dequantize_awq, dequantize_gptq
-from tests.helpers import make_tiny_llama
+from tests.helpers import greedy_by_logits, logits_of, make_tiny_llama
 from tests.loader.helpers_quant import (
     AWQ_ORDER,
     make_quantized_pair,
@@ -29,19 +28,6 @@ from tests.loader.helpers_quant import (
 )
 
 IDS = [7, 8, 9, 10, 120, 3, 200, 45]
-
-
-def logits_of(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
-    m = loaded.model
-    with torch.no_grad():
-        return m.compute_logits(m(torch.tensor(ids), torch.arange(len(ids)), ForwardContext(None, [], None)))
-
-
-def greedy(loaded: LoadedModel, ids: list[int], steps: int = 6) -> list[int]:
-    ids = list(ids)
-    for _ in range(steps):
-        ids.append(int(logits_of(loaded, ids)[-1].argmax()))
-    return ids[-steps:]
 
 
 def _linears(loaded: LoadedModel) -> list[torch.nn.Module]:
@@ -99,7 +85,7 @@ def test_dequantized_load_equals_float_model(tmp_path: Path, case: str, caplog) 
         assert m.qweight is None
     lq, lr = logits_of(quant, IDS), logits_of(ref, IDS)
     torch.testing.assert_close(lq, lr, rtol=1e-4, atol=1e-4)
-    assert greedy(quant, IDS) == greedy(ref, IDS)
+    assert greedy_by_logits(quant, IDS) == greedy_by_logits(ref, IDS)
 
 
 @pytest.mark.parametrize(("case", "block"), [("gptq4-g32-sym", "Q4_0"), ("gptq8-perchannel-sym", "Q8_0")])
@@ -121,7 +107,7 @@ def test_symmetric_gptq_stays_packed_for_the_cpu_kernels(
         torch.testing.assert_close(q.matmul(torch.eye(d.shape[1])).T, d, rtol=1e-5, atol=1e-6)
     lq, lr = logits_of(quant, IDS), logits_of(ref, IDS)
     assert (lq - lr).abs().max() <= 0.05 * lr.abs().max()
-    assert greedy(quant, IDS) == greedy(ref, IDS)
+    assert greedy_by_logits(quant, IDS) == greedy_by_logits(ref, IDS)
 
 
 def test_act_order_and_asymmetric_gptq_are_dequantized_even_under_auto(tmp_path: Path, caplog) -> None:

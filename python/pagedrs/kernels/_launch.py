@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pagedrs.kernels._loader import get_kernel
+from pagedrs.kernels._loader import get_kernel, vector_width
 
-__all__ = ["HostExecutor", "Launch", "launch", "ptr", "set_host_executor"]
+__all__ = ["HostExecutor", "Launch", "launch", "ptr", "same_device", "set_host_executor", "vector_access"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +46,23 @@ def set_host_executor(executor: HostExecutor | None) -> HostExecutor | None:
 
 def ptr(t: Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
+
+
+def same_device(device: torch.device, **tensors: Tensor) -> None:
+    """ValueError naming the first tensor not on `device`."""
+    for name, t in tensors.items():
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+def vector_access(
+    ctype: str, element_size: int, *, elements: tuple[int, ...], tensors: tuple[Tensor, ...]
+) -> int:
+    """Elements per access: 16-byte vectors when every size/stride/offset (in elements) and every address
+    allows them, else 1."""
+    vec = vector_width(ctype)
+    ok = all(n % vec == 0 for n in elements) and all(t.data_ptr() % 16 == 0 for t in tensors)
+    return vec if ok and vec * element_size == 16 else 1
 
 
 def _cupy_stream(device_index: int, stream: torch.cuda.Stream) -> Any:

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pagedrs.kernels._launch import Launch, launch, ptr
-from pagedrs.kernels._loader import ACTIVATIONS, CTYPES, layer_op_names, vector_width
+from pagedrs.kernels._launch import Launch, launch, ptr, same_device, vector_access
+from pagedrs.kernels._loader import ACTIVATIONS, CTYPES, layer_op_names
 
 __all__ = ["act_and_mul", "fused_add_rms_norm", "rms_norm", "rotary_embedding"]
 
@@ -34,19 +34,6 @@ def _rows(t: Tensor, what: str, width: int | None = None) -> None:
         raise ValueError(f"{what} must be 2-d [tokens, n] with a contiguous last dim, got {tuple(t.shape)}")
     if width is not None and t.shape[1] != width:
         raise ValueError(f"{what} must have {width} columns, got {t.shape[1]}")
-
-
-def _same_device(device: torch.device, **tensors: Tensor) -> None:
-    for name, t in tensors.items():
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device}, expected {device}")
-
-
-def _vec(ctype: str, element_size: int, *, elements: tuple[int, ...], tensors: tuple[Tensor, ...]) -> int:
-    """16-byte vectors when every size/stride (in elements) and every address allows them, else 1."""
-    vec = vector_width(ctype)
-    ok = all(n % vec == 0 for n in elements) and all(t.data_ptr() % 16 == 0 for t in tensors)
-    return vec if ok and vec * element_size == 16 else 1
 
 
 def _threads(work: int, cap: int) -> int:
@@ -70,7 +57,7 @@ def _norm_checks(x: Tensor, weight: Tensor, what: str) -> str:
         raise ValueError(f"weight must be contiguous [{x.shape[1]}], got {tuple(weight.shape)}")
     if weight.dtype != x.dtype:
         raise ValueError(f"weight dtype {weight.dtype} != {what} dtype {x.dtype}")
-    _same_device(x.device, weight=weight)
+    same_device(x.device, weight=weight)
     return ctype
 
 
@@ -81,7 +68,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    vec = _vec(ctype, x.element_size(), elements=(hidden, x.stride(0)), tensors=(x, weight, out))
+    vec = vector_access(ctype, x.element_size(), elements=(hidden, x.stride(0)), tensors=(x, weight, out))
     _launch(
         ctype,
         f"rms_norm<{ctype}, {vec}>",
@@ -102,11 +89,11 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) 
         raise ValueError(
             f"residual {residual.dtype} {tuple(residual.shape)} must match x {x.dtype} {tuple(x.shape)}"
         )
-    _same_device(x.device, residual=residual)
+    same_device(x.device, residual=residual)
     num_tokens, hidden = x.shape
     if num_tokens == 0:
         return
-    vec = _vec(
+    vec = vector_access(
         ctype,
         x.element_size(),
         elements=(hidden, x.stride(0), residual.stride(0)),
@@ -175,7 +162,7 @@ def rotary_embedding(
         raise ValueError(
             f"positions must be contiguous int64 [{num_tokens}], got {positions.dtype} {tuple(positions.shape)}"
         )
-    _same_device(q.device, k=k, positions=positions)
+    same_device(q.device, k=k, positions=positions)
     long_ptr = seq_ptr = np.uint64(0)
     if long_cos_sin_cache is not None:
         _check_cache(long_cos_sin_cache, "long_cos_sin_cache", rotary_dim, q.device)
@@ -225,7 +212,7 @@ def act_and_mul(x: Tensor, activation: str) -> Tensor:
     out = torch.empty((num_tokens, d), dtype=x.dtype, device=x.device)
     if num_tokens == 0 or d == 0:
         return out
-    vec = _vec(ctype, x.element_size(), elements=(d, x.stride(0)), tensors=(x, out))
+    vec = vector_access(ctype, x.element_size(), elements=(d, x.stride(0)), tensors=(x, out))
     threads = _threads(d // vec, 1024)
     _launch(
         ctype,

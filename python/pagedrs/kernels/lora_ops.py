@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pagedrs.kernels._launch import Launch, launch, ptr
-from pagedrs.kernels._loader import CTYPES, lora_op_names, vector_width
+from pagedrs.kernels._launch import Launch, launch, ptr, same_device, vector_access
+from pagedrs.kernels._loader import CTYPES, lora_op_names
 
 __all__ = ["lora_add", "lora_expand", "lora_shrink"]
 
@@ -53,19 +53,6 @@ def _check_slots(slot_of_row: Tensor, rows: int) -> None:
         )
 
 
-def _same_device(device: torch.device, **tensors: Tensor) -> None:
-    for name, t in tensors.items():
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device}, expected {device}")
-
-
-def _vec(ctype: str, element_size: int, *, elements: tuple[int, ...], tensors: tuple[Tensor, ...]) -> int:
-    """16-byte vectors when every size/stride/offset (in elements) and every address allows them, else 1."""
-    vec = vector_width(ctype)
-    ok = all(n % vec == 0 for n in elements) and all(t.data_ptr() % 16 == 0 for t in tensors)
-    return vec if ok and vec * element_size == 16 else 1
-
-
 def _launch(
     ctype: str, kernel: str, grid: tuple[int, int], threads: int, smem: int, args: tuple, device: torch.device
 ) -> None:
@@ -85,12 +72,12 @@ def lora_shrink(x: Tensor, a: Tensor, slot_of_row: Tensor) -> Tensor:
     rows, width_in = x.shape
     _stacked(a, "a", x.dtype, width_in)
     _check_slots(slot_of_row, rows)
-    _same_device(x.device, a=a, slot_of_row=slot_of_row)
+    same_device(x.device, a=a, slot_of_row=slot_of_row)
     num_slots, rank, _ = a.shape
     s = torch.empty((rows, rank), dtype=torch.float32, device=x.device)
     if rows == 0 or rank == 0 or num_slots == 0:
         return s
-    vec = _vec(ctype, x.element_size(), elements=(width_in, x.stride(0)), tensors=(x, a))
+    vec = vector_access(ctype, x.element_size(), elements=(width_in, x.stride(0)), tensors=(x, a))
     _launch(
         ctype,
         f"lora_shrink<{ctype}, {vec}>",
@@ -130,10 +117,10 @@ def lora_expand(s: Tensor, bt: Tensor, slot_of_row: Tensor, cols: Tensor, out: T
     if first < 0 or first + width > out.shape[1]:
         raise ValueError(f"columns {first}..{first + width} are outside out's {out.shape[1]}")
     _check_slots(slot_of_row, rows)
-    _same_device(out.device, s=s, bt=bt, slot_of_row=slot_of_row, cols=cols)
+    same_device(out.device, s=s, bt=bt, slot_of_row=slot_of_row, cols=cols)
     if rows == 0 or rank == 0 or width == 0 or num_slots == 0:
         return
-    vec = _vec(ctype, out.element_size(), elements=(width, first, out.stride(0)), tensors=(out, bt))
+    vec = vector_access(ctype, out.element_size(), elements=(width, first, out.stride(0)), tensors=(out, bt))
     nvec = width // vec
     threads = max(32, min(_EXPAND_THREADS, -(-nvec // 32) * 32))
     _launch(

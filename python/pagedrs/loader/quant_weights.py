@@ -101,14 +101,22 @@ def dequantize_gptq(name: str, parts: dict[str, Tensor], cfg: QuantConfig) -> Te
     return w.t().contiguous()
 
 
-def dequantize_awq(name: str, parts: dict[str, Tensor], cfg: QuantConfig) -> Tensor:
-    """float32 [out, in]: W[c, r] = scales[g, c] * (q[r, c] - zero[g, c]) with g = r // group_size."""
-    qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
+def _awq_group(name: str, parts: dict[str, Tensor], cfg: QuantConfig) -> int:
+    """The AWQ layer's group size (its input size for -1), its scales and zeros checked against it."""
+    qweight = parts["qweight"]
     in_features, out_features = qweight.shape[0], qweight.shape[1] * 8
     group = in_features if cfg.group_size == -1 else cfg.group_size
     groups = -(-in_features // group)
-    _check(f"{name}.scales", scales, (groups, out_features))
-    _check(f"{name}.qzeros", qzeros, (groups, out_features // 8))
+    _check(f"{name}.scales", parts["scales"], (groups, out_features))
+    _check(f"{name}.qzeros", parts["qzeros"], (groups, out_features // 8))
+    return int(group)
+
+
+def dequantize_awq(name: str, parts: dict[str, Tensor], cfg: QuantConfig) -> Tensor:
+    """float32 [out, in]: W[c, r] = scales[g, c] * (q[r, c] - zero[g, c]) with g = r // group_size."""
+    qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
+    in_features = qweight.shape[0]
+    group = _awq_group(name, parts, cfg)
     order = torch.tensor(_AWQ_UNPACK)
 
     def unpack(p: Tensor) -> Tensor:
@@ -269,13 +277,8 @@ def _device_packed(prefix: str, got: dict[str, Tensor], cfg: QuantConfig, done: 
         del q, zeros
         parts = PackedInt(cfg, got["qweight"], got["qzeros"], scales, g_idx.to(torch.int32))
     else:
-        qweight, qzeros, scales = got["qweight"], got["qzeros"], got["scales"]
-        in_features, out_features = qweight.shape[0], qweight.shape[1] * 8
-        group = in_features if cfg.group_size == -1 else cfg.group_size
-        groups = -(-in_features // group)
-        _check(f"{prefix}.scales", scales, (groups, out_features))
-        _check(f"{prefix}.qzeros", qzeros, (groups, out_features // 8))
-        parts = PackedInt(cfg, qweight, qzeros, scales, None)
+        _awq_group(prefix, got, cfg)
+        parts = PackedInt(cfg, got["qweight"], got["qzeros"], got["scales"], None)
     done["kept packed for the GPU kernels"] += 1
     return parts
 

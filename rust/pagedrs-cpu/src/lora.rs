@@ -299,6 +299,54 @@ mod tests {
         }
     }
 
+    /// Random x `[m, k]`, A, B `[num_slots, width, rank]` and its transpose Bt (what the kernel takes).
+    #[allow(clippy::type_complexity)]
+    fn random_case(seed: &mut u64, d: &LoraDims) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+        let x: Vec<f32> = (0..d.m * d.k).map(|_| lcg(seed)).collect();
+        let a: Vec<f32> = (0..d.num_slots * d.rank * d.k).map(|_| lcg(seed)).collect();
+        let b: Vec<f32> = (0..d.num_slots * d.width * d.rank)
+            .map(|_| lcg(seed))
+            .collect();
+        let mut bt = vec![0.0f32; b.len()];
+        for s in 0..d.num_slots {
+            for c in 0..d.width {
+                for r in 0..d.rank {
+                    bt[(s * d.rank + r) * d.width + c] = b[(s * d.width + c) * d.rank + r];
+                }
+            }
+        }
+        (x, a, b, bt)
+    }
+
+    /// Every row run alone (m = 1) gives the bits it got in `batch`.
+    #[allow(clippy::too_many_arguments)]
+    fn assert_rows_alone(
+        x: &[f32],
+        a: &[f32],
+        bt: &[f32],
+        slots: &[i64],
+        base: &[f32],
+        batch: &[f32],
+        d: &LoraDims,
+    ) {
+        for i in 0..d.m {
+            let one = LoraDims { m: 1, ..*d };
+            let mut row = base[i * d.ldo..][..d.ldo].to_vec();
+            lora_add(
+                &x[i * d.k..][..d.k],
+                a,
+                bt,
+                &slots[i..=i],
+                &[],
+                &mut row,
+                &one,
+                1,
+            )
+            .unwrap();
+            assert_eq!(row, batch[i * d.ldo..][..d.ldo], "row {i}");
+        }
+    }
+
     #[test]
     fn matches_a_reference_and_leaves_base_rows_and_other_columns_alone() {
         let mut seed = 7u64;
@@ -314,19 +362,7 @@ mod tests {
                 ldo: width + 7,
                 col0: 3,
             };
-            let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
-            let a: Vec<f32> = (0..slots_n * rank * k).map(|_| lcg(&mut seed)).collect();
-            let b: Vec<f32> = (0..slots_n * width * rank)
-                .map(|_| lcg(&mut seed))
-                .collect();
-            let mut bt = vec![0.0f32; b.len()];
-            for s in 0..slots_n {
-                for c in 0..width {
-                    for r in 0..rank {
-                        bt[(s * rank + r) * width + c] = b[(s * width + c) * rank + r];
-                    }
-                }
-            }
+            let (x, a, b, bt) = random_case(&mut seed, &d);
             let slots: Vec<i64> = (0..m).map(|i| (i % (slots_n + 1)) as i64 - 1).collect();
             let base: Vec<f32> = (0..m * d.ldo).map(|_| lcg(&mut seed)).collect();
             let mut want = base.clone();
@@ -372,22 +408,7 @@ mod tests {
                 lora_add(&x, &a, &bt, &slots, &[], &mut again, &d, threads).unwrap();
                 assert_eq!(again, full);
             }
-            for i in 0..m {
-                let one = LoraDims { m: 1, ..d };
-                let mut row = base[i * d.ldo..][..d.ldo].to_vec();
-                lora_add(
-                    &x[i * k..][..k],
-                    &a,
-                    &bt,
-                    &slots[i..=i],
-                    &[],
-                    &mut row,
-                    &one,
-                    1,
-                )
-                .unwrap();
-                assert_eq!(row, full[i * d.ldo..][..d.ldo]);
-            }
+            assert_rows_alone(&x, &a, &bt, &slots, &base, &full, &d);
         }
     }
 
@@ -406,19 +427,7 @@ mod tests {
             ldo: width + 2,
             col0: 1,
         };
-        let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
-        let a: Vec<f32> = (0..slots_n * rank * k).map(|_| lcg(&mut seed)).collect();
-        let b: Vec<f32> = (0..slots_n * width * rank)
-            .map(|_| lcg(&mut seed))
-            .collect();
-        let mut bt = vec![0.0f32; b.len()];
-        for s in 0..slots_n {
-            for c in 0..width {
-                for r in 0..rank {
-                    bt[(s * rank + r) * width + c] = b[(s * width + c) * rank + r];
-                }
-            }
-        }
+        let (x, a, b, bt) = random_case(&mut seed, &d);
         let runs = [7usize, 1, 3, 5, 2, 9, 4, 6, 1, 8, 3, 2, 19];
         let mut slots = Vec::new();
         for (n, &len) in runs.iter().enumerate() {
@@ -434,22 +443,7 @@ mod tests {
             for (g, w) in got.iter().zip(&want) {
                 assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "{g} vs {w}");
             }
-            for i in 0..m {
-                let one = LoraDims { m: 1, ..d };
-                let mut row = base[i * d.ldo..][..d.ldo].to_vec();
-                lora_add(
-                    &x[i * k..][..k],
-                    &a,
-                    &bt,
-                    &slots[i..=i],
-                    &[],
-                    &mut row,
-                    &one,
-                    1,
-                )
-                .unwrap();
-                assert_eq!(row, got[i * d.ldo..][..d.ldo], "row {i}, {threads} threads");
-            }
+            assert_rows_alone(&x, &a, &bt, &slots, &base, &got, &d);
         }
     }
 
