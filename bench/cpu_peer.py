@@ -21,9 +21,10 @@ and TTFT / TPOT (p50, mean) of both; --json and --plot write the rows, the comma
 float32 dequantized path on N of the same prompts x --max-tokens tokens: how many tokens agree up to the
 first difference, and the max-abs error of the first token's logits. Where `llama-server` is found (as
 above) it is the second reference: started once (-t --threads, one slot), it gets each prompt as the
-token ids pagedrs fed its engine (POST /completion, greedy, `ignore_eos`, no prompt cache, the first
-token's top logprobs), and its outputs are compared with both pagedrs paths the same way (the `llama_cpp`
-key of --json); without one that part is skipped with a message.
+token ids pagedrs fed its engine (POST /completion, greedy, `ignore_eos`, no prompt cache, its top-10
+logprobs at each position), and its outputs are compared with both pagedrs paths the same way, with its
+first-token logprobs against pagedrs's and the logprob gap at each first difference (the `llama_cpp` key
+of --json); without one that part is skipped with a message.
 """
 
 from __future__ import annotations
@@ -279,13 +280,14 @@ def llama_cpp_outputs(
     threads: int,
     log: str,
     timeout: float,
-) -> tuple[list[list[int]], list[list[tuple[int, float]]], dict[str, Any]]:
+) -> tuple[list[list[int]], list[list[dict[int, float]]], dict[str, Any]]:
     """llama-server's greedy continuation of each prompt's token ids (one slot, no prompt cache, all
-    `max_tokens` tokens) and its first token's top logprobs [(id, logprob)]; the server is always stopped."""
+    `max_tokens` tokens) and, at each output position, its top logprobs {id: logprob}; the server is
+    always stopped."""
     ctx = max(len(ids) for ids in prompt_ids) + max_tokens + 16
     proc, url = start_llama_server(binary, model, threads, 1, ctx, log, timeout)
     outputs: list[list[int]] = []
-    top: list[list[tuple[int, float]]] = []
+    top: list[list[dict[int, float]]] = []
     notes: dict[str, Any] = {
         "command": f"{binary} -m {model} -t {threads} -tb {threads} -np 1 -c {ctx} -ngl 0",
         "prompt_tokens_mismatch": 0,
@@ -308,14 +310,15 @@ def llama_cpp_outputs(
             out = _post_json(f"{url}/completion", body, timeout=900)
             toks = [int(t) for t in out.get("tokens") or []]
             probs = out.get("completion_probabilities") or []
-            first = probs[0].get("top_logprobs", []) if probs else []
             outputs.append(toks)
-            top.append([(int(e["id"]), float(e["logprob"])) for e in first])
+            top.append(
+                [{int(e["id"]): float(e["logprob"]) for e in q.get("top_logprobs", [])} for q in probs]
+            )
             if out.get("tokens_evaluated", len(ids)) != len(ids):
                 notes["prompt_tokens_mismatch"] += 1
             if len(toks) != max_tokens:
                 notes["short_outputs"] += 1
-            if toks and top[-1] and top[-1][0][0] != toks[0]:
+            if toks and top[-1] and top[-1][0] and max(top[-1][0], key=top[-1][0].__getitem__) != toks[0]:
                 notes["top_logprob_not_output"] += 1
     finally:
         stop_process_group(proc, 10)
@@ -323,10 +326,21 @@ def llama_cpp_outputs(
 
 
 def _compare(
-    ref: list[list[int]], other: list[list[int]], ref_logits: list[Any], max_tokens: int
+    ref: list[list[int]],
+    other: list[list[int]],
+    ref_logits: list[Any],
+    max_tokens: int,
+    other_top: list[list[dict[int, float]]],
 ) -> dict[str, Any]:
-    """`other`'s greedy outputs against a pagedrs path's (`ref`, with its first-token logits)."""
+    """`other`'s (llama.cpp's) greedy outputs against a pagedrs path's (`ref`, with its first-token
+    logits); at each first difference, how much `other` preferred its token over `ref`'s (logprob gap, None
+    where `ref`'s token is outside its top logprobs)."""
     agree = [_equal_prefix(a, b) for a, b in zip(ref, other, strict=True)]
+    gaps: list[float | None] = []
+    for n, a, b, top in zip(agree, ref, other, other_top, strict=True):
+        if n < min(len(a), len(b)) and n < len(top) and b[n] in top[n]:
+            gaps.append(top[n][b[n]] - top[n][a[n]] if a[n] in top[n] else None)
+    known = sorted(g for g in gaps if g is not None)
     return {
         "identical_outputs": sum(n == max_tokens for n in agree),
         "tokens_equal_before_first_difference_mean": sum(agree) / len(agree),
@@ -335,6 +349,8 @@ def _compare(
             bool(o) and int(lg.argmax()) == o[0] for lg, o in zip(ref_logits, other, strict=True)
         ),
         "tokens_equal_before_first_difference": agree,
+        "logprob_gap_at_first_difference": gaps,
+        "logprob_gap_at_first_difference_median": known[len(known) // 2] if known else None,
     }
 
 
@@ -379,6 +395,8 @@ def quality(
         ),
         "first_token_logits_max_abs_err": max(errs),
         "first_token_logits_max_abs": max(scale),
+        "tokens_equal_before_first_difference": agree,
+        "first_token_logits_max_abs_err_per_prompt": errs,
     }
     if llama is None:
         return report
@@ -403,19 +421,26 @@ def quality(
         )
     except (SystemExit, OSError, ValueError, KeyError, TypeError, IndexError) as exc:
         # the server did not start or answered something unexpected: keep pagedrs's figures
-        report["llama_cpp"] = {**lc, "skipped": f"llama-server failed: {exc} (log {llama['log']})"}
+        why = str(exc) if llama["log"] in str(exc) else f"{exc} (log {llama['log']})"
+        report["llama_cpp"] = {**lc, "skipped": f"llama-server failed: {why}"}
         return report
     lc["seconds"] = time.perf_counter() - start
     lc.update(notes)
     for key, dtype in (("vs_float32", "float32"), ("vs_quantized", "auto")):
-        row = _compare(runs[dtype], outputs, logits[dtype], max_tokens)
+        row = _compare(runs[dtype], outputs, logits[dtype], max_tokens, top)
         # llama.cpp's first-token logprobs of its top tokens against pagedrs's log-softmax of the same ids
         diffs = [
-            abs(float(torch.log_softmax(lg.float(), -1)[i]) - lp)
-            for lg, entries in zip(logits[dtype], top, strict=True)
-            for i, lp in entries
+            max(
+                (abs(float(torch.log_softmax(lg.float(), -1)[i]) - lp) for i, lp in steps[0].items()),
+                default=None,
+            )
+            if steps
+            else None
+            for lg, steps in zip(logits[dtype], top, strict=True)
         ]
-        row[f"first_token_top{LLAMA_TOP_LOGPROBS}_logprob_max_abs_diff"] = max(diffs) if diffs else None
+        known = [d for d in diffs if d is not None]
+        row[f"first_token_top{LLAMA_TOP_LOGPROBS}_logprob_max_abs_diff"] = max(known) if known else None
+        row[f"first_token_top{LLAMA_TOP_LOGPROBS}_logprob_max_abs_diff_per_prompt"] = diffs
         lc[key] = row
     report["llama_cpp"] = lc
     return report
@@ -449,6 +474,9 @@ def quality_lines(report: dict[str, Any]) -> list[str]:
                 if r.get(key) is None
                 else f"; its top-{LLAMA_TOP_LOGPROBS} first-token logprobs within {r[key]:.2f}"
             )
+            gap = r.get("logprob_gap_at_first_difference_median")
+            if gap is not None:
+                extra += f"; at the first difference llama.cpp's token leads pagedrs's by a median {gap:.3f} logprob"
             lines.append(line(f"llama.cpp vs pagedrs {name}", r) + extra)
     return lines
 
