@@ -40,13 +40,13 @@ from pagedrs.layers.linear import RowParallelLinear
 
 __all__ = ["CPU_KERNEL_MAX_ROWS", "LoRABatch", "LoRALinear", "LoRASlice"]
 
-# Rows up to which a CPU step's deltas take the Rust kernel rather than the batched matmuls: every step
-# since its rows of one slot go in tiles. Measured on the 2-core AVX2 CI machine, 8 slots of two rank-8
-# slices over a 576 -> 3072 layer, 2 threads, kernel vs batched matmuls (a compiler running beside them on
-# both cores): rows interleaved over the slots (decodes) 17 vs 178 us at 1 row, 270 vs 597 at 32, 1133 vs
-# 4692 at 256, 5830 vs 21112 at 1024; rows in runs of one slot (prefill chunks) 559 vs 946 at 128, 1410
-# vs 5011 at 512, 4818 vs 17500 at 1024. The batched form stays for other devices and dtypes, and as the
-# oracle (bench/lora.py runs it with this set to 0).
+# Rows up to which a CPU step's deltas take the Rust kernel rather than the batched matmuls: every step,
+# since it groups the rows by slot and tiles them. Measured on the 2-core AVX2 CI machine, 8 slots of two
+# rank-8 slices over a 576 -> 3072 layer, 2 threads, kernel vs batched matmuls: rows interleaved over the
+# slots (decodes) 7 vs 36 us at 1 row, 75 vs 125 at 32, 177 vs 378 at 128, 485 vs 2478 at 256, 2351 vs
+# 5704 at 1024; rows in runs of one slot (prefill chunks) 446 vs 450 at 128, 1020 vs 1696 at 512, 2562 vs
+# 5653 at 1024. The batched form stays for other devices and dtypes, and as the oracle (bench/lora.py runs
+# it with this set to 0).
 CPU_KERNEL_MAX_ROWS = 1 << 30
 
 

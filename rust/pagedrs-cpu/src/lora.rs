@@ -12,9 +12,9 @@
 //! slice's columns, skipping the zeros of the block-diagonal B. This is punica's BGMV (one adapter per row,
 //! gathered by index) for the few rows of a decode step: the torch form of the same arithmetic takes a
 //! gather, two batched matmuls, a mask and a scatter per layer, whose per-op cost is most of a small
-//! step's LoRA time. Consecutive rows of one slot (a prefill chunk of one request) go in tiles of up to
-//! four that share each load of the adapter's rows (the reuse punica's SGMV gets from grouping rows by
-//! adapter). Rows are independent and each row's sums run in a fixed order, so a row gets the same bits
+//! step's LoRA time. The rows are grouped by slot first (a counting sort), and rows of one slot go in
+//! tiles of up to four that share each load of the adapter's rows (the reuse punica's SGMV gets from
+//! grouping rows by adapter): a decode step's rows of one adapter, a prefill chunk's rows of a request. Rows are independent and each row's sums run in a fixed order, so a row gets the same bits
 //! whatever the batch, the tiling or the thread count.
 
 use crate::pool::{parallel_for, SharedOut};
@@ -33,9 +33,9 @@ pub struct LoraDims {
     pub col0: usize,
 }
 
-/// Rows per task on the pool: a row costs `rank * (k + width)` multiply-adds (tens of thousands), so a
-/// few rows already pay for the hand-out; long calls (prefill chunks) take more, so that consecutive rows
-/// of one request (one slot) share their adapter's loads in tiles of up to `TILE` rows.
+/// Rows per task on the pool (rows grouped by slot): a row costs `rank * (k + width)` multiply-adds (tens
+/// of thousands), so a few rows already pay for the hand-out; long calls (prefill chunks) take more, so
+/// that more of a slot's rows share their adapter's loads in tiles of up to `TILE` rows.
 const ROWS_PER_TASK: usize = 4;
 const ROWS_PER_LONG_TASK: usize = 16;
 const TILE: usize = 4;
@@ -68,8 +68,8 @@ fn dots<const N: usize>(a: &[f32], xs: &[&[f32]; N]) -> [f32; N] {
     out
 }
 
-/// The delta of `N` consecutive rows `i0..i0 + N` that share slot `s`: one pass over each rank row of
-/// `A[s]` and `Bt[s]` serves all of them.
+/// The delta of the `N` rows `idx` that share slot `s`: one pass over each rank row of `A[s]` and
+/// `Bt[s]` serves all of them.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn tile<const N: usize>(
@@ -78,22 +78,22 @@ fn tile<const N: usize>(
     b_s: &[f32],
     ranges: &[(usize, usize)],
     out: SharedOut,
-    i0: usize,
+    idx: &[usize],
     d: &LoraDims,
     t: &mut [f32],
 ) {
-    let xs: [&[f32]; N] = std::array::from_fn(|j| &x[(i0 + j) * d.k..][..d.k]);
+    let xs: [&[f32]; N] = std::array::from_fn(|j| &x[idx[j] * d.k..][..d.k]);
     for r in 0..d.rank {
         let v = dots::<N>(&a_s[r * d.k..][..d.k], &xs);
         for j in 0..N {
             t[j * d.rank + r] = v[j];
         }
     }
-    // SAFETY: the rows' columns `col0 .. col0 + width` are inside `out` (checked by `lora_add`); only
-    // this task writes rows `i0 .. i0 + N`.
+    // SAFETY: the rows' columns `col0 .. col0 + width` are inside `out` (checked by `lora_add`); the
+    // rows are distinct and only this task writes them.
     #[allow(unsafe_code)]
     let mut rows: [&mut [f32]; N] = std::array::from_fn(|j| unsafe {
-        std::slice::from_raw_parts_mut(out.at((i0 + j) * d.ldo + d.col0), d.width)
+        std::slice::from_raw_parts_mut(out.at(idx[j] * d.ldo + d.col0), d.width)
     });
     for (r, &(c0, c1)) in ranges.iter().enumerate() {
         let w = &b_s[r * d.width..][c0..c1];
@@ -106,7 +106,7 @@ fn tile<const N: usize>(
     }
 }
 
-/// Rows `lo..hi`: runs of one slot in tiles of up to `TILE` rows (base-model rows skipped).
+/// Positions `lo..hi` of `order` (the rows grouped by slot): runs of one slot in tiles of up to `TILE`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn rows_body(
@@ -114,6 +114,7 @@ fn rows_body(
     a: &[f32],
     bt: &[f32],
     slots: &[i64],
+    order: &[usize],
     ranges: &[(usize, usize)],
     out: SharedOut,
     d: &LoraDims,
@@ -121,25 +122,24 @@ fn rows_body(
     hi: usize,
 ) {
     let mut t = vec![0.0f32; TILE * d.rank];
-    let mut i = lo;
-    while i < hi {
-        let Ok(s) = usize::try_from(slots[i]) else {
-            i += 1; // -1: the base model
-            continue;
-        };
+    let mut p = lo;
+    while p < hi {
+        let slot = slots[order[p]];
         let mut n = 1;
-        while n < TILE && i + n < hi && slots[i + n] == slots[i] {
+        while n < TILE && p + n < hi && slots[order[p + n]] == slot {
             n += 1;
         }
+        let s = slot as usize; // `order` holds only rows with a slot
         let a_s = &a[s * d.rank * d.k..][..d.rank * d.k];
         let b_s = &bt[s * d.rank * d.width..][..d.rank * d.width];
+        let idx = &order[p..p + n];
         match n {
-            1 => tile::<1>(x, a_s, b_s, ranges, out, i, d, &mut t),
-            2 => tile::<2>(x, a_s, b_s, ranges, out, i, d, &mut t),
-            3 => tile::<3>(x, a_s, b_s, ranges, out, i, d, &mut t),
-            _ => tile::<4>(x, a_s, b_s, ranges, out, i, d, &mut t),
+            1 => tile::<1>(x, a_s, b_s, ranges, out, idx, d, &mut t),
+            2 => tile::<2>(x, a_s, b_s, ranges, out, idx, d, &mut t),
+            3 => tile::<3>(x, a_s, b_s, ranges, out, idx, d, &mut t),
+            _ => tile::<4>(x, a_s, b_s, ranges, out, idx, d, &mut t),
         }
-        i += n;
+        p += n;
     }
 }
 
@@ -152,13 +152,14 @@ unsafe fn rows_avx2(
     a: &[f32],
     bt: &[f32],
     slots: &[i64],
+    order: &[usize],
     ranges: &[(usize, usize)],
     out: SharedOut,
     d: &LoraDims,
     lo: usize,
     hi: usize,
 ) {
-    rows_body(x, a, bt, slots, ranges, out, d, lo, hi)
+    rows_body(x, a, bt, slots, order, ranges, out, d, lo, hi)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -167,6 +168,7 @@ fn rows(
     a: &[f32],
     bt: &[f32],
     slots: &[i64],
+    order: &[usize],
     ranges: &[(usize, usize)],
     out: SharedOut,
     d: &LoraDims,
@@ -178,10 +180,29 @@ fn rows(
         // SAFETY: the CPU has AVX2 (checked just above).
         #[allow(unsafe_code)]
         unsafe {
-            return rows_avx2(x, a, bt, slots, ranges, out, d, lo, hi);
+            return rows_avx2(x, a, bt, slots, order, ranges, out, d, lo, hi);
         }
     }
-    rows_body(x, a, bt, slots, ranges, out, d, lo, hi)
+    rows_body(x, a, bt, slots, order, ranges, out, d, lo, hi)
+}
+
+/// The rows that have a slot, grouped by slot (a counting sort, rows in order within a slot).
+fn grouped_rows(slots: &[i64], num_slots: usize) -> Vec<usize> {
+    let mut start = vec![0usize; num_slots + 1];
+    for &s in slots.iter().filter(|&&s| s >= 0) {
+        start[s as usize + 1] += 1;
+    }
+    for i in 0..num_slots {
+        start[i + 1] += start[i];
+    }
+    let mut order = vec![0usize; start[num_slots]];
+    for (i, &s) in slots.iter().enumerate() {
+        if s >= 0 {
+            order[start[s as usize]] = i;
+            start[s as usize] += 1;
+        }
+    }
+    order
 }
 
 /// Adds every row's LoRA delta of its slot to `out` (see the module docs).
@@ -240,25 +261,18 @@ pub fn lora_add(
     if d.rank == 0 || d.width == 0 || d.k == 0 {
         return Ok(());
     }
+    let order = grouped_rows(slots, d.num_slots);
+    let n = order.len();
     let shared = SharedOut::new(out);
-    let per_task = if d.m >= 4 * ROWS_PER_LONG_TASK {
+    let per_task = if n >= 4 * ROWS_PER_LONG_TASK {
         ROWS_PER_LONG_TASK
     } else {
         ROWS_PER_TASK
     };
-    parallel_for(num_threads, d.m.div_ceil(per_task), &|task| {
+    parallel_for(num_threads, n.div_ceil(per_task), &|task| {
         let lo = task * per_task;
-        rows(
-            x,
-            a,
-            bt,
-            slots,
-            &ranges,
-            shared,
-            d,
-            lo,
-            (lo + per_task).min(d.m),
-        );
+        let hi = (lo + per_task).min(n);
+        rows(x, a, bt, slots, &order, &ranges, shared, d, lo, hi);
     });
     Ok(())
 }
