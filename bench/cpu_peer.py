@@ -109,7 +109,12 @@ def start_llama_server(
         "-ngl",
         "0",
     ]
-    return launch_and_wait(cmd, port, log_path, timeout, "llama-server")
+    # a build copied as the README says keeps its shared libraries beside the binary
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        p for p in (str(Path(binary).resolve().parent), env.get("LD_LIBRARY_PATH", "")) if p
+    )
+    return launch_and_wait(cmd, port, log_path, timeout, "llama-server", env=env)
 
 
 async def one_request(client: Any, model: str, prompt: str, max_tokens: int) -> Result:

@@ -493,13 +493,14 @@ def start_server(
 
 
 def launch_and_wait(
-    cmd: list[str], port: int, log_path: str, timeout: float, name: str
+    cmd: list[str], port: int, log_path: str, timeout: float, name: str, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """Start `cmd` (a server on loopback `port`, output to `log_path`) and wait until its /health answers
-    200; (process, base url). SystemExit naming `name` if it exits or does not come up in time."""
+    """Start `cmd` (a server on loopback `port`, output to `log_path`, environment `env` or this one's) and
+    wait until its /health answers 200; (process, base url). SystemExit naming `name` if it exits or does
+    not come up in time."""
     with open(log_path, "wb") as log:
         # its own session: Ctrl-C in the terminal reaches only this script, which stops the whole group
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     try:
