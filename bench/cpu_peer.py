@@ -38,7 +38,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,7 @@ from serving import (
     Result,
     _free_port,
     http_get,
+    http_post_json,
     launch_and_wait,
     start_server,
     stop_process_group,
@@ -254,16 +254,6 @@ def _equal_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def _post_json(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
-    )
-    # loopback only: never through a proxy from the environment
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(req, timeout=timeout) as resp:
-        return dict(json.loads(resp.read()))
-
-
 def llama_server_version(binary: str) -> str | None:
     """`llama-server --version`'s first line ("version: N (commit)"), or None."""
     try:
@@ -312,7 +302,7 @@ def llama_cpp_outputs(
                 "return_tokens": True,
                 "n_probs": LLAMA_TOP_LOGPROBS,
             }
-            out = _post_json(f"{url}/completion", body, timeout=900)
+            out = http_post_json(f"{url}/completion", body, timeout=900)
             toks = [int(t) for t in out.get("tokens") or []]
             probs = out.get("completion_probabilities") or []
             outputs.append(toks)

@@ -141,6 +141,15 @@ def http_get(url: str, headers: dict[str, str] | None = None, timeout: float = 3
         raise HTTPError(f"{type(exc).__name__}: {exc}") from exc
 
 
+def http_post_json(url: str, body: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+    """POST a JSON body, the JSON answer back (urllib's errors on a failed request)."""
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with _OPENER.open(req, timeout=timeout) as resp:
+        return dict(json.loads(resp.read()))
+
+
 async def _post_lines(
     base_url: str, path: str, headers: dict[str, str], body: bytes
 ) -> AsyncIterator[tuple[int, str]]:

@@ -46,8 +46,8 @@ def _cut_error(what: str, start: int, length: int, unit: int, name: str) -> Valu
 
 @dataclass(frozen=True)
 class PackedInt:
-    """A GPTQ or AWQ layer's parts (see pagedrs.loader.quant_weights for the layouts); `row0`: the input
-    row its first packed row holds (an AWQ shard's offset into its groups)."""
+    """A GPTQ or AWQ layer's parts (see pagedrs.loader.quant_weights for the layouts; a tensor-parallel
+    shard's are cut by `narrow`)."""
 
     cfg: QuantConfig
     qweight: Tensor
@@ -184,8 +184,10 @@ class Fp8:
         return Fp8(self.weight.narrow(dim, start, length), scale)
 
     def materialize(self) -> Tensor:
-        s = self.scale.to(torch.float32).reshape(-1, 1) if self.scale.numel() > 1 else self.scale.float()
-        return self.weight.to(torch.float32) * s
+        """float32 [out, in]: the loader's dequantized values."""
+        from pagedrs.loader.quant_weights import dequantize_fp8
+
+        return dequantize_fp8("", self.weight, self.scale, None)
 
     def to(self, device: torch.device) -> Fp8:
         scale = self.scale.to(device, torch.float32).reshape(-1)

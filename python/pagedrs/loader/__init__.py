@@ -313,6 +313,8 @@ def load_model(
     if tp is not None and tp.size > 1:
         check_tensor_parallel(config, tp.size)
     quant = detect_quantization(config, folder, opts.quantization) if gguf_file(path) is None else None
+    if opts.quantization == "q8_0":
+        _check_q8_0(path, torch_dtype, device)  # before any weight is read
     with torch.device(device):
         net = model_cls(config, dtype=torch_dtype, device=device, tp=tp)
     if opts.load_format == "dummy":
@@ -337,7 +339,7 @@ def load_model(
             use_cpu_fused_ops(net)
             enable_cpu_decode(net)
     if opts.quantization == "q8_0":
-        _quantize_at_load(net, path, torch_dtype, device)
+        _quantize_at_load(net)
     net.eval()
     tok = None
     if with_tokenizer:
@@ -357,12 +359,8 @@ def load_model(
     )
 
 
-def _quantize_at_load(
-    net: torch.nn.Module, path: str, dtype: str | torch.dtype, device: torch.device
-) -> None:
-    """quantization="q8_0": the loaded float weights to Q8_0 blocks for the CPU kernels."""
-    from pagedrs.layers.quantize_at_load import quantize_q8_0
-
+def _check_q8_0(path: str, dtype: torch.dtype, device: torch.device) -> None:
+    """quantization="q8_0" needs a 16/32-bit checkpoint and the CPU kernels' float32 activations."""
     if gguf_file(path) is not None:
         raise ValueError(
             f"quantization='q8_0' quantizes a 16/32-bit checkpoint; {path!r} is a GGUF file already"
@@ -372,6 +370,12 @@ def _quantize_at_load(
             f"quantization='q8_0' runs on the CPU kernels, which take float32 activations: needs device cpu "
             f"and dtype auto or float32, got device {device.type!r}, dtype {str(dtype).removeprefix('torch.')!r}"
         )
+
+
+def _quantize_at_load(net: torch.nn.Module) -> None:
+    """quantization="q8_0": the loaded float weights to Q8_0 blocks for the CPU kernels."""
+    from pagedrs.layers.quantize_at_load import quantize_q8_0
+
     n = quantize_q8_0(net)
     logger.info("weights quantized at load to Q8_0 (the CPU kernels multiply them): %d layers", n)
     use_cpu_fused_ops(net)

@@ -72,10 +72,9 @@ def _check(name: str, t: Tensor, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
 
 
-def _gptq_ints(
-    name: str, parts: dict[str, Tensor], cfg: QuantConfig
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(q [in, out], zeros [groups, out], scales [groups, out], g_idx [in]) of one GPTQ layer."""
+def _gptq_g_idx(name: str, parts: dict[str, Tensor], cfg: QuantConfig) -> Tensor:
+    """A GPTQ layer's group id of each input row (int64 [in]; from its group size when it has no g_idx),
+    its scales, zeros and group ids checked against its shapes."""
     qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
     k = 32 // cfg.bits
     in_features, out_features = qweight.shape[0] * k, qweight.shape[1]
@@ -89,9 +88,18 @@ def _gptq_ints(
     g_idx = g_idx.to(torch.int64)
     if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
         raise ValueError(f"{name}.g_idx: group ids must lie in 0..{groups - 1}")
-    q = _unpack(qweight, cfg.bits, 0)
-    zeros = _unpack(qzeros, cfg.bits, 1)[:, :out_features] + (1 if cfg.zero_plus_one else 0)
-    return q, zeros, scales, g_idx
+    return g_idx
+
+
+def _gptq_ints(
+    name: str, parts: dict[str, Tensor], cfg: QuantConfig
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(q [in, out], zeros [groups, out], scales [groups, out], g_idx [in]) of one GPTQ layer."""
+    g_idx = _gptq_g_idx(name, parts, cfg)
+    q = _unpack(parts["qweight"], cfg.bits, 0)
+    out_features = parts["qweight"].shape[1]
+    zeros = _unpack(parts["qzeros"], cfg.bits, 1)[:, :out_features] + (1 if cfg.zero_plus_one else 0)
+    return q, zeros, parts["scales"], g_idx
 
 
 def dequantize_gptq(name: str, parts: dict[str, Tensor], cfg: QuantConfig) -> Tensor:
@@ -241,15 +249,13 @@ def _complete(
                 raise ValueError(f"{prefix}: FP8 weight without its scale (weight, weight_scale)")
             return None
         if keep_packed == "device" and cfg.block is None and got["weight"].dtype == torch.float8_e4m3fn:
-            w = got["weight"]
-            if scale.numel() not in (1, w.shape[0]):
-                raise ValueError(
-                    f"{prefix}: a weight scale of shape {tuple(scale.shape)} fits neither per-tensor nor "
-                    "per-channel"
-                )
+            try:
+                packed_fp8 = Fp8(got["weight"], scale.to(torch.float32).reshape(-1))
+            except ValueError as e:
+                raise ValueError(f"{prefix}: {e}") from None
             done["kept in fp8"] += 1
-            return f"{prefix}.weight", Fp8(w, scale.to(torch.float32).reshape(-1))
-        done["dequantized"] += 1
+            return f"{prefix}.weight", packed_fp8
+        done["dequantized at load"] += 1
         return f"{prefix}.weight", dequantize_fp8(prefix, got["weight"], scale, cfg.block)
     needed = ("qweight", "qzeros", "scales") + (("g_idx",) if cfg.method == "gptq" and not final else ())
     missing = [p for p in needed if p not in got]
@@ -260,36 +266,27 @@ def _complete(
     if keep_packed == "device":
         return f"{prefix}.weight", _device_packed(prefix, got, cfg, done)
     if cfg.method == "awq":
-        done["dequantized"] += 1
+        done["dequantized at load"] += 1
         return f"{prefix}.weight", dequantize_awq(prefix, got, cfg)
     packed = gptq_as_gguf(prefix, got, cfg) if keep_packed == "gguf" else None
     if packed is not None:
-        done[f"kept packed as {packed.type_name}"] += 1
+        done[f"kept packed as {packed.type_name} (the CPU kernels multiply them)"] += 1
         return f"{prefix}.weight", packed
-    done["dequantized"] += 1
+    done["dequantized at load"] += 1
     return f"{prefix}.weight", dequantize_gptq(prefix, got, cfg)
 
 
 def _device_packed(prefix: str, got: dict[str, Tensor], cfg: QuantConfig, done: Counter[str]) -> PackedInt:
     """The layer's own parts for the GPU kernels, checked as the dequantizers check them."""
-    if cfg.method == "gptq":
-        q, zeros, scales, g_idx = _gptq_ints(prefix, got, cfg)  # checks shapes and group ids
-        del q, zeros
-        parts = PackedInt(cfg, got["qweight"], got["qzeros"], scales, g_idx.to(torch.int32))
-    else:
+    g_idx = _gptq_g_idx(prefix, got, cfg).to(torch.int32) if cfg.method == "gptq" else None
+    if g_idx is None:
         _awq_group(prefix, got, cfg)
-        parts = PackedInt(cfg, got["qweight"], got["qzeros"], got["scales"], None)
     done["kept packed for the GPU kernels"] += 1
-    return parts
+    return PackedInt(cfg, got["qweight"], got["qzeros"], got["scales"], g_idx)
 
 
 def _log(cfg: QuantConfig, done: Counter[str]) -> None:
     if not done:
         raise ValueError(f"the checkpoint declares {cfg.describe()} but holds no quantized layer")
     for what, n in sorted(done.items()):
-        tail = (
-            " (the CPU kernels multiply them)"
-            if what.startswith("kept packed as")
-            else ("" if what.startswith("kept") else " at load")
-        )
-        logger.info("%s weights %s%s: %d layers", cfg.describe(), what, tail, n)
+        logger.info("%s weights %s: %d layers", cfg.describe(), what, n)

@@ -106,38 +106,39 @@ fn tile<const N: usize>(
     }
 }
 
-/// Positions `lo..hi` of `order` (the rows grouped by slot): runs of one slot in tiles of up to `TILE`.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn rows_body(
-    x: &[f32],
-    a: &[f32],
-    bt: &[f32],
-    slots: &[i64],
-    order: &[usize],
-    ranges: &[(usize, usize)],
+/// One call's operands, shared by its tasks.
+struct Call<'a> {
+    x: &'a [f32],
+    a: &'a [f32],
+    bt: &'a [f32],
+    slots: &'a [i64],
+    order: &'a [usize], // the rows that have a slot, grouped by slot
+    ranges: &'a [(usize, usize)],
     out: SharedOut,
-    d: &LoraDims,
-    lo: usize,
-    hi: usize,
-) {
+    d: &'a LoraDims,
+}
+
+/// Positions `lo..hi` of `c.order`: runs of one slot in tiles of up to `TILE`.
+#[inline(always)]
+fn rows_body(c: &Call, lo: usize, hi: usize) {
+    let d = c.d;
     let mut t = vec![0.0f32; TILE * d.rank];
     let mut p = lo;
     while p < hi {
-        let slot = slots[order[p]];
+        let slot = c.slots[c.order[p]];
         let mut n = 1;
-        while n < TILE && p + n < hi && slots[order[p + n]] == slot {
+        while n < TILE && p + n < hi && c.slots[c.order[p + n]] == slot {
             n += 1;
         }
         let s = slot as usize; // `order` holds only rows with a slot
-        let a_s = &a[s * d.rank * d.k..][..d.rank * d.k];
-        let b_s = &bt[s * d.rank * d.width..][..d.rank * d.width];
-        let idx = &order[p..p + n];
+        let a_s = &c.a[s * d.rank * d.k..][..d.rank * d.k];
+        let b_s = &c.bt[s * d.rank * d.width..][..d.rank * d.width];
+        let idx = &c.order[p..p + n];
         match n {
-            1 => tile::<1>(x, a_s, b_s, ranges, out, idx, d, &mut t),
-            2 => tile::<2>(x, a_s, b_s, ranges, out, idx, d, &mut t),
-            3 => tile::<3>(x, a_s, b_s, ranges, out, idx, d, &mut t),
-            _ => tile::<4>(x, a_s, b_s, ranges, out, idx, d, &mut t),
+            1 => tile::<1>(c.x, a_s, b_s, c.ranges, c.out, idx, d, &mut t),
+            2 => tile::<2>(c.x, a_s, b_s, c.ranges, c.out, idx, d, &mut t),
+            3 => tile::<3>(c.x, a_s, b_s, c.ranges, c.out, idx, d, &mut t),
+            _ => tile::<4>(c.x, a_s, b_s, c.ranges, c.out, idx, d, &mut t),
         }
         p += n;
     }
@@ -146,44 +147,24 @@ fn rows_body(
 /// `rows_body` compiled for AVX2 (wider vectors for the same operations in the same order: the same bits).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-#[allow(unsafe_code, clippy::too_many_arguments)]
-unsafe fn rows_avx2(
-    x: &[f32],
-    a: &[f32],
-    bt: &[f32],
-    slots: &[i64],
-    order: &[usize],
-    ranges: &[(usize, usize)],
-    out: SharedOut,
-    d: &LoraDims,
-    lo: usize,
-    hi: usize,
-) {
-    rows_body(x, a, bt, slots, order, ranges, out, d, lo, hi)
+#[allow(unsafe_code)]
+unsafe fn rows_avx2(c: &Call, lo: usize, hi: usize) {
+    rows_body(c, lo, hi)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn rows(
-    x: &[f32],
-    a: &[f32],
-    bt: &[f32],
-    slots: &[i64],
-    order: &[usize],
-    ranges: &[(usize, usize)],
-    out: SharedOut,
-    d: &LoraDims,
-    lo: usize,
-    hi: usize,
-) {
+fn rows_portable(c: &Call, lo: usize, hi: usize) {
+    rows_body(c, lo, hi)
+}
+
+/// The widest build of `rows_body` this CPU runs.
+fn rows_fn() -> fn(&Call, usize, usize) {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2 (checked just above).
         #[allow(unsafe_code)]
-        unsafe {
-            return rows_avx2(x, a, bt, slots, order, ranges, out, d, lo, hi);
-        }
+        return |c, lo, hi| unsafe { rows_avx2(c, lo, hi) };
     }
-    rows_body(x, a, bt, slots, order, ranges, out, d, lo, hi)
+    rows_portable
 }
 
 /// The rows that have a slot, grouped by slot (a counting sort, rows in order within a slot).
@@ -263,16 +244,25 @@ pub fn lora_add(
     }
     let order = grouped_rows(slots, d.num_slots);
     let n = order.len();
-    let shared = SharedOut::new(out);
     let per_task = if n >= 4 * ROWS_PER_LONG_TASK {
         ROWS_PER_LONG_TASK
     } else {
         ROWS_PER_TASK
     };
+    let call = Call {
+        x,
+        a,
+        bt,
+        slots,
+        order: &order,
+        ranges: &ranges,
+        out: SharedOut::new(out),
+        d,
+    };
+    let rows = rows_fn();
     parallel_for(num_threads, n.div_ceil(per_task), &|task| {
         let lo = task * per_task;
-        let hi = (lo + per_task).min(n);
-        rows(x, a, bt, slots, &order, &ranges, shared, d, lo, hi);
+        rows(&call, lo, (lo + per_task).min(n));
     });
     Ok(())
 }
