@@ -111,6 +111,17 @@ def test_a_shard_that_splits_a_group_or_word_is_refused() -> None:
         w.narrow(1, 32, 32)
     with pytest.raises(ValueError, match=r"rows 4\.\.8 .*8-row"):
         w.narrow(0, 4, 4)
+    # per channel (one group over all inputs): any cut of the inputs keeps the group, exactly
+    one = PackedInt(
+        QuantConfig("awq", bits=4, group_size=-1),
+        torch.randint(-(2**31), 2**31 - 1, (128, 2), dtype=torch.int32),
+        torch.randint(-(2**31), 2**31 - 1, (1, 2), dtype=torch.int32),
+        torch.rand(1, 16, dtype=torch.float16) + 0.5,
+        None,
+    )
+    torch.testing.assert_close(
+        one.narrow(1, 40, 24).materialize(), one.materialize()[:, 40:64], rtol=0, atol=0
+    )
     gptq = QuantConfig("gptq", bits=4, group_size=32)
     g = PackedInt(
         gptq,

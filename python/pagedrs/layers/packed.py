@@ -100,7 +100,9 @@ class PackedInt:
                 qweight=self.qweight[start // k : (start + length) // k],
                 g_idx=self.g_idx[start : start + length],
             )
-        group = self.cfg.group_size if self.cfg.group_size > 0 else self.shape[1]
+        if self.cfg.group_size <= 0:  # one group over every input row: any cut keeps it whole
+            return replace(self, qweight=self.qweight[start : start + length])
+        group = self.cfg.group_size
         if start % group or length % group:
             raise _cut_error("columns", start, length, group, name)
         g0, gn = start // group, length // group
