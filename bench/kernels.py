@@ -19,6 +19,11 @@ JSON into bench/results/gpu-summary.json.
 
 from __future__ import annotations
 
+# pagedrs before torch: importing it shortens libgomp's idle spin, which torch's import fixes for good
+import pagedrs  # noqa: F401
+
+# isort: split
+
 import argparse
 import platform
 import sys

@@ -14,6 +14,11 @@ no events. On GPUs (--device cuda) the ranks are GPUs 0..N-1; the machines this 
 
 from __future__ import annotations
 
+# pagedrs before torch: importing it shortens libgomp's idle spin, which torch's import fixes for good
+import pagedrs  # noqa: F401
+
+# isort: split
+
 import argparse
 import tempfile
 import time

@@ -17,6 +17,11 @@ headline ratio is N adapters / base. The JSON records the commit, the machine an
 
 from __future__ import annotations
 
+# pagedrs before torch: importing it shortens libgomp's idle spin, which torch's import fixes for good
+import pagedrs  # noqa: F401
+
+# isort: split
+
 import argparse
 import json
 import random

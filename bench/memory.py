@@ -13,6 +13,11 @@ PNG plots memory over time for both.
 
 from __future__ import annotations
 
+# pagedrs before torch: importing it shortens libgomp's idle spin, which torch's import fixes for good
+import pagedrs  # noqa: F401
+
+# isort: split
+
 import argparse
 import math
 import os

@@ -42,6 +42,11 @@ $PAGEDRS_COMMIT, else `git rev-parse HEAD`, else "unknown".
 
 from __future__ import annotations
 
+# pagedrs before torch: importing it shortens libgomp's idle spin, which torch's import fixes for good
+import pagedrs  # noqa: F401
+
+# isort: split
+
 import argparse
 import gc
 import sys

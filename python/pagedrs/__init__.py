@@ -13,14 +13,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-# libgomp (torch's OpenMP on Linux) keeps an idle thread spinning for 300,000 iterations after every
-# parallel torch op. Between two decode steps on a small CPU those spins hold the cores that the Rust
-# kernels' own thread pool then needs (measured on the 2-core CI machine, the default model at batch 1
-# with 2 threads: 23.0 ms a step as is, 19.8 ms with 10,000), while prefill's back-to-back ops still find
-# their threads awake. Set before torch is first imported (later it has no effect); a user's own value
-# wins.
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")
-
+from pagedrs import _gomp  # noqa: F401 -- first: it sets libgomp's spin count before anything imports torch
 from pagedrs.lora.request import LoRARequest
 from pagedrs.outputs import (
     CompletionOutput,

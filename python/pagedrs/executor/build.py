@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagedrs._gomp import gomp_spin_note
 from pagedrs.config import EngineConfig
 from pagedrs.engine.startup_log import log_startup
 from pagedrs.executor.executor import TPExecutor, UniProcExecutor
@@ -71,6 +72,8 @@ def load_engine(args: EngineArgs) -> tuple[EngineConfig, LoadedModel, UniProcExe
     size = len(parallel.liquid_gpu_range or ()) or parallel.tensor_parallel_size
     if device_cfg.device.type == "cpu" and (device_cfg.num_threads is not None or size > 1):
         torch.set_num_threads(cpu_threads_per_rank(device_cfg.num_threads, size))
+    if device_cfg.device.type == "cpu" and (note := gomp_spin_note()) is not None:
+        logger.warning(note)
     args = args.with_local_model()  # a Hub name fetched here, once; the ranks get the local path
     ranks = start_ranks(args, device_cfg.device) if size > 1 else None
     try:

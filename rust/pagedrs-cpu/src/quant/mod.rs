@@ -147,7 +147,7 @@ fn begin(
     } else {
         Isa::Portable
     };
-    Ok(Some((isa, QuantizedActs::new(x, dims.m, dims.k))))
+    Ok(Some((isa, QuantizedActs::new_with(isa, x, dims.m, dims.k))))
 }
 
 /// `quant_matmul` over W in the x8 layout (`x8::pack`; `n` a multiple of 8), on the kernels chosen by the

@@ -215,6 +215,28 @@ fn activation_blocks_round_trip() {
     }
 }
 
+#[test]
+fn activation_quantizers_agree_bit_for_bit() {
+    let mut rng = Rng(11);
+    let k = 32 * 24;
+    let mut x: Vec<f32> = (0..3 * k).map(|_| 6.0 * rng.uniform() - 3.0).collect();
+    // ties: a block whose scale is exactly 1 (max 127), values halfway between integers, both signs
+    for (i, v) in x[..32].iter_mut().enumerate() {
+        *v = if i == 0 { 127.0 } else { i as f32 - 15.5 };
+    }
+    x[32..64].fill(0.0); // an all-zero block: scale 0
+    x[64..96].iter_mut().for_each(|v| *v *= 1e-30); // tiny values
+    let portable = QuantizedActs::new_with(Isa::Portable, &x, 3, k);
+    let best = QuantizedActs::new_with(Isa::detect(), &x, 3, k);
+    assert_eq!(portable.qs, best.qs);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&portable.d), bits(&best.d));
+    assert_eq!(bits(&portable.s), bits(&best.s));
+    assert_eq!(portable.qs[1], -14); // -14.5 rounds to the even -14
+    assert_eq!(portable.qs[2], -14); // -13.5 too
+    assert!(portable.qs[32..64].iter().all(|&q| q == 0) && portable.d[1] == 0.0);
+}
+
 /// f64 `x_q @ W^T` with x_q the dequantized 8-bit activations and W from the reference dequantizer:
 /// what the integer kernels compute up to f32 rounding. Also returns sum |x_q| |W| per output (the
 /// scale of the rounding error).
