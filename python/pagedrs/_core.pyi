@@ -94,6 +94,15 @@ def cpu_fused_add_rms_norm(
 def cpu_silu_and_mul(x: npt.NDArray[np.float32], out: npt.NDArray[np.float32]) -> None:
     """out = silu(x[:, :d]) * x[:, d:]; x float32 [T, 2d], out [T, d]."""
 
+def cpu_argmax_logsumexp(
+    x: npt.NDArray[np.float32],
+    ids: npt.NDArray[np.int64],
+    lse: npt.NDArray[np.float32],
+    num_threads: int = 1,
+) -> None:
+    """Per row of x float32 [R, V]: ids[r] = the first index of its max (of its first NaN), lse[r] = its
+    logsumexp (NaN with a NaN)."""
+
 def cpu_lora_add(
     x: npt.NDArray[np.float32],
     a: npt.NDArray[np.float32],

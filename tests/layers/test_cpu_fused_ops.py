@@ -66,3 +66,40 @@ def test_rope_on_column_slices_of_qkv_matches_torch_path():
     torch.testing.assert_close(got_q, want_q, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got_k, want_k, rtol=1e-6, atol=1e-6)
     assert torch.equal(v, v_before)
+
+
+def test_argmax_logsumexp_matches_torch() -> None:
+    import numpy as np
+    import pytest
+
+    from pagedrs import _core
+    from pagedrs.layers.sampler import Sampler, argmax_logsumexp
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 49155, generator=g) * 5  # the default model's vocabulary size, plus a tail
+    x[1, 100] = x[1, 40000] = 60.0  # a tie: the first index wins, as in torch
+    x[2, -1] = 70.0  # the max in the tail past the vectors
+    x[3] = float("-inf")  # a row masked down to one token
+    x[3, 12] = 0.5
+    x[4, 7] = float("nan")
+    x[5] = float("-inf")  # every token masked
+    ids, lse = argmax_logsumexp(x)
+    assert torch.equal(ids, x.argmax(dim=-1))
+    want = x.logsumexp(dim=-1)
+    assert torch.isnan(lse[4]) and torch.isnan(want[4])
+    keep = torch.tensor([0, 1, 2, 3, 5, 6])
+    torch.testing.assert_close(lse[keep], want[keep], rtol=1e-6, atol=1e-6)
+    # the greedy sampler's tokens and logprobs equal torch's log_softmax of the chosen token
+    sane = x[[0, 1, 2, 6]]
+    out = Sampler.greedy(sane, None)
+    assert torch.equal(out.sampled_token_ids, sane.argmax(dim=-1))
+    assert out.sampled_logprobs is not None
+    ref = sane.log_softmax(dim=-1).gather(-1, out.sampled_token_ids.view(-1, 1)).squeeze(-1)
+    torch.testing.assert_close(out.sampled_logprobs, ref, rtol=1e-6, atol=1e-6)
+    # a non-contiguous or float64 matrix takes torch's ops, with the same answers
+    ids_t, lse_t = argmax_logsumexp(x[keep].T.contiguous().T)
+    assert torch.equal(ids_t, ids[keep])
+    ids64, _ = argmax_logsumexp(x[keep].double())
+    assert torch.equal(ids64, ids[keep])
+    with pytest.raises(ValueError, match="ids has 3 elements, expected 7"):
+        _core.cpu_argmax_logsumexp(x.numpy(), np.zeros(3, dtype=np.int64), np.zeros(7, dtype=np.float32))

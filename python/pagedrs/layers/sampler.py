@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pagedrs import _core
 from pagedrs.sampling_params import SamplingParams
 
 __all__ = [
@@ -79,10 +80,31 @@ class SamplerOutput:
     sampled_logprobs: Tensor | None = None
 
 
-def sampled_token_logprobs(logits: Tensor, token_ids: Tensor) -> Tensor:
-    """log_softmax(logits)[i, token_ids[i]] per row, without materialising the [S, V] log-softmax."""
+def argmax_logsumexp(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """Per row of logits [S, V]: the argmax (int64, the first largest, as torch's) and the logsumexp
+    (float32). A float32 matrix on the CPU takes one Rust call over the rows (two reads of each row,
+    and no torch parallel op to leave OpenMP threads spinning on the cores the next step needs); the
+    rest takes torch's `argmax` and `logsumexp`."""
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+        and logits.is_contiguous()
+    ):
+        n = logits.shape[0]
+        ids = torch.empty(n, dtype=torch.int64)
+        lse = torch.empty(n, dtype=torch.float32)
+        _core.cpu_argmax_logsumexp(logits.numpy(), ids.numpy(), lse.numpy(), torch.get_num_threads())
+        return ids, lse
+    return logits.argmax(dim=-1), logits.float().logsumexp(dim=-1)
+
+
+def sampled_token_logprobs(logits: Tensor, token_ids: Tensor, lse: Tensor | None = None) -> Tensor:
+    """log_softmax(logits)[i, token_ids[i]] per row, without materialising the [S, V] log-softmax
+    (`lse`: the rows' logsumexp when the caller has it)."""
     chosen = logits.gather(-1, token_ids.view(-1, 1)).squeeze(-1).float()
-    return chosen - logits.float().logsumexp(dim=-1)
+    return chosen - (argmax_logsumexp(logits)[1] if lse is None else lse)
 
 
 @dataclass
@@ -221,9 +243,12 @@ class Sampler(torch.nn.Module):
     @staticmethod
     def greedy(logits: Tensor, num_logprobs: int | None) -> SamplerOutput:
         """The fast path: argmax; the sampled tokens' raw logprobs; the top-k only when asked for."""
-        ids = logits.argmax(dim=-1)
         if num_logprobs is None:
-            return SamplerOutput(sampled_token_ids=ids, sampled_logprobs=sampled_token_logprobs(logits, ids))
+            ids, lse = argmax_logsumexp(logits)
+            return SamplerOutput(
+                sampled_token_ids=ids, sampled_logprobs=sampled_token_logprobs(logits, ids, lse)
+            )
+        ids = logits.argmax(dim=-1)
         lp = compute_token_logprobs(logits.float().log_softmax(dim=-1), ids, num_logprobs)
         return SamplerOutput(sampled_token_ids=ids, logprobs=lp, sampled_logprobs=lp.logprobs[:, 0])
 

@@ -26,7 +26,13 @@ import numpy.typing as npt
 import torch
 from torch import Tensor
 
-from pagedrs.layers.sampler import GREEDY_EPS, apply_min_p, apply_top_k_top_p, sampled_token_logprobs
+from pagedrs.layers.sampler import (
+    GREEDY_EPS,
+    apply_min_p,
+    apply_top_k_top_p,
+    argmax_logsumexp,
+    sampled_token_logprobs,
+)
 
 __all__ = ["SpecVerifyResult", "verify_drafts"]
 
@@ -186,7 +192,7 @@ def _judge_greedy(
     argmax = np.full(logits.shape[0], -1, dtype=np.int64)
     if len(greedy_seqs):
         rows = _rows_of(greedy_seqs, layout)
-        argmax[rows] = _index_rows(logits, rows).argmax(dim=-1).cpu().numpy()
+        argmax[rows] = argmax_logsumexp(_index_rows(logits, rows))[0].cpu().numpy()
         greedy_drafts = np.flatnonzero(np.isin(layout.draft_seq, greedy_seqs))
         accepted[greedy_drafts] = argmax[layout.draft_rows[greedy_drafts]] == drafts[greedy_drafts]
     return argmax

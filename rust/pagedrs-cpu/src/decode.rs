@@ -322,7 +322,7 @@ impl Vector for Avx2 {
 
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
-mod avx2 {
+pub(crate) mod avx2 {
     use std::arch::x86_64::*;
 
     /// Two 8-wide FMA accumulators, then a horizontal sum; scalar FMA tail. Reads `min(len)` elements.
@@ -434,7 +434,7 @@ mod avx2 {
     /// (exp ~ 1e-38, the smallest normal range).
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn exp8(x: __m256) -> __m256 {
+    pub(crate) unsafe fn exp8(x: __m256) -> __m256 {
         let x = _mm256_max_ps(x, _mm256_set1_ps(-87.3));
         let fx = _mm256_floor_ps(_mm256_fmadd_ps(
             x,

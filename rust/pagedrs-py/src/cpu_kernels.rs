@@ -485,3 +485,30 @@ pub fn cpu_rope_neox(
     }
     Ok(())
 }
+
+/// Per row of `x` (float32 [R, V]): the index of its first largest value into `ids` (int64 [R]) and its
+/// logsumexp into `lse` (float32 [R]); rows split over `num_threads`.
+#[pyfunction]
+#[pyo3(signature = (x, ids, lse, num_threads=1))]
+pub fn cpu_argmax_logsumexp(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    ids: &Bound<'_, PyAny>,
+    lse: &Bound<'_, PyAny>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let x = array::<f32>(x, "x", 2, "float32")?;
+    let ids = array::<i64>(ids, "ids", 1, "int64")?;
+    let lse = array::<f32>(lse, "lse", 1, "float32")?;
+    let v = x.shape()[1];
+    let x = x.readonly();
+    let mut ids = ids
+        .try_readwrite()
+        .map_err(|e| PyValueError::new_err(format!("ids cannot be written: {e}")))?;
+    let mut lse = lse
+        .try_readwrite()
+        .map_err(|e| PyValueError::new_err(format!("lse cannot be written: {e}")))?;
+    let (x, ids, lse) = (x.as_slice()?, ids.as_slice_mut()?, lse.as_slice_mut()?);
+    py.detach(|| pagedrs_cpu::ops::argmax_logsumexp(x, v, ids, lse, num_threads))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}

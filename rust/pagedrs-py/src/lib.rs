@@ -56,6 +56,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_fused_add_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_silu_and_mul, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_kernels::cpu_argmax_logsumexp, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_lora_add, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_rope_neox, m)?)?;
     m.add("STEP_WIRE_HEADER_LEN", pagedrs_core::WIRE_HEADER_LEN)?;
