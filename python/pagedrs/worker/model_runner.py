@@ -45,7 +45,7 @@ from pagedrs.worker.prompt_logprobs import (
 )
 from pagedrs.worker.sampling_state import SamplingState
 from pagedrs.worker.self_draft import SelfDrafter, default_draft_layers
-from pagedrs.worker.spec_verify import first_rows, sample_with_drafts
+from pagedrs.worker.spec_verify import first_rows, greedy_with_drafts, sample_with_drafts
 from pagedrs.worker.step_buffers import StepBuffers, StepInputs
 
 __all__ = [
@@ -388,6 +388,17 @@ class ModelRunner:
         if hasattr(token_bitmask, "result"):  # built in a helper thread while the forward ran
             token_bitmask = token_bitmask.result()
         main = logits[:num_rows]
+        sampling = self._sampling_metadata(plan, rows, logits.shape[-1]) if num_rows else None
+        if (
+            sampling is not None
+            and plan.has_drafts
+            and token_bitmask is None
+            and sampling.is_plain_greedy
+            and sampling.max_num_logprobs is None
+        ):
+            drafts = self.last_drafts if self.last_drafts is not None else plan.draft_token_ids
+            greedy_with_drafts(out, plan, main, drafts)
+            return out
         if num_rows and plan.has_drafts:  # one row per sequence for the sampler: each one's first
             main = logits.index_select(
                 0, torch.as_tensor(first_rows(plan.num_draft_tokens), device=logits.device)
@@ -399,8 +410,7 @@ class ModelRunner:
             xgr.apply_token_bitmask_inplace(
                 main, mask.to(logits.device), vocab_size=logits.shape[-1], indices=indices
             )
-        if num_rows:
-            sampling = self._sampling_metadata(plan, rows, logits.shape[-1])
+        if sampling is not None:
             sampled = self.sampler(main, sampling)
             # Every copy to the host is queued, then one wait.
             ids = sampled.sampled_token_ids.to("cpu", non_blocking=True)

@@ -11,20 +11,53 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pagedrs.layers.sampler import LogprobsTensors, SamplingRow, compute_token_logprobs
+from pagedrs.layers.sampler import LogprobsTensors, SamplingRow, argmax_logsumexp, compute_token_logprobs
 from pagedrs.layers.spec_sampler import verify_drafts
 
 if TYPE_CHECKING:
     from pagedrs._core import StepPlan
     from pagedrs.worker.model_runner import RunnerOutput
 
-__all__ = ["first_rows", "sample_with_drafts"]
+__all__ = ["first_rows", "greedy_with_drafts", "sample_with_drafts"]
 
 
 def first_rows(num_draft_tokens: np.ndarray) -> np.ndarray:
     """int64 [S]: each sampled sequence's first logits row (its 1 + d rows are consecutive)."""
     sizes = 1 + np.asarray(num_draft_tokens, dtype=np.int64)
     return np.cumsum(sizes) - sizes
+
+
+def greedy_with_drafts(out: RunnerOutput, plan: StepPlan, logits: Tensor, drafts: np.ndarray) -> None:
+    """`sample_with_drafts` for a plan whose every sequence samples greedily with no logit processor, no
+    grammar and no top logprobs (a copy-heavy chat at batch 1, say): every row's argmax and logsumexp in
+    one call (`argmax_logsumexp`), a speculating sequence's drafts accepted up to the first that differs
+    from its row's argmax, then that row's argmax. The same tokens and logprobs as the general path
+    (its greedy judge takes the same argmax, its logprobs the same `chosen - logsumexp`), without its
+    per-step tensor bookkeeping, which cost about as much as a row of verification on a CPU.
+
+    `logits` holds the plan's rows (each sequence's 1 + d consecutive); `drafts` the drafts in sampled
+    order. Sets `out.sampled_token_ids`, `out.sampled_logprobs` and `out.token_counts`."""
+    nd = np.asarray(plan.num_draft_tokens, dtype=np.int64)
+    ids_t, lse_t = argmax_logsumexp(logits)
+    ids = ids_t.cpu().numpy()
+    drafts = np.asarray(drafts, dtype=np.int64)
+    starts = first_rows(nd)
+    counts = np.ones(len(nd), dtype=np.int32)
+    at = 0
+    for i in np.flatnonzero(nd):
+        d = int(nd[i])
+        same = ids[starts[i] : starts[i] + d] == drafts[at : at + d]
+        counts[i] += d if same.all() else int(np.argmin(same))
+        at += d
+    # the emitted tokens of a sequence are its rows' argmaxes: an accepted draft equals its row's
+    rows = np.repeat(starts, counts) + (
+        np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    )
+    rows_t = torch.as_tensor(rows, device=logits.device)
+    chosen = logits.index_select(0, rows_t).gather(-1, ids_t[rows_t].view(-1, 1)).squeeze(-1).float()
+    out.sampled_token_ids = ids[rows]
+    out.sampled_logprobs = (chosen - lse_t[rows_t]).cpu().numpy().astype(np.float32, copy=False)
+    out.token_counts = counts
 
 
 def sample_with_drafts(
