@@ -20,10 +20,12 @@ __all__ = ["can_speculate", "spec_scheduler_args"]
 
 # Speculation pauses above this many running sequences when the config names no disable_by_batch_size:
 # past it a step's extra verification rows cost more than the accepted tokens save. Measured on the
-# 2-core CPU with the default model (bench/spec_decode.py, README): n-gram pays at batch 1 (1.16x with 2
-# drafts; 1.06x once the fast decode path had halved the baseline) and not at 4 (0.96x); self-draft by early exit did not pay at any batch size there. A draft
-# model was not measured (no smaller model shares the default model's tokenizer here): batch 1 too.
-DEFAULT_DISABLE_BY_BATCH_SIZE = {"ngram": 1, "self_draft": 1, "draft_model": 1}
+# 2-core CPU with the default model (bench/spec_decode.py, 4 drafts, README): n-gram gave 1.56x / 1.34x /
+# 1.25-1.39x / 1.33x / 1.22x at batch 1 / 2 / 4 / 8 / 16 on answers that repeat their prompt, and 1.21x /
+# 1.17x / 0.95x at batch 4 / 8 / 16 on answers continued past their end (`--ignore-eos`, mostly invented
+# text): on at up to 8. Self-draft by early exit did not pay at any batch size there. A draft model was
+# not measured (no smaller model shares the default model's tokenizer here): batch 1 only.
+DEFAULT_DISABLE_BY_BATCH_SIZE = {"ngram": 8, "self_draft": 1, "draft_model": 1}
 
 
 def spec_scheduler_args(config: EngineConfig) -> dict[str, Any]:
