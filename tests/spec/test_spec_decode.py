@@ -261,8 +261,25 @@ def test_a_smaller_draft_model(llama: Path, tmp_path: Path) -> None:
     prompts = ["abcabcabcabc", "hello hello hello", "xyz"]
     want = [o.outputs[0].token_ids for o in _llm(llama, None).generate(prompts, params, use_tqdm=False)]
     spec = _llm(llama, _draft(small))
+    runner = spec.llm_engine.runner
+    built: list[list[Any]] = []  # per step: the plans the runner built attention metadata for
+    inner_meta, inner_execute = runner._attn_metadata, runner.execute_model
+
+    def attn_metadata(plan: Any, *args: Any) -> Any:
+        built[-1].append(plan)
+        return inner_meta(plan, *args)
+
+    def execute_model(plan: Any, *args: Any, **kwargs: Any) -> Any:
+        built.append([])
+        return inner_execute(plan, *args, **kwargs)
+
+    runner._attn_metadata = attn_metadata  # type: ignore[method-assign]
+    runner.execute_model = execute_model  # type: ignore[method-assign]
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
     assert got == want
+    # the draft's forward over a step and the target's share one metadata (sub-steps build their own)
+    twice = [s for s in built if any(sum(p is q for q in s) > 1 for p in s)]
+    assert not twice and any(len(s) > 1 for s in built), f"{len(twice)} of {len(built)} steps built one twice"
     stats = spec.llm_engine.get_stats()
     assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
     big = make_tiny_llama(tmp_path, vocab_size=400, subdir="big-vocab")

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from pagedrs.config import kv_cache_torch_dtype
-from pagedrs.layers.attention import ForwardContext
+from pagedrs.layers.attention import AttentionMetadata, ForwardContext
 from pagedrs.worker.kv_cache import KVCachePool, model_block_bytes
 from pagedrs.worker.self_draft import speculating_rows, substep_buffers, substep_forward
 from pagedrs.worker.step_buffers import StepInputs
@@ -68,16 +68,13 @@ class DraftModelDrafter:
         return self.pool
 
     @torch.inference_mode()
-    def propose(self, plan: StepPlan, main: StepInputs) -> np.ndarray:
-        """Runs the draft over the step (its KV), then proposes: the drafts of every speculating
-        sequence, flattened in sampled order (the layout of `plan.draft_token_ids`), also written into
-        `main.input_ids` at their positions."""
+    def propose(self, plan: StepPlan, main: StepInputs, meta: AttentionMetadata) -> np.ndarray:
+        """Runs the draft over the step (its KV; `meta`: the step's attention metadata, which the target's
+        forward then reuses), then proposes: the drafts of every speculating sequence, flattened in sampled
+        order (the layout of `plan.draft_token_ids`), also written into `main.input_ids` at their
+        positions."""
         runner, pool = self.runner, self.pool
         assert pool is not None, "init_pool() first"
-        num_reqs = len(plan.seq_lens)
-        max_query_len = int(plan.num_scheduled_tokens.max()) if num_reqs else 0
-        max_seq_len = int(plan.seq_lens.max()) if num_reqs else 0
-        meta = runner._attn_metadata(plan, main, max_query_len, max_seq_len)
         ctx = ForwardContext(attn_metadata=meta, kv_caches=pool.kv_caches, backend=runner.backend)
         hidden = self.model(main.input_ids, main.positions, ctx)
         nd = np.asarray(plan.num_draft_tokens)

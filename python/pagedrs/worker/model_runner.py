@@ -468,13 +468,18 @@ class ModelRunner:
                 self._bt_device.index_copy_(0, inputs.changed_rows, inputs.changed_row_data)
             self.last_drafts = None
             drafter = self.drafter
+            meta: AttentionMetadata | None = None
             if drafter is not None and num_tokens > 0 and (plan.has_drafts or drafter.every_step):
-                self.last_drafts = drafter.propose(plan, inputs)
+                # built once: a draft model's forward over the step and the target's below share it (and
+                # the per-step index plans the attention backend caches on it)
+                meta = self._attn_metadata(plan, inputs, max_query_len, max_seq_len)
+                self.last_drafts = drafter.propose(plan, inputs, meta)
             if num_tokens > 0:
                 if graph is not None:
                     hidden = self._replay(graph, inputs, num_reqs)
                 else:
-                    meta = self._attn_metadata(plan, inputs, max_query_len, max_seq_len)
+                    if meta is None:
+                        meta = self._attn_metadata(plan, inputs, max_query_len, max_seq_len)
                     ctx = ForwardContext(attn_metadata=meta, kv_caches=pool.kv_caches, backend=self.backend)
                     hidden = self.model(inputs.input_ids, inputs.positions, ctx)
                 self.last_hidden = hidden  # the final hidden states, for embedding requests (rank 0 reads)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagedrs.layers.attention import ForwardContext
+from pagedrs.layers.attention import AttentionMetadata, ForwardContext
 from pagedrs.worker.step_buffers import StepBuffers, StepInputs
 
 if TYPE_CHECKING:
@@ -129,9 +129,10 @@ class SelfDrafter:
         self.buffers = substep_buffers(runner)
 
     @torch.inference_mode()
-    def propose(self, plan: StepPlan, main: StepInputs) -> np.ndarray:
+    def propose(self, plan: StepPlan, main: StepInputs, meta: AttentionMetadata | None = None) -> np.ndarray:
         """The drafts of every speculating sequence of `plan`, flattened in sampled order (the layout of
-        `plan.draft_token_ids`); also written into `main.input_ids` at their positions."""
+        `plan.draft_token_ids`); also written into `main.input_ids` at their positions. (`meta`, the
+        step's attention metadata, is not used: each sub-step builds its own.)"""
         nd = np.asarray(plan.num_draft_tokens)
         spec = np.nonzero(nd)[0]
         if not len(spec):
