@@ -243,9 +243,13 @@ def test_config_is_validated() -> None:
     assert draft == SpeculativeConfig("draft_model", 2, model="some/draft")
     with pytest.raises(ValueError, match="self_draft.*tensor_parallel_size"):
         EngineArgs(tensor_parallel_size=2, speculative_config=SELF_DRAFT).speculative()
-    with pytest.raises(ValueError, match="draft_model.*tensor_parallel_size"):
+    draft_tp = EngineArgs(
+        tensor_parallel_size=2, speculative_config={"model": "x", "num_speculative_tokens": 2}
+    )
+    assert draft_tp.speculative() == SpeculativeConfig("draft_model", 2, model="x")
+    with pytest.raises(ValueError, match="draft_model.*liquid scaling"):
         EngineArgs(
-            tensor_parallel_size=2, speculative_config={"model": "x", "num_speculative_tokens": 2}
+            liquid_gpu_range=(1, 2), speculative_config={"model": "x", "num_speculative_tokens": 2}
         ).speculative()
 
 
@@ -298,6 +302,30 @@ def test_serve_flag_reaches_the_engine_args() -> None:
     kwargs = engine_kwargs(args)
     assert kwargs["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4}
     assert EngineArgs(**kwargs).speculative() == SpeculativeConfig("ngram", 4)
+
+
+def test_draft_model_under_tensor_parallelism_equals_one_process(llama: Path) -> None:
+    """The draft runs whole on rank 0 and broadcasts its drafts: TP=2 gives TP=1's greedy ids under forced
+    preemption, chunking and prefix hits, with as many drafts accepted as one process accepts. The draft
+    is the target itself, so that most drafts are accepted: a rank verifying other tokens than rank 0's
+    drafts would change the accepted count or the ids."""
+    want, _ = run_workload(tp_engine(llama, 1))
+    one = tp_engine(llama, 1, speculative_config=_draft(llama))
+    try:
+        got_one, _ = run_workload(one)
+        one_stats = one.get_stats()
+    finally:
+        one.shutdown()
+    engine = tp_engine(llama, 2, speculative_config=_draft(llama))
+    try:
+        got, spy = run_workload(engine)
+        check_forced(engine, spy)
+        stats = engine.get_stats()
+        assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
+        assert got == want == got_one
+        assert stats.spec_num_accepted_tokens == one_stats.spec_num_accepted_tokens
+    finally:
+        engine.shutdown()
 
 
 def test_ngram_under_tensor_parallelism_equals_one_process(llama: Path) -> None:

@@ -301,14 +301,15 @@ class EngineArgs:
     def speculative(self) -> SpeculativeConfig | None:
         """The speculative-decoding settings, or None; ValueError for a setup they cannot run on."""
         spec = SpeculativeConfig.from_dict(self.speculative_config)
-        if (
-            spec is not None
-            and spec.method in ("self_draft", "draft_model")
-            and (self.tensor_parallel_size != 1 or self.liquid_gpu_range is not None)
-        ):
+        if spec is not None and spec.method == "self_draft" and self.tensor_parallel_size != 1:
             raise ValueError(
-                f"speculative_config method {spec.method!r} needs tensor_parallel_size=1 without liquid scaling "
-                f"(got tensor_parallel_size={self.tensor_parallel_size}); 'ngram' runs under tensor parallelism"
+                f"speculative_config method 'self_draft' needs tensor_parallel_size=1 (got "
+                f"{self.tensor_parallel_size}); 'ngram' and 'draft_model' run under tensor parallelism"
+            )
+        if spec is not None and spec.method != "ngram" and self.liquid_gpu_range is not None:
+            raise ValueError(
+                f"speculative_config method {spec.method!r} does not run with liquid scaling "
+                f"(liquid_gpu_range={self.liquid_gpu_range}); 'ngram' does"
             )
         return spec
 

@@ -37,7 +37,10 @@ def build_executor(
     if ranks is None:
         draft = load_draft_model(config)
         return UniProcExecutor(ModelRunner(config, loaded.model, eos_token_ids=eos, draft_model=draft))
-    runner = ModelRunner(config, loaded.model, eos_token_ids=eos, tp=ranks.tp)
+    # a draft model runs whole on rank 0 (vLLM's draft_tensor_parallel_size=1); its drafts reach the other
+    # ranks by broadcast each step
+    draft = load_draft_model(config) if ranks.world is None else None
+    runner = ModelRunner(config, loaded.model, eos_token_ids=eos, tp=ranks.tp, draft_model=draft)
     if ranks.world is not None:
         from pagedrs.executor.liquid_executor import LiquidExecutor
 

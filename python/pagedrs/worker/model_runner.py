@@ -44,7 +44,7 @@ from pagedrs.worker.prompt_logprobs import (
     plan_prompt_logprobs,
 )
 from pagedrs.worker.sampling_state import SamplingState
-from pagedrs.worker.self_draft import SelfDrafter, default_draft_layers
+from pagedrs.worker.self_draft import SelfDrafter, default_draft_layers, speculating_rows
 from pagedrs.worker.spec_verify import first_rows, greedy_with_drafts, sample_with_drafts
 from pagedrs.worker.step_buffers import StepBuffers, StepInputs
 
@@ -141,10 +141,16 @@ class ModelRunner:
         if spec is not None and spec.method == "self_draft":
             layers = spec.draft_layers or default_draft_layers(int(model.num_layers))
             self.drafter = SelfDrafter(self, layers)
-        elif spec is not None and spec.method == "draft_model":
-            if draft_model is None:
+        # Under tensor parallelism a draft model runs on rank 0 only; the other ranks take its drafts by
+        # broadcast before the step's forward.
+        self.drafts_from_driver = False
+        if spec is not None and spec.method == "draft_model":
+            if not self.tp.is_driver:
+                self.drafts_from_driver = True
+            elif draft_model is None:
                 raise ValueError("speculative_config method 'draft_model' needs the loaded draft model")
-            self.drafter = DraftModelDrafter(self, draft_model)
+            else:
+                self.drafter = DraftModelDrafter(self, draft_model)
 
     def attach_block_table(self, view: np.ndarray, *, mirror: bool | None = None) -> None:
         """Use the scheduler's persistent block table. With a mirror (the default off the CPU) only the rows
@@ -432,6 +438,18 @@ class ModelRunner:
                 sample_with_drafts(out, plan, rows, logits[:num_rows], drafts, self.generator)
         return out
 
+    def _receive_drafts(self, plan: StepPlan, inputs: StepInputs) -> None:
+        """A rank other than 0 under a draft model: rank 0's drafts of this step (sampled order) into
+        `inputs.input_ids`, where rank 0's drafter wrote them (draft j of a sequence right after its last
+        token, at j + 1)."""
+        nd = np.asarray(plan.num_draft_tokens, dtype=np.int64)
+        drafts = self.tp.broadcast_cpu(torch.empty(int(nd.sum()), dtype=torch.int64))
+        spec = np.nonzero(nd)[0]
+        _, first = speculating_rows(plan, spec)
+        where = np.concatenate([first[i] + 1 + np.arange(nd[s]) for i, s in enumerate(spec)])
+        ids = inputs.input_ids
+        ids.index_copy_(0, torch.as_tensor(where, device=ids.device), drafts.to(ids.device))
+
     @torch.inference_mode()
     def execute_model(self, plan: StepPlan, extra_logits_indices: np.ndarray | None = None) -> Tensor | None:
         """Block ops, the forward, and the logits of `plan.logits_indices` then `extra_logits_indices`.
@@ -474,6 +492,12 @@ class ModelRunner:
                 # the per-step index plans the attention backend caches on it)
                 meta = self._attn_metadata(plan, inputs, max_query_len, max_seq_len)
                 self.last_drafts = drafter.propose(plan, inputs, meta)
+                if self.tp.size > 1 and plan.has_drafts:
+                    self.tp.broadcast_cpu(
+                        torch.from_numpy(np.ascontiguousarray(self.last_drafts, dtype=np.int64))
+                    )
+            elif self.drafts_from_driver and num_tokens > 0 and plan.has_drafts:
+                self._receive_drafts(plan, inputs)
             if num_tokens > 0:
                 if graph is not None:
                     hidden = self._replay(graph, inputs, num_reqs)
