@@ -45,7 +45,7 @@ from pagedrs.worker.prompt_logprobs import (
 )
 from pagedrs.worker.sampling_state import SamplingState
 from pagedrs.worker.self_draft import SelfDrafter, default_draft_layers, speculating_rows
-from pagedrs.worker.spec_verify import first_rows, greedy_with_drafts, sample_with_drafts
+from pagedrs.worker.spec_verify import concat_ranges, first_rows, greedy_with_drafts, sample_with_drafts
 from pagedrs.worker.step_buffers import StepBuffers, StepInputs
 
 __all__ = [
@@ -446,7 +446,7 @@ class ModelRunner:
         drafts = self.tp.broadcast_cpu(torch.empty(int(nd.sum()), dtype=torch.int64))
         spec = np.nonzero(nd)[0]
         _, first = speculating_rows(plan, spec)
-        where = np.concatenate([first[i] + 1 + np.arange(nd[s]) for i, s in enumerate(spec)])
+        where = concat_ranges(first + 1, nd[spec])
         ids = inputs.input_ids
         ids.index_copy_(0, torch.as_tensor(where, device=ids.device), drafts.to(ids.device))
 

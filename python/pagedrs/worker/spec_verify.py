@@ -18,13 +18,20 @@ if TYPE_CHECKING:
     from pagedrs._core import StepPlan
     from pagedrs.worker.model_runner import RunnerOutput
 
-__all__ = ["first_rows", "greedy_with_drafts", "sample_with_drafts"]
+__all__ = ["concat_ranges", "first_rows", "greedy_with_drafts", "sample_with_drafts"]
 
 
 def first_rows(num_draft_tokens: np.ndarray) -> np.ndarray:
     """int64 [S]: each sampled sequence's first logits row (its 1 + d rows are consecutive)."""
     sizes = 1 + np.asarray(num_draft_tokens, dtype=np.int64)
     return np.cumsum(sizes) - sizes
+
+
+def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """int64: `starts[i] .. starts[i] + lengths[i]` for every i, one after the other."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    offsets = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(np.asarray(starts, dtype=np.int64), lengths) + offsets
 
 
 def greedy_with_drafts(out: RunnerOutput, plan: StepPlan, logits: Tensor, drafts: np.ndarray) -> None:
@@ -42,17 +49,14 @@ def greedy_with_drafts(out: RunnerOutput, plan: StepPlan, logits: Tensor, drafts
     ids = ids_t.cpu().numpy()
     drafts = np.asarray(drafts, dtype=np.int64)
     starts = first_rows(nd)
-    counts = np.ones(len(nd), dtype=np.int32)
-    at = 0
-    for i in np.flatnonzero(nd):
-        d = int(nd[i])
-        same = ids[starts[i] : starts[i] + d] == drafts[at : at + d]
-        counts[i] += d if same.all() else int(np.argmin(same))
-        at += d
+    # accepted drafts of a sequence: those before its first draft that differs from its row's argmax
+    accepted = nd.copy()
+    misses = np.flatnonzero(ids[concat_ranges(starts, nd)] != drafts)
+    seq_of = np.repeat(np.arange(len(nd)), nd)
+    np.minimum.at(accepted, seq_of[misses], misses - (np.cumsum(nd) - nd)[seq_of[misses]])
+    counts = (accepted + 1).astype(np.int32)
     # the emitted tokens of a sequence are its rows' argmaxes: an accepted draft equals its row's
-    rows = np.repeat(starts, counts) + (
-        np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    )
+    rows = concat_ranges(starts, counts)
     rows_t = torch.as_tensor(rows, device=logits.device)
     chosen = logits.index_select(0, rows_t).gather(-1, ids_t[rows_t].view(-1, 1)).squeeze(-1).float()
     out.sampled_token_ids = ids[rows]
@@ -77,7 +81,7 @@ def sample_with_drafts(
     nd = np.asarray(plan.num_draft_tokens, dtype=np.int64)
     spec = np.nonzero(nd)[0]
     starts = first_rows(nd)
-    idx = np.concatenate([np.arange(starts[i], starts[i] + 1 + nd[i]) for i in spec])
+    idx = concat_ranges(starts[spec], 1 + nd[spec])
     params = [rows[int(i)].params for i in spec]
     vocab = logits.shape[-1]
     drafts = np.asarray(drafts, dtype=np.int64)

@@ -144,7 +144,7 @@ pub fn argmax_logsumexp(
         argmax_lse_portable(xr)
     };
     let (ids_out, lse_out) = (
-        SharedI64(ids.as_mut_ptr()),
+        crate::pool::SharedOut::new(ids),
         crate::pool::SharedOut::new(lse),
     );
     crate::pool::parallel_for(num_threads, rows, &|r| {
@@ -157,21 +157,6 @@ pub fn argmax_logsumexp(
         }
     });
     Ok(())
-}
-
-/// The `ids` output of `argmax_logsumexp`, written at disjoint rows by its tasks.
-#[derive(Clone, Copy)]
-struct SharedI64(*mut i64);
-// SAFETY: each task writes only its own row's element, and `parallel_for` returns after the last one.
-#[allow(unsafe_code)]
-unsafe impl Send for SharedI64 {}
-#[allow(unsafe_code)]
-unsafe impl Sync for SharedI64 {}
-
-impl SharedI64 {
-    fn at(self, i: usize) -> *mut i64 {
-        self.0.wrapping_add(i)
-    }
 }
 
 /// `argmax_logsumexp` of one row once its max is known (`max` not NaN).

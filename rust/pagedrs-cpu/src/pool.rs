@@ -97,22 +97,29 @@ fn join(shared: &Shared, epoch: u64) -> bool {
 }
 
 /// An output buffer that the tasks of one `parallel_for` write at disjoint positions (each task only
-/// its own elements: the caller's invariant, stated at each write).
-#[derive(Clone, Copy)]
-pub struct SharedOut(*mut f32);
+/// its own elements: the caller's invariant, stated at each write). Float32 unless named otherwise.
+pub struct SharedOut<T = f32>(*mut T);
 // SAFETY: the tasks write disjoint elements, and `parallel_for` returns after the last one has.
 #[allow(unsafe_code)]
-unsafe impl Send for SharedOut {}
+unsafe impl<T> Send for SharedOut<T> {}
 #[allow(unsafe_code)]
-unsafe impl Sync for SharedOut {}
+unsafe impl<T> Sync for SharedOut<T> {}
 
-impl SharedOut {
-    pub fn new(out: &mut [f32]) -> Self {
+impl<T> Clone for SharedOut<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for SharedOut<T> {}
+
+impl<T> SharedOut<T> {
+    pub fn new(out: &mut [T]) -> Self {
         SharedOut(out.as_mut_ptr())
     }
 
     /// The element at `offset` (a method, so that closures capture the `Sync` wrapper, not its field).
-    pub fn at(self, offset: usize) -> *mut f32 {
+    pub fn at(self, offset: usize) -> *mut T {
         self.0.wrapping_add(offset)
     }
 }
