@@ -1,10 +1,13 @@
-"""Speculative decoding behind the OpenAI server (in this process, over a tiny random Llama): completions,
-streamed and not, equal `LLM.generate` without speculation, and /metrics counts the drafts."""
+"""Speculative decoding behind the OpenAI server over a tiny random Llama: in this process (n-gram),
+completions, streamed and not, equal `LLM.generate` without speculation and /metrics counts the drafts;
+as `pagedrs serve -tp 2` with a draft model, the same holds across processes."""
 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -12,8 +15,8 @@ import pytest
 
 from pagedrs import LLM, EngineArgs, LLMEngine, SamplingParams
 from pagedrs.entrypoints.openai.app import build_app
-from tests.entrypoints.conftest import API_KEY, ThreadedServer, metric_value
-from tests.helpers import make_tiny_llama
+from tests.entrypoints.conftest import API_KEY, SubprocessServer, ThreadedServer, metric_value, wait_until
+from tests.helpers import child_pids, cmdline, make_tiny_llama, process_gone
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 BASE = ["abcabcabcabcabc", "hello hello hello hello", "the cat sat on the mat, the cat"]
@@ -69,3 +72,55 @@ def test_completions_equal_the_plain_engine_and_metrics_count_drafts(
     accepted = metric_value(metrics, "pagedrs:spec_decode_num_accepted_tokens_total")
     assert drafted > 0 and 0 < accepted <= drafted
     assert metric_value(metrics, "pagedrs:spec_decode_num_drafts_total") > 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_serve_tp2_with_a_draft_model_equals_the_plain_engine(tmp_path: Path) -> None:
+    """`pagedrs serve -tp 2 --speculative-config '{"method": "draft_model", ...}'` in its own process: the
+    flag reaches the engine core, the draft runs on rank 0 and its drafts reach the other rank, so the
+    openai client's greedy completions (plain and streamed chat) equal `LLM.generate` without speculation
+    in one process; /metrics counts the accepted drafts (the target is its own draft, so most are); and
+    SIGTERM leaves no engine core or worker behind."""
+    path = make_tiny_llama(tmp_path / "tiny", arch="llama", seed=1)
+    plain = LLM(str(path), **ENGINE)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].text for o in plain.generate(BASE, greedy, use_tqdm=False)]
+    chat_want = plain.chat([{"role": "user", "content": "hi"}], greedy, use_tqdm=False)[0].outputs[0].text
+    plain.shutdown()
+    spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+    server = SubprocessServer(
+        tmp_path / "data",
+        ["--model", str(path), "-tp", "2", "--seed", "0", "--speculative-config", json.dumps(spec)],
+        api_key=None,
+    )
+    server.start()
+    assert server.proc is not None
+    procs: list[int] = []
+    try:
+        for core in child_pids(server.proc.pid):
+            procs += [core, *child_pids(core)]
+        assert any("pagedrs.executor.rank_main" in cmdline(p) for p in procs), [cmdline(p) for p in procs]
+        client = server.client()
+        name = client.models.list().data[0].id
+        for prompt, text in zip(BASE, want, strict=True):
+            r = client.completions.create(
+                model=name, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+            )
+            assert r.choices[0].text == text
+        stream = client.chat.completions.create(
+            model=name,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == chat_want
+        metrics = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+        drafted = metric_value(metrics, "pagedrs:spec_decode_num_draft_tokens_total")
+        accepted = metric_value(metrics, "pagedrs:spec_decode_num_accepted_tokens_total")
+        assert 0 < accepted <= drafted and accepted >= 0.5 * drafted, (accepted, drafted)
+        assert server.terminate() == 0
+        wait_until(lambda: all(process_gone(p) for p in procs), timeout=60)
+    finally:
+        server.kill()
