@@ -41,6 +41,7 @@ struct Ctx<'a> {
     scale: f32,
     sliding_window: Option<usize>,
     /// Run the AVX2 + FMA copy (the CPU has both).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     avx2: bool,
 }
 
@@ -728,6 +729,7 @@ mod tests {
         out
     }
 
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn vector_exp_is_within_a_few_ulp() {
         if !avx2_available() {

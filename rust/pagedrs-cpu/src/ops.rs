@@ -72,6 +72,7 @@ pub fn silu_and_mul(x: &[f32], d: usize, out: &mut [f32]) -> Result<(), KernelEr
     let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
     for (xr, or) in x.chunks_exact(2 * d).zip(out.chunks_exact_mut(d.max(1))) {
         let (gate, up) = xr.split_at(d);
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut done = 0;
         #[cfg(target_arch = "x86_64")]
         if avx2 {

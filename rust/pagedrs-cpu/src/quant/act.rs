@@ -27,8 +27,8 @@ impl QuantizedActs {
         Self::new_with(super::Isa::detect(), x, rows, k)
     }
 
-    /// `new` on the kernel chosen by the caller: the AVX2 one gives the portable one's bits (the same
-    /// scalar scale, the same products, round-half-to-even in both).
+    /// `new` on the kernel chosen by the caller: the AVX2 and NEON ones give the portable one's bits (the
+    /// same scalar scale, the same products, round-half-to-even in all).
     pub fn new_with(isa: super::Isa, x: &[f32], rows: usize, k: usize) -> Self {
         debug_assert_eq!(x.len(), rows * k);
         debug_assert_eq!(k % SUB, 0);
@@ -47,6 +47,17 @@ impl QuantizedActs {
                 #[allow(unsafe_code)]
                 unsafe {
                     (*d, *s) = quantize_block_avx2(x, q);
+                }
+            }
+            return QuantizedActs { k, rows, qs, d, s };
+        }
+        #[cfg(target_arch = "aarch64")]
+        if matches!(isa, super::Isa::Neon | super::Isa::NeonDot) && isa.is_supported() {
+            for (((x, q), d), s) in blocks {
+                // SAFETY: NEON supported; `x` and `q` are whole blocks of 32.
+                #[allow(unsafe_code)]
+                unsafe {
+                    (*d, *s) = super::neon::quantize_block(x, q);
                 }
             }
             return QuantizedActs { k, rows, qs, d, s };
@@ -111,7 +122,7 @@ pub struct RowGroup<'a, const R: usize> {
     pub s: &'a [f32],
 }
 
-/// Round to nearest (ties to even, as `_mm256_round_ps` does); returns (d, d * sum(q)).
+/// Round to nearest (ties to even, as `_mm256_round_ps` and NEON's `fcvtns` do); returns (d, d * sum(q)).
 #[inline]
 fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32) {
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
@@ -176,7 +187,7 @@ unsafe fn quantize_block_avx2(x: &[f32], q: &mut [i8]) -> (f32, f32) {
 }
 
 /// `dot(dequantized weight row, dequantized activation row)` through the sub-block decoder, in plain
-/// Rust: the fallback on CPUs without AVX2 (and the reference the SIMD kernels are tested against).
+/// Rust: the fallback on CPUs without AVX2 or NEON (and the reference the SIMD kernels are tested against).
 pub fn dot_portable(qt: super::QuantType, wrow: &[u8], a: ActRow<'_>) -> f32 {
     let (bb, subs) = (qt.block_bytes(), qt.block_len() / SUB);
     let mut vals = [0i8; SUB];

@@ -5,14 +5,18 @@
 //! output is a sum of integer dot products (32 weights at a time) times the two block scales. Weight
 //! rows are split over the warm thread pool; each weight row is unpacked once per group of activation
 //! rows (8, 4, 2 or 1 rows; see `row_groups`).
-//! On x86-64 the AVX2 + FMA + F16C kernels are chosen at run time; elsewhere (or without them) the
-//! portable decoder runs.
+//! On x86-64 the AVX2 + FMA + F16C kernels are chosen at run time, on aarch64 the NEON ones (with the
+//! `dotprod` extension's `sdot` where the CPU has it); elsewhere (or without them) the portable decoder
+//! runs.
 
 mod act;
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod avx2;
 mod formats;
+#[cfg(target_arch = "aarch64")]
+#[allow(unsafe_code)]
+mod neon;
 pub mod x8;
 
 pub use act::{dot_portable, ActRow, Interleaved, QuantizedActs, RowGroup};
@@ -27,6 +31,12 @@ pub enum Isa {
     Portable,
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// aarch64 Advanced SIMD (baseline Armv8).
+    #[cfg(target_arch = "aarch64")]
+    Neon,
+    /// Advanced SIMD with the Armv8.2 `dotprod` extension.
+    #[cfg(target_arch = "aarch64")]
+    NeonDot,
 }
 
 impl Isa {
@@ -39,7 +49,53 @@ impl Isa {
         {
             return Isa::Avx2;
         }
+        #[cfg(target_arch = "aarch64")]
+        for isa in [Isa::NeonDot, Isa::Neon] {
+            if isa.is_supported() {
+                return isa;
+            }
+        }
         Isa::Portable
+    }
+
+    /// Whether this CPU runs the kernels.
+    pub fn is_supported(self) -> bool {
+        match self {
+            Isa::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => Isa::detect() == Isa::Avx2,
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+            #[cfg(target_arch = "aarch64")]
+            Isa::NeonDot => {
+                std::arch::is_aarch64_feature_detected!("neon")
+                    && std::arch::is_aarch64_feature_detected!("dotprod")
+            }
+        }
+    }
+
+    /// Every kernel set this CPU runs, the portable one first and the best last.
+    pub fn supported() -> Vec<Isa> {
+        let all = [
+            Isa::Portable,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2,
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon,
+            #[cfg(target_arch = "aarch64")]
+            Isa::NeonDot,
+        ];
+        all.into_iter().filter(|isa| isa.is_supported()).collect()
+    }
+
+    /// Whether the kernels take groups of 8 activation rows for `qt` (the AVX2 block-group kernels).
+    fn takes_eight_rows(self, qt: QuantType) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self == Isa::Avx2 {
+            return matches!(qt, QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0);
+        }
+        let _ = qt;
+        false
     }
 
     pub fn name(self) -> &'static str {
@@ -47,6 +103,10 @@ impl Isa {
             Isa::Portable => "portable",
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => "avx2",
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => "neon",
+            #[cfg(target_arch = "aarch64")]
+            Isa::NeonDot => "neon-dotprod",
         }
     }
 }
@@ -91,8 +151,9 @@ pub fn quant_matmul(
     quant_matmul_with(Isa::detect(), qt, w, x, out, dims, num_threads)
 }
 
-/// `quant_matmul` with the kernels chosen by the caller (tests compare them). `Isa::Avx2` on a CPU
-/// without AVX2, FMA and F16C falls back to the portable kernels.
+/// `quant_matmul` with the kernels chosen by the caller (tests compare them). Kernels this CPU does not
+/// run (`Isa::Avx2` without AVX2, FMA and F16C; `Isa::NeonDot` without `dotprod`) fall back to the
+/// portable ones.
 pub fn quant_matmul_with(
     isa: Isa,
     qt: QuantType,
@@ -142,7 +203,7 @@ fn begin(
     if dims.m == 0 || dims.n == 0 {
         return Ok(None);
     }
-    let isa = if isa == Isa::detect() {
+    let isa = if isa.is_supported() {
         isa
     } else {
         Isa::Portable
@@ -151,7 +212,7 @@ fn begin(
 }
 
 /// `quant_matmul` over W in the x8 layout (`x8::pack`; `n` a multiple of 8), on the kernels chosen by the
-/// caller (`Isa::detect()` for the best); the AVX2 and portable kernels give the same bits (see `x8`).
+/// caller (`Isa::detect()` for the best); the AVX2, NEON and portable kernels give the same bits (see `x8`).
 pub fn quant_matmul_x8_with(
     isa: Isa,
     qt: QuantType,
@@ -202,6 +263,25 @@ pub fn quant_matmul_x8_with(
                     i += r;
                 }
             }
+            #[cfg(target_arch = "aarch64")]
+            if matches!(isa, Isa::Neon | Isa::NeonDot) {
+                // 4 activation rows share each block's loads, then the 1-3 left in one group.
+                while i < d.m {
+                    let r = (d.m - i).min(4);
+                    // SAFETY: the kernels are supported (`begin`); `wg` is `nb` packed blocks, each row
+                    // `nb` sub-blocks.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        match r {
+                            4 => neon_x8_rows::<4>(isa, qt, wg.as_ptr(), nb, &acts, i, &store),
+                            3 => neon_x8_rows::<3>(isa, qt, wg.as_ptr(), nb, &acts, i, &store),
+                            2 => neon_x8_rows::<2>(isa, qt, wg.as_ptr(), nb, &acts, i, &store),
+                            _ => neon_x8_rows::<1>(isa, qt, wg.as_ptr(), nb, &acts, i, &store),
+                        }
+                    }
+                    i += r;
+                }
+            }
             for i in i..d.m {
                 store(i, x8::group_portable(qt, wg, nb, acts.row(i)));
             }
@@ -231,6 +311,29 @@ unsafe fn x8_rows<const R: usize>(
     for (r, a) in acc.into_iter().enumerate() {
         let mut v = [0.0f32; x8::ROWS];
         std::arch::x86_64::_mm256_storeu_ps(v.as_mut_ptr(), a);
+        store(i + r, v);
+    }
+}
+
+/// `x8_rows` on the NEON kernels (`isa` `Neon` or `NeonDot`, supported).
+#[cfg(target_arch = "aarch64")]
+#[allow(unsafe_code)]
+unsafe fn neon_x8_rows<const R: usize>(
+    isa: Isa,
+    qt: QuantType,
+    w: *const u8,
+    nb: usize,
+    acts: &QuantizedActs,
+    i: usize,
+    store: &impl Fn(usize, [f32; x8::ROWS]),
+) {
+    let rows: [ActRow<'_>; R] = std::array::from_fn(|r| acts.row(i + r));
+    let out = if isa == Isa::NeonDot {
+        neon::x8_group_sdot::<R>(qt, w, nb, &rows)
+    } else {
+        neon::x8_group::<R>(qt, w, nb, &rows)
+    };
+    for (r, v) in out.into_iter().enumerate() {
         store(i + r, v);
     }
 }
@@ -328,15 +431,10 @@ struct Tile<'a> {
 
 /// The activation rows split into groups that share each weight row's unpacking: 8 rows at a time for
 /// the AVX2 block-group kernels (Q4_0, Q4_1, Q8_0), 4 for the others (whose per-row accumulators would
-/// not fit the registers at 8), then 2 and 1 for the rest (m = 7 runs as 4 + 2 + 1). Every kernel gives
-/// a row the same bits in any group.
+/// not fit the registers at 8; the NEON kernels' spilled in the inner loop at 8 too), then 2 and 1 for
+/// the rest (m = 7 runs as 4 + 2 + 1). Every kernel gives a row the same bits in any group.
 fn row_groups(isa: Isa, qt: QuantType, acts: &QuantizedActs) -> Vec<Interleaved> {
-    let block_group = matches!(qt, QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0);
-    let max = if isa != Isa::Portable && block_group {
-        8
-    } else {
-        4
-    };
+    let max = if isa.takes_eight_rows(qt) { 8 } else { 4 };
     let mut groups = Vec::new();
     let mut i = 0;
     for r in [8, 4, 2, 1] {
@@ -382,6 +480,21 @@ impl Tile<'_> {
                 #[allow(unsafe_code)]
                 unsafe {
                     avx2::group_rows(self.qt, wrow.as_ptr(), nb, g)
+                }
+            }
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon | Isa::NeonDot => {
+                let nb = self.d.k / self.qt.block_len();
+                // SAFETY: the kernels are supported (`begin`); `wrow` holds `nb` whole blocks, every
+                // activation row `k / 32` sub-blocks (checked in `validate`) and the interleaved sums
+                // 8 floats past any block's start.
+                #[allow(unsafe_code)]
+                unsafe {
+                    if self.isa == Isa::NeonDot {
+                        neon::group_rows_sdot(self.qt, wrow.as_ptr(), nb, g)
+                    } else {
+                        neon::group_rows(self.qt, wrow.as_ptr(), nb, g)
+                    }
                 }
             }
             Isa::Portable => g.rows.map(|r| dot_portable(self.qt, wrow, r)),

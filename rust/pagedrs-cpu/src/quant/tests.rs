@@ -227,11 +227,13 @@ fn activation_quantizers_agree_bit_for_bit() {
     x[32..64].fill(0.0); // an all-zero block: scale 0
     x[64..96].iter_mut().for_each(|v| *v *= 1e-30); // tiny values
     let portable = QuantizedActs::new_with(Isa::Portable, &x, 3, k);
-    let best = QuantizedActs::new_with(Isa::detect(), &x, 3, k);
-    assert_eq!(portable.qs, best.qs);
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-    assert_eq!(bits(&portable.d), bits(&best.d));
-    assert_eq!(bits(&portable.s), bits(&best.s));
+    for isa in isas() {
+        let got = QuantizedActs::new_with(isa, &x, 3, k);
+        assert_eq!(portable.qs, got.qs, "{isa:?}");
+        assert_eq!(bits(&portable.d), bits(&got.d), "{isa:?}");
+        assert_eq!(bits(&portable.s), bits(&got.s), "{isa:?}");
+    }
     assert_eq!(portable.qs[1], -14); // -14.5 rounds to the even -14
     assert_eq!(portable.qs[2], -14); // -13.5 too
     assert!(portable.qs[32..64].iter().all(|&q| q == 0) && portable.d[1] == 0.0);
@@ -269,12 +271,23 @@ fn reference_matmul(
     (y, mag)
 }
 
+/// Every kernel set this CPU runs (on aarch64 with `dotprod`: portable, NEON and NEON with `sdot`).
 fn isas() -> Vec<Isa> {
-    let mut v = vec![Isa::Portable];
-    if Isa::detect() != Isa::Portable {
-        v.push(Isa::detect());
+    Isa::supported()
+}
+
+#[test]
+fn the_detected_isa_is_the_best_supported_one() {
+    let all = Isa::supported();
+    assert_eq!(all[0], Isa::Portable);
+    assert_eq!(all.last(), Some(&Isa::detect()));
+    for isa in all {
+        assert!(isa.is_supported(), "{}", isa.name());
     }
-    v
+    // `.ci/aarch64` names the kernels each emulated CPU must select
+    if let Ok(want) = std::env::var("PAGEDRS_EXPECT_ISA") {
+        assert_eq!(Isa::detect().name(), want);
+    }
 }
 
 #[test]

@@ -19,7 +19,7 @@
 //! against activations 4t..4t+3 broadcast to every lane gives the 8 rows' partial dots side by side
 //! (Q8_0's signed weights through the sign trick: |w| times x with w's sign moved onto x).
 //!
-//! Arithmetic of one output (row of W, row of x), the same in the AVX2 and the portable kernels and for
+//! Arithmetic of one output (row of W, row of x), the same in the AVX2, NEON and portable kernels and for
 //! any number of activation rows, so a row gets the same bits alone or in a batch: per block in order,
 //! `acc = fma(isum, dw * dx, acc)` then `acc = fma(mw, sx, acc)` with `isum` the exact integer dot
 //! (`mw` = the min for Q4_1, `-8 * dw` for Q4_0; `sx` = the activation block's `d * sum(q)`; Q8_0 has no
@@ -105,7 +105,7 @@ pub fn unpack_row(qt: QuantType, packed: &[u8], k: usize, row: usize, out: &mut 
 }
 
 /// The 8 outputs of one packed group (`nb` blocks at `w`) for one activation row, in plain Rust with the
-/// AVX2 kernel's arithmetic (see the module docs).
+/// SIMD kernels' arithmetic (see the module docs).
 pub fn group_portable(qt: QuantType, w: &[u8], nb: usize, a: ActRow<'_>) -> [f32; ROWS] {
     let (bb, head) = (qt.block_bytes() * ROWS, head_bytes(qt));
     let mut acc = [0.0f32; ROWS];
