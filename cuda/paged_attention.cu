@@ -1,6 +1,6 @@
 #line 1 "cuda/paged_attention.cu"
-// Paged attention over the KV cache: decode (one query token per request, split-K) and varlen
-// prefill (several query tokens per request, causal over the cached prefix plus the new tokens).
+// Paged attention over the KV cache: decode (up to a few query tokens per request, split-K) and
+// varlen prefill (longer query chunks, causal over the cached prefix plus the new tokens).
 //
 // Shapes (T = tokens in the step, B = requests, H query heads, KVH kv heads, G = H / KVH):
 //   q            [T, H, HEAD]  head and dim contiguous; token stride q_stride (elements)
@@ -10,9 +10,12 @@
 // Request b owns tokens query_start_loc[b] .. query_start_loc[b+1]-1; its context is seq_lens[b]
 // keys and its query i sits at position seq_lens[b] - q_len + i. A query at position p sees keys
 // [p - sliding_window + 1, p] (all of [0, p] when sliding_window <= 0).
-// Requests with q_len == 1 belong to the decode kernel, the others to a prefill kernel; each
-// kernel skips the other's requests, so both can be launched on a mixed batch with no host-side
-// split. A request with seq_len 0 (CUDA-graph padding) gets a zero output.
+// Requests with 1 <= q_len <= max_decode_query (a launch argument, at most DECODE_MAX_QUERY in
+// attention_ops.py) belong to the decode kernel: one decode step (q_len 1), or a speculative
+// verification (the last token and the k drafts, q_len k + 1), as vLLM's decode kernels take a few
+// query tokens per request. Longer requests belong to a prefill kernel. Each kernel skips the other's
+// requests, so both can be launched on a mixed batch with no host-side split. A request with
+// seq_len 0 (CUDA-graph padding) gets a zero output.
 // Softmax runs in fp32 in base 2: logits are pre-multiplied by scale * log2(e) (scale_log2).
 //
 // An fp8 KV cache (kv_cache_dtype fp8 = e4m3, or e5m2): every attention kernel takes the cache's
@@ -36,24 +39,60 @@ __device__ __forceinline__ long long slot_of(const int* bt, int t, int block_shi
            (t & ((1 << block_shift) - 1));
 }
 
-// Keys [start, ctx) that a decode query (position ctx - 1) sees.
-__device__ __forceinline__ int window_start(int ctx, int sliding_window) {
-    return sliding_window > 0 ? imax(0, ctx - sliding_window) : 0;
+// First key a query at position pos sees.
+__device__ __forceinline__ int window_lo(int pos, int sliding_window) {
+    return sliding_window > 0 ? imax(0, pos - sliding_window + 1) : 0;
+}
+
+// A decode request: its q_len queries sit at positions pos0 .. ctx - 1 and see, together, keys
+// [start, ctx) (start: the window's edge for query 0), cut into num_parts partitions of
+// partition_size keys from start. False for a prefill request (q_len > max_query) or an empty one.
+struct DecodeSeq {
+    int q_begin, q_len, ctx, pos0, start, num_parts;
+};
+__device__ __forceinline__ bool decode_seq(int b, const int* query_start_loc, const int* seq_lens,
+                                           int max_query, int sliding_window, int partition_size,
+                                           DecodeSeq& s)
+{
+    s.q_begin = query_start_loc[b];
+    s.q_len = query_start_loc[b + 1] - s.q_begin;
+    if (s.q_len < 1 || s.q_len > max_query) return false;
+    s.ctx = seq_lens[b];
+    s.pos0 = s.ctx - s.q_len;
+    s.start = window_lo(s.pos0, sliding_window);
+    s.num_parts = (s.ctx - s.start + partition_size - 1) / partition_size;  // 0: padding (ctx 0)
+    return true;
+}
+
+// Split-K scratch row of query qi of decode request b: min(q_begin, b * max_query) + qi, in
+// [0, min(T, B * max_query)). INVARIANT: distinct queries get distinct rows, since every earlier
+// request's rows lie below both q_begin (its tokens come first) and b * max_query (at most
+// max_query rows each, starting at or below b' * max_query).
+__device__ __forceinline__ long long decode_tmp_row(int b, const DecodeSeq& s, int max_query, int qi) {
+    return imin(s.q_begin, b * max_query) + qi;
 }
 
 // ---------------------------------------------------------------------------------------------
-// Decode. grid: (B, KVH * chunks, max_parts), block: 128, chunks = ceil(G / GP).
-// A CTA computes up to GP query heads sharing kv head kh over partition p, keys
-// [start + p * partition_size, ...), so each K/V row is read once per GP heads.
-// max_parts == 1: writes out directly. Otherwise writes tmp_out [B, H, max_parts, HEAD]
-// (normalized by its own sum), max_logits and exp_sums [B, H, max_parts], and
-// paged_attention_reduce combines them. CTAs past a request's partition count exit, so the grid
-// may be sized for the longest possible context (CUDA graphs). The partition's slots are looked up
-// once, up front (all block-table reads in flight together), into shared memory for K and V; K rows
-// are read as 16-byte chunks by 4 lanes each, V rows as 16-byte (8 with many heads or fp8) chunks,
-// two rows per lane group in flight.
+// Decode. grid: (B, KVH * chunks, max_parts), block: 128, chunks = ceil(max_query * G / GP).
+// A request's rows for kv head kh are its q_len * G (query, head) pairs, query-major (row r =
+// query r / G, head kh * G + r % G; with q_len 1 the G heads); a CTA computes up to GP of them,
+// rows [r0, r0 + GP), r0 = (blockIdx.y % chunks) * GP, so each K/V row is read once per GP rows.
+// Partition p of the request holds keys [start + p * partition_size, ...) (DecodeSeq); a CTA reads
+// the part its rows see (from its first row's window edge to its last row's position) and each row
+// takes only its own keys [window_lo(pos), pos] into the softmax: no per-key mask, the other keys'
+// weights are zeroed. A CTA whose rows see none of the partition exits (the reduce reads only the
+// partitions a query sees).
+// max_parts == 1: writes out directly. Otherwise writes tmp_out [R, H, max_parts, HEAD] (normalized
+// by its own sum), max_logits and exp_sums [R, H, max_parts] at row decode_tmp_row (R = min(T,
+// B * max_query)), and paged_attention_reduce combines them. CTAs past a request's rows or partition
+// count exit, so the grid may be sized for the longest possible context and query (CUDA graphs).
+// The partition's slots are looked up once, up front (all block-table reads in flight together),
+// into shared memory for K and V; K rows are read as 16-byte chunks by 4 lanes each, V rows as
+// 16-byte (8 with many rows or fp8) chunks, two rows per lane group in flight. Padding rows (past
+// the request's rows) cost a warp-uniform test per key step, no arithmetic.
 // Dynamic smem (4-byte words): q_s[GP*HEAD] | logits[max(GP*partition_size, kWarps*GP*HEAD)] |
-// max[GP] | sum[GP] | slots[partition_size] (decode_smem_bytes() in attention_ops.py).
+// max[GP] | sum[GP] | dst[GP] (8-byte) | lo[GP] | hi[GP] | slots[partition_size]
+// (decode_smem_bytes() in attention_ops.py).
 template <typename T, int HEAD, int GP, typename C = T>
 __global__ void __launch_bounds__(kThreads) paged_attention_decode(
     T* __restrict__ out, float* __restrict__ tmp_out, float* __restrict__ max_logits,
@@ -61,35 +100,41 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
     const C* __restrict__ k_cache, const C* __restrict__ v_cache,
     const int* __restrict__ block_tables, int block_table_stride, const int* __restrict__ seq_lens,
     const int* __restrict__ query_start_loc, int num_heads, int num_kv_heads, int block_shift,
-    int sliding_window, float scale_log2, int partition_size, int max_parts)
+    int sliding_window, float scale_log2, int partition_size, int max_parts, int max_query)
 {
     extern __shared__ __align__(16) unsigned char pg_smem[];
     const int b = blockIdx.x;
-    const int q_begin = query_start_loc[b];
-    if (query_start_loc[b + 1] - q_begin != 1) return;  // a prefill request
+    DecodeSeq sq;
+    if (!decode_seq(b, query_start_loc, seq_lens, max_query, sliding_window, partition_size, sq))
+        return;  // a prefill request
 
     const int G = num_heads / num_kv_heads;
-    const int chunks = (G + GP - 1) / GP;
+    const int chunks = (max_query * G + GP - 1) / GP;
     const int kh = blockIdx.y / chunks;
-    const int g0 = (blockIdx.y % chunks) * GP;
-    const int ng = imin(GP, G - g0);  // real heads in this CTA; rows ng..GP-1 are padding
-    const int h0 = kh * G + g0;
-    const int ctx = seq_lens[b];
-    const int start = window_start(ctx, sliding_window);
-    const int num_parts = (ctx - start + partition_size - 1) / partition_size;
+    const int r0 = (blockIdx.y % chunks) * GP;
+    const int ng = imin(GP, sq.q_len * G - r0);  // real rows in this CTA; rows ng..GP-1 are padding
+    if (ng <= 0) return;
     const int p = blockIdx.z;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    T* out_row = out + (static_cast<long long>(q_begin) * num_heads + h0) * HEAD;
+    // Row gi of this CTA: query token q_begin + (r0 + gi) / G, head kh * G + (r0 + gi) % G.
+    auto out_index = [&](int gi) {
+        const int r = r0 + gi;
+        return (static_cast<long long>(sq.q_begin + r / G) * num_heads + kh * G + r % G) * HEAD;
+    };
 
-    if (num_parts == 0) {  // empty context (padding): zero output; split mode leaves it to reduce
+    if (sq.num_parts == 0) {  // empty context (padding): zero output; split mode leaves it to reduce
         if (max_parts == 1 && p == 0)
-            for (int i = tid; i < ng * HEAD; i += kThreads) out_row[i] = from_float<T>(0.f);
+            for (int i = tid; i < ng * HEAD; i += kThreads)
+                out[out_index(i / HEAD) + i % HEAD] = from_float<T>(0.f);
         return;
     }
-    if (p >= num_parts) return;
+    if (p >= sq.num_parts) return;
 
-    const int ts = start + p * partition_size;
-    const int te = imin(ts + partition_size, ctx);
+    // Keys [ts, te) of partition p that some row here sees.
+    const int first_pos = sq.pos0 + r0 / G, last_pos = sq.pos0 + (r0 + ng - 1) / G;
+    const int ts = imax(sq.start + p * partition_size, window_lo(first_pos, sliding_window));
+    const int te = imin(sq.start + (p + 1) * partition_size, last_pos + 1);
+    if (ts >= te) return;
     const int n = te - ts;
 
     float* q_s = reinterpret_cast<float*>(pg_smem);
@@ -97,13 +142,30 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
     const int logits_size = imax(GP * partition_size, kWarps * GP * HEAD);
     float* s_max = logits + logits_size;
     float* s_sum = s_max + GP;
-    int* s_slot = reinterpret_cast<int*>(s_sum + GP);  // slot of key ts + i (< 2^31 slots in a pool)
+    // Per row, worked out once (not held in registers through the loops): where its result goes (out
+    // element, or split mode: its scratch row * max_parts + p) and its keys [lo, hi) - ts within [0, n).
+    long long* s_dst = reinterpret_cast<long long*>(s_sum + GP);  // 8-byte aligned: even offset
+    int* s_lo = reinterpret_cast<int*>(s_dst + GP);
+    int* s_hi = s_lo + GP;
+    int* s_slot = s_hi + GP;  // slot of key ts + i (< 2^31 slots in a pool)
 
-    const T* q_row = q + static_cast<long long>(q_begin) * q_stride + static_cast<long long>(h0) * HEAD;
     const int* bt = block_tables + static_cast<long long>(b) * block_table_stride;
     for (int i = tid; i < n; i += kThreads) s_slot[i] = static_cast<int>(slot_of(bt, ts + i, block_shift));
-    for (int i = tid; i < GP * HEAD; i += kThreads)
-        q_s[i] = i / HEAD < ng ? to_float(q_row[i]) * scale_log2 : 0.f;
+    if (tid < ng) {
+        const int r = r0 + tid, qi = r / G, h = kh * G + r % G;
+        const int pos = sq.pos0 + qi;
+        s_dst[tid] = max_parts == 1
+                         ? (static_cast<long long>(sq.q_begin + qi) * num_heads + h) * HEAD
+                         : (decode_tmp_row(b, sq, max_query, qi) * num_heads + h) * max_parts + p;
+        s_lo[tid] = imin(imax(window_lo(pos, sliding_window) - ts, 0), n);
+        s_hi[tid] = imax(imin(pos + 1 - ts, n), s_lo[tid]);
+    }
+    for (int i = tid; i < GP * HEAD; i += kThreads) {
+        const int gi = i / HEAD, r = r0 + gi;
+        q_s[i] = gi < ng ? to_float(q[static_cast<long long>(sq.q_begin + r / G) * q_stride +
+                                      static_cast<long long>(kh * G + r % G) * HEAD + i % HEAD]) * scale_log2
+                         : 0.f;
+    }
     __syncthreads();
 
     const long long kv_row = static_cast<long long>(num_kv_heads) * HEAD;  // elements per slot
@@ -135,6 +197,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
         }
 #pragma unroll
         for (int gi = 0; gi < GP; ++gi) {
+            if (gi >= ng) break;  // CTA-uniform
             float acc = 0.f;
 #pragma unroll
             for (int c = 0; c < KCL; ++c) {
@@ -152,18 +215,23 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
     }
     __syncthreads();
 
-    // Softmax numerators in place, one warp per head.
+    // Softmax numerators in place, one warp per row, over the row's own keys: logits [i0, i1) are
+    // keys [window_lo(pos), pos] (all of [0, n) with q_len 1); the keys outside get weight 0. A row
+    // that sees none of them keeps max -inf and sum 0.
     for (int gi = warp; gi < ng; gi += kWarps) {
+        const int i0 = s_lo[gi], i1 = s_hi[gi];
         float* l = logits + gi * partition_size;
         float m = neg_inf();
-        for (int i = lane; i < n; i += 32) m = fmaxf(m, l[i]);
+        for (int i = i0 + lane; i < i1; i += 32) m = fmaxf(m, l[i]);
         m = warp_max(m);
         float s = 0.f;
-        for (int i = lane; i < n; i += 32) {
+        for (int i = i0 + lane; i < i1; i += 32) {
             const float e = exp2f(l[i] - m);
             l[i] = e;
             s += e;
         }
+        for (int i = lane; i < i0; i += 32) l[i] = 0.f;
+        for (int i = i1 + lane; i < n; i += 32) l[i] = 0.f;
         s = warp_sum(s);
         if (lane == 0) {
             s_max[gi] = m;
@@ -174,7 +242,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
 
     // Weighted V. VL lanes share one value row (VB-byte chunks vl, vl + VL, ...); VTW rows per
     // warp step, VU steps' rows loaded before any is used; each lane accumulates its chunks for all
-    // GP heads (VB = 8 where 16-byte chunks would take more than 64 accumulators).
+    // GP rows (VB = 8 where 16-byte chunks would take more than 64 accumulators).
     constexpr int VB = GP * (16 / static_cast<int>(sizeof(C))) <= 64 ? 16 : 8;
     constexpr int VV = VB / sizeof(C);  // elements per chunk
     constexpr int VC = HEAD / VV;
@@ -211,6 +279,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
             if (t < te) {
 #pragma unroll
                 for (int gi = 0; gi < GP; ++gi) {
+                    if (gi >= ng) break;  // CTA-uniform; padding rows keep zeros
                     const float w = logits[gi * partition_size + (t - ts)];
 #pragma unroll
                     for (int e = 0; e < VCL * VV; ++e) acc[gi][e] += w * vf[u][e];
@@ -246,45 +315,51 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
         float o = 0.f;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) o += red[w * GP * HEAD + i];
-        o /= s_sum[gi];  // >= 1: the max key contributes exp2(0)
+        // sum >= 1 where the row sees a key (its max contributes exp2(0)); 0 where it sees none (a
+        // partition the reduce does not read for this query)
+        o = s_sum[gi] > 0.f ? o / s_sum[gi] : 0.f;
         if (max_parts == 1) {
-            out_row[i] = from_float<T>(o);
+            out[s_dst[gi] + i % HEAD] = from_float<T>(o);
         } else {
-            const long long row = (static_cast<long long>(b) * num_heads + h0 + gi) * max_parts + p;
-            tmp_out[row * HEAD + i % HEAD] = o;
+            tmp_out[s_dst[gi] * HEAD + i % HEAD] = o;
         }
     }
     if (max_parts > 1 && tid < ng) {
-        const long long row = (static_cast<long long>(b) * num_heads + h0 + tid) * max_parts + p;
-        max_logits[row] = s_max[tid];
-        exp_sums[row] = s_sum[tid];
+        max_logits[s_dst[tid]] = s_max[tid];
+        exp_sums[s_dst[tid]] = s_sum[tid];
     }
 }
 
-// Combines decode partitions: out = sum_p w_p * tmp_p / sum_p w_p, w_p = sum_p * 2^(max_p - max).
-// grid: (B, H), block: 128, dynamic smem: (max_parts + kWarps) floats.
+// Combines the partitions query qi of decode request b sees, p0 .. p0 + num_parts - 1 of the
+// request's (all of them with q_len 1; p0 is 0 while a partition holds more keys than the request
+// has queries, as the host sizes them; a partition past the query's position holds nothing for it):
+// out = sum_p w_p * tmp_p / sum_p w_p, w_p = sum_p * 2^(max_p - max).
+// grid: (B, H, max_query), block: 128, dynamic smem: (max_parts + kWarps) floats.
 template <typename T, int HEAD>
 __global__ void __launch_bounds__(kThreads) paged_attention_reduce(
     T* __restrict__ out, const float* __restrict__ tmp_out, const float* __restrict__ max_logits,
     const float* __restrict__ exp_sums, const int* __restrict__ seq_lens,
     const int* __restrict__ query_start_loc, int num_heads, int sliding_window, int partition_size,
-    int max_parts)
+    int max_parts, int max_query)
 {
     extern __shared__ __align__(16) unsigned char pg_smem[];
-    const int b = blockIdx.x, h = blockIdx.y;
-    const int q_begin = query_start_loc[b];
-    if (query_start_loc[b + 1] - q_begin != 1) return;
-    const int ctx = seq_lens[b];
-    const int num_parts = (ctx - window_start(ctx, sliding_window) + partition_size - 1) / partition_size;
+    const int b = blockIdx.x, h = blockIdx.y, qi = blockIdx.z;
+    DecodeSeq sq;
+    if (!decode_seq(b, query_start_loc, seq_lens, max_query, sliding_window, partition_size, sq) ||
+        qi >= sq.q_len)
+        return;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    T* o = out + (static_cast<long long>(q_begin) * num_heads + h) * HEAD;
-    if (num_parts == 0) {
+    T* o = out + (static_cast<long long>(sq.q_begin + qi) * num_heads + h) * HEAD;
+    if (sq.num_parts == 0) {
         for (int d = tid; d < HEAD; d += kThreads) o[d] = from_float<T>(0.f);
         return;
     }
+    const int pos = sq.pos0 + qi;
+    const int p0 = (window_lo(pos, sliding_window) - sq.start) / partition_size;
+    const int num_parts = (pos - sq.start) / partition_size + 1 - p0;
     float* w = reinterpret_cast<float*>(pg_smem);
     float* red = w + max_parts;
-    const long long row = (static_cast<long long>(b) * num_heads + h) * max_parts;
+    const long long row = (decode_tmp_row(b, sq, max_query, qi) * num_heads + h) * max_parts + p0;
 
     float m = neg_inf();
     for (int i = tid; i < num_parts; i += kThreads) m = fmaxf(m, max_logits[row + i]);
@@ -317,14 +392,15 @@ __global__ void __launch_bounds__(kThreads) paged_attention_reduce(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Prefill tile scheduling. A request with q_len > 1 has q_len * G rows (row r = query r / G,
-// head kh * G + r % G) cut into tiles of rows_per_tile; tiles are numbered request after request
-// and CTA x takes tile x. The grid is an upper bound (ceil(T * G / rows) + B), so a CTA may find
-// no tile and exits. Block-wide prefix sum over the requests, kThreads at a time.
+// Prefill tile scheduling. A request with q_len > max_decode_query (the others are the decode
+// kernel's) has q_len * G rows (row r = query r / G, head kh * G + r % G) cut into tiles of
+// rows_per_tile; tiles are numbered request after request and CTA x takes tile x. The grid is an
+// upper bound (ceil(T * G / rows) + B), so a CTA may find no tile and exits. Block-wide prefix
+// sum over the requests, kThreads at a time.
 // sched: 6 ints of shared memory. Returns false when there is no tile for this CTA.
 __device__ __forceinline__ bool find_tile(const int* __restrict__ query_start_loc, int num_seqs,
-                                          int G, int rows_per_tile, int* sched, int& b_out,
-                                          int& tile_out)
+                                          int max_decode_query, int G, int rows_per_tile, int* sched,
+                                          int& b_out, int& tile_out)
 {
     const int x = blockIdx.x;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -335,7 +411,7 @@ __device__ __forceinline__ bool find_tile(const int* __restrict__ query_start_lo
         int n = 0;
         if (b < num_seqs) {
             const int q_len = query_start_loc[b + 1] - query_start_loc[b];
-            if (q_len > 1) n = (q_len * G + rows_per_tile - 1) / rows_per_tile;
+            if (q_len > max_decode_query) n = (q_len * G + rows_per_tile - 1) / rows_per_tile;
         }
         int incl = n;  // inclusive scan within the warp
 #pragma unroll
@@ -414,7 +490,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_prefill(
     const C* __restrict__ k_cache, const C* __restrict__ v_cache,
     const int* __restrict__ block_tables, int block_table_stride, const int* __restrict__ seq_lens,
     const int* __restrict__ query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
-    int block_shift, int sliding_window, float scale_log2)
+    int block_shift, int sliding_window, float scale_log2, int max_decode_query)
 {
     static_assert(sizeof(T) == 2 && HEAD % 16 == 0, "mma prefill: 16-bit types, HEAD % 16 == 0");
     static_assert(MT == 1 || MT == 2, "mma prefill: 16 or 32 rows per warp");
@@ -432,7 +508,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_prefill(
 
     const int G = num_heads / num_kv_heads;
     int b, tile;
-    if (!find_tile(query_start_loc, num_seqs, G, BM, sched, b, tile)) return;
+    if (!find_tile(query_start_loc, num_seqs, max_decode_query, G, BM, sched, b, tile)) return;
     const TileRange tr = tile_range(b, tile, BM, G, query_start_loc, seq_lens, sliding_window);
     const int kh = blockIdx.y;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -692,7 +768,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_prefill_scalar(
     const C* __restrict__ k_cache, const C* __restrict__ v_cache,
     const int* __restrict__ block_tables, int block_table_stride, const int* __restrict__ seq_lens,
     const int* __restrict__ query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
-    int block_shift, int sliding_window, float scale_log2)
+    int block_shift, int sliding_window, float scale_log2, int max_decode_query)
 {
     constexpr int BM = 16, BN = 32, RW = BM / kWarps;
     constexpr int KROW = HEAD + 1;           // odd stride: lane j reading row j is conflict-free
@@ -705,7 +781,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_prefill_scalar(
 
     const int G = num_heads / num_kv_heads;
     int b, tile;
-    if (!find_tile(query_start_loc, num_seqs, G, BM, sched, b, tile)) return;
+    if (!find_tile(query_start_loc, num_seqs, max_decode_query, G, BM, sched, b, tile)) return;
     const TileRange tr = tile_range(b, tile, BM, G, query_start_loc, seq_lens, sliding_window);
     const int kh = blockIdx.y;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;

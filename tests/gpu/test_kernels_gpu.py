@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagedrs.kernels import HEAD_SIZES, copy_blocks, reshape_and_cache
+from pagedrs.kernels.attention_ops import DECODE_MAX_QUERY
 from tests.kernels.paged_case import (
     assert_close,
     attention_reference,
@@ -238,6 +239,44 @@ def test_mixed_ragged_batch(dtype: torch.dtype) -> None:
     assert_close(out, ref, dtype, "mixed batch")
     for i in pad:
         assert torch.equal(out[int(case.query_start_loc[i])], torch.zeros_like(out[0]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_len", [2, 5, 9, DECODE_MAX_QUERY])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [*GQA, (12, 4)])
+@pytest.mark.parametrize("window", [None, 4, 700])
+def test_multi_query_decode(
+    dtype: torch.dtype, q_len: int, num_heads: int, num_kv_heads: int, window: int | None
+) -> None:
+    """Speculative verification on the decode kernel: q_len queries per request over contexts up to 32k
+    (split-K), causal per query, beside one-token steps, a chunk longer than DECODE_MAX_QUERY (prefill)
+    and a padding request (seq_len 0); windows inside the verified tokens and across partitions; group 3
+    cuts a query's heads between CTAs."""
+    rng = random.Random(q_len * 1000 + num_heads)
+    ctx = [q_len, 32768, 4097, 513] + [rng.randint(q_len, 8192) for _ in range(6)]
+    q_lens = [q_len] * len(ctx)
+    q_lens[3] = 1
+    q_lens[5] = DECODE_MAX_QUERY + 1
+    ctx[5] = max(ctx[5], q_lens[5])
+    ctx[6] = 1
+    q_lens[6] = 1
+    case = make_case(
+        q_lens,
+        ctx,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=128,
+        block_size=16,
+        dtype=dtype,
+        device="cuda",
+        seed=rng.randint(0, 1 << 30),
+    )
+    case.seq_lens[6] = 0  # CUDA-graph padding
+    case.ctx_lens[6] = 0
+    case.slot_mapping[int(case.query_start_loc[6])] = -1
+    out, ref = _run(case, scale=128**-0.5, window=window)
+    assert_close(out, ref, dtype, f"decode of {q_len} queries H={num_heads}/{num_kv_heads} window={window}")
+    assert torch.equal(out[int(case.query_start_loc[6])], torch.zeros_like(out[0]))
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])

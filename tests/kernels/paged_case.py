@@ -126,9 +126,11 @@ def run_paged_attention(
     window: int | None = None,
     impl: str = "auto",
     max_seq_len: int | None = None,
+    max_decode_query_len: int | None = None,
 ) -> Tensor:
     """`pagedrs.kernels.paged_attention` for the case's step over kv_cache [2, ...] (holding the step's
-    K/V); out starts as NaN so an unwritten row shows. max_seq_len: an upper bound (CUDA graphs)."""
+    K/V); out starts as NaN so an unwritten row shows. max_seq_len: an upper bound (CUDA graphs);
+    max_decode_query_len: the longest query the decode kernel takes (default: the wrapper's)."""
     from pagedrs.kernels import paged_attention
 
     meta = case.meta()
@@ -145,6 +147,7 @@ def run_paged_attention(
         sliding_window=window,
         max_query_len=meta.max_query_len,
         max_seq_len=max_seq_len or meta.max_seq_len,
+        max_decode_query_len=max_decode_query_len,
         prefill_impl=impl,  # type: ignore[arg-type]
     )
     return out

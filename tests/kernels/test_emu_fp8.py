@@ -1,7 +1,8 @@
 """The CUDA kernels over an fp8 KV cache (kv_cache_dtype fp8 = e4m3, fp8_e5m2), run on the CPU through the
 host emulator: the converting cache write gives the same bytes as the torch backend's rounding (round to
-nearest even, saturation, subnormals, signed zero), and decode (one partition and split-K, windowed) and
-the scalar prefill over the fp8 cache equal a float64 attention over the same fp8 values."""
+nearest even, saturation, subnormals, signed zero), and decode (one query token or several, one partition
+and split-K, windowed) and the prefill kernels over the fp8 cache equal a float64 attention over the same
+fp8 values."""
 
 from __future__ import annotations
 
@@ -66,13 +67,22 @@ def test_fp8_cache_write_equals_torch_rounding(dtype: torch.dtype, fp8: torch.dt
     assert not torch.isnan(cache.float()).any()
 
 
-def _run(case, fp8: torch.dtype, *, scale: float, window=None, monkeypatch=None, max_partition=None):
+def _run(
+    case,
+    fp8: torch.dtype,
+    *,
+    scale: float,
+    window=None,
+    monkeypatch=None,
+    max_partition=None,
+    decode_query=None,
+):
     """The step through the kernels on an fp8 cache, and the float64 reference over the same fp8 values."""
     if max_partition is not None:
         monkeypatch.setattr(attention_ops, "_MAX_PARTITION", max_partition)
     cache = _quantized(case.kv_cache, fp8)
     reshape_and_cache(case.k, case.v, cache[0], cache[1], case.slot_mapping)
-    out = run_paged_attention(case, cache, scale=scale, window=window)
+    out = run_paged_attention(case, cache, scale=scale, window=window, max_decode_query_len=decode_query)
     return out, attention_reference(case, cache.float(), scale=scale, sliding_window=window)
 
 
@@ -81,10 +91,17 @@ def _run(case, fp8: torch.dtype, *, scale: float, window=None, monkeypatch=None,
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_size"), [(8, 2, 32), (4, 4, 80), (6, 2, 32), (16, 2, 32)]
 )
+@pytest.mark.parametrize("decode_query", [None, 1])
 def test_decode_and_prefill_over_fp8_cache(
-    dtype: torch.dtype, fp8: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int
+    dtype: torch.dtype,
+    fp8: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    decode_query: int | None,
 ) -> None:
-    """A mixed step: decodes (one query token) and prefill chunks (several) over cached prefixes."""
+    """A mixed step over cached prefixes: decodes (one query token) and short chunks (several), the chunks
+    on the decode kernel (default) or on the prefill kernel (max_decode_query_len 1)."""
     case = make_case(
         [1, 5, 1, 12, 1],
         [1, 9, 40, 30, 17],
@@ -95,7 +112,7 @@ def test_decode_and_prefill_over_fp8_cache(
         dtype=dtype,
         seed=head_size + num_heads,
     )
-    out, ref = _run(case, fp8, scale=head_size**-0.5)
+    out, ref = _run(case, fp8, scale=head_size**-0.5, decode_query=decode_query)
     assert_close(out, ref, dtype, f"fp8 ({fp8}) cache, {dtype}")
 
 
@@ -117,6 +134,31 @@ def test_split_k_decode_over_fp8_cache(
     )
     out, ref = _run(case, fp8, scale=0.3, window=window, monkeypatch=monkeypatch, max_partition=64)
     assert_close(out, ref, torch.bfloat16, "split-k decode over fp8")
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", HEADS)
+@pytest.mark.parametrize("window", [None, 5, 70])
+def test_multi_query_split_k_decode_over_fp8_cache(
+    fp8: torch.dtype, dtype: torch.dtype, head_size: int, window: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Verifications (k + 1 queries) over an fp8 cache, split into 64-key partitions (forced), GQA 3 (a
+    query's heads cut between CTAs), windows inside the verified tokens and across partitions."""
+    case = make_case(
+        [4, 1, 9, 16],
+        [300, 60, 150, 16],
+        num_heads=6,
+        num_kv_heads=2,
+        head_size=head_size,
+        block_size=16,
+        dtype=dtype,
+        seed=head_size + 7,
+    )
+    out, ref = _run(
+        case, fp8, scale=head_size**-0.5, window=window, monkeypatch=monkeypatch, max_partition=64
+    )
+    assert_close(out, ref, dtype, f"multi-query split-k decode over fp8 ({fp8}), {dtype}")
 
 
 @pytest.mark.parametrize("fp8", FP8)
@@ -146,7 +188,9 @@ def test_every_prefill_kernel_reads_an_fp8_cache(
 
 
 def test_tensor_core_prefill_refuses_float32_queries() -> None:
-    case = make_case([4], [4], num_heads=2, num_kv_heads=2, head_size=32, block_size=16, dtype=torch.float32)
+    case = make_case(
+        [20], [20], num_heads=2, num_kv_heads=2, head_size=32, block_size=16, dtype=torch.float32
+    )
     cache = _quantized(case.kv_cache, torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="tensor-core prefill"):
         run_paged_attention(case, cache, scale=0.2, impl="mma")

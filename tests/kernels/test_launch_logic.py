@@ -1,21 +1,35 @@
 """Host-side launch logic, no GPU and no emulator: split-K partitioning, shared-memory budgets,
-argument validation, CUDA-graph capture sizes."""
+argument validation, the decode / prefill launches a step makes (recorded, not run), CUDA-graph capture
+sizes."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from pagedrs.kernels import HEAD_SIZES, decode_partitions, paged_attention, reshape_and_cache, supports
+from pagedrs.kernels import (
+    HEAD_SIZES,
+    Launch,
+    decode_partitions,
+    paged_attention,
+    reshape_and_cache,
+    set_host_executor,
+    supports,
+)
 from pagedrs.kernels._loader import GROUP_SIZES, PREFILL_MMA_TILES
 from pagedrs.kernels.attention_ops import (
+    DECODE_MAX_QUERY,
+    decode_rows,
     decode_smem_bytes,
     prefill_m_tiles,
     prefill_smem_bytes,
     scalar_prefill_smem_bytes,
 )
+from pagedrs.layers.attention import AttentionMetadata
+from pagedrs.layers.attention.cupy import decode_query_len
 from pagedrs.worker.cuda_graphs import default_capture_sizes
 
 _SMEM_LIMIT = 48 * 1024  # without opting in to more dynamic shared memory
@@ -103,6 +117,123 @@ def test_paged_attention_validates_arguments() -> None:
         _call(key_cache=c, value_cache=c)
     with pytest.raises(RuntimeError, match="CUDA device"):  # valid, but no GPU and no emulator
         _call()
+
+
+def test_max_decode_query_len_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_decode_query_len"):
+        paged_attention(
+            **_args(),
+            scale=0.25,
+            sliding_window=None,
+            max_query_len=2,
+            max_seq_len=2,
+            max_decode_query_len=DECODE_MAX_QUERY + 1,
+        )
+
+
+def test_decode_rows() -> None:
+    """One query: the group's heads, as a decode step always had them; several: (query, head) rows in CTAs
+    of up to 8."""
+    for group in range(1, 13):
+        gp = next((g for g in GROUP_SIZES if g >= group), GROUP_SIZES[-1])
+        assert decode_rows(group, 1) == (gp, -(-group // gp))
+    assert decode_rows(1, 2) == (2, 1) and decode_rows(1, 5) == (8, 1) and decode_rows(1, 9) == (8, 2)
+    assert decode_rows(3, 3) == (8, 2) and decode_rows(8, DECODE_MAX_QUERY) == (8, 16)
+
+
+@pytest.fixture
+def launches() -> Iterator[list[Launch]]:
+    """The launches paged_attention makes on CPU tensors, recorded instead of run."""
+    seen: list[Launch] = []
+    previous = set_host_executor(seen.append)
+    try:
+        yield seen
+    finally:
+        set_host_executor(previous)
+
+
+def _step(q_lens: list[int], *, num_heads: int = 12, **kw: int) -> None:
+    """paged_attention over a batch of these query lengths (1 kv head, head size 16, 4096 keys)."""
+    t = sum(q_lens)
+    q = torch.zeros(t, num_heads, 16, dtype=torch.float16)
+    cache = torch.zeros(300, 16, 1, 16, dtype=torch.float16)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    paged_attention(
+        torch.empty_like(q),
+        q,
+        cache,
+        cache,
+        torch.zeros(len(q_lens), 256, dtype=torch.int32),
+        torch.full((len(q_lens),), 4096, dtype=torch.int32),
+        qsl,
+        scale=0.25,
+        sliding_window=None,
+        max_seq_len=4096,
+        **kw,
+    )
+
+
+def _kernel(spec: Launch) -> str:
+    return spec.name.removeprefix("pagedrs::paged_attention_").split("<")[0]
+
+
+def test_one_token_step_keeps_the_decode_launches(launches: list[Launch]) -> None:
+    """max_query_len 1 (what a CUDA graph captures): group 12 in 2 CTAs of 8 heads, 64 partitions of 64
+    keys, the reduce over (request, head), no prefill launch."""
+    _step([1] * 4, max_query_len=1)
+    assert [_kernel(s) for s in launches] == ["decode", "reduce"]
+    decode, reduce = launches
+    assert decode.name == "pagedrs::paged_attention_decode<pagedrs::half_t, 16, 8>"
+    assert decode.grid == (4, 2, 64) and decode.shared_mem == decode_smem_bytes(16, 8, 64)
+    assert reduce.grid == (4, 12, 1)
+    assert int(decode.args[-1]) == 1 and int(reduce.args[-1]) == 1  # max_query
+
+
+def test_verification_step_runs_on_the_decode_kernel_only(launches: list[Launch]) -> None:
+    _step([5, 1, 3, 5], max_query_len=5)
+    assert [_kernel(s) for s in launches] == ["decode", "reduce"]
+    decode, reduce = launches
+    assert decode.grid[:2] == (4, 8) and reduce.grid == (4, 12, 5)  # ceil(5 * 12 / 8) row chunks
+
+
+def test_long_chunks_go_to_the_prefill_kernel(launches: list[Launch]) -> None:
+    """A step with a chunk past DECODE_MAX_QUERY: both kernels, told the same decode bound; the bound
+    passed (the longest short query) sizes the decode grid; 0 leaves decode out."""
+    _step([1, 3, 40], max_query_len=40)
+    assert [_kernel(s) for s in launches] == ["decode", "reduce", "prefill"]
+    assert launches[0].grid[1] == -(-DECODE_MAX_QUERY * 12 // 8)
+    assert {int(s.args[-1]) for s in launches} == {DECODE_MAX_QUERY}
+    launches.clear()
+    _step([1, 3, 40], max_query_len=40, max_decode_query_len=3)
+    assert launches[0].grid[1] == 5 and {int(s.args[-1]) for s in launches} == {3}
+    launches.clear()
+    _step([40, 20], max_query_len=40, max_decode_query_len=0)
+    assert [_kernel(s) for s in launches] == ["prefill"] and int(launches[0].args[-1]) == 0
+
+
+def _meta(q_lens: list[int]) -> AttentionMetadata:
+    qsl = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    empty = torch.zeros(0, dtype=torch.int32)
+    return AttentionMetadata(
+        slot_mapping=empty.long(),
+        query_start_loc=empty,
+        seq_lens=empty,
+        block_tables=empty.view(0, 0),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=[100] * len(q_lens),
+        max_query_len=max(q_lens),
+        max_seq_len=100,
+        block_size=16,
+    )
+
+
+def test_decode_query_len_of_a_step() -> None:
+    """The cupy backend's bound: max_query_len while it is short, else the longest short query (0: none),
+    found once per step."""
+    assert decode_query_len(_meta([1, 1, 1])) == 1 and decode_query_len(_meta([4, 1, 9])) == 9
+    meta = _meta([1, 5, 300, DECODE_MAX_QUERY + 1])
+    assert decode_query_len(meta) == 5 and meta.cache["cupy_decode_query_len"] == 5
+    assert decode_query_len(_meta([DECODE_MAX_QUERY + 1, 40])) == 0
 
 
 def test_reshape_and_cache_validates_arguments() -> None:

@@ -1,7 +1,8 @@
 """CUDA kernels from `cuda/`, compiled at run time through CuPy (NVRTC) and launched on torch's stream.
 
 - `reshape_and_cache`, `copy_blocks` (cuda/cache_kernels.cu)
-- `paged_attention`: decode (split-K) + varlen prefill (tensor cores on sm_80+) (cuda/paged_attention.cu)
+- `paged_attention`: decode (split-K, up to DECODE_MAX_QUERY query tokens per request) + varlen prefill
+  (tensor cores on sm_80+) (cuda/paged_attention.cu)
 - `compile_check`, `instantiation_groups`: compile every instantiation with NVRTC, no GPU needed
 """
 

@@ -1,8 +1,10 @@
 """Launch wrappers for cuda/paged_attention.cu: decode (split-K + reduction) and varlen prefill.
 
-`paged_attention` runs one flattened varlen batch: the decode kernel takes the requests whose query is one
-token, a prefill kernel the others (each kernel skips the other's requests on the device, so the host
-needs no per-request split and the launch sequence depends only on host integers: CUDA-graph safe).
+`paged_attention` runs one flattened varlen batch: the decode kernel takes the requests whose query is at
+most `max_decode_query_len` tokens (a decode step, or a speculative verification of k drafts: k + 1
+tokens; at most DECODE_MAX_QUERY), a prefill kernel the longer ones (each kernel skips the other's
+requests on the device, so the host needs no per-request split and the launch sequence depends only on
+host integers: CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pagedrs.kernels._loader import (
 )
 
 __all__ = [
+    "DECODE_MAX_QUERY",
     "PrefillImpl",
     "decode_partitions",
     "decode_smem_bytes",
@@ -47,6 +50,13 @@ _THREADS = (128, 1, 1)
 _LOG2E = 1.4426950408889634
 _SCALAR_ROWS = 16  # query rows (token x head) per scalar prefill CTA; the mma one takes 64 * m_tiles
 _MAX_PARTITION, _MIN_PARTITION = 512, 64  # keys per decode partition (split-K)
+# Longest query the decode kernel takes. Its CTA holds at most 8 (query, head) rows (GROUP_SIZES: the
+# accumulators and logits of 8 rows fill its registers and shared memory), so a request of q_len queries
+# takes ceil(q_len * G / 8) CTAs per kv head and partition, each reading the partition's K/V: cheap next to
+# split-K's parallelism over a long context while that is a few CTAs (q_len <= 16: at most 2 * G), and
+# covering speculative verification (k <= 15 drafts). Longer chunks read K/V once per 64 or 128 rows in the
+# tensor-core prefill kernel instead.
+DECODE_MAX_QUERY = 16
 # "mma": tensor cores, tile chosen by prefill_m_tiles; "mma64" / "mma128": that many rows per CTA
 PrefillImpl = Literal["auto", "mma", "mma64", "mma128", "scalar"]
 
@@ -143,8 +153,8 @@ def _device_info(device: torch.device) -> tuple[int, int]:
 
 
 def decode_partitions(num_ctas: int, max_span: int, num_sms: int) -> tuple[int, int]:
-    """(partition_size, max_parts) for the decode kernel. max_span bounds the keys a decode query reads
-    (max_seq_len, or the sliding window). Partitions of up to 512 keys (a power of two), halved (down to
+    """(partition_size, max_parts) for the decode kernel. max_span bounds the keys a decode request's
+    queries read (max_seq_len, or the sliding window plus the queries after the first). Partitions of up to 512 keys (a power of two), halved (down to
     64) while the grid would not fill the device twice: few requests with short contexts still spread
     over the SMs. One partition (sized to the span) when that already fills the device."""
     size = min(_MAX_PARTITION, 1 << max(6, math.ceil(math.log2(max(max_span, 1)))))
@@ -156,10 +166,20 @@ def decode_partitions(num_ctas: int, max_span: int, num_sms: int) -> tuple[int, 
     return size, parts
 
 
+def decode_rows(group: int, max_query: int) -> tuple[int, int]:
+    """(rows per CTA, CTAs per kv head) of the decode kernel for requests of up to max_query queries: the
+    max_query * group (query, head) rows of a (request, kv head) in CTAs of the smallest GROUP_SIZES entry
+    holding them all, else of the largest. With max_query 1: the group's heads, as a decode step."""
+    rows = max(max_query, 1) * group
+    gp = next((g for g in GROUP_SIZES if g >= rows), GROUP_SIZES[-1])
+    return gp, -(-rows // gp)
+
+
 def decode_smem_bytes(head_size: int, group: int, partition_size: int) -> int:
-    """Dynamic shared memory of paged_attention_decode<T, head_size, group> (its header comment)."""
+    """Dynamic shared memory of paged_attention_decode<T, head_size, group> (its header comment; group is
+    the rows per CTA)."""
     logits = max(group * partition_size, 4 * group * head_size)
-    return 4 * (group * head_size + logits + 2 * group + partition_size)
+    return 4 * (group * head_size + logits + 6 * group + partition_size)
 
 
 def _check(name: str, t: Tensor, dtype: torch.dtype, dims: int, device: torch.device) -> None:
@@ -247,6 +267,7 @@ def paged_attention(
     sliding_window: int | None,
     max_query_len: int,
     max_seq_len: int,
+    max_decode_query_len: int | None = None,
     prefill_impl: PrefillImpl = "auto",
 ) -> Tensor:
     """out[t] = attention of query q[t] over its request's cached keys/values.
@@ -255,9 +276,18 @@ def paged_attention(
     (widened to q's dtype as it is read); block_tables [B, M] int32;
     seq_lens [B] int32; query_start_loc [B+1] int32 (all on one device). max_query_len and max_seq_len are
     upper bounds (a CUDA graph passes its capacity); the kernels read the true lengths on the device.
-    Decode rows (q_len 1) and prefill rows go to two kernels launched one after the other; each skips the
-    other's requests on the device."""
+    Requests of 1..max_decode_query_len queries go to the decode kernel (split-K, causal per query), longer
+    ones to a prefill kernel, launched one after the other; each skips the other's requests on the device.
+    max_decode_query_len (0..DECODE_MAX_QUERY; default min(max_query_len, DECODE_MAX_QUERY)) sizes the
+    decode grid: pass the longest such query of the step (1 for a decode step) to keep the grid tight when
+    the step also holds long prefill chunks."""
     shapes = _check_args(out, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    if max_decode_query_len is None:
+        max_decode_query_len = min(max_query_len, DECODE_MAX_QUERY)
+    if not 0 <= max_decode_query_len <= DECODE_MAX_QUERY:
+        raise ValueError(
+            f"max_decode_query_len must be in [0, {DECODE_MAX_QUERY}], got {max_decode_query_len}"
+        )
     if (
         q.stride(2) != 1
         or q.stride(1) != shapes.head_size
@@ -276,6 +306,7 @@ def paged_attention(
         window=window,
         scale_log2=np.float32(scale * _LOG2E),
         block_shift=np.int32(shapes.block_size.bit_length() - 1),
+        max_decode_query=max_decode_query_len,
         common=(
             ptr(key_cache),
             ptr(value_cache),
@@ -285,8 +316,9 @@ def paged_attention(
             ptr(query_start_loc),
         ),
     )
-    _launch_decode(launch_args, out, q, seq_lens, query_start_loc, max_seq_len)
-    if max_query_len > 1:
+    if max_decode_query_len > 0:
+        _launch_decode(launch_args, out, q, seq_lens, query_start_loc, max_seq_len)
+    if max_query_len > max_decode_query_len:
         _launch_prefill(launch_args, out, q, max_query_len, prefill_impl)
     return out
 
@@ -301,27 +333,32 @@ class _LaunchArgs:
     window: int
     scale_log2: np.float32
     block_shift: np.int32
+    max_decode_query: int  # requests of 1..this many queries are the decode kernel's, longer ones prefill's
     common: tuple[Any, ...]  # caches, block tables (and row stride), seq_lens, query_start_loc
 
 
 def _launch_decode(
     a: _LaunchArgs, out: Tensor, q: Tensor, seq_lens: Tensor, query_start_loc: Tensor, max_seq_len: int
 ) -> None:
-    """Decode: every request (the ones with q_len != 1 exit at once), split into partitions of the
-    context when there are too few (request, kv head) pairs to fill the SMs, then reduced. Long because
-    of the two launches' argument lists, one argument per line."""
+    """Decode: every request (the ones longer than a.max_decode_query exit at once), each (request, kv
+    head)'s (query, head) rows in CTAs of up to 8, split into partitions of the context when there are too
+    few CTAs to fill the SMs, then reduced per query. With max_decode_query 1 the launches are those of a
+    one-token decode step (what a CUDA graph captures). Long because of the two launches' argument lists,
+    one argument per line."""
     sh, device = a.shapes, q.device
     num_sms, _ = _device_info(device)
-    group = sh.num_heads // sh.num_kv_heads
-    gp = next((g for g in GROUP_SIZES if g >= group), GROUP_SIZES[-1])
-    chunks = -(-group // gp)
-    max_span = min(max_seq_len, a.window) if a.window else max_seq_len
+    max_query = a.max_decode_query
+    gp, chunks = decode_rows(sh.num_heads // sh.num_kv_heads, max_query)
+    # a request's queries read keys from the first one's window edge to the last one's position
+    max_span = min(max_seq_len, a.window + max_query - 1) if a.window else max_seq_len
     part, max_parts = decode_partitions(sh.num_seqs * sh.num_kv_heads * chunks, max(max_span, 1), num_sms)
     if max_parts > 1:
+        # one scratch row per decode query: min(T, B * max_query) rows (decode_tmp_row in the kernel)
+        rows = min(sh.num_tokens, sh.num_seqs * max_query)
         tmp_out = torch.empty(
-            (sh.num_seqs, sh.num_heads, max_parts, sh.head_size), dtype=torch.float32, device=device
+            (rows, sh.num_heads, max_parts, sh.head_size), dtype=torch.float32, device=device
         )
-        stats = torch.empty((2, sh.num_seqs, sh.num_heads, max_parts), dtype=torch.float32, device=device)
+        stats = torch.empty((2, rows, sh.num_heads, max_parts), dtype=torch.float32, device=device)
         tmp_args = (ptr(tmp_out), ptr(stats[0]), ptr(stats[1]))
     else:
         tmp_args = (ptr(out), ptr(out), ptr(out))  # unused by the single-partition path
@@ -346,6 +383,7 @@ def _launch_decode(
                 a.scale_log2,
                 np.int32(part),
                 np.int32(max_parts),
+                np.int32(max_query),
             ),
         ),
         device,
@@ -356,7 +394,7 @@ def _launch_decode(
                 _SOURCE,
                 a.names,
                 reduce_name(a.ctype, sh.head_size),
-                (sh.num_seqs, sh.num_heads, 1),
+                (sh.num_seqs, sh.num_heads, max_query),
                 _THREADS,
                 4 * (max_parts + 4),
                 (
@@ -368,6 +406,7 @@ def _launch_decode(
                     np.int32(a.window),
                     np.int32(part),
                     np.int32(max_parts),
+                    np.int32(max_query),
                 ),
             ),
             device,
@@ -377,8 +416,8 @@ def _launch_decode(
 def _launch_prefill(
     a: _LaunchArgs, out: Tensor, q: Tensor, max_query_len: int, prefill_impl: PrefillImpl
 ) -> None:
-    """Prefill: requests with q_len > 1; the grid is an upper bound on their row tiles. Tensor-core (mma)
-    tiles on sm80+ for half types, the scalar kernel otherwise."""
+    """Prefill: requests with q_len > a.max_decode_query; the grid is an upper bound on their row tiles.
+    Tensor-core (mma) tiles on sm80+ for half types, the scalar kernel otherwise."""
     sh, device = a.shapes, q.device
     _, arch = _device_info(device)
     group = sh.num_heads // sh.num_kv_heads
@@ -411,6 +450,7 @@ def _launch_prefill(
                 a.block_shift,
                 np.int32(a.window),
                 a.scale_log2,
+                np.int32(a.max_decode_query),
             ),
         ),
         device,

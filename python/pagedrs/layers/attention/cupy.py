@@ -3,23 +3,26 @@ protocol. Chosen by "auto" on CUDA when CuPy imports; the torch backend (torch_r
 semantics it is tested against.
 
 Per layer and step: `reshape_and_cache` writes the new tokens' K/V into their slots, then one
-`paged_attention` call runs the decode kernel (requests with one query token, split-K over long contexts)
-and, when some request has more than one query token, the varlen prefill kernel. The launches depend only
-on host integers of the metadata (max_query_len, max_seq_len), never on per-request host lists, so a
-decode step can be captured in a CUDA graph (worker/cuda_graphs.py).
+`paged_attention` call runs the decode kernel (requests of up to DECODE_MAX_QUERY query tokens: decode
+steps and speculative verifications, causal per query, split-K over long contexts) and, when some request
+has more query tokens, the varlen prefill kernel. The launches depend only on host integers of the
+metadata (max_query_len, max_seq_len, and the longest query the decode kernel takes: max_query_len itself
+unless the step holds a longer chunk), so a decode step can be captured in a CUDA graph
+(worker/cuda_graphs.py).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from pagedrs.config import FP8_MAX
 from pagedrs.kernels import paged_attention, reshape_and_cache, supports
-from pagedrs.kernels.attention_ops import PrefillImpl
+from pagedrs.kernels.attention_ops import DECODE_MAX_QUERY, PrefillImpl
 from pagedrs.layers.attention import AttentionMetadata
 
-__all__ = ["CupyAttentionBackend"]
+__all__ = ["CupyAttentionBackend", "decode_query_len"]
 
 
 class CupyAttentionBackend:
@@ -73,5 +76,21 @@ class CupyAttentionBackend:
             sliding_window=sliding_window,
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
+            max_decode_query_len=decode_query_len(meta),
             prefill_impl=self.prefill_impl,
         )
+
+
+def decode_query_len(meta: AttentionMetadata) -> int:
+    """The longest query of at most DECODE_MAX_QUERY tokens in the step (0: none), which bounds the decode
+    kernel's grid: max_query_len when no request is longer (no host work), else found once per step from
+    the host copy of query_start_loc and kept in meta.cache for the other layers."""
+    if meta.max_query_len <= DECODE_MAX_QUERY:
+        return meta.max_query_len
+    cached = meta.cache.get("cupy_decode_query_len")
+    if not isinstance(cached, int):
+        q_lens = np.diff(np.asarray(meta.query_start_loc_cpu))
+        short = q_lens[(q_lens >= 1) & (q_lens <= DECODE_MAX_QUERY)]
+        cached = int(short.max()) if short.size else 0
+        meta.cache["cupy_decode_query_len"] = cached
+    return cached
