@@ -326,3 +326,27 @@ def test_scheduler_records_the_commit(tmp_path: Path) -> None:
     d = json.loads(out.read_text())
     assert d["commit"] == "abc1" and d["command"].startswith("python ")
     assert [(c["case"], c["running"]) for c in d["cases"]] == [("decode-64", 64)]
+
+
+def test_cpu_gemm_compares_both_matmuls_per_shape(tmp_path: Path) -> None:
+    from pagedrs.layers.onednn import available
+
+    if not available():
+        pytest.skip("torch without oneDNN")
+    out = tmp_path / "g.json"
+    proc = _run(
+        "cpu_gemm.py", "--rows", "2", "--iters", "3", "--json", str(out), cwd=tmp_path, PAGEDRS_COMMIT="c1"
+    )
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(out.read_text())
+    assert d["commit"] == "c1" and d["threads"] == 2
+    names = [r["matmul"] for r in d["results"]]
+    assert names == ["qkv", "o_proj", "gate_up", "down", "head", "step"]
+    for r in d["results"]:
+        assert r["f_linear"] > 0 and r["packed"] > 0
+        assert r["speedup"] == pytest.approx(r["f_linear"] / r["packed"])
+    step = d["results"][-1]
+    per = {r["matmul"]: r for r in d["results"][:-1]}
+    want = sum(per[n]["packed"] * (1 if n == "head" else 30) for n in per)
+    assert step["packed"] == pytest.approx(want)
+    assert "per step: F.linear" in proc.stdout

@@ -14,8 +14,9 @@ and `materialize()`): then only this rank's share is ever read.
 
 Weight format: a layer holds its weight dense (`weight`, multiplied by torch) or, when the checkpoint hands
 it GGUF-quantized pieces of types the CPU kernels take (`GGUFWeight`), as a `QuantizedWeight`, or GPTQ /
-AWQ / FP8 pieces kept packed for a GPU (`PackedInt`, `Fp8`), as a `DevicePackedWeight`; either owns the
-matmul (`qweight`; the dense `weight` is then an empty placeholder). `forward` is the same call either
+AWQ / FP8 pieces kept packed for a GPU (`PackedInt`, `Fp8`), as a `DevicePackedWeight`, or (a dense float32
+weight on a CPU, once the engine has loaded it) packed for oneDNN's matmul, as a `PackedDense`; each owns
+the matmul (`qweight`; the dense `weight` is then an empty placeholder). `forward` is the same call either
 way, so model code never branches on the format.
 
 A layer takes its rank and size from `tp` (a `TPGroup`, whose collectives it uses), or from
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pagedrs.distributed.group import TPGroup
+from pagedrs.layers.onednn import PackedDense
 from pagedrs.layers.packed import DevicePackedWeight, Fp8, PackedInt, PackedPiece
 from pagedrs.layers.quantized import GGUFWeight, QuantizedWeight
 
@@ -132,7 +134,7 @@ class _LinearBase(torch.nn.Module):
         self.tp_size = self.tp.size
         self.weight: Tensor
         self.bias: Tensor | None
-        self.qweight: QuantizedWeight | DevicePackedWeight | None = None
+        self.qweight: QuantizedWeight | DevicePackedWeight | PackedDense | None = None
         # Until every row of the weight has arrived: quantized pieces by first row, and dense rows seen.
         self._qpieces: dict[int, GGUFWeight | PackedPiece] = {}
         self._dense_rows = 0
@@ -499,6 +501,8 @@ class ReplicatedEmbedding(VocabParallelEmbedding):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection hidden -> vocab (this rank's slice of the vocabulary)."""
 
+    packed: PackedDense | None = None  # the float32 table packed for oneDNN's matmul (layers/onednn.py)
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's table, in whichever format it is loaded."""
         self.weight = embedding.weight
@@ -508,7 +512,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         """[N, hidden] -> [N, vocab] float32 on rank 0 (each rank's vocabulary slice gathered there);
         None on the other ranks."""
         qweight = self.quant.weight
-        local = qweight.matmul(hidden) if qweight is not None else F.linear(hidden, self.weight)
+        if qweight is not None:
+            local = qweight.matmul(hidden)
+        elif self.packed is not None and hidden.dtype == torch.float32:
+            local = self.packed.matmul(hidden)
+        else:
+            local = F.linear(hidden, self.weight)
         if local.shape[-1] < self.num_embeddings_per_partition:  # a quantized slice holds no padding rows
             local = F.pad(local, (0, self.num_embeddings_per_partition - local.shape[-1]))
         logits = self.tp.gather_last_dim(local)

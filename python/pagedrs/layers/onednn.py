@@ -1,0 +1,105 @@
+"""Dense float32 weights on a CPU, packed once for oneDNN's matmul (as vLLM's CPU backend and torch.compile's
+CPU freezing pass do).
+
+`F.linear` on a CPU hands each call to MKL's sgemm, which copies ("packs") the whole weight matrix into its
+blocked panel layout on every call: at a decode step's few rows that copy costs about as much as the
+multiply itself, and the output head's 49152 x 576 table is re-packed for every step. Packing once, at
+load, into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`) and multiplying with
+`torch.ops.mkldnn._linear_pointwise` removes it. Measured on the 2-core AVX2 CI machine with 2 threads
+(bench/cpu_gemm.py): the output head at 1 / 16 / 64 rows and the decoder's matmuls are several times to
+tens of percent faster (the table is in the README).
+
+The packed weight takes a layer's `qweight` slot (the dense `weight` becomes an empty placeholder, as for
+the other formats that own the matmul); the output head gets its own packed copy next to the table, which
+the embedding lookups keep reading. Results differ from `F.linear`'s by float32 summation order only.
+`PAGEDRS_ONEDNN=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import Tensor
+
+__all__ = ["PackedDense", "available", "pack_dense_weights"]
+
+logger = logging.getLogger(__name__)
+
+# Rows the blocked layout is chosen for (any row count multiplies; this is oneDNN's hint only).
+_PACK_ROWS = 64
+
+
+def available() -> bool:
+    """oneDNN's packed linear can run here (torch built with it, not turned off by PAGEDRS_ONEDNN=0)."""
+    if os.environ.get("PAGEDRS_ONEDNN", "1") == "0":
+        return False
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class PackedDense:
+    """A dense float32 weight [out, in] in oneDNN's blocked layout, with the matmul of a linear layer."""
+
+    def __init__(self, weight: Tensor) -> None:
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+            raise ValueError(
+                f"PackedDense takes a 2-D float32 CPU weight, got {tuple(weight.shape)} "
+                f"{weight.dtype} on {weight.device}"
+            )
+        self.out_features, self.in_features = (int(s) for s in weight.shape)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_ROWS)
+
+    @property
+    def nbytes(self) -> int:
+        return self.out_features * self.in_features * 4
+
+    def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x [..., in] float32 -> [..., out] (+ bias)."""
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] == 0:
+            out = x.new_zeros(rows.shape[0], self.out_features)
+            return (out if bias is None else out + bias).reshape(*lead, self.out_features)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
+        return out.reshape(*lead, self.out_features)
+
+    def dequantized(self) -> Tensor:
+        """The weight back in its plain [out, in] layout."""
+        return self.packed.to_dense()
+
+
+def pack_dense_weights(model: torch.nn.Module) -> int:
+    """Pack every dense float32 CPU linear weight of `model` (and its output head's table) for oneDNN; returns
+    how many. A no-op where oneDNN's packed linear is not available, or for weights already held in another
+    format (GGUF blocks, Q8_0, GPU-packed)."""
+    from pagedrs.layers.linear import ParallelLMHead, _LinearBase
+
+    if not available():
+        return 0
+    count = 0
+    for m in model.modules():
+        if isinstance(m, _LinearBase):
+            w = m.weight
+            if m.qweight is not None or w.numel() == 0 or w.device.type != "cpu" or w.dtype != torch.float32:
+                continue
+            m.qweight = PackedDense(w.data)
+            w.data = torch.empty(0, w.shape[1], dtype=w.dtype)
+            count += 1
+        elif isinstance(m, ParallelLMHead):
+            w = m.weight
+            if (
+                m.packed is not None
+                or m.quant.weight is not None
+                or w.numel() == 0
+                or w.device.type != "cpu"
+                or w.dtype != torch.float32
+            ):
+                continue
+            m.packed = PackedDense(w.data)  # the table stays: a tied embedding looks rows up in it
+            count += 1
+    if count:
+        logger.info("float32 CPU weights packed for oneDNN's matmul: %d layers", count)
+    return count
