@@ -41,7 +41,7 @@ __device__ __forceinline__ long long slot_of(const int* bt, int t, int block_shi
 
 // First key a query at position pos sees.
 __device__ __forceinline__ int window_lo(int pos, int sliding_window) {
-    return sliding_window > 0 ? imax(0, pos - sliding_window + 1) : 0;
+    return sliding_window > 0 ? imax(0, pos + 1 - sliding_window) : 0;
 }
 
 // A decode request: its q_len queries sit at positions pos0 .. ctx - 1 and see, together, keys
@@ -64,36 +64,44 @@ __device__ __forceinline__ bool decode_seq(int b, const int* query_start_loc, co
     return true;
 }
 
-// Split-K scratch row of query qi of decode request b: min(q_begin, b * max_query) + qi, in
-// [0, min(T, B * max_query)). INVARIANT: distinct queries get distinct rows, since every earlier
-// request's rows lie below both q_begin (its tokens come first) and b * max_query (at most
-// max_query rows each, starting at or below b' * max_query).
-__device__ __forceinline__ long long decode_tmp_row(int b, const DecodeSeq& s, int max_query, int qi) {
-    return imin(s.q_begin, b * max_query) + qi;
+// Split-K scratch row of query qi of decode request b. One-token instance (MQ false): b, in [0, B).
+// Multi-query: min(q_begin, b * max_query) + qi, in [0, min(T, B * max_query)). INVARIANT:
+// distinct queries get distinct rows, since every earlier request's rows lie below both q_begin
+// (its tokens come first) and b * max_query (at most max_query rows each, starting at or below
+// b' * max_query).
+template <bool MQ>
+__device__ __forceinline__ long long decode_tmp_row(int b, int q_begin, int max_query, int qi) {
+    return MQ ? imin(q_begin, b * max_query) + qi : b;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Decode. grid: (B, KVH * chunks, max_parts), block: 128, chunks = ceil(max_query * G / GP).
+// Two instances per (T, HEAD, GP, C): MQ false, launched when every decode request of the step has
+// one query (max_query 1, the argument unread): the one-token decode, whose rows are the G heads of
+// kv head kh; MQ true when some request has 2..max_query (speculative verification). With MQ false
+// every multi-query term below folds away at compile time, so the instance that serves (and CUDA
+// graphs capture for) plain decode keeps the registers of a one-query kernel.
 // A request's rows for kv head kh are its q_len * G (query, head) pairs, query-major (row r =
-// query r / G, head kh * G + r % G; with q_len 1 the G heads); a CTA computes up to GP of them,
-// rows [r0, r0 + GP), r0 = (blockIdx.y % chunks) * GP, so each K/V row is read once per GP rows.
+// query r / G, head kh * G + r % G); a CTA computes up to GP of them, rows [r0, r0 + GP),
+// r0 = (blockIdx.y % chunks) * GP, so each K/V row is read once per GP rows.
 // Partition p of the request holds keys [start + p * partition_size, ...) (DecodeSeq); a CTA reads
 // the part its rows see (from its first row's window edge to its last row's position) and each row
 // takes only its own keys [window_lo(pos), pos] into the softmax: no per-key mask, the other keys'
 // weights are zeroed. A CTA whose rows see none of the partition exits (the reduce reads only the
 // partitions a query sees).
 // max_parts == 1: writes out directly. Otherwise writes tmp_out [R, H, max_parts, HEAD] (normalized
-// by its own sum), max_logits and exp_sums [R, H, max_parts] at row decode_tmp_row (R = min(T,
-// B * max_query)), and paged_attention_reduce combines them. CTAs past a request's rows or partition
-// count exit, so the grid may be sized for the longest possible context and query (CUDA graphs).
+// by its own sum), max_logits and exp_sums [R, H, max_parts] at row decode_tmp_row<MQ> (R = B, or
+// min(T, B * max_query) with MQ), and paged_attention_reduce<T, HEAD, MQ> combines them. CTAs past a
+// request's rows or partition count exit, so the grid may be sized for the longest possible context
+// and query (CUDA graphs).
 // The partition's slots are looked up once, up front (all block-table reads in flight together),
 // into shared memory for K and V; K rows are read as 16-byte chunks by 4 lanes each, V rows as
-// 16-byte (8 with many rows or fp8) chunks, two rows per lane group in flight. Padding rows (past
-// the request's rows) cost a warp-uniform test per key step, no arithmetic.
+// 16-byte (8 with many rows or fp8) chunks, two rows per lane group in flight. With MQ, padding
+// rows (past the request's rows) cost a warp-uniform test per key step, no arithmetic.
 // Dynamic smem (4-byte words): q_s[GP*HEAD] | logits[max(GP*partition_size, kWarps*GP*HEAD)] |
-// max[GP] | sum[GP] | dst[GP] (8-byte) | lo[GP] | hi[GP] | slots[partition_size]
+// max[GP] | sum[GP] | (MQ only: dst[GP] (8-byte) | lo[GP] | hi[GP]) | slots[partition_size]
 // (decode_smem_bytes() in attention_ops.py).
-template <typename T, int HEAD, int GP, typename C = T>
+template <typename T, int HEAD, int GP, typename C = T, bool MQ = false>
 __global__ void __launch_bounds__(kThreads) paged_attention_decode(
     T* __restrict__ out, float* __restrict__ tmp_out, float* __restrict__ max_logits,
     float* __restrict__ exp_sums, const T* __restrict__ q, long long q_stride,
@@ -104,37 +112,46 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
 {
     extern __shared__ __align__(16) unsigned char pg_smem[];
     const int b = blockIdx.x;
-    DecodeSeq sq;
-    if (!decode_seq(b, query_start_loc, seq_lens, max_query, sliding_window, partition_size, sq))
-        return;  // a prefill request
+    const int q_begin = query_start_loc[b];
+    const int q_len = query_start_loc[b + 1] - q_begin;
+    if (q_len < 1 || q_len > (MQ ? max_query : 1)) return;  // a prefill request
 
     const int G = num_heads / num_kv_heads;
-    const int chunks = (max_query * G + GP - 1) / GP;
+    const int chunks = ((MQ ? max_query : 1) * G + GP - 1) / GP;
     const int kh = blockIdx.y / chunks;
     const int r0 = (blockIdx.y % chunks) * GP;
-    const int ng = imin(GP, sq.q_len * G - r0);  // real rows in this CTA; rows ng..GP-1 are padding
-    if (ng <= 0) return;
+    const int ng = imin(GP, (MQ ? q_len : 1) * G - r0);  // real rows here; rows ng..GP-1 are padding
+    if (MQ && ng <= 0) return;
+    const int h0 = kh * G + r0;  // one query: the first head here
+    const int ctx = seq_lens[b];
+    const int pos0 = ctx - (MQ ? q_len : 1);  // the first query's position
+    const int start = window_lo(pos0, sliding_window);
+    const int num_parts = (ctx - start + partition_size - 1) / partition_size;
     const int p = blockIdx.z;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    // Row gi of this CTA: query token q_begin + (r0 + gi) / G, head kh * G + (r0 + gi) % G.
-    auto out_index = [&](int gi) {
-        const int r = r0 + gi;
-        return (static_cast<long long>(sq.q_begin + r / G) * num_heads + kh * G + r % G) * HEAD;
-    };
+    // Row gi of this CTA: query token q_begin + row_query(gi), head row_head(gi).
+    auto row_query = [&](int gi) { return MQ ? (r0 + gi) / G : 0; };
+    auto row_head = [&](int gi) { return MQ ? kh * G + (r0 + gi) % G : h0 + gi; };
+    T* out_row = out + (static_cast<long long>(q_begin) * num_heads + h0) * HEAD;  // one query
 
-    if (sq.num_parts == 0) {  // empty context (padding): zero output; split mode leaves it to reduce
+    if (num_parts == 0) {  // empty context (padding): zero output; split mode leaves it to reduce
         if (max_parts == 1 && p == 0)
-            for (int i = tid; i < ng * HEAD; i += kThreads)
-                out[out_index(i / HEAD) + i % HEAD] = from_float<T>(0.f);
+            for (int i = tid; i < ng * HEAD; i += kThreads) {
+                const int gi = i / HEAD;
+                const long long row = static_cast<long long>(q_begin + row_query(gi)) * num_heads;
+                (MQ ? out[(row + row_head(gi)) * HEAD + i % HEAD] : out_row[i]) = from_float<T>(0.f);
+            }
         return;
     }
-    if (p >= sq.num_parts) return;
+    if (p >= num_parts) return;
 
-    // Keys [ts, te) of partition p that some row here sees.
-    const int first_pos = sq.pos0 + r0 / G, last_pos = sq.pos0 + (r0 + ng - 1) / G;
-    const int ts = imax(sq.start + p * partition_size, window_lo(first_pos, sliding_window));
-    const int te = imin(sq.start + (p + 1) * partition_size, last_pos + 1);
-    if (ts >= te) return;
+    // Keys [ts, te) of partition p that some row here sees (with one query: all of them).
+    int ts = start + p * partition_size, te = imin(ts + partition_size, ctx);
+    if constexpr (MQ) {
+        ts = imax(ts, window_lo(pos0 + row_query(0), sliding_window));
+        te = imin(te, pos0 + row_query(ng - 1) + 1);
+        if (ts >= te) return;
+    }
     const int n = te - ts;
 
     float* q_s = reinterpret_cast<float*>(pg_smem);
@@ -142,29 +159,36 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
     const int logits_size = imax(GP * partition_size, kWarps * GP * HEAD);
     float* s_max = logits + logits_size;
     float* s_sum = s_max + GP;
-    // Per row, worked out once (not held in registers through the loops): where its result goes (out
-    // element, or split mode: its scratch row * max_parts + p) and its keys [lo, hi) - ts within [0, n).
+    // MQ: per row, worked out once (not held in registers through the loops): where its result goes
+    // (out element, or split mode: its scratch row * max_parts + p) and its keys [lo, hi) - ts
+    // within [0, n).
     long long* s_dst = reinterpret_cast<long long*>(s_sum + GP);  // 8-byte aligned: even offset
     int* s_lo = reinterpret_cast<int*>(s_dst + GP);
     int* s_hi = s_lo + GP;
-    int* s_slot = s_hi + GP;  // slot of key ts + i (< 2^31 slots in a pool)
+    // slot of key ts + i (< 2^31 slots in a pool)
+    int* s_slot = MQ ? s_hi + GP : reinterpret_cast<int*>(s_sum + GP);
 
+    const T* q_row = q + static_cast<long long>(q_begin) * q_stride + static_cast<long long>(h0) * HEAD;
     const int* bt = block_tables + static_cast<long long>(b) * block_table_stride;
     for (int i = tid; i < n; i += kThreads) s_slot[i] = static_cast<int>(slot_of(bt, ts + i, block_shift));
-    if (tid < ng) {
-        const int r = r0 + tid, qi = r / G, h = kh * G + r % G;
-        const int pos = sq.pos0 + qi;
-        s_dst[tid] = max_parts == 1
-                         ? (static_cast<long long>(sq.q_begin + qi) * num_heads + h) * HEAD
-                         : (decode_tmp_row(b, sq, max_query, qi) * num_heads + h) * max_parts + p;
-        s_lo[tid] = imin(imax(window_lo(pos, sliding_window) - ts, 0), n);
-        s_hi[tid] = imax(imin(pos + 1 - ts, n), s_lo[tid]);
-    }
-    for (int i = tid; i < GP * HEAD; i += kThreads) {
-        const int gi = i / HEAD, r = r0 + gi;
-        q_s[i] = gi < ng ? to_float(q[static_cast<long long>(sq.q_begin + r / G) * q_stride +
-                                      static_cast<long long>(kh * G + r % G) * HEAD + i % HEAD]) * scale_log2
-                         : 0.f;
+    if constexpr (MQ) {
+        if (tid < ng) {
+            const int qi = row_query(tid), h = row_head(tid), pos = pos0 + qi;
+            const long long tmp_row = decode_tmp_row<MQ>(b, q_begin, max_query, qi);
+            s_dst[tid] = max_parts == 1 ? (static_cast<long long>(q_begin + qi) * num_heads + h) * HEAD
+                                        : (tmp_row * num_heads + h) * max_parts + p;
+            s_lo[tid] = imin(imax(window_lo(pos, sliding_window) - ts, 0), n);
+            s_hi[tid] = imax(imin(pos + 1 - ts, n), s_lo[tid]);
+        }
+        for (int i = tid; i < GP * HEAD; i += kThreads) {
+            const int gi = i / HEAD;
+            const long long at = static_cast<long long>(q_begin + row_query(gi)) * q_stride +
+                                 static_cast<long long>(row_head(gi)) * HEAD + i % HEAD;
+            q_s[i] = gi < ng ? to_float(q[at]) * scale_log2 : 0.f;
+        }
+    } else {
+        for (int i = tid; i < GP * HEAD; i += kThreads)
+            q_s[i] = i / HEAD < ng ? to_float(q_row[i]) * scale_log2 : 0.f;
     }
     __syncthreads();
 
@@ -197,7 +221,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
         }
 #pragma unroll
         for (int gi = 0; gi < GP; ++gi) {
-            if (gi >= ng) break;  // CTA-uniform
+            if (MQ && gi >= ng) break;  // CTA-uniform
             float acc = 0.f;
 #pragma unroll
             for (int c = 0; c < KCL; ++c) {
@@ -216,10 +240,10 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
     __syncthreads();
 
     // Softmax numerators in place, one warp per row, over the row's own keys: logits [i0, i1) are
-    // keys [window_lo(pos), pos] (all of [0, n) with q_len 1); the keys outside get weight 0. A row
-    // that sees none of them keeps max -inf and sum 0.
+    // keys [window_lo(pos), pos] (all of [0, n) with one query); the keys outside get weight 0. A
+    // row that sees none of them keeps max -inf and sum 0.
     for (int gi = warp; gi < ng; gi += kWarps) {
-        const int i0 = s_lo[gi], i1 = s_hi[gi];
+        const int i0 = MQ ? s_lo[gi] : 0, i1 = MQ ? s_hi[gi] : n;
         float* l = logits + gi * partition_size;
         float m = neg_inf();
         for (int i = i0 + lane; i < i1; i += 32) m = fmaxf(m, l[i]);
@@ -230,8 +254,10 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
             l[i] = e;
             s += e;
         }
-        for (int i = lane; i < i0; i += 32) l[i] = 0.f;
-        for (int i = i1 + lane; i < n; i += 32) l[i] = 0.f;
+        if (MQ) {
+            for (int i = lane; i < i0; i += 32) l[i] = 0.f;
+            for (int i = i1 + lane; i < n; i += 32) l[i] = 0.f;
+        }
         s = warp_sum(s);
         if (lane == 0) {
             s_max[gi] = m;
@@ -279,7 +305,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
             if (t < te) {
 #pragma unroll
                 for (int gi = 0; gi < GP; ++gi) {
-                    if (gi >= ng) break;  // CTA-uniform; padding rows keep zeros
+                    if (MQ && gi >= ng) break;  // CTA-uniform; padding rows keep zeros
                     const float w = logits[gi * partition_size + (t - ts)];
 #pragma unroll
                     for (int e = 0; e < VCL * VV; ++e) acc[gi][e] += w * vf[u][e];
@@ -315,27 +341,39 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
         float o = 0.f;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) o += red[w * GP * HEAD + i];
-        // sum >= 1 where the row sees a key (its max contributes exp2(0)); 0 where it sees none (a
-        // partition the reduce does not read for this query)
-        o = s_sum[gi] > 0.f ? o / s_sum[gi] : 0.f;
-        if (max_parts == 1) {
-            out[s_dst[gi] + i % HEAD] = from_float<T>(o);
+        if constexpr (MQ) {
+            // sum >= 1 where the row sees a key (its max contributes exp2(0)); 0 where it sees none
+            // (a partition the reduce does not read for this query)
+            o = s_sum[gi] > 0.f ? o / s_sum[gi] : 0.f;
+            if (max_parts == 1) {
+                out[s_dst[gi] + i % HEAD] = from_float<T>(o);
+            } else {
+                tmp_out[s_dst[gi] * HEAD + i % HEAD] = o;
+            }
         } else {
-            tmp_out[s_dst[gi] * HEAD + i % HEAD] = o;
+            o /= s_sum[gi];  // >= 1: the max key contributes exp2(0)
+            if (max_parts == 1) {
+                out_row[i] = from_float<T>(o);
+            } else {
+                const long long row = (static_cast<long long>(b) * num_heads + h0 + gi) * max_parts + p;
+                tmp_out[row * HEAD + i % HEAD] = o;
+            }
         }
     }
     if (max_parts > 1 && tid < ng) {
-        max_logits[s_dst[tid]] = s_max[tid];
-        exp_sums[s_dst[tid]] = s_sum[tid];
+        const long long row =
+            MQ ? s_dst[tid] : (static_cast<long long>(b) * num_heads + h0 + tid) * max_parts + p;
+        max_logits[row] = s_max[tid];
+        exp_sums[row] = s_sum[tid];
     }
 }
 
 // Combines the partitions query qi of decode request b sees, p0 .. p0 + num_parts - 1 of the
-// request's (all of them with q_len 1; p0 is 0 while a partition holds more keys than the request
+// request's (all of them with one query; p0 is 0 while a partition holds more keys than the request
 // has queries, as the host sizes them; a partition past the query's position holds nothing for it):
-// out = sum_p w_p * tmp_p / sum_p w_p, w_p = sum_p * 2^(max_p - max).
+// out = sum_p w_p * tmp_p / sum_p w_p, w_p = sum_p * 2^(max_p - max). MQ as the decode kernel's.
 // grid: (B, H, max_query), block: 128, dynamic smem: (max_parts + kWarps) floats.
-template <typename T, int HEAD>
+template <typename T, int HEAD, bool MQ = false>
 __global__ void __launch_bounds__(kThreads) paged_attention_reduce(
     T* __restrict__ out, const float* __restrict__ tmp_out, const float* __restrict__ max_logits,
     const float* __restrict__ exp_sums, const int* __restrict__ seq_lens,
@@ -343,10 +381,11 @@ __global__ void __launch_bounds__(kThreads) paged_attention_reduce(
     int max_parts, int max_query)
 {
     extern __shared__ __align__(16) unsigned char pg_smem[];
-    const int b = blockIdx.x, h = blockIdx.y, qi = blockIdx.z;
+    const int b = blockIdx.x, h = blockIdx.y, qi = MQ ? blockIdx.z : 0;
     DecodeSeq sq;
-    if (!decode_seq(b, query_start_loc, seq_lens, max_query, sliding_window, partition_size, sq) ||
-        qi >= sq.q_len)
+    if (!decode_seq(b, query_start_loc, seq_lens, MQ ? max_query : 1, sliding_window, partition_size,
+                    sq) ||
+        (MQ && qi >= sq.q_len))
         return;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     T* o = out + (static_cast<long long>(sq.q_begin + qi) * num_heads + h) * HEAD;
@@ -354,12 +393,15 @@ __global__ void __launch_bounds__(kThreads) paged_attention_reduce(
         for (int d = tid; d < HEAD; d += kThreads) o[d] = from_float<T>(0.f);
         return;
     }
-    const int pos = sq.pos0 + qi;
-    const int p0 = (window_lo(pos, sliding_window) - sq.start) / partition_size;
-    const int num_parts = (pos - sq.start) / partition_size + 1 - p0;
+    int p0 = 0, num_parts = sq.num_parts;
+    if constexpr (MQ) {
+        const int pos = sq.pos0 + qi;
+        p0 = (window_lo(pos, sliding_window) - sq.start) / partition_size;
+        num_parts = (pos - sq.start) / partition_size + 1 - p0;
+    }
     float* w = reinterpret_cast<float*>(pg_smem);
     float* red = w + max_parts;
-    const long long row = (decode_tmp_row(b, sq, max_query, qi) * num_heads + h) * max_parts + p0;
+    const long long row = (decode_tmp_row<MQ>(b, sq.q_begin, max_query, qi) * num_heads + h) * max_parts + p0;
 
     float m = neg_inf();
     for (int i = tid; i < num_parts; i += kThreads) m = fmaxf(m, max_logits[row + i]);

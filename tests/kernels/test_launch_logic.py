@@ -65,7 +65,8 @@ def test_shared_memory_budgets(head_size: int) -> None:
     every sm_80+ part can opt in to (99 KiB on sm_86/89; the launcher opts in past 48 KiB)."""
     for gp in GROUP_SIZES:
         for part in (64, 128, 256, 512):
-            assert decode_smem_bytes(head_size, gp, part) <= _SMEM_LIMIT
+            one = decode_smem_bytes(head_size, gp, part)
+            assert one < decode_smem_bytes(head_size, gp, part, multi_query=True) <= _SMEM_LIMIT
     for mt in PREFILL_MMA_TILES:
         assert prefill_smem_bytes(head_size, mt) <= 99 * 1024
     assert prefill_smem_bytes(head_size, 1) <= _SMEM_LIMIT
@@ -178,21 +179,35 @@ def _kernel(spec: Launch) -> str:
 
 
 def test_one_token_step_keeps_the_decode_launches(launches: list[Launch]) -> None:
-    """max_query_len 1 (what a CUDA graph captures): group 12 in 2 CTAs of 8 heads, 64 partitions of 64
-    keys, the reduce over (request, head), no prefill launch."""
+    """max_query_len 1 (what a CUDA graph captures): the one-token instances (MQ false, the kernels as
+    they were before they took several queries, shared memory included), group 12 in 2 CTAs of 8 heads, 64
+    partitions of 64 keys, the reduce over (request, head), no prefill launch."""
     _step([1] * 4, max_query_len=1)
     assert [_kernel(s) for s in launches] == ["decode", "reduce"]
     decode, reduce = launches
     assert decode.name == "pagedrs::paged_attention_decode<pagedrs::half_t, 16, 8>"
-    assert decode.grid == (4, 2, 64) and decode.shared_mem == decode_smem_bytes(16, 8, 64)
+    assert reduce.name == "pagedrs::paged_attention_reduce<pagedrs::half_t, 16>"
+    assert decode.grid == (4, 2, 64) and decode.shared_mem == decode_smem_bytes(16, 8, 64) == 4 * (
+        128 + 512 + 16 + 64
+    )
     assert reduce.grid == (4, 12, 1)
     assert int(decode.args[-1]) == 1 and int(reduce.args[-1]) == 1  # max_query
 
 
+def test_one_token_requests_beside_long_chunks_keep_the_one_token_instance(launches: list[Launch]) -> None:
+    _step([1, 1, 40], max_query_len=40, max_decode_query_len=1)
+    assert [s.name.endswith(", true>") for s in launches] == [False, False, False]
+    assert [_kernel(s) for s in launches] == ["decode", "reduce", "prefill"]
+
+
 def test_verification_step_runs_on_the_decode_kernel_only(launches: list[Launch]) -> None:
+    """Some request of 2+ queries: the multi-query instances, with their larger shared memory."""
     _step([5, 1, 3, 5], max_query_len=5)
     assert [_kernel(s) for s in launches] == ["decode", "reduce"]
     decode, reduce = launches
+    assert decode.name == "pagedrs::paged_attention_decode<pagedrs::half_t, 16, 8, pagedrs::half_t, true>"
+    assert reduce.name == "pagedrs::paged_attention_reduce<pagedrs::half_t, 16, true>"
+    assert decode.shared_mem == decode_smem_bytes(16, 8, int(decode.args[-3]), multi_query=True)
     assert decode.grid[:2] == (4, 8) and reduce.grid == (4, 12, 5)  # ceil(5 * 12 / 8) row chunks
 
 

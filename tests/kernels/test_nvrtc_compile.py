@@ -163,3 +163,37 @@ def test_tensor_core_prefill_layer_quant_and_lora_kernels_do_not_spill(
     spilled = {n: u for n, u in {**usage, **layer}.items() if u[1]}
     assert not spilled, f"kernels spilling registers on {arch}: {spilled}"
     assert all(regs <= 255 for regs, _ in usage.values())
+
+
+# One-token decode instances where ptxas (NVRTC 13.2) spills one 8-byte stack slot, as it did before the
+# kernel took several queries a request: (arch, head size, group).
+_ONE_TOKEN_DECODE_SPILLS = {("sm_90", 128, 2), ("sm_80", 128, 4)}
+
+
+@pytest.mark.parametrize("arch", _loader.COMPILE_CHECK_ARCHS)
+def test_one_token_decode_does_not_spill(
+    arch: str, nvrtc_ok: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step (what a CUDA graph captures) runs the decode and reduce kernels' one-token instances
+    (MQ false): the multi-query row mapping, per-row key ranges and scratch rows fold away at compile time,
+    so they keep the one-query kernel's registers. ptxas' report shows no spill for 16-bit activations and
+    cache, at every head size and group but the two above; head 128 group 4 (GQA 32/8) fits 64 registers:
+    8 CTAs of 128 threads per SM."""
+    monkeypatch.setenv("PAGEDRS_CUDA_SRC_DIR", str(CUDA_DIR))
+    ctypes = ("pagedrs::half_t", "pagedrs::bf16_t")
+    decode = {
+        _loader.decode_name(ctype, head, group): (head, group)
+        for ctype in ctypes
+        for head in _loader.HEAD_SIZES
+        for group in _loader.GROUP_SIZES
+    }
+    reduce = [_loader.reduce_name(ctype, head) for ctype in ctypes for head in _loader.HEAD_SIZES]
+    usage = _loader.register_usage("paged_attention", [*decode, *reduce], arch)
+    assert set(usage) == {*decode, *reduce}
+    spilled = {
+        n: u
+        for n, u in usage.items()
+        if u[1] and (arch, *decode.get(n, (0, 0))) not in _ONE_TOKEN_DECODE_SPILLS
+    }
+    assert not spilled, f"one-token decode kernels spilling registers on {arch}: {spilled}"
+    assert all(usage[_loader.decode_name(ctype, 128, 4)][0] <= 64 for ctype in ctypes)

@@ -116,12 +116,28 @@ def _cache_arg(cache_ctype: str | None) -> str:
     return f", {cache_ctype}" if cache_ctype is not None else ""
 
 
-def decode_name(ctype: str, head_size: int, group: int, cache_ctype: str | None = None) -> str:
+def decode_name(
+    ctype: str, head_size: int, group: int, cache_ctype: str | None = None, *, multi_query: bool = False
+) -> str:
+    """The decode instance for one query per request (multi_query False: the kernel's MQ = false, its
+    one-token code) or for several (speculative verification)."""
+    if multi_query:
+        return f"pagedrs::paged_attention_decode<{ctype}, {head_size}, {group}, {cache_ctype or ctype}, true>"
     return f"pagedrs::paged_attention_decode<{ctype}, {head_size}, {group}{_cache_arg(cache_ctype)}>"
 
 
-def reduce_name(ctype: str, head_size: int) -> str:
-    return f"pagedrs::paged_attention_reduce<{ctype}, {head_size}>"
+def reduce_name(ctype: str, head_size: int, *, multi_query: bool = False) -> str:
+    return f"pagedrs::paged_attention_reduce<{ctype}, {head_size}{', true' if multi_query else ''}>"
+
+
+def _decode_names(ctype: str, head_size: int, cache_ctype: str | None) -> list[str]:
+    """Decode and the split-K reduction, one-token instances (every group size) and multi-query ones (the
+    group sizes past 1: a request of 2+ queries brings 2+ rows per kv head, attention_ops.decode_rows)."""
+    names = [decode_name(ctype, head_size, g, cache_ctype) for g in GROUP_SIZES]
+    names.append(reduce_name(ctype, head_size))
+    names += [decode_name(ctype, head_size, g, cache_ctype, multi_query=True) for g in GROUP_SIZES if g > 1]
+    names.append(reduce_name(ctype, head_size, multi_query=True))
+    return names
 
 
 # Tensor-core prefill: 16 rows per warp (64 per CTA) or 32 (128 per CTA, FlashAttention-2's tile)
@@ -142,13 +158,12 @@ def fp8_write_name(ctype: str, cache_ctype: str) -> str:
 
 def attention_names(ctype: str, head_size: int, cache_ctype: str | None = None) -> tuple[str, ...]:
     """The instantiations one model needs (one dtype, one head size), compiled together as one module:
-    decode for every group size, the split-K reduction, and the prefill kernels (tensor-core for 16-bit
-    types, scalar for all: fp32, and fp16/bf16 before sm_80). With an fp8 cache (`cache_ctype`, one of
-    CACHE_CTYPES): the same kernels reading it (tensor-core prefill for 16-bit activations) and the
-    converting cache write."""
+    decode for every group size and the split-K reduction (one-token and multi-query instances), and the
+    prefill kernels (tensor-core for 16-bit types, scalar for all: fp32, and fp16/bf16 before sm_80).
+    With an fp8 cache (`cache_ctype`, one of CACHE_CTYPES): the same kernels reading it (tensor-core
+    prefill for 16-bit activations) and the converting cache write."""
+    names = _decode_names(ctype, head_size, cache_ctype)
     if cache_ctype is not None:
-        names = [decode_name(ctype, head_size, g, cache_ctype) for g in GROUP_SIZES]
-        names.append(reduce_name(ctype, head_size))
         if ctype != "float":
             names += [
                 prefill_name(ctype, head_size, mma=True, cache_ctype=cache_ctype, m_tiles=mt)
@@ -157,8 +172,6 @@ def attention_names(ctype: str, head_size: int, cache_ctype: str | None = None) 
         names.append(prefill_name(ctype, head_size, mma=False, cache_ctype=cache_ctype))
         names.append(fp8_write_name(ctype, cache_ctype))
         return tuple(names)
-    names = [decode_name(ctype, head_size, g) for g in GROUP_SIZES]
-    names.append(reduce_name(ctype, head_size))
     if ctype != "float":
         names += [prefill_name(ctype, head_size, mma=True, m_tiles=mt) for mt in PREFILL_MMA_TILES]
     names.append(prefill_name(ctype, head_size, mma=False))

@@ -175,11 +175,11 @@ def decode_rows(group: int, max_query: int) -> tuple[int, int]:
     return gp, -(-rows // gp)
 
 
-def decode_smem_bytes(head_size: int, group: int, partition_size: int) -> int:
+def decode_smem_bytes(head_size: int, group: int, partition_size: int, *, multi_query: bool = False) -> int:
     """Dynamic shared memory of paged_attention_decode<T, head_size, group> (its header comment; group is
-    the rows per CTA)."""
+    the rows per CTA); the multi-query instance adds 4 words a row."""
     logits = max(group * partition_size, 4 * group * head_size)
-    return 4 * (group * head_size + logits + 6 * group + partition_size)
+    return 4 * (group * head_size + logits + (6 if multi_query else 2) * group + partition_size)
 
 
 def _check(name: str, t: Tensor, dtype: torch.dtype, dims: int, device: torch.device) -> None:
@@ -343,18 +343,21 @@ def _launch_decode(
     """Decode: every request (the ones longer than a.max_decode_query exit at once), each (request, kv
     head)'s (query, head) rows in CTAs of up to 8, split into partitions of the context when there are too
     few CTAs to fill the SMs, then reduced per query. With max_decode_query 1 the launches are those of a
-    one-token decode step (what a CUDA graph captures). Long because of the two launches' argument lists,
-    one argument per line."""
+    one-token decode step (what a CUDA graph captures), on the kernels' one-token instances (MQ false);
+    past 1 on the multi-query ones. Long because of the two launches' argument lists, one argument per
+    line."""
     sh, device = a.shapes, q.device
     num_sms, _ = _device_info(device)
     max_query = a.max_decode_query
+    multi_query = max_query > 1
     gp, chunks = decode_rows(sh.num_heads // sh.num_kv_heads, max_query)
     # a request's queries read keys from the first one's window edge to the last one's position
     max_span = min(max_seq_len, a.window + max_query - 1) if a.window else max_seq_len
     part, max_parts = decode_partitions(sh.num_seqs * sh.num_kv_heads * chunks, max(max_span, 1), num_sms)
     if max_parts > 1:
-        # one scratch row per decode query: min(T, B * max_query) rows (decode_tmp_row in the kernel)
-        rows = min(sh.num_tokens, sh.num_seqs * max_query)
+        # one scratch row per decode query (decode_tmp_row in the kernel): a request's, or with several
+        # queries min(T, B * max_query)
+        rows = min(sh.num_tokens, sh.num_seqs * max_query) if multi_query else sh.num_seqs
         tmp_out = torch.empty(
             (rows, sh.num_heads, max_parts, sh.head_size), dtype=torch.float32, device=device
         )
@@ -366,10 +369,10 @@ def _launch_decode(
         Launch(
             _SOURCE,
             a.names,
-            decode_name(a.ctype, sh.head_size, gp, sh.cache_ctype),
+            decode_name(a.ctype, sh.head_size, gp, sh.cache_ctype, multi_query=multi_query),
             (sh.num_seqs, sh.num_kv_heads * chunks, max_parts),
             _THREADS,
-            decode_smem_bytes(sh.head_size, gp, part),
+            decode_smem_bytes(sh.head_size, gp, part, multi_query=multi_query),
             (
                 ptr(out),
                 *tmp_args,
@@ -393,7 +396,7 @@ def _launch_decode(
             Launch(
                 _SOURCE,
                 a.names,
-                reduce_name(a.ctype, sh.head_size),
+                reduce_name(a.ctype, sh.head_size, multi_query=multi_query),
                 (sh.num_seqs, sh.num_heads, max_query),
                 _THREADS,
                 4 * (max_parts + 4),

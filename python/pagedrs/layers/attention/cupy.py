@@ -83,8 +83,9 @@ class CupyAttentionBackend:
 
 def decode_query_len(meta: AttentionMetadata) -> int:
     """The longest query of at most DECODE_MAX_QUERY tokens in the step (0: none), which bounds the decode
-    kernel's grid: max_query_len when no request is longer (no host work), else found once per step from
-    the host copy of query_start_loc and kept in meta.cache for the other layers."""
+    kernel's grid and picks its instance (1: the one-token one, as a decode step beside prefill chunks):
+    max_query_len when no request is longer (no host work), else found once per step from the host copy of
+    query_start_loc and kept in meta.cache for the other layers."""
     if meta.max_query_len <= DECODE_MAX_QUERY:
         return meta.max_query_len
     cached = meta.cache.get("cupy_decode_query_len")
