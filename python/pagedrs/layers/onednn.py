@@ -60,8 +60,7 @@ class PackedDense:
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] == 0:
-            out = x.new_zeros(rows.shape[0], self.out_features)
-            return (out if bias is None else out + bias).reshape(*lead, self.out_features)
+            return x.new_zeros(*lead, self.out_features)
         if not rows.is_contiguous():
             rows = rows.contiguous()
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
@@ -85,26 +84,20 @@ def pack_dense_weights(model: torch.nn.Module) -> int:
     except RuntimeError as exc:  # a torch build whose oneDNN lacks the op for this CPU
         logger.info("float32 CPU weights stay with F.linear: oneDNN's packed linear failed (%s)", exc)
         return 0
+
+    def dense(w: Tensor) -> bool:  # a float32 CPU weight still held dense
+        return w.numel() > 0 and w.device.type == "cpu" and w.dtype == torch.float32
+
     count = 0
     for m in model.modules():
-        if isinstance(m, _LinearBase):
-            w = m.weight
-            if m.qweight is not None or w.numel() == 0 or w.device.type != "cpu" or w.dtype != torch.float32:
-                continue
-            m.qweight = PackedDense(w.data)
-            w.data = torch.empty(0, w.shape[1], dtype=w.dtype)
+        if isinstance(m, _LinearBase) and m.qweight is None and dense(m.weight):
+            m.qweight = PackedDense(m.weight.data)
+            m.weight.data = torch.empty(0, m.weight.shape[1], dtype=m.weight.dtype)
             count += 1
-        elif isinstance(m, ParallelLMHead):
-            w = m.weight
-            if (
-                m.packed is not None
-                or m.quant.weight is not None
-                or w.numel() == 0
-                or w.device.type != "cpu"
-                or w.dtype != torch.float32
-            ):
-                continue
-            m.packed = PackedDense(w.data)  # the table stays: a tied embedding looks rows up in it
+        elif (
+            isinstance(m, ParallelLMHead) and m.packed is None and m.quant.weight is None and dense(m.weight)
+        ):
+            m.packed = PackedDense(m.weight.data)  # the table stays: a tied embedding looks rows up in it
             count += 1
     if count:
         logger.info("float32 CPU weights packed for oneDNN's matmul: %d layers", count)
