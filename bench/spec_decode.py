@@ -110,6 +110,7 @@ def run_config(args: argparse.Namespace, spec: dict[str, Any] | None) -> dict[in
             "verifications": drafts,
             "draft_tokens": proposed,
             "accepted_tokens": accepted,
+            "governor_pauses": after.spec_num_pauses - before.spec_num_pauses,
             "acceptance_rate": accepted / proposed if proposed else None,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
             "token_ids": [list(o.outputs[0].token_ids) for o in outs],
@@ -183,13 +184,13 @@ def main(argv: list[str] | None = None) -> int:
             r["greedy_identical"] = r["token_ids"] == base[b]["token_ids"]
             table.append((name, b, r))
     print(
-        f"{'config':>11} {'batch':>5} {'out tok/s':>10} {'speed-up':>9} {'accept':>7} {'mean len':>8} {'same ids':>8}"
+        f"{'config':>11} {'batch':>5} {'out tok/s':>10} {'speed-up':>9} {'accept':>7} {'mean len':>8} {'same ids':>8} {'pauses':>6}"
     )
     for name, b, r in table:
         rate = "-" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.1f}%"
         mlen = "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
         print(
-            f"{name:>11} {b:>5} {r['output_tok_s']:>10.1f} {r['speedup']:>8.2f}x {rate:>7} {mlen:>8} {str(r['greedy_identical']):>8}"
+            f"{name:>11} {b:>5} {r['output_tok_s']:>10.1f} {r['speedup']:>8.2f}x {rate:>7} {mlen:>8} {str(r['greedy_identical']):>8} {r['governor_pauses']:>6}"
         )
     if args.json:
         for res in runs.values():

@@ -169,6 +169,9 @@ class SchedulerStats:
     def spec_num_draft_tokens(self) -> int: ...
     @property
     def spec_num_accepted_tokens(self) -> int: ...
+    @property
+    def spec_num_pauses(self) -> int:
+        """Engine-wide pauses of speculation measured slower than plain decoding (`spec_adaptive`)."""
 
 class StepPlan:
     """One scheduler step. Every array is a numpy array owned by the plan.
@@ -320,6 +323,14 @@ class Scheduler:
         """`update` for a plan with drafts: sampled sequence i emitted counts[i] tokens (accepted drafts,
         then one more), flattened in token_ids. Returns (finished, kept): kept[i] of sequence i's tokens
         count (fewer when a stop condition ended it early, 0 when it was aborted since schedule())."""
+    def observe_step_time(self, secs: float) -> None:
+        """The wall time of the step last updated, for the governor that pauses speculation measured
+        slower per token than steps without drafts at the same batch size (with `spec_adaptive`): after 8
+        losing speculating steps no sequence proposes for 64 steps, doubling up to 4096 while it keeps
+        losing. Ignored without speculation, or when no step was updated since the last call."""
+    @property
+    def spec_pause_left(self) -> int:
+        """Steps left in the governor's current pause of speculation (0: not paused)."""
     def abort(self, seq_ids: Sequence[int]) -> None: ...
     def resize(self, num_blocks: int) -> None: ...
     def reset_prefix_cache(self) -> bool: ...

@@ -363,8 +363,10 @@ class SpeculativeConfig:
     file or Hub name sharing the target's tokenizer, with its own KV pool over the target's block ids;
     vLLM infers this method from `model` alone). `num_speculative_tokens` drafts are verified per decoding
     sequence and step (at most: with `adaptive`, a sequence proposes one more draft than it had accepted
-    last time, and after a proposal with none accepted it pauses 1, 2, 4, .. 32 decode steps). Speculation
-    pauses for a step while more than `disable_by_batch_size` sequences run (None: the method's default).
+    last time, and after a proposal with none accepted it pauses 1, 2, 4, .. 32 decode steps; engine-wide,
+    speculating steps measured slower per emitted token than steps without drafts at the same batch size
+    pause all proposals for 64 steps, doubling up to 4096 while they keep losing). Speculation pauses for
+    a step while more than `disable_by_batch_size` sequences run (None: the method's default).
     Requests whose sampling keeps per-token state the verifier does not model (penalties, logit_bias,
     min_tokens, LoRA adapters) decode without drafts; logprobs come from each token's verification row; a grammar
     (structured outputs) masks each verified row, so a draft it rejects is cut there."""

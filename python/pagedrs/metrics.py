@@ -53,6 +53,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    spec_num_pauses: int = 0  # engine-wide pauses: speculation measured slower than plain decoding
 
     @property
     def prefix_cache_hit_rate(self) -> float:

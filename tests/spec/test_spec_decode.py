@@ -9,6 +9,7 @@ one process."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +219,42 @@ def test_speculation_pauses_above_the_batch_size(llama: Path) -> None:
     run_all(engine)
     assert not any(drafts for running, drafts in seen if running > 1)
     assert any(drafts for running, drafts in seen if running == 1)
+
+
+def test_speculation_measured_slower_pauses_engine_wide(llama: Path) -> None:
+    """With `adaptive` (the default), steps with drafts that cost more per emitted token than steps
+    without them pause every sequence's proposals (the engine's governor): here each step with drafts is
+    made 40 ms slower, far more than its accepted drafts can save on a tiny model. After the first
+    losing window no drafts for at least 64 steps, the pause counted in the stats; the ids stay those
+    of decoding without speculation."""
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    room = {"num_kv_blocks": 128}  # the whole answer fits
+    want = _llm(llama, None, **room).generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert len(want[0].outputs[0].token_ids) == 400
+    engine = tp_engine(llama, 1, speculative_config=NGRAM, **room)
+    executor = engine.engine_core.executor
+    inner = executor.execute
+    drafted: list[bool] = []
+
+    def execute(plan: Any, *args: Any, **kwargs: Any) -> Any:
+        drafted.append(bool(plan.has_drafts))
+        if plan.has_drafts:
+            time.sleep(0.04)
+        return inner(plan, *args, **kwargs)
+
+    executor.execute = execute  # type: ignore[method-assign]
+    engine.add_request("0", {"prompt_token_ids": prompt}, params)
+    outs = run_all(engine)
+    assert outs["0"].outputs[0].token_ids == want[0].outputs[0].token_ids
+    stats = engine.get_stats()
+    assert stats.spec_num_pauses >= 1, stats
+    longest, run = 0, 0
+    for d in drafted:
+        run = 0 if d else run + 1
+        longest = max(longest, run)
+    assert longest >= 64, drafted  # a sequence's own pause after rejections is at most 32 steps
+    assert sum(drafted) <= 3 * 8, f"{sum(drafted)} steps with drafts in {len(drafted)}"
 
 
 def test_config_is_validated() -> None:

@@ -377,6 +377,8 @@ class EngineCore:
             raise
         self._update(plan, rows, out, outs)
         self._last_step_time = time.perf_counter() - start
+        if self.config.speculative is not None:
+            self.scheduler.observe_step_time(self._last_step_time)
         self._last_batch = len(rows)
         stats = self.get_stats()
         if self.stat_logger is not None:
@@ -507,6 +509,7 @@ class EngineCore:
             spec_num_drafts=int(s.spec_num_drafts),
             spec_num_draft_tokens=int(s.spec_num_draft_tokens),
             spec_num_accepted_tokens=int(s.spec_num_accepted_tokens),
+            spec_num_pauses=int(s.spec_num_pauses),
         )
 
     def resize(self, num_blocks: int) -> int:

@@ -17,6 +17,7 @@ mod resize;
 mod schedule;
 pub mod scheduler;
 pub mod spec;
+pub mod spec_governor;
 pub mod swap_pool;
 mod update;
 pub mod wire;

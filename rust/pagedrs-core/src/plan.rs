@@ -214,6 +214,12 @@ impl Scheduler {
         // Forked children got their rows above: they are written now, with everything else that
         // changed since the last plan.
         self.tables.flush(&self.seqs, &mut p.changed_rows);
+        self.step_shape = Some(crate::spec_governor::StepShape {
+            rows: p.sampled_seq_ids.len(),
+            drafts: p.num_draft_tokens.iter().map(|&d| d as usize).sum(),
+            emitted: 0, // set by update()
+            prefill: p.num_prefill_tokens > 0,
+        });
         self.step += 1;
         if !self.rows.is_empty() {
             self.pending = Some(p.step_id);

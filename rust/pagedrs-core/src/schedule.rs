@@ -23,6 +23,7 @@ impl Scheduler {
         if let Some(step) = self.pending {
             return Err(Error::PlanPending { step });
         }
+        self.step_shape = None;
         let mut ops = PlanOps::default();
         let mut sched = std::mem::take(&mut self.sched);
         sched.clear();
@@ -60,6 +61,7 @@ impl Scheduler {
         }
         let plan = self.build_plan(&sched, ops);
         self.sched = sched;
+        self.spec_governor.tick(); // after this step's spec_active()
         Ok(plan)
     }
 

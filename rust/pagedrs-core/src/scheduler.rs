@@ -37,6 +37,8 @@ pub struct Stats {
     pub spec_num_drafts: u64,
     pub spec_num_draft_tokens: u64,
     pub spec_num_accepted_tokens: u64,
+    /// Engine-wide pauses of speculation measured slower than plain decoding (`spec_governor`).
+    pub spec_num_pauses: u64,
 }
 
 #[derive(Debug)]
@@ -71,6 +73,9 @@ pub struct Scheduler {
     pub(crate) prefix_hits: u64,
     pub(crate) num_preemptions: u64,
     pub(crate) spec_counts: [u64; 3],
+    pub(crate) spec_governor: crate::spec_governor::SpecGovernor,
+    /// The shape of the last updated step, until `observe_step_time()` takes it.
+    pub(crate) step_shape: Option<crate::spec_governor::StepShape>,
     /// Scratch reused every step: (slot, num_new) in batch order.
     pub(crate) sched: Vec<(u32, usize)>,
     pub(crate) hit_scratch: Vec<u32>,
@@ -106,6 +111,8 @@ impl Scheduler {
             prefix_hits: 0,
             num_preemptions: 0,
             spec_counts: [0; 3],
+            spec_governor: Default::default(),
+            step_shape: None,
             sched: Vec::new(),
             hit_scratch: Vec::new(),
             cache_scratch: Vec::new(),
@@ -495,6 +502,7 @@ impl Scheduler {
             spec_num_drafts: self.spec_counts[0],
             spec_num_draft_tokens: self.spec_counts[1],
             spec_num_accepted_tokens: self.spec_counts[2],
+            spec_num_pauses: self.spec_governor.num_pauses(),
         }
     }
 }

@@ -31,13 +31,31 @@ pub fn ngram_propose(tokens: &[u32], min_n: usize, max_n: usize, k: usize) -> &[
 }
 
 impl Scheduler {
-    /// Whether sequences may speculate this step (on, and the batch not above the disable size).
+    /// Whether sequences may speculate this step (on, the batch not above the disable size, and, with
+    /// `spec_adaptive`, no engine-wide pause of the governor).
     pub(crate) fn spec_active(&self) -> bool {
         self.cfg.num_speculative_tokens > 0
             && self
                 .cfg
                 .spec_disable_batch_size
                 .is_none_or(|b| self.num_running_seqs <= b)
+            && !(self.cfg.spec_adaptive && self.spec_governor.paused())
+    }
+
+    /// The wall time of the step last updated (schedule, forward and update), for the governor that
+    /// pauses speculation measured slower than plain decoding (`spec_governor`). Ignored unless
+    /// speculation is on with `spec_adaptive`, or when no step was updated since the last call.
+    pub fn observe_step_time(&mut self, secs: f64) {
+        if let Some(shape) = self.step_shape.take() {
+            if self.cfg.num_speculative_tokens > 0 && self.cfg.spec_adaptive {
+                self.spec_governor.observe(shape, secs);
+            }
+        }
+    }
+
+    /// Steps left in the governor's current pause of speculation (0: not paused).
+    pub fn spec_pause_left(&self) -> u32 {
+        self.spec_governor.pause_left()
     }
 
     /// Fills `drafts` of the decoding sequence `slot` with at most `room` draft tokens and returns
@@ -203,5 +221,67 @@ mod tests {
         assert_eq!(seen, want);
         let st = s.stats();
         assert_eq!(st.spec_num_accepted_tokens, 4 + 1 + 2 + 1 + 2);
+    }
+
+    /// One decode step of the only sequence, its drafts all rejected; it takes 10 ms without drafts
+    /// and 15 ms with (one token either way). Returns its number of drafts.
+    fn reject_all(s: &mut crate::Scheduler) -> usize {
+        let p = s.schedule().unwrap();
+        let d = p.num_draft_tokens[0] as usize;
+        s.update_spec(p.step_id, &[9], &[1]).unwrap();
+        s.observe_step_time(if d > 0 { 0.015 } else { 0.010 });
+        d
+    }
+
+    #[test]
+    fn speculation_measured_slower_pauses_engine_wide() {
+        use crate::spec_governor::{MIN_PAUSE, WINDOW};
+        use crate::{Config, NewRequest, Scheduler, SpecProposer};
+        for adaptive in [true, false] {
+            let mut s = Scheduler::new(Config {
+                num_blocks: 512,
+                block_size: 4,
+                num_speculative_tokens: 2,
+                spec_proposer: SpecProposer::Runner,
+                spec_adaptive: adaptive,
+                ..Config::default()
+            })
+            .unwrap();
+            s.add_request(NewRequest {
+                seq_ids: vec![1],
+                prompt_token_ids: vec![3, 4, 5],
+                max_tokens: 1000,
+                speculate: true,
+                ..Default::default()
+            })
+            .unwrap();
+            let p = s.schedule().unwrap();
+            s.update(p.step_id, &[7]).unwrap();
+            s.observe_step_time(1.0); // a prefill step: no plain rate from it
+                                      // The plain rate comes from the sequence's own pauses after rejected drafts.
+            let mut drafting = 0;
+            for _ in 0..200 {
+                drafting += u32::from(reject_all(&mut s) > 0);
+                if s.spec_pause_left() > 0 {
+                    break;
+                }
+            }
+            let st = s.stats();
+            if adaptive {
+                // The first drafting step had no plain rate to compare with.
+                assert_eq!(drafting, WINDOW + 1, "{st:?}");
+                assert_eq!(st.spec_num_pauses, 1, "{st:?}");
+                assert_eq!(s.spec_pause_left(), MIN_PAUSE);
+                let during: usize = (0..MIN_PAUSE).map(|_| reject_all(&mut s)).sum();
+                assert_eq!(during, 0, "no drafts while paused");
+                assert_eq!(s.spec_pause_left(), 0);
+                s.seqs[0].spec_skip = 0;
+                assert!(reject_all(&mut s) > 0, "drafts again after the pause");
+            } else {
+                assert_eq!(drafting, 200, "every step drafts without spec_adaptive");
+                assert_eq!((st.spec_num_pauses, s.spec_pause_left()), (0, 0));
+            }
+            s.check_invariants().unwrap();
+        }
     }
 }

@@ -51,6 +51,9 @@ impl Scheduler {
         }
         self.check_sampled(tokens, counts)?;
         self.pending = None;
+        if let Some(shape) = self.step_shape.as_mut() {
+            shape.emitted = tokens.len();
+        }
         if self.cfg.enable_prefix_caching {
             self.cache_full_blocks();
         }

@@ -253,6 +253,18 @@ impl PyScheduler {
         Ok((finished, kept.into_pyarray(py).into_any().unbind()))
     }
 
+    /// The wall time in seconds of the step last updated, for the governor that pauses speculation
+    /// measured slower than plain decoding (with `spec_adaptive`).
+    fn observe_step_time(&self, py: Python<'_>, secs: f64) -> PyResult<()> {
+        self.with(py, |s| s.observe_step_time(secs))
+    }
+
+    /// Steps left in the governor's current pause of speculation (0: not paused).
+    #[getter]
+    fn spec_pause_left(&self, py: Python<'_>) -> PyResult<u32> {
+        self.with(py, |s| s.spec_pause_left())
+    }
+
     fn abort(&self, py: Python<'_>, seq_ids: Vec<i64>) -> PyResult<()> {
         self.with(py, |s| s.abort(&seq_ids))
     }

@@ -63,6 +63,7 @@ pub struct PySchedulerStats {
     spec_num_drafts: u64,
     spec_num_draft_tokens: u64,
     spec_num_accepted_tokens: u64,
+    spec_num_pauses: u64,
 }
 
 impl From<Stats> for PySchedulerStats {
@@ -82,6 +83,7 @@ impl From<Stats> for PySchedulerStats {
             spec_num_drafts: s.spec_num_drafts,
             spec_num_draft_tokens: s.spec_num_draft_tokens,
             spec_num_accepted_tokens: s.spec_num_accepted_tokens,
+            spec_num_pauses: s.spec_num_pauses,
         }
     }
 }

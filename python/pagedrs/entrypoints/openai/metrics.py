@@ -158,6 +158,11 @@ class _EngineStatsCollector(Collector):
             "Draft tokens accepted.",
             get("spec_num_accepted_tokens"),
         )
+        yield c(
+            "pagedrs:spec_decode_num_pauses",
+            "Engine-wide pauses of speculation measured slower than decoding without it.",
+            get("spec_num_pauses"),
+        )
 
 
 class ServerMetrics:
