@@ -48,8 +48,11 @@ def quant_matmul(
     col0: int = 0,
     num_threads: int = 1,
     packed: bool = False,
+    isa: str | None = None,
 ) -> None:
-    """out[:, col0:col0 + N] = x @ W^T with W kept in a GGUF block layout; GIL released.
+    """out[:, col0:col0 + N] = x @ W^T with W kept in a GGUF block layout; GIL released. `isa`: the
+    kernels (a `quant_isa()` name; default the chosen ones; ones this CPU lacks fall back to the
+    portable ones; ValueError for a name of no kernel set).
 
     x float32 [M, K]; weight uint8 [N, row_bytes] (each row its GGUF blocks of type ``ggml_type``, a
     ``gguf.GGMLQuantizationType`` value; with ``packed``, the layout of ``quant_pack_x8``); out float32
@@ -73,7 +76,9 @@ def quant_type_ids() -> list[int]:
     """GGML type ids the quantized kernels take (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)."""
 
 def quant_isa() -> str:
-    """The kernels quant_matmul runs on this CPU: "avx2" or "portable"."""
+    """The kernels quant_matmul runs on this CPU: "avx512-vnni" (the AVX2 kernels with AVX-512 VNNI in
+    the x8 ones), "avx2", "neon-dotprod", "neon" or "portable"; `PAGEDRS_CPU_ISA` may name a lower
+    supported one (read once per process)."""
 
 def cpu_pool_workers() -> int:
     """Worker threads of the CPU kernels' pool (the calling thread is one more)."""

@@ -8,6 +8,8 @@ may differ from float32 x times the dequantized weight by at most max|x| / 254 *
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -22,13 +24,13 @@ from pagedrs.layers.linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from pagedrs.layers.quantized import GGUFWeight, QuantizedWeight, kernel_types
+from pagedrs.layers.quantized import X8_ISAS, GGUFWeight, QuantizedWeight, kernel_types
 from tests.layers.helpers_quant import KERNEL_TYPES, Q, dequantized, error_bound, random_weight
 
 
 def test_kernel_types_are_the_eight_gguf_types():
     assert kernel_types() == frozenset(int(t) for t in KERNEL_TYPES)
-    assert _core.quant_isa() in ("avx2", "portable")
+    assert _core.quant_isa() in ("avx512-vnni", "avx2", "portable")
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
@@ -171,10 +173,10 @@ def test_long_chunks_take_a_float32_gemm_over_the_dequantized_weight():
     rows = quantized.DEQUANT_MIN_ROWS
     assert qw.dequant_min_rows == rows  # pieces of 6 and 5 rows: not in the x8 layout
     x8 = QuantizedWeight([random_weight(Q.Q4_1, 16, 64, 5)])
-    want = quantized.DEQUANT_MIN_ROWS_X8 if _core.quant_isa() == "avx2" else rows
+    want = quantized.DEQUANT_MIN_ROWS_X8 if _core.quant_isa() in X8_ISAS else rows
     assert x8.dequant_min_rows == want
     q8 = QuantizedWeight([random_weight(Q.Q8_0, 16, 64, 5)])  # x8 too, but cheap to dequantize
-    assert q8.runs[0].packed == (_core.quant_isa() == "avx2") and q8.dequant_min_rows == rows
+    assert q8.runs[0].packed == (_core.quant_isa() in X8_ISAS) and q8.dequant_min_rows == rows
     x = torch.randn(rows + 3, 64, generator=torch.Generator().manual_seed(4))
     torch.testing.assert_close(qw.matmul(x), x @ dense.T, rtol=1e-5, atol=1e-5)
     short = qw.matmul(x[: rows - 1])
@@ -224,10 +226,60 @@ def test_x8_layout_multiplies_and_dequantizes_as_the_file_layout(qtype):
     _core.quant_get_rows(packed, int(qtype), ids, rows, packed=True)
     torch.testing.assert_close(torch.from_numpy(rows), dense[ids], rtol=1e-6, atol=1e-7)
     qw = QuantizedWeight([w])
-    assert qw.runs[0].packed == (_core.quant_isa() == "avx2")
+    assert qw.runs[0].packed == (_core.quant_isa() in X8_ISAS)
     if qw.runs[0].packed:
         assert torch.equal(qw.matmul(x), full)
     torch.testing.assert_close(qw.dequantized(), dense, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K], ids=lambda t: t.name)
+def test_every_kernel_set_gives_the_same_bits(qtype):
+    """`isa=` picks the kernels (AVX-512 VNNI's `vpdpbusd` in the x8 layout, AVX2's `maddubs`; ones
+    this CPU lacks give way to the nearest below): AVX-512 VNNI, AVX2 and the default give equal bits
+    at 1-9 rows in both layouts, and the portable decoder too in the x8 layout (the file layout's
+    AVX2 kernels sum in another order: within the error bound); an unknown name is a ValueError."""
+    n, k = 24, 8 * 32 if qtype != Q.Q4_K else 256
+    w = random_weight(qtype, n, k, seed=3)
+    x = (torch.randn(9, k, generator=torch.Generator().manual_seed(3)) * 4).numpy()
+    layouts = [(w.data, False)]
+    if qtype != Q.Q4_K:
+        layouts.append((_core.quant_pack_x8(w.data, int(qtype)), True))
+    bound = error_bound(torch.from_numpy(x), dequantized(w)).numpy()
+    for data, packed in layouts:
+        want = np.empty((9, n), dtype=np.float32)
+        _core.quant_matmul(x, data, int(qtype), want, 0, 2, packed, isa="avx2")
+        assert (np.abs(want - x @ dequantized(w).numpy().T) <= bound).all()
+        for isa in ("avx512-vnni", None, "portable"):
+            for m in (1, 2, 4, 5, 9):
+                got = np.empty((m, n), dtype=np.float32)
+                _core.quant_matmul(x[:m], data, int(qtype), got, 0, 2, packed, isa=isa)
+                if isa == "portable" and not packed:
+                    assert (np.abs(got - want[:m]) <= 2 * bound[:m]).all()
+                else:
+                    assert np.array_equal(got.view(np.uint32), want[:m].view(np.uint32)), (isa, m, packed)
+    with pytest.raises(ValueError, match="avx1024"):
+        _core.quant_matmul(x[:1], w.data, int(qtype), np.empty((1, n), np.float32), isa="avx1024")
+
+
+def test_the_cpu_isa_variable_caps_the_kernels():
+    """PAGEDRS_CPU_ISA names lower kernels for comparisons (as oneDNN's ONEDNN_MAX_CPU_ISA); a name this
+    CPU does not run, or no kernel set's name, leaves the best ones."""
+    import subprocess
+    import sys
+
+    def isa(value: str | None) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "PAGEDRS_CPU_ISA"}
+        if value is not None:
+            env["PAGEDRS_CPU_ISA"] = value
+        code = "from pagedrs import _core; print(_core.quant_isa())"
+        return subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    best = isa(None)
+    assert isa("portable") == "portable"
+    assert isa("avx1024") == best
+    assert isa("neon" if best in ("avx2", "avx512-vnni") else "avx2") == best
 
 
 def test_x8_layout_refuses_what_it_cannot_lay_out():

@@ -122,11 +122,13 @@ class _Run:
 # Q8_0 output head, 49152 x 576, 2 threads: 0.70 -> 0.56 ms at 1 row, 2.2 -> 1.3 ms at 5, 6.4 -> 4.6 ms
 # at 16).
 _X8_TYPES = frozenset({2, 3, 8})  # gguf.GGMLQuantizationType.Q4_0, Q4_1, Q8_0
+# The kernel sets (`_core.quant_isa()`) that take that layout: AVX2, and AVX2 with AVX-512 VNNI.
+X8_ISAS = frozenset({"avx2", "avx512-vnni"})
 
 
 def _packed_run(ggml_type: int, data: npt.NDArray[np.uint8], col0: int, n: int) -> _Run:
     """The run, repacked where the kernels have a faster layout for it on this CPU."""
-    if ggml_type in _X8_TYPES and n % 8 == 0 and _core.quant_isa() == "avx2":
+    if ggml_type in _X8_TYPES and n % 8 == 0 and _core.quant_isa() in X8_ISAS:
         return _Run(ggml_type, _core.quant_pack_x8(data, ggml_type), col0, n, packed=True)
     return _Run(ggml_type, data, col0, n)
 

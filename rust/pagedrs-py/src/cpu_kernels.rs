@@ -139,10 +139,10 @@ pub fn quant_type_ids() -> Vec<u32> {
     QuantType::ALL.iter().map(|t| t.ggml_id()).collect()
 }
 
-/// Which kernels `quant_matmul` runs on this CPU: "avx2" or "portable".
+/// Which kernels `quant_matmul` runs (`Isa::chosen()`: the best this CPU has, or `PAGEDRS_CPU_ISA`).
 #[pyfunction]
 pub fn quant_isa() -> &'static str {
-    Isa::detect().name()
+    Isa::chosen().name()
 }
 
 /// Worker threads of the kernels' pool (the calling thread is one more).
@@ -153,9 +153,10 @@ pub fn cpu_pool_workers() -> usize {
 
 /// out[:, col0:col0 + N] = x @ W^T with W in a GGUF block layout. x float32 [M, K]; weight uint8
 /// [N, row_bytes] (each row its GGUF blocks, or with `packed` the 8-row interleaved layout of
-/// `quant_pack_x8`); out float32 [M, ldo].
+/// `quant_pack_x8`); out float32 [M, ldo]. `isa` names the kernels (`quant_isa()`'s names; default the
+/// chosen ones); kernels this CPU lacks fall back to the portable ones.
 #[pyfunction]
-#[pyo3(signature = (x, weight, ggml_type, out, col0=0, num_threads=1, packed=false))]
+#[pyo3(signature = (x, weight, ggml_type, out, col0=0, num_threads=1, packed=false, isa=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn quant_matmul(
     py: Python<'_>,
@@ -166,8 +167,17 @@ pub fn quant_matmul(
     col0: usize,
     num_threads: usize,
     packed: bool,
+    isa: Option<&str>,
 ) -> PyResult<()> {
     let qt = quant_type(ggml_type)?;
+    let isa = match isa {
+        None => Isa::chosen(),
+        Some(name) => Isa::by_name(name).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "isa {name:?}: not a kernel set of this architecture"
+            ))
+        })?,
+    };
     let x = array::<f32>(x, "x", 2, "float32")?;
     let w = array::<u8>(weight, "weight", 2, "uint8")?;
     let out = array::<f32>(out, "out", 2, "float32")?;
@@ -198,9 +208,9 @@ pub fn quant_matmul(
     let (x, w, out) = (x.as_slice()?, w.as_slice()?, out.as_slice_mut()?);
     py.detach(|| {
         if packed {
-            quant::quant_matmul_x8_with(Isa::detect(), qt, w, x, out, &dims, num_threads)
+            quant::quant_matmul_x8_with(isa, qt, w, x, out, &dims, num_threads)
         } else {
-            quant::quant_matmul(qt, w, x, out, &dims, num_threads)
+            quant::quant_matmul_with(isa, qt, w, x, out, &dims, num_threads)
         }
     })
     .map_err(|e| PyValueError::new_err(e.to_string()))

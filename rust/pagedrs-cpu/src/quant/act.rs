@@ -22,9 +22,9 @@ pub struct ActRow<'a> {
 }
 
 impl QuantizedActs {
-    /// Quantizes `x` (`rows * k` values, row-major) with the best kernel this CPU runs.
+    /// Quantizes `x` (`rows * k` values, row-major) with the kernel `Isa::chosen()` names.
     pub fn new(x: &[f32], rows: usize, k: usize) -> Self {
-        Self::new_with(super::Isa::detect(), x, rows, k)
+        Self::new_with(super::Isa::chosen(), x, rows, k)
     }
 
     /// `new` on the kernel chosen by the caller: the AVX2 and NEON ones give the portable one's bits (the
@@ -41,7 +41,7 @@ impl QuantizedActs {
             .zip(d.iter_mut())
             .zip(s.iter_mut());
         #[cfg(target_arch = "x86_64")]
-        if isa == super::Isa::Avx2 && isa == super::Isa::detect() {
+        if isa.is_x86() && isa.is_supported() {
             for (((x, q), d), s) in blocks {
                 // SAFETY: AVX2 detected; `x` and `q` are whole blocks of 32.
                 #[allow(unsafe_code)]

@@ -5,9 +5,9 @@
 //! output is a sum of integer dot products (32 weights at a time) times the two block scales. Weight
 //! rows are split over the warm thread pool; each weight row is unpacked once per group of activation
 //! rows (8, 4, 2 or 1 rows; see `row_groups`).
-//! On x86-64 the AVX2 + FMA + F16C kernels are chosen at run time, on aarch64 the NEON ones (with the
-//! `dotprod` extension's `sdot` where the CPU has it); elsewhere (or without them) the portable decoder
-//! runs.
+//! On x86-64 the AVX2 + FMA + F16C kernels are chosen at run time (with AVX-512 VNNI's `vpdpbusd` in
+//! the x8 kernels where the CPU has it), on aarch64 the NEON ones (with the `dotprod` extension's `sdot`
+//! where the CPU has it); elsewhere (or without them) the portable decoder runs.
 
 mod act;
 #[cfg(target_arch = "x86_64")]
@@ -17,6 +17,9 @@ mod formats;
 #[cfg(target_arch = "aarch64")]
 #[allow(unsafe_code)]
 mod neon;
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod vnni;
 pub mod x8;
 
 pub use act::{dot_portable, ActRow, Interleaved, QuantizedActs, RowGroup};
@@ -31,6 +34,9 @@ pub enum Isa {
     Portable,
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// The AVX2 kernels, with AVX-512 VNNI (on 256-bit vectors, AVX512VL) in the x8 ones.
+    #[cfg(target_arch = "x86_64")]
+    Avx512Vnni,
     /// aarch64 Advanced SIMD (baseline Armv8).
     #[cfg(target_arch = "aarch64")]
     Neon,
@@ -43,11 +49,10 @@ impl Isa {
     /// The best kernels this CPU runs.
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx2")
-            && std::is_x86_feature_detected!("fma")
-            && std::is_x86_feature_detected!("f16c")
-        {
-            return Isa::Avx2;
+        for isa in [Isa::Avx512Vnni, Isa::Avx2] {
+            if isa.is_supported() {
+                return isa;
+            }
         }
         #[cfg(target_arch = "aarch64")]
         for isa in [Isa::NeonDot, Isa::Neon] {
@@ -58,12 +63,72 @@ impl Isa {
         Isa::Portable
     }
 
+    /// The kernels the matmuls run by default: `PAGEDRS_CPU_ISA` when it names kernels this CPU runs (a
+    /// cap for comparisons, as oneDNN's `ONEDNN_MAX_CPU_ISA`: "avx2" on an AVX-512 VNNI CPU, or
+    /// "portable"), else `detect()`. Read once per process.
+    pub fn chosen() -> Isa {
+        static CHOSEN: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *CHOSEN.get_or_init(|| {
+            std::env::var("PAGEDRS_CPU_ISA")
+                .ok()
+                .and_then(|name| Isa::by_name(&name))
+                .filter(|isa| isa.is_supported())
+                .unwrap_or_else(Isa::detect)
+        })
+    }
+
+    /// The kernel set called `name` (`Isa::name`) on this architecture.
+    pub fn by_name(name: &str) -> Option<Isa> {
+        [
+            Isa::Portable,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni,
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon,
+            #[cfg(target_arch = "aarch64")]
+            Isa::NeonDot,
+        ]
+        .into_iter()
+        .find(|isa| isa.name() == name)
+    }
+
+    /// These kernels where this CPU runs them, else the nearest ones below that it runs (AVX-512 VNNI ->
+    /// AVX2 -> portable; NEON dotprod -> NEON -> portable).
+    pub fn or_supported(self) -> Isa {
+        let below = match self {
+            Isa::Portable => return Isa::Portable,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => Isa::Avx2,
+            #[cfg(target_arch = "aarch64")]
+            Isa::NeonDot => Isa::Neon,
+            #[allow(unreachable_patterns)]
+            _ => Isa::Portable,
+        };
+        if self.is_supported() {
+            self
+        } else {
+            below.or_supported()
+        }
+    }
+
     /// Whether this CPU runs the kernels.
     pub fn is_supported(self) -> bool {
         match self {
             Isa::Portable => true,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => Isa::detect() == Isa::Avx2,
+            Isa::Avx2 => {
+                std::is_x86_feature_detected!("avx2")
+                    && std::is_x86_feature_detected!("fma")
+                    && std::is_x86_feature_detected!("f16c")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => {
+                Isa::Avx2.is_supported()
+                    && std::is_x86_feature_detected!("avx512vl")
+                    && std::is_x86_feature_detected!("avx512vnni")
+            }
             #[cfg(target_arch = "aarch64")]
             Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
             #[cfg(target_arch = "aarch64")]
@@ -80,6 +145,8 @@ impl Isa {
             Isa::Portable,
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni,
             #[cfg(target_arch = "aarch64")]
             Isa::Neon,
             #[cfg(target_arch = "aarch64")]
@@ -91,11 +158,17 @@ impl Isa {
     /// Whether the kernels take groups of 8 activation rows for `qt` (the AVX2 block-group kernels).
     fn takes_eight_rows(self, qt: QuantType) -> bool {
         #[cfg(target_arch = "x86_64")]
-        if self == Isa::Avx2 {
+        if self.is_x86() {
             return matches!(qt, QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0);
         }
         let _ = qt;
         false
+    }
+
+    /// The AVX2 kernels (with or without VNNI in the x8 ones).
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) fn is_x86(self) -> bool {
+        matches!(self, Isa::Avx2 | Isa::Avx512Vnni)
     }
 
     pub fn name(self) -> &'static str {
@@ -103,6 +176,8 @@ impl Isa {
             Isa::Portable => "portable",
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => "avx2",
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => "avx512-vnni",
             #[cfg(target_arch = "aarch64")]
             Isa::Neon => "neon",
             #[cfg(target_arch = "aarch64")]
@@ -148,12 +223,11 @@ pub fn quant_matmul(
     dims: &MatmulDims,
     num_threads: usize,
 ) -> Result<(), KernelError> {
-    quant_matmul_with(Isa::detect(), qt, w, x, out, dims, num_threads)
+    quant_matmul_with(Isa::chosen(), qt, w, x, out, dims, num_threads)
 }
 
 /// `quant_matmul` with the kernels chosen by the caller (tests compare them). Kernels this CPU does not
-/// run (`Isa::Avx2` without AVX2, FMA and F16C; `Isa::NeonDot` without `dotprod`) fall back to the
-/// portable ones.
+/// run fall back to the nearest ones below that it runs (`Isa::or_supported`).
 pub fn quant_matmul_with(
     isa: Isa,
     qt: QuantType,
@@ -203,16 +277,12 @@ fn begin(
     if dims.m == 0 || dims.n == 0 {
         return Ok(None);
     }
-    let isa = if isa.is_supported() {
-        isa
-    } else {
-        Isa::Portable
-    };
+    let isa = isa.or_supported();
     Ok(Some((isa, QuantizedActs::new_with(isa, x, dims.m, dims.k))))
 }
 
 /// `quant_matmul` over W in the x8 layout (`x8::pack`; `n` a multiple of 8), on the kernels chosen by the
-/// caller (`Isa::detect()` for the best); the AVX2, NEON and portable kernels give the same bits (see `x8`).
+/// caller (`Isa::chosen()` by default); the AVX2, NEON and portable kernels give the same bits (see `x8`).
 pub fn quant_matmul_x8_with(
     isa: Isa,
     qt: QuantType,
@@ -245,19 +315,23 @@ pub fn quant_matmul_x8_with(
             };
             let mut i = 0;
             #[cfg(target_arch = "x86_64")]
-            if isa == Isa::Avx2 {
+            if isa.is_x86() {
                 // 4 activation rows share each block's loads, then the 1-3 left in one group: the
                 // same bits for a row in any group.
                 while i < d.m {
                     let r = (d.m - i).min(4);
-                    // SAFETY: AVX2/FMA/F16C detected; `wg` is `nb` packed blocks, each row `nb` sub-blocks.
+                    // One activation row is bound by reading the weights, and the AVX2 kernel measured
+                    // a little faster there (`bench/quant_kernel.py --isas avx2,avx512-vnni`): VNNI from two rows.
+                    let vnni = isa == Isa::Avx512Vnni && r > 1;
+                    // SAFETY: the kernels are supported (`begin`: AVX2/FMA/F16C, and AVX512VL/VNNI for
+                    // `vnni`); `wg` is `nb` packed blocks, each row `nb` sub-blocks.
                     #[allow(unsafe_code)]
                     unsafe {
                         match r {
-                            4 => x8_rows::<4>(qt, wg.as_ptr(), nb, &acts, i, &store),
-                            3 => x8_rows::<3>(qt, wg.as_ptr(), nb, &acts, i, &store),
-                            2 => x8_rows::<2>(qt, wg.as_ptr(), nb, &acts, i, &store),
-                            _ => x8_rows::<1>(qt, wg.as_ptr(), nb, &acts, i, &store),
+                            4 => x8_rows::<4>(vnni, qt, wg.as_ptr(), nb, &acts, i, &store),
+                            3 => x8_rows::<3>(vnni, qt, wg.as_ptr(), nb, &acts, i, &store),
+                            2 => x8_rows::<2>(vnni, qt, wg.as_ptr(), nb, &acts, i, &store),
+                            _ => x8_rows::<1>(vnni, qt, wg.as_ptr(), nb, &acts, i, &store),
                         }
                     }
                     i += r;
@@ -290,11 +364,13 @@ pub fn quant_matmul_x8_with(
     Ok(())
 }
 
-/// Activation rows `i..i + R` against one packed group of W, each row's 8 outputs given to `store`.
+/// Activation rows `i..i + R` against one packed group of W, each row's 8 outputs given to `store`
+/// (`vnni`: on the AVX-512 VNNI kernels, which the CPU must have).
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn x8_rows<const R: usize>(
+    vnni: bool,
     qt: QuantType,
     w: *const u8,
     nb: usize,
@@ -303,10 +379,13 @@ unsafe fn x8_rows<const R: usize>(
     store: &impl Fn(usize, [f32; x8::ROWS]),
 ) {
     let rows: [ActRow<'_>; R] = std::array::from_fn(|r| acts.row(i + r));
-    let acc = match qt {
-        QuantType::Q4_1 => avx2::x8_group::<R, true>(w, nb, &rows),
-        QuantType::Q4_0 => avx2::x8_group::<R, false>(w, nb, &rows),
-        _ => avx2::x8_group_q8::<R>(w, nb, &rows),
+    let acc = match (vnni, qt) {
+        (false, QuantType::Q4_1) => avx2::x8_group::<R, true>(w, nb, &rows),
+        (false, QuantType::Q4_0) => avx2::x8_group::<R, false>(w, nb, &rows),
+        (false, _) => avx2::x8_group_q8::<R>(w, nb, &rows),
+        (true, QuantType::Q4_1) => vnni::x8_group::<R, true>(w, nb, &rows),
+        (true, QuantType::Q4_0) => vnni::x8_group::<R, false>(w, nb, &rows),
+        (true, _) => vnni::x8_group_q8::<R>(w, nb, &rows),
     };
     for (r, a) in acc.into_iter().enumerate() {
         let mut v = [0.0f32; x8::ROWS];
@@ -472,9 +551,9 @@ impl Tile<'_> {
         let wrow = &self.w[n * self.row_bytes..][..self.row_bytes];
         match self.isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => {
+            Isa::Avx2 | Isa::Avx512Vnni => {
                 let nb = self.d.k / self.qt.block_len();
-                // SAFETY: `Isa::Avx2` is used only when detected; `wrow` holds `nb` whole blocks, every
+                // SAFETY: the AVX2 kernels are used only when detected; `wrow` holds `nb` whole blocks, every
                 // activation row `k / 32` sub-blocks (checked in `validate`) and the interleaved scales
                 // 8 floats past any block's start.
                 #[allow(unsafe_code)]

@@ -284,6 +284,21 @@ fn the_detected_isa_is_the_best_supported_one() {
     for isa in all {
         assert!(isa.is_supported(), "{}", isa.name());
     }
+    for isa in Isa::supported() {
+        assert_eq!(Isa::by_name(isa.name()), Some(isa));
+    }
+    assert_eq!(Isa::by_name("avx1024"), None);
+    // Kernels this CPU lacks give way to the nearest ones below.
+    let best = Isa::detect();
+    for name in ["avx512-vnni", "avx2", "neon-dotprod", "neon"] {
+        if let Some(isa) = Isa::by_name(name) {
+            let got = isa.or_supported();
+            assert!(got.is_supported());
+            assert_eq!(got == isa, isa.is_supported(), "{name}");
+        }
+    }
+    assert_eq!(best.or_supported(), best);
+    assert_eq!(Isa::Portable.or_supported(), Isa::Portable);
     // `.ci/aarch64` names the kernels each emulated CPU must select
     if let Ok(want) = std::env::var("PAGEDRS_EXPECT_ISA") {
         assert_eq!(Isa::detect().name(), want);
