@@ -153,6 +153,7 @@ pub(crate) fn adapt(seq: &mut crate::request::Seq, proposed: usize, accepted: us
 #[cfg(test)]
 mod tests {
     use super::ngram_propose;
+    use crate::{Config, NewRequest, Scheduler, SpecProposer};
 
     #[test]
     fn ngram_takes_the_longest_latest_match() {
@@ -171,27 +172,33 @@ mod tests {
         assert_eq!(ngram_propose(&[7, 7], 1, 3, 4), &[7]);
     }
 
-    #[test]
-    fn proposals_adapt_to_acceptance() {
-        use crate::{Config, NewRequest, Scheduler, SpecProposer};
+    /// A scheduler with runner-drafted speculation (`k` drafts) and one request whose prompt has run.
+    fn one_speculating(k: usize, adaptive: bool, num_blocks: usize, max_tokens: i64) -> Scheduler {
         let mut s = Scheduler::new(Config {
-            num_blocks: 64,
+            num_blocks,
             block_size: 4,
-            num_speculative_tokens: 4,
+            num_speculative_tokens: k,
             spec_proposer: SpecProposer::Runner,
+            spec_adaptive: adaptive,
             ..Config::default()
         })
         .unwrap();
         s.add_request(NewRequest {
             seq_ids: vec![1],
             prompt_token_ids: vec![3, 4, 5],
-            max_tokens: 200,
+            max_tokens,
             speculate: true,
             ..Default::default()
         })
         .unwrap();
         let p = s.schedule().unwrap();
         s.update(p.step_id, &[7]).unwrap();
+        s
+    }
+
+    #[test]
+    fn proposals_adapt_to_acceptance() {
+        let mut s = one_speculating(4, true, 64, 200);
         // (drafts the step proposes, drafts then accepted): all 4 accepted keeps 4 (the cap); 1 of 4
         // shrinks the next proposal to 2; none accepted pauses for 1, 2, 4, 8 steps, proposing 1 between.
         let mut seen = Vec::new();
@@ -225,7 +232,7 @@ mod tests {
 
     /// One decode step of the only sequence, its drafts all rejected; it takes 10 ms without drafts
     /// and 15 ms with (one token either way). Returns its number of drafts.
-    fn reject_all(s: &mut crate::Scheduler) -> usize {
+    fn reject_all(s: &mut Scheduler) -> usize {
         let p = s.schedule().unwrap();
         let d = p.num_draft_tokens[0] as usize;
         s.update_spec(p.step_id, &[9], &[1]).unwrap();
@@ -236,28 +243,9 @@ mod tests {
     #[test]
     fn speculation_measured_slower_pauses_engine_wide() {
         use crate::spec_governor::{MIN_PAUSE, WINDOW};
-        use crate::{Config, NewRequest, Scheduler, SpecProposer};
         for adaptive in [true, false] {
-            let mut s = Scheduler::new(Config {
-                num_blocks: 512,
-                block_size: 4,
-                num_speculative_tokens: 2,
-                spec_proposer: SpecProposer::Runner,
-                spec_adaptive: adaptive,
-                ..Config::default()
-            })
-            .unwrap();
-            s.add_request(NewRequest {
-                seq_ids: vec![1],
-                prompt_token_ids: vec![3, 4, 5],
-                max_tokens: 1000,
-                speculate: true,
-                ..Default::default()
-            })
-            .unwrap();
-            let p = s.schedule().unwrap();
-            s.update(p.step_id, &[7]).unwrap();
-            s.observe_step_time(1.0); // a prefill step: no plain rate from it
+            let mut s = one_speculating(2, adaptive, 512, 1000);
+            s.observe_step_time(1.0); // the prompt's step: no plain rate from it
                                       // The plain rate comes from the sequence's own pauses after rejected drafts.
             let mut drafting = 0;
             for _ in 0..200 {

@@ -1,5 +1,5 @@
 //! AVX2 + FMA + F16C dot products of one weight row with `R` quantized activation rows (the weight
-//! block is unpacked once for all `R`). Integer products as llama.cpp does them: `maddubs` of unsigned
+//! block is unpacked once for all `R`); the x8 kernels also in a variant with AVX-512 VNNI's `vpdpbusd`. Integer products as llama.cpp does them: `maddubs` of unsigned
 //! weights (0..63) by signed 8-bit activations, `madd` by ones (or by 16-bit scales) to 32 bits, then one
 //! float FMA per 32 weights with the product of the two block scales. Q4_0, Q4_1 and Q8_0 run the
 //! block-group kernels below instead (8 integer dots reduced together, one FMA per 8); the others the
@@ -619,10 +619,29 @@ pub(super) unsafe fn group_rows<const R: usize>(
 // vector in flight fit the 16 registers at R <= 4). Integer sums are exact in any order, so a row gets the
 // same bits for any R (and from `x8::group_portable`).
 
+/// `acc + (four-byte dot products of unsigned a by signed b)` per 32-bit lane: AVX-512 VNNI's `vpdpbusd`
+/// on ymm registers (EVEX; the CPU must have AVX512VL and AVX512-VNNI). Inline assembly: the intrinsic
+/// and the target feature need Rust 1.89, newer than the crate's minimum.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn dpbusd(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+    let mut acc = acc;
+    std::arch::asm!(
+        "vpdpbusd {acc}, {a}, {b}",
+        acc = inout(ymm_reg) acc,
+        a = in(ymm_reg) a,
+        b = in(ymm_reg) b,
+        options(pure, nomem, nostack, preserves_flags),
+    );
+    acc
+}
+
 /// The 8 outputs of one packed group (`nb` blocks at `w`) for each of the `R` activation rows: lane `j` of
-/// the result is weight row `j` of the group. `Q41`: the type is Q4_1 (else Q4_0).
+/// the result is weight row `j` of the group. `Q41`: the type is Q4_1 (else Q4_0). `VNNI` (the CPU must
+/// have AVX512VL and AVX512-VNNI): each `maddubs` to 16 bits, its addition and the final `madd` become one
+/// `vpdpbusd` into 32 bits; the integer sums are exact either way, so the bits are the same.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn x8_group<const R: usize, const Q41: bool>(
+pub(super) unsafe fn x8_group<const R: usize, const Q41: bool, const VNNI: bool>(
     w: *const u8,
     nb: usize,
     a: &[ActRow<'_>; R],
@@ -633,7 +652,7 @@ pub(super) unsafe fn x8_group<const R: usize, const Q41: bool>(
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..nb {
         let p = w.add(b * bb);
-        // i16 sums of 8 maddubs lanes (each |lane| <= 2 * 15 * 127): at most 30480, exact.
+        // i16 sums of 8 maddubs lanes (each |lane| <= 2 * 15 * 127): at most 30480, exact (VNNI: i32).
         let mut s = [_mm256_setzero_si256(); R];
         for t in 0..4 {
             let v = _mm256_loadu_si256(p.add(head + 32 * t).cast());
@@ -643,8 +662,12 @@ pub(super) unsafe fn x8_group<const R: usize, const Q41: bool>(
                 // Activations 4t..4t+3 (low nibbles) and 16+4t.. (high ones), broadcast to the 8 rows.
                 let x = a[r].qs.as_ptr().add(32 * b).cast::<i32>();
                 let bx = |i: usize| _mm256_set1_epi32(x.add(i).read_unaligned());
-                s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, bx(t)));
-                s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(hi, bx(4 + t)));
+                if VNNI {
+                    s[r] = dpbusd(dpbusd(s[r], lo, bx(t)), hi, bx(4 + t));
+                } else {
+                    s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, bx(t)));
+                    s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(hi, bx(4 + t)));
+                }
             }
         }
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
@@ -654,7 +677,12 @@ pub(super) unsafe fn x8_group<const R: usize, const Q41: bool>(
             _mm256_mul_ps(dw, _mm256_set1_ps(-8.0))
         };
         for r in 0..R {
-            let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r], ones));
+            let i32s = if VNNI {
+                s[r]
+            } else {
+                _mm256_madd_epi16(s[r], ones)
+            };
+            let isum = _mm256_cvtepi32_ps(i32s);
             let dx = _mm256_set1_ps(*a[r].d.get_unchecked(b));
             acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, dx), acc[r]);
             acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*a[r].s.get_unchecked(b)), acc[r]);
@@ -664,9 +692,9 @@ pub(super) unsafe fn x8_group<const R: usize, const Q41: bool>(
 }
 
 /// `x8_group` for Q8_0: signed weights, each `maddubs` of |w| by x with w's sign (pairs up to
-/// 2 * 128 * 127, so each goes to 32 bits by `madd` at once).
+/// 2 * 128 * 127, so each goes to 32 bits by `madd` at once; `VNNI`: one `vpdpbusd`, the same sums).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn x8_group_q8<const R: usize>(
+pub(super) unsafe fn x8_group_q8<const R: usize, const VNNI: bool>(
     w: *const u8,
     nb: usize,
     a: &[ActRow<'_>; R],
@@ -682,8 +710,11 @@ pub(super) unsafe fn x8_group_q8<const R: usize>(
             for r in 0..R {
                 let x = a[r].qs.as_ptr().add(32 * b + 4 * t).cast::<i32>();
                 let sx = _mm256_sign_epi8(_mm256_set1_epi32(x.read_unaligned()), v);
-                let pair = _mm256_madd_epi16(_mm256_maddubs_epi16(av, sx), ones);
-                s[r] = _mm256_add_epi32(s[r], pair);
+                s[r] = if VNNI {
+                    dpbusd(s[r], av, sx)
+                } else {
+                    _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(av, sx), ones))
+                };
             }
         }
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));

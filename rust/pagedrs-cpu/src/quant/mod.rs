@@ -17,9 +17,6 @@ mod formats;
 #[cfg(target_arch = "aarch64")]
 #[allow(unsafe_code)]
 mod neon;
-#[cfg(target_arch = "x86_64")]
-#[allow(unsafe_code)]
-mod vnni;
 pub mod x8;
 
 pub use act::{dot_portable, ActRow, Interleaved, QuantizedActs, RowGroup};
@@ -79,19 +76,7 @@ impl Isa {
 
     /// The kernel set called `name` (`Isa::name`) on this architecture.
     pub fn by_name(name: &str) -> Option<Isa> {
-        [
-            Isa::Portable,
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2,
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512Vnni,
-            #[cfg(target_arch = "aarch64")]
-            Isa::Neon,
-            #[cfg(target_arch = "aarch64")]
-            Isa::NeonDot,
-        ]
-        .into_iter()
-        .find(|isa| isa.name() == name)
+        Isa::ALL.iter().copied().find(|isa| isa.name() == name)
     }
 
     /// These kernels where this CPU runs them, else the nearest ones below that it runs (AVX-512 VNNI ->
@@ -139,20 +124,26 @@ impl Isa {
         }
     }
 
+    /// Every kernel set of this architecture, from the portable one to the best.
+    pub const ALL: &'static [Isa] = &[
+        Isa::Portable,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni,
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon,
+        #[cfg(target_arch = "aarch64")]
+        Isa::NeonDot,
+    ];
+
     /// Every kernel set this CPU runs, the portable one first and the best last.
     pub fn supported() -> Vec<Isa> {
-        let all = [
-            Isa::Portable,
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2,
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512Vnni,
-            #[cfg(target_arch = "aarch64")]
-            Isa::Neon,
-            #[cfg(target_arch = "aarch64")]
-            Isa::NeonDot,
-        ];
-        all.into_iter().filter(|isa| isa.is_supported()).collect()
+        Isa::ALL
+            .iter()
+            .copied()
+            .filter(|isa| isa.is_supported())
+            .collect()
     }
 
     /// Whether the kernels take groups of 8 activation rows for `qt` (the AVX2 block-group kernels).
@@ -380,12 +371,12 @@ unsafe fn x8_rows<const R: usize>(
 ) {
     let rows: [ActRow<'_>; R] = std::array::from_fn(|r| acts.row(i + r));
     let acc = match (vnni, qt) {
-        (false, QuantType::Q4_1) => avx2::x8_group::<R, true>(w, nb, &rows),
-        (false, QuantType::Q4_0) => avx2::x8_group::<R, false>(w, nb, &rows),
-        (false, _) => avx2::x8_group_q8::<R>(w, nb, &rows),
-        (true, QuantType::Q4_1) => vnni::x8_group::<R, true>(w, nb, &rows),
-        (true, QuantType::Q4_0) => vnni::x8_group::<R, false>(w, nb, &rows),
-        (true, _) => vnni::x8_group_q8::<R>(w, nb, &rows),
+        (false, QuantType::Q4_1) => avx2::x8_group::<R, true, false>(w, nb, &rows),
+        (false, QuantType::Q4_0) => avx2::x8_group::<R, false, false>(w, nb, &rows),
+        (false, _) => avx2::x8_group_q8::<R, false>(w, nb, &rows),
+        (true, QuantType::Q4_1) => avx2::x8_group::<R, true, true>(w, nb, &rows),
+        (true, QuantType::Q4_0) => avx2::x8_group::<R, false, true>(w, nb, &rows),
+        (true, _) => avx2::x8_group_q8::<R, true>(w, nb, &rows),
     };
     for (r, a) in acc.into_iter().enumerate() {
         let mut v = [0.0f32; x8::ROWS];
