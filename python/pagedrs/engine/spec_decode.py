@@ -24,7 +24,9 @@ __all__ = ["can_speculate", "spec_scheduler_args"]
 # 1.25-1.39x / 1.33x / 1.22x at batch 1 / 2 / 4 / 8 / 16 on answers that repeat their prompt, and 1.21x /
 # 1.17x / 0.95x at batch 4 / 8 / 16 on answers continued past their end (`--ignore-eos`, mostly invented
 # text): on at up to 8. Self-draft by early exit did not pay at any batch size there. A draft model was
-# not measured (no smaller model shares the default model's tokenizer here): batch 1 only.
+# not measured (no smaller model shares the default model's tokenizer here): batch 1 only. Below these
+# sizes the scheduler's governor (`adaptive`, rust/pagedrs-core/src/spec_governor.rs) still pauses
+# speculation that measures slower than decoding without it.
 DEFAULT_DISABLE_BY_BATCH_SIZE = {"ngram": 8, "self_draft": 1, "draft_model": 1}
 
 
