@@ -294,7 +294,8 @@ class Scheduler:
         `speculate=True`: `spec_method="ngram"` proposes drafts here by prompt lookup
         (`prompt_lookup_min/max`), `"runner"` (or None) reserves lookahead slots for the runner's
         drafter. Speculation pauses while more than `spec_disable_batch_size` sequences run;
-        `spec_adaptive` shortens and pauses a sequence's proposals after rejections."""
+        `spec_adaptive` shortens and pauses a sequence's proposals after rejections, and pauses all of them
+        while the step times given to `observe_step_time` say speculation is slower."""
     def add_request(
         self,
         seq_ids: Sequence[int],

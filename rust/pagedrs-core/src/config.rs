@@ -24,8 +24,9 @@ pub struct Config {
     /// Speculation pauses for a step while more sequences than this run (vLLM's
     /// `disable_by_batch_size`); None: never.
     pub spec_disable_batch_size: Option<usize>,
-    /// Shorten (and pause) a sequence's proposals after rejections (`spec::adapt`); off: every
-    /// decoding step proposes the most drafts the limits allow.
+    /// Shorten (and pause) a sequence's proposals after rejections (`spec::adapt`), and pause all of them
+    /// while the measured step times say speculation is slower (`spec_governor`); off: every decoding
+    /// step proposes the most drafts the limits allow.
     pub spec_adaptive: bool,
 }
 
