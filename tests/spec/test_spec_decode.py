@@ -254,8 +254,9 @@ def test_speculation_measured_slower_pauses_engine_wide(llama: Path) -> None:
         run = 0 if d else run + 1
         longest = max(longest, run)
     assert longest >= 64, drafted  # a sequence's own pause after rejections is at most 32 steps
-    # Windows of 8 drafting steps between pauses of 64, 128, 256: at most 4 windows fit in 400 steps.
-    assert sum(drafted) <= 4 * 8 + 2, f"{sum(drafted)} steps with drafts in {len(drafted)}"
+    # Up to 8 drafting steps before any plain rate exists, then windows of 8 between pauses of 64, 128,
+    # 256: at most 4 windows fit in 400 steps. Without the governor nearly every step could draft.
+    assert sum(drafted) <= 8 + 4 * 8, f"{sum(drafted)} steps with drafts in {len(drafted)}"
 
 
 def test_config_is_validated() -> None:
