@@ -350,3 +350,21 @@ def test_cpu_gemm_compares_both_matmuls_per_shape(tmp_path: Path) -> None:
     want = sum(per[n]["packed"] * (1 if n == "head" else 30) for n in per)
     assert step["packed"] == pytest.approx(want)
     assert "per step: F.linear" in proc.stdout
+
+
+def test_attention_cpu_compares_the_kernel_with_torch(tmp_path: Path) -> None:
+    out = tmp_path / "a.json"
+    proc = _run(
+        "attention_cpu.py",
+        *("--context", "40", "--queries", "1", "3", "--iters", "3", "--json", str(out)),
+        cwd=tmp_path,
+        PAGEDRS_COMMIT="c2",
+    )
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(out.read_text())
+    assert d["commit"] == "c2" and d["threads"] == 2
+    assert [(r["context"], r["queries"]) for r in d["results"]] == [(40, 1), (40, 3)]
+    for r in d["results"]:
+        assert r["kernel_us"] > 0 and r["torch_us"] > 0
+        assert r["speedup"] == pytest.approx(r["torch_us"] / r["kernel_us"])
+        assert r["max_abs_diff"] < 1e-4  # the same attention as torch's

@@ -549,15 +549,22 @@ unsafe fn run_items_avx2(ctx: &Ctx<'_>, first: usize, out: &mut [f32]) {
 
 #[inline(always)]
 fn run_items_generic<V: Vector>(ctx: &Ctx<'_>, first: usize, out: &mut [f32]) {
-    let mut scores = Vec::new();
+    let mut scratch = Scratch::default();
     let item_len = ctx.group * ctx.d.head_size;
     let items = out.chunks_exact_mut(item_len).enumerate();
     // Common head sizes get a copy with the size known at compile time (fully unrolled inner loops).
     match ctx.d.head_size {
-        64 => items.for_each(|(j, o)| attend::<V, 64>(ctx, first + j, o, &mut scores)),
-        128 => items.for_each(|(j, o)| attend::<V, 128>(ctx, first + j, o, &mut scores)),
-        _ => items.for_each(|(j, o)| attend::<V, 0>(ctx, first + j, o, &mut scores)),
+        64 => items.for_each(|(j, o)| attend::<V, 64>(ctx, first + j, o, &mut scratch)),
+        128 => items.for_each(|(j, o)| attend::<V, 128>(ctx, first + j, o, &mut scratch)),
+        _ => items.for_each(|(j, o)| attend::<V, 0>(ctx, first + j, o, &mut scratch)),
     }
+}
+
+/// An item's work space: its scores `[group, n]`, and the offset of each of its key (and value) rows.
+#[derive(Default)]
+struct Scratch {
+    scores: Vec<f32>,
+    rows: Vec<usize>,
 }
 
 /// One (sequence, KV head): `out` is `[group, head_size]`, the outputs of the group's query heads.
@@ -567,7 +574,7 @@ fn attend<V: Vector, const HD: usize>(
     ctx: &Ctx<'_>,
     item: usize,
     out: &mut [f32],
-    scores: &mut Vec<f32>,
+    scratch: &mut Scratch,
 ) {
     let d = &ctx.d;
     let hd = if HD == 0 { d.head_size } else { HD };
@@ -580,17 +587,29 @@ fn attend<V: Vector, const HD: usize>(
         return;
     }
     let q = &ctx.q[(seq * d.num_heads + kv_head * g) * hd..][..g * hd];
-    let row = &ctx.block_tables[seq * d.max_blocks_per_seq..][..d.max_blocks_per_seq];
-    // Offset of the K (or V) row of `pos` for this KV head.
-    let offset = |pos: usize| {
-        let block = row[pos / d.block_size] as usize;
-        ((block * d.block_size + pos % d.block_size) * d.num_kv_heads + kv_head) * hd
-    };
+    let table = &ctx.block_tables[seq * d.max_blocks_per_seq..][..d.max_blocks_per_seq];
+    // The offset of the K (or V) row of every position for this KV head, found once per item, block by
+    // block, for the 2 * group passes below: an integer division per row and pass had cost about 12% of
+    // the kernel's time (bench/attention_cpu.py).
+    let Scratch {
+        scores,
+        rows: offsets,
+    } = scratch;
+    offsets.clear();
+    let (bs, stride) = (d.block_size, d.num_kv_heads * hd);
+    let mut pos = range.start;
+    while pos < range.end {
+        let (idx, within) = (pos / bs, pos % bs);
+        let take = (bs - within).min(range.end - pos);
+        let base = (table[idx] as usize * bs + within) * stride + kv_head * hd;
+        offsets.extend((0..take).map(|i| base + i * stride));
+        pos += take;
+    }
     scores.clear();
     scores.resize(g * n, 0.0);
     // Scores [g, n], head by head (the item's key rows stay in cache between heads).
     for (qh, s) in q.chunks_exact(hd).zip(scores.chunks_exact_mut(n)) {
-        let rows = range.clone().map(|pos| &ctx.k[offset(pos)..][..hd]);
+        let rows = offsets.iter().map(|&o| &ctx.k[o..][..hd]);
         V::scores::<HD>(qh, rows, ctx.scale, s);
     }
     // Softmax per head, normalized before the value sum (as torch's softmax then bmm).
@@ -604,7 +623,7 @@ fn attend<V: Vector, const HD: usize>(
     }
     // Head by head, so one output row stays in registers while the value rows stream past.
     for (o, p) in out.chunks_exact_mut(hd).zip(scores.chunks_exact(n)) {
-        let rows = range.clone().map(|pos| &ctx.v[offset(pos)..][..hd]);
+        let rows = offsets.iter().map(|&o| &ctx.v[o..][..hd]);
         V::weighted_sum::<HD>(p, rows, o);
     }
 }
