@@ -95,22 +95,161 @@ pub fn paged_decode_f32(
     };
     let item_len = ctx.group * d.head_size;
     let num_items = d.num_seqs * d.num_kv_heads;
-    let threads = num_threads.clamp(1, num_items.max(1));
-    if threads == 1 {
-        run_items(&ctx, 0, out);
+    let runs = query_runs(&ctx, num_threads);
+    if runs.is_empty() {
+        let threads = num_threads.clamp(1, num_items.max(1));
+        if threads == 1 {
+            run_items(&ctx, 0, out);
+            return Ok(());
+        }
+        // One task per item on the warm pool (the tasks are handed out in order, so the long and the
+        // short contexts even out); each item's output is its own slice.
+        let out = crate::pool::SharedOut::new(out);
+        crate::pool::parallel_for(threads, num_items, &|item| {
+            // SAFETY: items are disjoint `item_len` runs of `out` (`num_items * item_len` elements,
+            // checked in `validate`), and each task index is run exactly once.
+            #[allow(unsafe_code)]
+            let mine = unsafe { std::slice::from_raw_parts_mut(out.at(item * item_len), item_len) };
+            run_items(&ctx, item, mine);
+        });
         return Ok(());
     }
-    // One task per item on the warm pool (the tasks are handed out in order, so the long and the short
-    // contexts even out); each item's output is its own slice.
+    // Runs of query tokens of one sequence: one task per (run, KV head), each reading the rows once for
+    // all its tokens; each token's output is its own slice, written by one task.
+    let num_tasks = runs.len() * d.num_kv_heads;
     let out = crate::pool::SharedOut::new(out);
-    crate::pool::parallel_for(threads, num_items, &|item| {
-        // SAFETY: items are disjoint `item_len` runs of `out` (`num_items * item_len` elements, checked
-        // in `validate`), and each task index is run exactly once.
-        #[allow(unsafe_code)]
-        let mine = unsafe { std::slice::from_raw_parts_mut(out.at(item * item_len), item_len) };
-        run_items(&ctx, item, mine);
+    crate::pool::parallel_for(num_threads.clamp(1, num_tasks), num_tasks, &|task| {
+        let (first, count) = runs[task / d.num_kv_heads];
+        run_task(&ctx, first, count, task % d.num_kv_heads, out);
     });
     Ok(())
+}
+
+/// Most query tokens one task takes together.
+const MAX_RUN: usize = 16;
+/// Rows per block of a run's passes: a multiple of 4 (`scores_64` takes rows 4 at a time from the first),
+/// small enough that a block's key and value rows stay in the L1 cache across the run's tokens.
+const RUN_BLOCK: usize = 64;
+
+/// The step's sequences as runs `(first, count)` to attend together: consecutive sequences with the same
+/// blocks and lengths growing by one are the query tokens of one request (a speculative verification, as
+/// the engine hands them over, one "sequence" per token). Empty when no run is longer than one (or under a
+/// sliding window, whose per-token ranges start at different rows): the item path then runs as before.
+/// With few runs, a run is cut in two so that the threads share the work.
+fn query_runs(ctx: &Ctx<'_>, num_threads: usize) -> Vec<(usize, usize)> {
+    let d = &ctx.d;
+    if ctx.sliding_window.is_some() || d.num_seqs < 2 {
+        return Vec::new();
+    }
+    let used = |s: usize| {
+        let n = (ctx.seq_lens[s] as usize).div_ceil(d.block_size);
+        &ctx.block_tables[s * d.max_blocks_per_seq..][..n]
+    };
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    let mut any = false;
+    for s in 0..d.num_seqs {
+        if let Some((first, count)) = runs.last_mut() {
+            let prev = *first + *count - 1;
+            let longer = used(s);
+            if *count < MAX_RUN
+                && ctx.seq_lens[prev] >= 1
+                && ctx.seq_lens[s] == ctx.seq_lens[prev] + 1
+                && longer.starts_with(used(prev))
+                && longer.len() <= used(prev).len() + 1
+            {
+                *count += 1;
+                any = true;
+                continue;
+            }
+        }
+        runs.push((s, 1));
+    }
+    if !any {
+        return Vec::new();
+    }
+    if runs.len() * d.num_kv_heads < 2 * num_threads {
+        runs = runs
+            .into_iter()
+            .flat_map(|(first, count)| {
+                let half = count.div_ceil(2);
+                [(first, half), (first + half, count - half)]
+            })
+            .filter(|&(_, count)| count > 0)
+            .collect();
+    }
+    runs
+}
+
+/// One task of the run path: the run's tokens for one KV head (a run of one: the item path).
+fn run_task(
+    ctx: &Ctx<'_>,
+    first: usize,
+    count: usize,
+    kv_head: usize,
+    out: crate::pool::SharedOut,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if ctx.avx2 {
+        // SAFETY: `ctx.avx2` is set only when the CPU has the features `run_task_avx2` is compiled for.
+        #[allow(unsafe_code)]
+        unsafe {
+            run_task_avx2(ctx, first, count, kv_head, out)
+        };
+        return;
+    }
+    run_task_generic::<Portable>(ctx, first, count, kv_head, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn run_task_avx2(
+    ctx: &Ctx<'_>,
+    first: usize,
+    count: usize,
+    kv_head: usize,
+    out: crate::pool::SharedOut,
+) {
+    run_task_generic::<Avx2>(ctx, first, count, kv_head, out);
+}
+
+#[inline(always)]
+fn run_task_generic<V: Vector>(
+    ctx: &Ctx<'_>,
+    first: usize,
+    count: usize,
+    kv_head: usize,
+    out: crate::pool::SharedOut,
+) {
+    let mut scratch = Scratch::default();
+    let hd = ctx.d.head_size;
+    let item_len = ctx.group * hd;
+    // The output of (token `t`, the group's head `h`): its own `hd` floats.
+    let head_out = |t: usize, h: usize| {
+        let at = ((first + t) * ctx.d.num_heads + kv_head * ctx.group + h) * hd;
+        // SAFETY: in bounds (`validate`); (token, head) pairs are disjoint between tasks and within one.
+        #[allow(unsafe_code)]
+        unsafe {
+            std::slice::from_raw_parts_mut(out.at(at), hd)
+        }
+    };
+    if count == 1 {
+        let item = first * ctx.d.num_kv_heads + kv_head;
+        // SAFETY: as `head_out`: the item's `group` heads are adjacent.
+        #[allow(unsafe_code)]
+        let mine = unsafe { std::slice::from_raw_parts_mut(out.at(item * item_len), item_len) };
+        match hd {
+            64 => attend::<V, 64>(ctx, item, mine, &mut scratch),
+            128 => attend::<V, 128>(ctx, item, mine, &mut scratch),
+            _ => attend::<V, 0>(ctx, item, mine, &mut scratch),
+        }
+        return;
+    }
+    match hd {
+        64 => attend_run::<V, 64>(ctx, first, count, kv_head, &head_out, &mut scratch),
+        128 => attend_run::<V, 128>(ctx, first, count, kv_head, &head_out, &mut scratch),
+        _ => attend_run::<V, 0>(ctx, first, count, kv_head, &head_out, &mut scratch),
+    }
 }
 
 fn validate(
@@ -205,14 +344,14 @@ trait Vector {
             *o = Self::dot(q, row) * scale;
         }
     }
-    /// `out = sum_i p[i] * rows[i]`; `HD` is `out.len()` when known at compile time, else 0.
+    /// `out += sum_i p[i] * rows[i]`, row after row; `HD` is `out.len()` when known at compile time,
+    /// else 0.
     #[inline(always)]
     fn weighted_sum<'a, const HD: usize>(
         p: &[f32],
         rows: impl Iterator<Item = &'a [f32]>,
         out: &mut [f32],
     ) {
-        out.fill(0.0);
         for (&w, row) in p.iter().zip(rows) {
             Self::axpy(w, row, out);
         }
@@ -313,7 +452,6 @@ impl Vector for Avx2 {
             // SAFETY: as for `dot`.
             unsafe { avx2::weighted_sum_64(p, rows, out) }
         } else {
-            out.fill(0.0);
             for (&w, row) in p.iter().zip(rows) {
                 Self::axpy(w, row, out);
             }
@@ -408,7 +546,7 @@ pub(crate) mod avx2 {
         }
     }
 
-    /// `out[..64] = sum_i p[i] * rows[i][..64]` with the 64 sums held in eight registers.
+    /// `out[..64] += sum_i p[i] * rows[i][..64]` with the 64 sums held in eight registers.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn weighted_sum_64<'a>(
@@ -418,6 +556,9 @@ pub(crate) mod avx2 {
     ) {
         assert!(out.len() >= 64);
         let mut acc = [_mm256_setzero_ps(); 8];
+        for (j, acc) in acc.iter_mut().enumerate() {
+            *acc = _mm256_loadu_ps(out.as_ptr().add(8 * j));
+        }
         for (&w, row) in p.iter().zip(rows) {
             assert!(row.len() >= 64);
             let a = _mm256_set1_ps(w);
@@ -560,6 +701,91 @@ fn run_items_generic<V: Vector>(ctx: &Ctx<'_>, first: usize, out: &mut [f32]) {
     }
 }
 
+/// Fills `offsets` with the offset of the K (or V) row of each position of `range` for `kv_head`.
+#[inline(always)]
+fn row_offsets(
+    d: &DecodeDims,
+    table: &[i32],
+    range: Range<usize>,
+    kv_head: usize,
+    offsets: &mut Vec<usize>,
+) {
+    offsets.clear();
+    let (bs, hd) = (d.block_size, d.head_size);
+    let stride = d.num_kv_heads * hd;
+    let mut pos = range.start;
+    while pos < range.end {
+        let (idx, within) = (pos / bs, pos % bs);
+        let take = (bs - within).min(range.end - pos);
+        let base = (table[idx] as usize * bs + within) * stride + kv_head * hd;
+        offsets.extend((0..take).map(|i| base + i * stride));
+        pos += take;
+    }
+}
+
+/// The query tokens `first..first + count` of one sequence (a run, see `query_runs`) for one KV head:
+/// every token's scores, softmax and value sum are `attend`'s, in the same order (rows taken 4 at a time
+/// from the first, value sums row after row), so each output has the bits `attend` gives that token
+/// alone; the passes go over blocks of `RUN_BLOCK` rows, all tokens per block, so a block's rows are read
+/// from memory once for the whole run instead of once per token.
+#[inline(always)]
+fn attend_run<'o, V: Vector, const HD: usize>(
+    ctx: &Ctx<'_>,
+    first: usize,
+    count: usize,
+    kv_head: usize,
+    head_out: &impl Fn(usize, usize) -> &'o mut [f32],
+    scratch: &mut Scratch,
+) {
+    let d = &ctx.d;
+    let hd = if HD == 0 { d.head_size } else { HD };
+    let g = ctx.group;
+    let len = |t: usize| ctx.seq_lens[first + t] as usize;
+    let n_max = len(count - 1);
+    let table =
+        &ctx.block_tables[(first + count - 1) * d.max_blocks_per_seq..][..d.max_blocks_per_seq];
+    let Scratch {
+        scores,
+        rows: offsets,
+    } = scratch;
+    row_offsets(d, table, 0..n_max, kv_head, offsets);
+    scores.clear();
+    scores.resize(count * g * n_max, 0.0);
+    for b0 in (0..n_max).step_by(RUN_BLOCK) {
+        for t in (0..count).filter(|&t| b0 < len(t)) {
+            let b1 = (b0 + RUN_BLOCK).min(len(t));
+            let q = &ctx.q[((first + t) * d.num_heads + kv_head * g) * hd..][..g * hd];
+            for (h, qh) in q.chunks_exact(hd).enumerate() {
+                let s = &mut scores[(t * g + h) * n_max + b0..][..b1 - b0];
+                let rows = offsets[b0..b1].iter().map(|&o| &ctx.k[o..][..hd]);
+                V::scores::<HD>(qh, rows, ctx.scale, s);
+            }
+        }
+    }
+    for t in 0..count {
+        for h in 0..g {
+            let s = &mut scores[(t * g + h) * n_max..][..len(t)];
+            let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum = V::exp_shifted(s, max);
+            let inv = 1.0 / sum;
+            for x in s.iter_mut() {
+                *x *= inv;
+            }
+            head_out(t, h).fill(0.0);
+        }
+    }
+    for b0 in (0..n_max).step_by(RUN_BLOCK) {
+        for t in (0..count).filter(|&t| b0 < len(t)) {
+            let b1 = (b0 + RUN_BLOCK).min(len(t));
+            for h in 0..g {
+                let p = &scores[(t * g + h) * n_max + b0..][..b1 - b0];
+                let rows = offsets[b0..b1].iter().map(|&o| &ctx.v[o..][..hd]);
+                V::weighted_sum::<HD>(p, rows, head_out(t, h));
+            }
+        }
+    }
+}
+
 /// An item's work space: its scores `[group, n]`, and the offset of each of its key (and value) rows.
 #[derive(Default)]
 struct Scratch {
@@ -595,16 +821,7 @@ fn attend<V: Vector, const HD: usize>(
         scores,
         rows: offsets,
     } = scratch;
-    offsets.clear();
-    let (bs, stride) = (d.block_size, d.num_kv_heads * hd);
-    let mut pos = range.start;
-    while pos < range.end {
-        let (idx, within) = (pos / bs, pos % bs);
-        let take = (bs - within).min(range.end - pos);
-        let base = (table[idx] as usize * bs + within) * stride + kv_head * hd;
-        offsets.extend((0..take).map(|i| base + i * stride));
-        pos += take;
-    }
+    row_offsets(d, table, range.clone(), kv_head, offsets);
     scores.clear();
     scores.resize(g * n, 0.0);
     // Scores [g, n], head by head (the item's key rows stay in cache between heads).
@@ -746,6 +963,92 @@ mod tests {
         )
         .unwrap();
         out
+    }
+
+    /// A case whose sequences `runs[i]` tokens at a time are the query tokens of one request: the same
+    /// blocks (the run's last token's), lengths growing by one.
+    fn verification_case(seed: u64, starts: &[i32], runs: &[usize], hd: usize, bs: usize) -> Case {
+        let last: Vec<i32> = starts
+            .iter()
+            .zip(runs)
+            .map(|(&s, &r)| s + r as i32 - 1)
+            .collect();
+        let base = case(seed, &last, 6, 2, hd, bs);
+        let (m, per_tok) = (base.d.max_blocks_per_seq, base.d.num_heads * hd);
+        let mut rng = Rng(seed + 1);
+        let (mut bt, mut lens, mut q) = (Vec::new(), Vec::new(), Vec::new());
+        for (r, (&s, &n)) in starts.iter().zip(runs).enumerate() {
+            for t in 0..n {
+                bt.extend_from_slice(&base.bt[r * m..][..m]);
+                lens.push(s + t as i32);
+                q.extend((0..per_tok).map(|_| rng.next()));
+            }
+        }
+        let d = DecodeDims {
+            num_seqs: lens.len(),
+            ..base.d
+        };
+        Case {
+            d,
+            q,
+            kv: base.kv,
+            bt,
+            lens,
+        }
+    }
+
+    #[test]
+    fn a_verifications_tokens_together_equal_each_token_alone() {
+        let scale = 0.3;
+        // Runs of 9 and 3 tokens (one cut in two for the threads), single tokens, a run of 17 (more
+        // than MAX_RUN), contexts crossing RUN_BLOCK and ending mid-chunk of 4.
+        for (hd, bs) in [(64, 16), (32, 4), (128, 8)] {
+            let c = verification_case(5, &[150, 7, 1, 66, 200], &[9, 3, 1, 1, 17], hd, bs);
+            let all = run(&c, scale, None, 2);
+            let want = naive(&c, scale, None);
+            let per_tok = c.d.num_heads * hd;
+            for s in 0..c.d.num_seqs {
+                let one = Case {
+                    d: DecodeDims { num_seqs: 1, ..c.d },
+                    q: c.q[s * per_tok..][..per_tok].to_vec(),
+                    kv: c.kv.clone(),
+                    bt: c.bt[s * c.d.max_blocks_per_seq..][..c.d.max_blocks_per_seq].to_vec(),
+                    lens: vec![c.lens[s]],
+                };
+                for threads in [1, 2] {
+                    let alone = run(&one, scale, None, threads);
+                    let together = &all[s * per_tok..][..per_tok];
+                    assert!(
+                        alone
+                            .iter()
+                            .zip(together)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "hd {hd} bs {bs} token {s} (len {}) t{threads}",
+                        c.lens[s]
+                    );
+                }
+            }
+            assert_close(&all, &want);
+            assert!(
+                query_runs(
+                    &Ctx {
+                        q: &c.q,
+                        k: &c.kv,
+                        v: &c.kv,
+                        block_tables: &c.bt,
+                        seq_lens: &c.lens,
+                        d: c.d,
+                        group: 3,
+                        scale,
+                        sliding_window: None,
+                        avx2: false,
+                    },
+                    1
+                )
+                .contains(&(0, 9)),
+                "the first 9 tokens are one run"
+            );
+        }
     }
 
     #[cfg(target_arch = "x86_64")]
