@@ -11,8 +11,9 @@ prompts), greedy, each answer running to its end of sequence or --max-tokens (`-
 answer exactly --max-tokens long, past the answer: on the default model that is mostly an invented next
 chat turn, which repeats nothing). At batch size B the prompts go to an `LLM` with --threads torch threads
 B at a time, `max(--num-prompts, B)` of them in all, so every batch size answers the same prompts. Each
-configuration runs the workload once to warm up, then --repeats timed times; the figure is the best repeat
-(least disturbed by other load). Reported per configuration and batch size: output tokens/s, the speed-up over no speculation at the
+configuration runs the workload once to warm up, then --repeats timed times, the configurations taking
+turns within each repeat (all engines are built first); the figure is the best repeat (least disturbed by
+other load). Reported per configuration and batch size: output tokens/s, the speed-up over no speculation at the
 same batch size, draft tokens proposed and accepted (acceptance rate = accepted / proposed; mean
 acceptance length = 1 + accepted per verification, as vLLM reports it), and whether the greedy token ids
 equal the run without speculation. Speculation is forced at every batch size here (disable_by_batch_size
@@ -71,51 +72,61 @@ def prompts(llm: LLM, n: int) -> list[str]:
     return out
 
 
-def run_config(args: argparse.Namespace, spec: dict[str, Any] | None) -> dict[int, dict[str, Any]]:
-    llm = LLM(
-        args.model,
-        speculative_config=spec,
-        num_threads=args.threads,
-        cpu_kv_cache_gb=1.0,
-        disable_log_stats=True,
-        seed=0,
-    )
-    engine = llm.llm_engine
+def run_configs(
+    args: argparse.Namespace, configs: dict[str, dict[str, Any] | None]
+) -> dict[str, dict[int, Any]]:
+    """Every configuration's engine built first; then, per batch size, each warmed up once and timed
+    --repeats times, the configurations taking turns within each repeat (so that a slower or faster
+    stretch of the machine falls on all of them)."""
+    llms = {
+        name: LLM(
+            args.model,
+            speculative_config=spec,
+            num_threads=args.threads,
+            cpu_kv_cache_gb=1.0,
+            disable_log_stats=True,
+            seed=0,
+        )
+        for name, spec in configs.items()
+    }
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
-    results: dict[int, dict[str, Any]] = {}
+    results: dict[str, dict[int, Any]] = {name: {} for name in configs}
     for b in args.batch_sizes:
-        batch = prompts(llm, max(args.num_prompts, b))
+        batch = prompts(next(iter(llms.values())), max(args.num_prompts, b))
         rounds = [batch[i : i + b] for i in range(0, len(batch), b)]
-        for r in rounds:  # warm-up
-            llm.generate(r, params, use_tqdm=False)
-        best = None
+        best: dict[str, Any] = {}
+        for llm in llms.values():  # warm-up
+            for r in rounds:
+                llm.generate(r, params, use_tqdm=False)
         for _ in range(args.repeats):
-            before = engine.get_stats()
-            t0 = time.perf_counter()
-            outs = [o for r in rounds for o in llm.generate(r, params, use_tqdm=False)]
-            dt = time.perf_counter() - t0
-            after = engine.get_stats()
-            if best is None or dt < best[0]:
-                best = (dt, outs, before, after)
-        assert best is not None
-        dt, outs, before, after = best
-        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        drafts = after.spec_num_drafts - before.spec_num_drafts
-        proposed = after.spec_num_draft_tokens - before.spec_num_draft_tokens
-        accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
-        results[b] = {
-            "seconds": dt,
-            "output_tokens": n_out,
-            "output_tok_s": n_out / dt,
-            "verifications": drafts,
-            "draft_tokens": proposed,
-            "accepted_tokens": accepted,
-            "governor_pauses": after.spec_num_pauses - before.spec_num_pauses,
-            "acceptance_rate": accepted / proposed if proposed else None,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
-            "token_ids": [list(o.outputs[0].token_ids) for o in outs],
-        }
-    engine.shutdown()
+            for name, llm in llms.items():
+                engine = llm.llm_engine
+                before = engine.get_stats()
+                t0 = time.perf_counter()
+                outs = [o for r in rounds for o in llm.generate(r, params, use_tqdm=False)]
+                dt = time.perf_counter() - t0
+                after = engine.get_stats()
+                if name not in best or dt < best[name][0]:
+                    best[name] = (dt, outs, before, after)
+        for name, (dt, outs, before, after) in best.items():
+            n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+            drafts = after.spec_num_drafts - before.spec_num_drafts
+            proposed = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+            accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+            results[name][b] = {
+                "seconds": dt,
+                "output_tokens": n_out,
+                "output_tok_s": n_out / dt,
+                "verifications": drafts,
+                "draft_tokens": proposed,
+                "accepted_tokens": accepted,
+                "governor_pauses": after.spec_num_pauses - before.spec_num_pauses,
+                "acceptance_rate": accepted / proposed if proposed else None,
+                "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+                "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+            }
+    for llm in llms.values():
+        llm.llm_engine.shutdown()
     return results
 
 
@@ -175,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             "num_speculative_tokens": args.k,
             "disable_by_batch_size": forced,
         }
-    runs = {name: run_config(args, spec) for name, spec in configs.items()}
+    runs = run_configs(args, configs)
     base = runs["none"]
     table = []
     for name, res in runs.items():

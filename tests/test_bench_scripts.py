@@ -368,3 +368,22 @@ def test_attention_cpu_compares_the_kernel_with_torch(tmp_path: Path) -> None:
         assert r["kernel_us"] > 0 and r["torch_us"] > 0
         assert r["speedup"] == pytest.approx(r["torch_us"] / r["kernel_us"])
         assert r["max_abs_diff"] < 1e-4  # the same attention as torch's
+
+
+def test_spec_decode_takes_turns_and_reports_every_configuration(tmp_path: Path) -> None:
+    model = make_tiny_llama(tmp_path / "m")
+    out = tmp_path / "s.json"
+    args = ("--model", str(model), "--methods", "ngram", "self_draft", "--batch-sizes", "1", "2")
+    args += ("--max-tokens", "12", "--num-prompts", "2", "--repeats", "2", "--k", "2", "--json", str(out))
+    proc = _run("spec_decode.py", *args, cwd=tmp_path, timeout=300, PAGEDRS_COMMIT="c3")
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(out.read_text())
+    assert d["git"]["commit"] == "c3" and set(d["results"]) == {"none", "ngram", "self_draft"}
+    for name, res in d["results"].items():
+        assert set(res) == {"1", "2"}
+        for b, r in res.items():
+            assert r["greedy_identical"] and r["output_tokens"] > 0 and r["governor_pauses"] >= 0
+            assert r["speedup"] == pytest.approx(r["output_tok_s"] / d["results"]["none"][b]["output_tok_s"])
+            if name == "none":
+                assert r["draft_tokens"] == 0
+    assert "same ids" in proc.stdout
