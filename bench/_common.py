@@ -12,6 +12,8 @@ import platform
 import shlex
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +106,17 @@ def write_json(path: str | Path, obj: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(json_safe(obj), indent=2, allow_nan=False) + "\n")
+
+
+def low_time(fn: Callable[[], object], iters: int) -> float:
+    """Seconds per call of `fn`: the 10th percentile of `iters` timed calls after two warm-up calls (the
+    fastest runs, short of outliers: what the code costs when the machine leaves it alone)."""
+    fn()
+    fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 10]

@@ -20,29 +20,15 @@ import pagedrs  # noqa: F401
 # isort: split
 
 import argparse
-import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _common import add_commit_arg, command_line, git_info, machine_info, write_json
+from _common import add_commit_arg, command_line, git_info, low_time, machine_info, write_json
 
 from pagedrs import _core
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 9, 3, 64, 16
-
-
-def timed(fn: Callable[[], object], iters: int) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 10] * 1e6
 
 
 def case(context: int, queries: int, threads: int, iters: int, rng: np.random.Generator) -> dict[str, float]:
@@ -75,8 +61,8 @@ def case(context: int, queries: int, threads: int, iters: int, rng: np.random.Ge
     err = float(np.abs(out - want).max())
     best = {"kernel_us": float("inf"), "torch_us": float("inf")}
     for _ in range(2):
-        best["kernel_us"] = min(best["kernel_us"], timed(kernel, iters))
-        best["torch_us"] = min(best["torch_us"], timed(peer, iters))
+        best["kernel_us"] = min(best["kernel_us"], low_time(kernel, iters) * 1e6)
+        best["torch_us"] = min(best["torch_us"], low_time(peer, iters) * 1e6)
     return {**best, "speedup": best["torch_us"] / best["kernel_us"], "max_abs_diff": err}
 
 

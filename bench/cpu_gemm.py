@@ -19,12 +19,10 @@ import pagedrs  # noqa: F401
 # isort: split
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from _common import add_commit_arg, command_line, git_info, machine_info, write_json
+from _common import add_commit_arg, command_line, git_info, low_time, machine_info, write_json
 
 from pagedrs.layers.onednn import PackedDense, available
 
@@ -36,18 +34,6 @@ SHAPES = {
     "head": (49152, 576),
 }
 LAYERS = 30
-
-
-def timed(fn: Callable[[], object], iters: int) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 10] * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             for _ in range(2):
                 for k, fn in calls.items():
-                    ms[k] = min(ms[k], timed(fn, args.iters))
+                    ms[k] = min(ms[k], low_time(fn, args.iters) * 1e3)
             times = 1 if name == "head" else LAYERS
             for k in step:
                 step[k] += ms[k] * times
