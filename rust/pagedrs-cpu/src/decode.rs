@@ -3,8 +3,10 @@
 //!
 //! Work item = (sequence, KV head). An item reads each of its key rows once for all the query heads of
 //! its group (GQA), computes the scores, a softmax in f32, then accumulates the value rows. Items are
-//! split over threads in contiguous ranges of about equal context length, so each thread writes one
-//! contiguous slice of `out` (the heads of a group are adjacent: head = kv_head * group + g).
+//! handed to the warm pool's threads one at a time; each writes its own slice of `out` (the heads of a
+//! group are adjacent: head = kv_head * group + g). Consecutive sequences that are one request's query
+//! tokens (a speculative verification) go together per KV head instead (`query_runs`, `attend_run`),
+//! each token with the arithmetic it gets alone.
 //! Inner loops are written over fixed-width lane arrays so they auto-vectorize; on x86-64 a copy compiled
 //! for AVX2 + FMA is chosen at run time when the CPU has them (the wheel targets baseline x86-64).
 
