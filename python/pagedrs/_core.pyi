@@ -51,8 +51,8 @@ def quant_matmul(
     isa: str | None = None,
 ) -> None:
     """out[:, col0:col0 + N] = x @ W^T with W kept in a GGUF block layout; GIL released. `isa`: the
-    kernels (a `quant_isa()` name; default the chosen ones; ones this CPU lacks fall back to the
-    portable ones; ValueError for a name of no kernel set).
+    kernels (a `quant_isa()` name; default the chosen ones; ones this CPU lacks give way to the nearest
+    ones below that it runs; ValueError for a name of no kernel set of this architecture).
 
     x float32 [M, K]; weight uint8 [N, row_bytes] (each row its GGUF blocks of type ``ggml_type``, a
     ``gguf.GGMLQuantizationType`` value; with ``packed``, the layout of ``quant_pack_x8``); out float32

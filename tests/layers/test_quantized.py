@@ -9,6 +9,7 @@ may differ from float32 x times the dequantized weight by at most max|x| / 254 *
 from __future__ import annotations
 
 import os
+import platform
 
 import numpy as np
 import pytest
@@ -27,10 +28,18 @@ from pagedrs.layers.linear import (
 from pagedrs.layers.quantized import X8_ISAS, GGUFWeight, QuantizedWeight, kernel_types
 from tests.layers.helpers_quant import KERNEL_TYPES, Q, dequantized, error_bound, random_weight
 
+# This architecture's SIMD kernel sets, the base one last (`_core.quant_isa()` names).
+_SIMD = {
+    "x86_64": ("avx512-vnni", "avx2"),
+    "amd64": ("avx512-vnni", "avx2"),
+    "aarch64": ("neon-dotprod", "neon"),
+}
+_FAMILY = _SIMD.get(platform.machine().lower(), ()) + ("portable",)
+
 
 def test_kernel_types_are_the_eight_gguf_types():
     assert kernel_types() == frozenset(int(t) for t in KERNEL_TYPES)
-    assert _core.quant_isa() in ("avx512-vnni", "avx2", "portable")
+    assert _core.quant_isa() in _FAMILY
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
@@ -234,10 +243,10 @@ def test_x8_layout_multiplies_and_dequantizes_as_the_file_layout(qtype):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K], ids=lambda t: t.name)
 def test_every_kernel_set_gives_the_same_bits(qtype):
-    """`isa=` picks the kernels (AVX-512 VNNI's `vpdpbusd` in the x8 layout, AVX2's `maddubs`; ones
-    this CPU lacks give way to the nearest below): AVX-512 VNNI, AVX2 and the default give equal bits
-    at 1-9 rows in both layouts, and the portable decoder too in the x8 layout (the file layout's
-    AVX2 kernels sum in another order: within the error bound); an unknown name is a ValueError."""
+    """`isa=` picks the kernels (on x86-64 AVX-512 VNNI's `vpdpbusd` in the x8 layout, AVX2's `maddubs`;
+    ones this CPU lacks give way to the nearest below): in the x8 layout every kernel set gives the same
+    bits at 1-9 rows; in the file layout AVX-512 VNNI and AVX2 (the same kernels there) do, and the
+    others sum in another order (within the error bound); an unknown name is a ValueError."""
     n, k = 24, 8 * 32 if qtype != Q.Q4_K else 256
     w = random_weight(qtype, n, k, seed=3)
     x = (torch.randn(9, k, generator=torch.Generator().manual_seed(3)) * 4).numpy()
@@ -245,18 +254,20 @@ def test_every_kernel_set_gives_the_same_bits(qtype):
     if qtype != Q.Q4_K:
         layouts.append((_core.quant_pack_x8(w.data, int(qtype)), True))
     bound = error_bound(torch.from_numpy(x), dequantized(w)).numpy()
+    ref = _FAMILY[-2] if len(_FAMILY) > 1 else "portable"  # the base SIMD set
     for data, packed in layouts:
         want = np.empty((9, n), dtype=np.float32)
-        _core.quant_matmul(x, data, int(qtype), want, 0, 2, packed, isa="avx2")
+        _core.quant_matmul(x, data, int(qtype), want, 0, 2, packed, isa=ref)
         assert (np.abs(want - x @ dequantized(w).numpy().T) <= bound).all()
-        for isa in ("avx512-vnni", None, "portable"):
+        for isa in (*_FAMILY, _core.quant_isa()):
+            same_kernels = packed or isa == ref or {isa, ref} <= X8_ISAS
             for m in (1, 2, 4, 5, 9):
                 got = np.empty((m, n), dtype=np.float32)
                 _core.quant_matmul(x[:m], data, int(qtype), got, 0, 2, packed, isa=isa)
-                if isa == "portable" and not packed:
-                    assert (np.abs(got - want[:m]) <= 2 * bound[:m]).all()
-                else:
+                if same_kernels:
                     assert np.array_equal(got.view(np.uint32), want[:m].view(np.uint32)), (isa, m, packed)
+                else:
+                    assert (np.abs(got - want[:m]) <= 2 * bound[:m]).all(), (isa, m, packed)
     with pytest.raises(ValueError, match="avx1024"):
         _core.quant_matmul(x[:1], w.data, int(qtype), np.empty((1, n), np.float32), isa="avx1024")
 

@@ -23,7 +23,6 @@ impl Scheduler {
         if let Some(step) = self.pending {
             return Err(Error::PlanPending { step });
         }
-        self.step_shape = None;
         let mut ops = PlanOps::default();
         let mut sched = std::mem::take(&mut self.sched);
         sched.clear();

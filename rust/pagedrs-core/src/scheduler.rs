@@ -74,7 +74,8 @@ pub struct Scheduler {
     pub(crate) num_preemptions: u64,
     pub(crate) spec_counts: [u64; 3],
     pub(crate) spec_governor: crate::spec_governor::SpecGovernor,
-    /// The shape of the last updated step, until `observe_step_time()` takes it.
+    /// The shape of the last planned step (its emitted tokens set by `update()`), until
+    /// `observe_step_time()` takes it.
     pub(crate) step_shape: Option<crate::spec_governor::StepShape>,
     /// Scratch reused every step: (slot, num_new) in batch order.
     pub(crate) sched: Vec<(u32, usize)>,

@@ -31,15 +31,15 @@ pub fn ngram_propose(tokens: &[u32], min_n: usize, max_n: usize, k: usize) -> &[
 }
 
 impl Scheduler {
-    /// Whether sequences may speculate this step (on, the batch not above the disable size, and, with
-    /// `spec_adaptive`, no engine-wide pause of the governor).
+    /// Whether sequences may speculate this step (on, the batch not above the disable size, and no
+    /// engine-wide pause of the governor, which is fed only with `spec_adaptive`).
     pub(crate) fn spec_active(&self) -> bool {
         self.cfg.num_speculative_tokens > 0
             && self
                 .cfg
                 .spec_disable_batch_size
                 .is_none_or(|b| self.num_running_seqs <= b)
-            && !(self.cfg.spec_adaptive && self.spec_governor.paused())
+            && !self.spec_governor.paused()
     }
 
     /// The wall time of the step last updated (schedule, forward and update), for the governor that
@@ -245,8 +245,9 @@ mod tests {
         use crate::spec_governor::{MIN_PAUSE, WINDOW};
         for adaptive in [true, false] {
             let mut s = one_speculating(2, adaptive, 512, 1000);
-            s.observe_step_time(1.0); // the prompt's step: no plain rate from it
-                                      // The plain rate comes from the sequence's own pauses after rejected drafts.
+            // The prompt's step gives no plain rate; the plain rate comes from the sequence's own pauses
+            // after rejected drafts.
+            s.observe_step_time(1.0);
             let mut drafting = 0;
             for _ in 0..200 {
                 drafting += u32::from(reject_all(&mut s) > 0);

@@ -154,7 +154,7 @@ pub fn cpu_pool_workers() -> usize {
 /// out[:, col0:col0 + N] = x @ W^T with W in a GGUF block layout. x float32 [M, K]; weight uint8
 /// [N, row_bytes] (each row its GGUF blocks, or with `packed` the 8-row interleaved layout of
 /// `quant_pack_x8`); out float32 [M, ldo]. `isa` names the kernels (`quant_isa()`'s names; default the
-/// chosen ones); kernels this CPU lacks fall back to the portable ones.
+/// chosen ones); kernels this CPU lacks give way to the nearest ones below that it runs.
 #[pyfunction]
 #[pyo3(signature = (x, weight, ggml_type, out, col0=0, num_threads=1, packed=false, isa=None))]
 #[allow(clippy::too_many_arguments)]
