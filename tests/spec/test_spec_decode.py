@@ -25,6 +25,7 @@ from tests.helpers import make_tiny_llama
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SELF_DRAFT = {"method": "self_draft", "num_speculative_tokens": 3, "draft_layers": 1}
 DRAFT_ITSELF = {"method": "draft_model"}  # the test's model folder is its own draft (see _draft)
+DRAFT_LAZY = {"method": "draft_model", "disable_by_batch_size": 2}  # paused while 3+ run: backlogs
 
 
 # Random tiny models whose greedy outputs never repeat a token pair, so prompt lookup proposes but no draft
@@ -64,13 +65,21 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.mark.parametrize(
-    "method", [NGRAM, SELF_DRAFT, DRAFT_ITSELF], ids=["ngram", "self_draft", "draft_model"]
+    "method",
+    [NGRAM, SELF_DRAFT, DRAFT_ITSELF, DRAFT_LAZY],
+    ids=["ngram", "self_draft", "draft_model", "draft_model_lazy"],
 )
 def test_greedy_ids_equal_without_speculation(model: tuple[Path, dict, Any], method: dict) -> None:
     """draft_model: the target as its own draft model, whose KV pool follows the target's blocks
-    exactly: every draft is accepted (up to float near-ties)."""
+    exactly: every draft is accepted (up to float near-ties). draft_model_lazy: the same, paused while
+    more than two sequences run, so the draft skips steps and catches its KV up from the backlogs when
+    speculation resumes (under the forced preemption and prefix hits too): still every draft."""
     folder, want, (echo, want_echo, name) = model
-    spec = _draft(folder) if method is DRAFT_ITSELF else _spec(method)
+    drafting = method is DRAFT_ITSELF or method is DRAFT_LAZY
+    if method is DRAFT_LAZY:
+        spec = {**_draft(folder), "disable_by_batch_size": 2}
+    else:
+        spec = _draft(folder) if drafting else _spec(method)
     engine = tp_engine(folder, 1, speculative_config=spec)
     got, spy = run_workload(engine)
     check_forced(engine, spy)
@@ -79,11 +88,14 @@ def test_greedy_ids_equal_without_speculation(model: tuple[Path, dict, Any], met
     stats = engine.get_stats()
     assert stats.spec_num_draft_tokens > 0, stats
     assert stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
-    if method is DRAFT_ITSELF:
+    if drafting:
         # Every draft, up to a float near-tie between the draft's decode-shaped rows and the verifying
         # forward's (other batch shapes may round differently on another CPU). A draft KV with a hole
         # (the last draft's KV not written) accepts 35-60% here.
         assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens, stats
+    if method is DRAFT_LAZY:
+        drafter = engine.runner.drafter
+        assert drafter.num_skipped_steps > 0 and drafter.num_catch_up_tokens > 0, vars(drafter)
     if method is not NGRAM or name not in NGRAM_NEVER_ACCEPTS:
         # Early exit agrees with these models often; n-gram lookup only where the random model's greedy
         # output repeats itself.

@@ -3,14 +3,22 @@ proposes the drafts (vLLM's `{"method": "draft_model", "model": ...}`).
 
 The draft keeps its own KV pool, with the target's block ids: the same number of blocks (and swap
 blocks), indexed by the target's block tables and slot mappings, and given the same block ops (copies,
-swaps, moves) each step, so prefix-cache hits, forks and preemption hold for it too. Every step with
-tokens, before the target's forward, the draft runs once over the whole step (prompt chunks, decode
-tokens, the draft placeholders), which writes its KV wherever the target writes its own; its logits at a
-speculating sequence's last token are the first draft. Then decode-shaped sub-steps feed draft `j` at
-position `nc + j`, for `j` = 1 .. d: each overwrites the placeholder's KV with the draft token and gives
-draft `j + 1`; the last one only writes the KV, so that when every draft is accepted the draft's cache
-still covers every position before the next step's last token. Whatever the drafts, the target
-verifies them exactly: a draft KV that is off only lowers the acceptance rate.
+swaps, moves) each step, so prefix-cache hits, forks and preemption hold for it too. In a step where
+some sequence speculates, before the target's forward, the draft runs once over the step's tokens
+(prompt chunks, decode tokens, the draft placeholders), which writes its KV wherever the target writes
+its own; its logits at a speculating sequence's last token are the first draft. Then decode-shaped
+sub-steps feed draft `j` at position `nc + j`, for `j` = 1 .. d: each overwrites the placeholder's KV
+with the draft token and gives draft `j + 1`; the last one only writes the KV, so that when every draft
+is accepted the draft's cache still covers every position before the next step's last token. Whatever
+the drafts, the target verifies them exactly: a draft KV that is off only lowers the acceptance rate.
+
+Lazy KV (what llama.cpp's server gets by keeping the draft's context per slot): a step where no
+sequence speculates (speculation paused by the batch-size cut-off or the engine's governor, or a
+sequence's own pause) costs the draft nothing. Its decode tokens are kept, per sequence, in a backlog;
+the next step in which that sequence's draft KV is written (it speculates, or a prompt chunk of it
+runs) feeds the backlog first, as one prefill-shaped forward, so the draft's cache is complete again
+when it proposes. Prompt chunks always run through the draft at once, so blocks that prefix caching
+shares carry the draft's KV too.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import torch
 from pagedrs.config import kv_cache_torch_dtype
 from pagedrs.layers.attention import AttentionMetadata, ForwardContext
 from pagedrs.worker.kv_cache import KVCachePool, model_block_bytes
-from pagedrs.worker.self_draft import speculating_rows, substep_buffers, substep_forward
+from pagedrs.worker.self_draft import speculating_rows, substep_buffers, substep_forward, varlen_forward
 from pagedrs.worker.step_buffers import StepInputs
 
 if TYPE_CHECKING:
@@ -32,11 +40,34 @@ if TYPE_CHECKING:
 
 __all__ = ["DraftModelDrafter"]
 
+# A backlog not extended or fed for this many steps belongs to a sequence that finished (or waits
+# swapped out for that long): it is dropped, and a sequence that does come back proposes from a draft
+# cache with a hole (a lower acceptance rate, never a wrong token).
+_BACKLOG_IDLE_STEPS = 4096
+
+
+class _Backlog:
+    """The tokens of one sequence that ran while its draft KV was not written: positions `start ..`."""
+
+    __slots__ = ("chunks", "last_step", "start")
+
+    def __init__(self, start: int, step: int) -> None:
+        self.start = start
+        self.chunks: list[np.ndarray] = []
+        self.last_step = step
+
+    @property
+    def end(self) -> int:
+        return self.start + sum(len(c) for c in self.chunks)
+
+    def tokens(self) -> np.ndarray:
+        return np.concatenate(self.chunks) if self.chunks else np.zeros(0, dtype=np.int64)
+
 
 class DraftModelDrafter:
     """Proposes drafts with `model`, a separate model over the target's vocabulary."""
 
-    every_step = True  # its KV must see every token the target's does
+    every_step = True  # sees every step: writes its KV or keeps the step's tokens for later
 
     def __init__(self, runner: ModelRunner, model: Any) -> None:
         target_vocab = int(runner.model.config.vocab_size)
@@ -51,6 +82,9 @@ class DraftModelDrafter:
         self.kv_dtype = kv_cache_torch_dtype(runner.config.cache.cache_dtype, model.dtype)
         self.pool: KVCachePool | None = None
         self.buffers = substep_buffers(runner)
+        self.backlogs: dict[int, _Backlog] = {}  # seq id -> tokens whose draft KV is not written
+        self.num_skipped_steps = 0  # steps with tokens in which the draft did not run
+        self.num_catch_up_tokens = 0  # backlog tokens fed later
 
     @property
     def bytes_per_block(self) -> int:
@@ -69,23 +103,23 @@ class DraftModelDrafter:
 
     @torch.inference_mode()
     def propose(self, plan: StepPlan, main: StepInputs, meta: AttentionMetadata) -> np.ndarray:
-        """Runs the draft over the step (its KV; `meta`: the step's attention metadata, which the target's
-        forward then reuses), then proposes: the drafts of every speculating sequence, flattened in sampled
-        order (the layout of `plan.draft_token_ids`), also written into `main.input_ids` at their
-        positions."""
+        """Writes the draft's KV for the step (or keeps its tokens in backlogs: see the module doc;
+        `meta`: the step's attention metadata, which the target's forward then reuses), then proposes:
+        the drafts of every speculating sequence, flattened in sampled order (the layout of
+        `plan.draft_token_ids`), also written into `main.input_ids` at their positions."""
         runner, pool = self.runner, self.pool
         assert pool is not None, "init_pool() first"
-        ctx = ForwardContext(attn_metadata=meta, kv_caches=pool.kv_caches, backend=runner.backend)
-        hidden = self.model(main.input_ids, main.positions, ctx)
         nd = np.asarray(plan.num_draft_tokens)
         spec = np.nonzero(nd)[0]
+        rows, first = speculating_rows(plan, spec)
+        hidden_first = self._fill(plan, main, meta, rows, first)
         if not len(spec):
             return np.zeros(0, dtype=np.int64)
-        rows, first = speculating_rows(plan, spec)
+        assert hidden_first is not None
         counts = nd[spec].astype(np.int64)
         drafts = np.zeros((len(spec), int(counts.max())), dtype=np.int64)
         device = main.input_ids.device
-        nxt = self.model.compute_logits(hidden[torch.as_tensor(first, device=hidden.device)]).argmax(dim=-1)
+        nxt = self.model.compute_logits(hidden_first).argmax(dim=-1)
         main.input_ids.index_copy_(0, torch.as_tensor(first + 1, device=device), nxt)
         drafts[:, 0] = nxt.cpu().numpy()
         for j in range(1, drafts.shape[1] + 1):
@@ -110,3 +144,95 @@ class DraftModelDrafter:
             main.input_ids.index_copy_(0, torch.as_tensor(tok[more] + 1, device=device), nxt)
             drafts[act[more], j] = nxt.cpu().numpy()
         return np.concatenate([drafts[i, : counts[i]] for i in range(len(spec))])
+
+    def _fill(
+        self,
+        plan: StepPlan,
+        main: StepInputs,
+        meta: AttentionMetadata,
+        spec_rows: np.ndarray,
+        first: np.ndarray,
+    ) -> torch.Tensor | None:
+        """The draft's forward over the step's rows that speculate or run prompt tokens, each after its
+        backlog; the other rows' tokens join their backlogs. The final hidden states at the speculating
+        rows' last tokens (`first`, in the step's layout), or None when none speculates."""
+        assert self.pool is not None
+        step = int(plan.step_id)
+        qsl = plan.query_start_loc
+        seq_ids = plan.req_ids
+        fill = plan.num_computed_tokens < plan.num_prompt_tokens
+        fill[spec_rows] = True
+        fed: dict[int, np.ndarray] = {}  # batch row -> its backlog's tokens, fed before the row's own
+        for b in range(len(seq_ids)):
+            sid, start = int(seq_ids[b]), int(plan.positions[qsl[b]])
+            log = self.backlogs.get(sid)
+            if log is not None and log.end != start:  # recomputed from an earlier position: stale
+                log = None
+                del self.backlogs[sid]
+            if fill[b]:
+                if log is not None:
+                    fed[b] = log.tokens()
+                    del self.backlogs[sid]
+                continue
+            if log is None:
+                log = self.backlogs[sid] = _Backlog(start, step)
+            log.chunks.append(plan.input_ids[qsl[b] : qsl[b + 1]].astype(np.int64))
+            log.last_step = step
+        if step % 256 == 0:
+            stale = [s for s, log in self.backlogs.items() if step - log.last_step > _BACKLOG_IDLE_STEPS]
+            for s in stale:
+                del self.backlogs[s]
+        if not fill.any():
+            self.num_skipped_steps += 1
+            return None
+        kv = self.pool.kv_caches
+        if fill.all() and not fed:  # the step as the target runs it: share its metadata
+            ctx = ForwardContext(attn_metadata=meta, kv_caches=kv, backend=self.runner.backend)
+            hidden = self.model(main.input_ids, main.positions, ctx)
+            return hidden[torch.as_tensor(first, device=hidden.device)] if len(first) else None
+        rows = np.nonzero(fill)[0]
+        ids, pos, slots, lens = [], [], [], np.zeros(len(rows), dtype=np.int64)
+        at = np.zeros(len(rows), dtype=np.int64)  # where each row's own tokens start in the flattened fill
+        total = 0
+        for i, b in enumerate(rows.tolist()):
+            own = slice(int(qsl[b]), int(qsl[b + 1]))
+            back = fed.get(b)
+            if back is not None and len(back):
+                start = int(plan.positions[own.start]) - len(back)
+                p = np.arange(start, start + len(back), dtype=np.int64)
+                table = self._table_row(plan, b)
+                bs = self.runner.block_size
+                ids.append(back)
+                pos.append(p)
+                slots.append(table[p // bs].astype(np.int64) * bs + p % bs)
+                self.num_catch_up_tokens += len(back)
+            ids.append(plan.input_ids[own].astype(np.int64))
+            pos.append(plan.positions[own].astype(np.int64))
+            slots.append(plan.slot_mapping[own].astype(np.int64))
+            at[i] = total + (0 if back is None else len(back))
+            lens[i] = at[i] - total + own.stop - own.start
+            total += int(lens[i])
+        hidden = varlen_forward(
+            self.runner,
+            self.buffers,
+            plan,
+            rows,
+            np.concatenate(ids),
+            np.concatenate(pos),
+            np.concatenate(slots),
+            lens,
+            kv_caches=kv,
+            model=self.model,
+        )
+        if not len(first):
+            return None
+        where = {b: int(at[i]) for i, b in enumerate(rows.tolist())}
+        idx = [where[int(b)] for b in spec_rows.tolist()]  # a speculating row's last token: its first own
+        return hidden[torch.as_tensor(idx, device=hidden.device)]
+
+    def _table_row(self, plan: StepPlan, b: int) -> np.ndarray:
+        """Batch row `b`'s block table (host): the scheduler's persistent view, or the plan's dense one."""
+        view = self.runner._bt_view
+        if view is not None:
+            return np.asarray(view[int(plan.block_table_rows[b])])
+        return np.asarray(plan.block_tables[b])

@@ -26,7 +26,14 @@ if TYPE_CHECKING:
     from pagedrs._core import StepPlan
     from pagedrs.worker.model_runner import ModelRunner
 
-__all__ = ["SelfDrafter", "default_draft_layers", "speculating_rows", "substep_buffers", "substep_forward"]
+__all__ = [
+    "SelfDrafter",
+    "default_draft_layers",
+    "speculating_rows",
+    "substep_buffers",
+    "substep_forward",
+    "varlen_forward",
+]
 
 
 def default_draft_layers(num_layers: int) -> int:
@@ -36,18 +43,18 @@ def default_draft_layers(num_layers: int) -> int:
 
 @dataclass
 class _DraftStep:
-    """A decode-shaped plan over the speculating sequences: what `StepBuffers.pack` and the attention
-    metadata read from a `StepPlan`."""
+    """A plan over some rows of a step with queries of their own (decode-shaped sub-steps, a draft
+    model's catch-up): what `StepBuffers.pack` and the attention metadata read from a `StepPlan`."""
 
-    input_ids: np.ndarray  # int64 [A]
-    positions: np.ndarray  # int64 [A]
-    slot_mapping: np.ndarray  # int64 [A]
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]
     seq_lens: np.ndarray  # int32 [A]
     query_start_loc: np.ndarray  # int32 [A + 1]
     block_table_rows: np.ndarray  # int32 [A]
     changed_rows: np.ndarray  # int32 [0]
     block_tables: np.ndarray | None  # int32 [A, M] (no device mirror)
-    logits_indices: np.ndarray  # int64 [A]
+    logits_indices: np.ndarray  # int64 [0]
     num_scheduled_tokens: np.ndarray  # int32 [A]
     num_tokens: int
     num_decode_tokens: int
@@ -88,26 +95,64 @@ def substep_forward(
     """One decode-shaped forward of `model` (default the runner's) over batch rows `rows` of `plan`:
     row i feeds `input_ids[i]` at the position and KV slot of the plan's token `tok[i]`, attending to
     its sequence up to there in `kv_caches`. The final hidden states, one row each."""
+    positions = plan.positions[tok].astype(np.int64)
+    return varlen_forward(
+        runner,
+        buffers,
+        plan,
+        rows,
+        input_ids,
+        positions,
+        plan.slot_mapping[tok].astype(np.int64),
+        np.ones(len(rows), dtype=np.int32),
+        kv_caches=kv_caches,
+        model=model,
+        exit_layer=exit_layer,
+    )
+
+
+def varlen_forward(
+    runner: ModelRunner,
+    buffers: StepBuffers,
+    plan: StepPlan,
+    rows: np.ndarray,
+    input_ids: np.ndarray,
+    positions: np.ndarray,
+    slot_mapping: np.ndarray,
+    query_lens: np.ndarray,
+    *,
+    kv_caches: list[torch.Tensor],
+    model: torch.nn.Module | None = None,
+    exit_layer: int | None = None,
+) -> torch.Tensor:
+    """One forward of `model` (default the runner's) over batch rows `rows` of `plan` with queries of
+    their own: row i feeds the next `query_lens[i]` of `input_ids` (int64, flattened) at `positions`
+    (consecutive, ending the row's context) and KV `slot_mapping`, through the row's block table into
+    `kv_caches`. The final hidden states, one per token."""
     n = len(rows)
     mirror = runner._bt_view if runner._bt_device is not None else None
     dense = None if mirror is not None else plan.block_tables
-    positions = plan.positions[tok].astype(np.int64)
+    qsl = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=qsl[1:])
+    seq_lens = (positions[qsl[1:] - 1] + 1).astype(np.int32)
+    num_tokens = int(qsl[-1])
+    decode = bool((query_lens == 1).all())
     step = _DraftStep(
         input_ids=input_ids,
         positions=positions,
-        slot_mapping=plan.slot_mapping[tok].astype(np.int64),
-        seq_lens=(positions + 1).astype(np.int32),
-        query_start_loc=np.arange(n + 1, dtype=np.int32),
+        slot_mapping=slot_mapping,
+        seq_lens=seq_lens,
+        query_start_loc=qsl,
         block_table_rows=plan.block_table_rows[rows],
         changed_rows=np.zeros(0, dtype=np.int32),
         block_tables=None if dense is None else np.ascontiguousarray(dense[rows]),
-        logits_indices=np.arange(n, dtype=np.int64),
-        num_scheduled_tokens=np.ones(n, dtype=np.int32),
-        num_tokens=n,
-        num_decode_tokens=n,
+        logits_indices=np.zeros(0, dtype=np.int64),  # the caller takes the logits it wants
+        num_scheduled_tokens=query_lens.astype(np.int32),
+        num_tokens=num_tokens,
+        num_decode_tokens=num_tokens if decode else 0,
     )
     inputs = buffers.pack(step, mirror_rows=mirror)  # type: ignore[arg-type]  # a StepPlan's fields
-    meta = runner._attn_metadata(step, inputs, 1, int(positions.max()) + 1)  # type: ignore[arg-type]
+    meta = runner._attn_metadata(step, inputs, int(query_lens.max()), int(seq_lens.max()))  # type: ignore[arg-type]
     ctx = ForwardContext(
         attn_metadata=meta, kv_caches=kv_caches, backend=runner.backend, exit_layer=exit_layer
     )
