@@ -458,3 +458,28 @@ def test_default_model_quantized_greedy_is_lossless(method: dict) -> None:
     stats = llm.llm_engine.get_stats()
     assert got == want
     assert stats.spec_num_accepted_tokens > 0, stats
+
+
+def test_draft_model_samples_the_drafts_of_sampling_requests(llama: Path) -> None:
+    """A request that samples (temperature 1, top-p 0.9, seeded) gets drafts sampled from the draft's
+    own distribution under its parameters, which the verifier takes as q: with the target as its own
+    draft q is p up to rounding, so nearly every draft is accepted (argmax drafts from the tiny random
+    model's flat distributions are accepted at p(argmax): under a third here). The same seeds give the
+    same tokens again; a greedy request in the same batch still gets the ids of decoding without
+    speculation."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = _llm(llama, None).generate([{"prompt_token_ids": prompts[0]}], greedy, use_tqdm=False)
+    spec = _llm(llama, _draft(llama))
+    params = [greedy] + [
+        SamplingParams(temperature=1.0, top_p=0.9, seed=s, max_tokens=24, ignore_eos=True) for s in (1, 2)
+    ]
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    first = [o.outputs[0].token_ids for o in spec.generate(inputs, params, use_tqdm=False)]
+    assert first[0] == want[0].outputs[0].token_ids
+    stats = spec.llm_engine.get_stats()
+    assert stats.spec_num_draft_tokens > 30, stats
+    assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens, stats
+    again = [o.outputs[0].token_ids for o in spec.generate(inputs, params, use_tqdm=False)]
+    assert again == first
+    assert first[1] != first[2]  # two seeds, two samples

@@ -165,7 +165,7 @@ class TPExecutor(UniProcExecutor):
     ) -> RunnerOutput:
         self.check_health()
         try:  # every rank runs the forward: a failure here breaks the group
-            fwd = self.runner.forward(plan, prompt_logprobs, before_forward=self._broadcast)
+            fwd = self.runner.forward(plan, prompt_logprobs, before_forward=self._broadcast, rows=rows)
         except Exception as exc:
             raise self._fail(exc) from exc
         # Sampling is rank 0's alone: an error here fails this step only.

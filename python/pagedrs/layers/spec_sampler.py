@@ -34,7 +34,7 @@ from pagedrs.layers.sampler import (
     sampled_token_logprobs,
 )
 
-__all__ = ["SpecVerifyResult", "verify_drafts"]
+__all__ = ["SpecVerifyResult", "sampling_probs", "verify_drafts"]
 
 
 @dataclass
@@ -208,25 +208,42 @@ def _target_probs(
     min_p: np.ndarray | None,
 ) -> Tensor:
     """softmax(top-k/top-p(min_p(row / temperature))) of `rows`, each with its sequence's parameters."""
-    device, vocab_size = logits.device, logits.shape[1]
     row_seq = np.repeat(np.arange(len(layout.num_drafts)), layout.num_drafts + 1)[rows]
 
-    def per_row(values: np.ndarray, dtype: npt.DTypeLike) -> Tensor:
-        return torch.from_numpy(np.ascontiguousarray(np.asarray(values)[row_seq], dtype=dtype)).to(device)
+    def per_row(values: np.ndarray | None) -> np.ndarray | None:
+        return None if values is None else np.asarray(values)[row_seq]
 
-    x = _index_rows(logits, rows) / per_row(temperature, np.float32).unsqueeze(1)
+    temps = np.asarray(temperature)[row_seq]
+    return sampling_probs(_index_rows(logits, rows), temps, per_row(top_k), per_row(top_p), per_row(min_p))
+
+
+def sampling_probs(
+    logits: Tensor,
+    temperature: np.ndarray,
+    top_k: np.ndarray | None = None,
+    top_p: np.ndarray | None = None,
+    min_p: np.ndarray | None = None,
+) -> Tensor:
+    """The distribution the Sampler draws row i of `logits` [n, V] from: softmax(top-k/top-p(min_p(row /
+    temperature[i]))), each parameter per row (top_k <= 0 or >= V: off). Temperatures must be > 0."""
+    device, vocab_size = logits.device, logits.shape[1]
+
+    def on(values: np.ndarray, dtype: npt.DTypeLike) -> Tensor:
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=dtype)).to(device)
+
+    x = logits.float() / on(temperature, np.float32).unsqueeze(1)
     if min_p is not None and (np.asarray(min_p) > 0).any():
-        x = apply_min_p(x, per_row(min_p, np.float32))
+        x = apply_min_p(x, on(min_p, np.float32))
     k, k_max = None, None
     if top_k is not None:
         k_host = np.asarray(top_k, dtype=np.int64)
         k_host = np.where((k_host <= 0) | (k_host >= vocab_size), vocab_size, k_host)
         if (k_host < vocab_size).any():
-            k = per_row(k_host, np.int64)
+            k = on(k_host, np.int64)
             k_max = int(k_host[k_host < vocab_size].max())
     p = None
     if top_p is not None and (np.asarray(top_p) < 1.0).any():
-        p = per_row(top_p, np.float32)
+        p = on(top_p, np.float32)
     return apply_top_k_top_p(x, k, p, k_max=k_max).softmax(dim=-1)
 
 

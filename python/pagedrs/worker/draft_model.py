@@ -12,6 +12,12 @@ with the draft token and gives draft `j + 1`; the last one only writes the KV, s
 is accepted the draft's cache still covers every position before the next step's last token. Whatever
 the drafts, the target verifies them exactly: a draft KV that is off only lowers the acceptance rate.
 
+Drafts are the draft's argmax for a sequence that decodes greedily. For one that samples (temperature
+> 0) each draft is sampled from the draft's distribution under the sequence's own temperature, top-k,
+top-p and min-p (from its generator when seeded), and that distribution goes to the verifier as q, so
+acceptance is min(1, p/q) (vLLM's and the papers' speculative sampling): a draft close to the target is
+accepted about as often as it would be greedy on greedy requests.
+
 Lazy KV (what llama.cpp's server gets by keeping the draft's context per slot): a step where no
 sequence speculates (speculation paused by the batch-size cut-off or the engine's governor, or a
 sequence's own pause) costs the draft nothing. Its decode tokens are kept, per sequence, in a backlog;
@@ -30,12 +36,17 @@ import torch
 
 from pagedrs.config import kv_cache_torch_dtype
 from pagedrs.layers.attention import AttentionMetadata, ForwardContext
+from pagedrs.layers.sampler import GREEDY_EPS
+from pagedrs.layers.spec_sampler import sampling_probs
 from pagedrs.worker.kv_cache import KVCachePool, model_block_bytes
 from pagedrs.worker.self_draft import speculating_rows, substep_buffers, substep_forward, varlen_forward
 from pagedrs.worker.step_buffers import StepInputs
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from pagedrs._core import StepPlan
+    from pagedrs.layers.sampler import SamplingRow
     from pagedrs.worker.model_runner import ModelRunner
 
 __all__ = ["DraftModelDrafter"]
@@ -62,6 +73,63 @@ class _Backlog:
 
     def tokens(self) -> np.ndarray:
         return np.concatenate(self.chunks) if self.chunks else np.zeros(0, dtype=np.int64)
+
+
+class _Picker:
+    """Chooses drafts from the draft's logits: the argmax for a greedy sequence; for a sampling one a
+    sample of `sampling_probs` under its parameters (its generator when seeded, else `default`), whose
+    distribution is kept as the draft's q row (`probs`, in the flattened draft layout)."""
+
+    def __init__(
+        self,
+        rows: Sequence[SamplingRow] | None,
+        spec: np.ndarray,
+        counts: np.ndarray,
+        default: torch.Generator | None,
+    ) -> None:
+        n = len(spec)
+        self.temperature = np.zeros(n, dtype=np.float32)
+        self.top_k = np.zeros(n, dtype=np.int64)
+        self.top_p = np.ones(n, dtype=np.float32)
+        self.min_p = np.zeros(n, dtype=np.float32)
+        self.generators: list[torch.Generator | None] = [None] * n
+        if rows is not None:
+            for i, s in enumerate(spec.tolist()):
+                row = rows[s]
+                p = row.params
+                self.temperature[i], self.top_k[i] = p.temperature, p.top_k
+                self.top_p[i], self.min_p[i] = p.top_p, p.min_p
+                self.generators[i] = row.generator
+        self.random = self.temperature >= GREEDY_EPS
+        self.starts = np.cumsum(counts) - counts  # each sequence's first draft in the flattened layout
+        self.total = int(counts.sum())
+        self.default = default
+        self.probs: torch.Tensor | None = None
+
+    def __call__(self, logits: torch.Tensor, which: np.ndarray, j: int) -> torch.Tensor:
+        """Draft `j` (0-based) of the speculating sequences `which` (indices into `spec`), whose logits
+        rows these are, in that order."""
+        tok = logits.argmax(dim=-1)
+        r = np.flatnonzero(self.random[which])
+        if not len(r):
+            return tok
+        seqs = which[r]
+        probs = sampling_probs(
+            logits[torch.as_tensor(r, device=logits.device)],
+            self.temperature[seqs],
+            self.top_k[seqs],
+            self.top_p[seqs],
+            self.min_p[seqs],
+        )
+        race = torch.empty_like(probs)
+        for i, s in enumerate(seqs.tolist()):
+            gen = self.generators[s]
+            race[i].exponential_(generator=gen if gen is not None else self.default)
+        tok[torch.as_tensor(r, device=tok.device)] = probs.div(race).argmax(dim=-1)
+        if self.probs is None:
+            self.probs = torch.zeros(self.total, probs.shape[1], device=probs.device)
+        self.probs[torch.as_tensor(self.starts[seqs] + j, device=probs.device)] = probs
+        return tok
 
 
 class DraftModelDrafter:
@@ -119,7 +187,9 @@ class DraftModelDrafter:
         counts = nd[spec].astype(np.int64)
         drafts = np.zeros((len(spec), int(counts.max())), dtype=np.int64)
         device = main.input_ids.device
-        nxt = self.model.compute_logits(hidden_first).argmax(dim=-1)
+        pick = _Picker(self.runner.step_rows, spec, counts, self.runner.generator)
+        every = np.arange(len(spec))
+        nxt = pick(self.model.compute_logits(hidden_first), every, 0)
         main.input_ids.index_copy_(0, torch.as_tensor(first + 1, device=device), nxt)
         drafts[:, 0] = nxt.cpu().numpy()
         for j in range(1, drafts.shape[1] + 1):
@@ -138,11 +208,11 @@ class DraftModelDrafter:
             more = np.nonzero(counts[act] > j)[0]  # those that want draft j + 1
             if not len(more):
                 continue
-            nxt = self.model.compute_logits(hidden[torch.as_tensor(more, device=hidden.device)]).argmax(
-                dim=-1
-            )
+            logits = self.model.compute_logits(hidden[torch.as_tensor(more, device=hidden.device)])
+            nxt = pick(logits, act[more], j)
             main.input_ids.index_copy_(0, torch.as_tensor(tok[more] + 1, device=device), nxt)
             drafts[act[more], j] = nxt.cpu().numpy()
+        self.runner.last_draft_probs = pick.probs
         return np.concatenate([drafts[i, : counts[i]] for i in range(len(spec))])
 
     def _fill(

@@ -137,6 +137,12 @@ class ModelRunner:
         # Speculative decoding by early exit: the drafts of the last step's forward (sampled order).
         self.drafter: SelfDrafter | DraftModelDrafter | None = None
         self.last_drafts: np.ndarray | None = None
+        # A draft model's distributions of its sampled drafts ([drafts, draft vocab], rows of greedy
+        # drafts zero; None when every draft was greedy), for the verifier's q.
+        self.last_draft_probs: Tensor | None = None
+        # The sampled sequences' rows of the step being run (rank 0): a draft model samples the drafts of
+        # a sequence that samples (temperature > 0) from its own distribution under the same parameters.
+        self.step_rows: Sequence[SamplingRow] | None = None
         spec = config.speculative
         if spec is not None and spec.method == "self_draft":
             layers = spec.draft_layers or default_draft_layers(int(model.num_layers))
@@ -338,7 +344,7 @@ class ModelRunner:
         `prompt_logprobs` maps a seq id to (top-k, prompt token ids) for the sequences whose prompt
         logprobs are wanted; `token_bitmask` (bitmask, row indices) limits those rows to the tokens a
         grammar allows."""
-        return self.sample(plan, rows, self.forward(plan, prompt_logprobs), token_bitmask)
+        return self.sample(plan, rows, self.forward(plan, prompt_logprobs, rows=rows), token_bitmask)
 
     @torch.inference_mode()
     def forward(
@@ -347,15 +353,20 @@ class ModelRunner:
         prompt_logprobs: dict[int, tuple[int, Sequence[int]]] | None = None,
         *,
         before_forward: Callable[[StepPlan, np.ndarray | None], None] | None = None,
+        rows: Sequence[SamplingRow] | None = None,
     ) -> Forward:
         """The part of a step every tensor-parallel rank runs: block ops, the forward, the logits.
         `before_forward(plan, extra logits rows)` runs first (a tensor-parallel driver broadcasts the
-        plan there)."""
+        plan there). `rows` (rank 0): the sampled sequences' rows, for a draft model's sampled drafts."""
         plp = self.prompt_logprobs_plan(plan, prompt_logprobs)
         extra = plp.indices if plp is not None else None
         if before_forward is not None:
             before_forward(plan, extra)
-        logits = self.execute_model(plan, extra)
+        self.step_rows = rows
+        try:
+            logits = self.execute_model(plan, extra)
+        finally:
+            self.step_rows = None
         return Forward(logits, plp, self.last_hidden)
 
     def _sampling_metadata(self, plan: StepPlan, rows: Sequence[SamplingRow], vocab: int) -> SamplingMetadata:
@@ -435,7 +446,9 @@ class ModelRunner:
             out.logprobs = lp
             if plan.has_drafts:
                 drafts = self.last_drafts if self.last_drafts is not None else plan.draft_token_ids
-                sample_with_drafts(out, plan, rows, logits[:num_rows], drafts, self.generator)
+                sample_with_drafts(
+                    out, plan, rows, logits[:num_rows], drafts, self.generator, self.last_draft_probs
+                )
         return out
 
     def _receive_drafts(self, plan: StepPlan, inputs: StepInputs) -> None:
@@ -485,6 +498,7 @@ class ModelRunner:
                 assert self._bt_device is not None and inputs.changed_row_data is not None
                 self._bt_device.index_copy_(0, inputs.changed_rows, inputs.changed_row_data)
             self.last_drafts = None
+            self.last_draft_probs = None
             drafter = self.drafter
             meta: AttentionMetadata | None = None
             if drafter is not None and num_tokens > 0 and (plan.has_drafts or drafter.every_step):

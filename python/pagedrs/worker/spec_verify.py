@@ -71,9 +71,12 @@ def sample_with_drafts(
     logits: Tensor,
     drafts: np.ndarray,
     default_generator: torch.Generator | None,
+    draft_probs: Tensor | None = None,
 ) -> None:
     """Replace the speculating sequences' sampled token in `out` with their verified tokens (accepted
     drafts, then one more) and set `out.token_counts`; the other sequences keep their one token.
+    `draft_probs` [drafts, V' <= V]: the distribution each draft was sampled from (a draft model's
+    sampled drafts; rows of deterministic drafts unused), None: every draft deterministic.
 
     `logits` holds the plan's logits rows (each sequence's 1 + d rows consecutive); `drafts` the drafts in
     sampled order. The sampler already drew row 0 of every sequence (a speculating sequence's draw is
@@ -99,6 +102,9 @@ def sample_with_drafts(
         np.array([p.min_p for p in params], dtype=np.float32),
         [rows[int(i)].generator for i in spec],
         default_generator,
+        None
+        if draft_probs is None
+        else torch.nn.functional.pad(draft_probs, (0, vocab - draft_probs.shape[1])),
     )
     counts = np.ones(len(nd), dtype=np.int32)
     counts[spec] = res.counts
