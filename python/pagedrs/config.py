@@ -369,7 +369,8 @@ class SpeculativeConfig:
     a step while more than `disable_by_batch_size` sequences run (None: the method's default).
     Requests whose sampling keeps per-token state the verifier does not model (penalties, logit_bias,
     min_tokens, LoRA adapters) decode without drafts; logprobs come from each token's verification row; a grammar
-    (structured outputs) masks each verified row, so a draft it rejects is cut there."""
+    (structured outputs) masks each verified row, so a draft it rejects is cut there.
+    `draft_tensor_parallel_size` (vLLM's name): only 1, where a draft model runs (whole, on rank 0)."""
 
     method: str
     num_speculative_tokens: int
@@ -379,6 +380,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     adaptive: bool = True
     model: str | None = None
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -402,6 +404,12 @@ class SpeculativeConfig:
         b = self.disable_by_batch_size
         _require(b is None or (_is_int(b) and b >= 1), "disable_by_batch_size", b, "must be an int >= 1")
         _require(isinstance(self.adaptive, bool), "adaptive", self.adaptive, "must be a bool")
+        _require(
+            self.draft_tensor_parallel_size in (None, 1),
+            "draft_tensor_parallel_size",
+            self.draft_tensor_parallel_size,
+            "must be 1: a draft model runs whole on rank 0 and broadcasts its drafts",
+        )
         if self.method == "draft_model":
             _require(
                 isinstance(self.model, str) and bool(self.model),
@@ -417,7 +425,10 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, spec: dict | str | None) -> SpeculativeConfig | None:
         """From `speculative_config` (a dict or its JSON text, as `--speculative-config` takes);
-        ValueError naming an unknown key or a method pagedrs does not implement."""
+        ValueError naming an unknown key or a method pagedrs does not implement. vLLM's spellings are
+        taken: a `model` alone is a draft model, `"[ngram]"` as the method or the model is n-gram, and
+        where only one of `prompt_lookup_min` / `prompt_lookup_max` is given the other follows it where
+        the default would leave an empty range (vLLM sets the missing one equal to the given one)."""
         if spec is None:
             return None
         if isinstance(spec, str):
@@ -435,10 +446,19 @@ class SpeculativeConfig:
                 f"speculative_config {spec!r}: method {spec['method']!r} is not implemented; use 'ngram' "
                 "(prompt lookup), 'self_draft' (the model's own first layers) or 'draft_model'"
             )
+        if spec.get("model") == "[ngram]" and spec.get("method") in (None, "ngram", "[ngram]"):
+            del spec["model"]  # vLLM 0.6's speculative_model="[ngram]"
+            spec["method"] = "ngram"
         if "method" not in spec and spec.get("model") is not None:  # vLLM: a model alone is a draft model
             spec["method"] = "draft_model"
         if spec.get("method") == "[ngram]":
             spec["method"] = "ngram"
+        lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+        fields = cls.__dataclass_fields__
+        if _is_int(lo) and hi is None:
+            spec["prompt_lookup_max"] = max(lo, fields["prompt_lookup_max"].default)
+        elif _is_int(hi) and lo is None:
+            spec["prompt_lookup_min"] = min(hi, fields["prompt_lookup_min"].default)
         names = set(cls.__dataclass_fields__)
         unknown = sorted(set(spec) - names)
         if unknown:

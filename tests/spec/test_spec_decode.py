@@ -276,14 +276,35 @@ def test_config_is_validated() -> None:
         '{"method": "ngram", "num_speculative_tokens": 2}'
     ) == SpeculativeConfig("ngram", 2)
     assert SpeculativeConfig.from_dict({"method": "[ngram]", "num_speculative_tokens": 2}).method == "ngram"
+    # vLLM 0.6's speculative_model="[ngram]", and one side of the lookup range given alone
+    assert SpeculativeConfig.from_dict(
+        {"model": "[ngram]", "num_speculative_tokens": 2}
+    ) == SpeculativeConfig("ngram", 2)
+    one_sided = [
+        ({"prompt_lookup_min": 5}, (5, 5)),
+        ({"prompt_lookup_max": 1}, (1, 1)),
+        ({"prompt_lookup_max": 6}, (2, 6)),
+    ]
+    for given, (lo, hi) in one_sided:
+        spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, **given})
+        assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (lo, hi), given
+    draft_tp1 = {"model": "x", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}
+    assert SpeculativeConfig.from_dict(draft_tp1).draft_tensor_parallel_size == 1
     for bad, match in [
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, "prompt_lookup_min"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 4},
+            "prompt_lookup_min",
+        ),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 5}, "unknown keys.*lookahead"),
         ({"method": "magic", "num_speculative_tokens": 2}, "magic"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "model.*must name the draft model"),
         ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "only for method 'draft_model'"),
         ({"method": "eagle", "model": "x", "num_speculative_tokens": 2}, "'eagle' is not implemented"),
+        (
+            {"model": "x", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+            "draft_tensor_parallel_size",
+        ),
         ({"num_speculative_tokens": 2}, "needs 'method'"),
         ("{not json", "not valid JSON"),
     ]:
