@@ -15,8 +15,10 @@ configuration runs the workload once to warm up, then --repeats timed times, the
 turns within each repeat (all engines are built first); the figure is the best repeat (least disturbed by
 other load). Reported per configuration and batch size: output tokens/s, the speed-up over no speculation at the
 same batch size, draft tokens proposed and accepted (acceptance rate = accepted / proposed; mean
-acceptance length = 1 + accepted per verification, as vLLM reports it), and whether the greedy token ids
-equal the run without speculation. Speculation is forced at every batch size here (disable_by_batch_size
+acceptance length = 1 + accepted per verification, as vLLM reports it), whether the greedy token ids
+equal the run without speculation, the engine steps taken and the ceiling: the speed-up were a step with
+drafts to cost what a step without them costs (steps without speculation / steps with it), which is what
+the proposals are worth on the workload whatever the verification costs. Speculation is forced at every batch size here (disable_by_batch_size
 above the largest batch) so that the cut-off the engine uses by default can be read off the table.
 """
 
@@ -121,6 +123,7 @@ def run_configs(
                 "draft_tokens": proposed,
                 "accepted_tokens": accepted,
                 "governor_pauses": after.spec_num_pauses - before.spec_num_pauses,
+                "steps": after.num_steps - before.num_steps,
                 "acceptance_rate": accepted / proposed if proposed else None,
                 "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
                 "token_ids": [list(o.outputs[0].token_ids) for o in outs],
@@ -192,16 +195,21 @@ def main(argv: list[str] | None = None) -> int:
     for name, res in runs.items():
         for b, r in res.items():
             r["speedup"] = r["output_tok_s"] / base[b]["output_tok_s"]
+            # The speed-up if a step with drafts cost what a step without them costs: what the proposer's
+            # drafts are worth on this workload whatever the verification costs (its ceiling).
+            r["free_verification_speedup"] = base[b]["steps"] / r["steps"] if r["steps"] else None
             r["greedy_identical"] = r["token_ids"] == base[b]["token_ids"]
             table.append((name, b, r))
     print(
         f"{'config':>11} {'batch':>5} {'out tok/s':>10} {'speed-up':>9} {'accept':>7} {'mean len':>8} {'same ids':>8} {'pauses':>6}"
+        f" {'steps':>6} {'ceiling':>7}"
     )
     for name, b, r in table:
         rate = "-" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.1f}%"
         mlen = "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
         print(
             f"{name:>11} {b:>5} {r['output_tok_s']:>10.1f} {r['speedup']:>8.2f}x {rate:>7} {mlen:>8} {str(r['greedy_identical']):>8} {r['governor_pauses']:>6}"
+            f" {r['steps']:>6} {r['free_verification_speedup'] or 0:>6.2f}x"
         )
     if args.json:
         for res in runs.values():

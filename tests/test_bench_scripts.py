@@ -384,6 +384,11 @@ def test_spec_decode_takes_turns_and_reports_every_configuration(tmp_path: Path)
         for b, r in res.items():
             assert r["greedy_identical"] and r["output_tokens"] > 0 and r["governor_pauses"] >= 0
             assert r["speedup"] == pytest.approx(r["output_tok_s"] / d["results"]["none"][b]["output_tok_s"])
+            # the ceiling: steps without speculation over steps with it (1.0 for no speculation)
+            assert r["steps"] > 0
+            assert r["free_verification_speedup"] == pytest.approx(
+                d["results"]["none"][b]["steps"] / r["steps"]
+            )
             if name == "none":
                 assert r["draft_tokens"] == 0
-    assert "same ids" in proc.stdout
+    assert "same ids" in proc.stdout and "ceiling" in proc.stdout
