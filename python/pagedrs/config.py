@@ -349,6 +349,7 @@ class LoRAConfig:
 
 
 SPEC_METHODS = ("ngram", "self_draft", "draft_model")
+_DEFAULT_LOOKUP = (2, 4)  # prompt_lookup_min, prompt_lookup_max
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,8 +375,8 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = _DEFAULT_LOOKUP[0]
+    prompt_lookup_max: int = _DEFAULT_LOOKUP[1]
     draft_layers: int | None = None
     disable_by_batch_size: int | None = None
     adaptive: bool = True
@@ -454,11 +455,10 @@ class SpeculativeConfig:
         if spec.get("method") == "[ngram]":
             spec["method"] = "ngram"
         lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
-        fields = cls.__dataclass_fields__
-        if _is_int(lo) and hi is None:
-            spec["prompt_lookup_max"] = max(lo, fields["prompt_lookup_max"].default)
-        elif _is_int(hi) and lo is None:
-            spec["prompt_lookup_min"] = min(hi, fields["prompt_lookup_min"].default)
+        if isinstance(lo, int) and hi is None:
+            spec["prompt_lookup_max"] = max(lo, _DEFAULT_LOOKUP[1])
+        elif isinstance(hi, int) and lo is None:
+            spec["prompt_lookup_min"] = min(hi, _DEFAULT_LOOKUP[0])
         names = set(cls.__dataclass_fields__)
         unknown = sorted(set(spec) - names)
         if unknown:
