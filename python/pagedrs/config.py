@@ -212,12 +212,19 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class DeviceConfig:
-    """Where the model and its KV pool live, the attention backend and the CPU thread count."""
+    """Where the model and its KV pool live, the attention backend and the CPU thread count.
+
+    `batch_invariant` (CPU only; vLLM's VLLM_BATCH_INVARIANT): every token gets the same arithmetic
+    whatever else its step holds, so greedy outputs do not depend on batching, chunked prefill, prefix
+    hits, preemption or speculation. Every attention query runs through the per-token CPU kernel (also
+    whole prompts, which otherwise go through torch's SDPA) and quantized weights always through the
+    integer kernels (no switch to a float GEMM over long prefill chunks)."""
 
     device: torch.device
     attention_backend: str = "auto"
     enforce_eager: bool = False
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         _require(isinstance(self.device, torch.device), "device", self.device, "must be a torch.device")
@@ -234,6 +241,15 @@ class DeviceConfig:
                 self.num_threads,
                 "must be an int >= 1",
             )
+        _require(
+            isinstance(self.batch_invariant, bool), "batch_invariant", self.batch_invariant, "must be a bool"
+        )
+        _require(
+            not self.batch_invariant or self.device.type == "cpu",
+            "batch_invariant",
+            self.batch_invariant,
+            f"is implemented for the CPU path, not device {self.device}",
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
     attention_backend: str = "auto"
+    batch_invariant: bool = False
     seed: int = 0
     num_threads: int | None = None
     max_logprobs: int = 20
@@ -275,6 +276,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager or self.enable_lora,
             num_threads=self.num_threads,
+            batch_invariant=self.batch_invariant,
         )
         obs = ObservabilityConfig(
             log_stats=not self.disable_log_stats,

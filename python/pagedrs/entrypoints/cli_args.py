@@ -107,6 +107,12 @@ _ENGINE_SWITCHES: list[tuple[str, str, str]] = [
     ("--enable-log-batch-visualization", "enable_log_batch_visualization", "log a picture of every step"),
     ("--disable-log-stats", "disable_log_stats", "no periodic stats line"),
     ("--enable-lora", "enable_lora", "serve LoRA adapters (--lora-modules; the adapter name as `model`)"),
+    (
+        "--batch-invariant",
+        "batch_invariant",
+        "CPU: each token's arithmetic independent of its step (greedy outputs the same whatever the "
+        "batching, chunking, prefix hits or preemption)",
+    ),
 ]
 
 

@@ -49,6 +49,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "ParallelLMHead",
     "default_weight_loader",
+    "use_integer_matmuls",
 ]
 
 
@@ -527,3 +528,21 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: Tensor) -> Tensor | None:  # type: ignore[override]  # None on ranks that get no logits
         return self.compute_logits(hidden)
+
+
+def use_integer_matmuls(model: torch.nn.Module) -> int:
+    """Batch invariance (`DeviceConfig.batch_invariant`): every GGUF-quantized weight of `model` (linear
+    layers, embedding tables and output heads) multiplies through the integer kernels at any row count;
+    returns how many weights."""
+    weights: dict[int, QuantizedWeight] = {}
+    for module in model.modules():
+        w: object = None
+        if isinstance(module, _LinearBase):
+            w = module.qweight
+        elif isinstance(module, VocabParallelEmbedding):
+            w = module.quant.weight
+        if isinstance(w, QuantizedWeight):
+            weights[id(w)] = w  # a tied head shares its table's weight: once
+    for w in weights.values():
+        w.keep_integer_kernels()
+    return len(weights)

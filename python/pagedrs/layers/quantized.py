@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -186,6 +187,11 @@ class QuantizedWeight:
         if bias is not None:
             out += bias
         return out if len(lead) == 1 else out.view(*lead, self.out_features)
+
+    def keep_integer_kernels(self) -> None:
+        """Every call through the integer kernels, however many rows (batch invariance: a row's bits do
+        not depend on the rows beside it there, and the float GEMM would round each row differently)."""
+        self.dequant_min_rows = sys.maxsize
 
     def matmul_rows(self, xn: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
         """Rows xn [T, in_features] float32 -> xn @ W^T, a new float32 array [T, out_features]."""

@@ -27,6 +27,7 @@ from pagedrs.config import EngineConfig, kv_cache_torch_dtype
 from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.attention import AttentionMetadata, ForwardContext, get_attention_backend
 from pagedrs.layers.kernel_switch import use_layer_kernels
+from pagedrs.layers.linear import use_integer_matmuls
 from pagedrs.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, SamplingRow
 from pagedrs.models.interface import CausalLM
 from pagedrs.worker.draft_model import DraftModelDrafter
@@ -63,6 +64,18 @@ _GiB = 1 << 30
 _DEFAULT_CPU_KV_GB = 4.0
 _MAX_GRAPH_BATCH = 512  # decode batches up to this many requests replay a CUDA graph
 _PROFILE_GRAPH_BLOCKS = 16  # the throwaway KV pool the graph-memory profile captures against
+
+
+def make_batch_invariant(model: torch.nn.Module, kv_dtype: torch.dtype) -> None:
+    """`DeviceConfig.batch_invariant` for `model`: its quantized weights on the integer kernels at any row
+    count (the attention backend routes every query through the per-token kernel); ValueError where the
+    arithmetic could not be per token (activations or KV cache not float32)."""
+    dtype = next(model.parameters()).dtype
+    if dtype != torch.float32 or kv_dtype != torch.float32:
+        raise ValueError(
+            f"batch_invariant needs float32 activations and KV cache, got dtype {dtype} and a {kv_dtype} cache"
+        )
+    use_integer_matmuls(model)
 
 
 @dataclass
@@ -106,7 +119,13 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.eos_token_ids = list(eos_token_ids)
         self.kv_dtype = kv_cache_torch_dtype(config.cache.cache_dtype, next(model.parameters()).dtype)
-        self.backend = get_attention_backend(config.device.attention_backend, self.device)
+        self.backend = get_attention_backend(
+            config.device.attention_backend, self.device, batch_invariant=config.device.batch_invariant
+        )
+        if config.device.batch_invariant:
+            make_batch_invariant(model, self.kv_dtype)
+            if draft_model is not None:
+                make_batch_invariant(draft_model, self.kv_dtype)
         # The CUDA backend also takes the fused layer kernels (norms, RoPE, gated activations); the torch
         # backend keeps the whole model on torch ops (the reference path), also for a model reused here.
         self.layer_kernels = self.backend.name == "cupy"

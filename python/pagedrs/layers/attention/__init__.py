@@ -88,11 +88,13 @@ class ForwardContext:
     exit_layer: int | None = None
 
 
-def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
+def get_attention_backend(
+    name: str, device: torch.device | str, *, batch_invariant: bool = False
+) -> AttentionBackend:
     """Re-exported from `selector` (imported lazily to keep this module dependency-free)."""
     from pagedrs.layers.attention.selector import get_attention_backend as _get
 
-    return _get(name, device)
+    return _get(name, device, batch_invariant=batch_invariant)
 
 
 def token_seq_lens(meta: AttentionMetadata) -> Tensor:

@@ -25,15 +25,20 @@ def _cupy_available() -> bool:
     return True
 
 
-def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """ "auto": "cupy" on CUDA when cupy imports, else "torch"; "torch": the reference; "cupy": CUDA kernels."""
+def get_attention_backend(
+    name: str, device: torch.device | str, *, batch_invariant: bool = False
+) -> AttentionBackend:
+    """ "auto": "cupy" on CUDA when cupy imports, else "torch"; "torch": the reference; "cupy": CUDA kernels.
+    `batch_invariant`: the torch backend's every query through the per-token CPU kernel (`DeviceConfig`)."""
     device = torch.device(device)
     if name == "auto":
         name = "cupy" if device.type == "cuda" and _cupy_available() and _has_cupy_backend() else "torch"
     if name == "torch":
         from pagedrs.layers.attention.torch_ref import TorchAttentionBackend
 
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(batch_invariant=batch_invariant)
+    if batch_invariant:
+        raise ValueError(f"batch_invariant runs on the 'torch' attention backend (on a CPU), not {name!r}")
     if name == "cupy":
         if device.type != "cuda":
             raise ValueError(f"attention backend 'cupy' needs a CUDA device, got {device}")

@@ -11,6 +11,8 @@ its own k/v directly.
 On CPU in float32 the decodes instead go through the fused Rust kernel `pagedrs._core.paged_decode_attention`,
 which reads K/V in place through the block tables (no gather copy); PAGEDRS_CPU_KERNELS=0 (or
 `TorchAttentionBackend(use_cpu_kernels=False)`) keeps the pure-torch path, which stays the reference.
+With `batch_invariant` every query token goes through that kernel, prefill chunks included: a token's
+attention is then the same arithmetic whatever chunk, batch or step it is computed in.
 """
 
 from __future__ import annotations
@@ -150,11 +152,13 @@ def _group_bounds(num_blocks_desc: np.ndarray) -> list[tuple[int, int]]:
     return bounds
 
 
-def step_plan(meta: AttentionMetadata) -> _StepPlan:
-    """The step's decodes (grouped, and as the Rust kernel takes them) and prefills; built once per step."""
+def step_plan(meta: AttentionMetadata, *, every_token: bool = False) -> _StepPlan:
+    """The step's decodes (grouped, and as the Rust kernel takes them) and prefills; built once per step.
+    `every_token` (batch invariance, on a CPU): every query token is a decode for the Rust kernel, prompt
+    chunks included, and no torch decode groups are built."""
     # Built once per step and shared by every layer; keyed on the identity of the step's arrays in case a
     # caller refills one metadata object in place.
-    key = (id(meta.query_start_loc_cpu), id(meta.seq_lens_cpu), id(meta.block_tables))
+    key = (id(meta.query_start_loc_cpu), id(meta.seq_lens_cpu), id(meta.block_tables), every_token)
     cached = meta.cache.get("torch_ref_plan")
     if isinstance(cached, tuple) and cached[0] == key:
         return cached[1]
@@ -165,6 +169,8 @@ def step_plan(meta: AttentionMetadata) -> _StepPlan:
     # computed as that many decodes, each token attending to its own prefix: the same arithmetic as
     # decoding the tokens one a step, so greedy speculation gives the ids plain decoding gives.
     as_decodes = (q_lens == 1) | ((q_lens > 1) & (q_lens <= DECODE_LIKE_MAX_QUERY) & (seq_lens > q_lens))
+    if every_token:
+        as_decodes = q_lens > 0
     device = meta.block_tables.device
     plan = _StepPlan([], [])
     dec = np.nonzero(as_decodes)[0]
@@ -186,7 +192,7 @@ def step_plan(meta: AttentionMetadata) -> _StepPlan:
             seq_lens=np.ascontiguousarray(e_len, dtype=np.int32),
             all_tokens=bool(all_tokens),
         )
-    if len(dec):
+    if len(dec) and not every_token:
         nblocks = -(-e_len // meta.block_size)
         order = np.argsort(-nblocks, kind="stable")
         nblocks = nblocks[order]
@@ -222,12 +228,17 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def __init__(self, *, use_cpu_kernels: bool | None = None) -> None:
+    def __init__(self, *, use_cpu_kernels: bool | None = None, batch_invariant: bool = False) -> None:
         # None: on unless the environment sets PAGEDRS_CPU_KERNELS=0.
         if use_cpu_kernels is None:
             use_cpu_kernels = os.environ.get("PAGEDRS_CPU_KERNELS", "1") != "0"
         # An extension built before the kernel existed lacks it: fall back to torch.
         self.use_cpu_kernels = use_cpu_kernels and hasattr(_core, "paged_decode_attention")
+        if batch_invariant and not self.use_cpu_kernels:
+            raise ValueError(
+                "batch_invariant needs the CPU attention kernel, which PAGEDRS_CPU_KERNELS=0 turns off"
+            )
+        self.batch_invariant = batch_invariant
         self._buffers: dict[tuple[torch.device, torch.dtype, tuple[int, ...]], tuple[Tensor, Tensor]] = {}
 
     def forward(
@@ -242,9 +253,15 @@ class TorchAttentionBackend:
         sliding_window: int | None,
     ) -> Tensor:
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        plan = step_plan(meta)
+        kernel = self._cpu_kernel_applies(q, kv_cache)
+        if self.batch_invariant and not kernel:
+            raise ValueError(
+                f"batch_invariant needs float32 queries and a contiguous float32 KV cache on a CPU, got "
+                f"{q.dtype} on {q.device} and a {kv_cache.dtype} cache"
+            )
+        plan = step_plan(meta, every_token=self.batch_invariant)
         out = torch.empty_like(q)
-        if plan.cpu_decodes is not None and self._cpu_kernel_applies(q, kv_cache):
+        if plan.cpu_decodes is not None and kernel:
             self._decode_cpu(q, kv_cache, plan.cpu_decodes, out, scale, sliding_window)
         else:
             for group in plan.decode_groups:
