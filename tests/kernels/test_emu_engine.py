@@ -27,8 +27,10 @@ def cuda_path_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """attention_backend="cupy" builds the CUDA backend on the CPU; kernels run on the emulator. Yields the
     names of the kernels launched."""
 
-    def backend(name: str, device: torch.device | str) -> object:
-        return CupyAttentionBackend() if name == "cupy" else get_attention_backend(name, device)
+    def backend(name: str, device: torch.device | str, *, batch_invariant: bool = False) -> object:
+        if name == "cupy":
+            return CupyAttentionBackend()
+        return get_attention_backend(name, device, batch_invariant=batch_invariant)
 
     monkeypatch.setattr(model_runner, "get_attention_backend", backend)
     with recording_kernels([*cache_names(), *attention_names("float", 16), *layer_op_names("float")]) as seen:
