@@ -18,8 +18,9 @@ same batch size, draft tokens proposed and accepted (acceptance rate = accepted 
 acceptance length = 1 + accepted per verification, as vLLM reports it), whether the greedy token ids
 equal the run without speculation, the engine steps taken and the ceiling: the speed-up were a step with
 drafts to cost what a step without them costs (steps without speculation / steps with it), which is what
-the proposals are worth on the workload whatever the verification costs. Speculation is forced at every batch size here (disable_by_batch_size
-above the largest batch) so that the cut-off the engine uses by default can be read off the table.
+the proposals are worth on the workload whatever the verification costs. Speculation is forced at every
+batch size here (disable_by_batch_size above the largest batch) so that the cut-off the engine uses by
+default can be read off the table.
 """
 
 from __future__ import annotations

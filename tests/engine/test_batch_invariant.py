@@ -22,7 +22,7 @@ from pagedrs.config import DeviceConfig
 from pagedrs.entrypoints.cli_args import make_engine_args, make_serve_parser
 from pagedrs.layers.attention.torch_ref import TorchAttentionBackend, step_plan
 from pagedrs.layers.quantized import DEQUANT_MIN_ROWS_X8, QuantizedWeight
-from tests.helpers import make_step_metadata, make_tiny_llama
+from tests.helpers import make_step_metadata, make_tiny_gguf
 from tests.layers.helpers_quant import Q, random_weight
 
 SYSTEM = (
@@ -134,15 +134,17 @@ def test_batch_invariant_is_validated_and_reaches_the_engine() -> None:
     assert make_engine_args(make_serve_parser().parse_args([])).batch_invariant is False
 
 
-def test_tensor_parallel_ranks_take_the_setting(tmp_path: Path) -> None:
-    """batch_invariant under tensor parallelism (two CPU ranks, the tiny model's heads split over them): the
-    engine starts with it and gives one rank's greedy ids, from a cold and from a warm cache."""
-    folder = make_tiny_llama(tmp_path)
+def test_tensor_parallel_ranks_take_the_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """batch_invariant under tensor parallelism, on a tiny GGUF model kept quantized (the path the setting
+    makes exact: dense float32 matmuls may round by row count): two CPU ranks give the same greedy ids from
+    a cold and from a warm cache, and one rank's ids."""
+    monkeypatch.setenv("PAGEDRS_CACHE", str(tmp_path / "cache"))  # conversions here; the ranks inherit it
+    path = make_tiny_gguf(tmp_path, "llama", qtype="Q8_0")
     prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10] * 6}, {"prompt_token_ids": [11, 12, 13]}]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    one = LLM(str(folder), batch_invariant=True, disable_log_stats=True)
+    one = LLM(str(path), batch_invariant=True, disable_log_stats=True)
     want = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
-    two = LLM(str(folder), batch_invariant=True, tensor_parallel_size=2, disable_log_stats=True)
+    two = LLM(str(path), batch_invariant=True, tensor_parallel_size=2, disable_log_stats=True)
     try:
         for _ in range(2):
             assert [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)] == want
