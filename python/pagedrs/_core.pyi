@@ -34,11 +34,16 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     num_threads: int = 1,
+    logits_soft_cap: float | None = None,
+    isa: str | None = None,
 ) -> None:
     """Paged decode attention on CPU (one query token per sequence), written into ``out``; GIL released.
 
     q/out float32 [B, H, D]; kv_cache float32 [2, num_blocks, block_size, KVH, D]; block_tables int32 [B, M];
-    seq_lens int32 [B] (context including the query token). All C-contiguous; ValueError otherwise."""
+    seq_lens int32 [B] (context including the query token). All C-contiguous; ValueError otherwise.
+    Scores are ``scale * q.k``, then ``logits_soft_cap * tanh(s / logits_soft_cap)`` when it is given (HF's
+    Gemma 2 attention soft-capping; a positive number). Any head size (64, 128 and 256 compiled for).
+    ``isa``: the kernels (a ``quant_isa()`` name, capped to what this CPU runs; default the chosen ones)."""
 
 def quant_matmul(
     x: npt.NDArray[np.float32],

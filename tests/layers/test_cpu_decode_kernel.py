@@ -4,6 +4,7 @@ float32) against the pure-torch decode path of the same backend."""
 from __future__ import annotations
 
 import math
+import platform
 
 import numpy as np
 import pytest
@@ -103,3 +104,63 @@ def test_env_forces_torch_path(monkeypatch):
     assert not TorchAttentionBackend().use_cpu_kernels
     monkeypatch.setenv("PAGEDRS_CPU_KERNELS", "1")
     assert TorchAttentionBackend().use_cpu_kernels
+
+
+# The kernel sets of this architecture (`isa=`); ones this CPU lacks give way to the nearest below.
+_ISAS = {"x86_64": ("portable", "avx2", "avx512-vnni"), "aarch64": ("portable", "neon", "neon-dotprod")}.get(
+    platform.machine().lower(), ("portable",)
+)
+
+
+def torch_decode(q, cache, tables, lens, *, scale, window, cap):
+    """float64 torch attention of each sequence's one query over its cached context, scores soft-capped as
+    HF's eager Gemma 2 attention: ``cap * tanh(q.k * scale / cap)`` before the softmax."""
+    q64, kv = torch.from_numpy(q).double(), torch.from_numpy(cache).double()
+    bs, kvh = cache.shape[2], cache.shape[3]
+    out = torch.zeros_like(q64)
+    for b, n in enumerate(lens.tolist()):
+        pos = torch.arange(max(0, n - window) if window else 0, n)
+        blocks = torch.from_numpy(tables[b]).long()[pos // bs]
+        k = kv[0, blocks, pos % bs].repeat_interleave(q.shape[1] // kvh, dim=1)  # [L, H, D]
+        v = kv[1, blocks, pos % bs].repeat_interleave(q.shape[1] // kvh, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q64[b], k) * scale
+        if cap is not None:
+            scores = torch.tanh(scores / cap) * cap
+        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+    return out.numpy()
+
+
+@pytest.mark.parametrize("isa", _ISAS)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_head_sizes_soft_cap_and_window_match_torch_at_every_isa(isa, d):
+    """Gemma 2's attention (soft cap 50 over scores scaled by query_pre_attn_scalar**-0.5; a cap of 2 that
+    bites harder), windowed and not, GQA 8/2, at each head size compiled for and each kernel set."""
+    rng = np.random.default_rng(d)
+    b, h, kvh, bs, m = 7, 8, 2, 16, 20
+    q = (3 * rng.standard_normal((b, h, d))).astype(np.float32)
+    cache = rng.standard_normal((2, b * m, bs, kvh, d), dtype=np.float32)
+    tables = rng.permutation(b * m).astype(np.int32).reshape(b, m)
+    lens = np.array([1, 15, 16, 17, 100, 250, 320], np.int32)
+    scale = 256**-0.5
+    for cap in (None, 50.0, 2.0):
+        for window in (None, 33):
+            out = np.full_like(q, np.nan)
+            _core.paged_decode_attention(q, cache, tables, lens, out, scale, window, 2, cap, isa)
+            want = torch_decode(q, cache, tables, lens, scale=scale, window=window, cap=cap)
+            np.testing.assert_allclose(out, want, atol=2e-5, rtol=0, err_msg=f"cap {cap} window {window}")
+    capped = np.empty_like(q)
+    _core.paged_decode_attention(q, cache, tables, lens, capped, scale, None, 1, logits_soft_cap=2.0, isa=isa)
+    plain = np.empty_like(q)
+    _core.paged_decode_attention(q, cache, tables, lens, plain, scale, None, 1, isa=isa)
+    assert np.abs(capped - plain).max() > 1e-2  # the cap changes the output
+
+
+def test_soft_cap_and_isa_are_checked():
+    q = np.zeros((1, 2, 8), np.float32)
+    cache = np.zeros((2, 1, 4, 1, 8), np.float32)
+    tables, lens, out = np.zeros((1, 1), np.int32), np.ones(1, np.int32), np.zeros_like(q)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="logits_soft_cap"):
+            _core.paged_decode_attention(q, cache, tables, lens, out, 1.0, logits_soft_cap=bad)
+    with pytest.raises(ValueError, match="avx1024"):
+        _core.paged_decode_attention(q, cache, tables, lens, out, 1.0, isa="avx1024")

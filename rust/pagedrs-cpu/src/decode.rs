@@ -8,10 +8,16 @@
 //! tokens (a speculative verification) go together per KV head instead (`query_runs`, `attend_run`),
 //! each token with the arithmetic it gets alone.
 //! Inner loops are written over fixed-width lane arrays so they auto-vectorize; on x86-64 a copy compiled
-//! for AVX2 + FMA is chosen at run time when the CPU has them (the wheel targets baseline x86-64).
+//! for AVX2 + FMA is chosen at run time when the CPU has them (the wheel targets baseline x86-64), as
+//! `Isa::chosen()` says (`PAGEDRS_CPU_ISA` caps it) or as the caller asks (`DecodeParams::isa`).
+//! Head sizes 64, 128 and 256 get copies with the size known at compile time; any other size runs the
+//! same code with the size read at run time.
+//! Scores are `scale * q.k`, optionally soft-capped (`cap * tanh(s / cap)`, as HF's Gemma 2 does to its
+//! attention logits) before the softmax.
 
 use std::ops::Range;
 
+use crate::quant::Isa;
 use crate::KernelError;
 
 /// Shapes: q and out `[num_seqs, num_heads, head_size]`, kv_cache
@@ -28,6 +34,32 @@ pub struct DecodeDims {
     pub max_blocks_per_seq: usize,
 }
 
+/// What a decode computes besides its shapes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DecodeParams {
+    /// Multiplies `q.k` (the score before the softmax).
+    pub scale: f32,
+    /// A query at position `p` sees keys `p - w + 1 ..= p` (all of them when `None`).
+    pub sliding_window: Option<usize>,
+    /// Scores become `cap * tanh(s / cap)` before the softmax (HF's `attn_logit_softcapping`); `None`:
+    /// unchanged.
+    pub logits_soft_cap: Option<f32>,
+    /// The kernels to run; ones this CPU lacks give way to the nearest ones below that it runs.
+    pub isa: Isa,
+}
+
+impl DecodeParams {
+    /// `scale`, no window, no soft cap, the kernels `Isa::chosen()` names.
+    pub fn new(scale: f32) -> Self {
+        Self {
+            scale,
+            sliding_window: None,
+            logits_soft_cap: None,
+            isa: Isa::chosen(),
+        }
+    }
+}
+
 /// Width of the accumulator arrays of the inner loops (two AVX2 registers, four SSE2 ones).
 const LANES: usize = 16;
 
@@ -42,6 +74,7 @@ struct Ctx<'a> {
     group: usize,
     scale: f32,
     sliding_window: Option<usize>,
+    soft_cap: Option<f32>,
     /// Run the AVX2 + FMA copy (the CPU has both).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     avx2: bool,
@@ -67,10 +100,10 @@ pub fn paged_decode_f32(
     seq_lens: &[i32],
     out: &mut [f32],
     dims: &DecodeDims,
-    scale: f32,
-    sliding_window: Option<usize>,
+    params: &DecodeParams,
     num_threads: usize,
 ) -> Result<(), KernelError> {
+    let sliding_window = params.sliding_window;
     validate(
         q,
         kv_cache,
@@ -80,6 +113,14 @@ pub fn paged_decode_f32(
         dims,
         sliding_window,
     )?;
+    if let Some(cap) = params.logits_soft_cap {
+        if !(cap.is_finite() && cap > 0.0) {
+            return Err(KernelError::NotPositive {
+                name: "logits_soft_cap",
+                value: cap.to_string(),
+            });
+        }
+    }
     let d = *dims;
     let half = d.num_blocks * d.block_size * d.num_kv_heads * d.head_size;
     let (k, v) = kv_cache.split_at(half);
@@ -91,9 +132,10 @@ pub fn paged_decode_f32(
         seq_lens,
         d,
         group: d.num_heads / d.num_kv_heads,
-        scale,
+        scale: params.scale,
         sliding_window,
-        avx2: avx2_available(),
+        soft_cap: params.logits_soft_cap,
+        avx2: uses_avx2(params.isa),
     };
     let item_len = ctx.group * d.head_size;
     let num_items = d.num_seqs * d.num_kv_heads;
@@ -243,6 +285,7 @@ fn run_task_generic<V: Vector>(
         match hd {
             64 => attend::<V, 64>(ctx, item, mine, &mut scratch),
             128 => attend::<V, 128>(ctx, item, mine, &mut scratch),
+            256 => attend::<V, 256>(ctx, item, mine, &mut scratch),
             _ => attend::<V, 0>(ctx, item, mine, &mut scratch),
         }
         return;
@@ -250,6 +293,7 @@ fn run_task_generic<V: Vector>(
     match hd {
         64 => attend_run::<V, 64>(ctx, first, count, kv_head, &head_out, &mut scratch),
         128 => attend_run::<V, 128>(ctx, first, count, kv_head, &head_out, &mut scratch),
+        256 => attend_run::<V, 256>(ctx, first, count, kv_head, &head_out, &mut scratch),
         _ => attend_run::<V, 0>(ctx, first, count, kv_head, &head_out, &mut scratch),
     }
 }
@@ -358,6 +402,14 @@ trait Vector {
             Self::axpy(w, row, out);
         }
     }
+    /// `s[i] = cap * tanh(s[i] / cap)` for every element, each independently of the others (a token's
+    /// scores get the same bits in a run as alone).
+    #[inline(always)]
+    fn soft_cap(s: &mut [f32], cap: f32) {
+        for x in s.iter_mut() {
+            *x = cap * (*x / cap).tanh();
+        }
+    }
     /// `s[i] = exp(s[i] - max)` for every element (each <= max); returns their sum.
     #[inline(always)]
     fn exp_shifted(s: &mut [f32], max: f32) -> f32 {
@@ -442,6 +494,12 @@ impl Vector for Avx2 {
     fn exp_shifted(s: &mut [f32], max: f32) -> f32 {
         // SAFETY: as for `dot`.
         unsafe { avx2::exp_shifted(s, max) }
+    }
+
+    #[inline(always)]
+    fn soft_cap(s: &mut [f32], cap: f32) {
+        // SAFETY: as for `dot`.
+        unsafe { avx2::soft_cap(s, cap) }
     }
 
     #[inline(always)]
@@ -604,6 +662,46 @@ pub(crate) mod avx2 {
         _mm256_mul_ps(y, pow2)
     }
 
+    /// `tanh(x)` of 8 lanes as Cephes' `tanhf`: `x + x^3 P(x^2)` (degree-4 polynomial) where
+    /// `|x| < 0.625`, else `1 - 2 / (exp(2|x|) + 1)` with the sign of x, computed as `(1 - t) / (1 + t)`,
+    /// `t = exp(-2|x|)` (no cancellation there: t < 0.29); within a few ulp.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn tanh8(x: __m256) -> __m256 {
+        let sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0));
+        let a = _mm256_andnot_ps(_mm256_set1_ps(-0.0), x);
+        let z = _mm256_mul_ps(x, x);
+        let mut p = _mm256_set1_ps(-5.704_988_7e-3);
+        for c in [2.063_909e-2, -5.373_971_6e-2, 1.333_144_2e-1, -3.333_328e-1] {
+            p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(c));
+        }
+        let small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
+        let t = exp8(_mm256_mul_ps(a, _mm256_set1_ps(-2.0)));
+        let one = _mm256_set1_ps(1.0);
+        let large = _mm256_div_ps(_mm256_sub_ps(one, t), _mm256_add_ps(one, t));
+        let large = _mm256_or_ps(large, sign);
+        let is_small = _mm256_cmp_ps(a, _mm256_set1_ps(0.625), _CMP_LT_OQ);
+        _mm256_blendv_ps(large, small, is_small)
+    }
+
+    /// `s[i] = cap * tanh(s[i] / cap)` 8 at a time (the tail through a padded copy, the same arithmetic
+    /// per element).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn soft_cap(s: &mut [f32], cap: f32) {
+        let c = _mm256_set1_ps(cap);
+        let capped = |v: __m256| _mm256_mul_ps(c, tanh8(_mm256_div_ps(v, c)));
+        let mut chunks = s.chunks_exact_mut(8);
+        for ch in &mut chunks {
+            _mm256_storeu_ps(ch.as_mut_ptr(), capped(_mm256_loadu_ps(ch.as_ptr())));
+        }
+        let tail = chunks.into_remainder();
+        let mut buf = [0.0f32; 8];
+        buf[..tail.len()].copy_from_slice(tail);
+        _mm256_storeu_ps(buf.as_mut_ptr(), capped(_mm256_loadu_ps(buf.as_ptr())));
+        tail.copy_from_slice(&buf[..tail.len()]);
+    }
+
     /// `s[i] = exp(s[i] - max)` (each `s[i] <= max`) 8 at a time (the tail through a padded copy);
     /// returns their sum.
     #[inline]
@@ -650,23 +748,20 @@ pub(crate) mod avx2 {
     }
 }
 
-#[cfg(test)]
-thread_local! {
-    /// Tests set this to check the portable copy on machines that have AVX2.
-    static FORCE_PORTABLE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-fn avx2_available() -> bool {
-    #[cfg(test)]
-    if FORCE_PORTABLE.get() {
-        return false;
-    }
+/// Whether `isa` (or the nearest kernels below it that this CPU runs) means the AVX2 + FMA copy; the
+/// portable copy otherwise (on aarch64 it is compiled for baseline Armv8, NEON included).
+fn uses_avx2(isa: Isa) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+        matches!(isa.or_supported(), Isa::Avx2 | Isa::Avx512Vnni)
+            && std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
     }
     #[cfg(not(target_arch = "x86_64"))]
-    false
+    {
+        let _ = isa;
+        false
+    }
 }
 
 fn run_items(ctx: &Ctx<'_>, first: usize, out: &mut [f32]) {
@@ -699,6 +794,7 @@ fn run_items_generic<V: Vector>(ctx: &Ctx<'_>, first: usize, out: &mut [f32]) {
     match ctx.d.head_size {
         64 => items.for_each(|(j, o)| attend::<V, 64>(ctx, first + j, o, &mut scratch)),
         128 => items.for_each(|(j, o)| attend::<V, 128>(ctx, first + j, o, &mut scratch)),
+        256 => items.for_each(|(j, o)| attend::<V, 256>(ctx, first + j, o, &mut scratch)),
         _ => items.for_each(|(j, o)| attend::<V, 0>(ctx, first + j, o, &mut scratch)),
     }
 }
@@ -767,6 +863,9 @@ fn attend_run<'o, V: Vector, const HD: usize>(
     for t in 0..count {
         for h in 0..g {
             let s = &mut scores[(t * g + h) * n_max..][..len(t)];
+            if let Some(cap) = ctx.soft_cap {
+                V::soft_cap(s, cap);
+            }
             let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let sum = V::exp_shifted(s, max);
             let inv = 1.0 / sum;
@@ -833,6 +932,9 @@ fn attend<V: Vector, const HD: usize>(
     }
     // Softmax per head, normalized before the value sum (as torch's softmax then bmm).
     for s in scores.chunks_exact_mut(n) {
+        if let Some(cap) = ctx.soft_cap {
+            V::soft_cap(s, cap);
+        }
         let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let sum = V::exp_shifted(s, max);
         let inv = 1.0 / sum;
@@ -919,6 +1021,13 @@ mod tests {
 
     /// Straightforward f64 attention per (sequence, head).
     fn naive(c: &Case, scale: f32, window: Option<usize>) -> Vec<f32> {
+        naive_with(c, &params(scale, window, None))
+    }
+
+    /// `naive` with every parameter (the soft cap applied in f64 too).
+    fn naive_with(c: &Case, p: &DecodeParams) -> Vec<f32> {
+        let (scale, window) = (p.scale, p.sliding_window);
+        let cap = p.logits_soft_cap.map(f64::from);
         let d = &c.d;
         let (hd, g) = (d.head_size, d.num_heads / d.num_kv_heads);
         let half = c.kv.len() / 2;
@@ -942,6 +1051,7 @@ mod tests {
                             .sum::<f64>()
                             * scale as f64
                     })
+                    .map(|x| cap.map_or(x, |cap| cap * (x / cap).tanh()))
                     .collect();
                 let max = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = sc.iter().map(|x| (x - max).exp()).collect();
@@ -958,12 +1068,21 @@ mod tests {
         out
     }
 
+    fn params(scale: f32, window: Option<usize>, cap: Option<f32>) -> DecodeParams {
+        DecodeParams {
+            sliding_window: window,
+            logits_soft_cap: cap,
+            ..DecodeParams::new(scale)
+        }
+    }
+
     fn run(c: &Case, scale: f32, window: Option<usize>, threads: usize) -> Vec<f32> {
+        run_with(c, &params(scale, window, None), threads)
+    }
+
+    fn run_with(c: &Case, p: &DecodeParams, threads: usize) -> Vec<f32> {
         let mut out = vec![f32::NAN; c.q.len()];
-        paged_decode_f32(
-            &c.q, &c.kv, &c.bt, &c.lens, &mut out, &c.d, scale, window, threads,
-        )
-        .unwrap();
+        paged_decode_f32(&c.q, &c.kv, &c.bt, &c.lens, &mut out, &c.d, p, threads).unwrap();
         out
     }
 
@@ -1003,11 +1122,18 @@ mod tests {
     fn a_verifications_tokens_together_equal_each_token_alone() {
         let scale = 0.3;
         // Runs of 9 and 3 tokens (one cut in two for the threads), single tokens, a run of 17 (more
-        // than MAX_RUN), contexts crossing RUN_BLOCK and ending mid-chunk of 4.
-        for (hd, bs) in [(64, 16), (32, 4), (128, 8)] {
+        // than MAX_RUN), contexts crossing RUN_BLOCK and ending mid-chunk of 4; soft-capped or not.
+        for (hd, bs, cap) in [
+            (64, 16, None),
+            (32, 4, None),
+            (128, 8, None),
+            (256, 16, Some(1.5)),
+            (64, 8, Some(0.7)),
+        ] {
+            let p = params(scale, None, cap);
             let c = verification_case(5, &[150, 7, 1, 66, 200], &[9, 3, 1, 1, 17], hd, bs);
-            let all = run(&c, scale, None, 2);
-            let want = naive(&c, scale, None);
+            let all = run_with(&c, &p, 2);
+            let want = naive_with(&c, &p);
             let per_tok = c.d.num_heads * hd;
             for s in 0..c.d.num_seqs {
                 let one = Case {
@@ -1018,7 +1144,7 @@ mod tests {
                     lens: vec![c.lens[s]],
                 };
                 for threads in [1, 2] {
-                    let alone = run(&one, scale, None, threads);
+                    let alone = run_with(&one, &p, threads);
                     let together = &all[s * per_tok..][..per_tok];
                     assert!(
                         alone
@@ -1043,6 +1169,7 @@ mod tests {
                         group: 3,
                         scale,
                         sliding_window: None,
+                        soft_cap: cap,
                         avx2: false,
                     },
                     1
@@ -1056,7 +1183,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn vector_exp_is_within_a_few_ulp() {
-        if !avx2_available() {
+        if !uses_avx2(Isa::detect()) {
             return;
         }
         let mut rng = Rng(3);
@@ -1100,15 +1227,98 @@ mod tests {
 
     #[test]
     fn portable_copy_matches_naive() {
-        FORCE_PORTABLE.set(true);
         let lens = [1, 15, 16, 17, 100, 7];
         for (heads, kv_heads, hd) in [(9, 3, 64), (8, 2, 128), (4, 4, 24), (4, 1, 5)] {
             let c = case(5, &lens, heads, kv_heads, hd, 16);
             for window in [None, Some(9)] {
-                assert_close(&run(&c, 0.1, window, 2), &naive(&c, 0.1, window));
+                let p = DecodeParams {
+                    isa: Isa::Portable,
+                    ..params(0.1, window, None)
+                };
+                assert_close(&run_with(&c, &p, 2), &naive(&c, 0.1, window));
             }
         }
-        FORCE_PORTABLE.set(false);
+    }
+
+    /// Every kernel set this CPU runs, at head sizes 64, 128, 256 (the compiled-in sizes) and one read at
+    /// run time, with and without a soft cap that bites (scores up to ~10 against caps of 2 and 30) and a
+    /// window, against the f64 reference.
+    #[test]
+    fn every_isa_head_size_soft_cap_and_window_match_f64() {
+        let lens = [1, 15, 16, 17, 100, 7, 250];
+        for isa in Isa::supported() {
+            for hd in [64, 128, 256, 40] {
+                let c = case(hd as u64, &lens, 8, 2, hd, 16);
+                for cap in [None, Some(2.0), Some(30.0)] {
+                    for window in [None, Some(9)] {
+                        let p = DecodeParams {
+                            isa,
+                            ..params(0.5, window, cap)
+                        };
+                        let got = run_with(&c, &p, 2);
+                        let want = naive_with(&c, &p);
+                        for (i, (x, y)) in got.iter().zip(&want).enumerate() {
+                            assert!(
+                                (x - y).abs() <= 1e-5,
+                                "{isa:?} hd {hd} cap {cap:?} window {window:?} element {i}: {x} vs {y}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn soft_cap_changes_the_output_and_is_checked() {
+        let c = case(9, &[40, 3], 4, 2, 64, 16);
+        assert_ne!(
+            run_with(&c, &params(1.0, None, Some(1.0)), 1),
+            run(&c, 1.0, None, 1)
+        );
+        for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            let mut out = vec![0.0; c.q.len()];
+            let p = params(1.0, None, Some(bad));
+            let err = paged_decode_f32(&c.q, &c.kv, &c.bt, &c.lens, &mut out, &c.d, &p, 1);
+            assert!(
+                matches!(
+                    err,
+                    Err(KernelError::NotPositive {
+                        name: "logits_soft_cap",
+                        ..
+                    })
+                ),
+                "{bad}: {err:?}"
+            );
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_tanh_is_within_a_few_ulp() {
+        if !uses_avx2(Isa::detect()) {
+            return;
+        }
+        let mut rng = Rng(4);
+        let mut xs: Vec<f32> = (0..4003).map(|_| 12.0 * rng.next()).collect();
+        xs.extend((0..2000).map(|_| 0.7 * rng.next()));
+        xs.extend([
+            0.0, -0.0, 1e-30, -1e-8, 0.625, -0.625, 0.6249, 9.0, -9.0, 100.0, -1e30,
+        ]);
+        let mut got = xs.clone();
+        // SAFETY: AVX2 and FMA detected above.
+        #[allow(unsafe_code)]
+        unsafe {
+            avx2::soft_cap(&mut got, 1.0)
+        };
+        for (&x, &g) in xs.iter().zip(&got) {
+            let want = f64::from(x).tanh();
+            let tol = 4.0 * f64::from(f32::EPSILON) * want.abs().max(f64::from(f32::MIN_POSITIVE));
+            assert!(
+                (f64::from(g) - want).abs() <= tol,
+                "tanh({x}) = {g}, want {want}"
+            );
+        }
     }
 
     #[test]
@@ -1147,7 +1357,7 @@ mod tests {
         let c = case(1, &[5, 9], 4, 2, 8, 4);
         let mut out = vec![0.0; c.q.len()];
         let call = |q: &[f32], bt: &[i32], lens: &[i32], out: &mut [f32], d: &DecodeDims| {
-            paged_decode_f32(q, &c.kv, bt, lens, out, d, 1.0, None, 1)
+            paged_decode_f32(q, &c.kv, bt, lens, out, d, &DecodeParams::new(1.0), 1)
         };
         assert_eq!(
             call(&c.q[1..], &c.bt, &c.lens, &mut out, &c.d),

@@ -11,7 +11,7 @@ pub mod ops;
 pub mod pool;
 pub mod quant;
 
-pub use decode::{paged_decode_f32, DecodeDims};
+pub use decode::{paged_decode_f32, DecodeDims, DecodeParams};
 
 /// Inconsistent arguments; every message names the numbers involved.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -29,6 +29,8 @@ pub enum KernelError {
     },
     #[error("{name} must be > 0")]
     Zero { name: &'static str },
+    #[error("{name} = {value} must be a positive finite number")]
+    NotPositive { name: &'static str, value: String },
     #[error("seq_lens[{seq}] = {len} is outside 0..={max} (block table width x block_size)")]
     SeqLen { seq: usize, len: i64, max: usize },
     #[error("block_tables[{seq}, {idx}] = {block} is outside 0..{num_blocks}")]

@@ -9,7 +9,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use pagedrs_cpu::quant::{self, Isa, MatmulDims, QuantType};
-use pagedrs_cpu::{paged_decode_f32, DecodeDims};
+use pagedrs_cpu::{paged_decode_f32, DecodeDims, DecodeParams};
 
 /// `obj` as a C-contiguous numpy array of `T` with `ndim` dimensions, else a ValueError naming it.
 fn array<'py, T: Element>(
@@ -51,9 +51,10 @@ fn shape_error(what: &str, detail: String) -> PyErr {
 
 /// Decode attention over the paged KV cache, one query token per sequence, written into `out`.
 /// q/out float32 [B, H, D], kv_cache float32 [2, num_blocks, block_size, KVH, D], block_tables int32
-/// [B, M], seq_lens int32 [B] (context length including the query token).
+/// [B, M], seq_lens int32 [B] (context length including the query token). `logits_soft_cap`: scores
+/// become `cap * tanh(s / cap)` before the softmax; `isa`: the kernels (`quant_isa()`'s names).
 #[pyfunction]
-#[pyo3(signature = (q, kv_cache, block_tables, seq_lens, out, scale, sliding_window=None, num_threads=1))]
+#[pyo3(signature = (q, kv_cache, block_tables, seq_lens, out, scale, sliding_window=None, num_threads=1, logits_soft_cap=None, isa=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention(
     py: Python<'_>,
@@ -65,7 +66,15 @@ pub fn paged_decode_attention(
     scale: f32,
     sliding_window: Option<usize>,
     num_threads: usize,
+    logits_soft_cap: Option<f32>,
+    isa: Option<&str>,
 ) -> PyResult<()> {
+    let params = DecodeParams {
+        scale,
+        sliding_window,
+        logits_soft_cap,
+        isa: isa_named(isa)?,
+    };
     let q = array::<f32>(q, "q", 3, "float32")?;
     let kv = array::<f32>(kv_cache, "kv_cache", 5, "float32")?;
     let bt = array::<i32>(block_tables, "block_tables", 2, "int32")?;
@@ -108,20 +117,20 @@ pub fn paged_decode_attention(
         lens.as_slice()?,
     );
     let out = out.as_slice_mut()?;
-    py.detach(|| {
-        paged_decode_f32(
-            q,
-            kv,
-            bt,
-            lens,
-            out,
-            &dims,
-            scale,
-            sliding_window,
-            num_threads,
-        )
-    })
-    .map_err(|e| PyValueError::new_err(e.to_string()))
+    py.detach(|| paged_decode_f32(q, kv, bt, lens, out, &dims, &params, num_threads))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// The kernel set `name` (`quant_isa()`'s names), or `Isa::chosen()` for None.
+fn isa_named(name: Option<&str>) -> PyResult<Isa> {
+    match name {
+        None => Ok(Isa::chosen()),
+        Some(name) => Isa::by_name(name).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "isa {name:?}: not a kernel set of this architecture"
+            ))
+        }),
+    }
 }
 
 fn quant_type(ggml_type: u32) -> PyResult<QuantType> {
@@ -170,14 +179,7 @@ pub fn quant_matmul(
     isa: Option<&str>,
 ) -> PyResult<()> {
     let qt = quant_type(ggml_type)?;
-    let isa = match isa {
-        None => Isa::chosen(),
-        Some(name) => Isa::by_name(name).ok_or_else(|| {
-            PyValueError::new_err(format!(
-                "isa {name:?}: not a kernel set of this architecture"
-            ))
-        })?,
-    };
+    let isa = isa_named(isa)?;
     let x = array::<f32>(x, "x", 2, "float32")?;
     let w = array::<u8>(weight, "weight", 2, "uint8")?;
     let out = array::<f32>(out, "out", 2, "float32")?;
