@@ -8,7 +8,7 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from pagedrs.layers.activation import get_act_and_mul_fn, get_act_fn
-from pagedrs.layers.norm import LayerNorm, RMSNorm
+from pagedrs.layers.norm import GemmaRMSNorm, LayerNorm, RMSNorm
 
 
 def test_rmsnorm_matches_hf_and_fuses_residual():
@@ -23,6 +23,24 @@ def test_rmsnorm_matches_hf_and_fuses_residual():
     torch.testing.assert_close(normed, hf(x + res))
     xb = x.bfloat16()
     torch.testing.assert_close(RMSNorm(32, dtype=torch.bfloat16)(xb), LlamaRMSNorm(32).bfloat16()(xb))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_rmsnorm_matches_hf(dtype):
+    """(1 + w) in float32, cast back once at the end (Gemma 2 and Gemma 3 share the definition)."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    x, w = torch.randn(5, 32).to(dtype), torch.randn(32) * 0.3
+    ours = GemmaRMSNorm(32, eps=1e-6, dtype=dtype)
+    torch.testing.assert_close(
+        ours(x), x.float().mul(torch.rsqrt(x.float().pow(2).mean(-1, True) + 1e-6)).to(dtype)
+    )
+    ours.weight.data.copy_(w)
+    for cls in (Gemma2RMSNorm, Gemma3RMSNorm):
+        hf = cls(32, eps=1e-6).to(dtype)
+        hf.weight.data.copy_(w)
+        assert torch.equal(ours(x), hf(x))
 
 
 def test_layernorm():

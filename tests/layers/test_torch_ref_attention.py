@@ -22,7 +22,9 @@ from tests.helpers import make_step_metadata
 from tests.layers.helpers_attention import naive_attention
 
 
-def run_case(seq_lens, query_lens, *, h=4, kvh=2, d=16, block_size=4, window=None, seed=0):
+def run_case(
+    seq_lens, query_lens, *, h=4, kvh=2, d=16, block_size=4, window=None, seed=0, soft_cap=None, backend=None
+):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
     meta, positions = make_step_metadata(
@@ -42,12 +44,12 @@ def run_case(seq_lens, query_lens, *, h=4, kvh=2, d=16, block_size=4, window=Non
     k_new = torch.cat([k[s - q :] for k, s, q in zip(ks, seq_lens, query_lens, strict=True)])
     v_new = torch.cat([v[s - q :] for v, s, q in zip(vs, seq_lens, query_lens, strict=True)])
     scale = 1 / math.sqrt(d)
-    out = TorchAttentionBackend().forward(
-        q_new, k_new, v_new, cache, meta, scale=scale, sliding_window=window
+    out = (backend or TorchAttentionBackend()).forward(
+        q_new, k_new, v_new, cache, meta, scale=scale, sliding_window=window, logits_soft_cap=soft_cap
     )
     start = 0
     for b, (s, q) in enumerate(zip(seq_lens, query_lens, strict=True)):
-        ref = naive_attention(qs[b], ks[b], vs[b], s - q, scale, window)
+        ref = naive_attention(qs[b], ks[b], vs[b], s - q, scale, window, soft_cap)
         torch.testing.assert_close(out[start : start + q].double(), ref, atol=1e-5, rtol=1e-5)
         kb, vb = gather_kv(cache, meta.block_tables[b], s)  # the whole context is in the cache now
         torch.testing.assert_close(kb, ks[b])
@@ -182,3 +184,69 @@ def test_short_queries_over_a_context_equal_decoding_token_by_token(cpu_kernels:
         assert torch.equal(alone[0], out[j]), f"token {j}"
     ref = naive_attention(q[:5], ks[0], vs[0], 18, 0.25, None)
     torch.testing.assert_close(out[:5].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+@pytest.mark.parametrize("window", [None, 5])
+def test_logits_soft_cap(cpu_kernels, window):
+    """Gemma 2's capped scores, on decodes (grouped and through the CPU-kernel route), prefill chunks over
+    a cached prefix and whole prompts; a cap of 0.5 changes the result (random scores exceed it)."""
+    backend = TorchAttentionBackend(use_cpu_kernels=cpu_kernels)
+    run_case([20, 9, 25, 6, 1], [20, 1, 5, 1, 1], window=window, soft_cap=0.5, backend=backend)
+    q, k, v = (torch.randn(9, 2, 64, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    capped = causal_attention(q, k, v, scale=0.125, sliding_window=window, logits_soft_cap=0.5)
+    ref = naive_attention(q, k, v, 0, 0.125, window, 0.5)
+    torch.testing.assert_close(capped.double(), ref, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(capped, causal_attention(q, k, v, scale=0.125, sliding_window=window))
+
+
+class _KernelBackend(TorchAttentionBackend):
+    """Stands in for a kernel backend (named "cupy"): records which layers reached it."""
+
+    name = "cupy"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers: list[int] = []
+
+    def forward(self, q, k, v, kv_cache, meta, *, scale, sliding_window, logits_soft_cap=None):
+        self.layers.append(q.shape[-1])
+        return super().forward(
+            q,
+            k,
+            v,
+            kv_cache,
+            meta,
+            scale=scale,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+        )
+
+
+def test_layers_a_kernel_lacks_run_on_the_reference():
+    """A soft-capped layer, or a head size the CUDA kernels lack, goes to the torch reference (one shared
+    instance); the other layers stay on the step's backend, and routes_to_reference says so."""
+    from pagedrs.kernels import HEAD_SIZES
+    from pagedrs.layers.attention.selector import kernel_takes, route_layer, routes_to_reference
+
+    assert 64 in HEAD_SIZES and 256 not in HEAD_SIZES  # as of this test; kernel_takes follows HEAD_SIZES
+    kernel = _KernelBackend()
+    plain = Attention(2, 64, 1, 0, scale=0.125)
+    capped = Attention(2, 64, 1, 1, scale=0.125, logits_soft_cap=50.0)
+    wide = Attention(2, 256, 1, 2, scale=0.0625)
+    meta, _ = make_step_metadata([6], [6], block_size=4, num_blocks=4)
+    caches = [torch.zeros(2, 4, 4, 1, d) for d in (64, 64, 256)]
+    ctx = ForwardContext(meta, caches, kernel)
+    for layer in (plain, capped, wide):
+        d = layer.head_size
+        layer(torch.randn(6, 2 * d), torch.randn(6, d), torch.randn(6, d), ctx)
+    assert kernel.layers == [64]  # only the plain layer reached the kernel backend
+    ref = route_layer(kernel, 64, 50.0)
+    assert isinstance(ref, TorchAttentionBackend) and ref is route_layer(kernel, 256, None)
+    assert ref is not kernel and route_layer(kernel, 64, None) is kernel
+    assert kernel_takes("cpu_decode", head_size=256, logits_soft_cap=50.0)
+    assert routes_to_reference(torch.nn.ModuleList([plain, wide]), kernel)
+    assert not routes_to_reference(torch.nn.ModuleList([plain]), kernel)
+    assert not routes_to_reference(torch.nn.ModuleList([plain, capped, wide]), TorchAttentionBackend())
+    with pytest.raises(ValueError, match="logits_soft_cap must be positive"):
+        Attention(2, 64, 1, 0, scale=1.0, logits_soft_cap=0.0)

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from pagedrs.layers.kernel_switch import KernelLayer
 
-__all__ = ["RMSNorm", "LayerNorm"]
+__all__ = ["GemmaRMSNorm", "LayerNorm", "RMSNorm"]
 
 
 def cpu_rows(*tensors: Tensor) -> bool:
@@ -71,6 +71,33 @@ class RMSNorm(KernelLayer):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class GemmaRMSNorm(torch.nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * (1 + weight), all in float32 and cast back at the end, as HF's
+    Gemma2RMSNorm / Gemma3RMSNorm (the weight is stored as the offset from 1, initialised to zeros)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(
+            torch.zeros(hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

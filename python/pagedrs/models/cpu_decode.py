@@ -89,6 +89,8 @@ def _why_not(model: LlamaModel) -> str | None:
             or mlp.down_proj.bias is not None
         ):
             return "a bias other than q/k/v's"
+        if attn.q_norm is not None:
+            return "q/k norm (Qwen3) is not in the fused step"
         if not (isinstance(mlp.act_fn, SiluAndMul) and mlp.act_fn.cpu_fused):
             return "the MLP activation is not the fused SiLU-and-mul"
         if not (layer.input_layernorm.cpu_fused and layer.post_attention_layernorm.cpu_fused):

@@ -1,5 +1,6 @@
 """The Llama family in one module: Llama 2, Llama 3 / 3.1 (rope scaling), Mistral (sliding window),
-Qwen2 (q/k/v bias), SmolLM2 (tied embeddings).
+Qwen2 (q/k/v bias), Qwen3 (per-head RMSNorm on q and k before RoPE, explicit head_dim), SmolLM2 (tied
+embeddings).
 
 Same structure as HF's LlamaForCausalLM and the same parameter names, except that q/k/v are fused into
 `qkv_proj` and gate/up into `gate_up_proj` (load_weights maps HF's separate tensors into the shards).
@@ -8,7 +9,7 @@ Same structure as HF's LlamaForCausalLM and the same parameter names, except tha
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor
@@ -30,10 +31,7 @@ from pagedrs.layers.rotary import RotaryEmbedding, get_rope
 from pagedrs.models.interface import CausalLM
 from pagedrs.models.utils import StackedParam, load_weights_into
 
-if TYPE_CHECKING:
-    from pagedrs.models.cpu_decode import CpuDecodeStep
-
-__all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"]
+__all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 
 
 def _head_size(config: PretrainedConfig) -> int:
@@ -63,6 +61,7 @@ class LlamaAttention(torch.nn.Module):
         rotary_emb: RotaryEmbedding,
         sliding_window: int | None,
         *,
+        qk_norm: bool,
         tp: TPGroup,
         dtype: torch.dtype,
         device: torch.device,
@@ -89,13 +88,28 @@ class LlamaAttention(torch.nn.Module):
             scale=head_size**-0.5,
             sliding_window=sliding_window,
         )
+        self.head_size = head_size
+        # Qwen3: RMSNorm over each head's q and k before RoPE (weights [head_size], replicated across ranks)
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(head_size, eps, dtype=dtype, device=device) if qk_norm else None
+        self.k_norm = RMSNorm(head_size, eps, dtype=dtype, device=device) if qk_norm else None
 
     def forward(
         self, positions: Tensor, hidden: Tensor, ctx: ForwardContext, seq_lens: Tensor | None
     ) -> Tensor:
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
+        if self.q_norm is not None and self.k_norm is not None:
+            q = _per_head(self.q_norm, q, self.head_size)
+            k = _per_head(self.k_norm, k, self.head_size)
         q, k = self.rotary_emb(positions, q, k, seq_lens)
         return self.o_proj(self.attn(q, k, v, ctx))
+
+
+def _per_head(norm: RMSNorm, x: Tensor, head_size: int) -> Tensor:
+    """`norm` over each head of x [T, heads*head_size] (a contiguous [T, heads*head_size] result)."""
+    out = norm(x.reshape(-1, head_size))
+    assert isinstance(out, Tensor)
+    return out.view(x.shape[0], -1)
 
 
 class LlamaMLP(torch.nn.Module):
@@ -123,6 +137,7 @@ class LlamaDecoderLayer(torch.nn.Module):
         rotary_emb: RotaryEmbedding,
         sliding_window: int | None,
         *,
+        qk_norm: bool,
         tp: TPGroup,
         dtype: torch.dtype,
         device: torch.device,
@@ -130,7 +145,7 @@ class LlamaDecoderLayer(torch.nn.Module):
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = LlamaAttention(
-            config, layer_idx, rotary_emb, sliding_window, tp=tp, dtype=dtype, device=device
+            config, layer_idx, rotary_emb, sliding_window, qk_norm=qk_norm, tp=tp, dtype=dtype, device=device
         )
         self.mlp = LlamaMLP(config, tp=tp, dtype=dtype, device=device)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
@@ -154,9 +169,22 @@ class LlamaDecoderLayer(torch.nn.Module):
         return self.mlp(hidden), residual
 
 
+class DecodeFastPath(Protocol):
+    """A decode step that replaces the modules where it applies (pagedrs.models.cpu_decode.CpuDecodeStep):
+    the hidden states after the final norm, or None to run the modules."""
+
+    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor | None: ...
+
+
 class LlamaModel(torch.nn.Module):
     def __init__(
-        self, config: PretrainedConfig, *, tp: TPGroup, dtype: torch.dtype, device: torch.device
+        self,
+        config: PretrainedConfig,
+        *,
+        qk_norm: bool = False,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         super().__init__()
         self.rotary_emb = get_rope(config, _head_size(config), device=device)
@@ -165,13 +193,15 @@ class LlamaModel(torch.nn.Module):
             config.vocab_size, config.hidden_size, tp=tp, dtype=dtype, device=device
         )
         self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb, windows[i], tp=tp, dtype=dtype, device=device)
+            LlamaDecoderLayer(
+                config, i, self.rotary_emb, windows[i], qk_norm=qk_norm, tp=tp, dtype=dtype, device=device
+            )
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
-        # Decode-only steps of a quantized CPU model, one Rust call per op (set by the loader:
-        # pagedrs.models.cpu_decode.enable_cpu_decode).
-        self.cpu_decode: CpuDecodeStep | None = None
+        # Decode-only steps of a quantized CPU model, one Rust call per op (set when the model is prepared
+        # for its device: pagedrs.models.cpu_decode.enable_cpu_decode).
+        self.cpu_decode: DecodeFastPath | None = None
 
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
         if self.cpu_decode is not None:
@@ -198,6 +228,8 @@ class LlamaForCausalLM(CausalLM):
         StackedParam(".gate_proj.", ".gate_up_proj.", 0),
         StackedParam(".up_proj.", ".gate_up_proj.", 1),
     )
+    # per-head RMSNorm on q and k before RoPE (Qwen3)
+    qk_norm: bool = False
 
     def __init__(
         self,
@@ -212,7 +244,7 @@ class LlamaForCausalLM(CausalLM):
         tp = tp or TPGroup()
         self.config = config
         self.dtype = dtype
-        self.model = LlamaModel(config, tp=tp, dtype=dtype, device=device)
+        self.model = LlamaModel(config, qk_norm=self.qk_norm, tp=tp, dtype=dtype, device=device)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, tp=tp, dtype=dtype, device=device
@@ -250,3 +282,10 @@ class MistralForCausalLM(LlamaForCausalLM):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2: Llama with q/k/v biases (config.model_type == "qwen2")."""
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama with RMSNorm over each head of q and k before RoPE (`q_norm`, `k_norm`), an explicit
+    head_dim, no q/k/v bias, tied or untied lm_head (as HF's Qwen3ForCausalLM)."""
+
+    qk_norm = True

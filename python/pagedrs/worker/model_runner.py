@@ -26,6 +26,7 @@ from pagedrs._core import StepPlan
 from pagedrs.config import EngineConfig, kv_cache_torch_dtype
 from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.attention import AttentionMetadata, ForwardContext, get_attention_backend
+from pagedrs.layers.attention.selector import routes_to_reference
 from pagedrs.layers.kernel_switch import use_layer_kernels
 from pagedrs.layers.linear import use_integer_matmuls
 from pagedrs.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, SamplingRow
@@ -265,6 +266,7 @@ class ModelRunner:
             and not dev.enforce_eager
             and self.backend.name == "cupy"
             and not self._graphs_failed
+            and not routes_to_reference(self.model, self.backend)  # the reference plans on the host
         )
 
     def _graph_runner(self, kv_caches: list[Tensor], *, shared_inputs: bool) -> Any:

@@ -23,6 +23,7 @@ __all__ = [
     "ForwardContext",
     "causal_attention",
     "get_attention_backend",
+    "soft_capped_attention",
     "token_seq_lens",
 ]
 
@@ -72,8 +73,10 @@ class AttentionBackend(Protocol):
         *,
         scale: float,
         sliding_window: int | None,
+        logits_soft_cap: float | None = None,
     ) -> Tensor:
-        """q [T,H,D], k/v [T,KVH,D]: write k/v at meta.slot_mapping, then paged causal attention.
+        """q [T,H,D], k/v [T,KVH,D]: write k/v at meta.slot_mapping, then paged causal attention
+        (scores capped as ``cap * tanh(s / cap)`` when `logits_soft_cap` is set, as Gemma 2).
 
         Returns [T,H,D]."""
         ...
@@ -108,11 +111,39 @@ def token_seq_lens(meta: AttentionMetadata) -> Tensor:
     return cached
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, sliding_window: int | None) -> Tensor:
+def soft_capped_attention(
+    qh: Tensor, kh: Tensor, vh: Tensor, mask: Tensor, scale: float, cap: float
+) -> Tensor:
+    """qh [H,Q,D], kh/vh [KVH,L,D], mask [Q,L] bool (True: attend) -> [H,Q,D], with the scores capped as
+    HF's eager Gemma 2 attention does: ``cap * tanh(q.k * scale / cap)``, masked, softmax in float32."""
+    g = qh.shape[0] // kh.shape[0]
+    if g > 1:
+        kh, vh = kh.repeat_interleave(g, dim=0), vh.repeat_interleave(g, dim=0)
+    scores = torch.matmul(qh, kh.transpose(1, 2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qh.dtype)
+    return torch.matmul(probs, vh)
+
+
+def causal_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    logits_soft_cap: float | None = None,
+) -> Tensor:
     """Plain causal attention of one sequence with no cache: q [T,H,D], k/v [T,KVH,D] -> [T,H,D]."""
     t = q.shape[0]
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     gqa = q.shape[1] != k.shape[1]
+    if logits_soft_cap is not None:
+        i = torch.arange(t, device=q.device)
+        rel = i[:, None] - i[None, :]
+        mask = (rel >= 0) & (rel < (sliding_window or t + 1))
+        return soft_capped_attention(qh, kh, vh, mask, scale, logits_soft_cap).transpose(0, 1)
     if sliding_window is None or sliding_window >= t:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
@@ -128,6 +159,10 @@ class Attention(torch.nn.Module):
 
     With tensor parallelism each rank builds this with its own share of the heads; the cache holds only
     those KV heads, so the block tables are identical on every rank.
+
+    `scale` multiplies q.k (head_size**-0.5, or Gemma's query_pre_attn_scalar**-0.5); `logits_soft_cap`
+    caps the scaled scores as Gemma 2 does. A layer the step's backend has no kernel for (see
+    `selector.kernel_takes`) runs on the torch reference backend instead.
     """
 
     def __init__(
@@ -138,8 +173,11 @@ class Attention(torch.nn.Module):
         layer_idx: int,
         scale: float,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
+        if logits_soft_cap is not None and logits_soft_cap <= 0:
+            raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads = num_heads
@@ -148,6 +186,18 @@ class Attention(torch.nn.Module):
         self.layer_idx = layer_idx
         self.scale = scale
         self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        # (the step's backend, the backend this layer runs on): resolved once per backend object
+        self._route: tuple[AttentionBackend, AttentionBackend] | None = None
+
+    def _backend_for(self, backend: AttentionBackend) -> AttentionBackend:
+        route = self._route
+        if route is None or route[0] is not backend:
+            from pagedrs.layers.attention.selector import route_layer
+
+            route = (backend, route_layer(backend, self.head_size, self.logits_soft_cap))
+            self._route = route
+        return route[1]
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, ctx: ForwardContext) -> Tensor:
         """q [T, H*D], k/v [T, KVH*D] -> [T, H*D]."""
@@ -157,11 +207,18 @@ class Attention(torch.nn.Module):
         v3 = v.view(t, self.num_kv_heads, self.head_size)
         meta = ctx.attn_metadata
         if meta is None:
-            out = causal_attention(q3, k3, v3, scale=self.scale, sliding_window=self.sliding_window)
+            out = causal_attention(
+                q3,
+                k3,
+                v3,
+                scale=self.scale,
+                sliding_window=self.sliding_window,
+                logits_soft_cap=self.logits_soft_cap,
+            )
         else:
             if ctx.backend is None:
                 raise ValueError("ForwardContext.backend is required when attn_metadata is given")
-            out = ctx.backend.forward(
+            out = self._backend_for(ctx.backend).forward(
                 q3,
                 k3,
                 v3,
@@ -169,11 +226,13 @@ class Attention(torch.nn.Module):
                 meta,
                 scale=self.scale,
                 sliding_window=self.sliding_window,
+                logits_soft_cap=self.logits_soft_cap,
             )
         return out.reshape(t, self.num_heads * self.head_size)
 
     def extra_repr(self) -> str:
         return (
             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
-            f"sliding_window={self.sliding_window}"
+            f"sliding_window={self.sliding_window}, scale={self.scale:.4g}, "
+            f"logits_soft_cap={self.logits_soft_cap}"
         )

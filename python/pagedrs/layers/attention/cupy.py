@@ -21,6 +21,7 @@ from pagedrs.config import FP8_MAX
 from pagedrs.kernels import paged_attention, reshape_and_cache, supports
 from pagedrs.kernels.attention_ops import DECODE_MAX_QUERY, PrefillImpl
 from pagedrs.layers.attention import AttentionMetadata
+from pagedrs.layers.attention.selector import kernel_takes
 
 __all__ = ["CupyAttentionBackend", "decode_query_len"]
 
@@ -52,8 +53,14 @@ class CupyAttentionBackend:
         *,
         scale: float,
         sliding_window: int | None,
+        logits_soft_cap: float | None = None,
     ) -> Tensor:
         """q [T,H,D], k/v [T,KVH,D], kv_cache [2, num_blocks, block_size, KVH, D] -> [T,H,D]."""
+        if not kernel_takes("cupy", head_size=q.shape[-1], logits_soft_cap=logits_soft_cap):
+            raise ValueError(
+                f"the CUDA attention kernels do not take head_size={q.shape[-1]} with "
+                f"logits_soft_cap={logits_soft_cap} (the Attention module routes such layers to 'torch')"
+            )
         if kv_cache.shape[2] != meta.block_size:
             raise ValueError(
                 f"kv cache block size {kv_cache.shape[2]} != metadata block_size {meta.block_size}"

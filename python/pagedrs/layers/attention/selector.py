@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import weakref
 
 import torch
 
 from pagedrs.layers.attention import AttentionBackend
 
-__all__ = ["BACKEND_NAMES", "get_attention_backend"]
+__all__ = ["BACKEND_NAMES", "get_attention_backend", "kernel_takes", "route_layer", "routes_to_reference"]
 
 BACKEND_NAMES = ("auto", "torch", "cupy")
 
@@ -48,6 +49,45 @@ def get_attention_backend(
             raise ValueError("pagedrs.layers.attention.cupy defines no CupyAttentionBackend")
         return backend_cls(device) if _takes_device(backend_cls) else backend_cls()
     raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+
+
+_REFERENCE: weakref.WeakKeyDictionary[AttentionBackend, AttentionBackend] = weakref.WeakKeyDictionary()
+
+
+def kernel_takes(kernel: str, *, head_size: int, logits_soft_cap: float | None) -> bool:
+    """Whether `kernel` computes a layer of this head size and attention-logit soft cap: "cupy" (the CUDA
+    paged attention of `pagedrs.kernels`) or "cpu_decode" (the Rust decode kernel inside the torch
+    backend). A layer a kernel does not take runs on the torch reference instead. The one place to
+    update when a kernel gains a head size or soft-capping."""
+    if kernel == "cupy":
+        from pagedrs.kernels import HEAD_SIZES
+
+        return head_size in HEAD_SIZES and logits_soft_cap is None
+    return True  # the Rust CPU decode kernel takes any head size and soft-capping
+
+
+def route_layer(backend: AttentionBackend, head_size: int, logits_soft_cap: float | None) -> AttentionBackend:
+    """The backend a layer runs on: `backend`, or the torch reference when its kernels do not take the
+    layer (`kernel_takes`)."""
+    if kernel_takes(backend.name, head_size=head_size, logits_soft_cap=logits_soft_cap):
+        return backend
+    reference = _REFERENCE.get(backend)
+    if reference is None:  # one per backend, so the routed layers share its scratch buffers
+        from pagedrs.layers.attention.torch_ref import TorchAttentionBackend
+
+        reference = _REFERENCE[backend] = TorchAttentionBackend()
+    return reference
+
+
+def routes_to_reference(model: torch.nn.Module, backend: AttentionBackend) -> bool:
+    """Whether some attention layer of `model` runs on the torch reference rather than `backend` (such a
+    model's steps are not captured in CUDA graphs: the reference plans on the host)."""
+    from pagedrs.layers.attention import Attention
+
+    return any(
+        isinstance(m, Attention) and route_layer(backend, m.head_size, m.logits_soft_cap) is not backend
+        for m in model.modules()
+    )
 
 
 def _has_cupy_backend() -> bool:

@@ -27,7 +27,8 @@ from torch import Tensor
 
 from pagedrs import _core
 from pagedrs.config import FP8_MAX, as_bytes
-from pagedrs.layers.attention import AttentionMetadata
+from pagedrs.layers.attention import AttentionMetadata, soft_capped_attention
+from pagedrs.layers.attention.selector import kernel_takes
 
 __all__ = ["TorchAttentionBackend", "gather_kv", "step_plan", "write_kv_cache"]
 
@@ -251,21 +252,25 @@ class TorchAttentionBackend:
         *,
         scale: float,
         sliding_window: int | None,
+        logits_soft_cap: float | None = None,
     ) -> Tensor:
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        kernel = self._cpu_kernel_applies(q, kv_cache)
+        kernel = self._cpu_kernel_applies(q, kv_cache, logits_soft_cap)
         if self.batch_invariant and not kernel:
             raise ValueError(
-                f"batch_invariant needs float32 queries and a contiguous float32 KV cache on a CPU, got "
-                f"{q.dtype} on {q.device} and a {kv_cache.dtype} cache"
+                f"batch_invariant needs float32 queries and a contiguous float32 KV cache on a CPU, and a "
+                f"layer the CPU kernel takes, got {q.dtype} on {q.device}, a {kv_cache.dtype} cache and "
+                f"logits_soft_cap={logits_soft_cap}"
             )
         plan = step_plan(meta, every_token=self.batch_invariant)
         out = torch.empty_like(q)
         if plan.cpu_decodes is not None and kernel:
-            self._decode_cpu(q, kv_cache, plan.cpu_decodes, out, scale, sliding_window)
+            self._decode_cpu(q, kv_cache, plan.cpu_decodes, out, scale, sliding_window, logits_soft_cap)
         else:
             for group in plan.decode_groups:
-                out[group.token_idx] = self._decode(q, kv_cache, group, scale, sliding_window)
+                out[group.token_idx] = self._decode(
+                    q, kv_cache, group, scale, sliding_window, logits_soft_cap
+                )
         for b, start, end in plan.prefills:
             seq_len = meta.seq_lens_cpu[b]
             q_len = end - start
@@ -277,12 +282,15 @@ class TorchAttentionBackend:
                     kb, vb = to_cache_dtype(kb, kv_cache.dtype), to_cache_dtype(vb, kv_cache.dtype)
             else:
                 kb, vb = gather_kv(kv_cache, meta.block_tables[b], seq_len)
-            out[start:end] = self._prefill(q[start:end], kb, vb, seq_len, scale, sliding_window)
+            out[start:end] = self._prefill(
+                q[start:end], kb, vb, seq_len, scale, sliding_window, logits_soft_cap
+            )
         return out
 
-    def _cpu_kernel_applies(self, q: Tensor, kv_cache: Tensor) -> bool:
+    def _cpu_kernel_applies(self, q: Tensor, kv_cache: Tensor, logits_soft_cap: float | None) -> bool:
         return (
             self.use_cpu_kernels
+            and kernel_takes("cpu_decode", head_size=q.shape[-1], logits_soft_cap=logits_soft_cap)
             and q.device.type == "cpu"
             and q.dtype == torch.float32
             and kv_cache.dtype == torch.float32
@@ -291,7 +299,13 @@ class TorchAttentionBackend:
 
     @staticmethod
     def _decode_cpu(
-        q: Tensor, kv_cache: Tensor, dec: _CpuDecodes, out: Tensor, scale: float, sliding_window: int | None
+        q: Tensor,
+        kv_cache: Tensor,
+        dec: _CpuDecodes,
+        out: Tensor,
+        scale: float,
+        sliding_window: int | None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         """All decodes in one call of the Rust kernel, reading K/V in place through the block tables."""
         if dec.all_tokens:
@@ -309,13 +323,20 @@ class TorchAttentionBackend:
             scale,
             sliding_window,
             cpu_kernel_threads(),
+            logits_soft_cap,
         )
         if od is not out:
             out[dec.token_idx] = od
 
     @staticmethod
     def _prefill(
-        q: Tensor, k: Tensor, v: Tensor, seq_len: int, scale: float, sliding_window: int | None
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        seq_len: int,
+        scale: float,
+        sliding_window: int | None,
+        logits_soft_cap: float | None = None,
     ) -> Tensor:
         """One request: q [Q,H,D] at positions seq_len-Q.., k/v [L,KVH,D] at positions 0..L-1."""
         q_len = q.shape[0]
@@ -323,7 +344,11 @@ class TorchAttentionBackend:
         v = v.to(q.dtype)
         gqa = q.shape[1] != k.shape[1]
         qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        if q_len == seq_len and (sliding_window is None or sliding_window >= seq_len):
+        if logits_soft_cap is not None:
+            k_pos = torch.arange(seq_len, device=q.device)
+            mask = _window_mask(k_pos[seq_len - q_len :], k_pos, sliding_window)
+            o = soft_capped_attention(qh, kh, vh, mask, scale, logits_soft_cap)
+        elif q_len == seq_len and (sliding_window is None or sliding_window >= seq_len):
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             k_pos = torch.arange(seq_len, device=q.device)
@@ -347,7 +372,13 @@ class TorchAttentionBackend:
         return bufs[0][:num_blocks], bufs[1][:num_blocks]
 
     def _decode(
-        self, q: Tensor, kv_cache: Tensor, group: _DecodeGroup, scale: float, sliding_window: int | None
+        self,
+        q: Tensor,
+        kv_cache: Tensor,
+        group: _DecodeGroup,
+        scale: float,
+        sliding_window: int | None,
+        logits_soft_cap: float | None = None,
     ) -> Tensor:
         """A group of single-token queries at once: padded gather [Bd, L] through the block tables + a length (and
         window) mask; per KV head one batched matmul, so K/V are never expanded or transposed in memory."""
@@ -370,7 +401,13 @@ class TorchAttentionBackend:
         out = torch.empty(bd, kvh, g, d, dtype=dtype, device=q.device)
         for h in range(kvh):
             # [Bd, G, D] @ [Bd, D, L] (a strided view of the gather) -> scores [Bd, G, L]
-            scores = torch.baddbmm(mask, qd[:, h * g : (h + 1) * g], k[:, :, h].transpose(1, 2), alpha=scale)
+            if logits_soft_cap is None:
+                scores = torch.baddbmm(
+                    mask, qd[:, h * g : (h + 1) * g], k[:, :, h].transpose(1, 2), alpha=scale
+                )
+            else:  # cap the scaled scores, then mask (HF's eager Gemma 2 attention)
+                scores = torch.bmm(qd[:, h * g : (h + 1) * g], k[:, :, h].transpose(1, 2)) * scale
+                scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap + mask
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
             torch.bmm(probs, v[:, :, h], out=out[:, h])
         return out.view(bd, kvh * g, d).to(q.dtype)
