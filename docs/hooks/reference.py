@@ -1,0 +1,190 @@
+"""MkDocs hook: the reference tables rendered from the code at build time, and the benchmark plots.
+
+A page asks for a table with a marker line, replaced when the site is built:
+
+- `<!-- generated: engine-args -->`: every `pagedrs.engine.arg_utils.EngineArgs` field (type, default,
+  the `pagedrs serve` flag that sets it and its help text);
+- `<!-- generated: server-flags -->`: the server group of `pagedrs serve`;
+- `<!-- generated: subcommands -->`: the `pagedrs` subcommands and their own flags;
+- `<!-- generated: metrics -->`: every series the server's Prometheus registry exposes.
+
+The PNG plots under bench/results/ are published as `img/bench/<name>.png`, so the benchmark page links
+to the files the benchmarks wrote, not to copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import re
+from pathlib import Path
+from typing import Any
+
+from mkdocs.structure.files import File, Files
+
+ROOT = Path(__file__).resolve().parents[2]
+PLOTS = ROOT / "bench" / "results"
+MARKER = re.compile(r"^<!-- generated: ([a-z-]+) -->$", re.MULTILINE)
+
+
+def _cell(text: object) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _code(text: object) -> str:
+    return f"`{text}`" if text not in ("", None) else ""
+
+
+def _flags_by_dest(parser: argparse.ArgumentParser) -> dict[str, list[argparse.Action]]:
+    found: dict[str, list[argparse.Action]] = {}
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            found.setdefault(action.dest, []).append(action)
+    return found
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """`name: type = default  # comment` lines of a dataclass's source: the comment by field name."""
+    comments: dict[str, str] = {}
+    for line in inspect.getsource(cls).splitlines():
+        m = re.match(r"\s+(\w+): .*?#\s*(.+)$", line)
+        if m:
+            comments[m.group(1)] = m.group(2).strip()
+    return comments
+
+
+def _type_name(annotation: Any) -> str:
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", repr(annotation))
+    return text.replace("typing.", "")
+
+
+def engine_args_table() -> str:
+    from pagedrs.engine.arg_utils import EngineArgs
+    from pagedrs.entrypoints.cli_args import make_serve_parser
+
+    flags = _flags_by_dest(make_serve_parser())
+    comments = _field_comments(EngineArgs)
+    rows = [
+        "| `EngineArgs` / `LLM(...)` keyword | type | default | `pagedrs serve` flag | what it sets |",
+        "|---|---|---|---|---|",
+    ]
+    for f in dataclasses.fields(EngineArgs):
+        default = f.default if f.default is not dataclasses.MISSING else "(required)"
+        actions = flags.get(f.name, [])
+        if f.name == "model":
+            flag = "positional `MODEL`, `--model`"
+        elif actions:
+            flag = _code(", ".join(s for a in actions for s in a.option_strings))
+        else:
+            flag = "(Python only)"
+        helps = [a.help for a in actions if a.help and a.help != argparse.SUPPRESS]
+        text = helps[0] if helps else (f.metadata.get("help") or comments.get(f.name, ""))
+        type_name = _type_name(f.type)  # a string: the module uses PEP 563 annotations
+        rows.append(
+            f"| `{f.name}` | {_code(_cell(type_name))} | {_code(_cell(repr(default)))} | "
+            f"{_cell(flag)} | {_cell(text)} |"
+        )
+    return "\n".join(rows)
+
+
+def _group_table(parser: argparse.ArgumentParser, title: str) -> str:
+    rows = ["| flag | default | what it does |", "|---|---|---|"]
+    for group in parser._action_groups:
+        if group.title != title:
+            continue
+        for a in group._group_actions:
+            if not a.option_strings or a.help == argparse.SUPPRESS:
+                continue
+            default = "" if a.default in (None, argparse.SUPPRESS) else repr(a.default)
+            flags = ", ".join(a.option_strings)
+            rows.append(f"| `{_cell(flags)}` | {_code(_cell(default))} | {_cell(a.help or '')} |")
+    return "\n".join(rows)
+
+
+def server_flags_table() -> str:
+    from pagedrs.entrypoints.cli_args import make_serve_parser
+
+    return _group_table(make_serve_parser(), "server")
+
+
+def subcommands_table() -> str:
+    from pagedrs.entrypoints.cli import make_parser
+
+    parser = make_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {c.dest: c.help for c in sub._choices_actions}
+    engine_dests = set(_flags_by_dest(_engine_only_parser()))
+    out = []
+    for name, p in sub.choices.items():
+        own = [
+            a for a in p._actions if a.dest != "help" and (a.dest not in engine_dests or not a.option_strings)
+        ]
+        if name == "serve":
+            own = [a for a in own if not a.option_strings]
+        args = ", ".join(
+            f"`{'/'.join(a.option_strings) or a.dest}`" + (f" ({_cell(a.help)})" if a.help else "")
+            for a in own
+        )
+        out.append(f"| `pagedrs {name}` | {_cell(helps.get(name, ''))} | {args} |")
+    return "\n".join(["| command | what it does | its own arguments |", "|---|---|---|", *out])
+
+
+def _engine_only_parser() -> argparse.ArgumentParser:
+    from pagedrs.entrypoints.cli_args import add_engine_args, add_server_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    add_server_args(parser)
+    return parser
+
+
+def metrics_table() -> str:
+    """Every metric family of a fresh server registry, with the series names Prometheus scrapes."""
+    from pagedrs.entrypoints.openai.metrics import ServerMetrics
+
+    metrics = ServerMetrics("MODEL", lambda: None)
+    labels_of: dict[str, tuple[str, ...]] = {}
+    for collector in list(metrics.registry._collector_to_names):
+        names = getattr(collector, "_labelnames", None)
+        if names is not None:
+            labels_of[collector._name] = tuple(names)
+    rows = ["| series | type | labels | meaning |", "|---|---|---|---|"]
+    for family in sorted(metrics.registry.collect(), key=lambda fam: fam.name):
+        labels = labels_of.get(family.name) or tuple(
+            sorted({k for s in family.samples for k in s.labels if k != "le"})
+        )
+        series = {
+            "counter": f"{family.name}_total",
+            "histogram": f"{family.name}_bucket / _sum / _count",
+        }.get(family.type, family.name)
+        label_text = ", ".join(f"`{label}`" for label in labels)
+        rows.append(f"| `{series}` | {family.type} | {label_text} | {_cell(family.documentation)} |")
+    return "\n".join(rows)
+
+
+GENERATORS = {
+    "engine-args": engine_args_table,
+    "server-flags": server_flags_table,
+    "subcommands": subcommands_table,
+    "metrics": metrics_table,
+}
+
+
+def render_markers(markdown: str) -> str:
+    def replace(m: re.Match[str]) -> str:
+        if m.group(1) not in GENERATORS:
+            raise ValueError(f"unknown generated table {m.group(1)!r}; known: {sorted(GENERATORS)}")
+        return GENERATORS[m.group(1)]()
+
+    return MARKER.sub(replace, markdown)
+
+
+def on_page_markdown(markdown: str, **kwargs: Any) -> str:
+    return render_markers(markdown)
+
+
+def on_files(files: Files, config: Any) -> Files:
+    for png in sorted(PLOTS.glob("*.png")):
+        files.append(File.generated(config, f"img/bench/{png.name}", abs_src_path=str(png)))
+    return files
