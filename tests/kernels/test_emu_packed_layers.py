@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import pagedrs.loader
+import pagedrs.loader.load
 from pagedrs.distributed.group import TPGroup
 from pagedrs.kernels._loader import CTYPES, quant_op_names
-from pagedrs.layers.packed import DevicePackedWeight, Fp8, PackedInt
+from pagedrs.layers.packed import DevicePackedWeight
 from pagedrs.loader import LoadedModel, load_model
-from pagedrs.loader.quant_config import QuantConfig
+from pagedrs.quantization.config import QuantConfig
+from pagedrs.quantization.packed_parts import Fp8, PackedInt
 from tests.helpers import greedy_by_logits, logits_of
 from tests.kernels.emu.emulator import host_kernels, needs_emulator
 from tests.loader.helpers_quant import make_quantized_pair
@@ -48,7 +49,7 @@ def emulated() -> Iterator[None]:
 @pytest.fixture
 def as_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The loader keeps GPTQ/AWQ/FP8 layers in the GPU form on this CPU."""
-    monkeypatch.setattr(pagedrs.loader, "packed_form", lambda dtype, device: "device")
+    monkeypatch.setattr(pagedrs.loader.load, "packed_form", lambda dtype, device: "device")
 
 
 def _packed_bytes(loaded: LoadedModel) -> int:

@@ -1,5 +1,5 @@
 """The GPTQ and AWQ dequantization kernels of cuda/quant_ops.cu, run by the CPU emulator, against the
-loader's reference dequantizers (pagedrs.loader.quant_weights): random packed words (every bit pattern,
+loader's reference dequantizers (pagedrs.quantization.dequant): random packed words (every bit pattern,
 so every value and zero point occurs), GPTQ at 2/4/8 bits with grouped, act-order and per-channel
 layouts and both zero-point conventions, AWQ grouped and per-channel; float32 results equal the reference
 exactly, 16-bit ones equal it rounded to the dtype."""
@@ -14,8 +14,8 @@ import torch
 
 from pagedrs.kernels import quant_ops
 from pagedrs.kernels._loader import CTYPES, quant_op_names
-from pagedrs.loader import quant_weights as reference
-from pagedrs.loader.quant_config import QuantConfig
+from pagedrs.quantization import dequant as reference
+from pagedrs.quantization.config import QuantConfig
 from tests.kernels.emu.emulator import needs_emulator, recording_kernels
 
 pytestmark = needs_emulator

@@ -7,7 +7,7 @@ import gguf
 import numpy as np
 import torch
 
-from pagedrs.layers.quantized import GGUFWeight
+from pagedrs.quantization.gguf_blocks import GGUFWeight
 
 Q = gguf.GGMLQuantizationType
 KERNEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from pagedrs.layers.activation import SiluAndMul
+from pagedrs.layers.cpu_fused import use_cpu_fused_ops
 from pagedrs.layers.norm import RMSNorm
-from pagedrs.layers.quantized import use_cpu_fused_ops
 
 
 def _norm(fused: bool) -> RMSNorm:

@@ -25,7 +25,8 @@ from pagedrs.layers.linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from pagedrs.layers.quantized import X8_ISAS, GGUFWeight, QuantizedWeight, kernel_types
+from pagedrs.layers.quantized import X8_ISAS, QuantizedWeight
+from pagedrs.quantization.gguf_blocks import GGUFWeight, kernel_types
 from tests.layers.helpers_quant import KERNEL_TYPES, Q, dequantized, error_bound, random_weight
 
 # This architecture's SIMD kernel sets, the base one last (`_core.quant_isa()` names).

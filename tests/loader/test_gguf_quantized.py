@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from pagedrs.layers.quantized import GGUFWeight
 from pagedrs.loader import keeps_quantized, load_model
 from pagedrs.loader.gguf import iter_gguf_weights
+from pagedrs.quantization.gguf_blocks import GGUFWeight
 from tests.helpers import logits_of, make_tiny_gguf
 from tests.layers.helpers_quant import Q, random_blocks
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from gguf.quants import _type_traits
 
-from pagedrs.layers.quantized import kernel_types
 from pagedrs.loader import load_model
 from pagedrs.loader.gguf import unpermute_qk
+from pagedrs.quantization.gguf_blocks import kernel_types
 from tests.helpers import make_tiny_gguf
 
 Q = gguf.GGMLQuantizationType

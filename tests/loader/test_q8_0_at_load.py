@@ -19,10 +19,10 @@ import torch
 
 from pagedrs.engine.arg_utils import EngineArgs
 from pagedrs.layers.linear import ReplicatedEmbedding, VocabParallelEmbedding
-from pagedrs.layers.quantize_at_load import quantize_to_q8_0
 from pagedrs.layers.quantized import QuantizedWeight
 from pagedrs.loader import LoadedModel, load_model
 from pagedrs.loader.options import LoadOptions
+from pagedrs.quantization.gguf_blocks import quantize_to_q8_0
 from tests.distributed.helpers_tp import MODELS, check_forced, run_workload, tp_engine
 from tests.helpers import logits_of, make_tiny_gguf, make_tiny_llama
 from tests.loader.helpers_quant import make_quantized_pair

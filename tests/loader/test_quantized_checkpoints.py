@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from pagedrs.engine.arg_utils import EngineArgs
 from pagedrs.loader import LoadedModel, load_model
 from pagedrs.loader.options import LoadOptions
-from pagedrs.loader.quant_config import QuantConfig
-from pagedrs.loader.quant_weights import dequantize_awq, dequantize_gptq
+from pagedrs.quantization.config import QuantConfig
+from pagedrs.quantization.dequant import dequantize_awq, dequantize_gptq
 from tests.helpers import greedy_by_logits, logits_of, make_tiny_llama
 from tests.loader.helpers_quant import (
     AWQ_ORDER,

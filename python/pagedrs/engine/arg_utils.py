@@ -124,7 +124,7 @@ class EngineArgs:
             )
         q = self.quantization
         if q is not None:
-            from pagedrs.loader.quant_config import QUANTIZATION_METHODS
+            from pagedrs.quantization.config import QUANTIZATION_METHODS
 
             if q not in QUANTIZATION_METHODS:
                 raise ValueError(

@@ -16,7 +16,6 @@ from pagedrs.executor.executor import TPExecutor, UniProcExecutor
 from pagedrs.executor.rank import cpu_threads_per_rank
 from pagedrs.executor.rank_processes import RankProcesses
 from pagedrs.executor.start import start_ranks, stop_ranks
-from pagedrs.layers.onednn import pack_dense_weights
 from pagedrs.loader import LoadedModel, load_model
 from pagedrs.worker.model_runner import ModelRunner
 
@@ -35,8 +34,6 @@ def build_executor(
     """The runner over `loaded` (rank 0's shard when `ranks` are the other ranks' processes) and its executor:
     one device, tensor-parallel, or liquid (a world group)."""
     eos = loaded.eos_token_ids
-    if ranks is None or ranks.world is None:  # liquid scaling moves the dense weights between ranks
-        pack_dense_weights(loaded.model)
     if ranks is None:
         draft = load_draft_model(config)
         return UniProcExecutor(ModelRunner(config, loaded.model, eos_token_ids=eos, draft_model=draft))
@@ -61,7 +58,6 @@ def load_draft_model(config: EngineConfig) -> CausalLM | None:
     draft = load_model(
         spec.model, dtype=config.model.dtype, device=config.device.device, with_tokenizer=False
     )
-    pack_dense_weights(draft.model)
     logger.info(
         "speculative decoding: draft model %s (%d layers), %d drafts a step",
         spec.model,

@@ -16,7 +16,6 @@ import torch
 
 from pagedrs.distributed.group import TPGroup, connect_tp_group, create_store
 from pagedrs.executor.step_packet import HEADER_LEN, Op, unpack_step
-from pagedrs.layers.onednn import pack_dense_weights
 from pagedrs.lora.manager import LoRASlots
 from pagedrs.worker.model_runner import ModelRunner
 
@@ -85,7 +84,6 @@ def run_rank(
             args.model, dtype=args.dtype, device=dev, tp=tp, with_tokenizer=False, opts=args.load_options()
         )
         config = args.create_engine_config(loaded.max_len)
-        pack_dense_weights(loaded.model)  # as rank 0's (build_executor)
         runner = ModelRunner(config, loaded.model, tp=tp)
         num_blocks, num_swap = agree_kv_blocks(runner, tp)
         runner.init_kv_cache(num_blocks, num_swap)

@@ -66,7 +66,7 @@ def loaded_format(load_format: str, model_path: str) -> str:
 def loaded_quantization(forced: str | None, model_path: str, hf_config: Any) -> str | None:
     """The quantization the weights were loaded from: gguf, the checkpoint's quant_method, or None."""
     from pagedrs.loader import gguf_file
-    from pagedrs.loader.quant_config import detect_quantization
+    from pagedrs.quantization.config import detect_quantization
 
     if gguf_file(model_path) is not None:
         return "gguf"

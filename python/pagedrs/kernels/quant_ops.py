@@ -2,7 +2,7 @@
 transposed dense weight Wt [in, out], so a layer keeps the packed weights in GPU memory and computes
 x @ Wt (torch.mm) from a scratch buffer.
 
-The values are the loader's (`pagedrs.loader.quant_weights.dequantize_gptq` / `dequantize_awq`, which
+The values are the loader's (`pagedrs.quantization.dequant.dequantize_gptq` / `dequantize_awq`, which
 return W = Wt.t()): scale * (q - zero), the difference taken in integers and the product in float32, then
 rounded once to the output dtype. A float32 result equals the loader's exactly; a 16-bit one is the loader's
 rounded to that dtype.

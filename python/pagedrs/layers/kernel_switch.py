@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["KERNEL_DTYPES", "KernelLayer", "use_layer_kernels"]
+from pagedrs.layers.device_form import DeviceForm, PrepareOptions, apply_forms
+
+__all__ = ["KERNEL_DTYPES", "KernelLayer", "LayerKernels", "use_layer_kernels"]
 
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -33,11 +35,32 @@ class KernelLayer(torch.nn.Module):
         )
 
 
+class LayerKernels(DeviceForm):
+    """Every KernelLayer switched to its fused kernel, or back to torch."""
+
+    name = "layer_kernels"
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.count = 0
+
+    @classmethod
+    def for_options(cls, opts: PrepareOptions) -> LayerKernels | None:
+        return None if opts.layer_kernels is None else cls(opts.layer_kernels)
+
+    @staticmethod
+    def wanted(opts: PrepareOptions) -> bool:
+        return opts.layer_kernels is not None
+
+    def visit(self, name: str, module: torch.nn.Module) -> None:
+        if isinstance(module, KernelLayer):
+            module.use_kernels = self.enabled
+            self.count += 1
+
+    def finish(self, model: torch.nn.Module) -> int:
+        return self.count
+
+
 def use_layer_kernels(model: torch.nn.Module, enabled: bool = True) -> int:
     """Switch every KernelLayer of `model` to its fused kernel (or back to torch); returns how many."""
-    count = 0
-    for module in model.modules():
-        if isinstance(module, KernelLayer):
-            module.use_kernels = enabled
-            count += 1
-    return count
+    return apply_forms(model, [LayerKernels(enabled)])[LayerKernels.name]

@@ -27,19 +27,22 @@ needs a collective).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from pagedrs.distributed.group import TPGroup
-from pagedrs.layers.onednn import PackedDense
-from pagedrs.layers.packed import DevicePackedWeight, Fp8, PackedInt, PackedPiece
-from pagedrs.layers.quantized import GGUFWeight, QuantizedWeight
+from pagedrs.layers.packed import DevicePackedWeight, PackedPiece
+from pagedrs.layers.quantized import QuantizedWeight
+from pagedrs.quantization.gguf_blocks import GGUFWeight
+from pagedrs.quantization.packed_parts import Fp8, PackedInt
 
 __all__ = [
     "ColumnParallelLinear",
     "Loaded",
+    "MatmulWeight",
     "QuantSlot",
     "MergedColumnParallelLinear",
     "QKVParallelLinear",
@@ -49,13 +52,19 @@ __all__ = [
     "VocabParallelEmbedding",
     "ParallelLMHead",
     "default_weight_loader",
-    "use_integer_matmuls",
 ]
 
 
 # What a weight loader takes: a tensor, a lazy checkpoint slice, a GGUF-quantized tensor, or a GPTQ/AWQ/FP8
 # layer kept packed for the GPU.
 Loaded = Tensor | GGUFWeight | PackedInt | Fp8
+
+
+class MatmulWeight(Protocol):
+    """A weight held in a format that owns `x @ W^T` (`QuantizedWeight`, `DevicePackedWeight`, oneDNN's
+    `PackedDense`)."""
+
+    def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor: ...
 
 
 def _materialize(loaded: Loaded) -> Tensor:
@@ -135,7 +144,7 @@ class _LinearBase(torch.nn.Module):
         self.tp_size = self.tp.size
         self.weight: Tensor
         self.bias: Tensor | None
-        self.qweight: QuantizedWeight | DevicePackedWeight | PackedDense | None = None
+        self.qweight: MatmulWeight | None = None
         # Until every row of the weight has arrived: quantized pieces by first row, and dense rows seen.
         self._qpieces: dict[int, GGUFWeight | PackedPiece] = {}
         self._dense_rows = 0
@@ -502,7 +511,7 @@ class ReplicatedEmbedding(VocabParallelEmbedding):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection hidden -> vocab (this rank's slice of the vocabulary)."""
 
-    packed: PackedDense | None = None  # the float32 table packed for oneDNN's matmul (layers/onednn.py)
+    packed: MatmulWeight | None = None  # the float32 table packed for oneDNN's matmul (layers/onednn.py)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's table, in whichever format it is loaded."""
@@ -528,21 +537,3 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: Tensor) -> Tensor | None:  # type: ignore[override]  # None on ranks that get no logits
         return self.compute_logits(hidden)
-
-
-def use_integer_matmuls(model: torch.nn.Module) -> int:
-    """Batch invariance (`DeviceConfig.batch_invariant`): every GGUF-quantized weight of `model` (linear
-    layers, embedding tables and output heads) multiplies through the integer kernels at any row count;
-    returns how many weights."""
-    weights: dict[int, QuantizedWeight] = {}
-    for module in model.modules():
-        w: object = None
-        if isinstance(module, _LinearBase):
-            w = module.qweight
-        elif isinstance(module, VocabParallelEmbedding):
-            w = module.quant.weight
-        if isinstance(w, QuantizedWeight):
-            weights[id(w)] = w  # a tied head shares its table's weight: once
-    for w in weights.values():
-        w.keep_integer_kernels()
-    return len(weights)

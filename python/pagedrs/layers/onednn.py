@@ -24,7 +24,10 @@ import os
 import torch
 from torch import Tensor
 
-__all__ = ["PackedDense", "available", "pack_dense_weights"]
+from pagedrs.layers.device_form import DeviceForm, PrepareOptions, apply_forms
+from pagedrs.layers.linear import ParallelLMHead, _LinearBase
+
+__all__ = ["PackDense", "PackedDense", "available", "pack_dense_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,34 +74,56 @@ class PackedDense:
         return self.packed.to_dense()
 
 
-def pack_dense_weights(model: torch.nn.Module) -> int:
-    """Pack every dense float32 CPU linear weight of `model` (and its output head's table) for oneDNN; returns
-    how many. A no-op where oneDNN's packed linear is not available, or for weights already held in another
-    format (GGUF blocks, Q8_0, GPU-packed)."""
-    from pagedrs.layers.linear import ParallelLMHead, _LinearBase
+def _dense(w: Tensor) -> bool:
+    """A float32 CPU weight still held dense."""
+    return w.numel() > 0 and w.device.type == "cpu" and w.dtype == torch.float32
 
+
+def _can_pack() -> bool:
     if not available():
-        return 0
+        return False
     try:
         PackedDense(torch.zeros(8, 8))
     except RuntimeError as exc:  # a torch build whose oneDNN lacks the op for this CPU
         logger.info("float32 CPU weights stay with F.linear: oneDNN's packed linear failed (%s)", exc)
-        return 0
+        return False
+    return True
 
-    def dense(w: Tensor) -> bool:  # a float32 CPU weight still held dense
-        return w.numel() > 0 and w.device.type == "cpu" and w.dtype == torch.float32
 
-    count = 0
-    for m in model.modules():
-        if isinstance(m, _LinearBase) and m.qweight is None and dense(m.weight):
+class PackDense(DeviceForm):
+    """Every dense float32 CPU linear weight (and the output head's table) packed for oneDNN. Nothing where
+    oneDNN's packed linear is not available, nor for weights already held in another format (GGUF blocks,
+    Q8_0, GPU-packed)."""
+
+    name = "onednn"
+
+    def __init__(self) -> None:
+        self.enabled = _can_pack()
+        self.count = 0
+
+    @staticmethod
+    def wanted(opts: PrepareOptions) -> bool:
+        return opts.pack_dense
+
+    def visit(self, name: str, m: torch.nn.Module) -> None:
+        if not self.enabled:
+            return
+        if isinstance(m, _LinearBase) and m.qweight is None and _dense(m.weight):
             m.qweight = PackedDense(m.weight.data)
             m.weight.data = torch.empty(0, m.weight.shape[1], dtype=m.weight.dtype)
-            count += 1
+            self.count += 1
         elif (
-            isinstance(m, ParallelLMHead) and m.packed is None and m.quant.weight is None and dense(m.weight)
+            isinstance(m, ParallelLMHead) and m.packed is None and m.quant.weight is None and _dense(m.weight)
         ):
             m.packed = PackedDense(m.weight.data)  # the table stays: a tied embedding looks rows up in it
-            count += 1
-    if count:
-        logger.info("float32 CPU weights packed for oneDNN's matmul: %d layers", count)
-    return count
+            self.count += 1
+
+    def finish(self, model: torch.nn.Module) -> int:
+        if self.count:
+            logger.info("float32 CPU weights packed for oneDNN's matmul: %d layers", self.count)
+        return self.count
+
+
+def pack_dense_weights(model: torch.nn.Module) -> int:
+    """Pack `model`'s dense float32 CPU weights for oneDNN (`PackDense`); returns how many."""
+    return apply_forms(model, [PackDense()])[PackDense.name]

@@ -1,9 +1,6 @@
 """GGUF-quantized weights on CPU: kept in llama.cpp's block layout and multiplied by the Rust kernels.
 
-- `GGUFWeight` is one checkpoint tensor as the GGUF file stores it (rows of blocks). It answers the lazy
-  checkpoint-slice protocol the layers' weight loaders use (`shape`, `dim()`, `narrow()`,
-  `materialize()`), so a layer that keeps only dense weights loads it dequantized, unchanged.
-- `QuantizedWeight` is a layer's weight *format* once its pieces are loaded: it owns the matmul
+`QuantizedWeight` is a layer's weight *format* once its pieces are loaded: it owns the matmul
   `x @ W^T` (one Rust call per run of pieces that share a block type) and the row lookup of an
   embedding. Layers call it; the model code never sees which format a layer holds.
 """
@@ -19,91 +16,9 @@ import torch
 from torch import Tensor
 
 from pagedrs import _core
+from pagedrs.quantization.gguf_blocks import GGUFWeight, type_name
 
-__all__ = ["GGUFWeight", "QuantizedWeight", "kernel_types", "use_cpu_fused_ops"]
-
-_KERNEL_TYPES: frozenset[int] = frozenset(_core.quant_type_ids())
-
-
-def kernel_types() -> frozenset[int]:
-    """GGML type ids (`gguf.GGMLQuantizationType` values) the CPU kernels multiply without dequantizing."""
-    return _KERNEL_TYPES
-
-
-def _type_name(ggml_type: int) -> str:
-    import gguf
-
-    return gguf.GGMLQuantizationType(ggml_type).name
-
-
-def _block_shape(ggml_type: int) -> tuple[int, int]:
-    """(weights per block, bytes per block) of a GGML type."""
-    import gguf
-
-    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
-
-
-@dataclass(frozen=True, slots=True)
-class GGUFWeight:
-    """A 2-D weight [rows, cols] in a GGUF block type: `data` is uint8 [rows, row_bytes], each row its
-    blocks in file order (a read-only view of the file's memory map until a row permutation copies it)."""
-
-    ggml_type: int
-    shape: tuple[int, int]
-    data: npt.NDArray[np.uint8]
-
-    def __post_init__(self) -> None:
-        rows, cols = self.shape
-        block, size = _block_shape(self.ggml_type)
-        if cols % block or self.data.shape != (rows, cols // block * size):
-            raise ValueError(
-                f"{self.type_name} weight of shape {self.shape} needs data [{rows}, {cols // block * size}], "
-                f"got {tuple(self.data.shape)}"
-            )
-
-    @property
-    def type_name(self) -> str:
-        return _type_name(self.ggml_type)
-
-    @property
-    def block_size(self) -> int:
-        """Weights per block along a row (32, or 256 for the K-quants)."""
-        return _block_shape(self.ggml_type)[0]
-
-    @property
-    def has_kernel(self) -> bool:
-        """Whether the CPU kernels multiply this type directly."""
-        return self.ggml_type in _KERNEL_TYPES
-
-    def dim(self) -> int:
-        return 2
-
-    def narrow(self, dim: int, start: int, length: int) -> GGUFWeight:
-        """Rows (dim 0), or columns on whole blocks (dim 1; ValueError when a cut falls inside a block)."""
-        rows, cols = self.shape
-        if dim == 0:
-            return GGUFWeight(self.ggml_type, (length, cols), self.data[start : start + length])
-        if dim != 1:
-            raise ValueError(f"a GGUF weight has 2 dimensions, got dim={dim}")
-        block, size = _block_shape(self.ggml_type)
-        if start % block or length % block:
-            raise ValueError(
-                f"cannot cut columns {start}..{start + length} of a {self.type_name} weight: "
-                f"the cut must fall on its {block}-weight blocks"
-            )
-        data = self.data[:, start // block * size : (start + length) // block * size]
-        return GGUFWeight(self.ggml_type, (rows, length), data)
-
-    def permute_rows(self, order: npt.NDArray[np.int64]) -> GGUFWeight:
-        """Rows reordered (`new[i] = old[order[i]]`); rows are quantized independently, so this is exact."""
-        return GGUFWeight(self.ggml_type, self.shape, np.ascontiguousarray(self.data[order]))
-
-    def materialize(self) -> Tensor:
-        """Dequantized float32 [rows, cols] (gguf-py's dequantizer: the float32 oracle's values)."""
-        import gguf
-
-        w = gguf.quants.dequantize(self.data, gguf.GGMLQuantizationType(self.ggml_type))
-        return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(self.shape))
+__all__ = ["DEQUANT_MIN_ROWS", "DEQUANT_MIN_ROWS_X8", "X8_ISAS", "QuantizedWeight"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +88,7 @@ class QuantizedWeight:
 
     @property
     def type_names(self) -> list[str]:
-        return [_type_name(r.ggml_type) for r in self.runs]
+        return [type_name(r.ggml_type) for r in self.runs]
 
     def matmul(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """x [..., in_features] float32 on CPU -> x @ W^T (+ bias), float32 [..., out_features].
@@ -236,20 +151,3 @@ def _runs_by_type(pieces: list[GGUFWeight]) -> list[list[GGUFWeight]]:
         else:
             runs.append([p])
     return runs
-
-
-def use_cpu_fused_ops(model: torch.nn.Module) -> int:
-    """Switch the model's RMSNorms, SiLU-and-muls and rotary embeddings to the Rust CPU ops (one call each
-    instead of several torch ops; the norm's residual add fused in, norm and rotary in place); returns how
-    many. For the quantized CPU path,
-    whose results already differ from the float32 oracle's by more than the ops' summation order does."""
-    from pagedrs.layers.activation import SiluAndMul
-    from pagedrs.layers.norm import RMSNorm
-    from pagedrs.layers.rotary import RotaryEmbedding
-
-    count = 0
-    for module in model.modules():
-        if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)):
-            module.cpu_fused = True
-            count += 1
-    return count

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import torch
     from gguf import GGUFReader, ReaderTensor
 
-    from pagedrs.layers.quantized import GGUFWeight
+    from pagedrs.quantization.gguf_blocks import GGUFWeight
 
 __all__ = ["GGUF_ARCHITECTURES", "cache_root", "convert_gguf", "gguf_cache_dir", "iter_gguf_weights"]
 
@@ -159,7 +159,7 @@ def iter_gguf_weights(
     import gguf
     import torch
 
-    from pagedrs.layers.quantized import GGUFWeight, kernel_types
+    from pagedrs.quantization.gguf_blocks import GGUFWeight, kernel_types
 
     path = Path(gguf_path)
     reader, arch = _open(path)

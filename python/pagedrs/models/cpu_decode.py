@@ -31,12 +31,13 @@ from pagedrs import _core
 from pagedrs.layers.activation import SiluAndMul
 from pagedrs.layers.attention import ForwardContext
 from pagedrs.layers.attention.torch_ref import TorchAttentionBackend, cpu_kernel_threads, step_plan
+from pagedrs.layers.device_form import DeviceForm, PrepareOptions
 from pagedrs.layers.quantized import QuantizedWeight
 
 if TYPE_CHECKING:
     from pagedrs.models.llama import LlamaDecoderLayer, LlamaModel
 
-__all__ = ["CpuDecodeStep", "enable_cpu_decode"]
+__all__ = ["CpuDecode", "CpuDecodeStep", "enable_cpu_decode"]
 
 F32 = npt.NDArray[np.float32]
 
@@ -246,3 +247,17 @@ def enable_cpu_decode(model: torch.nn.Module) -> bool:
     except ValueError:  # outside the case it covers (the message says why)
         return False
     return True
+
+
+class CpuDecode(DeviceForm):
+    """The device form: a quantized CPU model of the Llama family takes the fast decode step (after the
+    fused CPU ops, which it checks for)."""
+
+    name = "cpu_decode"
+
+    @staticmethod
+    def wanted(opts: PrepareOptions) -> bool:
+        return opts.cpu_quantized
+
+    def finish(self, model: torch.nn.Module) -> int:
+        return int(enable_cpu_decode(model))

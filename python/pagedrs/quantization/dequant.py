@@ -1,16 +1,6 @@
-"""GPTQ, AWQ and FP8 checkpoint tensors turned into the `<layer>.weight` the model's loaders take.
-
-A quantized linear layer ships as parts (`qweight`, `qzeros`, `scales`, `g_idx` for GPTQ/AWQ; `weight` in
-float8_e4m3fn with `weight_scale` or `weight_scale_inv` for FP8). `quantized_checkpoint` gathers a layer's
-parts and yields one weight [out_features, in_features]:
-
-- kept packed, as GGUF blocks the CPU kernels multiply (`GGUFWeight`), when that is exact: GPTQ 4-bit
-  (Q4_0) or 8-bit (Q8_0) whose zero point is the symmetric midpoint everywhere, fp16 scales, groups that
-  are whole 32-weight blocks in input order (no act-order permutation). Q4_0 and Q8_0 compute
-  `d * (q - 8)` and `d * q8` with one fp16 `d` per 32 weights: the same values as GPTQ's
-  `scale * (q - zero)` when `zero` is 8 (or 128) and the group's scale is repeated over its blocks;
-- else dequantized to float32 (the values the format defines, computed exactly from the integers and
-  the stored scales); the layers then cast and shard the float weight like any other.
+"""The GPTQ, AWQ and FP8 formats' arithmetic: each layer's parts dequantized to float32 [out, in] (the values
+the format defines, computed exactly from the integers and the stored scales), and a GPTQ layer rewritten
+as GGUF Q4_0 / Q8_0 blocks where that is exact.
 
 Packing, as the formats write it:
 - GPTQ: `qweight` int32 [in / (32/bits), out], packed along the input dim, value j of a word in bits
@@ -20,37 +10,33 @@ Packing, as the formats write it:
 - AWQ (GEMM): `qweight` int32 [in, out / 8] and `qzeros` int32 [groups, out / 8], packed along the output
   dim with nibble i of a word holding column `AWQ_PACK_ORDER[i]` of its 8; `scales` [groups, out];
   group of input row r is r // group_size; zero points stored as is.
+- GGUF Q4_0 and Q8_0 compute `d * (q - 8)` and `d * q8` with one fp16 `d` per 32 weights: the same values
+  as GPTQ's `scale * (q - zero)` when `zero` is 8 (or 128) and the group's scale is repeated over its
+  blocks, so a GPTQ 4-bit or 8-bit layer with the symmetric midpoint as every zero point, fp16 scales and
+  groups of whole 32-weight blocks in input order (no act-order permutation) is kept as those blocks.
 """
 
 from __future__ import annotations
-
-import logging
-from collections import Counter
-from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from pagedrs.layers.packed import Fp8, PackedInt
-from pagedrs.layers.quantized import GGUFWeight
-from pagedrs.loader.quant_config import QuantConfig
+from pagedrs.quantization.config import QuantConfig
+from pagedrs.quantization.gguf_blocks import GGUFWeight
 
 __all__ = [
     "AWQ_PACK_ORDER",
+    "awq_group",
     "dequantize_awq",
     "dequantize_fp8",
     "dequantize_gptq",
     "gptq_as_gguf",
-    "quantized_checkpoint",
+    "gptq_g_idx",
 ]
-
-logger = logging.getLogger("pagedrs.loader")
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_PACK_ORDER[i]
 _AWQ_UNPACK = (0, 4, 1, 5, 2, 6, 3, 7)  # column c of an AWQ word is nibble _AWQ_UNPACK[c]
-_PARTS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales")}
 _Q4_0, _Q8_0 = 2, 8  # gguf.GGMLQuantizationType values
 
 
@@ -72,7 +58,7 @@ def _check(name: str, t: Tensor, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
 
 
-def _gptq_g_idx(name: str, parts: dict[str, Tensor], cfg: QuantConfig) -> Tensor:
+def gptq_g_idx(name: str, parts: dict[str, Tensor], cfg: QuantConfig) -> Tensor:
     """A GPTQ layer's group id of each input row (int64 [in]; from its group size when it has no g_idx),
     its scales, zeros and group ids checked against its shapes."""
     qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
@@ -95,7 +81,7 @@ def _gptq_ints(
     name: str, parts: dict[str, Tensor], cfg: QuantConfig
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(q [in, out], zeros [groups, out], scales [groups, out], g_idx [in]) of one GPTQ layer."""
-    g_idx = _gptq_g_idx(name, parts, cfg)
+    g_idx = gptq_g_idx(name, parts, cfg)
     q = _unpack(parts["qweight"], cfg.bits, 0)
     out_features = parts["qweight"].shape[1]
     zeros = _unpack(parts["qzeros"], cfg.bits, 1)[:, :out_features] + (1 if cfg.zero_plus_one else 0)
@@ -109,7 +95,7 @@ def dequantize_gptq(name: str, parts: dict[str, Tensor], cfg: QuantConfig) -> Te
     return w.t().contiguous()
 
 
-def _awq_group(name: str, parts: dict[str, Tensor], cfg: QuantConfig) -> int:
+def awq_group(name: str, parts: dict[str, Tensor], cfg: QuantConfig) -> int:
     """The AWQ layer's group size (its input size for -1), its scales and zeros checked against it."""
     qweight = parts["qweight"]
     in_features, out_features = qweight.shape[0], qweight.shape[1] * 8
@@ -124,7 +110,7 @@ def dequantize_awq(name: str, parts: dict[str, Tensor], cfg: QuantConfig) -> Ten
     """float32 [out, in]: W[c, r] = scales[g, c] * (q[r, c] - zero[g, c]) with g = r // group_size."""
     qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
     in_features = qweight.shape[0]
-    group = _awq_group(name, parts, cfg)
+    group = awq_group(name, parts, cfg)
     order = torch.tensor(_AWQ_UNPACK)
 
     def unpack(p: Tensor) -> Tensor:
@@ -179,114 +165,3 @@ def gptq_as_gguf(name: str, parts: dict[str, Tensor], cfg: QuantConfig) -> GGUFW
         ggml_type = _Q8_0
     data = np.concatenate([d, body], axis=2).reshape(out_features, -1)
     return GGUFWeight(ggml_type, (out_features, in_features), np.ascontiguousarray(data))
-
-
-def _materialize(t: Any) -> Tensor:
-    read = getattr(t, "materialize", None)
-    return read() if read is not None else t
-
-
-# Scales an FP8 checkpoint may carry for what pagedrs keeps in the model's dtype: activations
-# (input_scale, output_scale) and the KV cache (k/v/q_scale, kv_scale: vLLM's and llm-compressor's names).
-_FP8_UNUSED_SCALES = frozenset({"input_scale", "output_scale", "k_scale", "v_scale", "q_scale", "kv_scale"})
-
-
-# How `quantized_checkpoint` hands over a layer it can keep packed: as GGUF blocks for the CPU kernels
-# ("gguf", where that is exact), as its own parts for the GPU ("device": `PackedInt`, `Fp8`), or never
-# (None: float32 dequantized).
-PackedForm = str | None
-
-
-def quantized_checkpoint(
-    weights: Iterator[tuple[str, Any]], cfg: QuantConfig, *, keep_packed: PackedForm
-) -> Iterator[tuple[str, Any]]:
-    """`weights` with each quantized layer's parts replaced by its `<layer>.weight` (packed in the form
-    `keep_packed` names where it applies, else float32); other tensors pass through. Logs once what was
-    done; ValueError naming the layer when its parts are incomplete or misshapen."""
-    done: Counter[str] = Counter()
-    pending: dict[str, dict[str, Tensor]] = {}
-    for name, t in weights:
-        prefix, _, part = name.rpartition(".")
-        if cfg.method == "fp8":
-            if part in _FP8_UNUSED_SCALES:
-                continue  # activations and the KV cache run unquantized: only the weights' scales apply
-            if part not in ("weight", "weight_scale", "weight_scale_inv"):
-                yield name, t
-                continue
-            t = _materialize(t)
-            if part == "weight" and t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-                yield name, t
-                continue
-        elif part not in _PARTS[cfg.method]:
-            yield name, t
-            continue
-        got = pending.setdefault(prefix, {})
-        got[part] = _materialize(t)
-        out = _complete(prefix, got, cfg, keep_packed, done, final=False)
-        if out is not None:
-            del pending[prefix]
-            yield out
-    for prefix, got in pending.items():
-        out = _complete(prefix, got, cfg, keep_packed, done, final=True)
-        if out is not None:
-            yield out
-    _log(cfg, done)
-
-
-def _complete(
-    prefix: str,
-    got: dict[str, Tensor],
-    cfg: QuantConfig,
-    keep_packed: PackedForm,
-    done: Counter[str],
-    final: bool,
-) -> tuple[str, Tensor | GGUFWeight | PackedInt | Fp8] | None:
-    """The layer's weight once its parts are in (at the end, `final`: what is missing is an error)."""
-    if cfg.method == "fp8":
-        scale = got.get("weight_scale_inv", got.get("weight_scale"))
-        if "weight" not in got or scale is None:
-            if final:
-                raise ValueError(f"{prefix}: FP8 weight without its scale (weight, weight_scale)")
-            return None
-        if keep_packed == "device" and cfg.block is None and got["weight"].dtype == torch.float8_e4m3fn:
-            try:
-                packed_fp8 = Fp8(got["weight"], scale.to(torch.float32).reshape(-1))
-            except ValueError as e:
-                raise ValueError(f"{prefix}: {e}") from None
-            done["kept in fp8"] += 1
-            return f"{prefix}.weight", packed_fp8
-        done["dequantized at load"] += 1
-        return f"{prefix}.weight", dequantize_fp8(prefix, got["weight"], scale, cfg.block)
-    needed = ("qweight", "qzeros", "scales") + (("g_idx",) if cfg.method == "gptq" and not final else ())
-    missing = [p for p in needed if p not in got]
-    if missing:
-        if final:
-            raise ValueError(f"{prefix}: {cfg.describe()} layer without {', '.join(missing)}")
-        return None
-    if keep_packed == "device":
-        return f"{prefix}.weight", _device_packed(prefix, got, cfg, done)
-    if cfg.method == "awq":
-        done["dequantized at load"] += 1
-        return f"{prefix}.weight", dequantize_awq(prefix, got, cfg)
-    packed = gptq_as_gguf(prefix, got, cfg) if keep_packed == "gguf" else None
-    if packed is not None:
-        done[f"kept packed as {packed.type_name} (the CPU kernels multiply them)"] += 1
-        return f"{prefix}.weight", packed
-    done["dequantized at load"] += 1
-    return f"{prefix}.weight", dequantize_gptq(prefix, got, cfg)
-
-
-def _device_packed(prefix: str, got: dict[str, Tensor], cfg: QuantConfig, done: Counter[str]) -> PackedInt:
-    """The layer's own parts for the GPU kernels, checked as the dequantizers check them."""
-    g_idx = _gptq_g_idx(prefix, got, cfg).to(torch.int32) if cfg.method == "gptq" else None
-    if g_idx is None:
-        _awq_group(prefix, got, cfg)
-    done["kept packed for the GPU kernels"] += 1
-    return PackedInt(cfg, got["qweight"], got["qzeros"], got["scales"], g_idx)
-
-
-def _log(cfg: QuantConfig, done: Counter[str]) -> None:
-    if not done:
-        raise ValueError(f"the checkpoint declares {cfg.describe()} but holds no quantized layer")
-    for what, n in sorted(done.items()):
-        logger.info("%s weights %s: %d layers", cfg.describe(), what, n)

@@ -27,10 +27,9 @@ from pagedrs.config import EngineConfig, kv_cache_torch_dtype
 from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.attention import AttentionMetadata, ForwardContext, get_attention_backend
 from pagedrs.layers.attention.selector import routes_to_reference
-from pagedrs.layers.kernel_switch import use_layer_kernels
-from pagedrs.layers.linear import use_integer_matmuls
 from pagedrs.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, SamplingRow
 from pagedrs.models.interface import CausalLM
+from pagedrs.models.prepare import prepare_for_device, runner_options
 from pagedrs.worker.draft_model import DraftModelDrafter
 from pagedrs.worker.kv_cache import (
     KVCachePool,
@@ -67,16 +66,15 @@ _MAX_GRAPH_BATCH = 512  # decode batches up to this many requests replay a CUDA 
 _PROFILE_GRAPH_BLOCKS = 16  # the throwaway KV pool the graph-memory profile captures against
 
 
-def make_batch_invariant(model: torch.nn.Module, kv_dtype: torch.dtype) -> None:
-    """`DeviceConfig.batch_invariant` for `model`: its quantized weights on the integer kernels at any row
-    count (the attention backend routes every query through the per-token kernel); ValueError where the
+def check_batch_invariant(model: torch.nn.Module, kv_dtype: torch.dtype) -> None:
+    """`DeviceConfig.batch_invariant` for `model` (its quantized weights on the integer kernels at any row
+    count, the attention backend's every query through the per-token kernel): ValueError where the
     arithmetic could not be per token (activations or KV cache not float32)."""
     dtype = next(model.parameters()).dtype
     if dtype != torch.float32 or kv_dtype != torch.float32:
         raise ValueError(
             f"batch_invariant needs float32 activations and KV cache, got dtype {dtype} and a {kv_dtype} cache"
         )
-    use_integer_matmuls(model)
 
 
 @dataclass
@@ -124,13 +122,15 @@ class ModelRunner:
             config.device.attention_backend, self.device, batch_invariant=config.device.batch_invariant
         )
         if config.device.batch_invariant:
-            make_batch_invariant(model, self.kv_dtype)
+            check_batch_invariant(model, self.kv_dtype)
             if draft_model is not None:
-                make_batch_invariant(draft_model, self.kv_dtype)
+                check_batch_invariant(draft_model, self.kv_dtype)
         # The CUDA backend also takes the fused layer kernels (norms, RoPE, gated activations); the torch
         # backend keeps the whole model on torch ops (the reference path), also for a model reused here.
         self.layer_kernels = self.backend.name == "cupy"
-        use_layer_kernels(model, self.layer_kernels)
+        prepare_for_device(model, runner_options(config, layer_kernels=self.layer_kernels))
+        if draft_model is not None:
+            prepare_for_device(draft_model, runner_options(config))
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.model.seed)
