@@ -139,7 +139,7 @@ def test_site_builds_strict_with_generated_references(tmp_path: Path) -> None:
     """`mkdocs build --strict`: every page in the nav, every link and anchor resolves; the configuration
     page lists every EngineArgs field and the metrics page every metric the server registers."""
     pytest.importorskip("material")
-    from pagedrs.engine.arg_utils import EngineArgs
+    from pagedrs import EngineArgs
     from pagedrs.entrypoints.openai.metrics import ServerMetrics
 
     site = tmp_path / "site"
