@@ -22,7 +22,7 @@ import shutil
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import torch
     from gguf import GGUFReader, ReaderTensor
 
-    from pagedrs.quantization.gguf_blocks import GGUFWeight
+    from pagedrs.layers.quantized import GGUFWeight
 
 __all__ = ["GGUF_ARCHITECTURES", "cache_root", "convert_gguf", "gguf_cache_dir", "iter_gguf_weights"]
 
@@ -41,7 +41,12 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "llama": ("LlamaForCausalLM", True),
     "mistral": ("MistralForCausalLM", True),
     "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
+    "gemma2": ("Gemma2ForCausalLM", False),
+    "gemma3": ("Gemma3ForCausalLM", False),
 }
+# llama.cpp's converter stores Gemma's (1 + w) norm weights with the 1 added: loading subtracts it
+_NORM_PLUS_ONE = {"gemma2", "gemma3"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -58,6 +63,14 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Gemma's four norms a layer: llama.cpp's ffn_norm is the norm before the MLP, not after attention
+_ARCH_BLOCK_NAMES = {
+    arch: {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm"} for arch in ("gemma2", "gemma3")
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _IGNORED = {"rope_freqs.weight"}  # llama3 rope factors: the config carries the scaling
@@ -79,13 +92,14 @@ def gguf_cache_dir(gguf_path: str | Path, root: str | Path | None = None) -> Pat
     return Path(root or cache_root()) / "gguf" / f"{path.stem}-{digest}"
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """HF name of a GGUF tensor of the Llama family (None for tensors that have no HF counterpart)."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """HF name of a GGUF tensor of architecture `arch` (None for tensors that have no HF counterpart)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    names = _ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES)
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -128,21 +142,29 @@ def _tensors(gguf_path: Path, num_heads: int, num_kv_heads: int) -> tuple[str, d
 
     reader, arch = _open(gguf_path)
     tensors: dict[str, torch.Tensor] = {}
-    for name, t in _named(gguf_path, reader):
+    for name, t in _named(gguf_path, reader, arch):
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         heads = _qk_heads(name, arch, num_heads, num_kv_heads)
         if heads is not None:
             w = unpermute_qk(w, heads)
         if not w.flags.writeable or not w.flags.c_contiguous:  # F32/F16 tensors are views of the mmap
             w = np.array(w, dtype=np.float32, order="C")
-        tensors[name] = torch.from_numpy(w)
+        tensors[name] = torch.from_numpy(_unshift_norm(w, name, arch))
     return arch, tensors
 
 
-def _named(gguf_path: Path, reader: GGUFReader) -> Iterator[tuple[str, ReaderTensor]]:
+def _unshift_norm(w: np.ndarray, name: str, arch: str) -> np.ndarray:
+    """A Gemma norm weight back to HF's offset from 1 (llama.cpp wrote w + 1; HF's GGUF loader subtracts
+    it the same way)."""
+    if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+        return np.subtract(w, 1.0, dtype=np.float32)
+    return w
+
+
+def _named(gguf_path: Path, reader: GGUFReader, arch: str) -> Iterator[tuple[str, ReaderTensor]]:
     """(HF name, ReaderTensor) of every GGUF tensor that has one; ValueError for an unknown tensor."""
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         if name is None:
             if t.name in _IGNORED:
                 continue
@@ -159,12 +181,12 @@ def iter_gguf_weights(
     import gguf
     import torch
 
-    from pagedrs.quantization.gguf_blocks import GGUFWeight, kernel_types
+    from pagedrs.layers.quantized import GGUFWeight, kernel_types
 
     path = Path(gguf_path)
     reader, arch = _open(path)
     dequantized: Counter[str] = Counter()
-    for name, t in _named(path, reader):
+    for name, t in _named(path, reader, arch):
         ggml_type = int(t.tensor_type)
         heads = _qk_heads(name, arch, num_heads, num_kv_heads)
         dense_type = ggml_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
@@ -180,7 +202,7 @@ def iter_gguf_weights(
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if heads is not None:
             w = unpermute_qk(w, heads)
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+        yield name, torch.from_numpy(np.array(_unshift_norm(w, name, arch), dtype=np.float32, order="C"))
     for type_name, count in sorted(dequantized.items()):
         logger.info(
             "%s: %d tensor(s) of type %s have no quantized CPU kernel; loaded dequantized to float32",
@@ -188,6 +210,33 @@ def iter_gguf_weights(
             count,
             type_name,
         )
+
+
+def _field(reader: GGUFReader, key: str) -> Any:
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
+
+
+def _apply_metadata(config: Any, gguf_path: Path, arch: str) -> None:
+    """Settings llama.cpp's converter writes that transformers' GGUF config reader leaves at their defaults:
+    the head size (`attention.key_length`, Qwen3 and Gemma), Gemma 2's soft caps, and Gemma 3's linear
+    RoPE scaling of the global layers (the 4B+ checkpoints)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    head_dim = _field(reader, f"{arch}.attention.key_length")
+    if head_dim is not None:
+        config.head_dim = int(head_dim)
+    if arch == "gemma2":
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = _field(reader, f"{arch}.{key}")
+            if value is not None:
+                setattr(config, key, float(value))
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    params = getattr(config, "rope_parameters", None)
+    if arch == "gemma3" and scaling == "linear" and factor and isinstance(params, dict):
+        params.setdefault("full_attention", {}).update(rope_type="linear", factor=float(factor))
 
 
 def convert_gguf(gguf_path: str | Path, root: str | Path | None = None) -> Path:
@@ -211,6 +260,7 @@ def convert_gguf(gguf_path: str | Path, root: str | Path | None = None) -> Path:
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         arch, tensors = _tensors(gguf_path, num_heads, num_kv_heads)
         config.architectures = [GGUF_ARCHITECTURES[arch][0]]
+        _apply_metadata(config, gguf_path, arch)
         if "lm_head.weight" not in tensors:
             config.tie_word_embeddings = True
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})

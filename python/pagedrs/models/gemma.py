@@ -112,8 +112,8 @@ class GemmaMLP(torch.nn.Module):
             hidden, [inter, inter], bias=False, tp=tp, dtype=dtype, device=device
         )
         self.down_proj = RowParallelLinear(inter, hidden, bias=False, tp=tp, dtype=dtype, device=device)
-        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
-        self.act_fn = get_act_and_mul_fn(act)
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+        self.act_fn = get_act_and_mul_fn(str(act or "gelu_pytorch_tanh"))
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
