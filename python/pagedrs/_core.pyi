@@ -45,6 +45,28 @@ def paged_decode_attention(
     Gemma 2 attention soft-capping; a positive number). Any head size (64, 128 and 256 compiled for).
     ``isa``: the kernels (a ``quant_isa()`` name, capped to what this CPU runs; default the chosen ones)."""
 
+def moe_experts(
+    x: npt.NDArray[np.float32],
+    gate_up: npt.NDArray[np.float32] | npt.NDArray[np.uint8],
+    down: npt.NDArray[np.float32] | npt.NDArray[np.uint8],
+    topk_ids: npt.NDArray[np.int64],
+    topk_weights: npt.NDArray[np.float32],
+    out: npt.NDArray[np.float32],
+    gate_up_type: int | None = None,
+    down_type: int | None = None,
+    num_threads: int = 1,
+    isa: str | None = None,
+) -> None:
+    """The fused experts step of a mixture-of-experts layer, written into `out`; GIL released:
+    out[t] = sum over s of topk_weights[t, s] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, s],
+    slots summed in order; the (token, slot) pairs sorted by expert once, each active expert's weights read
+    once for all its rows.
+
+    x float32 [T, H]; gate_up [E, 2I, H] (each expert's gate rows then its up rows) and down [E, H, I],
+    float32, or uint8 [E, rows, row_bytes] GGUF rows where ``gate_up_type`` / ``down_type`` name their GGML
+    type; topk_ids int64 [T, k] (each in 0..E); topk_weights float32 [T, k]; out float32 [T, H].
+    ValueError naming the array or the id on a bad argument."""
+
 def quant_matmul(
     x: npt.NDArray[np.float32],
     weight: npt.NDArray[np.uint8],

@@ -21,6 +21,9 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
     "OPTForCausalLM": ("opt", "OPTForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qwen_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen_moe", "Qwen3MoeForCausalLM"),
 }
 
 # config.model_type -> architecture, for configs that name no architectures (e.g. built in code)
@@ -34,6 +37,9 @@ MODEL_TYPES: dict[str, str] = {
     "gpt2": "GPT2LMHeadModel",
     "opt": "OPTForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 

@@ -3,7 +3,7 @@ with every parameter checked to be covered and every shape checked) and the head
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,11 +65,13 @@ def load_weights_into(
     skip: Sequence[str] = (),
     renames: Sequence[tuple[str, str]] = (),
     ignore_unexpected: bool = False,
+    name_map: Callable[[str], tuple[str, object] | None] | None = None,
 ) -> None:
     """Copy HF-named `weights` into `model`'s parameters through their `weight_loader`.
 
     `skip`: name suffixes ignored (tied heads, rotary buffers). `renames`: (old prefix, new prefix) applied
-    first. Raises ValueError naming the tensor on a shape mismatch or a tensor with no parameter (unless
+    first. `name_map`: (parameter name, shard id) for the tensors it knows (None for the others), tried
+    before `stacked` (MoE experts: the expert id is in the name). Raises ValueError naming the tensor on a shape mismatch or a tensor with no parameter (unless
     `ignore_unexpected`), and naming the parameters no tensor covered."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: dict[str, set[object]] = {}
@@ -81,7 +83,10 @@ def load_weights_into(
                 name = new + name[len(old) :]
                 break
         target, shard_id = name, None
-        for sp in stacked:
+        mapped = name_map(name) if name_map is not None else None
+        if mapped is not None:
+            target, shard_id = mapped
+        for sp in () if mapped is not None else stacked:
             if sp.hf_piece in name:
                 target, shard_id = name.replace(sp.hf_piece, sp.param_piece), sp.shard_id
                 break

@@ -7,6 +7,7 @@
 
 mod decode;
 pub mod lora;
+pub mod moe;
 pub mod ops;
 pub mod pool;
 pub mod quant;

@@ -122,6 +122,11 @@ impl<T> SharedOut<T> {
     pub fn at(self, offset: usize) -> *mut T {
         self.0.wrapping_add(offset)
     }
+
+    /// The buffer from element `offset` on (a sub-buffer whose writes follow the same rule).
+    pub fn offset(self, offset: usize) -> Self {
+        SharedOut(self.0.wrapping_add(offset))
+    }
 }
 
 /// Worker count of the pool (the number of CPUs the process may use, minus the caller).

@@ -48,6 +48,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernel_names, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::quant_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_kernels::moe_experts, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::quant_get_rows, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::quant_pack_x8, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::quant_type_ids, m)?)?;

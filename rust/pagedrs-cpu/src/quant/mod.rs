@@ -488,22 +488,22 @@ fn validate(
     KernelError::check_len("out", out.len(), d.m * d.ldo)
 }
 
-struct Tile<'a> {
-    isa: Isa,
-    qt: QuantType,
-    w: &'a [u8],
-    row_bytes: usize,
-    acts: &'a QuantizedActs,
-    groups: &'a [Interleaved],
-    out: SharedOut,
-    d: MatmulDims,
+pub(crate) struct Tile<'a> {
+    pub(crate) isa: Isa,
+    pub(crate) qt: QuantType,
+    pub(crate) w: &'a [u8],
+    pub(crate) row_bytes: usize,
+    pub(crate) acts: &'a QuantizedActs,
+    pub(crate) groups: &'a [Interleaved],
+    pub(crate) out: SharedOut,
+    pub(crate) d: MatmulDims,
 }
 
 /// The activation rows split into groups that share each weight row's unpacking: 8 rows at a time for
 /// the AVX2 block-group kernels (Q4_0, Q4_1, Q8_0), 4 for the others (whose per-row accumulators would
 /// not fit the registers at 8; the NEON kernels' spilled in the inner loop at 8 too), then 2 and 1 for
 /// the rest (m = 7 runs as 4 + 2 + 1). Every kernel gives a row the same bits in any group.
-fn row_groups(isa: Isa, qt: QuantType, acts: &QuantizedActs) -> Vec<Interleaved> {
+pub(crate) fn row_groups(isa: Isa, qt: QuantType, acts: &QuantizedActs) -> Vec<Interleaved> {
     let max = if isa.takes_eight_rows(qt) { 8 } else { 4 };
     let mut groups = Vec::new();
     let mut i = 0;
@@ -519,7 +519,7 @@ fn row_groups(isa: Isa, qt: QuantType, acts: &QuantizedActs) -> Vec<Interleaved>
 impl Tile<'_> {
     /// Outputs of weight rows `rows` for every activation row, one row group at a time: each weight row of
     /// the range (a few KiB, cache resident) is unpacked once per group.
-    fn run(&self, rows: std::ops::Range<usize>) {
+    pub(crate) fn run(&self, rows: std::ops::Range<usize>) {
         for g in self.groups {
             match g.r {
                 8 => self.run_group::<8>(g, rows.clone()),

@@ -1,0 +1,51 @@
+"""The fused experts step on a CPU: one Rust call for the whole step (`_core.moe_experts`), float32 or
+GGUF-quantized experts, on the kernels' warm thread pool."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from pagedrs import _core
+
+if TYPE_CHECKING:
+    from pagedrs.layers.moe.experts import ExpertWeights
+
+__all__ = ["cpu_fused_experts"]
+
+
+def _operand(w: ExpertWeights) -> tuple[object, int | None] | None:
+    """(array, GGML type or None for float32) of a stacked expert weight the kernels take."""
+    if w.qweight is not None:
+        return w.qweight.data, w.qweight.ggml_type
+    p = w.weight
+    if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
+        return None
+    return p.detach().numpy(), None
+
+
+def cpu_fused_experts(
+    x: Tensor, gate_up: ExpertWeights, down: ExpertWeights, topk_weights: Tensor, topk_ids: Tensor
+) -> Tensor | None:
+    """The step through the Rust kernels: x float32 on the CPU and both weights float32 or quantized
+    there; None otherwise (the caller's torch path)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
+        return None
+    gu, dn = _operand(gate_up), _operand(down)
+    if gu is None or dn is None:
+        return None
+    out = torch.empty_like(x)
+    _core.moe_experts(
+        x.contiguous().numpy(),
+        gu[0],  # type: ignore[arg-type]  # float32 or uint8, as the type says
+        dn[0],  # type: ignore[arg-type]
+        topk_ids.to(torch.int64).contiguous().numpy(),
+        topk_weights.to(torch.float32).contiguous().numpy(),
+        out.numpy(),
+        gate_up_type=gu[1],
+        down_type=dn[1],
+        num_threads=torch.get_num_threads(),
+    )
+    return out

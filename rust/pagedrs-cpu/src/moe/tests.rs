@@ -1,0 +1,387 @@
+//! The fused experts step against a float64 reference (float32 experts), and quantized experts against
+//! the dense quantized matmul run one pair at a time (the same kernels, so the same bits per row up to
+//! the final weighted sum) and a float64 reference over the dequantized weights.
+
+use super::*;
+use crate::quant::{dequantize_row, quant_matmul_with};
+
+/// xorshift64*, deterministic.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.uniform() * scale).collect()
+    }
+}
+
+fn silu(g: f64) -> f64 {
+    g / (1.0 + (-g).exp())
+}
+
+/// float64: sum over slots of weight * down(silu(gate x) * up x), weights given as float32 matrices.
+fn reference(gu: &[f32], dn: &[f32], x: &[f32], ids: &[i64], wts: &[f32], d: &MoeDims) -> Vec<f64> {
+    let (h, i_, k) = (d.hidden, d.inter, d.top_k);
+    let mut out = vec![0.0f64; d.tokens * h];
+    for t in 0..d.tokens {
+        let xr = &x[t * h..][..h];
+        for s in 0..k {
+            let e = ids[t * k + s] as usize;
+            let act: Vec<f64> = (0..i_)
+                .map(|j| {
+                    let dot = |row: usize| -> f64 {
+                        let w = &gu[(e * 2 * i_ + row) * h..][..h];
+                        w.iter().zip(xr).map(|(&a, &b)| a as f64 * b as f64).sum()
+                    };
+                    silu(dot(j)) * dot(i_ + j)
+                })
+                .collect();
+            for c in 0..h {
+                let w = &dn[(e * h + c) * i_..][..i_];
+                let v: f64 = w.iter().zip(&act).map(|(&a, &b)| a as f64 * b).sum();
+                out[t * h + c] += wts[t * k + s] as f64 * v;
+            }
+        }
+    }
+    out
+}
+
+fn random_ids(rng: &mut Rng, tokens: usize, k: usize, experts: usize) -> Vec<i64> {
+    let mut ids = Vec::with_capacity(tokens * k);
+    for _ in 0..tokens {
+        let mut chosen: Vec<i64> = Vec::new();
+        while chosen.len() < k {
+            let e = (rng.next() % experts as u64) as i64;
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        ids.extend(chosen);
+    }
+    ids
+}
+
+fn assert_close(got: &[f32], want: &[f64], tol: f64, what: &str) {
+    let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-6);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g as f64 - w).abs() <= tol * scale,
+            "{what}: out[{i}] = {g}, want {w} (scale {scale})"
+        );
+    }
+}
+
+/// (tokens, top_k, hidden, inter, experts); `ids` None: random distinct experts per token.
+fn run_f32(
+    isa: Isa,
+    shape: (usize, usize, usize, usize, usize),
+    ids: Option<Vec<i64>>,
+    threads: usize,
+) {
+    let (tokens, top_k, hidden, inter, experts) = shape;
+    let d = MoeDims {
+        tokens,
+        top_k,
+        hidden,
+        inter,
+        experts,
+    };
+    let mut rng = Rng(0x9e37_79b9 ^ (tokens * 31 + hidden * 7 + experts) as u64);
+    let gu = rng.vec(experts * 2 * inter * hidden, 0.3);
+    let dn = rng.vec(experts * hidden * inter, 0.3);
+    let x = rng.vec(tokens * hidden, 1.0);
+    let ids = ids.unwrap_or_else(|| random_ids(&mut rng, tokens, top_k, experts));
+    let wts: Vec<f32> = (0..tokens * top_k).map(|_| rng.uniform().abs()).collect();
+    let mut out = vec![f32::NAN; tokens * hidden];
+    moe_experts_with(
+        isa,
+        ExpertWeights::F32(&gu),
+        ExpertWeights::F32(&dn),
+        &x,
+        &ids,
+        &wts,
+        &mut out,
+        &d,
+        threads,
+    )
+    .unwrap();
+    let want = reference(&gu, &dn, &x, &ids, &wts, &d);
+    assert_close(&out, &want, 1e-5, &format!("{} {shape:?}", isa.name()));
+}
+
+#[test]
+fn f32_experts_match_the_float64_reference_on_random_shapes() {
+    for isa in Isa::supported() {
+        for &shape in &[
+            (1, 1, 16, 8, 1),
+            (1, 2, 64, 48, 8),
+            (7, 2, 33, 17, 4),
+            (16, 4, 96, 40, 16),
+            (37, 3, 50, 70, 6),
+            (5, 8, 32, 16, 8), // top_k == experts
+        ] {
+            for threads in [1, 3] {
+                run_f32(isa, shape, None, threads);
+            }
+        }
+    }
+}
+
+#[test]
+fn f32_routing_edge_cases() {
+    // every token to expert 2 (the others have no rows), and tokens naming the same experts in both orders
+    run_f32(Isa::chosen(), (9, 1, 32, 24, 4), Some(vec![2; 9]), 2);
+    run_f32(
+        Isa::chosen(),
+        (4, 2, 32, 24, 4),
+        Some(vec![0, 3, 3, 0, 0, 3, 3, 0]),
+        2,
+    );
+    // no tokens at all
+    let d = MoeDims {
+        tokens: 0,
+        top_k: 2,
+        hidden: 8,
+        inter: 4,
+        experts: 2,
+    };
+    let (gu, dn) = (vec![0.0; 2 * 8 * 8], vec![0.0; 2 * 8 * 4]);
+    moe_experts(
+        ExpertWeights::F32(&gu),
+        ExpertWeights::F32(&dn),
+        &[],
+        &[],
+        &[],
+        &mut [],
+        &d,
+        2,
+    )
+    .unwrap();
+}
+
+#[test]
+fn bad_arguments_are_errors() {
+    let d = MoeDims {
+        tokens: 2,
+        top_k: 2,
+        hidden: 8,
+        inter: 4,
+        experts: 3,
+    };
+    let (gu, dn) = (vec![0.0; 3 * 8 * 8], vec![0.0; 3 * 8 * 4]);
+    let x = vec![0.0; 16];
+    let mut out = vec![0.0; 16];
+    let w = [0.5f32; 4];
+    let run = |ids: &[i64], gu: &[f32], out: &mut [f32]| {
+        moe_experts(
+            ExpertWeights::F32(gu),
+            ExpertWeights::F32(&dn),
+            &x,
+            ids,
+            &w,
+            out,
+            &d,
+            1,
+        )
+    };
+    assert_eq!(
+        run(&[0, 1, 2, 3], &gu, &mut out),
+        Err(KernelError::Row {
+            index: 3,
+            id: 3,
+            n: 3
+        })
+    );
+    assert_eq!(
+        run(&[0, 1, 2, -1], &gu, &mut out),
+        Err(KernelError::Row {
+            index: 3,
+            id: -1,
+            n: 3
+        })
+    );
+    assert!(matches!(
+        run(&[0, 1, 2], &gu, &mut out),
+        Err(KernelError::Length { name: "ids", .. })
+    ));
+    assert!(matches!(
+        run(&[0, 1, 2, 0], &gu[1..], &mut out),
+        Err(KernelError::Length {
+            name: "gate_up",
+            ..
+        })
+    ));
+    assert!(matches!(
+        run(&[0, 1, 2, 0], &gu, &mut out[1..]),
+        Err(KernelError::Length { name: "out", .. })
+    ));
+    let q = vec![0u8; 3 * 8 * QuantType::Q8_0.row_bytes(32)];
+    let bad = moe_experts(
+        ExpertWeights::Quant(QuantType::Q8_0, &q),
+        ExpertWeights::F32(&dn),
+        &x,
+        &[0, 1, 2, 0],
+        &w,
+        &mut out,
+        &d,
+        1,
+    );
+    assert!(matches!(bad, Err(KernelError::BlockLen { k: 8, .. })));
+}
+
+/// Random GGUF rows with moderate f16 scales over the scale fields (see quant/tests.rs).
+fn random_quant(qt: QuantType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
+    let mut w: Vec<u8> = (0..rows * qt.row_bytes(cols))
+        .map(|_| rng.next() as u8)
+        .collect();
+    let fields: &[usize] = match qt {
+        QuantType::Q4_0 | QuantType::Q5_0 | QuantType::Q8_0 => &[0],
+        QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K | QuantType::Q5_K => &[0, 2],
+        QuantType::Q6_K => &[208],
+    };
+    for block in w.chunks_exact_mut(qt.block_bytes()) {
+        for &at in fields {
+            // 0.0039 .. 0.0195 as f16 bits (exponent 8..12 - 15), either sign
+            let bits: u16 = ((8 + rng.next() % 4) as u16) << 10 | (rng.next() % 1024) as u16;
+            let sign: u16 = if rng.next() % 2 == 0 { 0 } else { 0x8000 };
+            block[at..at + 2].copy_from_slice(&(bits | sign).to_le_bytes());
+        }
+    }
+    w
+}
+
+fn dequantize(qt: QuantType, w: &[u8], rows: usize, cols: usize) -> Vec<f32> {
+    let rb = qt.row_bytes(cols);
+    let mut out = vec![0.0f32; rows * cols];
+    for (r, o) in out.chunks_exact_mut(cols).enumerate() {
+        dequantize_row(qt, &w[r * rb..][..rb], o);
+    }
+    out
+}
+
+/// Each (token, slot) pair through the dense quantized kernels alone (one row at a time).
+#[allow(clippy::too_many_arguments)]
+fn pairwise(
+    isa: Isa,
+    qt: QuantType,
+    gu: &[u8],
+    dn: &[u8],
+    x: &[f32],
+    ids: &[i64],
+    wts: &[f32],
+    d: &MoeDims,
+) -> Vec<f64> {
+    let (h, i_, k) = (d.hidden, d.inter, d.top_k);
+    let (rb_gu, rb_dn) = (qt.row_bytes(h), qt.row_bytes(i_));
+    let mut out = vec![0.0f64; d.tokens * h];
+    for t in 0..d.tokens {
+        for s in 0..k {
+            let e = ids[t * k + s] as usize;
+            let mut g = vec![0.0f32; 2 * i_];
+            let dims = MatmulDims {
+                m: 1,
+                k: h,
+                n: 2 * i_,
+                ldo: 2 * i_,
+                col0: 0,
+            };
+            quant_matmul_with(
+                isa,
+                qt,
+                &gu[e * 2 * i_ * rb_gu..][..2 * i_ * rb_gu],
+                &x[t * h..][..h],
+                &mut g,
+                &dims,
+                1,
+            )
+            .unwrap();
+            let mut act = vec![0.0f32; i_];
+            silu_and_mul(&g, i_, &mut act).unwrap();
+            let mut y = vec![0.0f32; h];
+            let dims = MatmulDims {
+                m: 1,
+                k: i_,
+                n: h,
+                ldo: h,
+                col0: 0,
+            };
+            quant_matmul_with(
+                isa,
+                qt,
+                &dn[e * h * rb_dn..][..h * rb_dn],
+                &act,
+                &mut y,
+                &dims,
+                1,
+            )
+            .unwrap();
+            for c in 0..h {
+                out[t * h + c] += (y[c] * wts[t * k + s]) as f64;
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn quantized_experts_match_the_dense_kernels_and_the_float64_reference() {
+    for isa in Isa::supported() {
+        for qt in [
+            QuantType::Q8_0,
+            QuantType::Q4_0,
+            QuantType::Q4_K,
+            QuantType::Q6_K,
+        ] {
+            let bl = qt.block_len();
+            for &(tokens, top_k, experts, threads) in &[(1, 2, 4, 1), (11, 2, 8, 3), (6, 4, 4, 2)] {
+                let (hidden, inter) = (2 * bl, bl);
+                let d = MoeDims {
+                    tokens,
+                    top_k,
+                    hidden,
+                    inter,
+                    experts,
+                };
+                let mut rng = Rng(0x51ed ^ (tokens * 97 + bl) as u64);
+                let gu = random_quant(qt, experts * 2 * inter, hidden, &mut rng);
+                let dn = random_quant(qt, experts * hidden, inter, &mut rng);
+                let x = rng.vec(tokens * hidden, 1.0);
+                let ids = random_ids(&mut rng, tokens, top_k, experts);
+                let wts: Vec<f32> = (0..tokens * top_k).map(|_| rng.uniform().abs()).collect();
+                let mut out = vec![f32::NAN; tokens * hidden];
+                moe_experts_with(
+                    isa,
+                    ExpertWeights::Quant(qt, &gu),
+                    ExpertWeights::Quant(qt, &dn),
+                    &x,
+                    &ids,
+                    &wts,
+                    &mut out,
+                    &d,
+                    threads,
+                )
+                .unwrap();
+                let what = format!("{} {} {tokens}x{top_k} of {experts}", isa.name(), qt.name());
+                assert_close(
+                    &out,
+                    &pairwise(isa, qt, &gu, &dn, &x, &ids, &wts, &d),
+                    1e-6,
+                    &what,
+                );
+                let (gf, df) = (
+                    dequantize(qt, &gu, experts * 2 * inter, hidden),
+                    dequantize(qt, &dn, experts * hidden, inter),
+                );
+                // 8-bit activations, quantized twice: within a few percent of the largest output
+                assert_close(&out, &reference(&gf, &df, &x, &ids, &wts, &d), 0.05, &what);
+            }
+        }
+    }
+}
