@@ -15,6 +15,7 @@ from pagedrs.engine.llm_engine import LLMEngine
 from tests.engine.conftest import PlanSpy, run_all
 from tests.helpers import make_tiny_llama, make_tiny_model
 from tests.models.helpers_configs import gpt2_config, opt_config, phi3_config
+from tests.models.helpers_families import gemma3_config
 
 # Tiny random models of every architecture, each with its quirk for tensor parallelism.
 MODELS: dict[str, Callable[[Path], Path]] = {
@@ -27,6 +28,8 @@ MODELS: dict[str, Callable[[Path], Path]] = {
         d / "opt", opt_config(do_layer_norm_before=False, word_embed_proj_dim=32)
     ),
     "phi3": lambda d: make_tiny_model(d / "phi3", phi3_config()),
+    # head_dim 256, q/k norm, sliding and global layers on two RoPE bases; its 1 KV head replicated
+    "gemma3-kv1": lambda d: make_tiny_model(d / "gemma3", gemma3_config()),
 }
 
 MAX_TOKENS = 10

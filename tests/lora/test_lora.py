@@ -14,8 +14,9 @@ from pagedrs.engine.llm_engine import EngineArgs, LLMEngine
 from pagedrs.entrypoints.llm import LLM
 from pagedrs.outputs import RequestOutput
 from tests.helpers import make_tiny_llama, make_tiny_model
-from tests.lora.helpers_lora import PeftReference, make_peft_adapter
+from tests.lora.helpers_lora import ATTN_MLP, PeftReference, make_peft_adapter
 from tests.models.helpers_configs import gpt2_config, opt_config, phi3_config
+from tests.models.helpers_families import gemma2_config, qwen3_config
 
 ARCHS = ("llama", "qwen2", "mistral")
 MAX_TOKENS = 10
@@ -94,7 +95,8 @@ def test_adapter_matches_peft(arch: str, bases: dict[str, Path], tmp_path: Path)
 
 
 # The other architectures' projections, as PEFT names them: GPT-2's fused c_attn (Conv1D), OPT's
-# separate q/k/v and fc1/fc2, Phi-3's fused qkv_proj and gate_up_proj.
+# separate q/k/v and fc1/fc2, Phi-3's fused qkv_proj and gate_up_proj, Qwen3's and Gemma 2's q/k/v (the
+# q/k norms and soft caps after them) and gate/up/down.
 OTHER_ARCHS = {
     "gpt2": (
         lambda d: make_tiny_model(d / "gpt2", gpt2_config(vocab_size=259)),
@@ -108,6 +110,8 @@ OTHER_ARCHS = {
         lambda d: make_tiny_model(d / "phi3", phi3_config()),
         ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
     ),
+    "qwen3": (lambda d: make_tiny_model(d / "qwen3", qwen3_config()), ATTN_MLP),
+    "gemma2": (lambda d: make_tiny_model(d / "gemma2", gemma2_config()), ATTN_MLP),
 }
 
 

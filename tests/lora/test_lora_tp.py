@@ -20,12 +20,13 @@ from tests.lora.helpers_lora import ATTN_MLP, PeftReference, make_peft_adapter
 
 # The adapter modules of each architecture, as PEFT names them: separate q/k/v with 2 KV heads over 2
 # ranks, one KV head replicated on both, Phi-3's fused qkv_proj / gate_up_proj (one adapter module over
-# several pieces of a fused layer), GPT-2's fused Conv1D c_attn.
+# several pieces of a fused layer), GPT-2's fused Conv1D c_attn, Gemma 3's q/k/v over a 256-wide head.
 TARGETS = {
     "llama-gqa": ATTN_MLP,
     "smollm2-kv1-tied": ATTN_MLP,
     "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
     "gpt2-odd-vocab": ("c_attn", "c_proj", "c_fc"),
+    "gemma3-kv1": ATTN_MLP,
 }
 
 
