@@ -135,27 +135,46 @@ def subcommands_table() -> str:
 
 
 def metrics_table() -> str:
-    """Every metric family of a fresh server registry, with the series names Prometheus scrapes."""
-    from pagedrs.entrypoints.openai.metrics import ServerMetrics
+    """Every metric family of a fresh server registry, with the series names Prometheus scrapes and,
+    where the server also serves a family under vLLM's names, those names (or why there are none)."""
+    from pagedrs.entrypoints.openai import metrics as server_metrics
 
-    metrics = ServerMetrics("MODEL", lambda: None)
+    metrics = server_metrics.ServerMetrics("MODEL", lambda: None)
+    vllm_names: dict[str, tuple[str, ...]] = getattr(server_metrics, "VLLM_NAMES", {})
+    no_vllm_name: dict[str, str] = getattr(server_metrics, "NO_VLLM_NAME", {})
     labels_of: dict[str, tuple[str, ...]] = {}
     for collector in list(metrics.registry._collector_to_names):
         names = getattr(collector, "_labelnames", None)
         if names is not None:
             labels_of[collector._name] = tuple(names)
-    rows = ["| series | type | labels | meaning |", "|---|---|---|---|"]
+    head = "| series | type | labels | meaning |" + (" also served as (vLLM) |" if vllm_names else "")
+    rows = [head, "|---|---|---|---|" + ("---|" if vllm_names else "")]
+    suffix = {"counter": "_total", "histogram": "_bucket / _sum / _count"}
     for family in sorted(metrics.registry.collect(), key=lambda fam: fam.name):
         labels = labels_of.get(family.name) or tuple(
             sorted({k for s in family.samples for k in s.labels if k != "le"})
         )
-        series = {
-            "counter": f"{family.name}_total",
-            "histogram": f"{family.name}_bucket / _sum / _count",
-        }.get(family.type, family.name)
         label_text = ", ".join(f"`{label}`" for label in labels)
-        rows.append(f"| `{series}` | {family.type} | {label_text} | {_cell(family.documentation)} |")
-    return "\n".join(rows)
+        row = (
+            f"| `{family.name}{suffix.get(family.type, '')}` | {family.type} | {label_text} | "
+            f"{_cell(family.documentation)} |"
+        )
+        if vllm_names:
+            twins = vllm_names.get(family.name, ())
+            row += (
+                " " + ", ".join(f"`{name}`" for name in twins) + " |"
+                if twins
+                else f" none: {_cell(no_vllm_name.get(family.name, ''))} |"
+            )
+        rows.append(row)
+    intro = (
+        "The families of the last column are served again under vLLM V1's names (with the same suffixes),"
+        " with the same values and labels plus vLLM's `engine` label, so dashboards, autoscalers and"
+        " routers written for vLLM read them unchanged.\n\n"
+        if vllm_names
+        else ""
+    )
+    return intro + "\n".join(rows)
 
 
 GENERATORS = {
