@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from pagedrs.layers import spec_sampler
 from pagedrs.layers.sampler import Sampler, SamplingMetadata
-from pagedrs.layers.spec_sampler import SpecVerifyResult, verify_drafts
+from pagedrs.spec_decode import rejection_sampler as spec_sampler
+from pagedrs.spec_decode.rejection_sampler import SpecVerifyResult, verify_drafts
 
 # Chi-square critical values at p = 1e-4 (scipy.stats.chi2.isf(1e-4, df)), by degrees of freedom; checked
 # against the closed-form survival function (even df: exp(-x/2) sum_k<df/2 (x/2)^k/k!; odd df via erfc).

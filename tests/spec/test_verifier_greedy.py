@@ -9,8 +9,8 @@ import torch
 
 from pagedrs import SamplingParams
 from pagedrs.layers.sampler import Sampler
-from pagedrs.worker.model_runner import RunnerOutput
-from pagedrs.worker.spec_verify import first_rows, greedy_with_drafts, sample_with_drafts
+from pagedrs.spec_decode.verifier import first_rows, greedy_with_drafts, sample_with_drafts
+from pagedrs.worker.outputs import RunnerOutput
 
 
 def test_greedy_fast_path_equals_the_general_verifier() -> None:

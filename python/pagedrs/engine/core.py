@@ -35,8 +35,6 @@ from pagedrs.engine.messages import (
     Ready,
 )
 from pagedrs.engine.pooling import pool_step
-from pagedrs.engine.spec_decode import can_speculate
-from pagedrs.engine.spec_decode import spec_scheduler_args as _spec_scheduler_args
 from pagedrs.engine.startup_log import log_kv_cache_size
 from pagedrs.engine.step_outputs import StepOutputs
 from pagedrs.executor import ExecutorDeadError, UniProcExecutor
@@ -45,8 +43,10 @@ from pagedrs.executor.liquid_executor import LiquidExecutor
 from pagedrs.loader import LoadedModel
 from pagedrs.lora.manager import LoRAManager
 from pagedrs.metrics import EngineStats, StatLogger, token_boxes, visualize_batch
+from pagedrs.spec_decode.policy import can_speculate
+from pagedrs.spec_decode.policy import spec_scheduler_args as _spec_scheduler_args
 from pagedrs.structured_outputs import StructuredOutputManager
-from pagedrs.worker.model_runner import RunnerOutput
+from pagedrs.worker.outputs import RunnerOutput
 
 if TYPE_CHECKING:
     from pagedrs.engine.arg_utils import EngineArgs

@@ -29,25 +29,24 @@ shares carry the draft's KV too.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
 
 from pagedrs.config import kv_cache_torch_dtype
-from pagedrs.layers.attention import AttentionMetadata, ForwardContext
+from pagedrs.layers.attention import ForwardContext
 from pagedrs.layers.sampler import GREEDY_EPS
-from pagedrs.layers.spec_sampler import sampling_probs
+from pagedrs.spec_decode.interface import DrafterContext, Proposal, StepContext
+from pagedrs.spec_decode.rejection_sampler import sampling_probs
+from pagedrs.spec_decode.substep import speculating_rows, substep_buffers, substep_forward, varlen_forward
 from pagedrs.worker.kv_cache import KVCachePool, model_block_bytes
-from pagedrs.worker.self_draft import speculating_rows, substep_buffers, substep_forward, varlen_forward
-from pagedrs.worker.step_buffers import StepInputs
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from pagedrs._core import StepPlan
     from pagedrs.layers.sampler import SamplingRow
-    from pagedrs.worker.model_runner import ModelRunner
 
 __all__ = ["DraftModelDrafter"]
 
@@ -133,72 +132,91 @@ class _Picker:
 
 
 class DraftModelDrafter:
-    """Proposes drafts with `model`, a separate model over the target's vocabulary."""
+    """Proposes drafts with `context.draft_model`, a separate model over the target's vocabulary."""
 
-    every_step = True  # sees every step: writes its KV or keeps the step's tokens for later
+    scheduler_method: ClassVar[str] = "runner"
+    # Not measured (no smaller model shares the default model's tokenizer here): batch 1 only.
+    default_disable_by_batch_size: ClassVar[int] = 1
 
-    def __init__(self, runner: ModelRunner, model: Any) -> None:
-        target_vocab = int(runner.model.config.vocab_size)
+    def __init__(self, context: DrafterContext) -> None:
+        model = context.draft_model
+        if model is None:
+            raise ValueError("speculative_config method 'draft_model' needs the loaded draft model")
+        target_vocab = int(context.target.config.vocab_size)
         draft_vocab = int(model.config.vocab_size)
         if draft_vocab > target_vocab:
             raise ValueError(
                 f"speculative_config model has a vocabulary of {draft_vocab} tokens, more than the target's "
                 f"{target_vocab}: the draft model must share the target's tokenizer"
             )
-        self.runner = runner
+        self.context = context
         self.model = model
-        self.kv_dtype = kv_cache_torch_dtype(runner.config.cache.cache_dtype, model.dtype)
+        self.kv_dtype = kv_cache_torch_dtype(context.config.cache.cache_dtype, model.dtype)
         self.pool: KVCachePool | None = None
-        self.buffers = substep_buffers(runner)
+        self.buffers = substep_buffers(context)
         self.backlogs: dict[int, _Backlog] = {}  # seq id -> tokens whose draft KV is not written
         self.num_skipped_steps = 0  # steps with tokens in which the draft did not run
         self.num_catch_up_tokens = 0  # backlog tokens fed later
 
     @property
-    def bytes_per_block(self) -> int:
-        return model_block_bytes(self.model, self.runner.block_size, self.kv_dtype)
+    def kv_bytes_per_block(self) -> int:
+        """Its own pool's bytes per block (the pool has as many blocks as the target's)."""
+        return model_block_bytes(self.model, self.context.block_size, self.kv_dtype)
 
-    def init_pool(self, num_blocks: int, num_swap_blocks: int) -> KVCachePool:
+    def init_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
         self.pool = KVCachePool.for_model(
             self.model,
-            block_size=self.runner.block_size,
+            block_size=self.context.block_size,
             num_blocks=num_blocks,
             dtype=self.kv_dtype,
-            device=self.runner.device,
+            device=self.context.device,
             num_swap_blocks=num_swap_blocks,
         )
-        return self.pool
+
+    def apply_plan_ops(self, plan: StepPlan) -> None:
+        if self.pool is not None:
+            self.pool.apply_plan_ops(plan)
+
+    def apply_plan_shrink(self, plan: StepPlan) -> None:
+        if self.pool is not None:
+            self.pool.apply_plan_shrink(plan)
+
+    def runs(self, plan: StepPlan) -> bool:
+        return True  # sees every step: writes its KV or keeps the step's tokens for later
 
     @torch.inference_mode()
-    def propose(self, plan: StepPlan, main: StepInputs, meta: AttentionMetadata) -> np.ndarray:
-        """Writes the draft's KV for the step (or keeps its tokens in backlogs: see the module doc;
-        `meta`: the step's attention metadata, which the target's forward then reuses), then proposes:
-        the drafts of every speculating sequence, flattened in sampled order (the layout of
-        `plan.draft_token_ids`), also written into `main.input_ids` at their positions."""
-        runner, pool = self.runner, self.pool
-        assert pool is not None, "init_pool() first"
+    def propose(self, step: StepContext) -> Proposal:
+        """Writes the draft's KV for the step (or keeps its tokens in backlogs: see the module doc; the
+        step's attention metadata, which the target's forward then reuses, serves a forward over the
+        whole step), then proposes: the drafts of every speculating sequence, flattened in sampled order
+        (the layout of `plan.draft_token_ids`), also written into `step.inputs.input_ids` at their
+        positions, with the distributions of the sampled ones."""
+        plan, main, pool = step.plan, step.inputs, self.pool
+        assert pool is not None, "init_kv_cache() first"
         nd = np.asarray(plan.num_draft_tokens)
         spec = np.nonzero(nd)[0]
         rows, first = speculating_rows(plan, spec)
-        hidden_first = self._fill(plan, main, meta, rows, first)
+        hidden_first = self._fill(step, rows, first)
         if not len(spec):
-            return np.zeros(0, dtype=np.int64)
+            return Proposal(np.zeros(0, dtype=np.int64))
         assert hidden_first is not None
         counts = nd[spec].astype(np.int64)
         drafts = np.zeros((len(spec), int(counts.max())), dtype=np.int64)
         device = main.input_ids.device
-        pick = _Picker(self.runner.step_rows, spec, counts, self.runner.generator)
+        pick = _Picker(step.rows, spec, counts, self.context.generator)
         every = np.arange(len(spec))
-        nxt = pick(self.model.compute_logits(hidden_first), every, 0)
+        logits = self.model.compute_logits(hidden_first)
+        assert logits is not None, "a draft model runs whole on rank 0"
+        nxt = pick(logits, every, 0)
         main.input_ids.index_copy_(0, torch.as_tensor(first + 1, device=device), nxt)
         drafts[:, 0] = nxt.cpu().numpy()
         for j in range(1, drafts.shape[1] + 1):
             act = np.nonzero(counts >= j)[0]  # draft j exists: feed it at position nc + j
             tok = first[act] + j
             hidden = substep_forward(
-                runner,
+                self.context,
+                step,
                 self.buffers,
-                plan,
                 rows[act],
                 tok,
                 drafts[act, j - 1],
@@ -209,25 +227,19 @@ class DraftModelDrafter:
             if not len(more):
                 continue
             logits = self.model.compute_logits(hidden[torch.as_tensor(more, device=hidden.device)])
+            assert logits is not None
             nxt = pick(logits, act[more], j)
             main.input_ids.index_copy_(0, torch.as_tensor(tok[more] + 1, device=device), nxt)
             drafts[act[more], j] = nxt.cpu().numpy()
-        self.runner.last_draft_probs = pick.probs
-        return np.concatenate([drafts[i, : counts[i]] for i in range(len(spec))])
+        return Proposal(np.concatenate([drafts[i, : counts[i]] for i in range(len(spec))]), pick.probs)
 
-    def _fill(
-        self,
-        plan: StepPlan,
-        main: StepInputs,
-        meta: AttentionMetadata,
-        spec_rows: np.ndarray,
-        first: np.ndarray,
-    ) -> torch.Tensor | None:
+    def _fill(self, step: StepContext, spec_rows: np.ndarray, first: np.ndarray) -> torch.Tensor | None:
         """The draft's forward over the step's rows that speculate or run prompt tokens, each after its
         backlog; the other rows' tokens join their backlogs. The final hidden states at the speculating
         rows' last tokens (`first`, in the step's layout), or None when none speculates."""
         assert self.pool is not None
-        step = int(plan.step_id)
+        plan, main = step.plan, step.inputs
+        step_id = int(plan.step_id)
         qsl = plan.query_start_loc
         seq_ids = plan.req_ids
         fill = plan.num_computed_tokens < plan.num_prompt_tokens
@@ -245,11 +257,11 @@ class DraftModelDrafter:
                     del self.backlogs[sid]
                 continue
             if log is None:
-                log = self.backlogs[sid] = _Backlog(start, step)
+                log = self.backlogs[sid] = _Backlog(start, step_id)
             log.chunks.append(plan.input_ids[qsl[b] : qsl[b + 1]].astype(np.int64))
-            log.last_step = step
-        if step % 256 == 0:
-            stale = [s for s, log in self.backlogs.items() if step - log.last_step > _BACKLOG_IDLE_STEPS]
+            log.last_step = step_id
+        if step_id % 256 == 0:
+            stale = [s for s, log in self.backlogs.items() if step_id - log.last_step > _BACKLOG_IDLE_STEPS]
             for s in stale:
                 del self.backlogs[s]
         if not fill.any():
@@ -257,7 +269,7 @@ class DraftModelDrafter:
             return None
         kv = self.pool.kv_caches
         if fill.all() and not fed:  # the step as the target runs it: share its metadata
-            ctx = ForwardContext(attn_metadata=meta, kv_caches=kv, backend=self.runner.backend)
+            ctx = ForwardContext(attn_metadata=step.attn_metadata, kv_caches=kv, backend=self.context.backend)
             hidden = self.model(main.input_ids, main.positions, ctx)
             return hidden[torch.as_tensor(first, device=hidden.device)] if len(first) else None
         rows = np.nonzero(fill)[0]
@@ -270,8 +282,8 @@ class DraftModelDrafter:
             if back is not None and len(back):
                 start = int(plan.positions[own.start]) - len(back)
                 p = np.arange(start, start + len(back), dtype=np.int64)
-                table = self._table_row(plan, b)
-                bs = self.runner.block_size
+                table = self._table_row(step, b)
+                bs = self.context.block_size
                 ids.append(back)
                 pos.append(p)
                 slots.append(table[p // bs].astype(np.int64) * bs + p % bs)
@@ -283,9 +295,9 @@ class DraftModelDrafter:
             lens[i] = at[i] - total + own.stop - own.start
             total += int(lens[i])
         hidden = varlen_forward(
-            self.runner,
+            self.context,
+            step,
             self.buffers,
-            plan,
             rows,
             np.concatenate(ids),
             np.concatenate(pos),
@@ -300,9 +312,9 @@ class DraftModelDrafter:
         idx = [where[int(b)] for b in spec_rows.tolist()]  # a speculating row's last token: its first own
         return hidden[torch.as_tensor(idx, device=hidden.device)]
 
-    def _table_row(self, plan: StepPlan, b: int) -> np.ndarray:
+    def _table_row(self, step: StepContext, b: int) -> np.ndarray:
         """Batch row `b`'s block table (host): the scheduler's persistent view, or the plan's dense one."""
-        view = self.runner._bt_view
+        plan, view = step.plan, step.block_table_view
         if view is not None:
             return np.asarray(view[int(plan.block_table_rows[b])])
         return np.asarray(plan.block_tables[b])

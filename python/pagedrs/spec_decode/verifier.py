@@ -1,5 +1,5 @@
 """The verifying half of a speculative step, on the runner's side: which logits rows the plain sampler
-reads, and how the speculating sequences' rows become their emitted tokens (`layers/spec_sampler.py`
+reads, and how the speculating sequences' rows become their emitted tokens (`rejection_sampler.py`
 decides acceptance)."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import torch
 from torch import Tensor
 
 from pagedrs.layers.sampler import LogprobsTensors, SamplingRow, argmax_logsumexp, compute_token_logprobs
-from pagedrs.layers.spec_sampler import verify_drafts
+from pagedrs.spec_decode.rejection_sampler import verify_drafts
 
 if TYPE_CHECKING:
     from pagedrs._core import StepPlan
-    from pagedrs.worker.model_runner import RunnerOutput
+    from pagedrs.worker.outputs import RunnerOutput
 
 __all__ = ["concat_ranges", "first_rows", "greedy_with_drafts", "sample_with_drafts"]
 

@@ -15,7 +15,6 @@ import gc
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,33 +29,20 @@ from pagedrs.layers.attention.selector import routes_to_reference
 from pagedrs.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, SamplingRow
 from pagedrs.models.interface import CausalLM
 from pagedrs.models.prepare import prepare_for_device, runner_options
-from pagedrs.worker.draft_model import DraftModelDrafter
+from pagedrs.spec_decode import Drafter, DrafterContext, StepContext, build_drafter
+from pagedrs.spec_decode.verifier import first_rows, greedy_with_drafts, sample_with_drafts
 from pagedrs.worker.kv_cache import (
     KVCachePool,
     model_block_bytes,
     num_blocks_for_bytes,
     profile_num_gpu_blocks,
 )
-from pagedrs.worker.prompt_logprobs import (
-    PromptLogprobsChunk,
-    PromptLogprobsPlan,
-    PromptSpan,
-    compute_prompt_logprobs,
-    plan_prompt_logprobs,
-)
+from pagedrs.worker.outputs import Forward, RunnerOutput
+from pagedrs.worker.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs, plan_prompt_logprobs
 from pagedrs.worker.sampling_state import SamplingState
-from pagedrs.worker.self_draft import SelfDrafter, default_draft_layers, speculating_rows
-from pagedrs.worker.spec_verify import concat_ranges, first_rows, greedy_with_drafts, sample_with_drafts
 from pagedrs.worker.step_buffers import StepBuffers, StepInputs
 
-__all__ = [
-    "Forward",
-    "ModelRunner",
-    "PromptLogprobsChunk",
-    "PromptLogprobsPlan",
-    "PromptSpan",
-    "RunnerOutput",
-]
+__all__ = ["ModelRunner"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,27 +61,6 @@ def check_batch_invariant(model: torch.nn.Module, kv_dtype: torch.dtype) -> None
         raise ValueError(
             f"batch_invariant needs float32 activations and KV cache, got dtype {dtype} and a {kv_dtype} cache"
         )
-
-
-@dataclass
-class Forward:
-    """What a step's forward left for sampling (rank 0)."""
-
-    logits: Tensor | None  # rows of plan.logits_indices, then the prompt-logprob rows
-    prompt_logprobs: PromptLogprobsPlan | None
-    hidden: Tensor | None  # the final hidden states [T, H]
-
-
-@dataclass
-class RunnerOutput:
-    sampled_token_ids: np.ndarray  # int64 [S], row i for plan.sampled_seq_ids[i]
-    logprobs: LogprobsTensors | None  # CPU tensors, [S, 1 + k]
-    prompt_logprobs: dict[int, PromptLogprobsChunk]
-    sampled_logprobs: np.ndarray | None = None  # float32 [S]: each sampled token's raw logprob
-    hidden: Tensor | None = None  # the step's final hidden states [T, H] (pooled for embedding requests)
-    # A plan with drafts: int32 [S] tokens emitted per sampled sequence (accepted drafts, then one more);
-    # sampled_token_ids and sampled_logprobs are then flat in that layout. None: one token each.
-    token_counts: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -154,29 +119,27 @@ class ModelRunner:
         self._bt_view: np.ndarray | None = None
         self.last_hidden: Tensor | None = None
         self._bt_device: Tensor | None = None
-        # Speculative decoding by early exit: the drafts of the last step's forward (sampled order).
-        self.drafter: SelfDrafter | DraftModelDrafter | None = None
+        # Speculative decoding: the drafts the drafter proposed in the last step's forward (sampled order;
+        # None: the plan's own, proposed by the scheduler) and the distributions of its sampled drafts
+        # ([drafts, draft vocab]; None when every draft was deterministic), for the verifier's q.
         self.last_drafts: np.ndarray | None = None
-        # A draft model's distributions of its sampled drafts ([drafts, draft vocab], rows of greedy
-        # drafts zero; None when every draft was greedy), for the verifier's q.
         self.last_draft_probs: Tensor | None = None
         # The sampled sequences' rows of the step being run (rank 0): a draft model samples the drafts of
         # a sequence that samples (temperature > 0) from its own distribution under the same parameters.
         self.step_rows: Sequence[SamplingRow] | None = None
-        spec = config.speculative
-        if spec is not None and spec.method == "self_draft":
-            layers = spec.draft_layers or default_draft_layers(int(model.num_layers))
-            self.drafter = SelfDrafter(self, layers)
-        # Under tensor parallelism a draft model runs on rank 0 only; the other ranks take its drafts by
-        # broadcast before the step's forward.
-        self.drafts_from_driver = False
-        if spec is not None and spec.method == "draft_model":
-            if not self.tp.is_driver:
-                self.drafts_from_driver = True
-            elif draft_model is None:
-                raise ValueError("speculative_config method 'draft_model' needs the loaded draft model")
-            else:
-                self.drafter = DraftModelDrafter(self, draft_model)
+        self.drafter: Drafter | None = build_drafter(
+            DrafterContext(
+                config=config,
+                target=model,
+                draft_model=draft_model,
+                tp=self.tp,
+                device=self.device,
+                block_size=self.block_size,
+                max_blocks_per_seq=self.max_blocks_per_seq,
+                backend=self.backend,
+                generator=self.generator,
+            )
+        )
 
     def attach_block_table(self, view: np.ndarray, *, mirror: bool | None = None) -> None:
         """Use the scheduler's persistent block table. With a mirror (the default off the CPU) only the rows
@@ -198,9 +161,10 @@ class ModelRunner:
     # ---- KV pool sizing -------------------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
-        """One block's bytes on this rank: the target's KV, plus a draft model's (its pool has as many)."""
+        """One block's bytes on this rank: the target's KV, plus a drafter's own (a draft model's pool has
+        as many blocks)."""
         own = model_block_bytes(self.model, self.block_size, self.kv_dtype)
-        return own + (self.drafter.bytes_per_block if isinstance(self.drafter, DraftModelDrafter) else 0)
+        return own + (self.drafter.kv_bytes_per_block if self.drafter is not None else 0)
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -248,8 +212,8 @@ class ModelRunner:
         """Allocate the KV pool, then (CUDA) capture every decode graph, before any request runs."""
         num_swap = self.determine_num_swap_blocks() if num_swap_blocks is None else num_swap_blocks
         self.kv_pool = self._new_pool(num_blocks, num_swap)
-        if isinstance(self.drafter, DraftModelDrafter):
-            self.drafter.init_pool(num_blocks, num_swap)
+        if self.drafter is not None:
+            self.drafter.init_kv_cache(num_blocks, num_swap)
         self.capture_model()
         return self.kv_pool
 
@@ -472,18 +436,6 @@ class ModelRunner:
                 )
         return out
 
-    def _receive_drafts(self, plan: StepPlan, inputs: StepInputs) -> None:
-        """A rank other than 0 under a draft model: rank 0's drafts of this step (sampled order) into
-        `inputs.input_ids`, where rank 0's drafter wrote them (draft j of a sequence right after its last
-        token, at j + 1)."""
-        nd = np.asarray(plan.num_draft_tokens, dtype=np.int64)
-        drafts = self.tp.broadcast_cpu(torch.empty(int(nd.sum()), dtype=torch.int64))
-        spec = np.nonzero(nd)[0]
-        _, first = speculating_rows(plan, spec)
-        where = concat_ranges(first + 1, nd[spec])
-        ids = inputs.input_ids
-        ids.index_copy_(0, torch.as_tensor(where, device=ids.device), drafts.to(ids.device))
-
     @torch.inference_mode()
     def execute_model(self, plan: StepPlan, extra_logits_indices: np.ndarray | None = None) -> Tensor | None:
         """Block ops, the forward, and the logits of `plan.logits_indices` then `extra_logits_indices`.
@@ -493,9 +445,9 @@ class ModelRunner:
         pool = self.kv_pool
         assert pool is not None, "init_kv_cache() first"
         pool.apply_plan_ops(plan)
-        draft_pool = self.drafter.pool if isinstance(self.drafter, DraftModelDrafter) else None
-        if draft_pool is not None:
-            draft_pool.apply_plan_ops(plan)
+        drafter = self.drafter
+        if drafter is not None:
+            drafter.apply_plan_ops(plan)
         logits: Tensor | None = None
         self.last_hidden = None
         num_tokens = int(plan.num_tokens)
@@ -520,19 +472,12 @@ class ModelRunner:
                 self._bt_device.index_copy_(0, inputs.changed_rows, inputs.changed_row_data)
             self.last_drafts = None
             self.last_draft_probs = None
-            drafter = self.drafter
             meta: AttentionMetadata | None = None
-            if drafter is not None and num_tokens > 0 and (plan.has_drafts or drafter.every_step):
+            if drafter is not None and num_tokens > 0 and drafter.runs(plan):
                 # built once: a draft model's forward over the step and the target's below share it (and
                 # the per-step index plans the attention backend caches on it)
                 meta = self._attn_metadata(plan, inputs, max_query_len, max_seq_len)
-                self.last_drafts = drafter.propose(plan, inputs, meta)
-                if self.tp.size > 1 and plan.has_drafts:
-                    self.tp.broadcast_cpu(
-                        torch.from_numpy(np.ascontiguousarray(self.last_drafts, dtype=np.int64))
-                    )
-            elif self.drafts_from_driver and num_tokens > 0 and plan.has_drafts:
-                self._receive_drafts(plan, inputs)
+                self._propose(drafter, plan, inputs, meta)
             if num_tokens > 0:
                 if graph is not None:
                     hidden = self._replay(graph, inputs, num_reqs)
@@ -550,9 +495,28 @@ class ModelRunner:
                     )
                     logits = self.model.compute_logits(rows)
         pool.apply_plan_shrink(plan)
-        if draft_pool is not None:
-            draft_pool.apply_plan_shrink(plan)
+        if drafter is not None:
+            drafter.apply_plan_shrink(plan)
         return logits
+
+    def _propose(self, drafter: Drafter, plan: StepPlan, inputs: StepInputs, meta: AttentionMetadata) -> None:
+        """The drafter's drafts of this step into `inputs` and `last_drafts`; under tensor parallelism rank 0
+        broadcasts them to the other ranks, whose drafter receives them."""
+        assert self.kv_pool is not None
+        step = StepContext(
+            plan=plan,
+            inputs=inputs,
+            attn_metadata=meta,
+            build_attn_metadata=self._attn_metadata,
+            kv_caches=self.kv_pool.kv_caches,
+            block_table_view=self._bt_view,
+            block_table_mirrored=self._bt_device is not None,
+            rows=self.step_rows,
+        )
+        proposal = drafter.propose(step)
+        self.last_drafts, self.last_draft_probs = proposal.token_ids, proposal.probs
+        if self.tp.size > 1 and self.tp.is_driver and plan.has_drafts:
+            self.tp.broadcast_cpu(torch.from_numpy(np.ascontiguousarray(self.last_drafts, dtype=np.int64)))
 
     def _replay(self, graph: tuple[int, int], inputs: StepInputs, num_reqs: int) -> Tensor:
         """A decode step by graph replay: its inputs are already in the graph's static buffers; only the
