@@ -24,6 +24,7 @@ from tests.helpers_docs import (
     DocsServer,
     Snippet,
     all_snippets,
+    doc_files,
     point_at,
     snippets,
 )
@@ -87,6 +88,21 @@ def test_snippet_markers(tmp_path: Path) -> None:
         snippets(page)
     with pytest.raises(ValueError, match="must use"):
         point_at("OpenAI()", "http://127.0.0.1:1")
+
+
+def test_paths_named_in_the_docs_exist() -> None:
+    """A file or folder the docs name in code (`python/...`, `rust/...`, `tests/...`, `pagedrs/...`)
+    exists, so a move that leaves a page behind fails here."""
+    named = {
+        match
+        for path in doc_files()
+        for match in re.findall(r"`((?:python|rust|cuda|tests|bench|pagedrs)/[\w./-]+)`", path.read_text())
+    }
+    produced = {"bench/NAME.py", "bench/results/gpu-summary.json"}  # a placeholder; a GPU run's output
+    missing = [
+        p for p in sorted(named - produced) if not (ROOT / p).exists() and not (ROOT / "python" / p).exists()
+    ]
+    assert len(named) > 30 and not missing, missing
 
 
 @pytest.fixture(scope="module")
