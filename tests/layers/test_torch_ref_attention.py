@@ -229,24 +229,26 @@ def test_layers_a_kernel_lacks_run_on_the_reference():
     from pagedrs.kernels import HEAD_SIZES
     from pagedrs.layers.attention.selector import kernel_takes, route_layer, routes_to_reference
 
-    assert 64 in HEAD_SIZES and 256 not in HEAD_SIZES  # as of this test; kernel_takes follows HEAD_SIZES
+    assert 64 in HEAD_SIZES and 24 not in HEAD_SIZES  # kernel_takes follows HEAD_SIZES
     kernel = _KernelBackend()
     plain = Attention(2, 64, 1, 0, scale=0.125)
     capped = Attention(2, 64, 1, 1, scale=0.125, logits_soft_cap=50.0)
-    wide = Attention(2, 256, 1, 2, scale=0.0625)
+    odd = Attention(2, 24, 1, 2, scale=0.2)
     meta, _ = make_step_metadata([6], [6], block_size=4, num_blocks=4)
-    caches = [torch.zeros(2, 4, 4, 1, d) for d in (64, 64, 256)]
+    caches = [torch.zeros(2, 4, 4, 1, d) for d in (64, 64, 24)]
     ctx = ForwardContext(meta, caches, kernel)
-    for layer in (plain, capped, wide):
+    for layer in (plain, capped, odd):
         d = layer.head_size
         layer(torch.randn(6, 2 * d), torch.randn(6, d), torch.randn(6, d), ctx)
-    assert kernel.layers == [64]  # only the plain layer reached the kernel backend
-    ref = route_layer(kernel, 64, 50.0)
-    assert isinstance(ref, TorchAttentionBackend) and ref is route_layer(kernel, 256, None)
-    assert ref is not kernel and route_layer(kernel, 64, None) is kernel
+    cap_on_kernel = kernel_takes("cupy", head_size=64, logits_soft_cap=50.0)  # once the CUDA kernels cap
+    assert kernel.layers == ([64, 64] if cap_on_kernel else [64])  # the odd head size never reached it
+    ref = route_layer(kernel, 24, None)
+    assert isinstance(ref, TorchAttentionBackend) and ref is not kernel
+    assert route_layer(kernel, 64, 50.0) is (kernel if cap_on_kernel else ref)  # one shared reference
+    assert route_layer(kernel, 64, None) is kernel
     assert kernel_takes("cpu_decode", head_size=256, logits_soft_cap=50.0)
-    assert routes_to_reference(torch.nn.ModuleList([plain, wide]), kernel)
+    assert routes_to_reference(torch.nn.ModuleList([plain, odd]), kernel)
     assert not routes_to_reference(torch.nn.ModuleList([plain]), kernel)
-    assert not routes_to_reference(torch.nn.ModuleList([plain, capped, wide]), TorchAttentionBackend())
+    assert not routes_to_reference(torch.nn.ModuleList([plain, capped, odd]), TorchAttentionBackend())
     with pytest.raises(ValueError, match="logits_soft_cap must be positive"):
         Attention(2, 64, 1, 0, scale=1.0, logits_soft_cap=0.0)
