@@ -25,6 +25,7 @@ import pagedrs  # noqa: F401
 # isort: split
 
 import argparse
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--quant", default=None, help="also the fused step on experts in this GGUF type (Q8_0, Q4_0)"
     )
-    p.add_argument("--json", default="bench/results/moe.json")
+    p.add_argument("--json", default=str(Path(__file__).parent / "results" / "moe.json"))
     add_commit_arg(p)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
