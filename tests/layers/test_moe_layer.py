@@ -20,7 +20,7 @@ from pagedrs.layers.moe import (
     fused_experts_torch,
     route,
 )
-from pagedrs.layers.quantized import GGUFWeight
+from pagedrs.quantization.gguf_blocks import GGUFWeight
 from tests.models.helpers_moe import mixtral_config, qwen3_moe_config
 
 

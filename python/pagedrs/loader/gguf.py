@@ -26,11 +26,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pagedrs.loader.gguf_moe import (
+    MOE_BLOCK_NAMES,
+    apply_moe_metadata,
+    expert_pieces,
+    is_stacked_experts,
+    split_dense,
+)
+
 if TYPE_CHECKING:
     import torch
     from gguf import GGUFReader, ReaderTensor
 
-    from pagedrs.layers.quantized import GGUFWeight
+    from pagedrs.quantization.gguf_blocks import GGUFWeight
 
 __all__ = ["GGUF_ARCHITECTURES", "cache_root", "convert_gguf", "gguf_cache_dir", "iter_gguf_weights"]
 
@@ -44,6 +52,8 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "qwen3": ("Qwen3ForCausalLM", False),
     "gemma2": ("Gemma2ForCausalLM", False),
     "gemma3": ("Gemma3ForCausalLM", False),
+    "qwen2moe": ("Qwen2MoeForCausalLM", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", False),
 }
 # llama.cpp's converter stores Gemma's (1 + w) norm weights with the 1 added: loading subtracts it
 _NORM_PLUS_ONE = {"gemma2", "gemma3"}
@@ -67,6 +77,7 @@ _BLOCK_NAMES = {
     "attn_k_norm": "self_attn.k_norm",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+    **MOE_BLOCK_NAMES,
 }
 # Gemma's four norms a layer: llama.cpp's ffn_norm is the norm before the MLP, not after attention
 _ARCH_BLOCK_NAMES = {
@@ -149,7 +160,8 @@ def _tensors(gguf_path: Path, num_heads: int, num_kv_heads: int) -> tuple[str, d
             w = unpermute_qk(w, heads)
         if not w.flags.writeable or not w.flags.c_contiguous:  # F32/F16 tensors are views of the mmap
             w = np.array(w, dtype=np.float32, order="C")
-        tensors[name] = torch.from_numpy(_unshift_norm(w, name, arch))
+        for piece, a in split_dense(name, _unshift_norm(w, name, arch)):
+            tensors[piece] = torch.from_numpy(a)
     return arch, tensors
 
 
@@ -181,7 +193,7 @@ def iter_gguf_weights(
     import gguf
     import torch
 
-    from pagedrs.layers.quantized import GGUFWeight, kernel_types
+    from pagedrs.quantization.gguf_blocks import GGUFWeight, kernel_types
 
     path = Path(gguf_path)
     reader, arch = _open(path)
@@ -197,12 +209,18 @@ def iter_gguf_weights(
                 q = q.permute_rows(unpermute_qk(np.arange(rows), heads))
             yield name, q
             continue
+        if len(t.shape) == 3 and ggml_type in kernel_types() and is_stacked_experts(name):
+            cols, rows = int(t.shape[0]), int(t.shape[1])
+            for piece, data in expert_pieces(name, np.asarray(t.data, dtype=np.uint8)):
+                yield piece, GGUFWeight(ggml_type, (rows, cols), data)
+            continue
         if not dense_type:
             dequantized[gguf.GGMLQuantizationType(ggml_type).name] += 1
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if heads is not None:
             w = unpermute_qk(w, heads)
-        yield name, torch.from_numpy(np.array(_unshift_norm(w, name, arch), dtype=np.float32, order="C"))
+        for piece, a in split_dense(name, _unshift_norm(w, name, arch)):
+            yield piece, torch.from_numpy(np.array(a, dtype=np.float32, order="C"))
     for type_name, count in sorted(dequantized.items()):
         logger.info(
             "%s: %d tensor(s) of type %s have no quantized CPU kernel; loaded dequantized to float32",
@@ -261,6 +279,7 @@ def convert_gguf(gguf_path: str | Path, root: str | Path | None = None) -> Path:
         arch, tensors = _tensors(gguf_path, num_heads, num_kv_heads)
         config.architectures = [GGUF_ARCHITECTURES[arch][0]]
         _apply_metadata(config, gguf_path, arch)
+        config = apply_moe_metadata(config, _open(gguf_path)[0], arch)
         if "lm_head.weight" not in tensors:
             config.tie_word_embeddings = True
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})

@@ -30,7 +30,7 @@ from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.linear import Loaded
 from pagedrs.layers.moe.routing import sort_by_expert
 from pagedrs.layers.moe.stacked_quant import StackedQuantWeight
-from pagedrs.layers.quantized import GGUFWeight
+from pagedrs.quantization.gguf_blocks import GGUFWeight
 
 __all__ = ["ExpertWeights", "FusedExperts", "expert_tensor_name", "fused_experts_torch"]
 
