@@ -352,6 +352,29 @@ def test_cpu_gemm_compares_both_matmuls_per_shape(tmp_path: Path) -> None:
     assert "per step: F.linear" in proc.stdout
 
 
+def test_moe_compares_fused_experts_with_the_loop_and_dense(tmp_path: Path) -> None:
+    out = tmp_path / "m.json"
+    proc = _run(
+        "moe.py",
+        *("--rows", "1", "5", "--experts", "8", "--top-k", "2", "--hidden", "64", "--inter", "32"),
+        *("--iters", "2", "--quant", "Q8_0", "--json", str(out)),
+        cwd=tmp_path,
+        PAGEDRS_COMMIT="m1",
+    )
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(out.read_text())
+    assert d["commit"] == "m1" and set(d["rows"]) == {"1", "5"}
+    for r in d["rows"].values():
+        assert (
+            r["fused_ms"] > 0
+            and r["loop_ms"] > 0
+            and r["dense_same_active_ms"] > 0
+            and r["fused_Q8_0_ms"] > 0
+        )
+    assert set(d["batch1_active_vs_total_ms"]) == {"1_of_8", "2_of_8", "4_of_8", "2_of_2"}
+    assert proc.stdout.count("(loop over experts)") == 2
+
+
 def test_attention_cpu_compares_the_kernel_with_torch(tmp_path: Path) -> None:
     out = tmp_path / "a.json"
     proc = _run(
