@@ -22,6 +22,7 @@ __all__ = [
     "SchedulerConfig",
     "SpeculativeConfig",
     "as_bytes",
+    "default_swap_space",
     "kv_cache_torch_dtype",
     "resolve_device",
 ]
@@ -40,6 +41,14 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def default_swap_space(device_type: str) -> float:
+    """GiB of CPU swap per rank when `swap_space` is not given: vLLM 0.4's 4 GiB per GPU on CUDA, so that
+    preemption swaps rather than recomputes. No swap on a CPU device (vLLM's CPU backend has no swap): there the
+    device pool is already host memory, and a swap pool beside it would only copy blocks within the same
+    memory that could have been device blocks, so preempted requests recompute."""
+    return 4.0 if device_type == "cuda" else 0.0
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

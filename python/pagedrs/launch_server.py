@@ -11,7 +11,7 @@ from pagedrs.entrypoints.cli_args import sglang_serve_argv
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pagedrs.entrypoints.cli_args import check_serve_args, make_serve_parser
+    from pagedrs.entrypoints.cli_args import check_serve_args, make_serve_parser, parse_serve_args
     from pagedrs.entrypoints.openai.api_server import run_server
 
     parser = make_serve_parser(
@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(sglang_serve_argv(list(sys.argv[1:] if argv is None else argv)))
     check_serve_args(parser, args)
-    return run_server(args)
+    engine_args, server_args = parse_serve_args(args)
+    return run_server(engine_args, server_args)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import time
-from types import SimpleNamespace
 from typing import Any
 
 from fake_engine import EOS, ByteTokenizer, FakeEngine
 
 from pagedrs.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from pagedrs.entrypoints.cli_args import ServerArgs
 
 
 class ToolTokenizer(ByteTokenizer):
@@ -98,7 +98,7 @@ class ScriptedEngine(FakeEngine):
         return EngineCoreOutputs(outs, self.get_stats(), time.time())
 
 
-def server_args(tmp_path: object, **kw: object) -> SimpleNamespace:
+def server_args(tmp_path: object, **kw: object) -> ServerArgs:
     base: dict[str, object] = dict(
         api_key="test-key",
         data_dir=str(tmp_path),
@@ -109,7 +109,7 @@ def server_args(tmp_path: object, **kw: object) -> SimpleNamespace:
         reasoning_parser=None,
     )
     base.update(kw)
-    return SimpleNamespace(**base)
+    return ServerArgs(**base)
 
 
 WEATHER_TOOL = {

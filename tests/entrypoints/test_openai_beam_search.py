@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -15,6 +14,7 @@ import pytest
 from conftest import API_KEY, ThreadedServer
 
 from pagedrs import EngineArgs, LLMEngine
+from pagedrs.entrypoints.cli_args import ServerArgs
 from pagedrs.entrypoints.openai.app import build_app
 from tests.engine.helpers_beam_search import hf_beam_search
 from tests.helpers import load_hf_model, make_tiny_llama, make_tokenizer
@@ -29,7 +29,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ThreadedS
     engine = LLMEngine.from_engine_args(
         EngineArgs(model=str(path), device="cpu", disable_log_stats=True, num_kv_blocks=128)
     )
-    args = SimpleNamespace(
+    args = ServerArgs(
         api_key=API_KEY, data_dir=str(tmp_path_factory.mktemp("data")), served_model_name=["tiny"]
     )
     with ThreadedServer(build_app(engine, args)) as s:

@@ -4,7 +4,6 @@ number of cases per route, over the fake engine) gets no 5xx from any route in i
 from __future__ import annotations
 
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -16,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
+from pagedrs.entrypoints.cli_args import ServerArgs
 from pagedrs.entrypoints.openai.app import build_app
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -46,7 +46,7 @@ JSON_RESPONSES = [
 
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadedServer]:
-    args = SimpleNamespace(
+    args = ServerArgs(
         api_key=API_KEY,
         data_dir=str(tmp_path_factory.mktemp("fuzz")),
         served_model_name=["fake"],

@@ -6,7 +6,6 @@ import io
 import json
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import openai
@@ -14,13 +13,14 @@ import pytest
 from conftest import API_KEY, ThreadedServer, wait_until
 from fake_engine import FakeEngine
 
+from pagedrs.entrypoints.cli_args import ServerArgs
 from pagedrs.entrypoints.openai.app import build_app
 from pagedrs.entrypoints.openai.batch_store import BatchStore
 from pagedrs.entrypoints.openai.batch_worker import parse_input
 
 
 def _app(data_dir: Path, step_delay: float = 0.002, concurrency: int = 4) -> Any:
-    args = SimpleNamespace(
+    args = ServerArgs(
         api_key=API_KEY,
         data_dir=str(data_dir),
         served_model_name=["fake"],
@@ -190,7 +190,7 @@ def test_batches_across_api_server_processes(tmp_path: Path) -> None:
     answer the same status and results."""
 
     def app(index: int) -> Any:
-        args = SimpleNamespace(
+        args = ServerArgs(
             api_key=API_KEY,
             data_dir=str(tmp_path),
             served_model_name=["fake"],

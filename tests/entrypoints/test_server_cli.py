@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import subprocess
 import sys
 
+import msgspec
 import pytest
 
+from pagedrs import EngineArgs
+from pagedrs.config import CacheConfig, ObservabilityConfig, SchedulerConfig
 from pagedrs.entrypoints.cli import make_parser
 from pagedrs.entrypoints.cli_args import (
+    LoRAModulePath,
+    ServerArgs,
     check_serve_args,
     engine_kwargs,
     make_engine_args,
+    make_serve_parser,
+    parse_serve_args,
     serve_args_error,
 )
+from pagedrs.entrypoints.openai.api_server import resolve_server_args
 
 
 def test_serve_flags_map_to_engine_args() -> None:
@@ -132,3 +141,72 @@ def test_auto_tool_choice_with_parser_passes_the_check() -> None:
     args = parser.parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     check_serve_args(parser, args)  # no exit
     assert serve_args_error(args) is None
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat"])
+def test_every_engine_flag_has_its_fields_default(command: str) -> None:
+    """The engine flags are made from the EngineArgs fields: an empty command line gives every field
+    that has a flag the field's own default, and the EngineArgs it makes is the default one."""
+    args = make_parser().parse_args([command])
+    flags = EngineArgs.cli_field_names()
+    assert len(flags) >= 50 and set(flags) <= set(EngineArgs.field_names())
+    for f in dataclasses.fields(EngineArgs):
+        if hasattr(args, f.name):
+            assert getattr(args, f.name) == f.default, f.name
+        else:
+            assert f.name not in flags, f"{f.name} has help but no flag"
+    assert make_engine_args(args) == EngineArgs()
+
+
+def test_engine_defaults_come_from_the_configs() -> None:
+    """A setting that a config also has is declared there once: EngineArgs (and so its flag) takes it."""
+    ea = EngineArgs()
+    assert (ea.block_size, ea.gpu_memory_utilization) == (
+        CacheConfig().block_size,
+        CacheConfig().gpu_memory_utilization,
+    )
+    assert ea.max_num_seqs == SchedulerConfig(max_model_len=2).max_num_seqs
+    assert ea.stats_log_interval == ObservabilityConfig().stats_log_interval
+    serve = make_parser().parse_args(["serve"])
+    assert serve.log_stats_interval == ea.stats_log_interval  # the server's name for the same setting
+    flag = next(a for a in make_serve_parser()._actions if "--block-size" in a.option_strings)
+    assert (
+        flag.help
+        == next(f for f in dataclasses.fields(EngineArgs) if f.name == "block_size").metadata["help"]
+    )
+
+
+def test_server_flags_have_the_server_args_defaults() -> None:
+    assert ServerArgs.from_namespace(make_parser().parse_args(["serve"])) == ServerArgs()
+    engine, server = parse_serve_args(
+        make_parser().parse_args(
+            ["serve", "org/m", "--port", "9", "--served-model-name", "a", "--block-size", "32"]
+        )
+    )
+    assert (engine.model, engine.block_size, server.port, server.served_model_name) == (
+        "org/m",
+        32,
+        9,
+        ("a",),
+    )
+
+
+def test_resolve_server_args_returns_new_typed_args(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDRS_API_KEY", "env-key")
+    monkeypatch.setenv("XDG_DATA_HOME", "/data")
+    given = ServerArgs()
+    server = resolve_server_args(given, EngineArgs())
+    assert (server.api_key, server.data_dir) == ("env-key", "/data/pagedrs")
+    assert given.api_key is None  # the given args are not changed
+    with pytest.raises(ValueError, match="--api-server-count must be at least 1, got 0"):
+        resolve_server_args(ServerArgs(api_server_count=0), EngineArgs())
+    with pytest.raises(ValueError, match="--lora-modules requires --enable-lora"):
+        resolve_server_args(ServerArgs(lora_modules=(LoRAModulePath("x", "/p"),)), EngineArgs())
+
+
+def test_what_crosses_to_api_server_processes_round_trips() -> None:
+    """Several API servers: each gets the engine's and the server's arguments as JSON (msgspec)."""
+    engine = EngineArgs(model="/m", liquid_gpu_range=[0, 1], speculative_config={"method": "ngram"})
+    server = ServerArgs(served_model_name=("a", "b"), lora_modules=(LoRAModulePath("x", "/p", "a"),))
+    assert msgspec.json.decode(msgspec.json.encode(engine), type=EngineArgs) == engine
+    assert msgspec.json.decode(msgspec.json.encode(server), type=ServerArgs) == server

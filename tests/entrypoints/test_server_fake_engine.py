@@ -7,7 +7,6 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -16,12 +15,13 @@ import pytest
 from conftest import API_KEY, ThreadedServer, metric_value, wait_until
 from fake_engine import FakeEngine
 
+from pagedrs.entrypoints.cli_args import ServerArgs
 from pagedrs.entrypoints.openai.app import build_app
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-def _args(tmp_path: object, **kw: object) -> SimpleNamespace:
+def _args(tmp_path: object, **kw: object) -> ServerArgs:
     base = dict(
         api_key=API_KEY,
         data_dir=str(tmp_path),
@@ -31,7 +31,7 @@ def _args(tmp_path: object, **kw: object) -> SimpleNamespace:
         shutdown_grace=5.0,
     )
     base.update(kw)
-    return SimpleNamespace(**base)
+    return ServerArgs(**base)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import openai
@@ -17,7 +16,7 @@ from conftest import API_KEY, ThreadedServer, wait_until
 from fake_engine import FakeEngine
 from helpers_sglang import batch_chat_cell, generate_cell, generate_stream_cell, model_info_cell
 
-from pagedrs.entrypoints.cli_args import make_serve_parser, sglang_serve_argv
+from pagedrs.entrypoints.cli_args import ServerArgs, make_serve_parser, sglang_serve_argv
 from pagedrs.entrypoints.openai.app import build_app
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -25,7 +24,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadedServer]:
-    args = SimpleNamespace(
+    args = ServerArgs(
         api_key=API_KEY,
         data_dir=str(tmp_path_factory.mktemp("sglang")),
         served_model_name=["fake"],

@@ -8,12 +8,12 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from pagedrs import LLM, EngineArgs, LLMEngine, SamplingParams
+from pagedrs.entrypoints.cli_args import ServerArgs
 from pagedrs.entrypoints.openai.app import build_app
 from tests.entrypoints.conftest import API_KEY, SubprocessServer, ThreadedServer, metric_value, wait_until
 from tests.helpers import child_pids, cmdline, make_tiny_llama, process_gone
@@ -42,7 +42,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ThreadedS
         "disable_by_batch_size": 16,
     }
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(path), speculative_config=spec, **ENGINE))
-    args = SimpleNamespace(
+    args = ServerArgs(
         api_key=API_KEY, data_dir=str(tmp_path_factory.mktemp("data")), served_model_name=["tiny"]
     )
     with ThreadedServer(build_app(engine, args)) as s:

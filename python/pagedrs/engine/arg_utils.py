@@ -3,10 +3,11 @@ the validated, frozen configs of `pagedrs.config`."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import os
+import json
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedrs.config import (
     CacheConfig,
@@ -18,164 +19,197 @@ from pagedrs.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    default_swap_space,
     resolve_device,
 )
+from pagedrs.engine.arg_checks import LOAD_FORMATS, check_compat
+from pagedrs.engine.arg_fields import add_field_flags, config_default, flag_field
+
+if TYPE_CHECKING:
+    from pagedrs.launch_config import LaunchConfig
 
 __all__ = ["LOAD_FORMATS", "EngineArgs", "default_swap_space"]
 
-LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 
-
-def default_swap_space(device_type: str) -> float:
-    """GiB of CPU swap per rank when `swap_space` is not given: vLLM 0.4's 4 GiB per GPU on CUDA, so that
-    preemption swaps rather than recomputes. No swap on a CPU device (vLLM's CPU backend has no swap): there the
-    device pool is already host memory, and a swap pool beside it would only copy blocks within the same
-    memory that could have been device blocks, so preempted requests recompute."""
-    return 4.0 if device_type == "cuda" else 0.0
+_SPEC_HELP = (
+    'speculative decoding as JSON: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} '
+    'or {"method": "self_draft", "num_speculative_tokens": 3, "draft_layers": 8} '
+    'or {"model": "path/to/small-draft", "num_speculative_tokens": 4}'
+)
 
 
 @dataclass
 class EngineArgs:
-    """Everything the engine can be configured with (the keyword arguments of `LLM`)."""
+    """Everything the engine can be configured with (the keyword arguments of `LLM`). A field with help
+    is also a command-line flag (`add_cli_args`); a default that a config of `pagedrs.config` also has is
+    taken from that config."""
 
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_gb: float | None = None
-    swap_space: float | None = None  # GiB per rank; None: `default_swap_space(device)`
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    enforce_eager: bool = False
-    attention_backend: str = "auto"
-    batch_invariant: bool = False
-    seed: int = 0
-    num_threads: int | None = None
-    max_logprobs: int = 20
-    disable_log_stats: bool = False
-    stats_log_interval: float = 5.0
-    enable_log_batch_visualization: bool = False
-    batch_visualization_style: str = "boxes"
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
+    model: str | None = flag_field(
+        config_default(ModelConfig, "model"),
+        "model path or name (default: the embedded SmolLM2-135M-Instruct GGUF)",
+    )
+    tokenizer: str | None = flag_field(
+        config_default(ModelConfig, "tokenizer"), "tokenizer path (default: the model's)"
+    )
+    dtype: str = flag_field(config_default(ModelConfig, "dtype"), "auto, float32, float16 or bfloat16")
+    device: str = flag_field("auto", "auto, cpu, cuda or cuda:N")
+    block_size: int = flag_field(config_default(CacheConfig, "block_size"), "KV-cache block size in tokens")
+    num_kv_blocks: int | None = flag_field(
+        config_default(CacheConfig, "num_kv_blocks"), "KV-cache blocks (overrides memory sizing)"
+    )
+    gpu_memory_utilization: float = flag_field(
+        config_default(CacheConfig, "gpu_memory_utilization"), "fraction of GPU memory for weights + KV cache"
+    )
+    cpu_kv_cache_gb: float | None = flag_field(
+        config_default(CacheConfig, "cpu_kv_cache_gb"), "KV-cache size on CPU in GiB"
+    )
+    swap_space: float | None = flag_field(  # GiB per rank; None: `default_swap_space(device)`
+        None, "CPU swap space for preempted requests in GiB per rank (default: 4 on CUDA, 0 on CPU)"
+    )
+    max_model_len: int | None = flag_field(
+        config_default(ModelConfig, "max_model_len"), "context length (default: the model's)"
+    )
+    max_num_seqs: int = flag_field(
+        config_default(SchedulerConfig, "max_num_seqs"), "most requests in a batch"
+    )
+    max_num_batched_tokens: int | None = flag_field(None, "token budget of a step")
+    enable_prefix_caching: bool = flag_field(
+        config_default(CacheConfig, "enable_prefix_caching"),
+        "reuse cached prefixes",
+        negatable=True,
+        negative_alias="--disable-prefix-caching",
+    )
+    enable_chunked_prefill: bool = flag_field(
+        config_default(SchedulerConfig, "enable_chunked_prefill"), "split long prompts", negatable=True
+    )
+    enforce_eager: bool = flag_field(config_default(DeviceConfig, "enforce_eager"), "no CUDA graphs")
+    attention_backend: str = flag_field(
+        config_default(DeviceConfig, "attention_backend"), "auto, torch or cupy"
+    )
+    batch_invariant: bool = flag_field(
+        config_default(DeviceConfig, "batch_invariant"),
+        "CPU: each token's arithmetic independent of its step (greedy outputs the same whatever the "
+        "batching, chunking, prefix hits or preemption)",
+    )
+    seed: int = flag_field(config_default(ModelConfig, "seed"), "random seed")
+    num_threads: int | None = flag_field(config_default(DeviceConfig, "num_threads"))
+    max_logprobs: int = flag_field(20)
+    disable_log_stats: bool = flag_field(
+        not config_default(ObservabilityConfig, "log_stats"), "no periodic stats line"
+    )
+    # serve: the server's --log-stats-interval (0: disable_log_stats)
+    stats_log_interval: float = flag_field(config_default(ObservabilityConfig, "stats_log_interval"))
+    enable_log_batch_visualization: bool = flag_field(
+        config_default(ObservabilityConfig, "enable_log_batch_visualization"), "log a picture of every step"
+    )
+    batch_visualization_style: str = flag_field(
+        config_default(ObservabilityConfig, "batch_visualization_style"),
+        "boxes (token boxes, the default) or bar (a line a step)",
+    )
+    tensor_parallel_size: int = flag_field(
+        config_default(ParallelConfig, "tensor_parallel_size"),
+        "ranks (devices; worker processes on CPU) the model is split over",
+        aliases=("-tp",),
+    )
+    distributed_executor_backend: str | None = flag_field(
+        config_default(ParallelConfig, "distributed_executor_backend"),
+        "who starts the tensor-parallel workers: mp (local processes, default) or ray",
+        choices=("mp", "ray"),
+    )
     # vLLM's names, accepted so that programs written for it run (each either works or is refused at
     # start with what to use instead; see `check_compat`).
-    skip_tokenizer_init: bool = False
-    tokenizer_mode: str = "auto"
-    revision: str | None = None
-    tokenizer_revision: str | None = None
-    trust_remote_code: bool = False
-    max_seq_len: int | None = None
-    download_dir: str | None = None
-    load_format: str = "auto"
-    gguf_file: str | None = None  # which .gguf file of a Hub repo (or "org/name:Q4_K_M")
-    hf_token: str | bool | None = None  # Hub token (default: HF_TOKEN or the saved login)
-    pipeline_parallel_size: int = 1
-    disable_custom_all_reduce: bool = False
-    quantization: str | None = None
-    kv_cache_dtype: str = "auto"
-    rope_scaling: dict | None = None
-    rope_theta: float | None = None
-    served_model_name: str | list[str] | None = None
-    disable_sliding_window: bool = False
+    skip_tokenizer_init: bool = flag_field(False, "no tokenizer: prompts are token ids, outputs have no text")
+    tokenizer_mode: str = flag_field("auto", "auto (fast tokenizer) or slow")
+    revision: str | None = flag_field(None, "Hub revision of the model: branch, tag or commit")
+    tokenizer_revision: str | None = flag_field(None, "Hub revision of the tokenizer")
+    trust_remote_code: bool = flag_field(
+        False, "passed to transformers (pagedrs runs only its own model code)"
+    )
+    max_seq_len: int | None = flag_field(None)
+    download_dir: str | None = flag_field(None, "HF cache folder to download Hub models into")
+    load_format: str = flag_field("auto", "auto, safetensors, pt, gguf or dummy (random weights)")
+    gguf_file: str | None = flag_field(  # which .gguf file of a Hub repo (or "org/name:Q4_K_M")
+        None, "the .gguf file of a Hub GGUF repo (or name it org/name:QUANT)"
+    )
+    hf_token: str | bool | None = flag_field(None, "Hub token (default: HF_TOKEN or the saved login)")
+    pipeline_parallel_size: int = flag_field(1, "only 1 (use -tp)")
+    disable_custom_all_reduce: bool = flag_field(False, "accepted (all-reduces are torch.distributed)")
+    quantization: str | None = flag_field(
+        None,
+        "the checkpoint's format (gptq, awq, fp8, compressed-tensors, gguf; default: what config.json says), "
+        "or q8_0: a 16/32-bit checkpoint quantized at load to Q8_0 for the CPU kernels",
+    )
+    kv_cache_dtype: str = flag_field(
+        config_default(CacheConfig, "cache_dtype"), "auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2"
+    )
+    rope_scaling: dict | None = flag_field(
+        None, "JSON dict overriding the config's rope scaling", parse=json.loads
+    )
+    rope_theta: float | None = flag_field(None, "override the config's rope theta")
+    served_model_name: str | list[str] | None = flag_field(None)  # serve: the server's --served-model-name
+    disable_sliding_window: bool = flag_field(False, "no sliding window: the context is capped at it")
     # Embeddings: which requests the engine takes, and how embedding requests pool by default.
-    task: str = "auto"
-    pooling_type: str | None = None  # None -> "last" (causal LMs)
-    normalize: bool = True
-    liquid_gpu_range: list[int] | None = None
-    liquid_total_num_shards: int | None = None
-    liquid_auto: bool = False
-    liquid_auto_window: int = 16
-    liquid_scale_out_threshold: float = 0.9
-    liquid_scale_in_threshold: float = 0.7
+    task: str = flag_field(
+        config_default(ModelConfig, "task"), "auto (generation and embeddings), generate or embed"
+    )
+    pooling_type: str | None = flag_field(  # None -> ModelConfig's "last" (causal LMs)
+        None, "default embedding pooling: last, mean, cls or first"
+    )
+    normalize: bool = flag_field(
+        config_default(ModelConfig, "normalize"),
+        "L2-normalize embeddings by default (--no-normalize: raw pooled states)",
+        negatable=True,
+    )
+    liquid_gpu_range: list[int] | None = flag_field(
+        None, "liquid scaling: the devices (worker ranks on CPU) the model may spread over, e.g. 0 1 2 3"
+    )
+    liquid_total_num_shards: int | None = flag_field(
+        config_default(ParallelConfig, "liquid_total_num_shards"),
+        "liquid scaling: shards the model is cut into (default: the range's length)",
+    )
+    liquid_auto: bool = flag_field(
+        config_default(ParallelConfig, "liquid_auto"),
+        "liquid scaling by the concurrent cache usage (out above 0.9, in under 0.7, over 16 samples)",
+    )
+    liquid_auto_window: int = flag_field(config_default(ParallelConfig, "liquid_auto_window"))
+    liquid_scale_out_threshold: float = flag_field(
+        config_default(ParallelConfig, "liquid_scale_out_threshold")
+    )
+    liquid_scale_in_threshold: float = flag_field(config_default(ParallelConfig, "liquid_scale_in_threshold"))
     # LoRA adapters per request (vLLM's names); LoRA steps run eagerly (no CUDA graphs).
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
+    enable_lora: bool = flag_field(False, "serve LoRA adapters (--lora-modules; the adapter name as `model`)")
+    max_loras: int = flag_field(
+        config_default(LoRAConfig, "max_loras"),
+        "LoRA adapters resident at once, mixed in a batch (default 1)",
+    )
+    max_lora_rank: int = flag_field(
+        config_default(LoRAConfig, "max_lora_rank"), "largest LoRA rank an adapter may have (default 16)"
+    )
+    max_cpu_loras: int | None = flag_field(
+        config_default(LoRAConfig, "max_cpu_loras"), "LoRA adapters kept on the host (default: --max-loras)"
+    )
     # Speculative decoding: {"method": "ngram" | "self_draft" | "draft_model", "num_speculative_tokens": k, ...}
     # (a dict or its JSON; `SpeculativeConfig`).
-    speculative_config: dict | str | None = None
+    speculative_config: dict | str | None = flag_field(None, _SPEC_HELP, parse=json.loads)
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
+    @classmethod
+    def cli_field_names(cls) -> list[str]:
+        """The fields that are command-line flags (those with help)."""
+        return [f.name for f in fields(cls) if f.metadata.get("help") is not None]
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """The engine flags, one per field with help, as vLLM's `EngineArgs.add_cli_args`: the field's
+        name with dashes, its type and default, its help."""
+        add_field_flags(parser.add_argument_group("engine"), cls)
+
     def check_compat(self) -> None:
         """The vLLM arguments pagedrs does not implement fail here, saying what to use instead."""
-        if self.tokenizer_mode not in ("auto", "slow"):
-            raise ValueError(
-                f"tokenizer_mode={self.tokenizer_mode!r} is not supported; use 'auto' (fast) or 'slow'"
-            )
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(
-                f"load_format={self.load_format!r} is not supported; one of {', '.join(LOAD_FORMATS)}"
-            )
-        if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size != 1:
-            raise ValueError(
-                f"pipeline_parallel_size={self.pipeline_parallel_size!r} is not supported (pipeline parallelism "
-                "is not implemented); use tensor_parallel_size to spread a model over devices"
-            )
-        q = self.quantization
-        if q is not None:
-            from pagedrs.quantization.config import QUANTIZATION_METHODS
-
-            if q not in QUANTIZATION_METHODS:
-                raise ValueError(
-                    f"quantization={q!r} is not supported; one of {', '.join(QUANTIZATION_METHODS)} "
-                    "(or None: the checkpoint's own quantization_config decides)"
-                )
-            if q == "q8_0" and (self.model is None or self._names_a_gguf()):
-                raise ValueError(
-                    f"quantization='q8_0' quantizes a 16/32-bit checkpoint at load; model={self.model!r} is a "
-                    "GGUF file (None: the default model's), already quantized (leave quantization unset)"
-                )
-            if q == "gguf" and not self._names_a_gguf():
-                raise ValueError(
-                    f"quantization='gguf' needs a GGUF model, got model={self.model!r}: a .gguf file, a "
-                    "folder holding one, gguf_file=, or a Hub name with the file's type (org/name:Q4_K_M)"
-                )
-        if (
-            (self.revision or self.tokenizer_revision)
-            and self.model is not None
-            and (self.model.startswith((".", "/", "~")) or os.path.exists(os.path.expanduser(self.model)))
-        ):
-            raise ValueError(
-                f"revision={self.revision!r} / tokenizer_revision={self.tokenizer_revision!r} apply to hub "
-                f"model names; {self.model!r} is a local path (check out the revision you want there)"
-            )
-        if (
-            self.max_seq_len is not None
-            and self.max_model_len is not None
-            and self.max_seq_len != self.max_model_len
-        ):
-            raise ValueError(
-                f"max_seq_len={self.max_seq_len} and max_model_len={self.max_model_len} disagree; give one"
-            )
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
-            raise ValueError(f"rope_scaling must be a dict, got {self.rope_scaling!r}")
-        if self.rope_theta is not None and not (
-            isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0
-        ):
-            raise ValueError(f"rope_theta must be a number > 0, got {self.rope_theta!r}")
-
-    def _names_a_gguf(self) -> bool:
-        """The model is a GGUF file: a path to one, a local folder with one, gguf_file=, or a Hub
-        name whose ":QUANT" suffix picks one (as `vllm serve org/name:Q4_K_M`)."""
-        from pagedrs.loader.hub import split_quant
-
-        model = os.path.expanduser(str(self.model or ""))
-        if self.gguf_file is not None or model.lower().endswith(".gguf"):
-            return True
-        if os.path.isdir(model):
-            return any(name.lower().endswith(".gguf") for name in os.listdir(model))
-        return not os.path.exists(model) and split_quant(model)[1] is not None
+        check_compat(self)
 
     def _served_name(self) -> str | None:
         n = self.served_model_name
@@ -205,9 +239,10 @@ class EngineArgs:
         """These arguments with a Hub model or tokenizer name replaced by the local path it resolves to,
         fetching what the cache lacks. The engine's first process calls it once, so that the core process
         and every tensor-parallel rank read the same snapshot and none of them downloads; the name stays
-        the served model name."""
+        the served model name. The arguments are checked first: bad ones fail before anything is fetched."""
         from pagedrs.loader import resolve_paths
 
+        self.early_configs()
         model, tokenizer = resolve_paths(self.model, self.tokenizer, self.load_options())
         return dataclasses.replace(
             self,
@@ -328,29 +363,32 @@ class EngineArgs:
             max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras
         )
 
-    def create_engine_config(self, model_max_len: int) -> EngineConfig:
+    def launch_config(self) -> LaunchConfig:
+        """What the executor builds the engine from: these arguments checked and resolved into the configs
+        (a Hub name stays a name: `with_local_model` first fetches it)."""
+        from pagedrs.launch_config import LaunchConfig
+
         model, cache, device, obs = self.early_configs()
-        max_len = model.max_model_len if model.max_model_len is not None else model_max_len
-        if max_len > model_max_len:
-            raise ValueError(
-                f"max_model_len ({max_len}) is larger than the model's maximum length ({model_max_len})"
-            )
-        tokens = self.max_num_batched_tokens
-        if tokens is None:
-            tokens = SchedulerConfig.default_max_num_batched_tokens(max_len, self.enable_chunked_prefill)
-        sched = SchedulerConfig(
-            max_model_len=max_len,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=tokens,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-        )
-        return EngineConfig(
+        return LaunchConfig(
             model=model,
             cache=cache,
-            scheduler=sched,
             device=device,
             observability=obs,
             parallel=self.parallel_config(),
             lora=self.lora_config(),
             speculative=self.speculative(),
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            load=self.load_options(),
+            with_tokenizer=not self.skip_tokenizer_init,
+            enforce_eager=self.enforce_eager,
+            rope_scaling=self.rope_scaling,
+            rope_theta=self.rope_theta,
+            disable_custom_all_reduce=self.disable_custom_all_reduce,
+            pipeline_parallel_size=self.pipeline_parallel_size,
         )
+
+    def create_engine_config(self, model_max_len: int) -> EngineConfig:
+        """The engine's config for a model that takes `model_max_len` tokens."""
+        return self.launch_config().resolve(model_max_len)

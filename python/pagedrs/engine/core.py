@@ -35,11 +35,11 @@ from pagedrs.engine.messages import (
     Ready,
 )
 from pagedrs.engine.pooling import pool_step
-from pagedrs.engine.startup_log import log_kv_cache_size
 from pagedrs.engine.step_outputs import StepOutputs
 from pagedrs.executor import ExecutorDeadError, UniProcExecutor
 from pagedrs.executor.build import load_engine
 from pagedrs.executor.liquid_executor import LiquidExecutor
+from pagedrs.executor.startup_log import log_kv_cache_size
 from pagedrs.loader import LoadedModel
 from pagedrs.lora.manager import LoRAManager
 from pagedrs.metrics import EngineStats, StatLogger, token_boxes, visualize_batch
@@ -162,7 +162,7 @@ class EngineCore:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> tuple[EngineCore, LoadedModel]:
         """(core, loaded model); the tokenizer in `loaded` is for the in-process frontend."""
-        config, loaded, executor = load_engine(args)
+        config, loaded, executor = load_engine(args.with_local_model().launch_config())
         try:
             return cls(config, loaded, executor, max_logprobs=args.max_logprobs), loaded
         except BaseException:

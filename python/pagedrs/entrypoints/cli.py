@@ -7,7 +7,13 @@ import runpy
 import sys
 from pathlib import Path
 
-from pagedrs.entrypoints.cli_args import add_engine_args, check_serve_args, engine_kwargs, make_serve_parser
+from pagedrs.entrypoints.cli_args import (
+    add_engine_args,
+    check_serve_args,
+    engine_kwargs,
+    make_serve_parser,
+    parse_serve_args,
+)
 
 BENCHES = ("serving", "throughput")
 
@@ -88,7 +94,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedrs.entrypoints.openai.api_server import run_server
 
-    return run_server(args)
+    engine_args, server_args = parse_serve_args(args)  # the flags end here, typed
+    return run_server(engine_args, server_args)
 
 
 def make_parser() -> argparse.ArgumentParser:

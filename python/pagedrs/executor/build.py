@@ -1,4 +1,4 @@
-"""From engine arguments to a running executor: threads, the tensor-parallel ranks, the model (rank 0's
+"""From the launch config to a running executor: threads, the tensor-parallel ranks, the model (rank 0's
 shard), the model runner, and the executor that owns it. The engine core gets the executor and the loaded
 model's description, never the runner."""
 
@@ -11,16 +11,16 @@ import torch
 
 from pagedrs._gomp import gomp_spin_note
 from pagedrs.config import EngineConfig
-from pagedrs.engine.startup_log import log_startup
 from pagedrs.executor.executor import TPExecutor, UniProcExecutor
 from pagedrs.executor.rank import cpu_threads_per_rank
 from pagedrs.executor.rank_processes import RankProcesses
 from pagedrs.executor.start import start_ranks, stop_ranks
+from pagedrs.executor.startup_log import log_startup
 from pagedrs.loader import LoadedModel, load_model
 from pagedrs.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
-    from pagedrs.engine.arg_utils import EngineArgs
+    from pagedrs.launch_config import LaunchConfig
     from pagedrs.models.interface import CausalLM
 
 __all__ = ["build_executor", "load_draft_model", "load_engine"]
@@ -67,30 +67,28 @@ def load_draft_model(config: EngineConfig) -> CausalLM | None:
     return draft.model
 
 
-def load_engine(args: EngineArgs) -> tuple[EngineConfig, LoadedModel, UniProcExecutor]:
-    """Check the arguments, start the other tensor-parallel ranks, load rank 0's model and build its
-    executor; the ranks are stopped again if anything fails."""
-    _, _, device_cfg, _ = args.early_configs()  # bad arguments fail before any weight is read
-    parallel = args.parallel_config()
+def load_engine(launch: LaunchConfig) -> tuple[EngineConfig, LoadedModel, UniProcExecutor]:
+    """Start the other tensor-parallel ranks, load rank 0's model, resolve the engine's config for it and
+    build its executor; the ranks are stopped again if anything fails."""
+    device_cfg, parallel = launch.device, launch.parallel
     size = len(parallel.liquid_gpu_range or ()) or parallel.tensor_parallel_size
     if device_cfg.device.type == "cpu" and (device_cfg.num_threads is not None or size > 1):
         torch.set_num_threads(cpu_threads_per_rank(device_cfg.num_threads, size))
     if device_cfg.device.type == "cpu" and (note := gomp_spin_note()) is not None:
         logger.warning(note)
-    args = args.with_local_model()  # a Hub name fetched here, once; the ranks get the local path
-    ranks = start_ranks(args, device_cfg.device) if size > 1 else None
+    ranks = start_ranks(launch) if size > 1 else None
     try:
         loaded = load_model(
-            args.model,
-            dtype=args.dtype,
+            launch.model.model,
+            dtype=launch.model.dtype,
             device=device_cfg.device,
-            tokenizer=args.tokenizer,
+            tokenizer=launch.model.tokenizer,
             tp=ranks.tp if ranks is not None else None,
-            with_tokenizer=not args.skip_tokenizer_init,
-            opts=args.load_options(),
+            with_tokenizer=launch.with_tokenizer,
+            opts=launch.load,
         )
-        config = args.create_engine_config(loaded.max_len)
-        log_startup(args, config, loaded.model_path, loaded.hf_config, loaded.model.dtype)
+        config = launch.resolve(loaded.max_len)
+        log_startup(launch, config, loaded.model_path, loaded.hf_config, loaded.model.dtype)
         weights = loaded.weight_nbytes  # packed weights at their packed size
         logger.info("Loading model weights took %.4f GB", weights / (1 << 30))
         return config, loaded, build_executor(config, loaded, ranks)

@@ -21,6 +21,7 @@ from pagedrs.executor.liquid import (
 )
 from pagedrs.executor.liquid_log import log_sends, memory_info, shard_moves
 from pagedrs.executor.step_packet import HEADER_LEN, Op, unpack_step
+from pagedrs.launch_config import LaunchConfig
 from pagedrs.models.interface import CausalLM
 
 __all__ = ["LiquidRank"]
@@ -38,7 +39,7 @@ class LiquidRank:
         *,
         host: str,
         timeout_s: float,
-        args: Any,
+        launch: LaunchConfig,
     ) -> None:
         from pagedrs.config import kv_cache_torch_dtype
         from pagedrs.loader import load_hf_config, resolve_dtype
@@ -50,15 +51,15 @@ class LiquidRank:
         self.world, self.groups = connect_liquid_groups(
             store, rank, world_size, device, host=host, timeout_s=timeout_s
         )
-        opts = args.load_options()
-        self.hf_config = load_hf_config(args.model, dataclasses.replace(opts, overrides={}))
+        opts = launch.load
+        self.hf_config = load_hf_config(launch.model.model, dataclasses.replace(opts, overrides={}))
         cap = apply_overrides(self.hf_config, opts.overrides)
         self.model_cls = get_model_class(self.hf_config)
-        self.dtype = resolve_dtype(args.dtype, self.hf_config, device)
+        self.dtype = resolve_dtype(launch.model.dtype, self.hf_config, device)
         max_len = int(getattr(self.hf_config, "max_position_embeddings", 0) or 2048)
         if cap:
             max_len = min(max_len, cap)
-        self.config = args.create_engine_config(max_len)
+        self.config = launch.resolve(max_len)
         self.kv_dtype = kv_cache_torch_dtype(self.config.cache.cache_dtype, self.dtype)
         self.runner: Any = None  # a ModelRunner while this rank holds shards
 

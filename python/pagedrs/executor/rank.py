@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import os
 
-import msgspec
 import torch
 
 from pagedrs.distributed.group import TPGroup, connect_tp_group, create_store
 from pagedrs.executor.step_packet import HEADER_LEN, Op, unpack_step
+from pagedrs.launch_config import LaunchConfig
 from pagedrs.lora.manager import LoRASlots
 from pagedrs.worker.model_runner import ModelRunner
 
@@ -56,34 +56,34 @@ def cpu_threads_per_rank(num_threads: int | None, size: int) -> int:
 
 
 def run_rank(
-    rank: int, size: int, host: str, port: int, engine_args_json: str, device: str, timeout_s: float
+    rank: int, size: int, host: str, port: int, launch_json: str, device: str, timeout_s: float
 ) -> None:
     """Join the group, load this rank's shard, agree on the pool, then execute steps until SHUTDOWN."""
-    from pagedrs.engine.arg_utils import EngineArgs
     from pagedrs.loader import load_model
 
     store = create_store(host, port, rank, size, timeout_s)
     tp: TPGroup | None = None
     try:
-        args = msgspec.json.decode(engine_args_json.encode(), type=EngineArgs)
+        launch = LaunchConfig.from_json(launch_json)
         dev = torch.device(device)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         else:
-            torch.set_num_threads(cpu_threads_per_rank(args.num_threads, size))
-        if args.liquid_gpu_range is not None:
+            torch.set_num_threads(cpu_threads_per_rank(launch.device.num_threads, size))
+        if launch.parallel.liquid_gpu_range is not None:
             from pagedrs.executor.liquid_rank import LiquidRank
 
-            liquid = LiquidRank(store, rank, size, dev, host=host, timeout_s=timeout_s, args=args)
+            liquid = LiquidRank(store, rank, size, dev, host=host, timeout_s=timeout_s, launch=launch)
             tp = liquid.world
             liquid.loop()
             liquid.close()
             return
         tp = connect_tp_group(store, rank, size, dev, host=host, timeout_s=timeout_s)
+        model = launch.model
         loaded = load_model(
-            args.model, dtype=args.dtype, device=dev, tp=tp, with_tokenizer=False, opts=args.load_options()
+            model.model, dtype=model.dtype, device=dev, tp=tp, with_tokenizer=False, opts=launch.load
         )
-        config = args.create_engine_config(loaded.max_len)
+        config = launch.resolve(loaded.max_len)
         runner = ModelRunner(config, loaded.model, tp=tp)
         num_blocks, num_swap = agree_kv_blocks(runner, tp)
         runner.init_kv_cache(num_blocks, num_swap)

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--device", required=True)
-    p.add_argument("--engine-args", required=True, help="EngineArgs as JSON")
+    p.add_argument("--launch-config", required=True, help="the engine's LaunchConfig as JSON")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--parent-pid", type=int, required=True)
     p.add_argument("--log-level", default="info")
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("pagedrs").setLevel(lvl)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the other ranks stop
     try:
-        run_rank(a.rank, a.world_size, a.host, a.port, a.engine_args, a.device, a.timeout)
+        run_rank(a.rank, a.world_size, a.host, a.port, a.launch_config, a.device, a.timeout)
     except BaseException:  # reported through the store and the log
         return 1
     return 0

@@ -141,7 +141,7 @@ class MpRanks(RankProcesses):
 
     def __init__(
         self,
-        engine_args_json: str,
+        launch_json: str,
         size: int,
         device: torch.device,
         log_level: str = "info",
@@ -165,8 +165,8 @@ class MpRanks(RankProcesses):
                 str(self.port),
                 "--device",
                 str(devices[rank]),
-                "--engine-args",
-                engine_args_json,
+                "--launch-config",
+                launch_json,
                 "--timeout",
                 str(COLLECTIVE_TIMEOUT_S),
                 "--parent-pid",
@@ -211,7 +211,7 @@ class MpRanks(RankProcesses):
 class RayRanks(RankProcesses):
     """Ray actors, one per rank, on whichever nodes Ray places them."""
 
-    def __init__(self, engine_args_json: str, size: int, device: torch.device) -> None:
+    def __init__(self, launch_json: str, size: int, device: torch.device) -> None:
         try:
             import ray
         except ImportError as exc:
@@ -237,7 +237,7 @@ class RayRanks(RankProcesses):
         dev = "cuda:0" if use_gpu else "cpu"
         self.refs = {
             # ray's stubs type an actor's method as the plain function (no .remote)
-            r: a.run.remote(r, size, host, self.port, engine_args_json, dev, COLLECTIVE_TIMEOUT_S)  # type: ignore[union-attr]  # a Ray actor handle: methods resolved at run time
+            r: a.run.remote(r, size, host, self.port, launch_json, dev, COLLECTIVE_TIMEOUT_S)  # type: ignore[union-attr]  # a Ray actor handle: methods resolved at run time
             for r, a in self.actors.items()
         }
         logger.info("started %d tensor-parallel Ray actor(s) (store at %s:%d)", size - 1, host, self.port)

@@ -14,7 +14,7 @@ from pagedrs import __version__
 from pagedrs.config import EngineConfig
 
 if TYPE_CHECKING:
-    from pagedrs.engine.arg_utils import EngineArgs
+    from pagedrs.launch_config import LaunchConfig
 
 __all__ = [
     "config_line",
@@ -77,39 +77,40 @@ def loaded_quantization(forced: str | None, model_path: str, hf_config: Any) -> 
 
 
 def config_line(
-    args: EngineArgs, config: EngineConfig, model_path: str, dtype: torch.dtype, hf_config: Any = None
+    launch: LaunchConfig, config: EngineConfig, model_path: str, dtype: torch.dtype, hf_config: Any = None
 ) -> str:
     """vLLM 0.4's config line with resolved values: the model as given (the default model's file when
     none was), `dtype=torch.float16`, `max_seq_len` the context length in force, `device_config=cuda`,
     `load_format` and `quantization` what was loaded (`hf_config` declares the quantization); then
     pagedrs' scheduler settings."""
-    model = args.model if args.model is not None else model_path
+    load = launch.load
+    model = launch.model.model if launch.model.model is not None else model_path
     values: dict[str, object] = {
         "model": repr(model),
-        "tokenizer": repr(args.tokenizer if args.tokenizer is not None else model),
-        "skip_tokenizer_init": args.skip_tokenizer_init,
-        "tokenizer_mode": args.tokenizer_mode,
-        "revision": args.revision,
-        "rope_scaling": args.rope_scaling,
-        "rope_theta": args.rope_theta,
-        "tokenizer_revision": args.tokenizer_revision,
-        "trust_remote_code": args.trust_remote_code,
+        "tokenizer": repr(launch.model.tokenizer if launch.model.tokenizer is not None else model),
+        "skip_tokenizer_init": not launch.with_tokenizer,
+        "tokenizer_mode": load.tokenizer_mode,
+        "revision": load.revision,
+        "rope_scaling": launch.rope_scaling,
+        "rope_theta": launch.rope_theta,
+        "tokenizer_revision": load.tokenizer_revision,
+        "trust_remote_code": load.trust_remote_code,
         "dtype": dtype,
         "max_seq_len": config.scheduler.max_model_len,
-        "download_dir": args.download_dir,
-        "load_format": loaded_format(args.load_format, model_path),
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "pipeline_parallel_size": args.pipeline_parallel_size,
-        "disable_custom_all_reduce": args.disable_custom_all_reduce,
-        "quantization": loaded_quantization(args.quantization, model_path, hf_config),
-        "enforce_eager": args.enforce_eager,
+        "download_dir": load.download_dir,
+        "load_format": loaded_format(load.load_format, model_path),
+        "tensor_parallel_size": config.parallel.tensor_parallel_size,
+        "pipeline_parallel_size": launch.pipeline_parallel_size,
+        "disable_custom_all_reduce": launch.disable_custom_all_reduce,
+        "quantization": loaded_quantization(load.quantization, model_path, hf_config),
+        "enforce_eager": launch.enforce_eager,
         "kv_cache_dtype": config.cache.cache_dtype,
         "device_config": config.device.device.type,
-        "seed": args.seed,
+        "seed": load.seed,
         "served_model_name": config.model.served_model_name or model,
         "enable_prefix_caching": config.cache.enable_prefix_caching,
         "enable_chunked_prefill": config.scheduler.enable_chunked_prefill,
-        "disable_sliding_window": args.disable_sliding_window,
+        "disable_sliding_window": bool(load.overrides.get("disable_sliding_window")),
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "max_num_seqs": config.scheduler.max_num_seqs,
         "block_size": config.cache.block_size,
@@ -119,14 +120,14 @@ def config_line(
 
 
 def log_startup(
-    args: EngineArgs, config: EngineConfig, model_path: str, hf_config: Any, dtype: torch.dtype
+    launch: LaunchConfig, config: EngineConfig, model_path: str, hf_config: Any, dtype: torch.dtype
 ) -> None:
     """The lines vLLM prints before the weights are reported: the cast, the config line, chunked prefill."""
     log_dtype_cast(checkpoint_dtype(hf_config), dtype)
     logger.info(
         "Initializing an LLM engine (pagedrs v%s) with config: %s",
         __version__,
-        config_line(args, config, model_path, dtype, hf_config),
+        config_line(launch, config, model_path, dtype, hf_config),
     )
     if config.scheduler.enable_chunked_prefill:
         logger.info(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -15,14 +16,10 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from pagedrs.entrypoints.cli_args import (
-    check_serve_args,
-    make_engine_args,
-    make_serve_parser,
-    serve_args_error,
-)
+from pagedrs.entrypoints.cli_args import ServerArgs, check_serve_args, make_serve_parser, parse_serve_args
 
 if TYPE_CHECKING:
+    from pagedrs.engine.arg_utils import EngineArgs
     from pagedrs.engine.async_engine import AsyncLLMEngine
 
 logger = logging.getLogger("pagedrs.server")
@@ -66,74 +63,70 @@ def _ignore_signal(sig: int, frame: FrameType | None) -> None:
     return None
 
 
-def resolve_server_args(args: argparse.Namespace) -> argparse.Namespace:
-    """Fills the defaults that come from the environment (API key, data dir); checks the server flags."""
-    if args.api_key is None:
-        args.api_key = os.environ.get("PAGEDRS_API_KEY") or None
-    if args.data_dir is None:
+def resolve_server_args(server: ServerArgs, engine_args: EngineArgs) -> ServerArgs:
+    """The server flags with the defaults that come from the environment (API key, data dir); ValueError
+    for a bad combination."""
+    if server.api_key is None:
+        server = dataclasses.replace(server, api_key=os.environ.get("PAGEDRS_API_KEY") or None)
+    if server.data_dir is None:
         base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
-        args.data_dir = os.path.join(base, "pagedrs")
-    count = getattr(args, "api_server_count", 1)
-    if count is None or count < 1:
-        raise ValueError(f"--api-server-count must be at least 1, got {count}")
-    error = serve_args_error(args)
+        server = dataclasses.replace(server, data_dir=os.path.join(base, "pagedrs"))
+    if server.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be at least 1, got {server.api_server_count}")
+    error = server.error(enable_lora=engine_args.enable_lora)
     if error is not None:
         raise ValueError(error)
-    return args
+    return server
 
 
-def run_server(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
+def run_server(engine_args: EngineArgs, server: ServerArgs) -> int:
+    setup_logging(server.log_level)
     try:
-        resolve_server_args(args)
+        server = resolve_server_args(server, engine_args)
     except ValueError as exc:
         print(f"pagedrs: {exc}", file=sys.stderr)
         return 2
-    if getattr(args, "api_server_count", 1) > 1:
+    if server.api_server_count > 1:
         from pagedrs.entrypoints.openai.multi_server import run_multi_server
 
-        return run_multi_server(args)
+        return run_multi_server(engine_args, server)
 
     from pagedrs.engine.async_engine import AsyncLLMEngine, EngineStartupError
 
     # The engine core process loads the model before the port opens, so /health answers 200 as soon
     # as it answers; a load failure ends the server with its message and a non-zero exit.
     try:
-        engine = AsyncLLMEngine.from_engine_args(
-            make_engine_args(args), max_restarts=args.max_engine_restarts
-        )
+        engine = AsyncLLMEngine.from_engine_args(engine_args, max_restarts=server.max_engine_restarts)
     except (EngineStartupError, ValueError) as exc:
         logger.error("%s", exc)
         print(f"pagedrs: {exc}", file=sys.stderr)
         return 1
-    return serve_app(engine, args)
+    return serve_app(engine, server)
 
 
-def serve_app(
-    engine: AsyncLLMEngine, args: argparse.Namespace, sockets: list[socket.socket] | None = None
-) -> int:
-    """Serves the OpenAI app around `engine` until SIGTERM/SIGINT (then drains); on `args.host/port`, or on
+def serve_app(engine: AsyncLLMEngine, server: ServerArgs, sockets: list[socket.socket] | None = None) -> int:
+    """Serves the OpenAI app around `engine` until SIGTERM/SIGINT (then drains); on `server.host/port`, or on
     the given listening sockets (shared by several API server processes)."""
     from pagedrs.entrypoints.openai.app import build_app
 
-    logging.getLogger("pagedrs.access").disabled = not args.access_log
-    app = build_app(engine, args)
+    logging.getLogger("pagedrs.access").disabled = not server.access_log
+    app = build_app(engine, server)
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
+        host=server.host,
+        port=server.port,
         log_config=None,
-        log_level=args.log_level,
+        log_level=server.log_level,
         access_log=False,
         lifespan="on",
-        timeout_graceful_shutdown=max(1, int(args.shutdown_grace)),
+        timeout_graceful_shutdown=max(1, int(server.shutdown_grace)),
         timeout_keep_alive=5,
     )
-    server = _Server(config, app.state.server.begin_drain)
+    uv_server = _Server(config, app.state.server.begin_drain)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _ignore_signal)
-    server.run(sockets=sockets)
-    return 0 if server.started else 1
+    uv_server.run(sockets=sockets)
+    return 0 if uv_server.started else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     check_serve_args(parser, args)
-    return run_server(args)
+    engine_args, server_args = parse_serve_args(args)
+    return run_server(engine_args, server_args)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,10 @@ includes the routers (``ROUTERS``, the one place a new endpoint's router is adde
 
 from __future__ import annotations
 
-import argparse
 import logging
 import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI, Request
@@ -52,15 +50,12 @@ ROUTERS: tuple[APIRouter, ...] = (
 )
 
 
-def build_app(
-    engine: AsyncLLMEngine | LLMEngine | CoreLike,
-    args: ServerArgs | argparse.Namespace | SimpleNamespace | None = None,
-) -> FastAPI:
+def build_app(engine: AsyncLLMEngine | LLMEngine | CoreLike, args: ServerArgs | None = None) -> FastAPI:
     """The server app around an ``AsyncLLMEngine`` (an ``LLMEngine`` or a core object is wrapped: its core
-    then runs in a thread of this process behind the same channel). ``args``: the serve flags (see
-    ``ServerArgs``); for one of several API server processes, batch jobs run in process 0, which polls
-    the shared store for jobs and cancellations made through the others."""
-    server_args = args if isinstance(args, ServerArgs) else ServerArgs.from_namespace(args)
+    then runs in a thread of this process behind the same channel). ``args``: the server's settings
+    (None: the defaults); for one of several API server processes, batch jobs run in process 0, which
+    polls the shared store for jobs and cancellations made through the others."""
+    server_args = args if args is not None else ServerArgs()
     state = make_state(engine if isinstance(engine, AsyncLLMEngine) else AsyncLLMEngine(engine), server_args)
     app = PagedrsAPI(ROUTERS, title="pagedrs", version=__version__, lifespan=lifespan)
     app.state.server = state
@@ -86,7 +81,14 @@ def make_state(engine: AsyncLLMEngine, args: ServerArgs) -> ServerState:
     models = ServingModels(engine, names)
     completions = OpenAIServingCompletion(engine, names, models=models)
     parsing = OutputParsing.from_args(args)
-    chat = OpenAIServingChat(engine, names, tokenizer=completions.tokenizer, parsing=parsing, models=models)
+    chat = OpenAIServingChat(
+        engine,
+        names,
+        tokenizer=completions.tokenizer,
+        parsing=parsing,
+        models=models,
+        chat_template=args.chat_template,
+    )
     embeddings = OpenAIServingEmbedding(engine, names, tokenizer=completions.tokenizer)
     generate = SGLangServingGenerate(engine, names, tokenizer=completions.tokenizer)
     data_dir = args.data_dir or tempfile.mkdtemp(prefix="pagedrs-data-")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -30,7 +31,8 @@ from types import FrameType
 
 import msgspec
 
-from pagedrs.entrypoints.cli_args import make_engine_args
+from pagedrs.engine.arg_utils import EngineArgs
+from pagedrs.entrypoints.cli_args import ServerArgs
 
 __all__ = ["child_main", "run_multi_server"]
 
@@ -68,39 +70,36 @@ class _Stop:
         self.requested = True
 
 
-def run_multi_server(args: argparse.Namespace) -> int:
+def run_multi_server(engine_args: EngineArgs, server: ServerArgs) -> int:
     """`--api-server-count N`: the supervisor's loop. Long because start-up, the supervision loop and the
     shutdown share the child handles and their cleanup in one try/finally (no process left behind)."""
     from pagedrs.engine.core_handles import EngineStartupError
     from pagedrs.engine.core_supervisor import CoreSupervisor
 
-    count = int(args.api_server_count)
+    count = server.api_server_count
     try:
-        engine_args = make_engine_args(args)
-        engine_args.early_configs()  # bad arguments fail here, before any process starts
-        # A Hub name is fetched here, once; the core and the API servers (which load the tokenizer from
-        # these flags) get the local paths.
+        # Checked (bad arguments fail here, before any process starts), then a Hub name is fetched here,
+        # once: the core and the API servers (which load the tokenizer from these arguments) get the
+        # local paths.
         engine_args = engine_args.with_local_model()
-        for name in ("model", "tokenizer", "revision", "tokenizer_revision", "gguf_file", "hf_token"):
-            setattr(args, name, getattr(engine_args, name))
-        args.model_tag = None  # `pagedrs serve org/name`: now args.model
+        server = dataclasses.replace(server, model=engine_args.model, tokenizer=engine_args.tokenizer)
     except ValueError as exc:
         logger.error("%s", exc)
         print(f"pagedrs: {exc}", file=sys.stderr)
         return 1
     try:
-        reserved = reuseport_socket(args.host, args.port, listen=False)
+        reserved = reuseport_socket(server.host, server.port, listen=False)
     except OSError as exc:
-        print(f"pagedrs: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        print(f"pagedrs: cannot listen on {server.host}:{server.port}: {exc}", file=sys.stderr)
         return 1
-    args.port = reserved.getsockname()[1]
+    server = dataclasses.replace(server, port=reserved.getsockname()[1])
     ipc_dir = tempfile.mkdtemp(prefix="pagedrs-ipc-")  # mode 0700: the channel's sockets and state
     prom_dir = os.path.join(ipc_dir, "prometheus")
     os.mkdir(prom_dir)
     stop = _Stop()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     children: list[subprocess.Popen[bytes]] = []
-    supervisor = CoreSupervisor(engine_args, ipc_dir, count, args.max_engine_restarts)
+    supervisor = CoreSupervisor(engine_args, ipc_dir, count, server.max_engine_restarts)
     failed: list[str] = []
 
     def should_stop() -> bool:
@@ -121,19 +120,21 @@ def run_multi_server(args: argparse.Namespace) -> int:
             logger.error("%s", exc)
             print(f"pagedrs: {exc}", file=sys.stderr)
             return 1
-        args_json = msgspec.json.encode(vars(args)).decode()
+        engine_json = msgspec.json.encode(engine_args).decode()
+        server_json = msgspec.json.encode(server).decode()
         env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=prom_dir)
         for i in range(count):
             cmd = [sys.executable, "-m", "pagedrs.entrypoints.openai.multi_server", "--client-index", str(i)]
-            cmd += ["--ipc-dir", ipc_dir, "--parent-pid", str(os.getpid()), "--args-json", args_json]
+            cmd += ["--ipc-dir", ipc_dir, "--parent-pid", str(os.getpid())]
+            cmd += ["--engine-args-json", engine_json, "--server-args-json", server_json]
             # Their own session: a terminal's Ctrl-C reaches the supervisor, which drains them with SIGTERM.
             children.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True))
         logger.info(
             "%d API servers (pids %s) on http://%s:%d sharing engine core pid %s",
             count,
             ", ".join(str(c.pid) for c in children),
-            args.host,
-            args.port,
+            server.host,
+            server.port,
             supervisor.pid,
         )
         while not should_stop():
@@ -143,7 +144,7 @@ def run_multi_server(args: argparse.Namespace) -> int:
             logger.error("%s: stopping the server", failed[0])
             rc = 1
     finally:
-        _stop_children(children, grace=float(args.shutdown_grace) + 15.0)
+        _stop_children(children, grace=server.shutdown_grace + 15.0)
         supervisor.stop(10.0)
         reserved.close()
         shutil.rmtree(ipc_dir, ignore_errors=True)
@@ -175,7 +176,8 @@ def child_main(argv: list[str] | None = None) -> int:
     p.add_argument("--client-index", type=int, required=True)
     p.add_argument("--ipc-dir", required=True)
     p.add_argument("--parent-pid", type=int, required=True)
-    p.add_argument("--args-json", required=True, help="the server's parsed flags")
+    p.add_argument("--engine-args-json", required=True, help="the engine's arguments (EngineArgs)")
+    p.add_argument("--server-args-json", required=True, help="the server's (ServerArgs)")
     a = p.parse_args(argv)
 
     from pagedrs.utils import die_with_parent
@@ -184,23 +186,24 @@ def child_main(argv: list[str] | None = None) -> int:
     from pagedrs.engine.async_engine import AsyncLLMEngine, EngineStartupError
     from pagedrs.entrypoints.openai.api_server import serve_app, setup_logging
 
-    args = argparse.Namespace(**msgspec.json.decode(a.args_json.encode()))
-    args.api_server_index = a.client_index
-    setup_logging(args.log_level, tag=f"[api-server {a.client_index}] ")
+    engine_args = msgspec.json.decode(a.engine_args_json.encode(), type=EngineArgs)
+    server = msgspec.json.decode(a.server_args_json.encode(), type=ServerArgs)
+    server = dataclasses.replace(server, api_server_index=a.client_index)
+    setup_logging(server.log_level, tag=f"[api-server {a.client_index}] ")
     try:
         engine = AsyncLLMEngine.from_supervised_core(
-            make_engine_args(args), a.ipc_dir, a.client_index, max_restarts=args.max_engine_restarts
+            engine_args, a.ipc_dir, a.client_index, max_restarts=server.max_engine_restarts
         )
     except (EngineStartupError, ValueError) as exc:
         logger.error("%s", exc)
         return 1
     try:
-        listener = reuseport_socket(args.host, args.port, listen=True)
+        listener = reuseport_socket(server.host, server.port, listen=True)
     except OSError as exc:
-        logger.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
+        logger.error("cannot listen on %s:%d: %s", server.host, server.port, exc)
         engine.shutdown()
         return 1
-    return serve_app(engine, args, sockets=[listener])
+    return serve_app(engine, server, sockets=[listener])
 
 
 if __name__ == "__main__":
