@@ -298,36 +298,45 @@ fn f32_tile(
     rows: std::ops::Range<usize>,
 ) {
     let m = a.len() / kdim.max(1);
-    let mut i = 0;
-    while i < m {
-        let r = if m - i >= 4 {
-            4
-        } else if m - i >= 2 {
-            2
-        } else {
-            1
-        };
-        for j in rows.clone() {
-            let wr = &w[j * kdim..][..kdim];
-            let store = |v: &[f32]| {
-                for (rr, &v) in v.iter().enumerate() {
-                    // SAFETY: row `s0 + i + rr` < pairs, column `j` < n; only this task writes (row, j)
-                    // (tasks split an expert's weight rows, experts own disjoint rows).
-                    #[allow(unsafe_code)]
-                    unsafe {
-                        *out.at((s0 + i + rr) * n + j) = v;
-                    }
-                }
+    // weight rows a block at a time (a few rows stay in L2 while every activation row passes them)
+    let mut j0 = rows.start;
+    while j0 < rows.end {
+        let block = j0..(j0 + W_BLOCK).min(rows.end);
+        let mut i = 0;
+        while i < m {
+            let r = if m - i >= 4 {
+                4
+            } else if m - i >= 2 {
+                2
+            } else {
+                1
             };
-            match r {
-                4 => store(&dot_rows::<4>(isa, wr, a, i, kdim)),
-                2 => store(&dot_rows::<2>(isa, wr, a, i, kdim)),
-                _ => store(&dot_rows::<1>(isa, wr, a, i, kdim)),
+            for j in block.clone() {
+                let wr = &w[j * kdim..][..kdim];
+                let store = |v: &[f32]| {
+                    for (rr, &v) in v.iter().enumerate() {
+                        // SAFETY: row `s0 + i + rr` < pairs, column `j` < n; only this task writes
+                        // (row, j) (tasks split an expert's weight rows, experts own disjoint rows).
+                        #[allow(unsafe_code)]
+                        unsafe {
+                            *out.at((s0 + i + rr) * n + j) = v;
+                        }
+                    }
+                };
+                match r {
+                    4 => store(&dot_rows::<4>(isa, wr, a, i, kdim)),
+                    2 => store(&dot_rows::<2>(isa, wr, a, i, kdim)),
+                    _ => store(&dot_rows::<1>(isa, wr, a, i, kdim)),
+                }
             }
+            i += r;
         }
-        i += r;
+        j0 = block.end;
     }
 }
+
+/// Weight rows per block of `f32_tile`.
+const W_BLOCK: usize = 16;
 
 /// Dots of one weight row with activation rows `i..i + R` of `a` (rows of `kdim`).
 #[inline]
@@ -349,11 +358,38 @@ fn dot_rows<const R: usize>(isa: Isa, w: &[f32], a: &[f32], i: usize, kdim: usiz
     dot_rows_body::<R, false>(w, &xs)
 }
 
+/// R rows against one weight row, 16 floats a step in two 8-float accumulators per row: each weight
+/// load serves every row (the compiler left the portable body's 2-D accumulator scalar here).
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_rows_avx2<const R: usize>(w: &[f32], xs: &[&[f32]; R]) -> [f32; R] {
-    dot_rows_body::<R, true>(w, xs)
+    use std::arch::x86_64::*;
+    let k = w.len();
+    let whole = k / 16 * 16;
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    let wp = w.as_ptr();
+    let mut c = 0;
+    while c < whole {
+        // SAFETY: c + 16 <= k = w.len() = xs[r].len() (the callers' slices are all kdim long).
+        let (w0, w1) = (_mm256_loadu_ps(wp.add(c)), _mm256_loadu_ps(wp.add(c + 8)));
+        for r in 0..R {
+            let xp = xs[r].as_ptr();
+            acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp.add(c)), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp.add(c + 8)), acc[r][1]);
+        }
+        c += 16;
+    }
+    std::array::from_fn(|r| {
+        let v = _mm256_add_ps(acc[r][0], acc[r][1]);
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        let mut s = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<0b01>(s2, s2)));
+        for c in whole..k {
+            s += w[c] * xs[r][c];
+        }
+        s
+    })
 }
 
 /// Each row's dot with `w` in turn (the weight row stays in L1 across the rows; a 2-D accumulator over
@@ -368,9 +404,9 @@ fn dot_rows_body<const R: usize, const FMA: bool>(w: &[f32], xs: &[&[f32]; R]) -
 fn dot_body<const FMA: bool>(w: &[f32], x: &[f32]) -> f32 {
     const L: usize = 16;
     let mut acc = [0.0f32; L];
-    let (wc, wt) = w.as_chunks::<L>();
-    let (xc, xt) = x[..w.len()].as_chunks::<L>();
-    for (a, b) in wc.iter().zip(xc) {
+    let (wc, xc) = (w.chunks_exact(L), x[..w.len()].chunks_exact(L));
+    let (wt, xt) = (wc.remainder(), xc.remainder());
+    for (a, b) in wc.zip(xc) {
         for l in 0..L {
             acc[l] = if FMA {
                 a[l].mul_add(b[l], acc[l])
