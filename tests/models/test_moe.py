@@ -120,3 +120,20 @@ def test_engine_greedy_matches_hf_under_preemption_chunking_and_prefix_hits(
     _check(engine, prompts[1:], ref)
     assert engine.get_stats().prefix_cache_hits >= 16
     assert_pool_free(engine)
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])
+def test_tensor_parallel_2_equals_1(tmp_path: Path, name: str) -> None:
+    """Every expert's intermediate dimension (and the shared expert's) split over 2 ranks, one all-reduce
+    per MoE layer: greedy ids equal one rank's under forced preemption, chunking and prefix hits."""
+    from tests.distributed.helpers_tp import check_forced, run_workload, tp_engine
+
+    folder = make_tiny_model(tmp_path / name, MOE_CONFIGS[name]())
+    ids1, _ = run_workload(tp_engine(folder, 1))
+    engine = tp_engine(folder, 2)
+    try:
+        ids2, spy = run_workload(engine)
+        check_forced(engine, spy)
+    finally:
+        engine.shutdown()
+    assert ids2 == ids1
