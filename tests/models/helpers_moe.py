@@ -147,16 +147,16 @@ _GGUF_LAYER = {
 }
 
 
-def gguf_moe_config(kind: str) -> transformers.PretrainedConfig:
+def gguf_moe_config(kind: str, **overrides: object) -> transformers.PretrainedConfig:
     """A config llama.cpp can express: every layer sparse, sizes on whole 32-weight blocks."""
     if kind == "mixtral":
-        return mixtral_config()
+        return mixtral_config(**overrides)
     if kind == "qwen2_moe":
-        return qwen2_moe_config(shared_expert_intermediate_size=64)
-    return qwen3_moe_config(mlp_only_layers=[], num_hidden_layers=2)
+        return qwen2_moe_config(**{"shared_expert_intermediate_size": 64, **overrides})
+    return qwen3_moe_config(**{"mlp_only_layers": [], "num_hidden_layers": 2, **overrides})
 
 
-def make_tiny_moe_gguf(tmp_path: Path, kind: str, qtype: str = "Q8_0") -> Path:
+def make_tiny_moe_gguf(tmp_path: Path, kind: str, qtype: str = "Q8_0", **overrides: object) -> Path:
     """A tiny random MoE model written as llama.cpp writes it: experts stacked per projection
     (`ffn_{gate,up,down}_exps` [E, rows, cols]), Q/K rows permuted for `llama`, matrices in `qtype`."""
     import gguf
@@ -164,7 +164,7 @@ def make_tiny_moe_gguf(tmp_path: Path, kind: str, qtype: str = "Q8_0") -> Path:
 
     from tests.helpers import CHAT_TEMPLATE, make_tokenizer
 
-    folder = make_tiny_model(tmp_path / f"{kind}-gguf-src", gguf_moe_config(kind))
+    folder = make_tiny_model(tmp_path / f"{kind}-gguf-src", gguf_moe_config(kind, **overrides))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     cfg, arch = hf.config, GGUF_ARCH[kind]
     out = tmp_path / f"tiny-{kind}.gguf"

@@ -48,3 +48,28 @@ def test_q8_moe_gguf_keeps_experts_quantized(tmp_path: Path, cache: Path, kind: 
     torch.testing.assert_close(qe.down.dense(), de.down.weight, rtol=0, atol=0)
     lq, ld = logits_of(quant, IDS), logits_of(dense, IDS)
     assert (lq - ld).abs().max() <= 0.05 * ld.abs().max()
+
+
+def test_q8_moe_gguf_tensor_parallel_2_equals_1(tmp_path: Path, cache: Path) -> None:
+    """Kept quantized under tensor parallelism: each rank its rows of every expert's gate/up blocks and
+    whole input blocks of its down projection; greedy ids equal one rank's under the forced workload."""
+    from tests.distributed.helpers_tp import check_forced, run_workload, tp_engine
+
+    # 64-wide experts: each rank's half of a down projection is whole 32-weight blocks
+    path = make_tiny_moe_gguf(tmp_path, "qwen2_moe", qtype="Q8_0", moe_intermediate_size=64)
+    ids1, _ = run_workload(tp_engine(path, 1, dtype="auto"))
+    engine = tp_engine(path, 2, dtype="auto")
+    try:
+        ids2, spy = run_workload(engine)
+        check_forced(engine, spy)
+    finally:
+        engine.shutdown()
+    assert ids2 == ids1
+
+
+def test_q8_moe_gguf_tensor_parallel_refuses_a_cut_inside_a_block(tmp_path: Path, cache: Path) -> None:
+    from tests.distributed.helpers_tp import tp_engine
+
+    path = make_tiny_moe_gguf(tmp_path, "qwen2_moe", qtype="Q8_0")  # 32-wide experts: 16 a rank
+    with pytest.raises(Exception, match="cannot cut columns 0..16 of a Q8_0 weight"):
+        tp_engine(path, 2, dtype="auto").shutdown()
