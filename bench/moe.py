@@ -8,6 +8,8 @@ call: pairs sorted by expert once, each active expert's weights read once for al
 
 per batch size (rows), and at batch 1 how the step's time follows the active experts (top_k) and not the
 total (num_experts). Float32 by default; --quant Q8_0 runs the fused step on GGUF-quantized experts too.
+--engine adds the engine's decode tok/s on a tiny-but-wide Mixtral (random weights) against the dense
+Llama of the same shape with the MoE's active parameters.
 
     python bench/moe.py                                   # rows 1, 16, 256; 2 threads
     python bench/moe.py --rows 1 16 --json bench/results/moe.json
@@ -77,6 +79,74 @@ def _routing(rows: int, experts: int, top_k: int, hidden: int, seed: int = 1):
     return x, w, ids
 
 
+def _engine_tok_s(folder: str, batch: int, tokens: int, threads: int) -> float:
+    """Decode throughput of the engine over `folder` (random weights): `batch` requests of 8-token prompts,
+    `tokens` greedy tokens each, timed from the step after every prompt is in."""
+    import time
+
+    from pagedrs import EngineArgs, LLMEngine, SamplingParams
+
+    torch.set_num_threads(threads)
+    args = EngineArgs(
+        model=folder,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        device="cpu",
+        dtype="float32",
+        disable_log_stats=True,
+    )
+    engine = LLMEngine.from_engine_args(args)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(str(i), [(7 * i + j) % 200 + 3 for j in range(8)], params)
+    engine.step()  # the prompts
+    t0, steps = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return batch * steps / (time.perf_counter() - t0)
+
+
+def _engine_comparison(args: argparse.Namespace) -> dict[str, float]:
+    """A tiny-but-wide Mixtral (hidden 512, 16 experts of 512, top 2, 4 layers) against the dense Llama of
+    the same shape whose MLP has the MoE's active parameters (intermediate 2 x 512)."""
+    import tempfile
+
+    import transformers
+
+    common = dict(
+        vocab_size=256,
+        hidden_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+    )
+    configs = {
+        "moe": transformers.MixtralConfig(
+            **common,
+            intermediate_size=512,
+            num_local_experts=16,
+            num_experts_per_tok=2,
+            architectures=["MixtralForCausalLM"],
+        ),
+        "dense": transformers.LlamaConfig(
+            **common, intermediate_size=1024, architectures=["LlamaForCausalLM"]
+        ),
+    }
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, cfg in configs.items():
+            folder = Path(tmp) / name
+            cfg.save_pretrained(str(folder))
+            out[name] = _engine_tok_s(str(folder), args.engine_batch, args.engine_tokens, args.threads)
+    print(
+        f"decode throughput: {out['moe']:.1f} tok/s (MoE, 2 of 16 experts) vs {out['dense']:.1f} tok/s "
+        f"(dense, same active parameters) = {out['moe'] / out['dense']:.2f}x"
+    )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256])
@@ -89,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--quant", default=None, help="also the fused step on experts in this GGUF type (Q8_0, Q4_0)"
     )
+    p.add_argument("--engine", action="store_true", help="also the engine's decode tok/s, MoE vs dense")
+    p.add_argument("--engine-batch", type=int, default=4)
+    p.add_argument("--engine-tokens", type=int, default=32)
     p.add_argument("--json", default=str(Path(__file__).parent / "results" / "moe.json"))
     add_commit_arg(p)
     args = p.parse_args(argv)
@@ -151,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         scaling[f"{top_k}_of_{experts}"] = t * 1e3
         print(f"batch 1, {top_k} active of {experts} experts: {t * 1e3:.3f} ms")
     results["batch1_active_vs_total_ms"] = scaling
+    if args.engine:
+        results["engine_decode_tok_s"] = _engine_comparison(args)
     results.update(
         git_info(args.commit), machine=machine_info(), command=command_line(), threads=args.threads
     )

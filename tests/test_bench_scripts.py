@@ -358,6 +358,7 @@ def test_moe_compares_fused_experts_with_the_loop_and_dense(tmp_path: Path) -> N
         "moe.py",
         *("--rows", "1", "5", "--experts", "8", "--top-k", "2", "--hidden", "64", "--inter", "32"),
         *("--iters", "2", "--quant", "Q8_0", "--json", str(out)),
+        *("--engine", "--engine-batch", "2", "--engine-tokens", "3"),
         cwd=tmp_path,
         PAGEDRS_COMMIT="m1",
     )
@@ -373,6 +374,8 @@ def test_moe_compares_fused_experts_with_the_loop_and_dense(tmp_path: Path) -> N
         )
     assert set(d["batch1_active_vs_total_ms"]) == {"1_of_8", "2_of_8", "4_of_8", "2_of_2"}
     assert proc.stdout.count("(loop over experts)") == 2
+    assert set(d["engine_decode_tok_s"]) == {"moe", "dense"} and min(d["engine_decode_tok_s"].values()) > 0
+    assert "decode throughput:" in proc.stdout
 
 
 def test_attention_cpu_compares_the_kernel_with_torch(tmp_path: Path) -> None:
