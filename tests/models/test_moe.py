@@ -137,3 +137,16 @@ def test_tensor_parallel_2_equals_1(tmp_path: Path, name: str) -> None:
     finally:
         engine.shutdown()
     assert ids2 == ids1
+
+
+def test_bfloat16_forward(tmp_path: Path) -> None:
+    """A half-precision MoE model runs (the torch experts step: the kernels take float32 only)."""
+    from pagedrs.layers.attention import ForwardContext
+
+    folder = make_tiny_model(tmp_path / "q2", MOE_CONFIGS["qwen2_moe"]())
+    model = load_model(str(folder), dtype="bfloat16").model
+    assert model.model.layers[0].mlp.experts.gate_up.weight.dtype == torch.bfloat16
+    ids = torch.arange(3, 12)
+    with torch.no_grad():
+        logits = model.compute_logits(model(ids, torch.arange(9), ForwardContext(None, [])))
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
