@@ -37,10 +37,9 @@ import torch
 from pagedrs.config import kv_cache_torch_dtype
 from pagedrs.layers.attention import ForwardContext
 from pagedrs.layers.sampler import GREEDY_EPS
-from pagedrs.spec_decode.interface import DrafterContext, Proposal, StepContext
+from pagedrs.spec_decode.interface import DrafterContext, KVPool, Proposal, StepContext
 from pagedrs.spec_decode.rejection_sampler import sampling_probs
-from pagedrs.spec_decode.substep import speculating_rows, substep_buffers, substep_forward, varlen_forward
-from pagedrs.worker.kv_cache import KVCachePool, model_block_bytes
+from pagedrs.spec_decode.substep import speculating_rows, substep_forward, varlen_forward
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -152,8 +151,8 @@ class DraftModelDrafter:
         self.context = context
         self.model = model
         self.kv_dtype = kv_cache_torch_dtype(context.config.cache.cache_dtype, model.dtype)
-        self.pool: KVCachePool | None = None
-        self.buffers = substep_buffers(context)
+        self.pool: KVPool | None = None
+        self.buffers = context.new_substep_buffers()
         self.backlogs: dict[int, _Backlog] = {}  # seq id -> tokens whose draft KV is not written
         self.num_skipped_steps = 0  # steps with tokens in which the draft did not run
         self.num_catch_up_tokens = 0  # backlog tokens fed later
@@ -161,17 +160,10 @@ class DraftModelDrafter:
     @property
     def kv_bytes_per_block(self) -> int:
         """Its own pool's bytes per block (the pool has as many blocks as the target's)."""
-        return model_block_bytes(self.model, self.context.block_size, self.kv_dtype)
+        return self.context.kv_block_bytes(self.model, self.kv_dtype)
 
     def init_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
-        self.pool = KVCachePool.for_model(
-            self.model,
-            block_size=self.context.block_size,
-            num_blocks=num_blocks,
-            dtype=self.kv_dtype,
-            device=self.context.device,
-            num_swap_blocks=num_swap_blocks,
-        )
+        self.pool = self.context.new_kv_pool(self.model, num_blocks, num_swap_blocks, self.kv_dtype)
 
     def apply_plan_ops(self, plan: StepPlan) -> None:
         if self.pool is not None:

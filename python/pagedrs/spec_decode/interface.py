@@ -2,13 +2,14 @@
 behind one `propose` in `vllm/v1/spec_decode/`): what the runner hands a drafter when it builds it
 (`DrafterContext`) and before each step's forward (`StepContext`), what the drafter answers
 (`Proposal`), and the `Drafter` protocol every drafter meets. The runner knows drafters through these
-alone, and a drafter knows nothing else of the runner."""
+alone, and a drafter knows nothing else of the runner: the runner's buffers and pools reach it through
+the context's factories, typed here by what a drafter uses of them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -21,9 +22,45 @@ if TYPE_CHECKING:
     from pagedrs.layers.attention import AttentionBackend, AttentionMetadata
     from pagedrs.layers.sampler import SamplingRow
     from pagedrs.models.interface import CausalLM
-    from pagedrs.worker.step_buffers import StepInputs
 
-__all__ = ["Drafter", "DrafterContext", "MetadataBuilder", "Proposal", "StepContext"]
+__all__ = [
+    "Drafter",
+    "DrafterContext",
+    "KVPool",
+    "MetadataBuilder",
+    "Proposal",
+    "StepContext",
+    "StepPacker",
+    "StepTensors",
+]
+
+
+class StepTensors(Protocol):
+    """What a drafter reads of a step's packed device inputs (the runner's `StepInputs`)."""
+
+    @property
+    def input_ids(self) -> Tensor: ...
+
+    @property
+    def positions(self) -> Tensor: ...
+
+
+class StepPacker(Protocol):
+    """Step buffers of the runner's kind (`StepBuffers`): a plan, or a plan-shaped sub-step, packed and
+    copied to the device in one transfer."""
+
+    def pack(self, plan: Any, *, mirror_rows: np.ndarray | None = None) -> StepTensors: ...
+
+
+class KVPool(Protocol):
+    """A paged KV pool of the runner's kind (`KVCachePool`), with the target's block ids."""
+
+    @property
+    def kv_caches(self) -> list[Tensor]: ...
+
+    def apply_plan_ops(self, plan: StepPlan) -> None: ...
+
+    def apply_plan_shrink(self, plan: StepPlan) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,15 +77,20 @@ class DrafterContext:
     max_blocks_per_seq: int
     backend: AttentionBackend
     generator: torch.Generator  # the runner's default generator (sampled drafts of unseeded sequences)
+    # step buffers for decode-shaped sub-steps (at most one row per running sequence)
+    new_substep_buffers: Callable[[], StepPacker]
+    # (model, num_blocks, num_swap_blocks, dtype): a KV pool for `model` over the target's block ids
+    new_kv_pool: Callable[[torch.nn.Module, int, int, torch.dtype], KVPool]
+    kv_block_bytes: Callable[[torch.nn.Module, torch.dtype], int]  # one block's KV bytes for a model
 
 
 class MetadataBuilder(Protocol):
     """The runner's attention-metadata builder: for a `StepPlan`, or any plan-shaped sub-step over some of
     its rows, packed into `inputs`."""
 
-    def __call__(
-        self, plan: StepPlan, inputs: StepInputs, max_query_len: int, max_seq_len: int
-    ) -> AttentionMetadata: ...
+    def __call__(self, plan: Any, inputs: Any, max_query_len: int, max_seq_len: int) -> AttentionMetadata:
+        """`inputs`: what the runner's buffers packed `plan` into."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +98,7 @@ class StepContext:
     """One step as a drafter sees it, handed over before the step's forward."""
 
     plan: StepPlan
-    inputs: StepInputs  # the step's device inputs; a drafter writes its drafts into input_ids
+    inputs: StepTensors  # the step's device inputs; a drafter writes its drafts into input_ids
     attn_metadata: AttentionMetadata  # the whole step's (the target's forward reuses it)
     build_attn_metadata: MetadataBuilder  # for sub-steps over some of the step's rows
     kv_caches: list[Tensor]  # the target's KV pool

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pagedrs.spec_decode.interface import DrafterContext, Proposal, StepContext
-from pagedrs.spec_decode.substep import speculating_rows, substep_buffers, substep_forward
+from pagedrs.spec_decode.substep import speculating_rows, substep_forward
 
 if TYPE_CHECKING:
     from pagedrs._core import StepPlan
@@ -50,7 +50,7 @@ class SelfDrafter:
             raise ValueError(f"draft_layers must be in [1, {total}] for this model, got {num_layers}")
         self.context = context
         self.num_layers = num_layers
-        self.buffers = substep_buffers(context)
+        self.buffers = context.new_substep_buffers()
 
     def init_kv_cache(self, num_blocks: int, num_swap_blocks: int) -> None:
         pass

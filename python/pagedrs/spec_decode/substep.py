@@ -12,13 +12,12 @@ import numpy as np
 import torch
 
 from pagedrs.layers.attention import ForwardContext
-from pagedrs.worker.step_buffers import StepBuffers
 
 if TYPE_CHECKING:
     from pagedrs._core import StepPlan
-    from pagedrs.spec_decode.interface import DrafterContext, StepContext
+    from pagedrs.spec_decode.interface import DrafterContext, StepContext, StepPacker
 
-__all__ = ["speculating_rows", "substep_buffers", "substep_forward", "varlen_forward"]
+__all__ = ["speculating_rows", "substep_forward", "varlen_forward"]
 
 
 @dataclass
@@ -48,22 +47,10 @@ def speculating_rows(plan: StepPlan, spec: np.ndarray) -> tuple[np.ndarray, np.n
     return rows, plan.query_start_loc[rows].astype(np.int64)
 
 
-def substep_buffers(context: DrafterContext) -> StepBuffers:
-    """Step buffers for the drafters' decode-shaped sub-steps (at most one row per running sequence)."""
-    sched = context.config.scheduler
-    return StepBuffers(
-        max_num_tokens=sched.max_num_seqs,
-        max_num_reqs=sched.max_num_seqs,
-        table_width=context.max_blocks_per_seq,
-        graph_rows=1,
-        device=context.device,
-    )
-
-
 def substep_forward(
     context: DrafterContext,
     step: StepContext,
-    buffers: StepBuffers,
+    buffers: StepPacker,
     rows: np.ndarray,
     tok: np.ndarray,
     input_ids: np.ndarray,
@@ -95,7 +82,7 @@ def substep_forward(
 def varlen_forward(
     context: DrafterContext,
     step: StepContext,
-    buffers: StepBuffers,
+    buffers: StepPacker,
     rows: np.ndarray,
     input_ids: np.ndarray,
     positions: np.ndarray,
@@ -133,8 +120,8 @@ def varlen_forward(
         num_tokens=num_tokens,
         num_decode_tokens=num_tokens if decode else 0,
     )
-    inputs = buffers.pack(sub, mirror_rows=mirror)  # type: ignore[arg-type]  # a StepPlan's fields
-    meta = step.build_attn_metadata(sub, inputs, int(query_lens.max()), int(seq_lens.max()))  # type: ignore[arg-type]
+    inputs = buffers.pack(sub, mirror_rows=mirror)  # a StepPlan's fields
+    meta = step.build_attn_metadata(sub, inputs, int(query_lens.max()), int(seq_lens.max()))
     ctx = ForwardContext(
         attn_metadata=meta, kv_caches=kv_caches, backend=context.backend, exit_layer=exit_layer
     )

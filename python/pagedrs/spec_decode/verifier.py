@@ -5,7 +5,7 @@ decides acceptance)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -16,9 +16,17 @@ from pagedrs.spec_decode.rejection_sampler import verify_drafts
 
 if TYPE_CHECKING:
     from pagedrs._core import StepPlan
-    from pagedrs.worker.outputs import RunnerOutput
 
-__all__ = ["concat_ranges", "first_rows", "greedy_with_drafts", "sample_with_drafts"]
+__all__ = ["SampledOutput", "concat_ranges", "first_rows", "greedy_with_drafts", "sample_with_drafts"]
+
+
+class SampledOutput(Protocol):
+    """The fields of the runner's `RunnerOutput` that verification reads and rewrites."""
+
+    sampled_token_ids: np.ndarray
+    sampled_logprobs: np.ndarray | None
+    logprobs: LogprobsTensors | None
+    token_counts: np.ndarray | None
 
 
 def first_rows(num_draft_tokens: np.ndarray) -> np.ndarray:
@@ -34,7 +42,7 @@ def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(np.asarray(starts, dtype=np.int64), lengths) + offsets
 
 
-def greedy_with_drafts(out: RunnerOutput, plan: StepPlan, logits: Tensor, drafts: np.ndarray) -> None:
+def greedy_with_drafts(out: SampledOutput, plan: StepPlan, logits: Tensor, drafts: np.ndarray) -> None:
     """`sample_with_drafts` for a plan whose every sequence samples greedily with no logit processor, no
     grammar and no top logprobs (a copy-heavy chat at batch 1, say): every row's argmax and logsumexp in
     one call (`argmax_logsumexp`), a speculating sequence's drafts accepted up to the first that differs
@@ -65,7 +73,7 @@ def greedy_with_drafts(out: RunnerOutput, plan: StepPlan, logits: Tensor, drafts
 
 
 def sample_with_drafts(
-    out: RunnerOutput,
+    out: SampledOutput,
     plan: StepPlan,
     rows: Sequence[SamplingRow],
     logits: Tensor,

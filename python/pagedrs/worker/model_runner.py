@@ -127,18 +127,37 @@ class ModelRunner:
         # The sampled sequences' rows of the step being run (rank 0): a draft model samples the drafts of
         # a sequence that samples (temperature > 0) from its own distribution under the same parameters.
         self.step_rows: Sequence[SamplingRow] | None = None
-        self.drafter: Drafter | None = build_drafter(
-            DrafterContext(
-                config=config,
-                target=model,
-                draft_model=draft_model,
-                tp=self.tp,
-                device=self.device,
-                block_size=self.block_size,
-                max_blocks_per_seq=self.max_blocks_per_seq,
-                backend=self.backend,
-                generator=self.generator,
-            )
+        self.drafter: Drafter | None = build_drafter(self._drafter_context(draft_model))
+
+    def _drafter_context(self, draft_model: CausalLM | None) -> DrafterContext:
+        """What a drafter may use of this runner; its buffers and pools come from the factories."""
+        sched, block_size, device = self.config.scheduler, self.block_size, self.device
+        return DrafterContext(
+            config=self.config,
+            target=self.model,
+            draft_model=draft_model,
+            tp=self.tp,
+            device=device,
+            block_size=block_size,
+            max_blocks_per_seq=self.max_blocks_per_seq,
+            backend=self.backend,
+            generator=self.generator,
+            new_substep_buffers=lambda: StepBuffers(
+                max_num_tokens=sched.max_num_seqs,
+                max_num_reqs=sched.max_num_seqs,
+                table_width=self.max_blocks_per_seq,
+                graph_rows=1,
+                device=device,
+            ),
+            new_kv_pool=lambda model, num_blocks, num_swap, dtype: KVCachePool.for_model(
+                model,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                dtype=dtype,
+                device=device,
+                num_swap_blocks=num_swap,
+            ),
+            kv_block_bytes=lambda model, dtype: model_block_bytes(model, block_size, dtype),
         )
 
     def attach_block_table(self, view: np.ndarray, *, mirror: bool | None = None) -> None:
