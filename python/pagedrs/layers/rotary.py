@@ -2,7 +2,7 @@
 Llama family) or GPT-J style (interleaved pairs).
 
 Scalings: default, linear, dynamic (NTK, recomputed past max_position_embeddings like HF), llama3
-(Llama 3.1) and longrope (Phi-3 128k: short factors while a request fits in the original context, long
+(Llama 3.1), yarn (HF's _compute_yarn_parameters: gpt-oss, Qwen long context) and longrope (Phi-3 128k: short factors while a request fits in the original context, long
 factors once it grows past it; cos/sin multiplied by the attention factor).
 
 cos/sin are cached in float32 per position and indexed by `positions`, so a step costs one gather. With
@@ -60,6 +60,41 @@ def _llama3_inv_freq(inv_freq: Tensor, p: dict[str, Any]) -> Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(
+    base: float, rotary_dim: int, max_position: int, p: dict[str, Any]
+) -> tuple[Tensor, float]:
+    """(inv_freq, attention factor) of YaRN as HF's _compute_yarn_parameters: frequencies blended between
+    interpolated (divided by `factor`) and extrapolated ones over a linear ramp of dimensions set by
+    beta_fast/beta_slow, and cos/sin scaled by 0.1 * ln(factor) + 1 (or `attention_factor`)."""
+    orig = int(p["original_max_position_embeddings"])
+    factor = p.get("factor")
+    factor = float(factor) if factor is not None else max_position / orig
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = p.get("attention_factor")
+    if attention is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (rotary_dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # as HF: no zero-width ramp
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention)
 
 
 def _cos_sin(inv_freq: Tensor, num_positions: int, scaling: float = 1.0) -> Tensor:
@@ -126,6 +161,8 @@ class RotaryEmbedding(KernelLayer):
             inv_freq = inv_freq / float(params["factor"])
         elif self.rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, params)
+        elif self.rope_type == "yarn":
+            inv_freq, scaling = _yarn_inv_freq(base, rotary_dim, max_position, params)
         elif self.rope_type == "longrope":
             orig = int(params.get("original_max_position_embeddings") or max_position)
             self.original_max_position = orig

@@ -9,7 +9,7 @@ parameters (`layers.moe.expert_tensor_name`) and Mixtral's `block_sparse_moe` re
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import cast
 
@@ -18,9 +18,9 @@ from torch import Tensor
 from transformers import PretrainedConfig
 
 from pagedrs.distributed.group import TPGroup
-from pagedrs.layers.attention import ForwardContext, token_seq_lens
+from pagedrs.layers.attention import Attention, ForwardContext, token_seq_lens
 from pagedrs.layers.linear import Loaded, ParallelLMHead, QKVParallelLinear, VocabParallelEmbedding
-from pagedrs.layers.moe import RoutingConfig, SparseMoeBlock, expert_tensor_name
+from pagedrs.layers.moe import ExpertActivation, RoutingConfig, SparseMoeBlock, expert_tensor_name
 from pagedrs.layers.norm import RMSNorm
 from pagedrs.layers.rotary import RotaryEmbedding, get_rope
 from pagedrs.models.interface import CausalLM
@@ -33,13 +33,17 @@ __all__ = ["MoeForCausalLM", "MoeSpec"]
 @dataclass(frozen=True, slots=True)
 class MoeSpec:
     """What an architecture reads from its config: routing, the experts' intermediate size, the layers
-    whose MLP is sparse, per-head q/k RMSNorm (Qwen3) and q/k/v biases."""
+    whose MLP is sparse, per-head q/k RMSNorm (Qwen3), q/k/v biases, and gpt-oss's experts with biases
+    and their activation, and attention sinks (a learned logit per head)."""
 
     routing: RoutingConfig
     moe_intermediate_size: int
     sparse_layers: frozenset[int]
     qk_norm: bool = False
     qkv_bias: bool = False
+    expert_bias: bool = False
+    expert_activation: ExpertActivation = ExpertActivation()
+    attention_sinks: bool = False
 
 
 class MoeAttention(LlamaAttention):
@@ -79,6 +83,26 @@ class MoeAttention(LlamaAttention):
                 dtype=dtype,
                 device=device,
             )
+        if spec.attention_sinks:
+            a = self.attn
+            self.attn = Attention(
+                a.num_heads, a.head_size, a.num_kv_heads, layer_idx, a.scale, a.sliding_window, sinks=True
+            )
+            assert self.attn.sinks is not None
+            self.attn.sinks.weight_loader = _sinks_loader(tp, config.num_attention_heads)  # type: ignore[attr-defined]
+
+
+def _sinks_loader(tp: TPGroup, total_heads: int) -> Callable[[Tensor, Loaded], None]:
+    """Loads this rank's heads of a checkpoint's sinks [num_attention_heads]."""
+
+    def load(param: Tensor, loaded: Loaded) -> None:
+        if tuple(loaded.shape) != (total_heads,):
+            raise ValueError(f"shape mismatch: expected ({total_heads},), got {tuple(loaded.shape)}")
+        full = loaded.materialize() if hasattr(loaded, "materialize") else loaded
+        n = param.shape[0]
+        param.data.copy_(cast(Tensor, full)[tp.position * n : (tp.position + 1) * n])
+
+    return load
 
 
 class MoeDecoderLayer(torch.nn.Module):
@@ -102,7 +126,14 @@ class MoeDecoderLayer(torch.nn.Module):
         self.mlp: torch.nn.Module
         if layer_idx in spec.sparse_layers:
             self.mlp = SparseMoeBlock(
-                hidden, spec.moe_intermediate_size, spec.routing, tp=tp, dtype=dtype, device=device
+                hidden,
+                spec.moe_intermediate_size,
+                spec.routing,
+                tp=tp,
+                dtype=dtype,
+                device=device,
+                expert_bias=spec.expert_bias,
+                activation=spec.expert_activation,
             )
         else:
             self.mlp = LlamaMLP(config, tp=tp, dtype=dtype, device=device)

@@ -4,7 +4,8 @@ AutoGPTQ and AutoAWQ exports), checked against `quantization=` when the caller f
 
 Formats: GPTQ (2/4/8-bit, any group size, act-order with `g_idx`, symmetric or not, AutoGPTQ's v1
 zero-point convention or GPTQModel's v2), AWQ (4-bit GEMM layout), FP8 e4m3 weights
-(`quant_method: fp8`, or compressed-tensors `float-quantized` with per-tensor, per-channel or block scales).
+(`quant_method: fp8`, or compressed-tensors `float-quantized` with per-tensor, per-channel or block scales),
+MXFP4 (`quant_method: mxfp4`, gpt-oss's experts; dequantized at load, `pagedrs.quantization.mxfp4`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ QUANTIZATION_METHODS: dict[str, str] = {
     "compressed-tensors": "fp8",
     "compressed_tensors": "fp8",
     "gguf": "gguf",
+    "mxfp4": "mxfp4",
     "q8_0": "q8_0",  # a float checkpoint quantized at load to llama.cpp's Q8_0 (pagedrs.layers.quantize_at_load)
 }
 _SIDE_FILES = ("quantize_config.json", "quant_config.json")
@@ -55,6 +57,8 @@ class QuantConfig:
 
     def describe(self) -> str:
         """How log lines name it: "GPTQ int4 (group 128)", "AWQ int4 (group 128)", "FP8 e4m3"."""
+        if self.method == "mxfp4":
+            return "MXFP4"
         if self.method == "fp8":
             return "FP8 e4m3" + (f" (block {self.block[0]}x{self.block[1]})" if self.block else "")
         group = "per channel" if self.group_size == -1 else f"group {self.group_size}"
@@ -167,6 +171,9 @@ def detect_quantization(hf_config: Any, folder: str | Path, forced: str | None =
         return _awq(raw)
     if method in ("fp8", "compressed-tensors"):
         return _fp8(raw, method)
+    if method == "mxfp4":
+        return QuantConfig("mxfp4", bits=4, group_size=32, name="mxfp4")
     raise ValueError(
-        f"quant_method {method!r} in {str(folder)!r} is not supported (gptq, awq, fp8, compressed-tensors)"
+        f"quant_method {method!r} in {str(folder)!r} is not supported "
+        "(gptq, awq, fp8, compressed-tensors, mxfp4)"
     )

@@ -23,6 +23,7 @@ __all__ = [
     "ForwardContext",
     "causal_attention",
     "get_attention_backend",
+    "sink_softmax",
     "soft_capped_attention",
     "token_seq_lens",
 ]
@@ -76,7 +77,9 @@ class AttentionBackend(Protocol):
         logits_soft_cap: float | None = None,
     ) -> Tensor:
         """q [T,H,D], k/v [T,KVH,D]: write k/v at meta.slot_mapping, then paged causal attention
-        (scores capped as ``cap * tanh(s / cap)`` when `logits_soft_cap` is set, as Gemma 2).
+        (scores capped as ``cap * tanh(s / cap)`` when `logits_soft_cap` is set, as Gemma 2). A layer with
+        attention sinks passes ``sinks=`` [H] as well, only to a backend whose kernels take them
+        (`selector.kernel_takes`; the torch reference does).
 
         Returns [T,H,D]."""
         ...
@@ -112,18 +115,39 @@ def token_seq_lens(meta: AttentionMetadata) -> Tensor:
 
 
 def soft_capped_attention(
-    qh: Tensor, kh: Tensor, vh: Tensor, mask: Tensor, scale: float, cap: float
+    qh: Tensor,
+    kh: Tensor,
+    vh: Tensor,
+    mask: Tensor,
+    scale: float,
+    cap: float | None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """qh [H,Q,D], kh/vh [KVH,L,D], mask [Q,L] bool (True: attend) -> [H,Q,D], with the scores capped as
-    HF's eager Gemma 2 attention does: ``cap * tanh(q.k * scale / cap)``, masked, softmax in float32."""
+    HF's eager Gemma 2 attention does: ``cap * tanh(q.k * scale / cap)``, masked, softmax in float32.
+    `sinks` [H]: a learned logit per head joins each softmax's denominator and is dropped from its
+    numerator (HF's eager gpt-oss attention)."""
     g = qh.shape[0] // kh.shape[0]
     if g > 1:
         kh, vh = kh.repeat_interleave(g, dim=0), vh.repeat_interleave(g, dim=0)
     scores = torch.matmul(qh, kh.transpose(1, 2)) * scale
-    scores = torch.tanh(scores / cap) * cap
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qh.dtype)
-    return torch.matmul(probs, vh)
+    return torch.matmul(sink_softmax(scores, sinks).to(qh.dtype), vh)
+
+
+def sink_softmax(scores: Tensor, sinks: Tensor | None, head_dim: int = -3) -> Tensor:
+    """softmax over the last dim in float32; with `sinks` (one logit per head, the heads at `head_dim` of
+    `scores`) the sink joins the denominator and is dropped after, as HF's eager gpt-oss attention."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    shape = [1] * scores.dim()
+    shape[head_dim] = -1
+    sink = sinks.to(scores.dtype).view(shape).expand(*scores.shape[:-1], 1)
+    combined = torch.cat([scores, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1, dtype=torch.float32)[..., :-1]
 
 
 def causal_attention(
@@ -134,16 +158,17 @@ def causal_attention(
     scale: float,
     sliding_window: int | None,
     logits_soft_cap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Plain causal attention of one sequence with no cache: q [T,H,D], k/v [T,KVH,D] -> [T,H,D]."""
     t = q.shape[0]
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     gqa = q.shape[1] != k.shape[1]
-    if logits_soft_cap is not None:
+    if logits_soft_cap is not None or sinks is not None:
         i = torch.arange(t, device=q.device)
         rel = i[:, None] - i[None, :]
         mask = (rel >= 0) & (rel < (sliding_window or t + 1))
-        return soft_capped_attention(qh, kh, vh, mask, scale, logits_soft_cap).transpose(0, 1)
+        return soft_capped_attention(qh, kh, vh, mask, scale, logits_soft_cap, sinks).transpose(0, 1)
     if sliding_window is None or sliding_window >= t:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
@@ -161,8 +186,10 @@ class Attention(torch.nn.Module):
     those KV heads, so the block tables are identical on every rank.
 
     `scale` multiplies q.k (head_size**-0.5, or Gemma's query_pre_attn_scalar**-0.5); `logits_soft_cap`
-    caps the scaled scores as Gemma 2 does. A layer the step's backend has no kernel for (see
-    `selector.kernel_takes`) runs on the torch reference backend instead.
+    caps the scaled scores as Gemma 2 does; `sinks` (True) gives the layer a learned logit per head
+    (`self.sinks` [num_heads], loaded by the model) that joins every softmax's denominator, as gpt-oss.
+    A layer the step's backend has no kernel for (see `selector.kernel_takes`) runs on the torch
+    reference backend instead.
     """
 
     def __init__(
@@ -174,6 +201,7 @@ class Attention(torch.nn.Module):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         if logits_soft_cap is not None and logits_soft_cap <= 0:
@@ -187,6 +215,9 @@ class Attention(torch.nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.sinks: torch.nn.Parameter | None = None
+        if sinks:
+            self.sinks = torch.nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), requires_grad=False)
         # (the step's backend, the backend this layer runs on): resolved once per backend object
         self._route: tuple[AttentionBackend, AttentionBackend] | None = None
 
@@ -195,7 +226,10 @@ class Attention(torch.nn.Module):
         if route is None or route[0] is not backend:
             from pagedrs.layers.attention.selector import route_layer
 
-            route = (backend, route_layer(backend, self.head_size, self.logits_soft_cap))
+            route = (
+                backend,
+                route_layer(backend, self.head_size, self.logits_soft_cap, sinks=self.sinks is not None),
+            )
             self._route = route
         return route[1]
 
@@ -214,10 +248,13 @@ class Attention(torch.nn.Module):
                 scale=self.scale,
                 sliding_window=self.sliding_window,
                 logits_soft_cap=self.logits_soft_cap,
+                sinks=self.sinks,
             )
         else:
             if ctx.backend is None:
                 raise ValueError("ForwardContext.backend is required when attn_metadata is given")
+            # only a backend that takes sinks gets the keyword (route_layer routes the others' layers away)
+            extra = {} if self.sinks is None else {"sinks": self.sinks}
             out = self._backend_for(ctx.backend).forward(
                 q3,
                 k3,
@@ -227,6 +264,7 @@ class Attention(torch.nn.Module):
                 scale=self.scale,
                 sliding_window=self.sliding_window,
                 logits_soft_cap=self.logits_soft_cap,
+                **extra,
             )
         return out.reshape(t, self.num_heads * self.head_size)
 
@@ -234,5 +272,5 @@ class Attention(torch.nn.Module):
         return (
             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
             f"sliding_window={self.sliding_window}, scale={self.scale:.4g}, "
-            f"logits_soft_cap={self.logits_soft_cap}"
+            f"logits_soft_cap={self.logits_soft_cap}, sinks={self.sinks is not None}"
         )

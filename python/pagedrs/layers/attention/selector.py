@@ -54,11 +54,13 @@ def get_attention_backend(
 _REFERENCE: weakref.WeakKeyDictionary[AttentionBackend, AttentionBackend] = weakref.WeakKeyDictionary()
 
 
-def kernel_takes(kernel: str, *, head_size: int, logits_soft_cap: float | None) -> bool:
+def kernel_takes(kernel: str, *, head_size: int, logits_soft_cap: float | None, sinks: bool = False) -> bool:
     """Whether `kernel` computes a layer of this head size and attention-logit soft cap: "cupy" (the CUDA
     paged attention of `pagedrs.kernels`) or "cpu_decode" (the Rust decode kernel inside the torch
     backend). A layer a kernel does not take runs on the torch reference instead. The one place to
-    update when a kernel gains a head size or soft-capping."""
+    update when a kernel gains a head size, soft-capping or attention sinks (no kernel takes sinks yet)."""
+    if sinks:
+        return False
     if kernel == "cupy":
         from pagedrs.kernels import HEAD_SIZES
 
@@ -66,10 +68,14 @@ def kernel_takes(kernel: str, *, head_size: int, logits_soft_cap: float | None) 
     return True  # the Rust CPU decode kernel takes any head size and soft-capping
 
 
-def route_layer(backend: AttentionBackend, head_size: int, logits_soft_cap: float | None) -> AttentionBackend:
+def route_layer(
+    backend: AttentionBackend, head_size: int, logits_soft_cap: float | None, *, sinks: bool = False
+) -> AttentionBackend:
     """The backend a layer runs on: `backend`, or the torch reference when its kernels do not take the
     layer (`kernel_takes`)."""
-    if kernel_takes(backend.name, head_size=head_size, logits_soft_cap=logits_soft_cap):
+    if backend.name == "torch" or kernel_takes(
+        backend.name, head_size=head_size, logits_soft_cap=logits_soft_cap, sinks=sinks
+    ):
         return backend
     reference = _REFERENCE.get(backend)
     if reference is None:  # one per backend, so the routed layers share its scratch buffers
@@ -85,7 +91,8 @@ def routes_to_reference(model: torch.nn.Module, backend: AttentionBackend) -> bo
     from pagedrs.layers.attention import Attention
 
     return any(
-        isinstance(m, Attention) and route_layer(backend, m.head_size, m.logits_soft_cap) is not backend
+        isinstance(m, Attention)
+        and route_layer(backend, m.head_size, m.logits_soft_cap, sinks=m.sinks is not None) is not backend
         for m in model.modules()
     )
 

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from pagedrs import _core
 from pagedrs.config import FP8_MAX, as_bytes
-from pagedrs.layers.attention import AttentionMetadata, soft_capped_attention
+from pagedrs.layers.attention import AttentionMetadata, sink_softmax, soft_capped_attention
 from pagedrs.layers.attention.selector import kernel_takes
 
 __all__ = ["TorchAttentionBackend", "gather_kv", "step_plan", "write_kv_cache"]
@@ -253,9 +253,12 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None,
         logits_soft_cap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
+        """As `AttentionBackend.forward`; `sinks` [H]: a learned logit per head in every softmax's
+        denominator (HF's eager gpt-oss attention)."""
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        kernel = self._cpu_kernel_applies(q, kv_cache, logits_soft_cap)
+        kernel = self._cpu_kernel_applies(q, kv_cache, logits_soft_cap, sinks is not None)
         if self.batch_invariant and not kernel:
             raise ValueError(
                 f"batch_invariant needs float32 queries and a contiguous float32 KV cache on a CPU, and a "
@@ -269,7 +272,7 @@ class TorchAttentionBackend:
         else:
             for group in plan.decode_groups:
                 out[group.token_idx] = self._decode(
-                    q, kv_cache, group, scale, sliding_window, logits_soft_cap
+                    q, kv_cache, group, scale, sliding_window, logits_soft_cap, sinks
                 )
         for b, start, end in plan.prefills:
             seq_len = meta.seq_lens_cpu[b]
@@ -283,14 +286,18 @@ class TorchAttentionBackend:
             else:
                 kb, vb = gather_kv(kv_cache, meta.block_tables[b], seq_len)
             out[start:end] = self._prefill(
-                q[start:end], kb, vb, seq_len, scale, sliding_window, logits_soft_cap
+                q[start:end], kb, vb, seq_len, scale, sliding_window, logits_soft_cap, sinks
             )
         return out
 
-    def _cpu_kernel_applies(self, q: Tensor, kv_cache: Tensor, logits_soft_cap: float | None) -> bool:
+    def _cpu_kernel_applies(
+        self, q: Tensor, kv_cache: Tensor, logits_soft_cap: float | None, sinks: bool = False
+    ) -> bool:
         return (
             self.use_cpu_kernels
-            and kernel_takes("cpu_decode", head_size=q.shape[-1], logits_soft_cap=logits_soft_cap)
+            and kernel_takes(
+                "cpu_decode", head_size=q.shape[-1], logits_soft_cap=logits_soft_cap, sinks=sinks
+            )
             and q.device.type == "cpu"
             and q.dtype == torch.float32
             and kv_cache.dtype == torch.float32
@@ -337,6 +344,7 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None,
         logits_soft_cap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """One request: q [Q,H,D] at positions seq_len-Q.., k/v [L,KVH,D] at positions 0..L-1."""
         q_len = q.shape[0]
@@ -344,10 +352,10 @@ class TorchAttentionBackend:
         v = v.to(q.dtype)
         gqa = q.shape[1] != k.shape[1]
         qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        if logits_soft_cap is not None:
+        if logits_soft_cap is not None or sinks is not None:
             k_pos = torch.arange(seq_len, device=q.device)
             mask = _window_mask(k_pos[seq_len - q_len :], k_pos, sliding_window)
-            o = soft_capped_attention(qh, kh, vh, mask, scale, logits_soft_cap)
+            o = soft_capped_attention(qh, kh, vh, mask, scale, logits_soft_cap, sinks)
         elif q_len == seq_len and (sliding_window is None or sliding_window >= seq_len):
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
@@ -379,6 +387,7 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None,
         logits_soft_cap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """A group of single-token queries at once: padded gather [Bd, L] through the block tables + a length (and
         window) mask; per KV head one batched matmul, so K/V are never expanded or transposed in memory."""
@@ -408,6 +417,7 @@ class TorchAttentionBackend:
             else:  # cap the scaled scores, then mask (HF's eager Gemma 2 attention)
                 scores = torch.bmm(qd[:, h * g : (h + 1) * g], k[:, :, h].transpose(1, 2)) * scale
                 scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap + mask
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+            head_sinks = None if sinks is None else sinks[h * g : (h + 1) * g]
+            probs = sink_softmax(scores, head_sinks, head_dim=-2).to(dtype)
             torch.bmm(probs, v[:, :, h], out=out[:, h])
         return out.view(bd, kvh * g, d).to(q.dtype)

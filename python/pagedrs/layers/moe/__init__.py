@@ -2,10 +2,17 @@
 CPU kernels' dispatch in `cpu`) and the MLP block that joins them (`block`)."""
 
 from pagedrs.layers.moe.block import SharedExpert, SparseMoeBlock
-from pagedrs.layers.moe.experts import ExpertWeights, FusedExperts, expert_tensor_name, fused_experts_torch
+from pagedrs.layers.moe.experts import (
+    ExpertActivation,
+    ExpertWeights,
+    FusedExperts,
+    expert_tensor_name,
+    fused_experts_torch,
+)
 from pagedrs.layers.moe.routing import RoutingConfig, route, sort_by_expert
 
 __all__ = [
+    "ExpertActivation",
     "ExpertWeights",
     "FusedExperts",
     "RoutingConfig",

@@ -10,7 +10,7 @@ from torch import Tensor
 from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.activation import SiluAndMul
 from pagedrs.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from pagedrs.layers.moe.experts import FusedExperts
+from pagedrs.layers.moe.experts import SILU, ExpertActivation, FusedExperts
 from pagedrs.layers.moe.routing import RoutingConfig, route
 
 __all__ = ["SharedExpert", "SparseMoeBlock"]
@@ -55,6 +55,8 @@ class SparseMoeBlock(torch.nn.Module):
         tp: TPGroup,
         dtype: torch.dtype,
         device: torch.device,
+        expert_bias: bool = False,
+        activation: ExpertActivation = SILU,
     ) -> None:
         super().__init__()
         self.routing = routing
@@ -63,7 +65,14 @@ class SparseMoeBlock(torch.nn.Module):
             hidden_size, routing.num_experts, bias=routing.router_bias, dtype=dtype, device=device
         )
         self.experts = FusedExperts(
-            routing.num_experts, hidden_size, intermediate_size, tp=tp, dtype=dtype, device=device
+            routing.num_experts,
+            hidden_size,
+            intermediate_size,
+            tp=tp,
+            dtype=dtype,
+            device=device,
+            bias=expert_bias,
+            activation=activation,
         )
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: ReplicatedLinear | None = None

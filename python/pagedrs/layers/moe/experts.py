@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
@@ -32,7 +33,29 @@ from pagedrs.layers.moe.routing import sort_by_expert
 from pagedrs.layers.moe.stacked_quant import StackedQuantWeight
 from pagedrs.quantization.gguf_blocks import GGUFWeight
 
-__all__ = ["ExpertWeights", "FusedExperts", "expert_tensor_name", "fused_experts_torch"]
+__all__ = ["ExpertActivation", "ExpertWeights", "FusedExperts", "expert_tensor_name", "fused_experts_torch"]
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertActivation:
+    """What an expert applies between its gate/up and down projections.
+
+    swiglu_limit None: silu(gate) * up (Mixtral, Qwen). Otherwise gpt-oss's clamped SwiGLU (HF's
+    GptOssExperts._apply_gate): gate clamped to at most `swiglu_limit`, up to +-`swiglu_limit`, then
+    (up + 1) * gate * sigmoid(`swiglu_alpha` * gate)."""
+
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+
+    def __call__(self, gate: Tensor, up: Tensor) -> Tensor:
+        if self.swiglu_limit is None:
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.swiglu_limit)
+        up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
+
+
+SILU = ExpertActivation()
 
 # per-expert checkpoint tensors: (expert id, piece) of `gate_up` (gate 0, up 1) or `down`
 _PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
@@ -162,11 +185,19 @@ class ExpertWeights(torch.nn.Module):
 
 
 def fused_experts_torch(
-    x: Tensor, w_gate_up: Tensor, w_down: Tensor, topk_weights: Tensor, topk_ids: Tensor
+    x: Tensor,
+    w_gate_up: Tensor,
+    w_down: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    *,
+    activation: ExpertActivation = SILU,
+    b_gate_up: Tensor | None = None,
+    b_down: Tensor | None = None,
 ) -> Tensor:
-    """sum over a token's k experts of weight * down(silu(gate(x)) * up(x)): [T, H]. The pairs sorted by
+    """sum over a token's k experts of weight * down(act(gate(x), up(x))): [T, H]. The pairs sorted by
     expert once, each active expert's rows in one matmul; the k products summed in top-k order (as HF's
-    grouped experts forward)."""
+    grouped experts forward). `b_gate_up` [E, 2I] / `b_down` [E, H]: the experts' biases (gpt-oss)."""
     num_tokens, k = topk_ids.shape
     order, counts = sort_by_expert(topk_ids, w_gate_up.shape[0])
     xs = x[order // k]
@@ -174,8 +205,10 @@ def fused_experts_torch(
     start = 0
     for e, n in enumerate(counts.tolist()):
         if n:
-            gate, up = F.linear(xs[start : start + n], w_gate_up[e]).chunk(2, dim=-1)
-            ys[start : start + n] = F.linear(F.silu(gate) * up, w_down[e])
+            bias = None if b_gate_up is None else b_gate_up[e]
+            gate, up = F.linear(xs[start : start + n], w_gate_up[e], bias).chunk(2, dim=-1)
+            bias = None if b_down is None else b_down[e]
+            ys[start : start + n] = F.linear(activation(gate, up), w_down[e], bias)
             start += n
     pairs = torch.empty_like(ys)
     pairs[order] = ys * topk_weights.reshape(-1)[order, None].to(ys.dtype)
@@ -183,7 +216,9 @@ def fused_experts_torch(
 
 
 class FusedExperts(torch.nn.Module):
-    """E gated (SiLU) MLPs, stacked; `forward(x, topk_weights, topk_ids)` is this rank's partial sum."""
+    """E gated MLPs, stacked; `forward(x, topk_weights, topk_ids)` is this rank's partial sum. `bias`: each
+    projection has a bias per expert (`gate_up_bias` [E, gate then up], `down_bias` [E, H]; gpt-oss),
+    `activation` SiLU-gated unless set. Either runs the torch step (the Rust kernels take neither)."""
 
     def __init__(
         self,
@@ -194,9 +229,12 @@ class FusedExperts(torch.nn.Module):
         tp: TPGroup,
         dtype: torch.dtype,
         device: torch.device | str,
+        bias: bool = False,
+        activation: ExpertActivation = SILU,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.activation, self.tp = activation, tp
         self.gate_up = ExpertWeights(
             num_experts,
             [intermediate_size] * 2,
@@ -210,12 +248,47 @@ class FusedExperts(torch.nn.Module):
             num_experts, [hidden_size], intermediate_size, split="row", tp=tp, dtype=dtype, device=device
         )
         self.use_kernels = True  # the Rust kernels where they apply (tests and benches turn them off)
+        self.gate_up_bias: torch.nn.Parameter | None = None
+        self.down_bias: torch.nn.Parameter | None = None
+        if bias:
+            rows = self.gate_up.rows
+            self.gate_up_bias = torch.nn.Parameter(
+                torch.zeros(num_experts, rows, dtype=dtype, device=device), requires_grad=False
+            )
+            self.gate_up_bias.weight_loader = self._gate_up_bias_loader  # type: ignore[attr-defined]
+            self.down_bias = torch.nn.Parameter(
+                torch.zeros(num_experts, hidden_size, dtype=dtype, device=device), requires_grad=False
+            )
+
+    def _gate_up_bias_loader(self, param: Tensor, loaded: Tensor) -> None:
+        """[E, 2I] (gate then up) -> this rank's slice of each piece."""
+        loaded = loaded.materialize() if hasattr(loaded, "materialize") else loaded
+        want = (self.num_experts, sum(self.gate_up.output_sizes))
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"shape mismatch: expected {want}, got {tuple(loaded.shape)}")
+        start = 0
+        for p, size in enumerate(self.gate_up.output_sizes):
+            offset, n, first = self.gate_up._piece_rows(p)
+            param.data[:, offset : offset + n].copy_(loaded[:, start + first : start + first + n])
+            start += size
 
     def forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         from pagedrs.layers.moe.cpu import cpu_fused_experts
 
-        if self.use_kernels:
+        plain = self.gate_up_bias is None and self.activation == SILU
+        if self.use_kernels and plain:
             out = cpu_fused_experts(x, self.gate_up, self.down, topk_weights, topk_ids)
             if out is not None:
                 return out
-        return fused_experts_torch(x, self.gate_up.dense(), self.down.dense(), topk_weights, topk_ids)
+        # under tensor parallelism the down bias is added by one rank only (the block sums the ranks)
+        b_down = self.down_bias if self.tp.position == 0 else None
+        return fused_experts_torch(
+            x,
+            self.gate_up.dense(),
+            self.down.dense(),
+            topk_weights,
+            topk_ids,
+            activation=self.activation,
+            b_gate_up=self.gate_up_bias,
+            b_down=b_down,
+        )
