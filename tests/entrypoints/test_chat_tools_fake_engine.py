@@ -237,23 +237,6 @@ def test_bad_tool_requests_are_400(server: ThreadedServer, body: dict[str, objec
     assert err["param"] == param and err["type"] == "invalid_request_error"
 
 
-def test_auto_needs_the_server_flag(engine: ScriptedEngine, tmp_path_factory: pytest.TempPathFactory) -> None:
-    args = server_args(
-        tmp_path_factory.mktemp("noauto"), tool_call_parser=None, enable_auto_tool_choice=False
-    )
-    with ThreadedServer(build_app(ScriptedEngine(), args)) as s:
-        req = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER_TOOL]}
-        r = httpx.post(f"{s.base_url}/v1/chat/completions", json=req, headers=AUTH, timeout=30)
-        assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
-        r = httpx.post(
-            f"{s.base_url}/v1/chat/completions",
-            json={**req, "tool_choice": "required"},
-            headers=AUTH,
-            timeout=30,
-        )
-        assert r.status_code == 200  # forced choices need no parser
-
-
 def test_serve_flags_reach_the_chat_server() -> None:
     from pagedrs.entrypoints.cli_args import ServerArgs, make_serve_parser
     from pagedrs.entrypoints.openai.chat_output import OutputParsing

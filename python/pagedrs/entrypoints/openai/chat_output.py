@@ -1,30 +1,42 @@
 """How a chat reply is read: the server's parser flags, a request's tool choice, and the parser
 pipeline (reasoning, then tool calls) whose events build both the streamed and the non-streamed reply.
 
-Tool choice follows vLLM: `auto` needs ``--enable-auto-tool-choice`` and ``--tool-call-parser`` (400
-otherwise) and reads the model's own call format; `required` and a named function need no parser: the
-grammar engine constrains the reply to a JSON array of calls / the function's arguments, so they always
-parse and validate against the function's schema; `none` renders no tools and reads no calls. With
-`auto`, a tool marked `strict` (hermes format) makes the grammar hold every call the model opens to
-its function's schema, the text around the calls staying free (an xgrammar structural tag).
+Tool choice `auto` (OpenAI's default) needs no flag, as in llama.cpp's server: it reads the call format
+``--tool-call-parser`` names, else the one the chat template writes (`template_tool_format`), else the
+generic format (`tool_parsers.generic`: the tools described in a system message and the reply held by
+the grammar engine to calls or a message). `required` and a named function need no parser: the grammar
+engine constrains the reply to a JSON array of calls / the function's arguments, so they always parse
+and validate against the function's schema; `none` renders no tools and reads no calls. With `auto`, a
+tool marked `strict` (hermes format) makes the grammar hold every call the model opens to its
+function's schema, the text around the calls staying free (an xgrammar structural tag).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from pagedrs.entrypoints.openai.errors import bad_request
 from pagedrs.entrypoints.openai.protocol_tools import ChatTool, named_schema, required_schema
 from pagedrs.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningParser
 from pagedrs.entrypoints.openai.tool_parsers import (
+    GENERIC,
     TOOL_PARSERS,
     ContentDelta,
     Event,
+    GenericToolParser,
     IdFactory,
     NamedCallParser,
     RequiredCallsParser,
     ToolParser,
+    template_tool_format,
+)
+from pagedrs.entrypoints.openai.tool_parsers.generic import (
+    generic_history,
+    generic_schema,
+    generic_system_prompt,
+    with_system,
 )
 from pagedrs.entrypoints.openai.tool_parsers.hermes import strict_calls_grammar
 from pagedrs.structured_outputs import StructuredOutputsParams
@@ -40,11 +52,22 @@ class ParserArgs(Protocol):
 
 @dataclass(frozen=True)
 class OutputParsing:
-    """The serve flags ``--tool-call-parser``, ``--enable-auto-tool-choice``, ``--reasoning-parser``."""
+    """The serve flags ``--tool-call-parser``, ``--enable-auto-tool-choice`` (accepted as vLLM's; `auto`
+    works without it), ``--reasoning-parser``, and the tool format the chat template writes."""
 
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
+    template_format: str | None = None  # see with_template
+
+    @property
+    def auto_format(self) -> str:
+        """The format `auto` reads: the flag's, else the template's, else the generic one."""
+        return self.tool_call_parser or self.template_format or GENERIC
+
+    def with_template(self, template: str | None) -> OutputParsing:
+        """These flags for a model whose chat template is `template` (its tool format detected)."""
+        return replace(self, template_format=template_tool_format(template))
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
@@ -67,13 +90,8 @@ class OutputParsing:
         )
 
     def plan(self, tools: list[ChatTool] | None, choice: str, parallel_tool_calls: bool = True) -> ReplyPlan:
-        """A request's plan; 400 for `auto` without the server flags (as vLLM)."""
+        """A request's plan."""
         tools = list(tools or [])
-        if tools and choice == "auto" and not self.enable_auto_tool_choice:
-            raise bad_request(
-                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
-                param="tool_choice",
-            )
         return ReplyPlan(self, tools if choice != "none" else [], choice, parallel_tool_calls)
 
 
@@ -92,14 +110,30 @@ class ReplyPlan:
     def named(self) -> str | None:
         return self.choice if self.forced and self.choice != "required" else None
 
+    @property
+    def generic(self) -> bool:
+        """The chat template knows no tool format (and no flag names one): the generic format."""
+        return self.parsing.auto_format == GENERIC
+
     def template_tools(self) -> list[dict[str, Any]] | None:
-        if not self.tools:
+        if not self.tools or self.generic:
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
+    def chat_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The messages the chat template renders: in the generic format, the tool turns of the history
+        as text and the tools described in the system message."""
+        if not self.generic:
+            return messages
+        messages = generic_history(messages)
+        if not self.tools:
+            return messages
+        tools = [t.function.model_dump(exclude_none=True) for t in self.tools]
+        return with_system(messages, generic_system_prompt(tools, auto=self.choice == "auto"))
+
     def keeps_special_tokens(self) -> bool:
         """The mistral format's marker is a special token: keep it in the text."""
-        cls = TOOL_PARSERS.get(self.parsing.tool_call_parser or "")
+        cls = TOOL_PARSERS.get(self.parsing.auto_format)
         return self.choice == "auto" and bool(getattr(cls, "keeps_special_tokens", False))
 
     def constraint(
@@ -124,6 +158,8 @@ class ReplyPlan:
                 raise bad_request(
                     f"tool parameters are not a usable JSON schema: {exc}", param="tools"
                 ) from None
+        elif self.choice == "auto" and self.tools and self.generic:
+            requested = self._generic_reply(requested, param)
         elif requested is None and self.strict_auto():
             requested = self._strict_calls()
         reasoning = self.reasoning(prompt_text)
@@ -137,8 +173,35 @@ class ReplyPlan:
         return (
             self.choice == "auto"
             and any(t.function.strict for t in self.tools)
-            and self.parsing.tool_call_parser in HERMES_NAMES
+            and self.parsing.auto_format in HERMES_NAMES
         )
+
+    def _generic_reply(
+        self, requested: StructuredOutputsParams | None, param: str
+    ) -> StructuredOutputsParams:
+        """The generic format's grammar: calls, or a response (following the request's own JSON schema
+        when it has one, as llama.cpp's generic handler)."""
+        response: dict[str, Any] | None = None
+        if requested is not None:
+            if requested.json is not None:
+                response = json.loads(requested.json) if isinstance(requested.json, str) else requested.json
+            elif requested.json_object:
+                response = {"type": "object"}
+            else:
+                raise bad_request(
+                    f"tool_choice 'auto' with tools cannot be combined with a {requested.kind} {param} "
+                    "on a model whose chat template has no tool format",
+                    param="tool_choice",
+                )
+        tools = [(t.function.name, t.function.parameters_schema()) for t in self.tools]
+        # as text: the grammar keeps the keys in this order ("name" first, so a call streams at once)
+        schema = json.dumps(generic_schema(tools, self.parallel_tool_calls, response))
+        out = StructuredOutputsParams(json=schema)
+        try:
+            out.validate()
+        except ValueError as exc:
+            raise bad_request(f"tool parameters are not a usable JSON schema: {exc}", param="tools") from None
+        return out
 
     def _strict_calls(self) -> StructuredOutputsParams:
         tools = [
@@ -160,8 +223,10 @@ class ReplyPlan:
             return NamedCallParser(self.named, new_id)
         if self.choice == "required":
             return RequiredCallsParser(new_id, max_calls)
-        if self.choice == "auto" and self.tools and self.parsing.tool_call_parser is not None:
-            return TOOL_PARSERS[self.parsing.tool_call_parser](new_id, max_calls)
+        if self.choice == "auto" and self.tools:
+            if self.generic:
+                return GenericToolParser(new_id, max_calls)
+            return TOOL_PARSERS[self.parsing.auto_format](new_id, max_calls)
         return None
 
     def reader(self, prompt_text: str, new_id: IdFactory | None = None) -> ReplyReader:

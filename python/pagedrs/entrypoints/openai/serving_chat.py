@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request
@@ -35,6 +36,33 @@ from pagedrs.entrypoints.openai.tool_parsers import ParsedMessage, chat_deltas
 from pagedrs.lora.request import LoRARequest
 from pagedrs.sampling_params import SamplingParams
 
+# vLLM's answer to a chat request for a model whose tokenizer has no chat template, with the flag that fixes it
+NO_CHAT_TEMPLATE = (
+    "the model has no chat template, so chat requests cannot be rendered: start the server with "
+    "--chat-template (a Jinja file or the template text), as vLLM; /v1/completions takes raw prompts"
+)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template`` as vLLM reads it: a file's text when `value` names a file, else the template
+    itself when it looks like Jinja (ValueError otherwise, naming the value)."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a readable file nor a Jinja template")
+
+
+def tokenizer_template(tokenizer: Any) -> str | None:
+    """The tokenizer's own chat template (the default one of a named set), or None."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default") or next(iter(template.values()), None)
+    return template if isinstance(template, str) and template else None
+
 
 @dataclass
 class ChatPrepared:
@@ -60,9 +88,14 @@ class OpenAIServingChat(OpenAIServing):
         tokenizer: Any = None,
         parsing: OutputParsing | None = None,
         models: ServingModels | None = None,
+        chat_template: str | None = None,
     ) -> None:
+        """`chat_template`: ``--chat-template`` (a file or the text), used instead of the tokenizer's."""
         super().__init__(engine, served_model_names, tokenizer=tokenizer, models=models)
-        self.parsing = parsing or OutputParsing()
+        self.template_override = load_chat_template(chat_template)
+        self.chat_template = self.template_override or tokenizer_template(self.tokenizer)
+        # `tool_choice` auto reads the format the flags name, else the one the chat template writes
+        self.parsing = (parsing or OutputParsing()).with_template(self.chat_template)
 
     def render(
         self,
@@ -72,7 +105,11 @@ class OpenAIServingChat(OpenAIServing):
     ) -> tuple[str, list[int]]:
         """The tokenizer's chat template (given the tools, as transformers' `apply_chat_template(tools=)`),
         rendered to text and tokenized without extra specials."""
+        if self.chat_template is None:
+            raise bad_request(NO_CHAT_TEMPLATE, param="messages")
         kwargs: dict[str, Any] = {"tools": tools} if tools else {}
+        if self.template_override is not None:
+            kwargs["chat_template"] = self.template_override
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
@@ -88,13 +125,13 @@ class OpenAIServingChat(OpenAIServing):
     async def prepare(self, req: ChatCompletionRequest) -> ChatPrepared:
         model, lora = self.resolve_model(req.model)
         plan = self.parsing.plan(req.tools, req.resolved_tool_choice(), req.parallel_tool_calls)
-        messages = req.chat_messages()
+        messages = plan.chat_messages(req.chat_messages())
         text, ids = await self.offload(
             self.render,
             messages,
             req.add_generation_prompt,
             plan.template_tools(),
-            size=sum(len(m["content"]) for m in messages),
+            size=sum(len(m.get("content") or "") for m in messages),
         )
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pagedrs.entrypoints.openai.tool_parsers.base import ToolParser
+from pagedrs.entrypoints.openai.tool_parsers.detect import template_tool_format
 from pagedrs.entrypoints.openai.tool_parsers.events import (
     ContentDelta,
     Event,
@@ -16,6 +17,7 @@ from pagedrs.entrypoints.openai.tool_parsers.events import (
     new_call_id,
 )
 from pagedrs.entrypoints.openai.tool_parsers.forced import NamedCallParser, RequiredCallsParser
+from pagedrs.entrypoints.openai.tool_parsers.generic import GenericToolParser
 from pagedrs.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagedrs.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagedrs.entrypoints.openai.tool_parsers.mistral import MistralToolParser
@@ -29,11 +31,15 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "pythonic": PythonicToolParser,
     "llama4_pythonic": PythonicToolParser,
 }
+# `tool_choice` auto for a template that names no format: the grammar-held JSON of llama.cpp's generic
+GENERIC = "generic"
 
 __all__ = [
     "TOOL_PARSERS",
+    "GENERIC",
     "ContentDelta",
     "Event",
+    "GenericToolParser",
     "HermesToolParser",
     "IdFactory",
     "Llama3JsonToolParser",
@@ -49,4 +55,5 @@ __all__ = [
     "ToolParser",
     "chat_deltas",
     "new_call_id",
+    "template_tool_format",
 ]
