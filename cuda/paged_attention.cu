@@ -17,6 +17,11 @@
 // requests, so both can be launched on a mixed batch with no host-side split. A request with
 // seq_len 0 (CUDA-graph padding) gets a zero output.
 // Softmax runs in fp32 in base 2: logits are pre-multiplied by scale * log2(e) (scale_log2).
+// Attention-logit soft-capping (HF's Gemma 2: s = cap * tanh(s / cap) on the scaled scores before the
+// softmax): the instances with CAP = true take soft_cap_log2 = cap * log2(e) and scale_log2 =
+// scale / cap, and a logit becomes soft_cap_log2 * tanh(q.k * scale_log2) (soft_cap<CAP>()). With CAP
+// false (every model without soft-capping) the argument is unread and the code is that of a kernel
+// without it.
 //
 // An fp8 KV cache (kv_cache_dtype fp8 = e4m3, or e5m2): every attention kernel takes the cache's
 // element type C next to the activations' type T (C = T otherwise); K/V are widened as they are
@@ -37,6 +42,16 @@ constexpr int kWarps = kThreads / 32;
 __device__ __forceinline__ long long slot_of(const int* bt, int t, int block_shift) {
     return (static_cast<long long>(bt[t >> block_shift]) << block_shift) +
            (t & ((1 << block_shift) - 1));
+}
+
+// A logit x = q.k * scale_log2 in base 2, soft-capped with CAP (see the top).
+template <bool CAP>
+__device__ __forceinline__ float soft_cap(float x, float soft_cap_log2) {
+    if constexpr (CAP) {
+        return soft_cap_log2 * tanhf(x);
+    } else {
+        return x;
+    }
 }
 
 // First key a query at position pos sees.
@@ -101,14 +116,15 @@ __device__ __forceinline__ long long decode_tmp_row(int b, int q_begin, int max_
 // Dynamic smem (4-byte words): q_s[GP*HEAD] | logits[max(GP*partition_size, kWarps*GP*HEAD)] |
 // max[GP] | sum[GP] | (MQ only: dst[GP] (8-byte) | lo[GP] | hi[GP]) | slots[partition_size]
 // (decode_smem_bytes() in attention_ops.py).
-template <typename T, int HEAD, int GP, typename C = T, bool MQ = false>
+template <typename T, int HEAD, int GP, typename C = T, bool MQ = false, bool CAP = false>
 __global__ void __launch_bounds__(kThreads) paged_attention_decode(
     T* __restrict__ out, float* __restrict__ tmp_out, float* __restrict__ max_logits,
     float* __restrict__ exp_sums, const T* __restrict__ q, long long q_stride,
     const C* __restrict__ k_cache, const C* __restrict__ v_cache,
     const int* __restrict__ block_tables, int block_table_stride, const int* __restrict__ seq_lens,
     const int* __restrict__ query_start_loc, int num_heads, int num_kv_heads, int block_shift,
-    int sliding_window, float scale_log2, int partition_size, int max_parts, int max_query)
+    int sliding_window, float scale_log2, int partition_size, int max_parts, int max_query,
+    float soft_cap_log2)
 {
     extern __shared__ __align__(16) unsigned char pg_smem[];
     const int b = blockIdx.x;
@@ -234,7 +250,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_decode(
             }
             acc += __shfl_xor_sync(kFull, acc, 1);
             acc += __shfl_xor_sync(kFull, acc, 2);
-            if (valid && kl == 0) logits[gi * partition_size + (t - ts)] = acc;
+            if (valid && kl == 0) logits[gi * partition_size + (t - ts)] = soft_cap<CAP>(acc, soft_cap_log2);
         }
     }
     __syncthreads();
@@ -520,23 +536,25 @@ __device__ __forceinline__ TileRange tile_range(int b, int tile, int rows_per_ti
 // visible range (warp-uniform test). Q stays in registers with 64-key tiles (MT == 1, or
 // HEAD <= 64), or, for MT == 2 and HEAD > 64, in its own shared buffer, re-read per k-step, with
 // 32-key tiles (FlashAttention-2's choices at d = 128: the registers go to the 32 x HEAD
-// accumulator). Rows are padded by 8 elements, so the 8 rows one ldmatrix reads hit distinct banks.
+// accumulator); HEAD 256 runs MT == 1 only, with Q in shared memory and 32-key tiles (its 16 x 256
+// accumulator takes 128 registers a thread). Rows are padded by 8 elements, so the 8 rows one ldmatrix reads hit distinct banks.
 // An fp8 cache (C): each 16-byte load brings 16 elements, widened to T (exactly: every e4m3 and
 // e5m2 value is an fp16 and a bf16 value) and stored as two 16-byte chunks; synchronous loads, so
 // they do not overlap the other GEMM as cp.async does.
 // Dynamic smem: (Q_SMEM ? BM : 0) * SROW + 2 * BN * SROW elements (Q otherwise staged in the K and
 // V buffers) + (8 + 2 * BN) ints; prefill_smem_bytes() in attention_ops.py computes the same.
-template <typename T, int HEAD, int MT, typename C = T>
+template <typename T, int HEAD, int MT, typename C = T, bool CAP = false>
 __global__ void __launch_bounds__(kThreads) paged_attention_prefill(
     T* __restrict__ out, const T* __restrict__ q, long long q_stride,
     const C* __restrict__ k_cache, const C* __restrict__ v_cache,
     const int* __restrict__ block_tables, int block_table_stride, const int* __restrict__ seq_lens,
     const int* __restrict__ query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
-    int block_shift, int sliding_window, float scale_log2, int max_decode_query)
+    int block_shift, int sliding_window, float scale_log2, int max_decode_query, float soft_cap_log2)
 {
     static_assert(sizeof(T) == 2 && HEAD % 16 == 0, "mma prefill: 16-bit types, HEAD % 16 == 0");
     static_assert(MT == 1 || MT == 2, "mma prefill: 16 or 32 rows per warp");
-    constexpr bool Q_SMEM = MT == 2 && HEAD > 64;
+    static_assert(MT == 1 || HEAD <= 128, "mma prefill: HEAD 256 takes 16 rows per warp");
+    constexpr bool Q_SMEM = (MT == 2 && HEAD > 64) || HEAD > 128;
     constexpr int BN = Q_SMEM ? 32 : 64, BM = 64 * MT, WR = 16 * MT;
     constexpr int SROW = HEAD + 8;  // padded row: ldmatrix rows hit distinct banks
     constexpr int CH = HEAD / 8;    // 16-byte chunks per row
@@ -721,7 +739,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_prefill(
                         const int j = j0 + nt * 8 + (lane % 4) * 2 + e;
                         float& v = s[mt][nt][h * 2 + e];
                         const bool seen = unmasked || (j <= row_hi[mt][h] && j >= row_lo[mt][h]);
-                        v = seen ? v * scale_log2 : neg_inf();
+                        v = seen ? soft_cap<CAP>(v * scale_log2, soft_cap_log2) : neg_inf();
                         mx = fmaxf(mx, v);
                     }
                 mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
@@ -804,13 +822,13 @@ __global__ void __launch_bounds__(kThreads) paged_attention_prefill(
 // grid: (ceil(T*G/16) + B, KVH), block 128. 16 rows per CTA, 4 per warp; keys in tiles of 32
 // staged as floats; lane j scores key j of the tile, lane d accumulates output dims d, d+32, ...
 // Dynamic smem (floats): q_s[16*HEAD] | k_s[32*(HEAD+1)] | v_s[32*(HEAD+1)] | 8 ints.
-template <typename T, int HEAD, typename C = T>
+template <typename T, int HEAD, typename C = T, bool CAP = false>
 __global__ void __launch_bounds__(kThreads) paged_attention_prefill_scalar(
     T* __restrict__ out, const T* __restrict__ q, long long q_stride,
     const C* __restrict__ k_cache, const C* __restrict__ v_cache,
     const int* __restrict__ block_tables, int block_table_stride, const int* __restrict__ seq_lens,
     const int* __restrict__ query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
-    int block_shift, int sliding_window, float scale_log2, int max_decode_query)
+    int block_shift, int sliding_window, float scale_log2, int max_decode_query, float soft_cap_log2)
 {
     constexpr int BM = 16, BN = 32, RW = BM / kWarps;
     constexpr int KROW = HEAD + 1;           // odd stride: lane j reading row j is conflict-free
@@ -870,7 +888,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_prefill_scalar(
             float sc = 0.f;
 #pragma unroll 8
             for (int d = 0; d < HEAD; ++d) sc += q_s[lr * HEAD + d] * k_s[lane * KROW + d];
-            sc = (j <= hi && j >= lo) ? sc : neg_inf();
+            sc = (j <= hi && j >= lo) ? soft_cap<CAP>(sc, soft_cap_log2) : neg_inf();
             const float m_new = fmaxf(m[rr], warp_max(sc));
             const float ref = m_new == neg_inf() ? 0.f : m_new;
             const float alpha = exp2f(m[rr] - ref);

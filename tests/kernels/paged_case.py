@@ -127,6 +127,7 @@ def run_paged_attention(
     impl: str = "auto",
     max_seq_len: int | None = None,
     max_decode_query_len: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> Tensor:
     """`pagedrs.kernels.paged_attention` for the case's step over kv_cache [2, ...] (holding the step's
     K/V); out starts as NaN so an unwritten row shows. max_seq_len: an upper bound (CUDA graphs);
@@ -149,15 +150,23 @@ def run_paged_attention(
         max_seq_len=max_seq_len or meta.max_seq_len,
         max_decode_query_len=max_decode_query_len,
         prefill_impl=impl,  # type: ignore[arg-type]
+        logits_soft_cap=logits_soft_cap,
     )
     return out
 
 
 def attention_reference(
-    case: PagedCase, kv_cache: Tensor, *, scale: float, sliding_window: int | None, query_chunk: int = 256
+    case: PagedCase,
+    kv_cache: Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    query_chunk: int = 256,
+    logits_soft_cap: float | None = None,
 ) -> Tensor:
     """float64 paged attention over kv_cache (already holding the step's K/V), [T, H, D], computed on the
-    cache's device, request by request, `query_chunk` queries at a time."""
+    cache's device, request by request, `query_chunk` queries at a time; scores soft-capped as HF's Gemma 2
+    (``cap * tanh(s / cap)``) when logits_soft_cap is given."""
     dev = kv_cache.device
     q = case.q.to(dev, torch.float64)
     cache = kv_cache.double()
@@ -179,6 +188,8 @@ def attention_reference(
         for c0 in range(0, q_len, query_chunk):
             c1 = min(q_len, c0 + query_chunk)
             scores = torch.einsum("qhd,khd->hqk", q[start + c0 : start + c1], k) * scale
+            if logits_soft_cap is not None:
+                scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
             q_pos = torch.arange(ctx - q_len + c0, ctx - q_len + c1, device=dev)
             rel = q_pos[:, None] - pos[None, :]
             mask = rel >= 0

@@ -19,7 +19,7 @@ from pagedrs.kernels import (
     set_host_executor,
     supports,
 )
-from pagedrs.kernels._loader import GROUP_SIZES, PREFILL_MMA_TILES
+from pagedrs.kernels._loader import GROUP_SIZES, prefill_mma_tiles
 from pagedrs.kernels.attention_ops import (
     DECODE_MAX_QUERY,
     decode_rows,
@@ -67,10 +67,12 @@ def test_shared_memory_budgets(head_size: int) -> None:
         for part in (64, 128, 256, 512):
             one = decode_smem_bytes(head_size, gp, part)
             assert one < decode_smem_bytes(head_size, gp, part, multi_query=True) <= _SMEM_LIMIT
-    for mt in PREFILL_MMA_TILES:
+    for mt in prefill_mma_tiles(head_size):
         assert prefill_smem_bytes(head_size, mt) <= 99 * 1024
-    assert prefill_smem_bytes(head_size, 1) <= _SMEM_LIMIT
-    assert scalar_prefill_smem_bytes(head_size) <= _SMEM_LIMIT
+    # head 256: both prefills opt in past 48 KiB (66 and 80 KiB; sm_80+ parts give 99 KiB or more)
+    limit = _SMEM_LIMIT if head_size <= 128 else 99 * 1024
+    assert prefill_smem_bytes(head_size, 1) <= limit
+    assert scalar_prefill_smem_bytes(head_size) <= limit
 
 
 def test_prefill_tile_choice() -> None:
@@ -81,7 +83,11 @@ def test_prefill_tile_choice() -> None:
 
 def test_supports() -> None:
     assert supports(128, torch.bfloat16) and supports(64, torch.float32) and supports(80, torch.float16)
-    assert not supports(256, torch.float16) and not supports(128, torch.float64)
+    assert (
+        supports(256, torch.float16) and not supports(128, torch.float64) and not supports(48, torch.float16)
+    )
+    assert supports(256, torch.bfloat16, soft_cap=True) and supports(128, torch.float32, soft_cap=True)
+    assert not supports(64, torch.float16, soft_cap=True)
 
 
 def _args(**over: object) -> dict:
@@ -191,7 +197,7 @@ def test_one_token_step_keeps_the_decode_launches(launches: list[Launch]) -> Non
         128 + 512 + 16 + 64
     )
     assert reduce.grid == (4, 12, 1)
-    assert int(decode.args[-1]) == 1 and int(reduce.args[-1]) == 1  # max_query
+    assert int(decode.args[-2]) == 1 and int(reduce.args[-1]) == 1  # max_query (decode: then the cap)
 
 
 def test_one_token_requests_beside_long_chunks_keep_the_one_token_instance(launches: list[Launch]) -> None:
@@ -207,7 +213,7 @@ def test_verification_step_runs_on_the_decode_kernel_only(launches: list[Launch]
     decode, reduce = launches
     assert decode.name == "pagedrs::paged_attention_decode<pagedrs::half_t, 16, 8, pagedrs::half_t, true>"
     assert reduce.name == "pagedrs::paged_attention_reduce<pagedrs::half_t, 16, true>"
-    assert decode.shared_mem == decode_smem_bytes(16, 8, int(decode.args[-3]), multi_query=True)
+    assert decode.shared_mem == decode_smem_bytes(16, 8, int(decode.args[-4]), multi_query=True)
     assert decode.grid[:2] == (4, 8) and reduce.grid == (4, 12, 5)  # ceil(5 * 12 / 8) row chunks
 
 
@@ -217,13 +223,16 @@ def test_long_chunks_go_to_the_prefill_kernel(launches: list[Launch]) -> None:
     _step([1, 3, 40], max_query_len=40)
     assert [_kernel(s) for s in launches] == ["decode", "reduce", "prefill"]
     assert launches[0].grid[1] == -(-DECODE_MAX_QUERY * 12 // 8)
-    assert {int(s.args[-1]) for s in launches} == {DECODE_MAX_QUERY}
+    # the decode bound: decode's and prefill's argument before the soft cap, the reduce's last
+    assert {int(s.args[-1 if _kernel(s) == "reduce" else -2]) for s in launches} == {DECODE_MAX_QUERY}
     launches.clear()
     _step([1, 3, 40], max_query_len=40, max_decode_query_len=3)
-    assert launches[0].grid[1] == 5 and {int(s.args[-1]) for s in launches} == {3}
+    assert launches[0].grid[1] == 5 and {
+        int(s.args[-1 if _kernel(s) == "reduce" else -2]) for s in launches
+    } == {3}
     launches.clear()
     _step([40, 20], max_query_len=40, max_decode_query_len=0)
-    assert [_kernel(s) for s in launches] == ["prefill"] and int(launches[0].args[-1]) == 0
+    assert [_kernel(s) for s in launches] == ["prefill"] and int(launches[0].args[-2]) == 0
 
 
 def _meta(q_lens: list[int]) -> AttentionMetadata:
@@ -269,3 +278,41 @@ def test_default_capture_sizes() -> None:
     assert default_capture_sizes(6) == [1, 2, 4, 6]
     sizes = default_capture_sizes(256)
     assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and all(s % 16 == 0 for s in sizes[4:])
+
+
+def test_soft_cap_launches_the_capping_instances() -> None:
+    """A soft cap: every launch on the CAP instances, the logits scaled by scale / cap and capped at
+    cap * log2(e); without one the instances keep their names and read no cap (0 passed)."""
+    seen: list[Launch] = []
+    previous = set_host_executor(seen.append)
+    try:
+        for cap in (None, 50.0):
+            q = torch.zeros(41, 2, 128, dtype=torch.float16)
+            cache = torch.zeros(300, 16, 1, 128, dtype=torch.float16)
+            paged_attention(
+                torch.empty_like(q),
+                q,
+                cache,
+                cache,
+                torch.zeros(2, 256, dtype=torch.int32),
+                torch.full((2,), 4096, dtype=torch.int32),
+                torch.tensor([0, 1, 41], dtype=torch.int32),
+                scale=0.125,
+                sliding_window=None,
+                max_query_len=40,
+                max_seq_len=4096,
+                max_decode_query_len=1,
+                logits_soft_cap=cap,
+            )
+    finally:
+        set_host_executor(previous)
+    plain, capped = seen[:3], seen[3:]
+    assert [_kernel(s) for s in capped] == ["decode", "reduce", "prefill"]
+    assert not any(s.name.endswith(", true>") for s in plain) and float(plain[0].args[-1]) == 0.0
+    decode, _, prefill = capped
+    assert decode.name.endswith("128, 2, pagedrs::half_t, false, true>")
+    assert prefill.name.endswith(", true>") and "reduce" in capped[1].name
+    for s in (decode, prefill):
+        assert float(s.args[-1]) == pytest.approx(50.0 * math.log2(math.e))
+        assert float(s.args[-3 if s is prefill else -5]) == pytest.approx(0.125 / 50.0)
+    assert prefill_m_tiles("auto", 4096, 8, head_size=256) == 1

@@ -10,6 +10,7 @@ from pagedrs.kernels._launch import Launch, set_host_executor
 from pagedrs.kernels._loader import (
     COMPILE_CHECK_ARCHS,
     HEAD_SIZES,
+    SOFT_CAP_HEAD_SIZES,
     KernelCompileError,
     compile_check,
     instantiation_groups,
@@ -23,6 +24,7 @@ __all__ = [
     "COMPILE_CHECK_ARCHS",
     "HEAD_SIZES",
     "KernelCompileError",
+    "SOFT_CAP_HEAD_SIZES",
     "Launch",
     "compile_check",
     "copy_blocks",

@@ -30,6 +30,7 @@ __all__ = [
     "KernelCompileError",
     "NVRTC_OPTIONS",
     "PREFILL_MMA_TILES",
+    "SOFT_CAP_HEAD_SIZES",
     "SOURCES",
     "WORD_TYPES",
     "attention_names",
@@ -41,6 +42,7 @@ __all__ = [
     "layer_op_names",
     "lora_op_names",
     "nvrtc_version",
+    "prefill_mma_tiles",
     "quant_op_names",
     "register_usage",
     "vector_width",
@@ -48,7 +50,10 @@ __all__ = [
 
 SOURCES = ("cache_kernels", "paged_attention", "layer_ops", "quant_ops", "lora_ops")
 HEADERS = ("common.cuh",)  # included by the sources, inlined by kernel_source
-HEAD_SIZES = (16, 32, 64, 80, 96, 128)
+HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)
+# Head sizes with soft-capping instances (Gemma 2's checkpoints: 256 for 2b and 9b, 128 for 27b); kept
+# to these so the compile check stays short (any head size would compile: CAP is a template argument).
+SOFT_CAP_HEAD_SIZES = (128, 256)
 # Query heads per decode CTA: the group size G = num_heads / num_kv_heads rounded up to one of these
 # (larger groups take ceil(G / 8) CTAs per kv head).
 GROUP_SIZES = (1, 2, 4, 8)
@@ -117,10 +122,20 @@ def _cache_arg(cache_ctype: str | None) -> str:
 
 
 def decode_name(
-    ctype: str, head_size: int, group: int, cache_ctype: str | None = None, *, multi_query: bool = False
+    ctype: str,
+    head_size: int,
+    group: int,
+    cache_ctype: str | None = None,
+    *,
+    multi_query: bool = False,
+    soft_cap: bool = False,
 ) -> str:
     """The decode instance for one query per request (multi_query False: the kernel's MQ = false, its
-    one-token code) or for several (speculative verification)."""
+    one-token code) or for several (speculative verification); soft_cap: the one capping the logits
+    (CAP = true; the others are named as before the kernel had that template argument)."""
+    if soft_cap:
+        mq = "true" if multi_query else "false"
+        return f"pagedrs::paged_attention_decode<{ctype}, {head_size}, {group}, {cache_ctype or ctype}, {mq}, true>"
     if multi_query:
         return f"pagedrs::paged_attention_decode<{ctype}, {head_size}, {group}, {cache_ctype or ctype}, true>"
     return f"pagedrs::paged_attention_decode<{ctype}, {head_size}, {group}{_cache_arg(cache_ctype)}>"
@@ -130,12 +145,16 @@ def reduce_name(ctype: str, head_size: int, *, multi_query: bool = False) -> str
     return f"pagedrs::paged_attention_reduce<{ctype}, {head_size}{', true' if multi_query else ''}>"
 
 
-def _decode_names(ctype: str, head_size: int, cache_ctype: str | None) -> list[str]:
+def _decode_names(ctype: str, head_size: int, cache_ctype: str | None, soft_cap: bool) -> list[str]:
     """Decode and the split-K reduction, one-token instances (every group size) and multi-query ones (the
     group sizes past 1: a request of 2+ queries brings 2+ rows per kv head, attention_ops.decode_rows)."""
-    names = [decode_name(ctype, head_size, g, cache_ctype) for g in GROUP_SIZES]
+    names = [decode_name(ctype, head_size, g, cache_ctype, soft_cap=soft_cap) for g in GROUP_SIZES]
     names.append(reduce_name(ctype, head_size))
-    names += [decode_name(ctype, head_size, g, cache_ctype, multi_query=True) for g in GROUP_SIZES if g > 1]
+    names += [
+        decode_name(ctype, head_size, g, cache_ctype, multi_query=True, soft_cap=soft_cap)
+        for g in GROUP_SIZES
+        if g > 1
+    ]
     names.append(reduce_name(ctype, head_size, multi_query=True))
     return names
 
@@ -144,9 +163,25 @@ def _decode_names(ctype: str, head_size: int, cache_ctype: str | None) -> list[s
 PREFILL_MMA_TILES = (1, 2)
 
 
+def prefill_mma_tiles(head_size: int) -> tuple[int, ...]:
+    """The tensor-core prefill's tiles for a head size: head 256 takes 16 rows per warp only (a 32 x 256
+    accumulator would not fit a thread's 255 registers)."""
+    return (1,) if head_size > 128 else PREFILL_MMA_TILES
+
+
 def prefill_name(
-    ctype: str, head_size: int, *, mma: bool, cache_ctype: str | None = None, m_tiles: int = 1
+    ctype: str,
+    head_size: int,
+    *,
+    mma: bool,
+    cache_ctype: str | None = None,
+    m_tiles: int = 1,
+    soft_cap: bool = False,
 ) -> str:
+    if soft_cap:
+        tile = f"{m_tiles}, " if mma else ""
+        kernel = "paged_attention_prefill" if mma else "paged_attention_prefill_scalar"
+        return f"pagedrs::{kernel}<{ctype}, {head_size}, {tile}{cache_ctype or ctype}, true>"
     if mma:
         return f"pagedrs::paged_attention_prefill<{ctype}, {head_size}, {m_tiles}{_cache_arg(cache_ctype)}>"
     return f"pagedrs::paged_attention_prefill_scalar<{ctype}, {head_size}{_cache_arg(cache_ctype)}>"
@@ -156,25 +191,25 @@ def fp8_write_name(ctype: str, cache_ctype: str) -> str:
     return f"pagedrs::reshape_and_cache_fp8<{ctype}, {cache_ctype}>"
 
 
-def attention_names(ctype: str, head_size: int, cache_ctype: str | None = None) -> tuple[str, ...]:
+def attention_names(
+    ctype: str, head_size: int, cache_ctype: str | None = None, *, soft_cap: bool = False
+) -> tuple[str, ...]:
     """The instantiations one model needs (one dtype, one head size), compiled together as one module:
     decode for every group size and the split-K reduction (one-token and multi-query instances), and the
     prefill kernels (tensor-core for 16-bit types, scalar for all: fp32, and fp16/bf16 before sm_80).
     With an fp8 cache (`cache_ctype`, one of CACHE_CTYPES): the same kernels reading it (tensor-core
-    prefill for 16-bit activations) and the converting cache write."""
-    names = _decode_names(ctype, head_size, cache_ctype)
-    if cache_ctype is not None:
-        if ctype != "float":
-            names += [
-                prefill_name(ctype, head_size, mma=True, cache_ctype=cache_ctype, m_tiles=mt)
-                for mt in PREFILL_MMA_TILES
-            ]
-        names.append(prefill_name(ctype, head_size, mma=False, cache_ctype=cache_ctype))
+    prefill for 16-bit activations) and the converting cache write. `soft_cap`: the instances that
+    soft-cap the logits (a model such as Gemma 2 runs only those; a module of its own, without the cache
+    write, which stays in the plain module)."""
+    names = _decode_names(ctype, head_size, cache_ctype, soft_cap)
+    mma = [
+        prefill_name(ctype, head_size, mma=True, cache_ctype=cache_ctype, m_tiles=mt, soft_cap=soft_cap)
+        for mt in prefill_mma_tiles(head_size)
+    ]
+    names += mma if ctype != "float" else []
+    names.append(prefill_name(ctype, head_size, mma=False, cache_ctype=cache_ctype, soft_cap=soft_cap))
+    if cache_ctype is not None and not soft_cap:  # launch_fp8_write loads the plain module
         names.append(fp8_write_name(ctype, cache_ctype))
-        return tuple(names)
-    if ctype != "float":
-        names += [prefill_name(ctype, head_size, mma=True, m_tiles=mt) for mt in PREFILL_MMA_TILES]
-    names.append(prefill_name(ctype, head_size, mma=False))
     return tuple(names)
 
 
@@ -224,9 +259,10 @@ def instantiation_groups() -> list[tuple[str, tuple[str, ...]]]:
     groups += [("lora_ops", lora_op_names(ctype)) for ctype in CTYPES.values()]
     for ctype in CTYPES.values():
         for head_size in HEAD_SIZES:
-            groups.append(("paged_attention", attention_names(ctype, head_size)))
-            for cache_ctype in CACHE_CTYPES.values():
-                groups.append(("paged_attention", attention_names(ctype, head_size, cache_ctype)))
+            for cache_ctype in (None, *CACHE_CTYPES.values()):
+                for soft_cap in (False, True) if head_size in SOFT_CAP_HEAD_SIZES else (False,):
+                    names = attention_names(ctype, head_size, cache_ctype, soft_cap=soft_cap)
+                    groups.append(("paged_attention", names))
     return groups
 
 

@@ -24,10 +24,11 @@ from pagedrs.kernels._loader import (
     CTYPES,
     GROUP_SIZES,
     HEAD_SIZES,
-    PREFILL_MMA_TILES,
+    SOFT_CAP_HEAD_SIZES,
     attention_names,
     decode_name,
     fp8_write_name,
+    prefill_mma_tiles,
     prefill_name,
     reduce_name,
 )
@@ -61,11 +62,14 @@ DECODE_MAX_QUERY = 16
 PrefillImpl = Literal["auto", "mma", "mma64", "mma128", "scalar"]
 
 
-def prefill_m_tiles(impl: PrefillImpl, max_query_len: int, group: int) -> int:
+def prefill_m_tiles(impl: PrefillImpl, max_query_len: int, group: int, head_size: int = 128) -> int:
     """m16 tiles per warp of the tensor-core prefill: 2 (128-row CTAs, each K/V fragment feeds two mma)
     once a request brings 128 query rows (tokens x group), else 1 (64-row CTAs waste less on short
-    chunks)."""
-    if impl == "mma64":
+    chunks); always 1 where the head size has no 128-row tile (`prefill_mma_tiles`)."""
+    tiles = prefill_mma_tiles(head_size)
+    if impl == "mma128" and 2 not in tiles:
+        raise ValueError(f"prefill_impl 'mma128' has no tile for head_size={head_size}; use 'mma64'")
+    if impl == "mma64" or 2 not in tiles:
         return 1
     if impl == "mma128":
         return 2
@@ -74,7 +78,7 @@ def prefill_m_tiles(impl: PrefillImpl, max_query_len: int, group: int) -> int:
 
 def prefill_smem_bytes(head_size: int, m_tiles: int) -> int:
     """Dynamic shared memory of paged_attention_prefill<T, head_size, m_tiles> (its header comment)."""
-    q_smem = m_tiles == 2 and head_size > 64
+    q_smem = (m_tiles == 2 and head_size > 64) or head_size > 128
     row, keys = head_size + 8, 32 if q_smem else 64
     q_rows = 64 * m_tiles if q_smem else 0
     return 2 * (q_rows + 2 * keys) * row + 4 * (8 + 2 * keys)
@@ -85,10 +89,12 @@ def scalar_prefill_smem_bytes(head_size: int) -> int:
     return 4 * (_SCALAR_ROWS * head_size + 2 * 32 * (head_size + 1)) + 32
 
 
-def supports(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> bool:
+def supports(
+    head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None, *, soft_cap: bool = False
+) -> bool:
     """Whether the kernels are instantiated for this head size and dtype (and cache dtype: the same, or
-    an fp8 type)."""
-    ok = head_size in HEAD_SIZES and _name(dtype) in CTYPES
+    an fp8 type; and with `soft_cap`, logit soft-capping: head sizes SOFT_CAP_HEAD_SIZES)."""
+    ok = head_size in (SOFT_CAP_HEAD_SIZES if soft_cap else HEAD_SIZES) and _name(dtype) in CTYPES
     return ok and (cache_dtype is None or cache_dtype == dtype or _name(cache_dtype) in CACHE_CTYPES)
 
 
@@ -269,6 +275,7 @@ def paged_attention(
     max_seq_len: int,
     max_decode_query_len: int | None = None,
     prefill_impl: PrefillImpl = "auto",
+    logits_soft_cap: float | None = None,
 ) -> Tensor:
     """out[t] = attention of query q[t] over its request's cached keys/values.
 
@@ -280,8 +287,15 @@ def paged_attention(
     ones to a prefill kernel, launched one after the other; each skips the other's requests on the device.
     max_decode_query_len (0..DECODE_MAX_QUERY; default min(max_query_len, DECODE_MAX_QUERY)) sizes the
     decode grid: pass the longest such query of the step (1 for a decode step) to keep the grid tight when
-    the step also holds long prefill chunks."""
+    the step also holds long prefill chunks. logits_soft_cap: the scaled scores s become
+    ``cap * tanh(s / cap)`` before the softmax (HF's Gemma 2 attention soft-capping)."""
     shapes = _check_args(out, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    if logits_soft_cap is not None and not (0 < logits_soft_cap < math.inf):
+        raise ValueError(f"logits_soft_cap must be a positive finite number, got {logits_soft_cap}")
+    if logits_soft_cap is not None and shapes.head_size not in SOFT_CAP_HEAD_SIZES:
+        raise ValueError(
+            f"no soft-capping attention kernel for head_size={shapes.head_size}; head sizes {SOFT_CAP_HEAD_SIZES}"
+        )
     if max_decode_query_len is None:
         max_decode_query_len = min(max_query_len, DECODE_MAX_QUERY)
     if not 0 <= max_decode_query_len <= DECODE_MAX_QUERY:
@@ -302,9 +316,13 @@ def paged_attention(
     launch_args = _LaunchArgs(
         shapes=shapes,
         ctype=ctype,
-        names=attention_names(ctype, shapes.head_size, shapes.cache_ctype),
+        names=attention_names(
+            ctype, shapes.head_size, shapes.cache_ctype, soft_cap=logits_soft_cap is not None
+        ),
         window=window,
-        scale_log2=np.float32(scale * _LOG2E),
+        # with a cap the kernels take logits q.k * scale / cap, then cap * log2(e) * tanh(.)
+        scale_log2=np.float32(scale / logits_soft_cap if logits_soft_cap else scale * _LOG2E),
+        soft_cap_log2=np.float32(logits_soft_cap * _LOG2E if logits_soft_cap else 0.0),
         block_shift=np.int32(shapes.block_size.bit_length() - 1),
         max_decode_query=max_decode_query_len,
         common=(
@@ -332,6 +350,12 @@ class _LaunchArgs:
     names: Any
     window: int
     scale_log2: np.float32
+    soft_cap_log2: np.float32  # cap * log2(e), read by the soft-capping instances only
+
+    @property
+    def soft_cap(self) -> bool:
+        return bool(self.soft_cap_log2 > 0)
+
     block_shift: np.int32
     max_decode_query: int  # requests of 1..this many queries are the decode kernel's, longer ones prefill's
     common: tuple[Any, ...]  # caches, block tables (and row stride), seq_lens, query_start_loc
@@ -369,7 +393,9 @@ def _launch_decode(
         Launch(
             _SOURCE,
             a.names,
-            decode_name(a.ctype, sh.head_size, gp, sh.cache_ctype, multi_query=multi_query),
+            decode_name(
+                a.ctype, sh.head_size, gp, sh.cache_ctype, multi_query=multi_query, soft_cap=a.soft_cap
+            ),
             (sh.num_seqs, sh.num_kv_heads * chunks, max_parts),
             _THREADS,
             decode_smem_bytes(sh.head_size, gp, part, multi_query=multi_query),
@@ -387,6 +413,7 @@ def _launch_decode(
                 np.int32(part),
                 np.int32(max_parts),
                 np.int32(max_query),
+                a.soft_cap_log2,
             ),
         ),
         device,
@@ -427,8 +454,8 @@ def _launch_prefill(
     mma = prefill_impl.startswith("mma") or (prefill_impl == "auto" and a.ctype != "float" and arch >= 80)
     if mma and a.ctype == "float":
         raise ValueError("the tensor-core prefill kernel takes float16/bfloat16 queries only")
-    m_tiles = prefill_m_tiles(prefill_impl, max_query_len, group) if mma else 1
-    assert m_tiles in PREFILL_MMA_TILES
+    m_tiles = prefill_m_tiles(prefill_impl, max_query_len, group, sh.head_size) if mma else 1
+    assert m_tiles in prefill_mma_tiles(sh.head_size)
     if mma:
         rows, smem = 64 * m_tiles, prefill_smem_bytes(sh.head_size, m_tiles)
     else:
@@ -438,7 +465,14 @@ def _launch_prefill(
         Launch(
             _SOURCE,
             a.names,
-            prefill_name(a.ctype, sh.head_size, mma=mma, cache_ctype=sh.cache_ctype, m_tiles=m_tiles),
+            prefill_name(
+                a.ctype,
+                sh.head_size,
+                mma=mma,
+                cache_ctype=sh.cache_ctype,
+                m_tiles=m_tiles,
+                soft_cap=a.soft_cap,
+            ),
             (tiles, sh.num_kv_heads, 1),
             _THREADS,
             smem,
@@ -454,6 +488,7 @@ def _launch_prefill(
                 np.int32(a.window),
                 a.scale_log2,
                 np.int32(a.max_decode_query),
+                a.soft_cap_log2,
             ),
         ),
         device,

@@ -28,7 +28,8 @@ __all__ = ["CupyAttentionBackend", "decode_query_len"]
 
 class CupyAttentionBackend:
     """Paged attention with the pagedrs CUDA kernels (fp16, bf16, fp32; head sizes in
-    pagedrs.kernels.HEAD_SIZES; the cache in the model's dtype or fp8). `prefill_impl` forces the
+    pagedrs.kernels.HEAD_SIZES, soft-capped logits at SOFT_CAP_HEAD_SIZES; the cache in the model's dtype
+    or fp8). `prefill_impl` forces the
     tensor-core prefill kernel ("mma", or one tile: "mma64" / "mma128") or the scalar one."""
 
     name = "cupy"
@@ -85,6 +86,7 @@ class CupyAttentionBackend:
             max_seq_len=meta.max_seq_len,
             max_decode_query_len=decode_query_len(meta),
             prefill_impl=self.prefill_impl,
+            logits_soft_cap=logits_soft_cap,
         )
 
 

@@ -62,9 +62,9 @@ def kernel_takes(kernel: str, *, head_size: int, logits_soft_cap: float | None, 
     if sinks:
         return False
     if kernel == "cupy":
-        from pagedrs.kernels import HEAD_SIZES
+        from pagedrs.kernels import HEAD_SIZES, SOFT_CAP_HEAD_SIZES
 
-        return head_size in HEAD_SIZES and logits_soft_cap is None
+        return head_size in (HEAD_SIZES if logits_soft_cap is None else SOFT_CAP_HEAD_SIZES)
     return True  # the Rust CPU decode kernel takes any head size and soft-capping
 
 
