@@ -117,13 +117,16 @@ def test_sinks_take_part_of_each_softmax() -> None:
     assert big.abs().max() < 1e-6
 
 
-def test_mxfp4_dequantizer_matches_hand_reference() -> None:
+def test_mxfp4_dequantizer_matches_hand_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(0)
     blocks = rng.integers(0, 256, size=(3, 5, 2, 16), dtype=np.uint8)
     scales = rng.integers(118, 136, size=(3, 5, 2), dtype=np.uint8)
     got = dequantize_mxfp4(torch.from_numpy(blocks), torch.from_numpy(scales))
     assert got.shape == (3, 5, 64) and got.dtype == torch.float32
     np.testing.assert_array_equal(got.numpy(), dequantize_reference(blocks, scales))
+    monkeypatch.setattr("pagedrs.quantization.mxfp4._CHUNK", 7)  # blocks in uneven chunks: the same
+    chunked = dequantize_mxfp4(torch.from_numpy(blocks), torch.from_numpy(scales))
+    np.testing.assert_array_equal(chunked.numpy(), got.numpy())
     # low nibble first: byte 0x21 with scale 127 is (code 1, code 2) = (0.5, 1.0)
     one = torch.zeros(1, 16, dtype=torch.uint8)
     one[0, 0] = 0x21

@@ -25,6 +25,7 @@ logger = logging.getLogger("pagedrs.loader")
 # FP4 e2m1 by its 4-bit code: sign bit 3, exponent bits 2-1, mantissa bit 0
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCK = 32  # elements per scale
+_CHUNK = 1 << 20  # 32-element blocks dequantized at a time
 
 
 def dequantize_mxfp4(blocks: Tensor, scales: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -37,10 +38,15 @@ def dequantize_mxfp4(blocks: Tensor, scales: Tensor, dtype: torch.dtype = torch.
             f"(blocks [..., G, {BLOCK // 2}], scales [..., G])"
         )
     lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # [..., G, 16, 2]: low nibble first
-    values = lut[codes].reshape(*blocks.shape[:-1], BLOCK)
-    out = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
-    return out.reshape(*blocks.shape[:-2], -1).to(dtype)
+    flat_blocks, flat_scales = blocks.reshape(-1, BLOCK // 2), scales.reshape(-1)
+    out = torch.empty(flat_blocks.shape[0], BLOCK, dtype=dtype)
+    for start in range(0, flat_blocks.shape[0], _CHUNK):  # bounded temporaries (a real layer is ~1e9 values)
+        b = flat_blocks[start : start + _CHUNK]
+        codes = torch.stack([b & 0x0F, b >> 4], dim=-1).long()  # [n, 16, 2]: the low nibble first
+        values = lut[codes].reshape(-1, BLOCK)
+        exps = flat_scales[start : start + _CHUNK].to(torch.int32)[:, None] - 127
+        out[start : start + _CHUNK] = torch.ldexp(values, exps)
+    return out.reshape(*blocks.shape[:-2], -1)
 
 
 def mxfp4_checkpoint(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
