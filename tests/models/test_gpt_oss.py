@@ -149,6 +149,11 @@ def test_mxfp4_checkpoint_matches_hf_on_dequantized_weights(tiny: Path, tmp_path
     assert loaded.quantization == "mxfp4"
     seqs = random_prompts([12, 9], seed=2)
     hf = load_hf_model(dequantized)
+    # HF reads the MXFP4 folder itself (dequantizing) into the same weights: the layout written is HF's
+    hf_mxfp4 = load_hf_model(quantized, quantization_config=transformers.Mxfp4Config(dequantize=True))
+    hf_experts = hf_mxfp4.model.layers[1].mlp.experts
+    torch.testing.assert_close(hf_experts.gate_up_proj, hf.model.layers[1].mlp.experts.gate_up_proj)
+    torch.testing.assert_close(hf_experts.down_proj, hf.model.layers[1].mlp.experts.down_proj)
     from pagedrs.layers.attention import ForwardContext
     from tests.models.helpers_hf import ATOL
 
