@@ -1,5 +1,9 @@
 """Prometheus metrics of the server: engine gauges and counters, per-request latency histograms.
 
+Every ``pagedrs:`` series vLLM V1 has an equivalent of is also served under vLLM's name (`VLLM_NAMES`),
+with the same samples plus vLLM's ``engine`` label, so dashboards, autoscaler rules and routers written
+for vLLM read this server unchanged.
+
 With several API server processes (`--api-server-count`, `PROMETHEUS_MULTIPROC_DIR` set by the
 supervisor before this module is imported) the histograms and counters of every process are summed at
 scrape time; the engine's figures come from the core's step messages, the same in every process, and
@@ -8,7 +12,7 @@ are reported once."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import (
@@ -18,8 +22,9 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -165,6 +170,74 @@ class _EngineStatsCollector(Collector):
         )
 
 
+# pagedrs family -> the names vLLM V1 serves it under (vllm/v1/metrics/loggers.py; counters get their
+# `_total` sample suffix from the family, as there). `vllm:num_requests_swapped` is vLLM V0's (V1 does not
+# swap); `vllm:gpu_cache_usage_perc` and `vllm:time_per_output_token_seconds` are the older names V1 still
+# serves beside `kv_cache_usage_perc` and `inter_token_latency_seconds`.
+VLLM_NAMES: dict[str, tuple[str, ...]] = {
+    "pagedrs:num_requests_running": ("vllm:num_requests_running",),
+    "pagedrs:num_requests_waiting": ("vllm:num_requests_waiting",),
+    "pagedrs:num_requests_swapped": ("vllm:num_requests_swapped",),
+    "pagedrs:kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "pagedrs:prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "pagedrs:prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "pagedrs:prompt_tokens": ("vllm:prompt_tokens",),
+    "pagedrs:generation_tokens": ("vllm:generation_tokens",),
+    "pagedrs:num_preemptions": ("vllm:num_preemptions",),
+    "pagedrs:spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "pagedrs:spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "pagedrs:spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    "pagedrs:time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "pagedrs:inter_token_latency_seconds": (
+        "vllm:inter_token_latency_seconds",
+        "vllm:time_per_output_token_seconds",
+    ),
+    "pagedrs:e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "pagedrs:request_success": ("vllm:request_success",),
+}
+# The pagedrs families vLLM has no series for, and why (the twin test checks this list is complete).
+NO_VLLM_NAME: dict[str, str] = {
+    "pagedrs:spec_decode_num_pauses": "vLLM never pauses speculation",
+    "pagedrs:http_requests": "vLLM counts HTTP requests with prometheus-fastapi-instrumentator, unprefixed",
+    "pagedrs:engine_step_seconds": "vLLM has no per-step time histogram",
+    "pagedrs:output_send_seconds": "vLLM has no output-send time histogram",
+    "pagedrs:frontend_step_seconds": "vLLM has no frontend per-step time histogram",
+    "pagedrs:step_batch_size": "vLLM's iteration_tokens_total counts tokens per step, not sequences",
+}
+VLLM_ENGINE_INDEX = "0"  # vLLM's `engine` label: this server runs one engine core
+
+
+def vllm_twins(families: Iterable[Metric]) -> Iterator[Metric]:
+    """The families of `VLLM_NAMES` again under vLLM's names: same type, documentation and samples
+    (values, labels), plus the ``engine`` label."""
+    for family in families:
+        for name in VLLM_NAMES.get(family.name, ()):
+            twin = Metric(name, family.documentation, family.type, family.unit)
+            for s in family.samples:
+                labels = {**s.labels, "engine": VLLM_ENGINE_INDEX}
+                twin.samples.append(
+                    Sample(name + s.name[len(family.name) :], labels, s.value, s.timestamp, s.exemplar)
+                )
+            yield twin
+
+
+class _VllmNames(Collector):
+    """Serves a registry's families again under vLLM's names (read at scrape time, so equal)."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        return vllm_twins(self._source.collect())
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """Prometheus text of `registry` followed by its families under vLLM's names."""
+    twins = CollectorRegistry(auto_describe=False)
+    twins.register(_VllmNames(registry))
+    return generate_latest(registry) + generate_latest(twins)
+
+
 class ServerMetrics:
     """One registry per app; also the AsyncLLMEngine's RequestObserver."""
 
@@ -281,5 +354,5 @@ class ServerMetrics:
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
             registry.register(self._engine_collector)
-            return generate_latest(registry)
-        return generate_latest(self.registry)
+            return exposition(registry)
+        return exposition(self.registry)
