@@ -50,7 +50,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from pagedrs.engine.llm_engine import EngineArgs, LLMEngine
     from pagedrs.entrypoints.llm import LLM
-    from pagedrs.executor.liquid import LiquidRequest, LiquidType
+    from pagedrs.executor.liquid.shards import LiquidRequest, LiquidType
 
 
 def __getattr__(name: str) -> Any:
@@ -65,7 +65,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name in ("LiquidRequest", "LiquidType"):
-        from pagedrs.executor import liquid
+        from pagedrs.executor.liquid import shards as liquid
 
         return getattr(liquid, name)
     raise AttributeError(f"module 'pagedrs' has no attribute {name!r}")

@@ -294,7 +294,7 @@ class ParallelConfig:
     # number of shards it is cut into. None: no liquid scaling.
     liquid_gpu_range: tuple[int, ...] | None = None
     liquid_total_num_shards: int | None = None
-    liquid_auto: bool = False  # scale by the concurrent cache usage (executor/liquid_policy.py)
+    liquid_auto: bool = False  # scale by the concurrent cache usage (executor/liquid/policy.py)
     liquid_auto_window: int = 16
     liquid_scale_out_threshold: float = 0.9
     liquid_scale_in_threshold: float = 0.7

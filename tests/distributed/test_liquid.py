@@ -14,8 +14,8 @@ import pytest
 from pagedrs import LiquidRequest, LiquidType, SamplingParams
 from pagedrs.engine.arg_utils import EngineArgs
 from pagedrs.engine.llm_engine import LLMEngine
-from pagedrs.executor.liquid_log import shard_moves
-from pagedrs.worker.kv_cache import block_bytes
+from pagedrs.executor.liquid.log import shard_moves
+from pagedrs.runner.kv_cache import block_bytes
 from tests.distributed.helpers_liquid import liquid_blocks, pool_blocks
 from tests.engine.conftest import assert_pool_free
 from tests.helpers import FP8_SAME_CACHE_TOL, greedy_agreement, make_tiny_llama

@@ -16,7 +16,7 @@ from pagedrs.layers.attention.cupy import CupyAttentionBackend
 from pagedrs.layers.attention.selector import get_attention_backend
 from pagedrs.layers.attention.torch_ref import TorchAttentionBackend
 from pagedrs.loader import load_model
-from pagedrs.worker.cuda_graphs import CudaGraphRunner
+from pagedrs.runner.cuda_graphs import CudaGraphRunner
 from tests.helpers import make_step_metadata, make_tiny_llama, make_tiny_model
 from tests.kernels.paged_case import assert_close, make_case
 

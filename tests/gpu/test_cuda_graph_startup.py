@@ -12,9 +12,9 @@ import torch
 
 from pagedrs import EngineArgs, LLMEngine
 from pagedrs.models.llama import LlamaForCausalLM
-from pagedrs.worker import model_runner as model_runner_mod
-from pagedrs.worker.cuda_graphs import context_buckets, default_capture_sizes
-from pagedrs.worker.model_runner import ModelRunner
+from pagedrs.runner import model_runner as model_runner_mod
+from pagedrs.runner.cuda_graphs import context_buckets, default_capture_sizes
+from pagedrs.runner.model_runner import ModelRunner
 from tests.engine.conftest import greedy, random_prompts, run_all
 from tests.helpers import make_tiny_llama
 

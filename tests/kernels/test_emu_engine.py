@@ -14,7 +14,7 @@ import torch
 from pagedrs.kernels._loader import attention_names, cache_names, layer_op_names
 from pagedrs.layers.attention import get_attention_backend
 from pagedrs.layers.attention.cupy import CupyAttentionBackend
-from pagedrs.worker import model_runner
+from pagedrs.runner import model_runner
 from tests.engine import conftest as engine_tests
 from tests.helpers import load_hf_model, make_tiny_llama
 from tests.kernels.emu.emulator import needs_emulator, recording_kernels

@@ -30,7 +30,7 @@ from pagedrs.kernels.attention_ops import (
 )
 from pagedrs.layers.attention import AttentionMetadata
 from pagedrs.layers.attention.cupy import decode_query_len
-from pagedrs.worker.cuda_graphs import default_capture_sizes
+from pagedrs.runner.cuda_graphs import default_capture_sizes
 
 _SMEM_LIMIT = 48 * 1024  # without opting in to more dynamic shared memory
 

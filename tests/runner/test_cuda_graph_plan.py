@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from pagedrs.layers.attention import AttentionMetadata, ForwardContext
-from pagedrs.worker import model_runner as model_runner_mod
-from pagedrs.worker.cuda_graphs import (
+from pagedrs.runner import model_runner as model_runner_mod
+from pagedrs.runner.cuda_graphs import (
     capture_order,
     context_buckets,
     default_capture_sizes,
     estimate_graph_memory,
 )
-from pagedrs.worker.kv_cache import kv_budget_bytes
+from pagedrs.runner.kv_cache import kv_budget_bytes
 from tests.engine.conftest import greedy, make_engine, random_prompts, run_all
 from tests.helpers import make_tiny_llama
 

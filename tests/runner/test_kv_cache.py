@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedrs.worker.kv_cache import KVCachePool, block_bytes
+from pagedrs.runner.kv_cache import KVCachePool, block_bytes
 
 
 def make_pool(num_blocks: int = 8, num_swap_blocks: int = 4) -> KVCachePool:

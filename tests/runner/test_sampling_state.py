@@ -11,7 +11,7 @@ import torch
 
 from pagedrs import SamplingParams
 from pagedrs.layers.sampler import Sampler, SamplingMetadata
-from pagedrs.worker.sampling_state import SamplingState
+from pagedrs.runner.sampling_state import SamplingState
 from tests.helpers import SamplerRow as Row
 from tests.helpers_sampling import metadata_from_rows
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedrs._core import Scheduler
-from pagedrs.worker.step_buffers import StepBuffers
+from pagedrs.runner.step_buffers import StepBuffers
 
 BLOCK = 4
 MAX_LEN = 64

@@ -9,8 +9,8 @@ import torch
 
 from pagedrs import SamplingParams
 from pagedrs.layers.sampler import Sampler
+from pagedrs.runner.outputs import RunnerOutput
 from pagedrs.spec_decode.verifier import first_rows, greedy_with_drafts, sample_with_drafts
-from pagedrs.worker.outputs import RunnerOutput
 
 
 def test_greedy_fast_path_equals_the_general_verifier() -> None:

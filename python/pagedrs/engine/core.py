@@ -5,7 +5,7 @@ sequence's new token ids (and logprobs), finish reasons from the scheduler (eos,
 and the step's stats. Text, stop strings and `RequestOutput`s belong to the frontend (`OutputProcessor`);
 the same core runs in-process under `LLMEngine` and in its own process behind the server (`core_proc`).
 Beside the step, each in its own module: the outputs (`step_outputs`), pooling (`pooling`), grammar
-admission (`grammar_queue`), LoRA slots and parking (`lora_queue`), liquid moves (`liquid_control`,
+admission (`grammar_queue`), LoRA slots and parking (`lora_queue`), liquid moves (`executor/liquid/control`,
 between steps), the batch picture (`metrics`).
 Loading the model and starting the ranks is `executor.build`'s.
 """
@@ -25,7 +25,6 @@ from pagedrs import _core
 from pagedrs.config import EngineConfig
 from pagedrs.engine.core_requests import CoreRequest, CoreSeq
 from pagedrs.engine.grammar_queue import GrammarQueue, compiled_grammar
-from pagedrs.engine.liquid_control import LiquidControl
 from pagedrs.engine.lora_queue import LoRAQueue
 from pagedrs.engine.messages import (
     EngineCoreOutput,
@@ -38,15 +37,16 @@ from pagedrs.engine.pooling import pool_step
 from pagedrs.engine.step_outputs import StepOutputs
 from pagedrs.executor import ExecutorDeadError, UniProcExecutor
 from pagedrs.executor.build import load_engine
-from pagedrs.executor.liquid_executor import LiquidExecutor
+from pagedrs.executor.liquid.control import LiquidControl
+from pagedrs.executor.liquid.executor import LiquidExecutor
 from pagedrs.executor.startup_log import log_kv_cache_size
 from pagedrs.loader import LoadedModel
 from pagedrs.lora.manager import LoRAManager
 from pagedrs.metrics import EngineStats, StatLogger, token_boxes, visualize_batch
+from pagedrs.runner.outputs import RunnerOutput
 from pagedrs.spec_decode.policy import can_speculate
 from pagedrs.spec_decode.policy import spec_scheduler_args as _spec_scheduler_args
 from pagedrs.structured_outputs import StructuredOutputManager
-from pagedrs.worker.outputs import RunnerOutput
 
 if TYPE_CHECKING:
     from pagedrs.engine.arg_utils import EngineArgs

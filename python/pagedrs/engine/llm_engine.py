@@ -23,8 +23,8 @@ from pagedrs.metrics import EngineStats
 from pagedrs.models.interface import CausalLM
 from pagedrs.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedrs.pooling_params import PoolingParams
+from pagedrs.runner.model_runner import ModelRunner
 from pagedrs.sampling_params import SamplingParams
-from pagedrs.worker.model_runner import ModelRunner
 
 __all__ = ["EngineArgs", "LLMEngine"]
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from pagedrs.engine.core_requests import CoreSeq
 from pagedrs.engine.messages import EngineCoreOutput, PromptLogprobsMsg, SampleLogprobsMsg
-from pagedrs.worker.outputs import RunnerOutput
+from pagedrs.runner.outputs import RunnerOutput
 
 __all__ = ["StepOutputs"]
 

@@ -14,7 +14,7 @@ from pagedrs.sampling_params import BeamSearchParams, RequestOutputKind, Samplin
 
 if TYPE_CHECKING:
     from pagedrs.beam_search import BeamSearchOutput
-    from pagedrs.executor.liquid import LiquidRequest
+    from pagedrs.executor.liquid.shards import LiquidRequest
 
 __all__ = ["LLM", "PromptInput"]
 

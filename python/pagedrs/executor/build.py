@@ -17,7 +17,7 @@ from pagedrs.executor.rank_processes import RankProcesses
 from pagedrs.executor.start import start_ranks, stop_ranks
 from pagedrs.executor.startup_log import log_startup
 from pagedrs.loader import LoadedModel, load_model
-from pagedrs.worker.model_runner import ModelRunner
+from pagedrs.runner.model_runner import ModelRunner
 
 if TYPE_CHECKING:
     from pagedrs.launch_config import LaunchConfig
@@ -42,7 +42,7 @@ def build_executor(
     draft = load_draft_model(config) if ranks.world is None else None
     runner = ModelRunner(config, loaded.model, eos_token_ids=eos, tp=ranks.tp, draft_model=draft)
     if ranks.world is not None:
-        from pagedrs.executor.liquid_executor import LiquidExecutor
+        from pagedrs.executor.liquid.executor import LiquidExecutor
 
         return LiquidExecutor(runner, ranks)
     return TPExecutor(runner, ranks)

@@ -30,9 +30,9 @@ from pagedrs.executor.rank_processes import RankFailure, RankProcesses
 from pagedrs.executor.step_packet import lora_header, pack_step, shutdown_header
 from pagedrs.layers.sampler import SamplingRow
 from pagedrs.lora.manager import LoRAManager
-from pagedrs.worker.kv_cache import KVCachePool
-from pagedrs.worker.model_runner import ModelRunner
-from pagedrs.worker.outputs import RunnerOutput
+from pagedrs.runner.kv_cache import KVCachePool
+from pagedrs.runner.model_runner import ModelRunner
+from pagedrs.runner.outputs import RunnerOutput
 
 __all__ = ["ExecutorDeadError", "KVCacheSpec", "TPExecutor", "UniProcExecutor"]
 

@@ -17,7 +17,7 @@ from pagedrs.distributed.group import TPGroup, connect_tp_group, create_store
 from pagedrs.executor.step_packet import HEADER_LEN, Op, unpack_step
 from pagedrs.launch_config import LaunchConfig
 from pagedrs.lora.manager import LoRASlots
-from pagedrs.worker.model_runner import ModelRunner
+from pagedrs.runner.model_runner import ModelRunner
 
 __all__ = ["agree_kv_blocks", "cpu_threads_per_rank", "error_key", "run_rank"]
 
@@ -71,7 +71,7 @@ def run_rank(
         else:
             torch.set_num_threads(cpu_threads_per_rank(launch.device.num_threads, size))
         if launch.parallel.liquid_gpu_range is not None:
-            from pagedrs.executor.liquid_rank import LiquidRank
+            from pagedrs.executor.liquid.rank import LiquidRank
 
             liquid = LiquidRank(store, rank, size, dev, host=host, timeout_s=timeout_s, launch=launch)
             tp = liquid.world

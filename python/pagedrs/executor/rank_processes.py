@@ -78,7 +78,7 @@ class RankProcesses:
 
     def abort_groups(self) -> None:
         if self.world is not None:
-            from pagedrs.executor.liquid import abort_groups
+            from pagedrs.executor.liquid.shards import abort_groups
 
             abort_groups(self.world, self.groups)
         elif self.tp is not None:
@@ -93,7 +93,7 @@ class RankProcesses:
         def join() -> None:
             try:
                 if liquid:
-                    from pagedrs.executor.liquid import connect_liquid_groups
+                    from pagedrs.executor.liquid.shards import connect_liquid_groups
 
                     self.world, self.groups = connect_liquid_groups(
                         self.store, 0, self.size, self.device, host=self.host, timeout_s=COLLECTIVE_TIMEOUT_S

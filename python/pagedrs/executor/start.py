@@ -28,7 +28,7 @@ def start_ranks(launch: LaunchConfig) -> MpRanks | RayRanks:
     liquid = gpu_range is not None
     devices = None
     if gpu_range is not None:
-        from pagedrs.executor.liquid import check_liquid
+        from pagedrs.executor.liquid.shards import check_liquid
 
         size = len(gpu_range)
         shards = parallel.liquid_total_num_shards

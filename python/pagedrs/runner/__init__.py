@@ -1,1 +1,1 @@
-"""The worker: model runner and KV cache pools."""
+"""The model runner and what it owns: step buffers, KV and swap pools, sampling state, CUDA graphs."""

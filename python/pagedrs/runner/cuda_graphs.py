@@ -40,7 +40,7 @@ from torch import Tensor
 
 from pagedrs.layers.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from pagedrs.models.interface import CausalLM
-from pagedrs.worker.step_buffers import GraphInputs
+from pagedrs.runner.step_buffers import GraphInputs
 
 __all__ = [
     "CudaGraphRunner",

@@ -29,18 +29,18 @@ from pagedrs.layers.attention.selector import routes_to_reference
 from pagedrs.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, SamplingRow
 from pagedrs.models.interface import CausalLM
 from pagedrs.models.prepare import prepare_for_device, runner_options
-from pagedrs.spec_decode import Drafter, DrafterContext, StepContext, build_drafter
-from pagedrs.spec_decode.verifier import first_rows, greedy_with_drafts, sample_with_drafts
-from pagedrs.worker.kv_cache import (
+from pagedrs.runner.kv_cache import (
     KVCachePool,
     model_block_bytes,
     num_blocks_for_bytes,
     profile_num_gpu_blocks,
 )
-from pagedrs.worker.outputs import Forward, RunnerOutput
-from pagedrs.worker.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs, plan_prompt_logprobs
-from pagedrs.worker.sampling_state import SamplingState
-from pagedrs.worker.step_buffers import StepBuffers, StepInputs
+from pagedrs.runner.outputs import Forward, RunnerOutput
+from pagedrs.runner.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs, plan_prompt_logprobs
+from pagedrs.runner.sampling_state import SamplingState
+from pagedrs.runner.step_buffers import StepBuffers, StepInputs
+from pagedrs.spec_decode import Drafter, DrafterContext, StepContext, build_drafter
+from pagedrs.spec_decode.verifier import first_rows, greedy_with_drafts, sample_with_drafts
 
 __all__ = ["ModelRunner"]
 
@@ -253,7 +253,7 @@ class ModelRunner:
         )
 
     def _graph_runner(self, kv_caches: list[Tensor], *, shared_inputs: bool) -> Any:
-        from pagedrs.worker.cuda_graphs import CudaGraphRunner
+        from pagedrs.runner.cuda_graphs import CudaGraphRunner
 
         return CudaGraphRunner(
             self.model,

@@ -9,7 +9,7 @@ import numpy as np
 from torch import Tensor
 
 from pagedrs.layers.sampler import LogprobsTensors
-from pagedrs.worker.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsPlan
+from pagedrs.runner.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsPlan
 
 __all__ = ["Forward", "RunnerOutput"]
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pagedrs.layers.sampler import GREEDY_EPS, SamplingMetadata, SamplingRow, padded_token_ids
-from pagedrs.worker.step_buffers import PackedBuffer, aligned
+from pagedrs.runner.step_buffers import PackedBuffer, aligned
 
 __all__ = ["SamplingState"]
 

@@ -174,7 +174,7 @@ async def admin_liquid(body: LiquidBody, server: ServerDep) -> JSONResponse:
 
 
 async def _liquid_move(server: ServerState, body: LiquidScaleRequest) -> tuple[int, Any]:
-    from pagedrs.executor.liquid import LiquidRequest, LiquidType
+    from pagedrs.executor.liquid.shards import LiquidRequest, LiquidType
 
     try:
         kind = LiquidType[body.liquid_type] if body.liquid_type is not None else None

@@ -12,9 +12,9 @@ from typing import Any
 
 from pagedrs import _core
 from pagedrs.config import ParallelConfig
-from pagedrs.executor.liquid_executor import LiquidExecutor
-from pagedrs.executor.liquid_log import event_header, finished_line, log_receives, log_sends, shard_moves
-from pagedrs.executor.liquid_policy import LiquidAutoPolicy
+from pagedrs.executor.liquid.executor import LiquidExecutor
+from pagedrs.executor.liquid.log import event_header, finished_line, log_receives, log_sends, shard_moves
+from pagedrs.executor.liquid.policy import LiquidAutoPolicy
 
 __all__ = ["LiquidControl"]
 

@@ -14,12 +14,18 @@ import math
 import time
 
 from pagedrs.executor.executor import TPExecutor
-from pagedrs.executor.liquid import LiquidStats, rebuild_model, receive_shards, send_shards, weight_bytes
-from pagedrs.executor.liquid_log import memory_info
+from pagedrs.executor.liquid.log import memory_info
+from pagedrs.executor.liquid.shards import (
+    LiquidStats,
+    rebuild_model,
+    receive_shards,
+    send_shards,
+    weight_bytes,
+)
 from pagedrs.executor.rank_processes import RankProcesses
 from pagedrs.executor.step_packet import liquid_header
-from pagedrs.worker.kv_cache import KVCachePool
-from pagedrs.worker.model_runner import ModelRunner
+from pagedrs.runner.kv_cache import KVCachePool
+from pagedrs.runner.model_runner import ModelRunner
 
 __all__ = ["LiquidExecutor"]
 

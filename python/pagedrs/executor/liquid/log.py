@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedrs.executor.liquid import LiquidStats, liquid_position
+from pagedrs.executor.liquid.shards import LiquidStats, liquid_position
 
 __all__ = [
     "ShardMove",

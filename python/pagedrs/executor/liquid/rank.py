@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from pagedrs.distributed.group import TPGroup
-from pagedrs.executor.liquid import (
+from pagedrs.executor.liquid.log import log_sends, memory_info, shard_moves
+from pagedrs.executor.liquid.shards import (
     LiquidStats,
     abort_groups,
     connect_liquid_groups,
@@ -19,7 +20,6 @@ from pagedrs.executor.liquid import (
     receive_shards,
     send_shards,
 )
-from pagedrs.executor.liquid_log import log_sends, memory_info, shard_moves
 from pagedrs.executor.step_packet import HEADER_LEN, Op, unpack_step
 from pagedrs.launch_config import LaunchConfig
 from pagedrs.models.interface import CausalLM
@@ -89,7 +89,7 @@ class LiquidRank:
     def scale(self, src: int, dst: int, num_blocks: int, num_swap: int) -> None:
         """This rank's part of one liquid event (send or receive shards, resize its pool, log). Long
         because scale-out and scale-in are mirror images kept side by side."""
-        from pagedrs.worker.model_runner import ModelRunner
+        from pagedrs.runner.model_runner import ModelRunner
 
         stats = LiquidStats(src, dst, num_blocks, num_blocks)
         r = self.rank

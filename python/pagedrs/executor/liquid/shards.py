@@ -40,7 +40,7 @@ from pagedrs.layers.linear import (
     VocabParallelEmbedding,
 )
 from pagedrs.models.interface import CausalLM
-from pagedrs.worker.kv_cache import KVCachePool
+from pagedrs.runner.kv_cache import KVCachePool
 
 __all__ = [
     "LiquidRequest",

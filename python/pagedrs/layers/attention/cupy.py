@@ -8,7 +8,7 @@ steps and speculative verifications, causal per query, split-K over long context
 has more query tokens, the varlen prefill kernel. The launches depend only on host integers of the
 metadata (max_query_len, max_seq_len, and the longest query the decode kernel takes: max_query_len itself
 unless the step holds a longer chunk), so a decode step can be captured in a CUDA graph
-(worker/cuda_graphs.py).
+(runner/cuda_graphs.py).
 """
 
 from __future__ import annotations
