@@ -16,6 +16,7 @@ pub mod request;
 mod resize;
 mod schedule;
 pub mod scheduler;
+pub mod sliding_window;
 pub mod spec;
 pub mod spec_governor;
 pub mod swap_pool;
