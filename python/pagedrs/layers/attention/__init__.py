@@ -79,7 +79,7 @@ class AttentionBackend(Protocol):
         """q [T,H,D], k/v [T,KVH,D]: write k/v at meta.slot_mapping, then paged causal attention
         (scores capped as ``cap * tanh(s / cap)`` when `logits_soft_cap` is set, as Gemma 2). A layer with
         attention sinks passes ``sinks=`` [H] as well, only to a backend whose kernels take them
-        (`selector.kernel_takes`; the torch reference does).
+        (`support.kernel_takes`; the torch reference does).
 
         Returns [T,H,D]."""
         ...
@@ -188,7 +188,7 @@ class Attention(torch.nn.Module):
     `scale` multiplies q.k (head_size**-0.5, or Gemma's query_pre_attn_scalar**-0.5); `logits_soft_cap`
     caps the scaled scores as Gemma 2 does; `sinks` (True) gives the layer a learned logit per head
     (`self.sinks` [num_heads], loaded by the model) that joins every softmax's denominator, as gpt-oss.
-    A layer the step's backend has no kernel for (see `selector.kernel_takes`) runs on the torch
+    A layer the step's backend has no kernel for (see `support.kernel_takes`) runs on the torch
     reference backend instead.
     """
 

@@ -21,7 +21,7 @@ from pagedrs.config import FP8_MAX
 from pagedrs.kernels import paged_attention, reshape_and_cache, supports
 from pagedrs.kernels.attention_ops import DECODE_MAX_QUERY, PrefillImpl
 from pagedrs.layers.attention import AttentionMetadata
-from pagedrs.layers.attention.selector import kernel_takes
+from pagedrs.layers.attention.support import kernel_takes
 
 __all__ = ["CupyAttentionBackend", "decode_query_len"]
 

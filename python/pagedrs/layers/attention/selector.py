@@ -12,6 +12,7 @@ import weakref
 import torch
 
 from pagedrs.layers.attention import AttentionBackend
+from pagedrs.layers.attention.support import kernel_takes
 
 __all__ = ["BACKEND_NAMES", "get_attention_backend", "kernel_takes", "route_layer", "routes_to_reference"]
 
@@ -52,20 +53,6 @@ def get_attention_backend(
 
 
 _REFERENCE: weakref.WeakKeyDictionary[AttentionBackend, AttentionBackend] = weakref.WeakKeyDictionary()
-
-
-def kernel_takes(kernel: str, *, head_size: int, logits_soft_cap: float | None, sinks: bool = False) -> bool:
-    """Whether `kernel` computes a layer of this head size and attention-logit soft cap: "cupy" (the CUDA
-    paged attention of `pagedrs.kernels`) or "cpu_decode" (the Rust decode kernel inside the torch
-    backend). A layer a kernel does not take runs on the torch reference instead. The one place to
-    update when a kernel gains a head size, soft-capping or attention sinks (no kernel takes sinks yet)."""
-    if sinks:
-        return False
-    if kernel == "cupy":
-        from pagedrs.kernels import HEAD_SIZES, SOFT_CAP_HEAD_SIZES
-
-        return head_size in (HEAD_SIZES if logits_soft_cap is None else SOFT_CAP_HEAD_SIZES)
-    return True  # the Rust CPU decode kernel takes any head size and soft-capping
 
 
 def route_layer(

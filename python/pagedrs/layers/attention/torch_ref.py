@@ -28,7 +28,7 @@ from torch import Tensor
 from pagedrs import _core
 from pagedrs.config import FP8_MAX, as_bytes
 from pagedrs.layers.attention import AttentionMetadata, sink_softmax, soft_capped_attention
-from pagedrs.layers.attention.selector import kernel_takes
+from pagedrs.layers.attention.support import kernel_takes
 
 __all__ = ["TorchAttentionBackend", "gather_kv", "step_plan", "write_kv_cache"]
 
