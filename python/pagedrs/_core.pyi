@@ -56,6 +56,9 @@ def moe_experts(
     down_type: int | None = None,
     num_threads: int = 1,
     isa: str | None = None,
+    gate_up_bias: npt.NDArray[np.float32] | None = None,
+    down_bias: npt.NDArray[np.float32] | None = None,
+    swiglu: tuple[float, float] | None = None,
 ) -> None:
     """The fused experts step of a mixture-of-experts layer, written into `out`; GIL released:
     out[t] = sum over s of topk_weights[t, s] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, s],
@@ -65,6 +68,9 @@ def moe_experts(
     x float32 [T, H]; gate_up [E, 2I, H] (each expert's gate rows then its up rows) and down [E, H, I],
     float32, or uint8 [E, rows, row_bytes] GGUF rows where ``gate_up_type`` / ``down_type`` name their GGML
     type; topk_ids int64 [T, k] (each in 0..E); topk_weights float32 [T, k]; out float32 [T, H].
+    gate_up_bias float32 [E, 2I] / down_bias [E, H]: the experts' biases (added after each projection);
+    swiglu (alpha, limit): gpt-oss's clamped SwiGLU, (up + 1) * g * sigmoid(alpha * g) with g = min(gate,
+    limit) and up clamped to +-limit, instead of silu(gate) * up.
     ValueError naming the array or the id on a bad argument."""
 
 def quant_matmul(

@@ -117,6 +117,40 @@ def test_sinks_take_part_of_each_softmax() -> None:
     assert big.abs().max() < 1e-6
 
 
+@pytest.mark.parametrize("rows", [1, 7, 32])
+def test_expert_kernel_takes_biases_and_clamped_swiglu(rows: int) -> None:
+    """The Rust fused experts step with gpt-oss's biases and clamped SwiGLU equals the torch step."""
+    from pagedrs.distributed.group import TPGroup
+    from pagedrs.layers.moe import ExpertActivation, FusedExperts
+    from pagedrs.layers.moe.cpu import cpu_fused_experts
+
+    torch.manual_seed(0)
+    act = ExpertActivation(swiglu_limit=0.7, swiglu_alpha=1.702)
+    experts = FusedExperts(
+        6, 48, 24, tp=TPGroup(), dtype=torch.float32, device="cpu", bias=True, activation=act
+    )
+    for p in experts.parameters():
+        p.data.normal_(0.0, 0.3)
+    x = torch.randn(rows, 48)
+    ids = torch.stack([torch.randperm(6)[:3] for _ in range(rows)])
+    weights = torch.softmax(torch.randn(rows, 3), dim=-1)
+    assert experts.gate_up_bias is not None and experts.down_bias is not None
+    kernel = cpu_fused_experts(
+        x,
+        experts.gate_up,
+        experts.down,
+        weights,
+        ids,
+        gate_up_bias=experts.gate_up_bias,
+        down_bias=experts.down_bias,
+        swiglu=(1.702, 0.7),
+    )
+    assert kernel is not None  # the kernel took it
+    torch.testing.assert_close(experts(x, weights, ids), kernel, rtol=0, atol=0)
+    experts.use_kernels = False
+    torch.testing.assert_close(kernel, experts(x, weights, ids), rtol=1e-5, atol=1e-5)
+
+
 def test_mxfp4_dequantizer_matches_hand_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(0)
     blocks = rng.integers(0, 256, size=(3, 5, 2, 16), dtype=np.uint8)

@@ -11,7 +11,10 @@
 //! are chosen at run time (`Isa`).
 //!
 //! Layouts: `x` `[T, H]`; `ids`, `weights` `[T, k]`; gate_up `[E, 2I, H]` (each expert's gate rows
-//! then its up rows); down `[E, H, I]`; `out` `[T, H]`.
+//! then its up rows); down `[E, H, I]`; `out` `[T, H]`. Biases and gpt-oss's clamped SwiGLU: `epilogue`.
+
+mod epilogue;
+pub use epilogue::{ExpertAct, ExpertEpilogue};
 
 use crate::ops::silu_and_mul;
 use crate::pool::{parallel_for, SharedOut};
@@ -104,7 +107,38 @@ pub fn moe_experts_with(
     d: &MoeDims,
     num_threads: usize,
 ) -> Result<(), KernelError> {
+    let plain = ExpertEpilogue::default();
+    moe_experts_epilogue(
+        isa,
+        gate_up,
+        down,
+        &plain,
+        x,
+        ids,
+        weights,
+        out,
+        d,
+        num_threads,
+    )
+}
+
+/// `moe_experts_with` with the experts' biases and activation given (`ExpertEpilogue`): `out[t] = sum_s
+/// weights[t, s] * (down_e(act(gate_up_e(x[t]) + b_gu[e])) + b_down[e])`.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_experts_epilogue(
+    isa: Isa,
+    gate_up: ExpertWeights<'_>,
+    down: ExpertWeights<'_>,
+    epi: &ExpertEpilogue<'_>,
+    x: &[f32],
+    ids: &[i64],
+    weights: &[f32],
+    out: &mut [f32],
+    d: &MoeDims,
+    num_threads: usize,
+) -> Result<(), KernelError> {
     validate(&gate_up, &down, x, ids, weights, out, d)?;
+    epi.check(d.experts, d.inter, d.hidden)?;
     let isa = isa.or_supported();
     let (h, inter, k) = (d.hidden, d.inter, d.top_k);
     let pairs = d.tokens * k;
@@ -131,9 +165,20 @@ pub fn moe_experts_with(
             2 * inter,
             num_threads,
         );
+        if let Some(b) = epi.gate_up_bias {
+            epilogue::add_bias(&sorted, &mut gu, b, 2 * inter);
+        }
         let mut act = vec![0.0f32; pairs * inter];
-        silu_and_mul(&gu, inter, &mut act)?;
+        match epi.act {
+            ExpertAct::SiluMul => silu_and_mul(&gu, inter, &mut act)?,
+            ExpertAct::ClampedSwiglu { alpha, limit } => {
+                epilogue::clamped_swiglu(&gu, inter, alpha, limit, &mut act)
+            }
+        }
         grouped_matmul(isa, down, &sorted, &act, inter, &mut y, h, num_threads);
+    }
+    if let Some(b) = epi.down_bias {
+        epilogue::add_bias(&sorted, &mut y, b, h);
     }
     combine(&sorted, &y, weights, out, d, num_threads);
     Ok(())

@@ -577,8 +577,10 @@ impl<'py> ExpertArray<'py> {
 /// gate_up [E, 2I, H] (each expert's gate rows then its up rows) and down [E, H, I], float32, or GGUF
 /// rows uint8 [E, rows, row_bytes] where `gate_up_type` / `down_type` name their GGML type; topk_ids int64
 /// [T, k]; topk_weights float32 [T, k]; out float32 [T, H]. `isa`: the kernels (`quant_isa()`'s names).
+/// `gate_up_bias` float32 [E, 2I] / `down_bias` [E, H]: the experts' biases; `swiglu` (alpha, limit):
+/// gpt-oss's clamped SwiGLU instead of silu(gate) * up.
 #[pyfunction]
-#[pyo3(signature = (x, gate_up, down, topk_ids, topk_weights, out, gate_up_type=None, down_type=None, num_threads=1, isa=None))]
+#[pyo3(signature = (x, gate_up, down, topk_ids, topk_weights, out, gate_up_type=None, down_type=None, num_threads=1, isa=None, gate_up_bias=None, down_bias=None, swiglu=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn moe_experts(
     py: Python<'_>,
@@ -592,8 +594,17 @@ pub fn moe_experts(
     down_type: Option<u32>,
     num_threads: usize,
     isa: Option<&str>,
+    gate_up_bias: Option<&Bound<'_, PyAny>>,
+    down_bias: Option<&Bound<'_, PyAny>>,
+    swiglu: Option<(f32, f32)>,
 ) -> PyResult<()> {
     let isa = isa_named(isa)?;
+    let b_gu = gate_up_bias
+        .map(|b| array::<f32>(b, "gate_up_bias", 2, "float32"))
+        .transpose()?;
+    let b_dn = down_bias
+        .map(|b| array::<f32>(b, "down_bias", 2, "float32"))
+        .transpose()?;
     let x = array::<f32>(x, "x", 2, "float32")?;
     let ids = array::<i64>(topk_ids, "topk_ids", 2, "int64")?;
     let wts = array::<f32>(topk_weights, "topk_weights", 2, "float32")?;
@@ -641,8 +652,31 @@ pub fn moe_experts(
         out.as_slice_mut()?,
     );
     let (gw, dw) = (gu.weights()?, dn.weights()?);
+    let (b_gu, b_dn) = (
+        b_gu.as_ref().map(|b| b.readonly()),
+        b_dn.as_ref().map(|b| b.readonly()),
+    );
+    let epi = pagedrs_cpu::moe::ExpertEpilogue {
+        gate_up_bias: b_gu.as_ref().map(|b| b.as_slice()).transpose()?,
+        down_bias: b_dn.as_ref().map(|b| b.as_slice()).transpose()?,
+        act: match swiglu {
+            None => pagedrs_cpu::moe::ExpertAct::SiluMul,
+            Some((alpha, limit)) => pagedrs_cpu::moe::ExpertAct::ClampedSwiglu { alpha, limit },
+        },
+    };
     py.detach(|| {
-        pagedrs_cpu::moe::moe_experts_with(isa, gw, dw, x, ids, wts, out, &dims, num_threads)
+        pagedrs_cpu::moe::moe_experts_epilogue(
+            isa,
+            gw,
+            dw,
+            &epi,
+            x,
+            ids,
+            wts,
+            out,
+            &dims,
+            num_threads,
+        )
     })
     .map_err(|e| PyValueError::new_err(e.to_string()))
 }

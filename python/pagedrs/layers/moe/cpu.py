@@ -32,11 +32,23 @@ def _operand(w: ExpertWeights) -> tuple[object, int | None] | None:
 
 
 def cpu_fused_experts(
-    x: Tensor, gate_up: ExpertWeights, down: ExpertWeights, topk_weights: Tensor, topk_ids: Tensor
+    x: Tensor,
+    gate_up: ExpertWeights,
+    down: ExpertWeights,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    *,
+    gate_up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+    swiglu: tuple[float, float] | None = None,
 ) -> Tensor | None:
     """The step through the Rust kernels: x float32 on the CPU and both weights float32 or quantized
-    there; None otherwise (the caller's torch path)."""
+    there; None otherwise (the caller's torch path). Biases [E, 2I] / [E, H] and `swiglu` (alpha, limit):
+    as `_core.moe_experts` takes them (gpt-oss)."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
+        return None
+    biases = [b for b in (gate_up_bias, down_bias) if b is not None]
+    if any(b.device.type != "cpu" or b.dtype != torch.float32 for b in biases):
         return None
     gu, dn = _operand(gate_up), _operand(down)
     if gu is None or dn is None:
@@ -54,5 +66,8 @@ def cpu_fused_experts(
         gate_up_type=gu[1],
         down_type=dn[1],
         num_threads=torch.get_num_threads(),
+        gate_up_bias=None if gate_up_bias is None else gate_up_bias.detach().contiguous().numpy(),
+        down_bias=None if down_bias is None else down_bias.detach().contiguous().numpy(),
+        swiglu=swiglu,
     )
     return out

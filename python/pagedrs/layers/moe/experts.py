@@ -218,7 +218,7 @@ def fused_experts_torch(
 class FusedExperts(torch.nn.Module):
     """E gated MLPs, stacked; `forward(x, topk_weights, topk_ids)` is this rank's partial sum. `bias`: each
     projection has a bias per expert (`gate_up_bias` [E, gate then up], `down_bias` [E, H]; gpt-oss),
-    `activation` SiLU-gated unless set. Either runs the torch step (the Rust kernels take neither)."""
+    `activation` SiLU-gated unless set (both taken by the Rust kernels as by the torch step)."""
 
     def __init__(
         self,
@@ -275,13 +275,23 @@ class FusedExperts(torch.nn.Module):
     def forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         from pagedrs.layers.moe.cpu import cpu_fused_experts
 
-        plain = self.gate_up_bias is None and self.activation == SILU
-        if self.use_kernels and plain:
-            out = cpu_fused_experts(x, self.gate_up, self.down, topk_weights, topk_ids)
-            if out is not None:
-                return out
         # under tensor parallelism the down bias is added by one rank only (the block sums the ranks)
         b_down = self.down_bias if self.tp.position == 0 else None
+        if self.use_kernels:
+            act = self.activation
+            swiglu = None if act.swiglu_limit is None else (act.swiglu_alpha, act.swiglu_limit)
+            out = cpu_fused_experts(
+                x,
+                self.gate_up,
+                self.down,
+                topk_weights,
+                topk_ids,
+                gate_up_bias=self.gate_up_bias,
+                down_bias=b_down,
+                swiglu=swiglu,
+            )
+            if out is not None:
+                return out
         return fused_experts_torch(
             x,
             self.gate_up.dense(),

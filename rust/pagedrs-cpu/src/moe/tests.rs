@@ -385,3 +385,103 @@ fn quantized_experts_match_the_dense_kernels_and_the_float64_reference() {
         }
     }
 }
+
+/// float64: as `reference`, with the experts' biases and gpt-oss's clamped SwiGLU (HF's GptOssExperts).
+#[allow(clippy::too_many_arguments)]
+fn reference_swiglu(
+    gu: &[f32],
+    dn: &[f32],
+    b_gu: &[f32],
+    b_dn: &[f32],
+    (alpha, limit): (f64, f64),
+    x: &[f32],
+    ids: &[i64],
+    wts: &[f32],
+    d: &MoeDims,
+) -> Vec<f64> {
+    let (h, i_, k) = (d.hidden, d.inter, d.top_k);
+    let mut out = vec![0.0f64; d.tokens * h];
+    for t in 0..d.tokens {
+        let xr = &x[t * h..][..h];
+        for s in 0..k {
+            let e = ids[t * k + s] as usize;
+            let act: Vec<f64> = (0..i_)
+                .map(|j| {
+                    let dot = |row: usize| -> f64 {
+                        let w = &gu[(e * 2 * i_ + row) * h..][..h];
+                        let v: f64 = w.iter().zip(xr).map(|(&a, &b)| a as f64 * b as f64).sum();
+                        v + b_gu[e * 2 * i_ + row] as f64
+                    };
+                    let g = dot(j).min(limit);
+                    let u = dot(i_ + j).clamp(-limit, limit);
+                    (u + 1.0) * g / (1.0 + (-alpha * g).exp())
+                })
+                .collect();
+            for c in 0..h {
+                let w = &dn[(e * h + c) * i_..][..i_];
+                let v: f64 = w.iter().zip(&act).map(|(&a, &b)| a as f64 * b).sum();
+                out[t * h + c] += wts[t * k + s] as f64 * (v + b_dn[e * h + c] as f64);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn f32_experts_with_biases_and_clamped_swiglu_match_the_float64_reference() {
+    for isa in Isa::supported() {
+        for &(tokens, top_k, hidden, inter, experts) in
+            &[(1, 1, 16, 8, 2), (7, 2, 33, 17, 4), (20, 4, 64, 32, 8)]
+        {
+            let d = MoeDims {
+                tokens,
+                top_k,
+                hidden,
+                inter,
+                experts,
+            };
+            let mut rng = Rng(0x51ed ^ (tokens * 13 + hidden) as u64);
+            let gu = rng.vec(experts * 2 * inter * hidden, 0.4);
+            let dn = rng.vec(experts * hidden * inter, 0.3);
+            let b_gu = rng.vec(experts * 2 * inter, 0.5);
+            let b_dn = rng.vec(experts * hidden, 0.5);
+            let x = rng.vec(tokens * hidden, 1.0);
+            let ids = random_ids(&mut rng, tokens, top_k, experts);
+            let wts: Vec<f32> = (0..tokens * top_k).map(|_| rng.uniform().abs()).collect();
+            // a limit the gate/up values cross, so both clamps act
+            let (alpha, limit) = (1.702f32, 0.8f32);
+            let epi = ExpertEpilogue {
+                gate_up_bias: Some(&b_gu),
+                down_bias: Some(&b_dn),
+                act: ExpertAct::ClampedSwiglu { alpha, limit },
+            };
+            for threads in [1, 3] {
+                let mut out = vec![f32::NAN; tokens * hidden];
+                let (g, w) = (ExpertWeights::F32(&gu), ExpertWeights::F32(&dn));
+                moe_experts_epilogue(isa, g, w, &epi, &x, &ids, &wts, &mut out, &d, threads)
+                    .unwrap();
+                let lim = (alpha as f64, limit as f64);
+                let want = reference_swiglu(&gu, &dn, &b_gu, &b_dn, lim, &x, &ids, &wts, &d);
+                assert_close(&out, &want, 1e-5, &format!("{} swiglu {d:?}", isa.name()));
+            }
+        }
+    }
+    // a bias of the wrong length is refused, naming it
+    let d = MoeDims {
+        tokens: 1,
+        top_k: 1,
+        hidden: 4,
+        inter: 2,
+        experts: 1,
+    };
+    let (gu, dn, x) = (vec![0.0; 16], vec![0.0; 8], vec![0.0; 4]);
+    let short = vec![0.0; 3];
+    let epi = ExpertEpilogue {
+        down_bias: Some(&short),
+        ..ExpertEpilogue::default()
+    };
+    let (g, w) = (ExpertWeights::F32(&gu), ExpertWeights::F32(&dn));
+    let mut out = vec![0.0; 4];
+    let err = moe_experts_epilogue(Isa::chosen(), g, w, &epi, &x, &[0], &[1.0], &mut out, &d, 1);
+    assert!(format!("{}", err.unwrap_err()).contains("down_bias"));
+}
