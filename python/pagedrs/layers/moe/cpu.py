@@ -3,15 +3,12 @@ GGUF-quantized experts, on the kernels' warm thread pool."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from pagedrs import _core
-
-if TYPE_CHECKING:
-    from pagedrs.layers.moe.experts import ExpertWeights
 
 __all__ = ["cpu_fused_experts"]
 
@@ -19,6 +16,17 @@ __all__ = ["cpu_fused_experts"]
 # (32 experts, top 4, hidden 768, 384 per expert, 1 thread, a contended 2-core machine): 16 rows 6.5 ms
 # kernel vs 17.3 ms loop over experts, 256 rows 68 vs 58 ms. Quantized experts always take the kernel.
 F32_KERNEL_MAX_ROWS = 32
+
+
+class ExpertWeights(Protocol):
+    """What the kernel reads of a stacked expert weight (`experts.ExpertWeights`): the GGUF blocks when
+    kept quantized (`qweight.data`, `qweight.ggml_type`), else the float weight [E, out, in]."""
+
+    @property
+    def qweight(self) -> Any: ...
+
+    @property
+    def weight(self) -> Tensor: ...
 
 
 def _operand(w: ExpertWeights) -> tuple[object, int | None] | None:
