@@ -157,7 +157,7 @@ def test_site_builds_strict_with_generated_references(tmp_path: Path) -> None:
     pytest.importorskip("material")
     from pagedrs import EngineArgs
     from pagedrs.entrypoints.openai import metrics as server_metrics
-    from pagedrs.entrypoints.openai.metrics import ServerMetrics
+    from pagedrs.entrypoints.openai.server.metrics import ServerMetrics
 
     site = tmp_path / "site"
     command = ["mkdocs", "build", "--strict", "-f", str(DOCS / "mkdocs.yml"), "-d", str(site)]

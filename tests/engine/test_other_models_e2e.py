@@ -110,7 +110,7 @@ def test_prefix_caching_matches_hf(model: tuple[Path, HFReference]) -> None:
 
 
 def test_server_completions_match_llm(tmp_path: Path) -> None:
-    """`python -m pagedrs.entrypoints.openai.api_server --model DIR` on a tiny GPT-2 folder answers
+    """`python -m pagedrs.entrypoints.openai.server.api_server --model DIR` on a tiny GPT-2 folder answers
     /v1/completions (greedy) exactly as LLM.generate does."""
     from pagedrs import LLM
     from tests.entrypoints.conftest import SubprocessServer

@@ -23,7 +23,7 @@ from helpers_tools import (
     sse_bodies,
 )
 
-from pagedrs.entrypoints.openai.app import build_app
+from pagedrs.entrypoints.openai.server.app import build_app
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 W = '{"city": "Paris", "days": 3}'
@@ -239,7 +239,7 @@ def test_bad_tool_requests_are_400(server: ThreadedServer, body: dict[str, objec
 
 def test_serve_flags_reach_the_chat_server() -> None:
     from pagedrs.entrypoints.cli_args import ServerArgs, make_serve_parser
-    from pagedrs.entrypoints.openai.chat_output import OutputParsing
+    from pagedrs.entrypoints.openai.chat.output import OutputParsing
 
     ns = make_serve_parser().parse_args(
         ["--tool-call-parser", "llama4_pythonic", "--enable-auto-tool-choice", "--reasoning-parser", "qwen3"]

@@ -15,8 +15,8 @@ from fake_engine import FakeEngine
 from helpers_tools import server_args
 
 from pagedrs.entrypoints.cli_args import ServerArgs, make_serve_parser
-from pagedrs.entrypoints.openai.app import build_app
-from pagedrs.entrypoints.openai.serving_chat import load_chat_template
+from pagedrs.entrypoints.openai.chat.serving import load_chat_template
+from pagedrs.entrypoints.openai.server.app import build_app
 from tests.helpers import make_tokenizer
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -15,7 +15,7 @@ from conftest import API_KEY, ThreadedServer
 
 from pagedrs import EngineArgs, LLMEngine
 from pagedrs.entrypoints.cli_args import ServerArgs
-from pagedrs.entrypoints.openai.app import build_app
+from pagedrs.entrypoints.openai.server.app import build_app
 from tests.engine.helpers_beam_search import hf_beam_search
 from tests.helpers import load_hf_model, make_tiny_llama, make_tokenizer
 

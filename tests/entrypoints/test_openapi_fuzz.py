@@ -16,7 +16,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
 from pagedrs.entrypoints.cli_args import ServerArgs
-from pagedrs.entrypoints.openai.app import build_app
+from pagedrs.entrypoints.openai.server.app import build_app
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 BODY_ROUTES = {

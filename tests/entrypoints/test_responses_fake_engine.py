@@ -16,8 +16,8 @@ import pytest
 from conftest import API_KEY, ThreadedServer, wait_until
 from helpers_tools import WEATHER_TOOL, ScriptedEngine, server_args
 
-from pagedrs.entrypoints.openai.app import build_app
-from pagedrs.entrypoints.openai.responses_store import ResponsesStore
+from pagedrs.entrypoints.openai.responses.store import ResponsesStore
+from pagedrs.entrypoints.openai.server.app import build_app
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 FN_TOOL = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses API's flat tool shape

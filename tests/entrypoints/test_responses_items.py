@@ -10,9 +10,9 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedrs.entrypoints.openai.chat_output import ReplyReader
+from pagedrs.entrypoints.openai.chat.output import ReplyReader
 from pagedrs.entrypoints.openai.reasoning import REASONING_PARSERS
-from pagedrs.entrypoints.openai.responses_items import OutputItems
+from pagedrs.entrypoints.openai.responses.items import OutputItems
 from pagedrs.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 W = '{"city": "Paris"}'

@@ -14,9 +14,9 @@ from conftest import API_KEY, ThreadedServer, wait_until
 from fake_engine import FakeEngine
 
 from pagedrs.entrypoints.cli_args import ServerArgs
-from pagedrs.entrypoints.openai.app import build_app
-from pagedrs.entrypoints.openai.batch_store import BatchStore
-from pagedrs.entrypoints.openai.batch_worker import parse_input
+from pagedrs.entrypoints.openai.batches.store import BatchStore
+from pagedrs.entrypoints.openai.batches.worker import parse_input
+from pagedrs.entrypoints.openai.server.app import build_app
 
 
 def _app(data_dir: Path, step_delay: float = 0.002, concurrency: int = 4) -> Any:

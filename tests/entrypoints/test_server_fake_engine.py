@@ -16,7 +16,7 @@ from conftest import API_KEY, ThreadedServer, metric_value, wait_until
 from fake_engine import FakeEngine
 
 from pagedrs.entrypoints.cli_args import ServerArgs
-from pagedrs.entrypoints.openai.app import build_app
+from pagedrs.entrypoints.openai.server.app import build_app
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

@@ -17,7 +17,7 @@ from fake_engine import FakeEngine
 from helpers_sglang import batch_chat_cell, generate_cell, generate_stream_cell, model_info_cell
 
 from pagedrs.entrypoints.cli_args import ServerArgs, make_serve_parser, sglang_serve_argv
-from pagedrs.entrypoints.openai.app import build_app
+from pagedrs.entrypoints.openai.server.app import build_app
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

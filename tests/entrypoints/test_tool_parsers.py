@@ -12,7 +12,7 @@ from helpers_tools import grammar_accepts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedrs.entrypoints.openai.chat_output import OutputParsing, ReplyReader
+from pagedrs.entrypoints.openai.chat.output import OutputParsing, ReplyReader
 from pagedrs.entrypoints.openai.protocol_tools import ChatTool
 from pagedrs.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedrs.entrypoints.openai.tool_parsers import (

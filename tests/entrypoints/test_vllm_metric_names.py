@@ -13,8 +13,8 @@ from fake_engine import FakeEngine
 from helpers_tools import server_args
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedrs.entrypoints.openai.app import build_app
-from pagedrs.entrypoints.openai.metrics import NO_VLLM_NAME, VLLM_NAMES
+from pagedrs.entrypoints.openai.server.app import build_app
+from pagedrs.entrypoints.openai.server.metrics import NO_VLLM_NAME, VLLM_NAMES
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # What vLLM V1's /metrics has (vllm/v1/metrics/loggers.py), as sample names, written out here so a

@@ -29,10 +29,10 @@ from helpers_tools import (
     sse_bodies,
 )
 
-from pagedrs.entrypoints.openai.app import build_app
-from pagedrs.entrypoints.openai.chat_output import OutputParsing
+from pagedrs.entrypoints.openai.chat.output import OutputParsing
 from pagedrs.entrypoints.openai.errors import APIError
 from pagedrs.entrypoints.openai.protocol_tools import ChatTool
+from pagedrs.entrypoints.openai.server.app import build_app
 from pagedrs.entrypoints.openai.tool_parsers import (
     GenericToolParser,
     ParsedMessage,

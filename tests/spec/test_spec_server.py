@@ -14,7 +14,7 @@ import pytest
 
 from pagedrs import LLM, EngineArgs, LLMEngine, SamplingParams
 from pagedrs.entrypoints.cli_args import ServerArgs
-from pagedrs.entrypoints.openai.app import build_app
+from pagedrs.entrypoints.openai.server.app import build_app
 from tests.entrypoints.conftest import API_KEY, SubprocessServer, ThreadedServer, metric_value, wait_until
 from tests.helpers import child_pids, cmdline, make_tiny_llama, process_gone
 

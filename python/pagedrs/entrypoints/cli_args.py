@@ -71,9 +71,9 @@ class ServerArgs:
     access_log: bool = True
     model: str | None = None  # --model as given (SGLang's get_model_info reports it)
     tokenizer: str | None = None
-    chat_template: str | None = None  # --chat-template: a file or the text (openai/serving_chat.py)
+    chat_template: str | None = None  # --chat-template: a file or the text (openai/chat/serving.py)
     tool_call_parser: str | None = None  # --tool-call-parser, --enable-auto-tool-choice,
-    enable_auto_tool_choice: bool = False  # --reasoning-parser: see openai/chat_output.py
+    enable_auto_tool_choice: bool = False  # --reasoning-parser: see openai/chat/output.py
     reasoning_parser: str | None = None
     lora_modules: tuple[LoRAModulePath, ...] = ()  # --lora-modules
     allow_runtime_lora_updating: bool = False  # or $PAGEDRS_ALLOW_RUNTIME_LORA_UPDATING

@@ -15,22 +15,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 
-from pagedrs.engine.async_engine import (
-    AsyncLLMEngine,
-    EngineCoreDiedError,
-    EngineDeadError,
-    EngineDrainingError,
-    RequestAbortedError,
-    RequestStream,
-)
+from pagedrs.engine.async_engine import AsyncLLMEngine, RequestStream
 from pagedrs.engine.input_processor import InputError
-from pagedrs.entrypoints.openai.errors import (
-    APIError,
-    bad_request,
-    internal,
-    not_found,
-    unavailable,
-)
+from pagedrs.entrypoints.openai.error_mapping import to_api_error
+from pagedrs.entrypoints.openai.errors import APIError, bad_request, not_found
 from pagedrs.entrypoints.openai.protocol import SamplingFields
 from pagedrs.lora.request import LoRARequest
 from pagedrs.pooling_params import PoolingParams
@@ -65,30 +53,6 @@ def sse_error(exc: BaseException) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
-
-
-def to_api_error(exc: BaseException) -> APIError:
-    """Maps engine-side failures to HTTP errors: only the caller's errors are 4xx; anything else is a 500
-    whose traceback is logged."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, InputError):
-        return bad_request(str(exc), param=exc.param, code=exc.code)
-    if isinstance(exc, EngineDrainingError):
-        return unavailable("The server is shutting down.")
-    if isinstance(exc, EngineCoreDiedError):
-        return internal(f"The engine core failed: {exc}", code=ENGINE_CORE_DIED)
-    if isinstance(exc, EngineDeadError):
-        return unavailable(f"The engine is not running: {exc}")
-    if isinstance(exc, RequestAbortedError):
-        return unavailable(str(exc))
-    if isinstance(exc, (ValueError, OverflowError)):
-        return bad_request(str(exc) or type(exc).__name__)
-    logger.error("internal error", exc_info=exc)
-    return internal(f"{type(exc).__name__}: {exc}")
-
-
-ENGINE_CORE_DIED = "engine_core_died"  # the request was lost with the core process; a retry is served
 
 
 class OpenAIServing:
@@ -374,6 +338,5 @@ __all__ = [
     "random_id",
     "sse",
     "sse_error",
-    "to_api_error",
     "usage_info",
 ]

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 from pagedrs.engine.async_engine import AsyncLLMEngine
 from pagedrs.entrypoints.cli_args import LoRAModulePath
+from pagedrs.entrypoints.openai.error_mapping import to_api_error
 from pagedrs.entrypoints.openai.errors import APIError, bad_request, internal, not_found
-from pagedrs.entrypoints.openai.serving_base import to_api_error
 from pagedrs.lora.request import LoRARequest
 
 __all__ = ["ServingModels"]

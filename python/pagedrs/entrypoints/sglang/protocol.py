@@ -15,7 +15,7 @@ from pagedrs.entrypoints.openai.protocol import (
     TokenId,
     parse_request,
 )
-from pagedrs.entrypoints.openai.response_bodies import ResponseBody
+from pagedrs.entrypoints.openai.responses.bodies import ResponseBody
 
 
 class SGLangSamplingParams(OpenAIModel):

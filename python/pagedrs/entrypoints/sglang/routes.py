@@ -8,8 +8,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedrs.entrypoints.openai.routes import ERRORS, respond, streamed
-from pagedrs.entrypoints.openai.server_state import JsonBody, ServerDep
+from pagedrs.entrypoints.openai.server.routes import ERRORS, respond, streamed
+from pagedrs.entrypoints.openai.server.state import JsonBody, ServerDep
 from pagedrs.entrypoints.sglang.protocol import GenerateRequest, GenerateResponse, ModelInfo
 
 router = APIRouter(tags=["sglang"])

@@ -3,7 +3,7 @@ HTTP, tokenization, detokenization and SSE encoding are not bound to one process
 `--api-server-count`).
 
 The main process is the supervisor: it reserves the port, starts the engine core with N client sockets
-(`CoreSupervisor`), then N API server processes (`python -m pagedrs.entrypoints.openai.multi_server`), each
+(`CoreSupervisor`), then N API server processes (`python -m pagedrs.entrypoints.openai.server.multi_server`), each
 with its client index. Each listens on the port with SO_REUSEPORT, so the kernel spreads connections over
 them evenly (one shared listening socket would let whichever process wakes first accept them all).
 Each serves every endpoint: files and batch jobs live in the shared SQLite store (API server 0 runs the
@@ -124,7 +124,13 @@ def run_multi_server(engine_args: EngineArgs, server: ServerArgs) -> int:
         server_json = msgspec.json.encode(server).decode()
         env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=prom_dir)
         for i in range(count):
-            cmd = [sys.executable, "-m", "pagedrs.entrypoints.openai.multi_server", "--client-index", str(i)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pagedrs.entrypoints.openai.server.multi_server",
+                "--client-index",
+                str(i),
+            ]
             cmd += ["--ipc-dir", ipc_dir, "--parent-pid", str(os.getpid())]
             cmd += ["--engine-args-json", engine_json, "--server-args-json", server_json]
             # Their own session: a terminal's Ctrl-C reaches the supervisor, which drains them with SIGTERM.
@@ -172,7 +178,7 @@ def _stop_children(children: list[subprocess.Popen[bytes]], grace: float) -> Non
 
 # ---- one API server process -----------------------------------------------------------------------------
 def child_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pagedrs.entrypoints.openai.multi_server")
+    p = argparse.ArgumentParser(prog="python -m pagedrs.entrypoints.openai.server.multi_server")
     p.add_argument("--client-index", type=int, required=True)
     p.add_argument("--ipc-dir", required=True)
     p.add_argument("--parent-pid", type=int, required=True)
@@ -184,7 +190,7 @@ def child_main(argv: list[str] | None = None) -> int:
 
     die_with_parent(a.parent_pid)
     from pagedrs.engine.async_engine import AsyncLLMEngine, EngineStartupError
-    from pagedrs.entrypoints.openai.api_server import serve_app, setup_logging
+    from pagedrs.entrypoints.openai.server.serve import serve_app, setup_logging
 
     engine_args = msgspec.json.decode(a.engine_args_json.encode(), type=EngineArgs)
     server = msgspec.json.decode(a.server_args_json.encode(), type=ServerArgs)

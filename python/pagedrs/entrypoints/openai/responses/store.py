@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from pagedrs.entrypoints.openai.batch_store import DB_NAME
+from pagedrs.entrypoints.openai.batches.store import DB_NAME
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (

@@ -8,6 +8,7 @@ from typing import Any
 from starlette.requests import Request
 
 from pagedrs.engine.async_engine import RequestStream
+from pagedrs.entrypoints.openai.completions.beam_search import beam_search_outputs, whole_response_stream
 from pagedrs.entrypoints.openai.logprobs import TokenText, completion_logprobs
 from pagedrs.entrypoints.openai.protocol import CompletionRequest
 from pagedrs.entrypoints.openai.serving_base import (
@@ -21,7 +22,6 @@ from pagedrs.entrypoints.openai.serving_base import (
     sse_error,
     usage_info,
 )
-from pagedrs.entrypoints.openai.serving_beam_search import beam_search_outputs, whole_response_stream
 from pagedrs.outputs import CompletionOutput, RequestOutput
 from pagedrs.sampling_params import SamplingParams
 

@@ -18,17 +18,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedrs import __version__
 from pagedrs.engine.async_engine import AsyncLLMEngine
 from pagedrs.entrypoints.cli_args import ServerArgs
-from pagedrs.entrypoints.openai import files_batches, lora_routes, responses_routes, routes
-from pagedrs.entrypoints.openai.batch_store import BatchStore
-from pagedrs.entrypoints.openai.batch_worker import BatchRunner
-from pagedrs.entrypoints.openai.chat_output import OutputParsing
+from pagedrs.entrypoints.openai.batches import routes as files_batches
+from pagedrs.entrypoints.openai.batches.store import BatchStore
+from pagedrs.entrypoints.openai.batches.worker import BatchRunner
+from pagedrs.entrypoints.openai.chat.output import OutputParsing
+from pagedrs.entrypoints.openai.chat.serving import OpenAIServingChat
+from pagedrs.entrypoints.openai.completions.serving import OpenAIServingCompletion
 from pagedrs.entrypoints.openai.errors import APIError, error_body, internal
-from pagedrs.entrypoints.openai.metrics import ServerMetrics
-from pagedrs.entrypoints.openai.middleware import ServerMiddleware
-from pagedrs.entrypoints.openai.openapi import PagedrsAPI
-from pagedrs.entrypoints.openai.server_state import ServerState
-from pagedrs.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedrs.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from pagedrs.entrypoints.openai.responses import routes as responses_routes
+from pagedrs.entrypoints.openai.server import lora_routes, routes
+from pagedrs.entrypoints.openai.server.metrics import ServerMetrics
+from pagedrs.entrypoints.openai.server.middleware import ServerMiddleware
+from pagedrs.entrypoints.openai.server.openapi import PagedrsAPI
+from pagedrs.entrypoints.openai.server.state import ServerState
 from pagedrs.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedrs.entrypoints.openai.serving_models import ServingModels
 from pagedrs.entrypoints.sglang import routes as sglang_routes

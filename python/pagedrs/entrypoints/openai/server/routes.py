@@ -12,14 +12,13 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedrs import __version__
 from pagedrs.entrypoints.openai.errors import APIError, bad_request, unavailable
-from pagedrs.entrypoints.openai.metrics import CONTENT_TYPE
 from pagedrs.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
     LiquidScaleRequest,
 )
-from pagedrs.entrypoints.openai.response_bodies import (
+from pagedrs.entrypoints.openai.responses.bodies import (
     ChatCompletionResponse,
     CompletionResponse,
     EmbeddingResponse,
@@ -29,7 +28,8 @@ from pagedrs.entrypoints.openai.response_bodies import (
     ModelList,
     VersionResponse,
 )
-from pagedrs.entrypoints.openai.server_state import (
+from pagedrs.entrypoints.openai.server.metrics import CONTENT_TYPE
+from pagedrs.entrypoints.openai.server.state import (
     SSE_HEADERS,
     JsonBody,
     ServerDep,

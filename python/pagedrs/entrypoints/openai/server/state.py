@@ -16,12 +16,12 @@ from starlette.types import Receive, Scope, Send
 
 from pagedrs.engine.async_engine import AsyncLLMEngine
 from pagedrs.entrypoints.cli_args import ServerArgs
-from pagedrs.entrypoints.openai.batch_store import BatchStore
-from pagedrs.entrypoints.openai.batch_worker import BatchRunner
-from pagedrs.entrypoints.openai.metrics import ServerMetrics
+from pagedrs.entrypoints.openai.batches.store import BatchStore
+from pagedrs.entrypoints.openai.batches.worker import BatchRunner
+from pagedrs.entrypoints.openai.chat.serving import OpenAIServingChat
+from pagedrs.entrypoints.openai.completions.serving import OpenAIServingCompletion
 from pagedrs.entrypoints.openai.protocol import parse_body
-from pagedrs.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedrs.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from pagedrs.entrypoints.openai.server.metrics import ServerMetrics
 from pagedrs.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedrs.entrypoints.openai.serving_models import ServingModels
 from pagedrs.entrypoints.sglang.serving_generate import SGLangServingGenerate

@@ -14,7 +14,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pagedrs.entrypoints.openai.batch_store import BatchStore
+from pagedrs.entrypoints.openai.batches.store import BatchStore
+from pagedrs.entrypoints.openai.chat.serving import OpenAIServingChat
+from pagedrs.entrypoints.openai.completions.serving import OpenAIServingCompletion
+from pagedrs.entrypoints.openai.error_mapping import ENGINE_CORE_DIED, to_api_error
 from pagedrs.entrypoints.openai.errors import APIError, bad_request
 from pagedrs.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -22,9 +25,6 @@ from pagedrs.entrypoints.openai.protocol import (
     EmbeddingRequest,
     parse_request,
 )
-from pagedrs.entrypoints.openai.serving_base import ENGINE_CORE_DIED, to_api_error
-from pagedrs.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedrs.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from pagedrs.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 
 logger = logging.getLogger("pagedrs.batch")

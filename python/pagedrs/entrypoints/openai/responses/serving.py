@@ -18,10 +18,13 @@ from pydantic import TypeAdapter, ValidationError
 from starlette.requests import Request
 
 from pagedrs.engine.async_engine import RequestStream
+from pagedrs.entrypoints.openai.chat.serving import ChatPrepared, OpenAIServingChat
+from pagedrs.entrypoints.openai.error_mapping import to_api_error
 from pagedrs.entrypoints.openai.errors import bad_request, from_validation_error, not_found
 from pagedrs.entrypoints.openai.logprobs import TokenText, chat_logprobs
 from pagedrs.entrypoints.openai.protocol import ChatCompletionRequest, parse_request
-from pagedrs.entrypoints.openai.protocol_responses import (
+from pagedrs.entrypoints.openai.responses.items import OutputItems, StreamEvent, item_id, output_as_input
+from pagedrs.entrypoints.openai.responses.protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
     InputItem,
@@ -29,10 +32,8 @@ from pagedrs.entrypoints.openai.protocol_responses import (
     ResponsesRequest,
     to_chat_messages,
 )
-from pagedrs.entrypoints.openai.responses_items import OutputItems, StreamEvent, item_id, output_as_input
-from pagedrs.entrypoints.openai.responses_store import TERMINAL, ResponsesStore
-from pagedrs.entrypoints.openai.serving_base import cached_tokens, merge_streams, now_s, to_api_error
-from pagedrs.entrypoints.openai.serving_chat import ChatPrepared, OpenAIServingChat
+from pagedrs.entrypoints.openai.responses.store import TERMINAL, ResponsesStore
+from pagedrs.entrypoints.openai.serving_base import cached_tokens, merge_streams, now_s
 
 logger = logging.getLogger("pagedrs.serving")
 

@@ -7,16 +7,16 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedrs.entrypoints.openai.protocol_responses import (
+from pagedrs.entrypoints.openai.responses.protocol import (
     ResponseDeleted,
     ResponseItemList,
     ResponseObject,
     ResponsesRequest,
 )
-from pagedrs.entrypoints.openai.responses_store import ResponsesStore
-from pagedrs.entrypoints.openai.routes import ERRORS, respond, streamed
-from pagedrs.entrypoints.openai.server_state import JsonBody, ServerDep
-from pagedrs.entrypoints.openai.serving_responses import OpenAIServingResponses
+from pagedrs.entrypoints.openai.responses.serving import OpenAIServingResponses
+from pagedrs.entrypoints.openai.responses.store import ResponsesStore
+from pagedrs.entrypoints.openai.server.routes import ERRORS, respond, streamed
+from pagedrs.entrypoints.openai.server.state import JsonBody, ServerDep
 
 router = APIRouter()
 

@@ -1,0 +1,1 @@
+"""Completions, and beam search for both APIs."""

@@ -1,0 +1,1 @@
+"""OpenAI's Responses API: protocol, serving, stored responses and their routes."""
