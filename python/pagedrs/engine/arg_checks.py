@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pagedrs.engine.arg_utils import EngineArgs
+from typing import Any, Protocol
 
 __all__ = ["LOAD_FORMATS", "check_compat", "names_a_gguf"]
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+
+
+class EngineArgs(Protocol):
+    """The fields of `arg_utils.EngineArgs` these checks read."""
+
+    model: str | None
+    tokenizer_mode: str
+    revision: str | None
+    tokenizer_revision: str | None
+    max_seq_len: int | None
+    max_model_len: int | None
+    load_format: str
+    gguf_file: str | None
+    pipeline_parallel_size: int
+    quantization: str | None
+    rope_scaling: dict[str, Any] | None
+    rope_theta: float | None
 
 
 def check_compat(args: EngineArgs) -> None:
