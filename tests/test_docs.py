@@ -156,7 +156,7 @@ def test_site_builds_strict_with_generated_references(tmp_path: Path) -> None:
     page lists every EngineArgs field and the metrics page every metric the server registers."""
     pytest.importorskip("material")
     from pagedrs import EngineArgs
-    from pagedrs.entrypoints.openai import metrics as server_metrics
+    from pagedrs.entrypoints.openai.server import metrics as server_metrics
     from pagedrs.entrypoints.openai.server.metrics import ServerMetrics
 
     site = tmp_path / "site"

@@ -137,7 +137,7 @@ def subcommands_table() -> str:
 def metrics_table() -> str:
     """Every metric family of a fresh server registry, with the series names Prometheus scrapes and,
     where the server also serves a family under vLLM's names, those names (or why there are none)."""
-    from pagedrs.entrypoints.openai import metrics as server_metrics
+    from pagedrs.entrypoints.openai.server import metrics as server_metrics
 
     metrics = server_metrics.ServerMetrics("MODEL", lambda: None)
     vllm_names: dict[str, tuple[str, ...]] = getattr(server_metrics, "VLLM_NAMES", {})
