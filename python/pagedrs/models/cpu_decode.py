@@ -35,7 +35,7 @@ from pagedrs.layers.device_form import DeviceForm, PrepareOptions
 from pagedrs.layers.quantized import QuantizedWeight
 
 if TYPE_CHECKING:
-    from pagedrs.models.llama import LlamaDecoderLayer, LlamaModel
+    from pagedrs.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 __all__ = ["CpuDecode", "CpuDecodeStep", "enable_cpu_decode"]
 
@@ -79,8 +79,14 @@ def _why_not(model: LlamaModel) -> str | None:
         return "dynamic rope rescales per step"
     if rope.cos_sin_cache.device.type != "cpu" or rope.cos_sin_cache.dtype != torch.float32:
         return "not float32 on the CPU"
+    from pagedrs.models.llama import LlamaMLP
+
     for layer in _decoder_layers(model):
         attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(mlp, LlamaMLP):
+            return "a layer's MLP is not the dense gated one (a mixture of experts)"
+        if attn.attn.sinks is not None or attn.attn.logits_soft_cap is not None:
+            return "attention sinks or soft-capping are not in the fused step"
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(not isinstance(lin.qweight, QuantizedWeight) or lin.tp_size != 1 for lin in linears):
             return "a linear layer is not quantized on one rank"
@@ -102,7 +108,7 @@ def _why_not(model: LlamaModel) -> str | None:
 
 
 def _layer(layer: LlamaDecoderLayer) -> _Layer:
-    attn, mlp = layer.self_attn, layer.mlp
+    attn, mlp = layer.self_attn, cast("LlamaMLP", layer.mlp)  # a dense MLP: checked by _why_not
     qkv = attn.qkv_proj
     assert isinstance(qkv.qweight, QuantizedWeight) and isinstance(attn.o_proj.qweight, QuantizedWeight)
     assert isinstance(mlp.gate_up_proj.qweight, QuantizedWeight)  # all checked by _why_not

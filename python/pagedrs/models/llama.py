@@ -8,7 +8,7 @@ Same structure as HF's LlamaForCausalLM and the same parameter names, except tha
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol, cast
 
 import torch
@@ -141,13 +141,17 @@ class LlamaDecoderLayer(torch.nn.Module):
         tp: TPGroup,
         dtype: torch.dtype,
         device: torch.device,
+        self_attn: LlamaAttention | None = None,
+        mlp: torch.nn.Module | None = None,
     ) -> None:
+        """`self_attn` / `mlp`: the blocks an architecture built on this layout brings (a mixture of experts,
+        attention with sinks); by default Llama's."""
         super().__init__()
         eps = config.rms_norm_eps
-        self.self_attn = LlamaAttention(
+        self.self_attn = self_attn or LlamaAttention(
             config, layer_idx, rotary_emb, sliding_window, qk_norm=qk_norm, tp=tp, dtype=dtype, device=device
         )
-        self.mlp = LlamaMLP(config, tp=tp, dtype=dtype, device=device)
+        self.mlp = mlp or LlamaMLP(config, tp=tp, dtype=dtype, device=device)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
 
@@ -169,6 +173,10 @@ class LlamaDecoderLayer(torch.nn.Module):
         return self.mlp(hidden), residual
 
 
+# builds decoder layer `layer_idx` around the model's shared rotary embedding, with its sliding window
+LayerFactory = Callable[[int, RotaryEmbedding, "int | None"], LlamaDecoderLayer]
+
+
 class DecodeFastPath(Protocol):
     """A decode step that replaces the modules where it applies (pagedrs.models.cpu_decode.CpuDecodeStep):
     the hidden states after the final norm, or None to run the modules."""
@@ -185,18 +193,24 @@ class LlamaModel(torch.nn.Module):
         tp: TPGroup,
         dtype: torch.dtype,
         device: torch.device,
+        make_layer: LayerFactory | None = None,
     ) -> None:
+        """`make_layer(layer_idx, rotary_emb, sliding_window)`: builds each decoder layer (default: Llama's)."""
         super().__init__()
         self.rotary_emb = get_rope(config, _head_size(config), device=device)
         windows = _layer_windows(config)
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp=tp, dtype=dtype, device=device
         )
-        self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(
-                config, i, self.rotary_emb, windows[i], qk_norm=qk_norm, tp=tp, dtype=dtype, device=device
+
+        def llama_layer(i: int, rotary_emb: RotaryEmbedding, window: int | None) -> LlamaDecoderLayer:
+            return LlamaDecoderLayer(
+                config, i, rotary_emb, window, qk_norm=qk_norm, tp=tp, dtype=dtype, device=device
             )
-            for i in range(config.num_hidden_layers)
+
+        make = make_layer or llama_layer
+        self.layers = torch.nn.ModuleList(
+            make(i, self.rotary_emb, windows[i]) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         # Decode-only steps of a quantized CPU model, one Rust call per op (set when the model is prepared
@@ -244,7 +258,7 @@ class LlamaForCausalLM(CausalLM):
         tp = tp or TPGroup()
         self.config = config
         self.dtype = dtype
-        self.model = LlamaModel(config, qk_norm=self.qk_norm, tp=tp, dtype=dtype, device=device)
+        self.model = self.make_model(config, tp=tp, dtype=dtype, device=device)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, tp=tp, dtype=dtype, device=device
@@ -259,6 +273,12 @@ class LlamaForCausalLM(CausalLM):
         windows = [w for w in _layer_windows(config) if w is not None]
         self.sliding_window: int | None = max(windows) if windows else None
         self.max_position: int = int(getattr(config, "max_position_embeddings", 2048))
+
+    def make_model(
+        self, config: PretrainedConfig, *, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> LlamaModel:
+        """The decoder stack; architectures on this layout with other blocks override it."""
+        return LlamaModel(config, qk_norm=self.qk_norm, tp=tp, dtype=dtype, device=device)
 
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden]."""
