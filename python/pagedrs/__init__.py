@@ -14,7 +14,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from pagedrs import _gomp  # noqa: F401 -- first: it sets libgomp's spin count before anything imports torch
-from pagedrs.lora.request import LoRARequest
+from pagedrs.lora_request import LoRARequest
 from pagedrs.outputs import (
     CompletionOutput,
     EmbeddingOutput,

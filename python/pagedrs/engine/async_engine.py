@@ -32,7 +32,7 @@ from pagedrs.engine.core_handles import (
 from pagedrs.engine.input_processor import InputError, InputProcessor
 from pagedrs.engine.messages import AbortRequests, EngineCoreOutputs
 from pagedrs.engine.output_processor import OutputProcessor, RequestObserver
-from pagedrs.lora.request import LoRARequest
+from pagedrs.lora_request import LoRARequest
 from pagedrs.metrics import EngineStats
 from pagedrs.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedrs.pooling_params import PoolingParams

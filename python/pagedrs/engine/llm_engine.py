@@ -18,7 +18,7 @@ from pagedrs.engine.output_processor import OutputProcessor
 from pagedrs.executor import UniProcExecutor
 from pagedrs.executor.build import build_executor
 from pagedrs.loader import LoadedModel
-from pagedrs.lora.request import LoRARequest
+from pagedrs.lora_request import LoRARequest
 from pagedrs.metrics import EngineStats
 from pagedrs.models.interface import CausalLM
 from pagedrs.outputs import EmbeddingRequestOutput, RequestOutput

@@ -14,7 +14,7 @@ from typing import Any
 from pagedrs import _core
 from pagedrs.engine.messages import EngineCoreRequest
 from pagedrs.lora.manager import LoRAManager
-from pagedrs.lora.request import LoRARequest
+from pagedrs.lora_request import LoRARequest
 
 __all__ = ["LoRAQueue"]
 

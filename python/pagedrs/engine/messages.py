@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from pagedrs.lora.request import LoRARequest
+from pagedrs.lora_request import LoRARequest
 from pagedrs.metrics import EngineStats
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import SamplingParams

@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
-from pagedrs.lora.request import LoRARequest
+from pagedrs.lora_request import LoRARequest
 from pagedrs.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams

@@ -1,6 +1,7 @@
-"""Multi-LoRA serving: PEFT adapter folders (`adapter`), the per-request `LoRARequest` (`request`), the
-deltas added to the base model's linear layers (`layers`) and the resident adapter slots (`manager`)."""
+"""Multi-LoRA serving: PEFT adapter folders (`adapter`), the deltas added to the base model's linear
+layers (`layers`) and the resident adapter slots (`manager`). The per-request `LoRARequest` lives in
+`pagedrs.lora_request`, beside the sampling and pooling params."""
 
-from pagedrs.lora.request import LoRARequest
+from pagedrs.lora_request import LoRARequest
 
 __all__ = ["LoRARequest"]

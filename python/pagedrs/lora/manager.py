@@ -34,7 +34,7 @@ from pagedrs.layers.linear import (
 )
 from pagedrs.lora.adapter import LoRAAdapter, LoRAWeights, load_peft_adapter
 from pagedrs.lora.layers import LoRABatch, LoRALinear, LoRASlice
-from pagedrs.lora.request import LoRARequest
+from pagedrs.lora_request import LoRARequest
 
 __all__ = ["LoRAManager", "LoRASlots", "LoRAWire"]
 

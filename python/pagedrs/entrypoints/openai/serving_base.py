@@ -20,7 +20,7 @@ from pagedrs.engine.input_processor import InputError
 from pagedrs.entrypoints.openai.error_mapping import to_api_error
 from pagedrs.entrypoints.openai.errors import APIError, bad_request, not_found
 from pagedrs.entrypoints.openai.protocol import SamplingFields
-from pagedrs.lora.request import LoRARequest
+from pagedrs.lora_request import LoRARequest
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import RequestOutputKind, SamplingParams
 

@@ -18,7 +18,7 @@ from pagedrs.engine.async_engine import AsyncLLMEngine
 from pagedrs.entrypoints.cli_args import LoRAModulePath
 from pagedrs.entrypoints.openai.error_mapping import to_api_error
 from pagedrs.entrypoints.openai.errors import APIError, bad_request, internal, not_found
-from pagedrs.lora.request import LoRARequest
+from pagedrs.lora_request import LoRARequest
 
 __all__ = ["ServingModels"]
 

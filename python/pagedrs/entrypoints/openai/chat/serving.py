@@ -33,7 +33,7 @@ from pagedrs.entrypoints.openai.serving_base import (
 )
 from pagedrs.entrypoints.openai.serving_models import ServingModels
 from pagedrs.entrypoints.openai.tool_parsers import ParsedMessage, chat_deltas
-from pagedrs.lora.request import LoRARequest
+from pagedrs.lora_request import LoRARequest
 from pagedrs.sampling_params import SamplingParams
 
 # vLLM's answer to a chat request for a model whose tokenizer has no chat template, with the flag that fixes it

@@ -15,7 +15,7 @@ from pagedrs.engine.input_processor import InputError
 from pagedrs.entrypoints.openai.errors import bad_request
 from pagedrs.entrypoints.openai.protocol import SamplingFields
 from pagedrs.entrypoints.openai.serving_base import SSE_DONE, OpenAIServing, sse
-from pagedrs.lora.request import LoRARequest
+from pagedrs.lora_request import LoRARequest
 from pagedrs.outputs import CompletionOutput, RequestOutput
 from pagedrs.sampling_params import BeamSearchParams
 

@@ -37,7 +37,7 @@ from pagedrs.entrypoints.openai.server.state import (
     SSEResponse,
 )
 from pagedrs.entrypoints.openai.serving_base import ClientDisconnected
-from pagedrs.lora.request import LoRARequest
+from pagedrs.lora_request import LoRARequest
 
 router = APIRouter()
 
