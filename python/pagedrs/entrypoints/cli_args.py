@@ -112,7 +112,7 @@ _SERVER = ServerArgs()  # the server flags' defaults
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """The server flags. Long on purpose: one add_argument per flag, in the order --help shows them."""
+    """The server flags, one add_argument per flag, in the order --help shows them."""
     g = parser.add_argument_group("server")
     g.add_argument("--host", default=_SERVER.host, help=f"address to bind (default {_SERVER.host})")
     g.add_argument("--port", type=int, default=_SERVER.port, help=f"port (default {_SERVER.port})")
@@ -175,6 +175,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--no-access-log", dest="access_log", action="store_false", help="no access log line per request"
     )
+    _add_chat_args(g)
+
+
+def _add_chat_args(g: argparse._ArgumentGroup) -> None:
+    """The server flags of chat requests: template, tool calls, LoRA adapters by name, reasoning."""
     g.add_argument(
         "--chat-template",
         default=None,
