@@ -120,12 +120,24 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     embedding: list[float] | None = None  # an embedding request's pooled vector, on its last prompt step
 
 
+class KVCacheEvents(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One step's net change to the core's prefix cache, as block hashes (the scheduler's chained
+    hashes, see `pagedrs.engine.prefix_hashes`). Applied in this order, `cleared` (empty the set),
+    then `removed`, then `stored`, to the set after the previous step, it gives the set of cached
+    block hashes after this step."""
+
+    stored: list[int] = []
+    removed: list[int] = []
+    cleared: bool = False
+
+
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
     """Everything one engine step produced: one message per step, for every request."""
 
     outputs: list[EngineCoreOutput]
     stats: EngineStats
     timestamp: float
+    kv_events: KVCacheEvents | None = None  # set when the frontend routes by cache (data parallelism)
 
 
 class UtilityResult(msgspec.Struct, tag="result", array_like=True):
