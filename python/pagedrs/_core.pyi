@@ -298,6 +298,12 @@ class StepPlan:
         """(plan, extra_logits_indices) of a `to_wire` message; ValueError if it does not add up. The
         plan's block_tables came with it (there is no scheduler on the receiving side)."""
 
+def prefix_extra_key(cache_salt: str | None = None) -> int:
+    """The extra key the scheduler hashes into the first block of a request with this cache salt (0: none)."""
+
+def prefix_block_hashes(tokens: Sequence[int], block_size: int, extra_key: int = 0) -> list[int]:
+    """The chained hashes (u64) of the full blocks of `tokens`, as the scheduler caches them."""
+
 STEP_WIRE_HEADER_LEN: int
 
 class Scheduler:
@@ -380,6 +386,8 @@ class Scheduler:
     def output_token_ids(self, seq_id: int) -> list[int]:
         """Output token ids of a live seq id, the newest included; PagedrsError for an unknown id."""
     def num_output_tokens(self, seq_id: int) -> int: ...
+    def cached_block_hashes(self) -> list[int]:
+        """The hashes of the blocks in the prefix cache now, sorted (u64)."""
     def check_invariants(self) -> None: ...
     @property
     def block_size(self) -> int: ...

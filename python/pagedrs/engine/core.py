@@ -34,6 +34,7 @@ from pagedrs.engine.messages import (
     Ready,
 )
 from pagedrs.engine.pooling import pool_step
+from pagedrs.engine.prefix_hashes import lora_salt_of
 from pagedrs.engine.step_outputs import StepOutputs
 from pagedrs.executor import ExecutorDeadError, UniProcExecutor
 from pagedrs.executor.build import load_engine
@@ -254,7 +255,7 @@ class EngineCore:
                 skip_prefix_cache=params.prompt_logprobs is not None
                 or (req.pooling is not None and req.pooling.pooling_type != "last"),
                 # An adapter's KV differs from the base model's: its blocks hash under its own key.
-                cache_salt=lora.cache_salt if lora is not None else None,
+                cache_salt=lora_salt_of(lora),
                 speculate=self.config.speculative is not None
                 and can_speculate(params, lora is not None or req.pooling is not None),
             )  # raises InvalidRequestError (a ValueError) before any state changes here

@@ -10,6 +10,7 @@ pub mod config;
 pub mod error;
 pub mod free_queue;
 mod invariants;
+pub mod kv_events;
 pub mod plan;
 pub mod prefix_cache;
 pub mod request;

@@ -106,6 +106,11 @@ impl PrefixCache {
         self.map.is_empty()
     }
 
+    /// The cached blocks' hashes, in no particular order.
+    pub fn hashes(&self) -> impl Iterator<Item = u64> + '_ {
+        self.map.keys().copied()
+    }
+
     fn record(&self, b: BlockId) -> &[u32] {
         let stride = HEADER + self.block_size;
         &self.records[b.idx() * stride..(b.idx() + 1) * stride]

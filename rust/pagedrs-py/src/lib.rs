@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 mod cpu_kernels;
 mod errors;
 mod plan;
+mod prefix;
 mod scheduler;
 mod types;
 
@@ -60,6 +61,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_argmax_logsumexp, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_lora_add, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_rope_neox, m)?)?;
+    m.add_function(wrap_pyfunction!(prefix::prefix_extra_key, m)?)?;
+    m.add_function(wrap_pyfunction!(prefix::prefix_block_hashes, m)?)?;
     m.add("STEP_WIRE_HEADER_LEN", pagedrs_core::WIRE_HEADER_LEN)?;
     errors::register(m)?;
     m.add_class::<scheduler::PyScheduler>()?;

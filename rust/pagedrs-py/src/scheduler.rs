@@ -312,6 +312,15 @@ impl PyScheduler {
     }
 
     /// Raises PagedrsError naming the first broken invariant (debugging; O(pool + tokens)).
+    /// The hashes of the blocks in the prefix cache now (sorted): what the KV events add up to.
+    fn cached_block_hashes(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        self.with(py, |s| {
+            let mut h: Vec<u64> = s.pool().cache().hashes().collect();
+            h.sort_unstable();
+            h
+        })
+    }
+
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
         self.detached(py, |s| s.check_invariants())?.map_err(to_py)
     }
