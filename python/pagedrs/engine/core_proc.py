@@ -39,7 +39,7 @@ from pagedrs.executor.executor import ExecutorDeadError
 from pagedrs.metrics import EngineStats
 from pagedrs.utils import die_with_parent
 
-__all__ = ["CoreLike", "EngineCoreProc", "main"]
+__all__ = ["CoreLike", "EngineCoreProc", "main", "serve_core"]
 
 logger = logging.getLogger("pagedrs.engine_core")
 
@@ -275,11 +275,18 @@ def main(argv: list[str] | None = None) -> int:
     proc = EngineCoreProc(args.input, args.output, status_addr=args.status)
     proc.bind()
     signal.signal(signal.SIGTERM, lambda *_: proc.stop())
+    return serve_core(proc, args.engine_args)
+
+
+def serve_core(proc: EngineCoreProc, engine_args_json: str) -> int:
+    """Load the core from its arguments (JSON) behind bound sockets and run it until Shutdown: its exit
+    code. A load failure is announced as StartupFailed (code 1). Shared by this process's main and the
+    Ray actor that runs a core (`ray_core`)."""
     try:
         from pagedrs.engine.arg_utils import EngineArgs
         from pagedrs.engine.core import EngineCore
 
-        engine_args = msgspec.json.decode(args.engine_args.encode(), type=EngineArgs)
+        engine_args = msgspec.json.decode(engine_args_json.encode(), type=EngineArgs)
         core, _ = EngineCore.from_engine_args(engine_args)
     except Exception as exc:  # reported to the server, which exits with it
         logger.exception("engine core failed to start")

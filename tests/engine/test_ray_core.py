@@ -1,0 +1,213 @@
+"""The engine core in a Ray actor (`RayCore`) on a local Ray cluster started here: the same greedy ids as a
+core process, a SIGKILLed actor seen as a dead core (in-flight requests fail, the frontend restarts it),
+TCP sockets, a tensor-parallel core's ranks placed in its placement group, and nothing left after stop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagedrs import SamplingParams
+from pagedrs.engine.arg_utils import EngineArgs
+from pagedrs.engine.async_engine import AsyncLLMEngine, EngineCoreDiedError
+from pagedrs.engine.core_handles import EngineStartupError, ProcessCore, wait_ready
+from pagedrs.engine.ray_core import RayCore, core_bundles
+from tests.helpers import make_tiny_llama, make_tokenizer
+
+ray = pytest.importorskip("ray")
+
+NUM_CPUS = 2
+# A 16-token budget chunks the 40-token prompt; three prompts share a 16-token prefix (cache hits).
+ENGINE = dict(
+    device="cpu",
+    dtype="float32",
+    block_size=4,
+    num_kv_blocks=64,
+    max_num_batched_tokens=16,
+    disable_log_stats=True,
+    seed=0,
+)
+PREFIX = list(range(100, 116))
+PROMPTS = [PREFIX + [1, 2, 3], PREFIX + [7, 8], list(range(10, 50)), PREFIX + [60], [5, 6, 7]]
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=NUM_CPUS, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("ray-core"), arch="qwen2")
+
+
+def _engine(make: Callable[[str, int], Any], **kw: Any) -> AsyncLLMEngine:
+    return AsyncLLMEngine(tokenizer=make_tokenizer(), _make_handle=make, **kw)
+
+
+async def _greedy(engine: AsyncLLMEngine, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    async def one(i: int, prompt: list[int]) -> list[int]:
+        outs = [o async for o in engine.generate(f"r{i}-{time.monotonic_ns()}", prompt, params)]
+        return list(outs[-1].outputs[0].token_ids)
+
+    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+
+def _run_greedy(engine: AsyncLLMEngine) -> list[list[int]]:
+    async def main() -> list[list[int]]:
+        engine.start()
+        try:
+            return await _greedy(engine, PROMPTS)
+        finally:
+            engine.shutdown()
+
+    return asyncio.run(main())
+
+
+def _gone(pid: int, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:  # a zombie (dead, not yet reaped by the raylet) is gone
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _nothing_left(pids: list[int]) -> None:
+    """Every core actor's process has exited, every placement group is removed, every CPU is free."""
+    from ray.util.placement_group import placement_group_table
+
+    assert [pid for pid in pids if not _gone(pid)] == []
+    assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
+    deadline = time.monotonic() + 20
+    while ray.available_resources().get("CPU", 0) < NUM_CPUS and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == NUM_CPUS
+
+
+def test_ray_core_equals_process_core(local_ray: None, tiny: Path) -> None:
+    args = EngineArgs(model=str(tiny), **ENGINE)  # type: ignore[arg-type]
+    want = _run_greedy(_engine(lambda d, g: ProcessCore(args, d, g)))
+    handles: list[RayCore] = []
+
+    def make(ipc_dir: str, gen: int) -> RayCore:
+        handles.append(RayCore(args, ipc_dir, gen))
+        return handles[-1]
+
+    got = _run_greedy(_engine(make))
+    assert got == want and all(len(ids) == 8 for ids in got)
+    (h,) = handles
+    assert h.input_addr.startswith("tcp://") and all(a.startswith("tcp://") for a in h.output_addrs)
+    assert h.bundles == [{"CPU": 1.0}]
+    assert not h.alive() and h.actor is None and h.placement_group is None
+    assert h.pid is not None
+    _nothing_left([h.pid])
+
+
+def test_killed_actor_is_a_dead_core_and_is_restarted(local_ray: None, tiny: Path) -> None:
+    args = EngineArgs(model=str(tiny), **ENGINE)  # type: ignore[arg-type]
+    handles: list[RayCore] = []
+
+    def make(ipc_dir: str, gen: int) -> RayCore:
+        handles.append(RayCore(args, ipc_dir, gen))
+        return handles[-1]
+
+    async def main() -> None:
+        engine = _engine(make, max_restarts=1)
+        engine.start()
+        try:
+            before = await _greedy(engine, PROMPTS[:2])
+            long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+            stream = await engine.add_request("long", PROMPTS[2], long)
+            await stream.__anext__()
+            pid = engine.core_pid
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(EngineCoreDiedError, match=r"Ray actor \(pid \d+ on .*\) died"):
+                async for _ in stream:
+                    pass
+            assert time.monotonic() - start < 30
+            assert not handles[0].alive() and "died" in handles[0].exit_description()
+            deadline = time.monotonic() + 120
+            while not (engine.is_running and engine.num_restarts == 1) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert engine.is_running and engine.core_pid not in (None, pid)
+            assert await _greedy(engine, PROMPTS[:2]) == before
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+    assert len(handles) == 2
+    _nothing_left([h.pid for h in handles if h.pid is not None])
+
+
+def test_tensor_parallel_core_is_packed_and_stop_leaves_nothing(local_ray: None, tiny: Path) -> None:
+    args = EngineArgs(
+        model=str(tiny),
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
+        **ENGINE,  # type: ignore[arg-type]
+    )
+    handle = RayCore(args)
+    handle.start()
+    try:
+        assert handle.bundles == [{"CPU": 1.0}, {"CPU": 1.0}]
+        # Both bundles hold the cluster's 2 CPUs: the rank actor can only run inside the core's group.
+        ready = wait_ready(handle, 120)
+        assert ready.num_blocks > 0 and handle.alive()
+        assert ray.available_resources().get("CPU", 0) == 0
+        from ray.util.placement_group import placement_group_table
+
+        pg = placement_group_table(handle.placement_group)
+        assert pg["strategy"] == "STRICT_PACK" and len(set(pg["bundles_to_node_id"].values())) == 1
+    finally:
+        handle.stop(10)
+    assert not handle.alive()
+    assert handle.pid is not None
+    _nothing_left([handle.pid])
+
+
+def test_bundles_for_gpus_and_threads() -> None:
+    def bundles(use_gpu: bool, **kw: Any) -> list[dict[str, float]]:
+        return core_bundles(EngineArgs(**kw), use_gpu)  # type: ignore[arg-type]
+
+    assert bundles(False, num_threads=4) == [{"CPU": 4.0}]
+    # mp ranks are the core's children: one bundle; Ray ranks get one bundle each.
+    assert bundles(False, num_threads=2, tensor_parallel_size=2) == [{"CPU": 4.0}]
+    assert bundles(True, tensor_parallel_size=2) == [{"CPU": 1.0, "GPU": 2.0}]
+    assert bundles(True, tensor_parallel_size=3, distributed_executor_backend="ray") == [
+        {"CPU": 1.0, "GPU": 1.0},
+        {"GPU": 1.0},
+        {"GPU": 1.0},
+    ]
+
+
+def test_no_room_in_the_cluster_is_a_clear_error(local_ray: None, tiny: Path) -> None:
+    args = EngineArgs(model=str(tiny), num_threads=NUM_CPUS + 1, **ENGINE)  # type: ignore[arg-type]
+    handle = RayCore(args, placement_timeout_s=1.0)
+    with pytest.raises(EngineStartupError, match=r"no node of the Ray cluster has \[\{'CPU': 3.0\}\] free"):
+        handle.start()
+    assert handle.placement_group is None and not handle.alive()
+    from ray.util.placement_group import placement_group_table
+
+    assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
