@@ -18,12 +18,13 @@ from pagedrs import SamplingParams
 from pagedrs.engine.arg_utils import EngineArgs
 from pagedrs.engine.async_engine import AsyncLLMEngine, EngineCoreDiedError
 from pagedrs.engine.core_handles import EngineStartupError, ProcessCore, wait_ready
-from pagedrs.engine.ray_core import RayCore, core_bundles
+from pagedrs.engine.ray_core import RayCore, connect_ray, core_bundles
 from tests.helpers import make_tiny_llama, make_tokenizer
 
 ray = pytest.importorskip("ray")
 
-NUM_CPUS = 2
+NODE_CPUS = 2  # per node of the two-node cluster
+NUM_CPUS = 2 * NODE_CPUS
 # A 16-token budget chunks the 40-token prompt; three prompts share a 16-token prefix (cache hits).
 ENGINE = dict(
     device="cpu",
@@ -40,13 +41,25 @@ PROMPTS = [PREFIX + [1, 2, 3], PREFIX + [7, 8], list(range(10, 50)), PREFIX + [6
 
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
+    """A two-node Ray cluster on this machine, reached as a user's would be: through RAY_ADDRESS."""
+    from ray.cluster_utils import Cluster
+
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=NUM_CPUS, include_dashboard=False, log_to_driver=False)
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": NODE_CPUS, "include_dashboard": False}
+    )
     try:
-        yield
+        cluster.add_node(num_cpus=NODE_CPUS)
+        cluster.wait_for_nodes()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("RAY_ADDRESS", cluster.address)
+            connect_ray()
+            assert len(ray.nodes()) == 2
+            yield
     finally:
         ray.shutdown()
+        cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -172,10 +185,10 @@ def test_tensor_parallel_core_is_packed_and_stop_leaves_nothing(local_ray: None,
     handle.start()
     try:
         assert handle.bundles == [{"CPU": 1.0}, {"CPU": 1.0}]
-        # Both bundles hold the cluster's 2 CPUs: the rank actor can only run inside the core's group.
-        ready = wait_ready(handle, 120)
+        ready = wait_ready(handle, 120)  # every rank has joined
         assert ready.num_blocks > 0 and handle.alive()
-        assert ray.available_resources().get("CPU", 0) == 0
+        # The group holds 2 CPUs and the rank actor (1 CPU) took none outside it: it runs in its bundle.
+        assert ray.available_resources().get("CPU", 0) == NUM_CPUS - 2
         from ray.util.placement_group import placement_group_table
 
         pg = placement_group_table(handle.placement_group)
@@ -185,6 +198,25 @@ def test_tensor_parallel_core_is_packed_and_stop_leaves_nothing(local_ray: None,
     assert not handle.alive()
     assert handle.pid is not None
     _nothing_left([handle.pid])
+
+
+def test_replicas_spread_over_the_nodes(local_ray: None, tiny: Path) -> None:
+    # Each core asks a whole node's CPUs: the two must land on different nodes, each answering.
+    args = EngineArgs(model=str(tiny), num_threads=NODE_CPUS, **ENGINE)  # type: ignore[arg-type]
+    handles = [RayCore(args, "", gen) for gen in range(2)]
+    try:
+        for h in handles:
+            h.start()
+        for h in handles:
+            assert wait_ready(h, 120).num_blocks > 0
+        from ray.util.placement_group import placement_group_table
+
+        nodes = {placement_group_table(h.placement_group)["bundles_to_node_id"][0] for h in handles}
+        assert len(nodes) == 2
+    finally:
+        for h in handles:
+            h.stop(10)
+    _nothing_left([h.pid for h in handles if h.pid is not None])
 
 
 def test_bundles_for_gpus_and_threads() -> None:
@@ -203,7 +235,8 @@ def test_bundles_for_gpus_and_threads() -> None:
 
 
 def test_no_room_in_the_cluster_is_a_clear_error(local_ray: None, tiny: Path) -> None:
-    args = EngineArgs(model=str(tiny), num_threads=NUM_CPUS + 1, **ENGINE)  # type: ignore[arg-type]
+    # The cluster has 4 CPUs, but no node has 3.
+    args = EngineArgs(model=str(tiny), num_threads=NODE_CPUS + 1, **ENGINE)  # type: ignore[arg-type]
     handle = RayCore(args, placement_timeout_s=1.0)
     with pytest.raises(EngineStartupError, match=r"no node of the Ray cluster has \[\{'CPU': 3.0\}\] free"):
         handle.start()
