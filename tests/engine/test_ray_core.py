@@ -17,7 +17,7 @@ import pytest
 from pagedrs import SamplingParams
 from pagedrs.engine.arg_utils import EngineArgs
 from pagedrs.engine.async_engine import AsyncLLMEngine, EngineCoreDiedError
-from pagedrs.engine.core_handles import EngineStartupError, ProcessCore, wait_ready
+from pagedrs.engine.core_handles import EngineStartupError, ProcessCore, connect_ready, wait_ready
 from pagedrs.engine.ray_core import RayCore, connect_ray, core_bundles
 from tests.helpers import make_tiny_llama, make_tokenizer
 
@@ -203,10 +203,15 @@ def test_tensor_parallel_core_is_packed_and_stop_leaves_nothing(local_ray: None,
 def test_replicas_spread_over_the_nodes(local_ray: None, tiny: Path) -> None:
     # Each core asks a whole node's CPUs: the two must land on different nodes, each answering.
     args = EngineArgs(model=str(tiny), num_threads=NODE_CPUS, **ENGINE)  # type: ignore[arg-type]
-    handles = [RayCore(args, "", gen) for gen in range(2)]
+    # The second also announces Ready on a status socket, as a supervisor's core does (read first).
+    handles = [RayCore(args, "", 0), RayCore(args, "", 1, status=True)]
     try:
         for h in handles:
             h.start()
+        assert handles[1].status_addr is not None and handles[1].status_addr.startswith("tcp://")
+        status, sock = connect_ready(handles[1], 120, address=handles[1].status_addr)
+        sock.close(linger=0)
+        assert status.num_blocks > 0
         for h in handles:
             assert wait_ready(h, 120).num_blocks > 0
         from ray.util.placement_group import placement_group_table
