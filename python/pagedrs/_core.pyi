@@ -304,6 +304,31 @@ def prefix_extra_key(cache_salt: str | None = None) -> int:
 def prefix_block_hashes(tokens: Sequence[int], block_size: int, extra_key: int = 0) -> list[int]:
     """The chained hashes (u64) of the full blocks of `tokens`, as the scheduler caches them."""
 
+class KVEvents:
+    """Prefix-cache events drained from the scheduler, in the order they happened."""
+
+    def __len__(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def kinds(self) -> npt.NDArray[np.uint8]:
+        """Per event: 0 a block became cached, 1 a cached block was evicted or dropped, 2 all cleared."""
+    @property
+    def hashes(self) -> npt.NDArray[np.uint64]:
+        """Per event: the block's hash (0 for a clear)."""
+    @property
+    def parents(self) -> npt.NDArray[np.uint64]:
+        """Per event: a stored block's parent hash (0 otherwise)."""
+    @property
+    def extra_keys(self) -> npt.NDArray[np.uint64]:
+        """Per event: a stored block's extra key (`prefix_extra_key` of its salt; 0 otherwise)."""
+    @property
+    def tokens(self) -> npt.NDArray[np.uint32]:
+        """The stored blocks' tokens, one row per stored event: [num_stored, block_size]."""
+    def net(self) -> tuple[list[int], list[int], bool]:
+        """(stored, removed, cleared): the net change; applied to the set before these events as clear,
+        then remove, then store, it gives the set after them."""
+
 STEP_WIRE_HEADER_LEN: int
 
 class Scheduler:
@@ -386,6 +411,12 @@ class Scheduler:
     def output_token_ids(self, seq_id: int) -> list[int]:
         """Output token ids of a live seq id, the newest included; PagedrsError for an unknown id."""
     def num_output_tokens(self, seq_id: int) -> int: ...
+    def set_kv_events(self, on: bool) -> None:
+        """Start (with an empty log) or stop recording prefix-cache events; off by default."""
+    @property
+    def kv_events_enabled(self) -> bool: ...
+    def take_kv_events(self) -> KVEvents:
+        """The prefix-cache events since the last call, in order (empty when recording is off)."""
     def cached_block_hashes(self) -> list[int]:
         """The hashes of the blocks in the prefix cache now, sorted (u64)."""
     def check_invariants(self) -> None: ...

@@ -2,6 +2,7 @@
 //! prefix cache.
 
 use crate::free_queue::FreeQueue;
+use crate::kv_events::KvEvents;
 use crate::prefix_cache::PrefixCache;
 use crate::BlockId;
 
@@ -11,6 +12,8 @@ pub struct CacheItem {
     pub block: BlockId,
     pub hash: u64,
     pub parent: u64,
+    /// The sequence's extra key (cache salt), for the stored-block event.
+    pub extra_key: u64,
     pub slot: u32,
     pub idx: u32,
 }
@@ -24,6 +27,8 @@ pub struct BlockPool {
     cache: PrefixCache,
     /// Cached blocks evicted to make room (cumulative).
     pub num_evictions: u64,
+    /// Prefix-cache events since the engine last drained them; None: not recorded (`kv_events`).
+    pub(crate) events: Option<Box<KvEvents>>,
 }
 
 impl BlockPool {
@@ -33,6 +38,7 @@ impl BlockPool {
             free: FreeQueue::new(num_blocks),
             cache: PrefixCache::new(num_blocks, block_size),
             num_evictions: 0,
+            events: None,
         }
     }
 
@@ -84,6 +90,9 @@ impl BlockPool {
         node.ref_cnt = 1;
         if node.cached {
             node.cached = false;
+            if let Some(ev) = self.events.as_deref_mut() {
+                ev.removed(self.cache.hash_of(b));
+            }
             self.cache.remove(b);
             self.num_evictions += 1;
         }
@@ -133,6 +142,9 @@ impl BlockPool {
         if node.cached || !self.cache.insert(b, hash, parent, tokens) {
             return false;
         }
+        if let Some(ev) = self.events.as_deref_mut() {
+            ev.stored(hash, parent, 0, tokens); // no extra key here: `cache_blocks` carries it
+        }
         self.free.node_mut(b).cached = true;
         true
     }
@@ -149,8 +161,11 @@ impl BlockPool {
         self.cache.reserve(items.len());
         items.retain(|it| self.cache.claim(it.block, it.hash));
         for it in items.iter() {
-            self.cache
-                .write_record(it.block, it.hash, it.parent, tokens(it));
+            let toks = tokens(it);
+            self.cache.write_record(it.block, it.hash, it.parent, toks);
+            if let Some(ev) = self.events.as_deref_mut() {
+                ev.stored(it.hash, it.parent, it.extra_key, toks);
+            }
             self.free.node_mut(it.block).cached = true;
         }
         items.len()
@@ -162,6 +177,9 @@ impl BlockPool {
             return false;
         }
         self.cache.clear();
+        if let Some(ev) = self.events.as_deref_mut() {
+            ev.cleared();
+        }
         for b in 0..self.num_blocks() {
             self.free.node_mut(BlockId(b as u32)).cached = false;
         }
@@ -222,6 +240,9 @@ impl BlockPool {
 
     fn uncache(&mut self, b: BlockId) {
         if self.is_cached(b) {
+            if let Some(ev) = self.events.as_deref_mut() {
+                ev.removed(self.cache.hash_of(b));
+            }
             self.cache.remove(b);
             self.free.node_mut(b).cached = false;
         }

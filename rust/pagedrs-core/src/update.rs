@@ -203,6 +203,7 @@ impl Scheduler {
                 block: BlockId(seq.block_table[i]),
                 hash,
                 parent,
+                extra_key: seq.extra_key,
                 slot,
                 idx: i as u32,
             });

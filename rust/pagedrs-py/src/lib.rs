@@ -23,6 +23,7 @@ const KERNELS: &[(&str, &str)] = &[
     ("layer_ops", include_str!("../../../cuda/layer_ops.cu")),
     ("quant_ops", include_str!("../../../cuda/quant_ops.cu")),
     ("lora_ops", include_str!("../../../cuda/lora_ops.cu")),
+    ("moe_ops", include_str!("../../../cuda/moe_ops.cu")),
     ("common.cuh", include_str!("../../../cuda/common.cuh")),
 ];
 
@@ -69,5 +70,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<plan::PyStepPlan>()?;
     m.add_class::<types::PyFinishReason>()?;
     m.add_class::<types::PySchedulerStats>()?;
+    m.add_class::<prefix::PyKVEvents>()?;
     Ok(())
 }

@@ -1,9 +1,12 @@
 //! Prefix-cache hashing as the scheduler does it, for routers that predict cache hits.
 
+use numpy::ndarray::Array2;
+use numpy::{IntoPyArray, PyArray1, PyArray2, ToPyArray};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use pagedrs_core::config::to_token_ids;
-use pagedrs_core::kv_events;
+use pagedrs_core::kv_events::{self, KvEvents};
 use pagedrs_core::prefix_cache::extra_key_of;
 
 use crate::errors::{invalid, to_py};
@@ -31,4 +34,66 @@ pub fn prefix_block_hashes(
     }
     let toks = to_token_ids(&tokens, None).map_err(to_py)?;
     Ok(py.detach(|| kv_events::prefix_block_hashes(&toks, block_size as usize, extra_key)))
+}
+
+/// Prefix-cache events drained from the scheduler, in the order they happened: kinds (0 stored,
+/// 1 removed, 2 cleared), hashes, and for stored blocks their parent hash, extra key and tokens.
+#[pyclass(module = "pagedrs._core", name = "KVEvents", frozen)]
+pub struct PyKVEvents {
+    inner: KvEvents,
+}
+
+impl From<KvEvents> for PyKVEvents {
+    fn from(inner: KvEvents) -> Self {
+        Self { inner }
+    }
+}
+
+#[pymethods]
+impl PyKVEvents {
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.block_size
+    }
+
+    #[getter]
+    fn kinds<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u8>> {
+        let k: Vec<u8> = self.inner.kinds.iter().map(|&k| k as u8).collect();
+        k.into_pyarray(py)
+    }
+
+    #[getter]
+    fn hashes<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        self.inner.hashes.to_pyarray(py)
+    }
+
+    #[getter]
+    fn parents<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        self.inner.parents.to_pyarray(py)
+    }
+
+    #[getter]
+    fn extra_keys<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        self.inner.extra_keys.to_pyarray(py)
+    }
+
+    /// The stored blocks' tokens, one row per stored event: uint32 [num_stored, block_size].
+    #[getter]
+    fn tokens<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<u32>>> {
+        let bs = self.inner.block_size.max(1);
+        let rows = self.inner.tokens.len() / bs;
+        let a = Array2::from_shape_vec((rows, bs), self.inner.tokens.clone())
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(a.into_pyarray(py))
+    }
+
+    /// (stored, removed, cleared): the net change, applied as clear, then remove, then store.
+    fn net(&self) -> (Vec<u64>, Vec<u64>, bool) {
+        let n = self.inner.net();
+        (n.stored, n.removed, n.cleared)
+    }
 }

@@ -10,6 +10,7 @@ use pagedrs_core::{Config, NewRequest, Scheduler, SpecProposer};
 
 use crate::errors::{invalid, poisoned, to_py};
 use crate::plan::PyStepPlan;
+use crate::prefix::PyKVEvents;
 use crate::types::{PyFinishReason, PySchedulerStats};
 
 /// Continuous-batching scheduler over a paged KV-cache block pool. Thread-safe: calls from other
@@ -312,6 +313,21 @@ impl PyScheduler {
     }
 
     /// Raises PagedrsError naming the first broken invariant (debugging; O(pool + tokens)).
+    /// Starts (with an empty log) or stops recording prefix-cache events; off by default.
+    fn set_kv_events(&self, py: Python<'_>, on: bool) -> PyResult<()> {
+        self.with(py, |s| s.set_kv_events(on))
+    }
+
+    #[getter]
+    fn kv_events_enabled(&self, py: Python<'_>) -> PyResult<bool> {
+        self.with(py, |s| s.kv_events_enabled())
+    }
+
+    /// The prefix-cache events since the last call, in order (empty when recording is off).
+    fn take_kv_events(&self, py: Python<'_>) -> PyResult<PyKVEvents> {
+        self.with(py, |s| s.take_kv_events()).map(PyKVEvents::from)
+    }
+
     /// The hashes of the blocks in the prefix cache now (sorted): what the KV events add up to.
     fn cached_block_hashes(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
         self.with(py, |s| {
