@@ -41,6 +41,7 @@ __all__ = [
     "kernel_source",
     "layer_op_names",
     "lora_op_names",
+    "moe_op_names",
     "nvrtc_version",
     "prefill_mma_tiles",
     "quant_op_names",
@@ -48,7 +49,7 @@ __all__ = [
     "vector_width",
 ]
 
-SOURCES = ("cache_kernels", "paged_attention", "layer_ops", "quant_ops", "lora_ops")
+SOURCES = ("cache_kernels", "paged_attention", "layer_ops", "quant_ops", "lora_ops", "moe_ops")
 HEADERS = ("common.cuh",)  # included by the sources, inlined by kernel_source
 HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)
 # Head sizes with soft-capping instances (Gemma 2's checkpoints: 256 for 2b and 9b, 128 for 27b); kept
@@ -251,12 +252,33 @@ def lora_op_names(ctype: str) -> tuple[str, ...]:
     return tuple(f"pagedrs::lora_{op}<{ctype}, {vec}>" for op in ("shrink", "expand") for vec in vecs)
 
 
+# Fused experts (cuda/moe_ops.cu): weight forms (WF), activations (ACT) and row tiles (BM)
+MOE_WEIGHT_FORMS = {"dense": 0, "q8_0": 1, "fp8": 2}
+MOE_ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swiglu_oai": 3}
+MOE_BLOCK_MS = (16, 64)
+
+
+def moe_op_names(ctype: str) -> tuple[str, ...]:
+    """Every instantiation of cuda/moe_ops.cu for one dtype (one module): the alignment step, gate/up with
+    every activation and down for every weight form and row tile (tensor-core and fp32-FMA instances for
+    16-bit types), and the per-token sum."""
+    names = ["pagedrs::moe_align", f"pagedrs::moe_sum<{ctype}>"]
+    for mma in ("false",) if ctype == "float" else ("true", "false"):  # tensor cores: 16-bit types
+        for wf in MOE_WEIGHT_FORMS.values():
+            for bm in MOE_BLOCK_MS:
+                acts = MOE_ACTIVATIONS.values()
+                names += [f"pagedrs::moe_gate_up<{ctype}, {wf}, {a}, {bm}, {mma}>" for a in acts]
+                names.append(f"pagedrs::moe_down<{ctype}, {wf}, {bm}, {mma}>")
+    return tuple(names)
+
+
 def instantiation_groups() -> list[tuple[str, tuple[str, ...]]]:
     """Every (source, names) module the package can load; together: every instantiation."""
     groups: list[tuple[str, tuple[str, ...]]] = [("cache_kernels", cache_names())]
     groups += [("layer_ops", layer_op_names(ctype)) for ctype in CTYPES.values()]
     groups += [("quant_ops", quant_op_names(ctype)) for ctype in CTYPES.values()]
     groups += [("lora_ops", lora_op_names(ctype)) for ctype in CTYPES.values()]
+    groups += [("moe_ops", moe_op_names(ctype)) for ctype in CTYPES.values()]
     for ctype in CTYPES.values():
         for head_size in HEAD_SIZES:
             for cache_ctype in (None, *CACHE_CTYPES.values()):

@@ -56,6 +56,9 @@ class LayerKernels(DeviceForm):
         if isinstance(module, KernelLayer):
             module.use_kernels = self.enabled
             self.count += 1
+        elif hasattr(module, "cuda_kernels"):  # moe.FusedExperts: its CUDA kernels (cuda/moe_ops.cu)
+            module.cuda_kernels = self.enabled
+            self.count += 1
 
     def finish(self, model: torch.nn.Module) -> int:
         return self.count

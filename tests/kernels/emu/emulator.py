@@ -63,6 +63,7 @@ _MAIN = r"""
 #include "layer_ops.cu"
 #include "quant_ops.cu"
 #include "lora_ops.cu"
+#include "moe_ops.cu"
 
 #include <cstdio>
 #include <type_traits>

@@ -12,7 +12,8 @@ up_proj/down_proj` for Qwen) or stacked (`experts.gate_up_proj` [E, 2I, H], `exp
 as transformers >= 5 holds them); `expert_tensor_name` maps either onto the stacked parameters.
 
 On a CPU with float32 activations the step is one Rust call (`_core.moe_experts_f32`, or
-`_core.moe_experts_quant` for GGUF-quantized experts); elsewhere a torch loop over the active experts.
+`_core.moe_experts_quant` for GGUF-quantized experts); on a CUDA device with dense experts the grouped GEMM
+kernels of cuda/moe_ops.cu (`cuda.cuda_fused_experts`); elsewhere a torch loop over the active experts.
 """
 
 from __future__ import annotations
@@ -248,6 +249,7 @@ class FusedExperts(torch.nn.Module):
             num_experts, [hidden_size], intermediate_size, split="row", tp=tp, dtype=dtype, device=device
         )
         self.use_kernels = True  # the Rust kernels where they apply (tests and benches turn them off)
+        self.cuda_kernels = False  # cuda/moe_ops.cu on CUDA devices: set with the layer kernels (kernel_switch)
         self.gate_up_bias: torch.nn.Parameter | None = None
         self.down_bias: torch.nn.Parameter | None = None
         if bias:
@@ -277,6 +279,21 @@ class FusedExperts(torch.nn.Module):
 
         # under tensor parallelism the down bias is added by one rank only (the block sums the ranks)
         b_down = self.down_bias if self.tp.position == 0 else None
+        if self.use_kernels and self.cuda_kernels and x.device.type == "cuda":
+            from pagedrs.layers.moe.cuda import cuda_fused_experts
+
+            out = cuda_fused_experts(
+                x,
+                self.gate_up,
+                self.down,
+                topk_weights,
+                topk_ids,
+                activation=self.activation,
+                gate_up_bias=self.gate_up_bias,
+                down_bias=b_down,
+            )
+            if out is not None:
+                return out
         if self.use_kernels:
             act = self.activation
             swiglu = None if act.swiglu_limit is None else (act.swiglu_alpha, act.swiglu_limit)
