@@ -301,6 +301,9 @@ class StepPlan:
 def prefix_extra_key(cache_salt: str | None = None) -> int:
     """The extra key the scheduler hashes into the first block of a request with this cache salt (0: none)."""
 
+def prefix_root_hash(extra_key: int) -> int:
+    """The parent hash of a request's first block (its blocks chain from it) under `extra_key`."""
+
 def prefix_block_hashes(tokens: Sequence[int], block_size: int, extra_key: int = 0) -> list[int]:
     """The chained hashes (u64) of the full blocks of `tokens`, as the scheduler caches them."""
 

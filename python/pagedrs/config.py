@@ -5,6 +5,7 @@ Every check raises a `ValueError` that names the field and the offending value.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ __all__ = [
     "EngineConfig",
     "FP8_MAX",
     "KV_CACHE_DTYPES",
+    "KVEventsConfig",
     "LoRAConfig",
     "ModelConfig",
     "ObservabilityConfig",
@@ -494,6 +496,78 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    """Prefix-cache (KV) events of one engine core. The first fields are vLLM's `KVEventsConfig`
+    (`--kv-events-config`): with `enable_kv_cache_events` and the "zmq" publisher, each step's
+    BlockStored / BlockRemoved / AllBlocksCleared events go out as vLLM's KVEventBatch on a ZeroMQ PUB
+    socket at `endpoint` (its port offset by the data-parallel rank, as vLLM does), the last
+    `buffer_steps` batches replayable from `replay_endpoint`. `step_events`: each step message carries
+    the step's net change (`EngineCoreOutputs.kv_events`, for the data-parallel router);
+    `data_parallel_rank`: this core's replica, stamped on every batch."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" or "null"; None: "zmq" when enabled, else "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+    step_events: bool = False
+    data_parallel_rank: int = 0
+
+    def __post_init__(self) -> None:
+        p = self.publisher
+        _require(p in (None, "zmq", "null"), "kv_events_config.publisher", p, "must be 'zmq' or 'null'")
+        for name in ("endpoint", "replay_endpoint"):
+            e = getattr(self, name)
+            ok = e is None and name == "replay_endpoint" or isinstance(e, str) and "://" in e
+            _require(ok, f"kv_events_config.{name}", e, "must be a ZeroMQ address such as tcp://*:5557")
+        for name, low in (("buffer_steps", 1), ("hwm", 0), ("max_queue_size", 1), ("data_parallel_rank", 0)):
+            v = getattr(self, name)
+            _require(_is_int(v) and v >= low, f"kv_events_config.{name}", v, f"must be an int >= {low}")
+        _require(isinstance(self.topic, str), "kv_events_config.topic", self.topic, "must be a string")
+
+    @property
+    def publishes(self) -> bool:
+        """Events go out on ZeroMQ (enabled, and the publisher is not "null")."""
+        return self.enable_kv_cache_events and self.publisher in (None, "zmq")
+
+    @property
+    def records(self) -> bool:
+        """The scheduler records its prefix-cache events (someone consumes them)."""
+        return self.enable_kv_cache_events or self.step_events
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: KVEventsConfig | dict | str | None,
+        *,
+        step_events: bool = False,
+        data_parallel_rank: int = 0,
+    ) -> KVEventsConfig:
+        """From vLLM's `--kv-events-config` JSON (or its dict); ValueError naming a bad value or key."""
+        if isinstance(spec, cls):
+            spec = {f: getattr(spec, f) for f in cls.__dataclass_fields__}
+        elif isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"kv_events_config must be a JSON object, got {spec!r} ({exc})") from None
+        if spec is None:
+            spec = {}
+        if not isinstance(spec, dict):
+            raise ValueError(f"kv_events_config must be a JSON object, got {spec!r}")
+        unknown = sorted(set(spec) - set(cls.__dataclass_fields__))
+        if unknown:
+            known = sorted(cls.__dataclass_fields__)
+            raise ValueError(f"kv_events_config: unknown keys {unknown} in {spec!r}; known: {known}")
+        kw = {"step_events": step_events, "data_parallel_rank": data_parallel_rank, **spec}
+        kw["step_events"] = bool(kw["step_events"]) or step_events
+        return cls(**kw)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -503,3 +577,4 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     lora: LoRAConfig | None = None  # None: LoRA adapters are off
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    kv_events: KVEventsConfig = KVEventsConfig()  # prefix-cache events: off

@@ -15,6 +15,7 @@ from pagedrs.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    KVEventsConfig,
     LoRAConfig,
     ModelConfig,
     ObservabilityConfig,
@@ -42,6 +43,7 @@ class LaunchConfig:
     enable_chunked_prefill: bool
     load: LoadOptions
     with_tokenizer: bool
+    kv_events: KVEventsConfig = KVEventsConfig()
     # Echoed by the start-up log's config line as given (vLLM's names); no other effect here.
     enforce_eager: bool = False
     rope_scaling: dict | None = None
@@ -75,6 +77,7 @@ class LaunchConfig:
             parallel=self.parallel,
             lora=self.lora,
             speculative=self.speculative,
+            kv_events=self.kv_events,
         )
 
     def to_json(self) -> str:

@@ -13,6 +13,7 @@ from pagedrs.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    KVEventsConfig,
     LoRAConfig,
     ModelConfig,
     ObservabilityConfig,
@@ -191,6 +192,15 @@ class EngineArgs:
     # Speculative decoding: {"method": "ngram" | "self_draft" | "draft_model", "num_speculative_tokens": k, ...}
     # (a dict or its JSON; `SpeculativeConfig`).
     speculative_config: dict | str | None = flag_field(None, _SPEC_HELP, parse=json.loads)
+    # Prefix-cache events: vLLM's --kv-events-config (JSON, `KVEventsConfig`); `kv_cache_events` also puts
+    # each step's net change on the step message (the data-parallel router sets it, and the core's rank).
+    kv_events_config: str | dict | None = flag_field(
+        None,
+        'publish prefix-cache events as vLLM does, JSON: {"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv"}',
+    )
+    kv_cache_events: bool = False
+    data_parallel_rank: int = 0
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -350,6 +360,13 @@ class EngineArgs:
             )
         return spec
 
+    def kv_events(self) -> KVEventsConfig:
+        return KVEventsConfig.from_spec(
+            self.kv_events_config,
+            step_events=self.kv_cache_events,
+            data_parallel_rank=self.data_parallel_rank,
+        )
+
     def lora_config(self) -> LoRAConfig | None:
         """The LoRA settings, or None when `enable_lora` is off; ValueError for a setup LoRA cannot run on."""
         if not self.enable_lora:
@@ -377,6 +394,7 @@ class EngineArgs:
             parallel=self.parallel_config(),
             lora=self.lora_config(),
             speculative=self.speculative(),
+            kv_events=self.kv_events(),
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,

@@ -25,6 +25,7 @@ from pagedrs import _core
 from pagedrs.config import EngineConfig
 from pagedrs.engine.core_requests import CoreRequest, CoreSeq
 from pagedrs.engine.grammar_queue import GrammarQueue, compiled_grammar
+from pagedrs.engine.kv_events import KVEventsTap
 from pagedrs.engine.lora_queue import LoRAQueue
 from pagedrs.engine.messages import (
     EngineCoreOutput,
@@ -72,6 +73,7 @@ class EngineCore:
             "add_lora",
             "remove_lora",
             "list_loras",
+            "cached_block_hashes",
         }
     )
 
@@ -106,6 +108,11 @@ class EngineCore:
             **_spec_scheduler_args(config),
         )
         executor.attach_block_table(self.scheduler.block_table_view())
+        # Prefix-cache events for routers (`kv_events`): recorded by the scheduler only when consumed.
+        medium = "GPU" if self.device.type == "cuda" else "CPU"
+        self._kv_events = (
+            KVEventsTap(config.kv_events, self.scheduler, medium) if config.kv_events.records else None
+        )
         # LoRA deltas hook into the model's linear layers, eager steps (`lora_config`); under tensor
         # parallelism the other ranks follow the slots through the executor's step channel.
         self.lora: LoRAManager | None = None
@@ -178,6 +185,8 @@ class EngineCore:
         """Stop the tensor-parallel workers and free the model and the KV pool (device memory); the core
         takes no more steps."""
         self.executor.shutdown()
+        if self._kv_events is not None:
+            self._kv_events.close()
         self._shut_down = True
 
     def ready_info(self) -> Ready:
@@ -241,6 +250,8 @@ class EngineCore:
         if not self._loras.activate(req, compiled, seq_ids):
             return  # parked until its adapter finds a slot
         lora = req.lora_request
+        if self._kv_events is not None:
+            self._kv_events.note_lora(lora)
         try:
             self.scheduler.add_request(
                 seq_ids,
@@ -352,7 +363,10 @@ class EngineCore:
                 self._admit_compiled()
             if len(self._loras):
                 self._admit_lora_parked()
-            return self._step()
+            out = self._step()
+            if self._kv_events is not None:  # after any step run between steps (a liquid shrink)
+                out.kv_events = self._kv_events.take_step()
+            return out
         except _core.SchedulerPoisonedError as exc:
             raise ExecutorDeadError(f"engine dead: {exc}") from exc
         except BaseException as exc:
@@ -535,6 +549,10 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.scheduler.reset_prefix_cache())
+
+    def cached_block_hashes(self) -> list[int]:
+        """The hashes of the blocks in the prefix cache now, sorted: what the KV events add up to."""
+        return self.scheduler.cached_block_hashes()
 
     def add_lora(self, name: str, lora_int_id: int, path: str) -> bool:
         """Load an adapter onto the host now (vLLM's `add_lora`); ValueError for a bad adapter."""

@@ -64,6 +64,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_kernels::cpu_rope_neox, m)?)?;
     m.add_function(wrap_pyfunction!(prefix::prefix_extra_key, m)?)?;
     m.add_function(wrap_pyfunction!(prefix::prefix_block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(prefix::prefix_root_hash, m)?)?;
     m.add("STEP_WIRE_HEADER_LEN", pagedrs_core::WIRE_HEADER_LEN)?;
     errors::register(m)?;
     m.add_class::<scheduler::PyScheduler>()?;

@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 
 use pagedrs_core::config::to_token_ids;
 use pagedrs_core::kv_events::{self, KvEvents};
-use pagedrs_core::prefix_cache::extra_key_of;
+use pagedrs_core::prefix_cache::{extra_key_of, root_hash};
 
 use crate::errors::{invalid, to_py};
 
@@ -16,6 +16,12 @@ use crate::errors::{invalid, to_py};
 #[pyo3(signature = (cache_salt=None))]
 pub fn prefix_extra_key(cache_salt: Option<&str>) -> u64 {
     cache_salt.map_or(0, extra_key_of)
+}
+
+/// The parent hash of a request's first block (its blocks chain from it) under `extra_key`.
+#[pyfunction]
+pub fn prefix_root_hash(extra_key: u64) -> u64 {
+    root_hash(extra_key)
 }
 
 /// The chained hashes of the full blocks of `tokens` (u64), as the scheduler caches them.

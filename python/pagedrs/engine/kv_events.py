@@ -1,0 +1,289 @@
+"""Prefix-cache (KV) events out of the engine core, for routers: the step message's net change
+(`KVCacheEvents`, read by the data-parallel router) and vLLM's KV-event stream on ZeroMQ for external
+routers (llm-d, Dynamo, SGLang's gateway).
+
+The wire format is vLLM's (`vllm/distributed/kv_events.py`): each message is a multipart
+``[topic, sequence number (8 bytes, big-endian), payload]``, the payload a msgpack-encoded `KVEventBatch`
+(`ts`, `events`, `data_parallel_rank`) whose events are tagged, array-like `BlockStored`, `BlockRemoved`
+and `AllBlocksCleared`. Block hashes are the scheduler's chained u64 hashes (`prefix_hashes`); a block
+that starts a prompt has no parent (`parent_block_hash` None). A ROUTER socket at the replay endpoint
+answers a request (the first wanted sequence number, 8 bytes big-endian) with every buffered batch from
+there, ``[seq, payload]`` each, then ``[-1, b""]``, as vLLM's `ZmqEventPublisher` does.
+
+Publishing never blocks the step: the step thread drains the scheduler's events and queues them; a
+publisher thread builds the events, encodes and sends them. A full queue drops the batch (its sequence
+number is skipped, so a subscriber sees the gap) and logs a warning.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import msgspec
+import zmq
+
+from pagedrs import _core
+from pagedrs.config import KVEventsConfig
+from pagedrs.engine.messages import KVCacheEvents
+from pagedrs.engine.prefix_hashes import lora_salt_of
+
+if TYPE_CHECKING:
+    from pagedrs.lora_request import LoRARequest
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVEventBatch",
+    "KVEventsTap",
+    "ZmqEventPublisher",
+    "offset_endpoint_port",
+    "to_vllm_events",
+]
+
+logger = logging.getLogger("pagedrs.engine")
+
+STORED, REMOVED, CLEARED = 0, 1, 2  # `_core.KVEvents.kinds`
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class _KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """vLLM's `KVCacheEvent`: the tag is the class name."""
+
+
+class BlockStored(_KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(_KVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksCleared(_KVCacheEvent):
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+
+def to_vllm_events(ev: _core.KVEvents, lora_ids: dict[int, int], medium: str) -> list[KVEvent]:
+    """The scheduler's events as vLLM's, in order: consecutive blocks of one chain in one BlockStored
+    (its parent the first block's parent, None at the start of a prompt), consecutive evictions in one
+    BlockRemoved. `lora_ids`: extra key -> LoRA adapter id."""
+    kinds, hashes = ev.kinds.tolist(), ev.hashes.tolist()
+    parents, keys, tokens = ev.parents.tolist(), ev.extra_keys.tolist(), ev.tokens.tolist()
+    out: list[KVEvent] = []
+    roots: dict[int, int] = {}
+    row = 0
+    for kind, h, parent, key in zip(kinds, hashes, parents, keys, strict=True):
+        last = out[-1] if out else None
+        if kind == STORED:
+            toks = tokens[row]
+            row += 1
+            if isinstance(last, BlockStored) and last.block_hashes[-1] == parent:
+                last.block_hashes.append(h)
+                last.token_ids.extend(toks)
+                continue
+            root = roots.get(key)
+            if root is None:
+                root = roots[key] = _core.prefix_root_hash(key)
+            first = None if parent == root else parent
+            out.append(BlockStored([h], first, toks, ev.block_size, lora_ids.get(key), medium))
+        elif kind == REMOVED:
+            if isinstance(last, BlockRemoved):
+                last.block_hashes.append(h)
+            else:
+                out.append(BlockRemoved([h], medium))
+        else:
+            out.append(AllBlocksCleared())
+    return out
+
+
+def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
+    """The endpoint of data-parallel rank `data_parallel_rank`, as vLLM: a tcp port plus the rank, an
+    inproc name with ``_dp<rank>``; unchanged for rank 0."""
+    if not endpoint or data_parallel_rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{data_parallel_rank}"
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        if not port.isdigit():
+            raise ValueError(f"kv_events_config endpoint {endpoint!r} has no port to offset by the rank")
+        return f"{base}:{int(port) + data_parallel_rank}"
+    raise ValueError(
+        f"kv_events_config endpoint {endpoint!r}: data parallelism needs a tcp:// or inproc:// one"
+    )
+
+
+def _binds(endpoint: str) -> bool:
+    """vLLM's rule: bind a wildcard, ipc or inproc address; connect to any other."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class ZmqEventPublisher:
+    """vLLM's reliable PUB/ROUTER publisher: batches go out from a thread, the last `buffer_steps` of
+    them replayable."""
+
+    SHUTDOWN_TIMEOUT = 2.0
+
+    def __init__(self, config: KVEventsConfig, lora_ids: dict[int, int], medium: str) -> None:
+        rank = config.data_parallel_rank
+        self.endpoint = offset_endpoint_port(config.endpoint, rank)
+        self.replay_endpoint = offset_endpoint_port(config.replay_endpoint, rank)
+        self._rank = rank
+        self._hwm = config.hwm
+        self._topic = config.topic.encode()
+        self._lora_ids, self._medium = lora_ids, medium
+        self._queue: queue.Queue[tuple[int, float, _core.KVEvents] | None] = queue.Queue(
+            config.max_queue_size
+        )
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._seq = itertools.count()
+        self.num_dropped = 0
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kv-events-publisher", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            self._thread.join()
+            raise ValueError(
+                f"kv_events_config: cannot open {self.endpoint!r}: {self._error}"
+            ) from self._error
+
+    def publish(self, events: _core.KVEvents) -> None:
+        """Queue one step's events (never blocks; a full queue drops them, leaving a sequence gap)."""
+        seq = next(self._seq)
+        try:
+            self._queue.put_nowait((seq, time.time(), events))
+        except queue.Full:
+            self.num_dropped += 1
+            logger.warning("KV-event queue full: batch %d dropped (%d so far)", seq, self.num_dropped)
+
+    def shutdown(self) -> None:
+        """Send what is queued (up to SHUTDOWN_TIMEOUT), then close the sockets."""
+        try:
+            self._queue.put(None, timeout=self.SHUTDOWN_TIMEOUT)
+        except queue.Full:
+            pass
+        self._thread.join(self.SHUTDOWN_TIMEOUT)
+
+    def _open(self, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket | None]:
+        pub = ctx.socket(zmq.PUB)
+        pub.set_hwm(self._hwm)
+        replay = None
+        try:
+            assert self.endpoint is not None  # the config requires one
+            if _binds(self.endpoint):
+                pub.bind(self.endpoint)
+            else:
+                pub.connect(self.endpoint)
+            if self.replay_endpoint is not None:
+                replay = ctx.socket(zmq.ROUTER)
+                replay.bind(self.replay_endpoint)
+        except BaseException:
+            pub.close(linger=0)
+            if replay is not None:
+                replay.close(linger=0)
+            raise
+        return pub, replay
+
+    def _run(self) -> None:
+        try:
+            pub, replay = self._open(zmq.Context.instance())
+        except BaseException as exc:  # reported by the constructor
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        encoder = msgspec.msgpack.Encoder()
+        try:
+            while True:
+                if replay is not None and replay.poll(0):
+                    self._serve_replay(replay)
+                try:
+                    item = self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if item is None:
+                    break
+                seq, ts, events = item
+                try:
+                    batch = KVEventBatch(ts, to_vllm_events(events, self._lora_ids, self._medium), self._rank)
+                    payload = encoder.encode(batch)
+                    pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                    self._buffer.append((seq, payload))
+                except Exception:
+                    logger.exception("KV-event batch %d not published", seq)
+        finally:
+            pub.close(linger=100)
+            if replay is not None:
+                replay.close(linger=0)
+
+    def _serve_replay(self, replay: zmq.Socket) -> None:
+        frames = replay.recv_multipart()
+        if len(frames) != 3:
+            logger.warning("KV-event replay: a request of %d frames ignored (want 3)", len(frames))
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= first:
+                replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((client, b"", END_SEQ, b""))
+
+
+class KVEventsTap:
+    """The core's side: turns on the scheduler's event recording, drains it once per step into the step
+    message's net change (when `step_events`) and the ZeroMQ publisher (when publishing)."""
+
+    def __init__(self, config: KVEventsConfig, scheduler: _core.Scheduler, medium: str) -> None:
+        self.config = config
+        self._scheduler = scheduler
+        self._lora_ids: dict[int, int] = {}  # extra key -> LoRA adapter id, for BlockStored.lora_id
+        self.publisher = ZmqEventPublisher(config, self._lora_ids, medium) if config.publishes else None
+        scheduler.set_kv_events(True)
+
+    def note_lora(self, lora: LoRARequest | None) -> None:
+        """A request with this adapter was added: its blocks' extra key maps to its id."""
+        if lora is not None and self.publisher is not None:
+            self._lora_ids.setdefault(_core.prefix_extra_key(lora_salt_of(lora)), lora.lora_int_id)
+
+    def take_step(self) -> KVCacheEvents | None:
+        """Drain the events since the last step: publish them, and return their net change for the step
+        message (None when nothing changed or the message does not carry it)."""
+        events = self._scheduler.take_kv_events()
+        if not len(events):
+            return None
+        if self.publisher is not None:
+            self.publisher.publish(events)
+        if not self.config.step_events:
+            return None
+        stored, removed, cleared = events.net()
+        if not (stored or removed or cleared):
+            return None
+        return KVCacheEvents(stored=stored, removed=removed, cleared=cleared)
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.shutdown()
+            self.publisher = None
