@@ -242,17 +242,19 @@ def fused_experts(
     if inter_size:
         act = MOE_ACTIVATIONS[activation]
         wf = MOE_WEIGHT_FORMS[gate_up.form]
-        args = (
+        gu_args: tuple[np.generic, ...] = (
             ptr(inter), ptr(x), ptr(gate_up.data), _scale(gate_up), bgu, ptr(sorted_ids), ptr(tile_expert),
             np.int32(pairs), np.int32(top_k), np.int32(hidden), np.int32(inter_size),
             np.float32(swiglu_alpha), np.float32(swiglu_limit),
         )  # fmt: skip
         grid = (tiles, -(-inter_size // _BN))
-        _launch(ctype, f"moe_gate_up<{ctype}, {wf}, {act}, {bm}, {tc}>", grid, _THREADS, smem, args, device)
+        _launch(
+            ctype, f"moe_gate_up<{ctype}, {wf}, {act}, {bm}, {tc}>", grid, _THREADS, smem, gu_args, device
+        )
     else:
         inter.zero_()
     wf = MOE_WEIGHT_FORMS[down.form]
-    args = (
+    args: tuple[np.generic, ...] = (
         ptr(ys), ptr(inter), ptr(down.data), _scale(down), bd, ptr(weights), ptr(sorted_ids),
         ptr(tile_expert), np.int32(pairs), np.int32(hidden), np.int32(inter_size),
     )  # fmt: skip

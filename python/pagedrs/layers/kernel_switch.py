@@ -57,7 +57,7 @@ class LayerKernels(DeviceForm):
             module.use_kernels = self.enabled
             self.count += 1
         elif hasattr(module, "cuda_kernels"):  # moe.FusedExperts: its CUDA kernels (cuda/moe_ops.cu)
-            module.cuda_kernels = self.enabled
+            setattr(module, "cuda_kernels", self.enabled)  # noqa: B010  # an attribute, not a submodule
             self.count += 1
 
     def finish(self, model: torch.nn.Module) -> int:
