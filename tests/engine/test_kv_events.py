@@ -166,7 +166,7 @@ def test_lora_blocks_carry_the_adapter_and_chain_from_no_parent() -> None:
 )
 def test_bad_kv_events_config_names_the_value(spec: str, named: str) -> None:
     with pytest.raises(ValueError, match="kv_events_config") as info:
-        EngineArgs(kv_events_config=spec).launch_config()
+        EngineArgs(kv_events_config=spec).early_configs()  # before any process starts
     assert named in str(info.value)
 
 

@@ -343,6 +343,7 @@ class EngineArgs:
         self.parallel_config()
         self.lora_config()
         self.speculative()
+        self.kv_events()
         return model, cache, device, obs
 
     def speculative(self) -> SpeculativeConfig | None:
