@@ -91,6 +91,10 @@ struct Consumer {
     key_of: HashMap<u64, u64>,
     /// Recording was off for a while: parents cached then have no known key.
     was_off: bool,
+    /// What the run went through: preempted sequences, swapped-out blocks, blocks moved by a shrink.
+    preempted: usize,
+    swapped: usize,
+    moved: usize,
     stored: usize,
     removed: usize,
     cleared: usize,
@@ -201,6 +205,7 @@ fn run(cfg: Config, ops: Vec<Op>, seed: u64) -> Consumer {
         assert_eq!(c.replayed, want, "replayed events after op {k}");
         assert_eq!(c.netted, want, "net changes after op {k}");
     }
+    (c.preempted, c.swapped, c.moved) = (sim.preemptions_seen, sim.swaps_seen, sim.moves_seen);
     c
 }
 
@@ -213,23 +218,32 @@ proptest! {
     }
 }
 
-/// The random runs do store, evict and clear (a guard against a vacuous property test).
+/// The random runs do store, evict and clear, and go through preemption, swapping and pool moves (a
+/// guard against a vacuous property test).
 #[test]
 fn random_runs_store_evict_and_clear() {
     use proptest::strategy::ValueTree;
     let mut runner = proptest::test_runner::TestRunner::deterministic();
     let strategy = (config(), prop::collection::vec(op(), 1..60), any::<u64>());
     let (mut stored, mut removed, mut cleared) = (0, 0, 0);
+    let (mut preempted, mut swapped, mut moved) = (0, 0, 0);
     for _ in 0..200 {
         let (cfg, ops, seed) = strategy.new_tree(&mut runner).unwrap().current();
         let c = run(cfg, ops, seed);
         stored += c.stored;
         removed += c.removed;
         cleared += c.cleared;
+        preempted += c.preempted;
+        swapped += c.swapped;
+        moved += c.moved;
     }
     assert!(
         stored > 2000 && removed > 500 && cleared > 50,
         "{stored} {removed} {cleared}"
+    );
+    assert!(
+        preempted > 20 && swapped > 20 && moved > 20,
+        "{preempted} {swapped} {moved}"
     );
 }
 
