@@ -12,6 +12,7 @@ import torch
 
 __all__ = [
     "CacheConfig",
+    "DataParallelConfig",
     "DeviceConfig",
     "EngineConfig",
     "FP8_MAX",
@@ -282,6 +283,34 @@ class ObservabilityConfig:
             "batch_visualization_style",
             self.batch_visualization_style,
             "must be bar or boxes",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class DataParallelConfig:
+    """Data parallelism: `size` engine cores (each a whole replica of the model, itself possibly a
+    tensor-parallel group) behind one frontend, started by `backend` ("mp": local processes, "ray": Ray
+    actors), each request sent to one of them by `routing` ("cache": where its prefix is cached, load
+    considered; "least_loaded"; "round_robin"); `session_affinity`: requests of one session (the
+    request's `user`, or its X-Session-Id header) go to the same replica."""
+
+    size: int = 1
+    backend: str = "mp"
+    routing: str = "cache"
+    session_affinity: bool = False
+
+    def __post_init__(self) -> None:
+        _require(
+            _is_int(self.size) and self.size >= 1, "data_parallel_size", self.size, "must be an int >= 1"
+        )
+        b = self.backend
+        _require(b in ("mp", "ray"), "data_parallel_backend", b, "must be 'mp' or 'ray'")
+        r = self.routing
+        _require(
+            r in ("cache", "least_loaded", "round_robin"),
+            "dp_routing",
+            r,
+            "must be 'cache', 'least_loaded' or 'round_robin'",
         )
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedrs.config import (
     CacheConfig,
+    DataParallelConfig,
     DeviceConfig,
     EngineConfig,
     KVEventsConfig,
@@ -116,6 +117,29 @@ class EngineArgs:
         config_default(ParallelConfig, "distributed_executor_backend"),
         "who starts the tensor-parallel workers: mp (local processes, default) or ray",
         choices=("mp", "ray"),
+    )
+    data_parallel_size: int = flag_field(
+        config_default(DataParallelConfig, "size"),
+        "engine cores, each a whole replica of the model (each with --tensor-parallel-size ranks), "
+        "behind one endpoint; the CPU threads are shared out among them",
+        aliases=("-dp",),
+    )
+    data_parallel_backend: str = flag_field(
+        config_default(DataParallelConfig, "backend"),
+        "who starts the data-parallel replicas: mp (local processes, default) or ray (placed on the "
+        "cluster in RAY_ADDRESS)",
+        choices=("mp", "ray"),
+    )
+    dp_routing: str = flag_field(
+        config_default(DataParallelConfig, "routing"),
+        "which replica takes a request: cache (the one holding most of its prefix, load considered; "
+        "default), least_loaded or round_robin",
+        choices=("cache", "least_loaded", "round_robin"),
+    )
+    dp_session_affinity: bool = flag_field(
+        config_default(DataParallelConfig, "session_affinity"),
+        "send the requests of one session (the request's `user`, or its X-Session-Id header) to the "
+        "same replica",
     )
     # vLLM's names, accepted so that programs written for it run (each either works or is refused at
     # start with what to use instead; see `check_compat`).
@@ -292,6 +316,14 @@ class EngineArgs:
             liquid_scale_in_threshold=self.liquid_scale_in_threshold,
         )
 
+    def data_parallel_config(self) -> DataParallelConfig:
+        return DataParallelConfig(
+            size=self.data_parallel_size,
+            backend=self.data_parallel_backend,
+            routing=self.dp_routing,
+            session_affinity=self.dp_session_affinity,
+        )
+
     def early_configs(self) -> tuple[ModelConfig, CacheConfig, DeviceConfig, ObservabilityConfig]:
         """The configs that do not depend on the model (checked before any weight is loaded)."""
         self.check_compat()
@@ -341,6 +373,7 @@ class EngineArgs:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
         self.parallel_config()
+        self.data_parallel_config()
         self.lora_config()
         self.speculative()
         self.kv_events()

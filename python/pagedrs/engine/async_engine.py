@@ -8,30 +8,46 @@ whose reader is slow gets its deltas merged: the next read returns everything si
 
 A dead core process is detected: every in-flight request gets `EngineCoreDiedError`, the engine reports
 unhealthy, and the core is restarted (at most `max_restarts` times) so that new requests are served.
+
+With data parallelism (`data_parallel_size` N > 1) the engine holds N cores (`dp_client.CoreReplica`) and
+a router (`dp_router.DPRouter`) that sends each request to one of them; a dead replica is restarted alone
+and the engine stays healthy while one replica serves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Generic, Protocol, TypeVar, overload
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, overload
 
-from pagedrs.engine.core_client import CoreClient
-from pagedrs.engine.core_handles import (
-    CoreHandle,
-    EngineStartupError,
-    ProcessCore,
-    RemoteCore,
-    ThreadCore,
-    connect_ready,
+from pagedrs.engine.core_handles import CoreHandle, EngineStartupError, RemoteCore, ThreadCore
+from pagedrs.engine.dp_client import (
+    CoreReplica,
+    NoReplicaAvailable,
+    make_core_handle,
+    make_router,
+    replica_engine_args,
+    session_key,
+    sum_stats,
 )
 from pagedrs.engine.input_processor import InputError, InputProcessor
-from pagedrs.engine.messages import AbortRequests, EngineCoreOutputs
-from pagedrs.engine.output_processor import OutputProcessor, RequestObserver
+from pagedrs.engine.messages import AbortRequests, EngineCoreOutputs, KVCacheEvents
+from pagedrs.engine.output_processor import OutputProcessor
+from pagedrs.engine.prefix_hashes import core_request_block_hashes
+from pagedrs.engine.request_stream import (
+    EngineCoreDiedError,
+    EngineDeadError,
+    EngineDrainingError,
+    RequestAbortedError,
+    RequestStream,
+    StepObserver,
+)
 from pagedrs.lora_request import LoRARequest
 from pagedrs.metrics import EngineStats
 from pagedrs.outputs import EmbeddingRequestOutput, RequestOutput
@@ -54,104 +70,6 @@ _READY_TIMEOUT_S = 600.0
 _MONITOR_INTERVAL_S = 0.2
 
 
-class EngineDeadError(RuntimeError):
-    """The engine core is not running (failed, restarting, or out of restarts); no request is accepted."""
-
-
-class EngineCoreDiedError(EngineDeadError):
-    """The engine core process died while this request was in flight."""
-
-
-class EngineDrainingError(RuntimeError):
-    """The server is shutting down and accepts no new requests."""
-
-
-class RequestAbortedError(RuntimeError):
-    """The request was aborted before it finished."""
-
-
-class StepObserver(RequestObserver, Protocol):
-    def on_step(self, stats: EngineStats, frontend_s: float) -> None: ...
-
-
-def merge_delta(prev: RequestOutput, new: RequestOutput) -> RequestOutput:
-    """`prev` followed by `new`, both delta outputs of one request (in place on `prev`)."""
-    by_index = {c.index: c for c in prev.outputs}
-    for c in new.outputs:
-        old = by_index.get(c.index)
-        if old is None:
-            prev.outputs.append(c)
-            by_index[c.index] = c
-            continue
-        old.text += c.text
-        old.token_ids = old.token_ids + c.token_ids
-        if old.logprobs is not None and c.logprobs is not None:
-            old.logprobs = old.logprobs + c.logprobs
-        old.cumulative_logprob = c.cumulative_logprob
-        old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
-    prev.finished = new.finished
-    prev.num_cached_tokens = new.num_cached_tokens
-    return prev
-
-
-OutT = TypeVar("OutT", RequestOutput, EmbeddingRequestOutput)
-
-
-class RequestStream(Generic[OutT]):
-    """Outputs of one request, in order; iterate with ``async for``. Delta outputs not yet read are merged
-    into one, so a slow reader never has a backlog of per-token items."""
-
-    def __init__(self, request_id: str, engine: AsyncLLMEngine, kind: RequestOutputKind) -> None:
-        self.request_id = request_id
-        self.finished = False
-        self._engine = engine
-        self._kind = kind
-        self._pending: OutT | None = None
-        self._error: BaseException | None = None
-        self._event = asyncio.Event()
-
-    def _put(self, out: OutT) -> None:
-        pending = self._pending
-        if (
-            isinstance(pending, RequestOutput)
-            and isinstance(out, RequestOutput)
-            and self._kind == RequestOutputKind.DELTA
-        ):
-            merge_delta(pending, out)
-        else:
-            self._pending = out
-        self._event.set()
-
-    def _fail(self, exc: BaseException) -> None:
-        self._error = exc
-        self._event.set()
-
-    def __aiter__(self) -> RequestStream[OutT]:
-        return self
-
-    async def __anext__(self) -> OutT:
-        while True:
-            if self._pending is not None:
-                out, self._pending = self._pending, None
-                if out.finished:
-                    self.finished = True
-                return out
-            if self._error is not None:
-                self.finished = True
-                err, self._error = self._error, None
-                raise err
-            if self.finished:
-                raise StopAsyncIteration
-            self._event.clear()
-            await self._event.wait()
-
-    def abort(self) -> None:
-        """Aborts the request unless it already finished (idempotent)."""
-        if not self.finished:
-            self.finished = True
-            self._engine._abort_stream(self)
-
-
 def _frontend_tokenizer(engine_args: Any) -> Any:
     """The tokenizer the frontend validates, tokenizes and detokenizes with (None: skip_tokenizer_init)."""
     if engine_args.skip_tokenizer_init:
@@ -162,11 +80,11 @@ def _frontend_tokenizer(engine_args: Any) -> Any:
 
 
 class AsyncLLMEngine:
-    """`from_engine_args` runs the core in its own process; `AsyncLLMEngine(engine)` runs a given engine
-    (an `LLMEngine`, an `EngineCore` or a stand-in with its methods) in a thread behind the same channel.
-    `from_supervised_core` is one of several API server processes sharing a core that a supervisor runs.
-    The core starts (and the model loads) in the constructor; `start()` must then be called from the
-    serving event loop."""
+    """`from_engine_args` runs the core (or `data_parallel_size` cores) in its own process; `AsyncLLMEngine(
+    engine)` runs a given engine (an `LLMEngine`, an `EngineCore` or a stand-in with its methods) in a
+    thread behind the same channel. `from_supervised_core` is one of several API server processes sharing a
+    core that a supervisor runs. The cores start (and the model loads) in the constructor; `start()` must
+    then be called from the serving event loop."""
 
     def __init__(
         self,
@@ -177,7 +95,11 @@ class AsyncLLMEngine:
         max_restarts: int = 3,
         client_index: int = 0,
         ipc_dir: str | None = None,
-        _make_handle: Callable[[str, int], CoreHandle] | None = None,
+        _make_handle: Callable[[str, int], CoreHandle]
+        | Sequence[Callable[[str, int], CoreHandle]]
+        | None = None,
+        routing: str = "round_robin",
+        session_affinity: bool = False,
     ) -> None:
         self.observer = observer
         self.max_restarts = max_restarts
@@ -188,12 +110,20 @@ class AsyncLLMEngine:
             core = getattr(engine, "engine_core", engine)  # an LLMEngine runs its core
             tokenizer = tokenizer if tokenizer is not None else engine.get_tokenizer()
             _make_handle = lambda ipc_dir, gen: ThreadCore(core, ipc_dir, gen)  # noqa: E731
-        self._make_handle = _make_handle
+        makers = [_make_handle] if callable(_make_handle) else list(_make_handle)
         self.tokenizer = tokenizer
-        self._gen = 0
-        self.num_restarts = 0
-        self._ready_sock: Any = None  # the output socket that read Ready (kept: see _connect)
-        self._handle = self._start_core()  # raises EngineStartupError
+        self._replicas = [
+            CoreReplica(
+                i,
+                make,
+                self._ipc_dir if len(makers) == 1 else _replica_dir(self._ipc_dir, i),
+                client_index,
+                self._on_outputs,
+                max_restarts,
+            )
+            for i, make in enumerate(makers)
+        ]
+        self._start_all()  # raises EngineStartupError
         ready = self.ready
         self.model_name = ready.model_name
         self.max_model_len = ready.max_model_len
@@ -209,26 +139,36 @@ class AsyncLLMEngine:
         )
         self.embedding_size = ready.embedding_size
         self.output_processor = OutputProcessor(tokenizer, observer)
+        self.routing = routing
+        self.router = (
+            make_router(len(makers), routing, ready.block_size, session_affinity) if len(makers) > 1 else None
+        )
         self._streams: dict[str, RequestStream[Any]] = {}
+        self._owner: dict[str, int] = {}  # request id -> its replica
         self._num_inflight = 0
-        self._dead: BaseException | None = None
         self._draining = False
         self._closing = False
         self._started = False
-        self._stats: EngineStats | None = None
-        self._client = CoreClient(client_index, self._on_outputs)
         self._tasks: list[asyncio.Task[None]] = []
         self._restart_listeners: list[Callable[[], None]] = []
 
     @classmethod
     def from_engine_args(cls, engine_args: Any, **kwargs: Any) -> AsyncLLMEngine:
-        """The core in its own process, loading the model there; the tokenizer is loaded here."""
+        """The core in its own process (`data_parallel_size` of them: each a replica, its own process or Ray
+        actor), loading the model there; the tokenizer is loaded here."""
         engine_args.early_configs()  # bad arguments fail here, before any process starts
         # A Hub name is fetched here, once: the tokenizer below and the core process read the local copy.
         engine_args = engine_args.with_local_model()
+        dp = engine_args.data_parallel_config()
+        if dp.size == 1 and dp.backend == "mp":
+            makers = [lambda ipc_dir, gen: make_core_handle("mp", engine_args, ipc_dir, gen)]
+        else:
+            makers = [_maker(dp.backend, replica_engine_args(engine_args, i)) for i in range(dp.size)]
         return cls(
             tokenizer=_frontend_tokenizer(engine_args),
-            _make_handle=lambda ipc_dir, gen: ProcessCore(engine_args, ipc_dir, gen),
+            _make_handle=makers,
+            routing=dp.routing,
+            session_affinity=dp.session_affinity,
             **kwargs,
         )
 
@@ -246,34 +186,72 @@ class AsyncLLMEngine:
             **kwargs,
         )
 
-    def _start_core(self) -> CoreHandle:
-        handle = self._make_handle(self._ipc_dir, self._gen)
-        handle.start()
-        self._gen = max(self._gen, getattr(handle, "gen", self._gen))  # a supervisor may be ahead
+    def _start_all(self) -> None:
+        """Starts every replica at once (their models load in parallel); any failure stops them all."""
+        reps = self._replicas
+        if len(reps) == 1:
+            self._start_replica(reps[0])
+            return
+        for r in reps:
+            os.makedirs(r.ipc_dir, mode=0o700, exist_ok=True)
         try:
-            self.ready, self._ready_sock = connect_ready(handle, _READY_TIMEOUT_S, self.client_index)
+            for r in reps:  # from this thread: its core processes live as long as it does
+                r.launch()
+            with ThreadPoolExecutor(len(reps)) as pool:
+                futures = [pool.submit(self._wait_replica, r) for r in reps]
+                errors = [f.exception() for f in futures]
         except BaseException:
-            handle.stop(5)
+            for r in reps:
+                r.stop(5)
             raise
-        logger.info("engine core ready: %s, %d KV blocks", self.ready.model_name, self.ready.num_blocks)
-        return handle
+        failed = [(i, e) for i, e in enumerate(errors) if e is not None]
+        if failed:
+            for r in reps:
+                r.stop(5)
+            i, exc = failed[0]
+            raise EngineStartupError(f"data-parallel replica {i}: {exc}") from exc
+
+    def _start_replica(self, replica: CoreReplica) -> None:
+        replica.launch()
+        self._wait_replica(replica)
+
+    def _wait_replica(self, replica: CoreReplica) -> None:
+        ready = replica.wait_ready(_READY_TIMEOUT_S)
+        logger.info(
+            "engine core %d ready: %s, %d KV blocks", replica.index, ready.model_name, ready.num_blocks
+        )
 
     # ------------------------------------------------------------------ state
     @property
+    def ready(self) -> Any:
+        """The Ready of the first core (every replica runs the same model)."""
+        return self._replicas[0].ready
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self._replicas)
+
+    @property
     def is_running(self) -> bool:
-        return self._started and not self._closing and self._handle.alive()
+        return self._started and not self._closing and any(r.serving for r in self._replicas)
 
     @property
     def errored(self) -> bool:
-        return self._dead is not None
+        return self.dead_error is not None
 
     @property
     def dead_error(self) -> BaseException | None:
-        return self._dead
+        """Why no core serves (None while one does)."""
+        dead = [r.dead for r in self._replicas]
+        return None if any(d is None for d in dead) else dead[0]
 
     @property
     def is_healthy(self) -> bool:
-        return self._dead is None and self.is_running and not self._draining
+        return self.dead_error is None and self.is_running and not self._draining
+
+    @property
+    def num_restarts(self) -> int:
+        return sum(r.num_restarts for r in self._replicas)
 
     @property
     def num_inflight(self) -> int:
@@ -281,11 +259,35 @@ class AsyncLLMEngine:
 
     @property
     def core_pid(self) -> int | None:
-        return getattr(self._handle, "pid", None)
+        return self._replicas[0].pid
+
+    @property
+    def core_pids(self) -> list[int | None]:
+        return [r.pid for r in self._replicas]
+
+    def replica_states(self) -> list[dict[str, Any]]:
+        """Each core: its index, state (up | restarting | down | stopped), pid, restarts, requests in flight."""
+        inflight = [0] * len(self._replicas)
+        for idx in self._owner.values():
+            inflight[idx] += 1
+        return [
+            {
+                "index": r.index,
+                "state": r.state(),
+                "pid": r.pid,
+                "restarts": r.num_restarts,
+                "num_requests": inflight[r.index],
+            }
+            for r in self._replicas
+        ]
 
     def get_stats(self) -> EngineStats | None:
-        """The engine stats as of the latest step message."""
-        return self._stats
+        """The engine stats as of the latest step message (summed over the replicas)."""
+        return sum_stats([r.stats for r in self._replicas])
+
+    def get_replica_stats(self) -> list[EngineStats | None]:
+        """Each replica's stats as of its latest step message."""
+        return [r.stats for r in self._replicas]
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -295,7 +297,7 @@ class AsyncLLMEngine:
         self.output_processor.observer = observer
 
     def add_restart_listener(self, fn: Callable[[], None]) -> None:
-        """Called (on the event loop) after the core was restarted and serves again."""
+        """Called (on the event loop) after a core was restarted and serves again."""
         self._restart_listeners.append(fn)
 
     # -------------------------------------------------------------- lifecycle
@@ -303,19 +305,9 @@ class AsyncLLMEngine:
         if self._started:
             return
         self._started = True
-        self._connect()
-        self._tasks.append(asyncio.create_task(self._monitor(), name="pagedrs-core-monitor"))
-
-    def _connect(self) -> None:
-        # The socket that read Ready goes on reading: one PULL peer per output address, ever.
-        self._client.connect(self._handle.input_addr, self._ready_sock)
-        self._ready_sock = None  # the client's now
-
-    def _disconnect(self) -> None:
-        self._client.disconnect()
-        if self._ready_sock is not None:  # read Ready, never connected
-            self._ready_sock.close(linger=0)
-            self._ready_sock = None
+        for r in self._replicas:
+            r.connect()
+            self._tasks.append(asyncio.create_task(self._monitor(r), name=f"pagedrs-core-monitor-{r.index}"))
 
     def begin_drain(self) -> None:
         """Stops accepting new requests; in-flight ones go on."""
@@ -330,16 +322,19 @@ class AsyncLLMEngine:
         return self._num_inflight == 0
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Aborts what is left, stops the core (its process exits; a supervised core is left to its
-        supervisor) and closes the channel."""
+        """Aborts what is left, stops the cores (their processes exit; a supervised core is left to its
+        supervisor) and closes the channels."""
         if self._closing:
             return
         self._draining = self._closing = True
         for t in self._tasks:
             t.cancel()
         self._fail_all(RequestAbortedError("server shut down"))
-        self._handle.stop(timeout)
-        self._disconnect()
+        if len(self._replicas) == 1:
+            self._replicas[0].stop(timeout)
+        else:
+            with ThreadPoolExecutor(len(self._replicas)) as pool:
+                list(pool.map(lambda r: r.stop(timeout), self._replicas))
         if self._owns_ipc_dir:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
@@ -374,10 +369,11 @@ class AsyncLLMEngine:
         lora_request: LoRARequest | None = None,
     ) -> RequestStream[Any]:
         """Submits a request (with `lora_request`: under that adapter, carried to the core in the
-        request message); raises InputError (a ValueError) for invalid input, EngineDeadError while the
-        core is down, EngineDrainingError while shutting down."""
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine core is not running: {self._dead}")
+        request message); raises InputError (a ValueError) for invalid input, EngineDeadError while no
+        core serves, EngineDrainingError while shutting down."""
+        dead = self.dead_error
+        if dead is not None:
+            raise EngineDeadError(f"the engine core is not running: {dead}")
         if self._draining:
             raise EngineDrainingError("server is shutting down")
         if not self.is_running:
@@ -395,6 +391,7 @@ class AsyncLLMEngine:
             client_index=self.client_index,
             lora_request=lora_request,
         )
+        replica = self._route(request_id, req)
         if isinstance(params, PoolingParams):
             self.output_processor.add_pooling_request(request_id, text, req.prompt_token_ids)
             kind = RequestOutputKind.FINAL_ONLY
@@ -405,9 +402,20 @@ class AsyncLLMEngine:
             kind = params.output_kind
         stream: RequestStream[Any] = RequestStream(request_id, self, kind)
         self._streams[request_id] = stream
+        self._owner[request_id] = replica
         self._num_inflight += 1
-        self._send(req)
+        self._replicas[replica].client.send(req)
         return stream
+
+    def _route(self, request_id: str, req: Any) -> int:
+        """The replica of a request (0 without data parallelism)."""
+        if self.router is None:
+            return 0
+        hashes = core_request_block_hashes(req, self.router.block_size) if self.routing == "cache" else []
+        try:
+            return self.router.route(request_id, hashes, len(req.prompt_token_ids), session_key.get())
+        except NoReplicaAvailable as exc:
+            raise EngineDeadError(str(exc)) from None
 
     async def encode(self, request_id: str, prompt: Any, params: PoolingParams) -> EmbeddingRequestOutput:
         """The embedding of one prompt (an embedding request: no tokens are generated)."""
@@ -452,31 +460,49 @@ class AsyncLLMEngine:
         del self._streams[rid]
         self.output_processor.abort_requests([rid])
         stream._fail(RequestAbortedError(f"request {rid} aborted"))
-        self._send(AbortRequests([rid]))
+        self._send_abort(rid)
+
+    def _send_abort(self, rid: str) -> None:
+        replica = self._forget(rid)
+        if replica is not None:
+            self._replicas[replica].client.send(AbortRequests([rid]))
+
+    def _forget(self, rid: str, num_generated: int = 0) -> int | None:
+        """The request's replica, no longer its owner (the router told it is done)."""
+        replica = self._owner.pop(rid, None)
+        if replica is not None and self.router is not None:
+            self.router.finish(rid, num_generated)
+        return replica
 
     async def call_utility(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
-        """Run one of the core's utility methods (get_stats, resize, reset_prefix_cache, ping)."""
-        if self._dead is not None or not self.is_running:
-            raise EngineDeadError(f"the engine core is not running: {self._dead}")
-        return await self._client.call(method, list(args), timeout)
-
-    def _send(self, msg: Any) -> None:
-        self._client.send(msg)
+        """Run one of the core's utility methods (get_stats, resize, reset_prefix_cache, ping); with
+        several replicas, on every one that serves: the first one's answer (for a bool, all of them)."""
+        dead = self.dead_error
+        if dead is not None or not self.is_running:
+            raise EngineDeadError(f"the engine core is not running: {dead}")
+        live = [r for r in self._replicas if r.serving]
+        results = await asyncio.gather(*(r.client.call(method, list(args), timeout) for r in live))
+        if all(isinstance(x, bool) for x in results):
+            return all(results)
+        return results[0]
 
     # ------------------------------------------------------------ outputs
-    def _on_outputs(self, msg: EngineCoreOutputs, received_at: float) -> None:
+    def _on_outputs(self, replica: int, msg: EngineCoreOutputs, received_at: float) -> None:
         try:
-            self._process(msg)
+            self._process(replica, msg)
         except Exception as exc:  # a frontend bug fails these requests, not the loop
             logger.exception("processing a step message failed")
             self._fail_requests({o.request_id for o in msg.outputs}, exc)
         if self.observer is not None:
             self.observer.on_step(msg.stats, time.perf_counter() - received_at)
 
-    def _process(self, msg: EngineCoreOutputs) -> None:
-        self._stats = msg.stats
+    def _process(self, replica: int, msg: EngineCoreOutputs) -> None:
+        self._replicas[replica].stats = msg.stats
+        if self.router is not None and msg.kv_events is not None:
+            self.router.apply_events(replica, msg.kv_events)
         processed = self.output_processor.process_outputs(msg)
         for rid, error in processed.errors.items():
+            self._forget(rid)
             stream = self._streams.pop(rid, None)
             if stream is not None:
                 stream._fail(ValueError(error))
@@ -487,38 +513,58 @@ class AsyncLLMEngine:
             stream._put(out)
             if out.finished:
                 del self._streams[out.request_id]
+                num = sum(len(c.token_ids) for c in getattr(out, "outputs", ()) if hasattr(c, "token_ids"))
+                self._forget(out.request_id, num)
         if processed.abort_seqs:  # stop strings found here: the core stops those samples
-            self._send(AbortRequests([], processed.abort_seqs))
+            self._replicas[replica].client.send(AbortRequests([], processed.abort_seqs))
 
     # ------------------------------------------------------------ faults
-    async def _monitor(self) -> None:
+    async def _monitor(self, replica: CoreReplica) -> None:
         while not self._closing:
             await asyncio.sleep(_MONITOR_INTERVAL_S)
-            if self._closing or self._handle.alive() or self._dead is not None:
+            handle = replica.handle
+            if self._closing or handle is None or handle.alive() or replica.dead is not None:
                 continue
-            why = self._handle.exit_description()
-            logger.error("%s; failing %d in-flight requests", why, len(self._streams))
-            self._dead = EngineCoreDiedError(why)
-            self._disconnect()
-            self._fail_all(EngineCoreDiedError(f"{why} while the request was running"))
-            while self._dead is not None and not self._closing and self.num_restarts < self.max_restarts:
-                self.num_restarts += 1
-                self._gen += 1
-                logger.warning("restarting the engine core (%d/%d)", self.num_restarts, self.max_restarts)
-                try:
-                    self._handle = await asyncio.to_thread(self._start_core)
-                except Exception as exc:  # counted; tried again or given up
-                    logger.error("engine core restart failed: %s", exc)
-                    continue
-                if self._closing:
-                    self._handle.stop(5)
-                    return
-                self._connect()
-                self._dead = None
-                for fn in self._restart_listeners:
-                    fn()
-            if self._dead is not None:
-                logger.error("the engine core is down and out of restarts (%d)", self.max_restarts)
+            why = handle.exit_description()
+            if self.router is not None:
+                why = f"data-parallel replica {replica.index}: {why}"
+                self.router.set_available(replica.index, False)
+            mine = {rid for rid, idx in self._owner.items() if idx == replica.index}
+            logger.error("%s; failing %d in-flight requests", why, len(mine))
+            replica.dead = EngineCoreDiedError(why)
+            replica.disconnect()
+            self._fail_requests(mine, EngineCoreDiedError(f"{why} while the request was running"))
+            replica.client.fail_calls(EngineDeadError(why))
+            await self._restart(replica)
+
+    async def _restart(self, replica: CoreReplica) -> None:
+        while replica.dead is not None and not self._closing and replica.num_restarts < self.max_restarts:
+            replica.num_restarts += 1
+            replica.gen += 1
+            replica.restarting = True
+            logger.warning(
+                "restarting engine core %d (%d/%d)", replica.index, replica.num_restarts, self.max_restarts
+            )
+            try:
+                await asyncio.to_thread(self._start_replica, replica)
+            except Exception as exc:  # counted; tried again or given up
+                logger.error("engine core %d restart failed: %s", replica.index, exc)
+                continue
+            finally:
+                replica.restarting = False
+            if self._closing:
+                replica.stop(5)
+                return
+            replica.connect()
+            replica.dead = None
+            replica.stats = None
+            if self.router is not None:
+                self.router.apply_events(replica.index, KVCacheEvents(cleared=True))
+                self.router.set_available(replica.index, True)
+            for fn in self._restart_listeners:
+                fn()
+        if replica.dead is not None:
+            logger.error("engine core %d is down and out of restarts (%d)", replica.index, self.max_restarts)
 
     def _fail_requests(self, request_ids: set[str], exc: BaseException) -> None:
         for rid in request_ids:
@@ -526,11 +572,22 @@ class AsyncLLMEngine:
             if stream is not None:
                 self.output_processor.abort_requests([rid])
                 stream._fail(exc)
-                self._send(AbortRequests([rid]))
+            self._send_abort(rid)
 
     def _fail_all(self, exc: BaseException) -> None:
         streams, self._streams = self._streams, {}
         self.output_processor.abort_requests(list(streams))
+        for rid in list(self._owner):
+            self._forget(rid)
         for stream in streams.values():
             stream._fail(exc)
-        self._client.fail_calls(EngineDeadError(str(exc)))
+        for r in self._replicas:
+            r.client.fail_calls(EngineDeadError(str(exc)))
+
+
+def _replica_dir(ipc_dir: str, index: int) -> str:
+    return os.path.join(ipc_dir, f"dp{index}")
+
+
+def _maker(backend: str, engine_args: Any) -> Callable[[str, int], CoreHandle]:
+    return lambda ipc_dir, gen: make_core_handle(backend, engine_args, ipc_dir, gen)

@@ -53,7 +53,9 @@ def _lora_list(
 
 
 class LLM:
-    """Offline generation over an `LLMEngine` (vLLM's `LLM`); keyword arguments are `EngineArgs` fields."""
+    """Offline generation over an `LLMEngine` (vLLM's `LLM`); keyword arguments are `EngineArgs` fields.
+    With `data_parallel_size=N` the engine runs N core processes, each a replica of the model, and a
+    `generate` call is spread over them (outputs still in prompt order)."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         from pagedrs.engine.llm_engine import EngineArgs, LLMEngine
@@ -61,7 +63,14 @@ class LLM:
         unknown = sorted(set(kwargs) - set(EngineArgs.field_names()))
         if unknown:
             raise ValueError(f"unknown LLM argument(s): {', '.join(unknown)}")
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        args = EngineArgs(model=model, **kwargs)
+        if args.data_parallel_size != 1:  # N engine core processes, each request routed to one
+            from pagedrs.engine.dp_llm_engine import DPLLMEngine
+
+            args.early_configs()
+            self.llm_engine: Any = DPLLMEngine(args)
+        else:
+            self.llm_engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:

@@ -78,7 +78,14 @@ def build_app(engine: AsyncLLMEngine | LLMEngine | CoreLike, args: ServerArgs | 
 
 def make_state(engine: AsyncLLMEngine, args: ServerArgs) -> ServerState:
     names = list(args.served_model_name) or [engine.model_name]
-    metrics = ServerMetrics(names[0], engine.get_stats, core_histograms=args.api_server_index == 0)
+    dp = engine.router is not None
+    metrics = ServerMetrics(
+        names[0],
+        engine.get_stats,
+        core_histograms=args.api_server_index == 0,
+        get_replica_stats=engine.get_replica_stats if dp else None,
+        get_routing=engine.router.snapshot if engine.router is not None else None,
+    )
     engine.set_observer(metrics)
     models = ServingModels(engine, names)
     completions = OpenAIServingCompletion(engine, names, models=models)

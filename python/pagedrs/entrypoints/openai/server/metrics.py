@@ -114,59 +114,78 @@ _STEP_BUCKETS = (
 class _EngineStatsCollector(Collector):
     """Reads the engine's latest stats snapshot at scrape time (cumulative counters included)."""
 
-    def __init__(self, get_stats: Callable[[], Any], model_name: str) -> None:
+    def __init__(
+        self,
+        get_stats: Callable[[], Any],
+        model_name: str,
+        get_replica_stats: Callable[[], list[Any]] | None = None,
+        get_routing: Callable[[], list[Any]] | None = None,
+    ) -> None:
         self._get_stats = get_stats
         self._model = model_name
+        self._get_replica_stats = get_replica_stats
+        self._get_routing = get_routing
 
     def collect(self) -> Iterator[Any]:
-        s = self._get_stats()
-        labels = ["model_name"]
-        values = [self._model]
+        """One sample per family, or with data parallelism one per replica (vLLM's ``engine`` label)."""
+        if self._get_replica_stats is None:
+            rows: list[tuple[list[str], Any]] = [([self._model], self._get_stats())]
+            labels = ["model_name"]
+        else:
+            stats = self._get_replica_stats()
+            rows = [([self._model, str(i)], s) for i, s in enumerate(stats)]
+            labels = ["model_name", "engine"]
 
-        def g(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            m = GaugeMetricFamily(name, doc, labels=labels)
-            m.add_metric(values, value)
+        def fill(m: Any, key: str) -> Any:
+            for values, s in rows:
+                m.add_metric(values, float(getattr(s, key, 0) or 0) if s is not None else 0.0)
             return m
 
-        def c(name: str, doc: str, value: float) -> CounterMetricFamily:
-            m = CounterMetricFamily(name, doc, labels=labels)
-            m.add_metric(values, value)
-            return m
+        def g(name: str, doc: str, key: str) -> GaugeMetricFamily:
+            return fill(GaugeMetricFamily(name, doc, labels=labels), key)
 
-        def get(key: str) -> float:
-            return float(getattr(s, key, 0) or 0) if s is not None else 0.0
+        def c(name: str, doc: str, key: str) -> CounterMetricFamily:
+            return fill(CounterMetricFamily(name, doc, labels=labels), key)
 
-        yield g("pagedrs:num_requests_running", "Requests in the running batch.", get("num_running"))
-        yield g("pagedrs:num_requests_waiting", "Requests waiting to be scheduled.", get("num_waiting"))
-        yield g("pagedrs:num_requests_swapped", "Requests swapped out to CPU.", get("num_swapped"))
-        yield g("pagedrs:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", get("kv_usage"))
+        if self._get_routing is not None:
+            routed = CounterMetricFamily(
+                "pagedrs:dp_routed_requests",
+                "Requests the data-parallel router sent to each replica.",
+                labels=["model_name", "engine"],
+            )
+            for r in self._get_routing():
+                routed.add_metric([self._model, str(r.index)], float(r.routed))
+            yield routed
+
+        yield g("pagedrs:num_requests_running", "Requests in the running batch.", "num_running")
+        yield g("pagedrs:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting")
+        yield g("pagedrs:num_requests_swapped", "Requests swapped out to CPU.", "num_swapped")
+        yield g("pagedrs:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", "kv_usage")
         yield c(
             "pagedrs:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
-            get("prefix_cache_queries"),
+            "prefix_cache_queries",
         )
         yield c(
             "pagedrs:prefix_cache_hits",
             "Prompt tokens served from the prefix cache.",
-            get("prefix_cache_hits"),
+            "prefix_cache_hits",
         )
-        yield c("pagedrs:prompt_tokens", "Prompt tokens processed.", get("prompt_tokens_total"))
-        yield c("pagedrs:generation_tokens", "Generated tokens.", get("generation_tokens_total"))
-        yield c("pagedrs:num_preemptions", "Preemptions.", get("num_preemptions"))
+        yield c("pagedrs:prompt_tokens", "Prompt tokens processed.", "prompt_tokens_total")
+        yield c("pagedrs:generation_tokens", "Generated tokens.", "generation_tokens_total")
+        yield c("pagedrs:num_preemptions", "Preemptions.", "num_preemptions")
         # vLLM's spec_decode counters: verifications, draft tokens proposed, draft tokens accepted.
-        yield c("pagedrs:spec_decode_num_drafts", "Speculative verifications.", get("spec_num_drafts"))
-        yield c(
-            "pagedrs:spec_decode_num_draft_tokens", "Draft tokens proposed.", get("spec_num_draft_tokens")
-        )
+        yield c("pagedrs:spec_decode_num_drafts", "Speculative verifications.", "spec_num_drafts")
+        yield c("pagedrs:spec_decode_num_draft_tokens", "Draft tokens proposed.", "spec_num_draft_tokens")
         yield c(
             "pagedrs:spec_decode_num_accepted_tokens",
             "Draft tokens accepted.",
-            get("spec_num_accepted_tokens"),
+            "spec_num_accepted_tokens",
         )
         yield c(
             "pagedrs:spec_decode_num_pauses",
             "Engine-wide pauses of speculation measured slower than decoding without it.",
-            get("spec_num_pauses"),
+            "spec_num_pauses",
         )
 
 
@@ -204,7 +223,9 @@ NO_VLLM_NAME: dict[str, str] = {
     "pagedrs:frontend_step_seconds": "vLLM has no frontend per-step time histogram",
     "pagedrs:step_batch_size": "vLLM's iteration_tokens_total counts tokens per step, not sequences",
 }
-VLLM_ENGINE_INDEX = "0"  # vLLM's `engine` label: this server runs one engine core
+# Served only with data parallelism (vLLM's balancer does not count its choices): requests per replica.
+DP_ONLY_FAMILIES = ("pagedrs:dp_routed_requests",)
+VLLM_ENGINE_INDEX = "0"  # vLLM's `engine` label of a server with one engine core
 
 
 def vllm_twins(families: Iterable[Metric]) -> Iterator[Metric]:
@@ -214,7 +235,7 @@ def vllm_twins(families: Iterable[Metric]) -> Iterator[Metric]:
         for name in VLLM_NAMES.get(family.name, ()):
             twin = Metric(name, family.documentation, family.type, family.unit)
             for s in family.samples:
-                labels = {**s.labels, "engine": VLLM_ENGINE_INDEX}
+                labels = {**s.labels, "engine": s.labels.get("engine", VLLM_ENGINE_INDEX)}
                 twin.samples.append(
                     Sample(name + s.name[len(family.name) :], labels, s.value, s.timestamp, s.exemplar)
                 )
@@ -242,16 +263,24 @@ class ServerMetrics:
     """One registry per app; also the AsyncLLMEngine's RequestObserver."""
 
     def __init__(
-        self, model_name: str, get_stats: Callable[[], Any], *, core_histograms: bool = True
+        self,
+        model_name: str,
+        get_stats: Callable[[], Any],
+        *,
+        core_histograms: bool = True,
+        get_replica_stats: Callable[[], list[Any]] | None = None,
+        get_routing: Callable[[], list[Any]] | None = None,
     ) -> None:
         """`core_histograms`: observe the core's per-step figures (step time, send time, batch size).
         Every API server process gets every step message; one of them observes these, so the summed
-        histograms count each step once. Long because it declares every metric, one per statement, with
+        histograms count each step once. With data parallelism, `get_replica_stats` gives each replica's
+        stats (the engine series then carry vLLM's ``engine`` label) and `get_routing` the router's
+        per-replica state. Long because it declares every metric, one per statement, with
         vLLM's names."""
         self.core_histograms = core_histograms
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        self._engine_collector = _EngineStatsCollector(get_stats, model_name)
+        self._engine_collector = _EngineStatsCollector(get_stats, model_name, get_replica_stats, get_routing)
         labels = ["model_name"]
         self.ttft = Histogram(
             "pagedrs:time_to_first_token_seconds",

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedrs import __version__
+from pagedrs.engine.dp_client import SESSION_HEADER, session_key
 from pagedrs.entrypoints.openai.errors import APIError, bad_request, unavailable
 from pagedrs.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -59,6 +60,8 @@ class Serving(Protocol):
 
 async def respond(serving: Serving, req: Any, request: Request) -> Response:
     """Runs ``serving.create``: JSON, or SSE when it streams; 499 when the client went away first."""
+    # The session, for data-parallel session affinity: the X-Session-Id header, else the request's `user`.
+    session_key.set(request.headers.get(SESSION_HEADER) or getattr(req, "user", None))
     try:
         result = await serving.create(req, request)
     except ClientDisconnected:
@@ -73,7 +76,9 @@ async def respond(serving: Serving, req: Any, request: Request) -> Response:
 async def health(server: ServerDep) -> Response:
     engine = server.engine
     if engine.is_healthy:
-        return Response(status_code=200)
+        if engine.num_replicas == 1:
+            return Response(status_code=200)
+        return JSONResponse({"status": "ok", "replicas": engine.replica_states()})
     if engine.errored:
         return unavailable(f"The engine core is not running: {engine.dead_error}").response()
     message = "The server is shutting down." if server.draining else "The engine is not running."
