@@ -49,12 +49,12 @@ def _thread_budget() -> int:
 
 
 def replica_engine_args(engine_args: Any, rank: int) -> Any:
-    """The arguments replica `rank` of `data_parallel_size` runs with: the CPU threads shared out (each of
-    its tensor-parallel ranks gets budget // (replicas x ranks), at least 1, unless `num_threads` sets
-    them), its rank, and its prefix-cache changes reported when the router routes by cache."""
+    """The arguments replica `rank` of `data_parallel_size` runs with: this machine's CPU threads shared out
+    among local replicas (each of its tensor-parallel ranks gets budget // (replicas x ranks), at least 1,
+    unless `num_threads` sets them; a Ray replica gets the CPUs of its bundle), its rank, and its prefix-cache changes reported when the router routes by cache."""
     size = int(engine_args.data_parallel_size)
     changes: dict[str, Any] = {}
-    if engine_args.num_threads is None:
+    if engine_args.num_threads is None and engine_args.data_parallel_backend == "mp":  # Ray: per bundle
         changes["num_threads"] = max(1, _thread_budget() // (size * int(engine_args.tensor_parallel_size)))
     changes["data_parallel_rank"] = rank
     if engine_args.dp_routing == "cache":
