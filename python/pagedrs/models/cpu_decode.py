@@ -12,7 +12,11 @@ matmul, on torch views of the same arrays, as the module would run them.
 The arithmetic is the module path's, op for op and call for call (the same Rust kernels in the same
 order: RMSNorm with the residual add fused in, the quantized matmuls, neox rotary in place, the K/V
 store, the paged decode-attention kernel, SiLU-and-mul), so the hidden states are bit-identical to it
-(tests/models/test_cpu_decode.py). Any other step, or a model outside that case, takes the modules.
+(tests/models/test_cpu_decode.py). Per-head q/k RMSNorm (Qwen3) is the same Rust norm over each head. A
+mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE: `SparseMoeBlock`) runs inside the step as its
+module would: the router's matmul, `route`, the fused experts kernel (`cpu_fused_experts`, one Rust call
+for all the step's rows) and the shared expert with its sigmoid gate. Any other step, or a model outside
+that case, takes the modules.
 `PAGEDRS_CPU_DECODE=0` turns the fast path off.
 """
 
@@ -25,6 +29,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import numpy.typing as npt
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from pagedrs import _core
@@ -32,6 +37,8 @@ from pagedrs.layers.activation import SiluAndMul
 from pagedrs.layers.attention import ForwardContext
 from pagedrs.layers.attention.torch_ref import TorchAttentionBackend, cpu_kernel_threads, step_plan
 from pagedrs.layers.device_form import DeviceForm, PrepareOptions
+from pagedrs.layers.moe import SparseMoeBlock, route
+from pagedrs.layers.moe.cpu import cpu_fused_experts
 from pagedrs.layers.quantized import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -52,8 +59,12 @@ class _Layer:
     qkv: QuantizedWeight
     qkv_bias: F32 | None
     o_proj: QuantizedWeight
-    gate_up: QuantizedWeight
-    down: QuantizedWeight
+    gate_up: QuantizedWeight | None  # the dense MLP's (None with `moe`)
+    down: QuantizedWeight | None
+    moe: SparseMoeBlock | None
+    q_norm: F32 | None  # per-head q/k RMSNorm weights (Qwen3)
+    k_norm: F32 | None
+    qk_eps: float
     q_size: int
     kv_size: int
     num_heads: int
@@ -62,7 +73,7 @@ class _Layer:
     scale: float
     sliding_window: int | None
     layer_idx: int
-    # the qkv, o, gate_up and down modules (their forward hooks: LoRA)
+    # the qkv, o, gate_up and down modules (their forward hooks: LoRA; the MoE block for the last two)
     modules: tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module, torch.nn.Module]
 
 
@@ -83,22 +94,26 @@ def _why_not(model: LlamaModel) -> str | None:
 
     for layer in _decoder_layers(model):
         attn, mlp = layer.self_attn, layer.mlp
-        if not isinstance(mlp, LlamaMLP):
-            return "a layer's MLP is not the dense gated one (a mixture of experts)"
         if attn.attn.sinks is not None or attn.attn.logits_soft_cap is not None:
             return "attention sinks or soft-capping are not in the fused step"
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if isinstance(mlp, SparseMoeBlock):
+            why = _moe_why_not(mlp)
+            if why is not None:
+                return why
+            mlps: tuple[LlamaMLP, ...] = ()
+        elif isinstance(mlp, LlamaMLP):
+            mlps = (mlp,)
+        else:
+            return "a layer's MLP is neither the dense gated one nor a SparseMoeBlock"
+        linears = (attn.qkv_proj, attn.o_proj, *(p for m in mlps for p in (m.gate_up_proj, m.down_proj)))
         if any(not isinstance(lin.qweight, QuantizedWeight) or lin.tp_size != 1 for lin in linears):
             return "a linear layer is not quantized on one rank"
-        if (
-            attn.o_proj.bias is not None
-            or mlp.gate_up_proj.bias is not None
-            or mlp.down_proj.bias is not None
-        ):
+        if any(lin.bias is not None for lin in linears[1:]):
             return "a bias other than q/k/v's"
-        if attn.q_norm is not None:
-            return "q/k norm (Qwen3) is not in the fused step"
-        if not (isinstance(mlp.act_fn, SiluAndMul) and mlp.act_fn.cpu_fused):
+        norms = [n for n in (attn.q_norm, attn.k_norm) if n is not None]
+        if not all(n.cpu_fused for n in norms):
+            return "the q/k norm is not the fused RMSNorm"
+        if any(not (isinstance(m.act_fn, SiluAndMul) and m.act_fn.cpu_fused) for m in mlps):
             return "the MLP activation is not the fused SiLU-and-mul"
         if not (layer.input_layernorm.cpu_fused and layer.post_attention_layernorm.cpu_fused):
             return "a norm is not the fused RMSNorm"
@@ -107,13 +122,40 @@ def _why_not(model: LlamaModel) -> str | None:
     return None
 
 
+def _moe_why_not(block: SparseMoeBlock) -> str | None:
+    """Why an MoE block cannot run inside the fast step, or None when it can."""
+    if block.tp.size != 1:
+        return "a mixture of experts split over tensor-parallel ranks"
+    ex = block.experts
+    if not ex.use_kernels or any(
+        w.qweight is None and w.weight.dtype != torch.float32 for w in (ex.gate_up, ex.down)
+    ):
+        return "the experts are not float32 or quantized for the CPU kernel"
+    shared = block.shared_expert
+    if shared is not None:
+        if not (isinstance(shared.act_fn, SiluAndMul) and shared.act_fn.cpu_fused):
+            return "the shared expert's activation is not the fused SiLU-and-mul"
+        linears = (shared.gate_up_proj, shared.down_proj)
+        if any(not isinstance(lin.qweight, QuantizedWeight) or lin.bias is not None for lin in linears):
+            return "the shared expert is not quantized without biases"
+    return None
+
+
 def _layer(layer: LlamaDecoderLayer) -> _Layer:
-    attn, mlp = layer.self_attn, cast("LlamaMLP", layer.mlp)  # a dense MLP: checked by _why_not
+    attn = layer.self_attn
+    mlp = layer.mlp  # a dense MLP or a SparseMoeBlock: checked by _why_not
     qkv = attn.qkv_proj
     assert isinstance(qkv.qweight, QuantizedWeight) and isinstance(attn.o_proj.qweight, QuantizedWeight)
-    assert isinstance(mlp.gate_up_proj.qweight, QuantizedWeight)  # all checked by _why_not
-    assert isinstance(mlp.down_proj.qweight, QuantizedWeight)
+    moe = mlp if isinstance(mlp, SparseMoeBlock) else None
+    gate_up = down = None
+    mods: tuple[torch.nn.Module, torch.nn.Module] = (mlp, mlp)
+    if moe is None:
+        dense = cast("LlamaMLP", mlp)
+        gate_up, down = dense.gate_up_proj.qweight, dense.down_proj.qweight
+        assert isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
+        mods = (dense.gate_up_proj, dense.down_proj)
     a = attn.attn
+    qn, kn = attn.q_norm, attn.k_norm
     return _Layer(
         input_norm=layer.input_layernorm.weight.detach().numpy(),
         post_norm=layer.post_attention_layernorm.weight.detach().numpy(),
@@ -121,8 +163,12 @@ def _layer(layer: LlamaDecoderLayer) -> _Layer:
         qkv=qkv.qweight,
         qkv_bias=None if qkv.bias is None else qkv.bias.detach().numpy(),
         o_proj=attn.o_proj.qweight,
-        gate_up=mlp.gate_up_proj.qweight,
-        down=mlp.down_proj.qweight,
+        gate_up=gate_up,
+        down=down,
+        moe=moe,
+        q_norm=None if qn is None else qn.weight.detach().numpy(),
+        k_norm=None if kn is None else kn.weight.detach().numpy(),
+        qk_eps=0.0 if qn is None else float(qn.eps),
         q_size=qkv.q_size,
         kv_size=qkv.kv_size,
         num_heads=a.num_heads,
@@ -131,7 +177,7 @@ def _layer(layer: LlamaDecoderLayer) -> _Layer:
         scale=float(a.scale),
         sliding_window=a.sliding_window,
         layer_idx=a.layer_idx,
-        modules=(qkv, attn.o_proj, mlp.gate_up_proj, mlp.down_proj),
+        modules=(qkv, attn.o_proj, mods[0], mods[1]),
     )
 
 
@@ -152,12 +198,25 @@ class CpuDecodeStep:
         self.rope_head_size = rope.head_size
         self.rotary_dim = rope.rotary_dim
         self._linears = [
-            m for layer in decoder_layers for m in (*layer.self_attn.children(), *layer.mlp.children())
+            m
+            for layer in decoder_layers
+            for block in (layer.self_attn, layer.mlp)
+            if not isinstance(block, SparseMoeBlock)
+            for m in block.children()
+        ]
+        self._moe_modules = [
+            m
+            for layer in decoder_layers
+            if isinstance(layer.mlp, SparseMoeBlock)
+            for m in layer.mlp.modules()
         ]
 
     def _hooked(self) -> bool:
-        """A hook this path cannot run as the module would: pre-hooks, or forward hooks taking kwargs."""
-        return any(m._forward_pre_hooks or m._forward_hooks_with_kwargs for m in self._linears)
+        """A hook this path cannot run as the module would: pre-hooks, or forward hooks taking kwargs; any
+        hook inside a mixture-of-experts block (its step runs without the modules)."""
+        return any(m._forward_pre_hooks or m._forward_hooks_with_kwargs for m in self._linears) or any(
+            m._forward_pre_hooks or m._forward_hooks for m in self._moe_modules
+        )
 
     @staticmethod
     def _linear(module: torch.nn.Module, weight: QuantizedWeight, x: F32, bias: F32 | None = None) -> F32:
@@ -206,6 +265,10 @@ class CpuDecodeStep:
                 w, hidden, pos, caches[w.layer_idx], slots, dec.block_tables, dec.seq_lens
             )
             _core.cpu_fused_add_rms_norm(hidden, residual, w.post_norm, w.eps)
+            if w.moe is not None:
+                hidden = _moe(w.moe, hidden)
+                continue
+            assert w.gate_up is not None and w.down is not None
             gate_up = self._linear(w.modules[2], w.gate_up, hidden)
             act = np.empty((t, gate_up.shape[1] // 2), dtype=np.float32)
             _core.cpu_silu_and_mul(gate_up, act)
@@ -228,6 +291,9 @@ class CpuDecodeStep:
         q = qkv[:, : w.q_size]
         k = qkv[:, w.q_size : w.q_size + w.kv_size]
         v = qkv[:, w.q_size + w.kv_size :]
+        if w.q_norm is not None and w.k_norm is not None:
+            q = _per_head_norm(q, w.q_norm, w.qk_eps, w.head_size)
+            k = _per_head_norm(k, w.k_norm, w.qk_eps, w.head_size)
         _core.cpu_rope_neox(pos, q, k, self.cos_sin, self.rope_head_size, self.rotary_dim)
         flat = cache.reshape(2, -1, w.num_kv_heads, w.head_size)
         flat[0][slots] = k.reshape(t, w.num_kv_heads, w.head_size)
@@ -238,6 +304,54 @@ class CpuDecodeStep:
             qd, cache, block_tables, seq_lens, out, w.scale, w.sliding_window, cpu_kernel_threads()
         )
         return self._linear(w.modules[1], w.o_proj, out.reshape(t, w.num_heads * w.head_size))
+
+
+def _per_head_norm(x: F32, weight: F32, eps: float, head_size: int) -> F32:
+    """RMSNorm over each head of rows x [T, heads * head_size]: a new contiguous array, as the attention
+    module's per-head q/k norm (the same Rust norm over the same contiguous copy)."""
+    rows = np.ascontiguousarray(x).reshape(-1, head_size)
+    out = np.empty_like(rows)
+    _core.cpu_rms_norm(rows, weight, eps, out)
+    return out.reshape(x.shape[0], -1)
+
+
+def _moe(block: SparseMoeBlock, hidden: F32) -> F32:
+    """The block's forward on rows `hidden` (one rank, no hooks: checked), op for op as
+    `SparseMoeBlock.forward`: the router's matmul, `route`, the fused experts kernel, the shared expert
+    (quantized matmuls, SiLU-and-mul) scaled by its sigmoid gate."""
+    x = torch.from_numpy(hidden)
+    g = block.gate
+    logits = g.qweight.matmul(x, g.bias) if g.qweight is not None else F.linear(x, g.weight, g.bias)
+    topk_weights, topk_ids = route(logits, block.routing)
+    ex = block.experts
+    act = ex.activation
+    out = cpu_fused_experts(
+        x,
+        ex.gate_up,
+        ex.down,
+        topk_weights,
+        topk_ids,
+        gate_up_bias=ex.gate_up_bias,
+        down_bias=ex.down_bias,
+        swiglu=None if act.swiglu_limit is None else (act.swiglu_alpha, act.swiglu_limit),
+    )
+    if out is None:  # rows past what the kernel takes for float32 experts: the module's torch step
+        out = ex(x, topk_weights, topk_ids)
+    shared = block.shared_expert
+    if shared is None:
+        return out.numpy()
+    up = shared.gate_up_proj.qweight
+    down = shared.down_proj.qweight
+    assert isinstance(up, QuantizedWeight) and isinstance(down, QuantizedWeight)  # checked by _why_not
+    gate_up = up.matmul_rows(hidden)
+    a = np.empty((hidden.shape[0], gate_up.shape[1] // 2), dtype=np.float32)
+    _core.cpu_silu_and_mul(gate_up, a)
+    s = torch.from_numpy(down.matmul_rows(a))
+    sg = block.shared_expert_gate
+    if sg is not None:
+        gl = sg.qweight.matmul(x, sg.bias) if sg.qweight is not None else F.linear(x, sg.weight, sg.bias)
+        s = torch.sigmoid(gl) * s
+    return (out + s).numpy()
 
 
 def enable_cpu_decode(model: torch.nn.Module) -> bool:
