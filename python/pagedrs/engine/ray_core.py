@@ -52,7 +52,12 @@ def connect_ray() -> Any:
         try:
             ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
         except Exception as exc:  # a cluster that cannot be reached
-            raise ValueError(f"cannot connect to the Ray cluster at {address or '(local)'}: {exc}") from exc
+            hint = ""
+            if address and os.environ.get("RAY_AUTH_MODE") != "token":
+                hint = " (a cluster with token authentication needs RAY_AUTH_MODE=token and its token here)"
+            raise ValueError(
+                f"cannot connect to the Ray cluster at {address or '(local)'}: {exc}{hint}"
+            ) from exc
     return ray
 
 
@@ -200,6 +205,11 @@ class RayCore:
     def _release(self) -> None:
         ray = self._ray
         if self._actor is not None:
+            if self._run_ref is not None and ray.wait([self._run_ref], timeout=0)[0]:
+                # The core returned (or died): a graceful exit, so a live actor is not killed while it
+                # tears its sockets down (a SIGTERM traceback in the log); a dead one answers at once.
+                with contextlib.suppress(Exception):
+                    ray.wait([self._actor.__ray_terminate__.remote()], timeout=5)
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(self._actor, no_restart=True)
             self._actor = None
