@@ -91,7 +91,7 @@ def test_cache_routing_kill_and_restart(tiny: Path, want: list[list[int]]) -> No
         streams = [await engine.add_request(f"long{i}", p, long) for i, p in enumerate(DISTINCT[:4])]
         for s in streams:
             await s.__anext__()
-        owners = [engine._owner[s.request_id] for s in streams]
+        owners = [engine.replica_of(s.request_id) for s in streams]
         assert set(owners) == {0, 1}, owners
         victim = engine.core_pids[0]
         assert victim is not None

@@ -18,28 +18,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, overload
 
 from pagedrs.engine.core_handles import CoreHandle, EngineStartupError, RemoteCore, ThreadCore
 from pagedrs.engine.dp_client import (
-    CoreReplica,
     NoReplicaAvailable,
+    ReplicaSet,
     make_core_handle,
-    make_router,
     replica_engine_args,
-    session_key,
     sum_stats,
 )
 from pagedrs.engine.input_processor import InputError, InputProcessor
-from pagedrs.engine.messages import AbortRequests, EngineCoreOutputs, KVCacheEvents
+from pagedrs.engine.messages import AbortRequests, EngineCoreOutputs
 from pagedrs.engine.output_processor import OutputProcessor
-from pagedrs.engine.prefix_hashes import core_request_block_hashes
 from pagedrs.engine.request_stream import (
     EngineCoreDiedError,
     EngineDeadError,
@@ -65,9 +60,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("pagedrs.async_engine")
-
-_READY_TIMEOUT_S = 600.0
-_MONITOR_INTERVAL_S = 0.2
 
 
 def _frontend_tokenizer(engine_args: Any) -> Any:
@@ -112,18 +104,8 @@ class AsyncLLMEngine:
             _make_handle = lambda ipc_dir, gen: ThreadCore(core, ipc_dir, gen)  # noqa: E731
         makers = [_make_handle] if callable(_make_handle) else list(_make_handle)
         self.tokenizer = tokenizer
-        self._replicas = [
-            CoreReplica(
-                i,
-                make,
-                self._ipc_dir if len(makers) == 1 else _replica_dir(self._ipc_dir, i),
-                client_index,
-                self._on_outputs,
-                max_restarts,
-            )
-            for i, make in enumerate(makers)
-        ]
-        self._start_all()  # raises EngineStartupError
+        self._cores = ReplicaSet(makers, self._ipc_dir, client_index, self._on_outputs, max_restarts)
+        self._cores.start_all()  # raises EngineStartupError
         ready = self.ready
         self.model_name = ready.model_name
         self.max_model_len = ready.max_model_len
@@ -139,12 +121,9 @@ class AsyncLLMEngine:
         )
         self.embedding_size = ready.embedding_size
         self.output_processor = OutputProcessor(tokenizer, observer)
-        self.routing = routing
-        self.router = (
-            make_router(len(makers), routing, ready.block_size, session_affinity) if len(makers) > 1 else None
-        )
+        self._cores.make_router(routing, ready.block_size, session_affinity)
+        self.router = self._cores.router
         self._streams: dict[str, RequestStream[Any]] = {}
-        self._owner: dict[str, int] = {}  # request id -> its replica
         self._num_inflight = 0
         self._draining = False
         self._closing = False
@@ -186,54 +165,19 @@ class AsyncLLMEngine:
             **kwargs,
         )
 
-    def _start_all(self) -> None:
-        """Starts every replica at once (their models load in parallel); any failure stops them all."""
-        reps = self._replicas
-        if len(reps) == 1:
-            self._start_replica(reps[0])
-            return
-        for r in reps:
-            os.makedirs(r.ipc_dir, mode=0o700, exist_ok=True)
-        try:
-            for r in reps:  # from this thread: its core processes live as long as it does
-                r.launch()
-            with ThreadPoolExecutor(len(reps)) as pool:
-                futures = [pool.submit(self._wait_replica, r) for r in reps]
-                errors = [f.exception() for f in futures]
-        except BaseException:
-            for r in reps:
-                r.stop(5)
-            raise
-        failed = [(i, e) for i, e in enumerate(errors) if e is not None]
-        if failed:
-            for r in reps:
-                r.stop(5)
-            i, exc = failed[0]
-            raise EngineStartupError(f"data-parallel replica {i}: {exc}") from exc
-
-    def _start_replica(self, replica: CoreReplica) -> None:
-        replica.launch()
-        self._wait_replica(replica)
-
-    def _wait_replica(self, replica: CoreReplica) -> None:
-        ready = replica.wait_ready(_READY_TIMEOUT_S)
-        logger.info(
-            "engine core %d ready: %s, %d KV blocks", replica.index, ready.model_name, ready.num_blocks
-        )
-
     # ------------------------------------------------------------------ state
     @property
     def ready(self) -> Any:
         """The Ready of the first core (every replica runs the same model)."""
-        return self._replicas[0].ready
+        return self._cores.replicas[0].ready
 
     @property
     def num_replicas(self) -> int:
-        return len(self._replicas)
+        return len(self._cores.replicas)
 
     @property
     def is_running(self) -> bool:
-        return self._started and not self._closing and any(r.serving for r in self._replicas)
+        return self._started and not self._closing and self._cores.serving
 
     @property
     def errored(self) -> bool:
@@ -242,8 +186,7 @@ class AsyncLLMEngine:
     @property
     def dead_error(self) -> BaseException | None:
         """Why no core serves (None while one does)."""
-        dead = [r.dead for r in self._replicas]
-        return None if any(d is None for d in dead) else dead[0]
+        return self._cores.dead_error
 
     @property
     def is_healthy(self) -> bool:
@@ -251,7 +194,7 @@ class AsyncLLMEngine:
 
     @property
     def num_restarts(self) -> int:
-        return sum(r.num_restarts for r in self._replicas)
+        return sum(r.num_restarts for r in self._cores.replicas)
 
     @property
     def num_inflight(self) -> int:
@@ -259,35 +202,27 @@ class AsyncLLMEngine:
 
     @property
     def core_pid(self) -> int | None:
-        return self._replicas[0].pid
+        return self._cores.replicas[0].pid
 
     @property
     def core_pids(self) -> list[int | None]:
-        return [r.pid for r in self._replicas]
+        return [r.pid for r in self._cores.replicas]
 
     def replica_states(self) -> list[dict[str, Any]]:
         """Each core: its index, state (up | restarting | down | stopped), pid, restarts, requests in flight."""
-        inflight = [0] * len(self._replicas)
-        for idx in self._owner.values():
-            inflight[idx] += 1
-        return [
-            {
-                "index": r.index,
-                "state": r.state(),
-                "pid": r.pid,
-                "restarts": r.num_restarts,
-                "num_requests": inflight[r.index],
-            }
-            for r in self._replicas
-        ]
+        return self._cores.states()
+
+    def replica_of(self, request_id: str) -> int | None:
+        """The core a request in flight runs on."""
+        return self._cores.owner.get(request_id)
 
     def get_stats(self) -> EngineStats | None:
         """The engine stats as of the latest step message (summed over the replicas)."""
-        return sum_stats([r.stats for r in self._replicas])
+        return sum_stats(self.get_replica_stats())
 
     def get_replica_stats(self) -> list[EngineStats | None]:
         """Each replica's stats as of its latest step message."""
-        return [r.stats for r in self._replicas]
+        return [r.stats for r in self._cores.replicas]
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -305,9 +240,10 @@ class AsyncLLMEngine:
         if self._started:
             return
         self._started = True
-        for r in self._replicas:
+        for r in self._cores.replicas:
             r.connect()
-            self._tasks.append(asyncio.create_task(self._monitor(r), name=f"pagedrs-core-monitor-{r.index}"))
+            watch = self._cores.watch(r, self._fail_requests, self._restarted, lambda: self._closing)
+            self._tasks.append(asyncio.create_task(watch, name=f"pagedrs-core-monitor-{r.index}"))
 
     def begin_drain(self) -> None:
         """Stops accepting new requests; in-flight ones go on."""
@@ -330,11 +266,7 @@ class AsyncLLMEngine:
         for t in self._tasks:
             t.cancel()
         self._fail_all(RequestAbortedError("server shut down"))
-        if len(self._replicas) == 1:
-            self._replicas[0].stop(timeout)
-        else:
-            with ThreadPoolExecutor(len(self._replicas)) as pool:
-                list(pool.map(lambda r: r.stop(timeout), self._replicas))
+        self._cores.stop_all(timeout)
         if self._owns_ipc_dir:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
@@ -391,7 +323,10 @@ class AsyncLLMEngine:
             client_index=self.client_index,
             lora_request=lora_request,
         )
-        replica = self._route(request_id, req)
+        try:
+            replica = self._cores.route(request_id, req)
+        except NoReplicaAvailable as exc:
+            raise EngineDeadError(str(exc)) from None
         if isinstance(params, PoolingParams):
             self.output_processor.add_pooling_request(request_id, text, req.prompt_token_ids)
             kind = RequestOutputKind.FINAL_ONLY
@@ -402,20 +337,9 @@ class AsyncLLMEngine:
             kind = params.output_kind
         stream: RequestStream[Any] = RequestStream(request_id, self, kind)
         self._streams[request_id] = stream
-        self._owner[request_id] = replica
         self._num_inflight += 1
-        self._replicas[replica].client.send(req)
+        self._cores.send(replica, req)
         return stream
-
-    def _route(self, request_id: str, req: Any) -> int:
-        """The replica of a request (0 without data parallelism)."""
-        if self.router is None:
-            return 0
-        hashes = core_request_block_hashes(req, self.router.block_size) if self.routing == "cache" else []
-        try:
-            return self.router.route(request_id, hashes, len(req.prompt_token_ids), session_key.get())
-        except NoReplicaAvailable as exc:
-            raise EngineDeadError(str(exc)) from None
 
     async def encode(self, request_id: str, prompt: Any, params: PoolingParams) -> EmbeddingRequestOutput:
         """The embedding of one prompt (an embedding request: no tokens are generated)."""
@@ -460,19 +384,7 @@ class AsyncLLMEngine:
         del self._streams[rid]
         self.output_processor.abort_requests([rid])
         stream._fail(RequestAbortedError(f"request {rid} aborted"))
-        self._send_abort(rid)
-
-    def _send_abort(self, rid: str) -> None:
-        replica = self._forget(rid)
-        if replica is not None:
-            self._replicas[replica].client.send(AbortRequests([rid]))
-
-    def _forget(self, rid: str, num_generated: int = 0) -> int | None:
-        """The request's replica, no longer its owner (the router told it is done)."""
-        replica = self._owner.pop(rid, None)
-        if replica is not None and self.router is not None:
-            self.router.finish(rid, num_generated)
-        return replica
+        self._cores.abort(rid)
 
     async def call_utility(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
         """Run one of the core's utility methods (get_stats, resize, reset_prefix_cache, ping); with
@@ -480,11 +392,7 @@ class AsyncLLMEngine:
         dead = self.dead_error
         if dead is not None or not self.is_running:
             raise EngineDeadError(f"the engine core is not running: {dead}")
-        live = [r for r in self._replicas if r.serving]
-        results = await asyncio.gather(*(r.client.call(method, list(args), timeout) for r in live))
-        if all(isinstance(x, bool) for x in results):
-            return all(results)
-        return results[0]
+        return await self._cores.call(method, list(args), timeout)
 
     # ------------------------------------------------------------ outputs
     def _on_outputs(self, replica: int, msg: EngineCoreOutputs, received_at: float) -> None:
@@ -497,12 +405,10 @@ class AsyncLLMEngine:
             self.observer.on_step(msg.stats, time.perf_counter() - received_at)
 
     def _process(self, replica: int, msg: EngineCoreOutputs) -> None:
-        self._replicas[replica].stats = msg.stats
-        if self.router is not None and msg.kv_events is not None:
-            self.router.apply_events(replica, msg.kv_events)
+        self._cores.observe(replica, msg)
         processed = self.output_processor.process_outputs(msg)
         for rid, error in processed.errors.items():
-            self._forget(rid)
+            self._cores.forget(rid)
             stream = self._streams.pop(rid, None)
             if stream is not None:
                 stream._fail(ValueError(error))
@@ -514,57 +420,14 @@ class AsyncLLMEngine:
             if out.finished:
                 del self._streams[out.request_id]
                 num = sum(len(c.token_ids) for c in getattr(out, "outputs", ()) if hasattr(c, "token_ids"))
-                self._forget(out.request_id, num)
+                self._cores.forget(out.request_id, num)
         if processed.abort_seqs:  # stop strings found here: the core stops those samples
-            self._replicas[replica].client.send(AbortRequests([], processed.abort_seqs))
+            self._cores.send(replica, AbortRequests([], processed.abort_seqs))
 
     # ------------------------------------------------------------ faults
-    async def _monitor(self, replica: CoreReplica) -> None:
-        while not self._closing:
-            await asyncio.sleep(_MONITOR_INTERVAL_S)
-            handle = replica.handle
-            if self._closing or handle is None or handle.alive() or replica.dead is not None:
-                continue
-            why = handle.exit_description()
-            if self.router is not None:
-                why = f"data-parallel replica {replica.index}: {why}"
-                self.router.set_available(replica.index, False)
-            mine = {rid for rid, idx in self._owner.items() if idx == replica.index}
-            logger.error("%s; failing %d in-flight requests", why, len(mine))
-            replica.dead = EngineCoreDiedError(why)
-            replica.disconnect()
-            self._fail_requests(mine, EngineCoreDiedError(f"{why} while the request was running"))
-            replica.client.fail_calls(EngineDeadError(why))
-            await self._restart(replica)
-
-    async def _restart(self, replica: CoreReplica) -> None:
-        while replica.dead is not None and not self._closing and replica.num_restarts < self.max_restarts:
-            replica.num_restarts += 1
-            replica.gen += 1
-            replica.restarting = True
-            logger.warning(
-                "restarting engine core %d (%d/%d)", replica.index, replica.num_restarts, self.max_restarts
-            )
-            try:
-                await asyncio.to_thread(self._start_replica, replica)
-            except Exception as exc:  # counted; tried again or given up
-                logger.error("engine core %d restart failed: %s", replica.index, exc)
-                continue
-            finally:
-                replica.restarting = False
-            if self._closing:
-                replica.stop(5)
-                return
-            replica.connect()
-            replica.dead = None
-            replica.stats = None
-            if self.router is not None:
-                self.router.apply_events(replica.index, KVCacheEvents(cleared=True))
-                self.router.set_available(replica.index, True)
-            for fn in self._restart_listeners:
-                fn()
-        if replica.dead is not None:
-            logger.error("engine core %d is down and out of restarts (%d)", replica.index, self.max_restarts)
+    def _restarted(self) -> None:
+        for fn in self._restart_listeners:
+            fn()
 
     def _fail_requests(self, request_ids: set[str], exc: BaseException) -> None:
         for rid in request_ids:
@@ -572,21 +435,16 @@ class AsyncLLMEngine:
             if stream is not None:
                 self.output_processor.abort_requests([rid])
                 stream._fail(exc)
-            self._send_abort(rid)
+            self._cores.abort(rid)
 
     def _fail_all(self, exc: BaseException) -> None:
         streams, self._streams = self._streams, {}
         self.output_processor.abort_requests(list(streams))
-        for rid in list(self._owner):
-            self._forget(rid)
+        for rid in list(self._cores.owner):
+            self._cores.forget(rid)
         for stream in streams.values():
             stream._fail(exc)
-        for r in self._replicas:
-            r.client.fail_calls(EngineDeadError(str(exc)))
-
-
-def _replica_dir(ipc_dir: str, index: int) -> str:
-    return os.path.join(ipc_dir, f"dp{index}")
+        self._cores.fail_calls(EngineDeadError(str(exc)))
 
 
 def _maker(backend: str, engine_args: Any) -> Callable[[str, int], CoreHandle]:

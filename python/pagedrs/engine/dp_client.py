@@ -8,28 +8,38 @@ until it is Ready again, and the others go on serving."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from typing import Any
 
 from pagedrs.engine.core_client import CoreClient
-from pagedrs.engine.core_handles import CoreHandle, ProcessCore, connect_ready
+from pagedrs.engine.core_handles import CoreHandle, EngineStartupError, ProcessCore, connect_ready
 from pagedrs.engine.dp_router import DPRouter, NoReplicaAvailable
-from pagedrs.engine.messages import EngineCoreOutputs, KVCacheEvents, Ready
+from pagedrs.engine.messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, KVCacheEvents, Ready
+from pagedrs.engine.prefix_hashes import core_request_block_hashes
+from pagedrs.engine.request_stream import EngineCoreDiedError, EngineDeadError
 from pagedrs.metrics import EngineStats
 
 __all__ = [
     "CoreReplica",
+    "ReplicaSet",
     "SESSION_HEADER",
     "NoReplicaAvailable",
     "make_core_handle",
-    "make_router",
     "replica_engine_args",
     "session_key",
     "sum_stats",
 ]
+
+logger = logging.getLogger("pagedrs.async_engine")
+
+_READY_TIMEOUT_S = 600.0
+_MONITOR_INTERVAL_S = 0.2
 
 # The session of the request being handled (the server sets it from the request's `user` or its
 # X-Session-Id header); with session affinity on, the requests of one session go to one replica.
@@ -73,10 +83,6 @@ def make_core_handle(
     if backend != "mp":
         raise ValueError(f"data_parallel_backend must be 'mp' or 'ray', got {backend!r}")
     return ProcessCore(engine_args, ipc_dir, gen, num_clients, status=status)
-
-
-def make_router(num_replicas: int, policy: str, block_size: int, session_affinity: bool) -> DPRouter:
-    return DPRouter(num_replicas, policy, block_size=block_size, sticky=session_affinity)
 
 
 _SUMMED = (
@@ -201,6 +207,206 @@ class CoreReplica:
         self.disconnect()
 
 
-def cleared() -> KVCacheEvents:
-    """The events of a replica that restarted: its prefix cache is empty."""
-    return KVCacheEvents(cleared=True)
+class ReplicaSet:
+    """The frontend's engine cores: their start, the router (with more than one), which core each request
+    in flight is on, and the watch that restarts a core that died. `on_outputs(index, msg, received_at)`
+    gets every core's step messages."""
+
+    def __init__(
+        self,
+        makers: Sequence[Callable[[str, int], CoreHandle]],
+        ipc_dir: str,
+        client_index: int,
+        on_outputs: Callable[[int, EngineCoreOutputs, float], None],
+        max_restarts: int,
+    ) -> None:
+        self.max_restarts = max_restarts
+        self.replicas = [
+            CoreReplica(
+                i,
+                make,
+                ipc_dir if len(makers) == 1 else os.path.join(ipc_dir, f"dp{i}"),
+                client_index,
+                on_outputs,
+                max_restarts,
+            )
+            for i, make in enumerate(makers)
+        ]
+        self.router: DPRouter | None = None
+        self.routing = "round_robin"
+        self.owner: dict[str, int] = {}  # request id -> its replica
+
+    # ---- start and stop ----------------------------------------------------------------------------
+    def start_all(self) -> None:
+        """Starts every core and waits for their Ready (the models load in parallel); a failure stops them
+        all and raises EngineStartupError."""
+        reps = self.replicas
+        if len(reps) == 1:
+            self._start(reps[0])
+            return
+        try:
+            for r in reps:  # from this thread: its core processes live as long as it does
+                os.makedirs(r.ipc_dir, mode=0o700, exist_ok=True)
+                r.launch()
+            with ThreadPoolExecutor(len(reps)) as pool:
+                errors = [f.exception() for f in [pool.submit(self._wait, r) for r in reps]]
+        except BaseException:
+            self.stop_all(5)
+            raise
+        failed = [(i, e) for i, e in enumerate(errors) if e is not None]
+        if failed:
+            self.stop_all(5)
+            i, exc = failed[0]
+            raise EngineStartupError(f"data-parallel replica {i}: {exc}") from exc
+
+    def _start(self, replica: CoreReplica) -> None:
+        replica.launch()
+        self._wait(replica)
+
+    def _wait(self, replica: CoreReplica) -> None:
+        ready = replica.wait_ready(_READY_TIMEOUT_S)
+        logger.info(
+            "engine core %d ready: %s, %d KV blocks", replica.index, ready.model_name, ready.num_blocks
+        )
+
+    def make_router(self, routing: str, block_size: int, session_affinity: bool) -> None:
+        """With more than one core, the router that picks each request's."""
+        self.routing = routing
+        if len(self.replicas) > 1:
+            self.router = DPRouter(
+                len(self.replicas), routing, block_size=block_size, sticky=session_affinity
+            )
+
+    def stop_all(self, timeout: float) -> None:
+        if len(self.replicas) == 1:
+            self.replicas[0].stop(timeout)
+            return
+        with ThreadPoolExecutor(len(self.replicas)) as pool:
+            list(pool.map(lambda r: r.stop(timeout), self.replicas))
+
+    # ---- state -------------------------------------------------------------------------------------
+    @property
+    def serving(self) -> bool:
+        return any(r.serving for r in self.replicas)
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        """Why no core serves (None while one does)."""
+        dead = [r.dead for r in self.replicas]
+        return None if any(d is None for d in dead) else dead[0]
+
+    def states(self) -> list[dict[str, Any]]:
+        """Each core: its index, state (up | restarting | down | stopped), pid, restarts, requests in flight."""
+        inflight = [0] * len(self.replicas)
+        for idx in self.owner.values():
+            inflight[idx] += 1
+        return [
+            {
+                "index": r.index,
+                "state": r.state(),
+                "pid": r.pid,
+                "restarts": r.num_restarts,
+                "num_requests": inflight[r.index],
+            }
+            for r in self.replicas
+        ]
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def route(self, request_id: str, req: EngineCoreRequest) -> int:
+        """The core of a request (0 with one core), recorded as its owner; NoReplicaAvailable if none is up."""
+        r = 0
+        if self.router is not None:
+            hashes = core_request_block_hashes(req, self.router.block_size) if self.routing == "cache" else []
+            r = self.router.route(request_id, hashes, len(req.prompt_token_ids), session_key.get())
+        self.owner[request_id] = r
+        return r
+
+    def send(self, replica: int, msg: Any) -> None:
+        self.replicas[replica].client.send(msg)
+
+    def forget(self, request_id: str, num_generated: int = 0) -> int | None:
+        """The request's core, which no longer owns it (the router is told it is done)."""
+        replica = self.owner.pop(request_id, None)
+        if replica is not None and self.router is not None:
+            self.router.finish(request_id, num_generated)
+        return replica
+
+    def abort(self, request_id: str) -> None:
+        replica = self.forget(request_id)
+        if replica is not None:
+            self.send(replica, AbortRequests([request_id]))
+
+    def observe(self, replica: int, msg: EngineCoreOutputs) -> None:
+        """A step message's stats and prefix-cache changes."""
+        self.replicas[replica].stats = msg.stats
+        if self.router is not None and msg.kv_events is not None:
+            self.router.apply_events(replica, msg.kv_events)
+
+    async def call(self, method: str, args: list[Any], timeout: float) -> Any:
+        """A utility call on every core that serves: the first one's answer (for bools, all of them)."""
+        live = [r for r in self.replicas if r.serving]
+        results = await asyncio.gather(*(r.client.call(method, args, timeout) for r in live))
+        if len(results) > 1 and all(isinstance(x, bool) for x in results):
+            return all(results)
+        return results[0]
+
+    def fail_calls(self, exc: BaseException) -> None:
+        for r in self.replicas:
+            r.client.fail_calls(exc)
+
+    # ---- faults ------------------------------------------------------------------------------------
+    async def watch(
+        self,
+        replica: CoreReplica,
+        fail: Callable[[set[str], BaseException], None],
+        restarted: Callable[[], None],
+        closing: Callable[[], bool],
+    ) -> None:
+        """Watches one core: when it dies, `fail`s its requests in flight, keeps the router off it, and
+        restarts it (at most `max_restarts` times), calling `restarted()` when it serves again."""
+        while not closing():
+            await asyncio.sleep(_MONITOR_INTERVAL_S)
+            handle = replica.handle
+            if closing() or handle is None or handle.alive() or replica.dead is not None:
+                continue
+            why = handle.exit_description()
+            if self.router is not None:
+                why = f"data-parallel replica {replica.index}: {why}"
+                self.router.set_available(replica.index, False)
+            mine = {rid for rid, idx in self.owner.items() if idx == replica.index}
+            logger.error("%s; failing %d in-flight requests", why, len(mine))
+            replica.dead = EngineCoreDiedError(why)
+            replica.disconnect()
+            fail(mine, EngineCoreDiedError(f"{why} while the request was running"))
+            replica.client.fail_calls(EngineDeadError(why))
+            await self._restart(replica, restarted, closing)
+
+    async def _restart(
+        self, replica: CoreReplica, restarted: Callable[[], None], closing: Callable[[], bool]
+    ) -> None:
+        while replica.dead is not None and not closing() and replica.num_restarts < self.max_restarts:
+            replica.num_restarts += 1
+            replica.gen += 1
+            replica.restarting = True
+            logger.warning(
+                "restarting engine core %d (%d/%d)", replica.index, replica.num_restarts, self.max_restarts
+            )
+            try:
+                await asyncio.to_thread(self._start, replica)
+            except Exception as exc:  # counted; tried again or given up
+                logger.error("engine core %d restart failed: %s", replica.index, exc)
+                continue
+            finally:
+                replica.restarting = False
+            if closing():
+                replica.stop(5)
+                return
+            replica.connect()
+            replica.dead = None
+            replica.stats = None
+            if self.router is not None:
+                self.router.apply_events(replica.index, KVCacheEvents(cleared=True))  # a new, empty cache
+                self.router.set_available(replica.index, True)
+            restarted()
+        if replica.dead is not None:
+            logger.error("engine core %d is down and out of restarts (%d)", replica.index, self.max_restarts)
