@@ -26,7 +26,7 @@ ray = pytest.importorskip("ray")
 NODE_CPUS = 2  # per node of the two-node cluster
 NUM_CPUS = 2 * NODE_CPUS
 # A 16-token budget chunks the 40-token prompt; three prompts share a 16-token prefix (cache hits).
-ENGINE = dict(
+ENGINE: dict[str, Any] = dict(
     device="cpu",
     dtype="float32",
     block_size=4,
@@ -118,7 +118,7 @@ def _nothing_left(pids: list[int]) -> None:
 
 
 def test_ray_core_equals_process_core(local_ray: None, tiny: Path) -> None:
-    args = EngineArgs(model=str(tiny), **ENGINE)  # type: ignore[arg-type]
+    args = EngineArgs(model=str(tiny), **ENGINE)
     want = _run_greedy(_engine(lambda d, g: ProcessCore(args, d, g)))
     handles: list[RayCore] = []
 
@@ -137,7 +137,7 @@ def test_ray_core_equals_process_core(local_ray: None, tiny: Path) -> None:
 
 
 def test_killed_actor_is_a_dead_core_and_is_restarted(local_ray: None, tiny: Path) -> None:
-    args = EngineArgs(model=str(tiny), **ENGINE)  # type: ignore[arg-type]
+    args = EngineArgs(model=str(tiny), **ENGINE)
     handles: list[RayCore] = []
 
     def make(ipc_dir: str, gen: int) -> RayCore:
@@ -179,7 +179,7 @@ def test_tensor_parallel_core_is_packed_and_stop_leaves_nothing(local_ray: None,
         model=str(tiny),
         tensor_parallel_size=2,
         distributed_executor_backend="ray",
-        **ENGINE,  # type: ignore[arg-type]
+        **ENGINE,
     )
     handle = RayCore(args)
     handle.start()
@@ -202,7 +202,7 @@ def test_tensor_parallel_core_is_packed_and_stop_leaves_nothing(local_ray: None,
 
 def test_replicas_spread_over_the_nodes(local_ray: None, tiny: Path) -> None:
     # Each core asks a whole node's CPUs: the two must land on different nodes, each answering.
-    args = EngineArgs(model=str(tiny), num_threads=NODE_CPUS, **ENGINE)  # type: ignore[arg-type]
+    args = EngineArgs(model=str(tiny), num_threads=NODE_CPUS, **ENGINE)
     # The second also announces Ready on a status socket, as a supervisor's core does (read first).
     handles = [RayCore(args, "", 0), RayCore(args, "", 1, status=True)]
     try:
@@ -224,9 +224,27 @@ def test_replicas_spread_over_the_nodes(local_ray: None, tiny: Path) -> None:
     _nothing_left([h.pid for h in handles if h.pid is not None])
 
 
+def test_data_parallel_ray_equals_one_replica(local_ray: None, tiny: Path) -> None:
+    want = _run_greedy(AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny), **ENGINE)))
+    args = EngineArgs(
+        model=str(tiny),
+        data_parallel_size=2,
+        data_parallel_backend="ray",
+        dp_routing="round_robin",  # both replicas take requests
+        **ENGINE,
+    )
+    engine = AsyncLLMEngine.from_engine_args(args)
+    pids = [pid for pid in engine.core_pids if pid is not None]
+    assert len(set(pids)) == 2 and engine.num_replicas == 2
+    got = _run_greedy(engine)
+    assert got == want
+    assert all(stats is not None for stats in engine.get_replica_stats())  # each replica stepped
+    _nothing_left(pids)
+
+
 def test_bundles_for_gpus_and_threads() -> None:
     def bundles(use_gpu: bool, **kw: Any) -> list[dict[str, float]]:
-        return core_bundles(EngineArgs(**kw), use_gpu)  # type: ignore[arg-type]
+        return core_bundles(EngineArgs(**kw), use_gpu)
 
     assert bundles(False, num_threads=4) == [{"CPU": 4.0}]
     # mp ranks are the core's children: one bundle; Ray ranks get one bundle each.
@@ -241,7 +259,7 @@ def test_bundles_for_gpus_and_threads() -> None:
 
 def test_no_room_in_the_cluster_is_a_clear_error(local_ray: None, tiny: Path) -> None:
     # The cluster has 4 CPUs, but no node has 3.
-    args = EngineArgs(model=str(tiny), num_threads=NODE_CPUS + 1, **ENGINE)  # type: ignore[arg-type]
+    args = EngineArgs(model=str(tiny), num_threads=NODE_CPUS + 1, **ENGINE)
     handle = RayCore(args, placement_timeout_s=1.0)
     with pytest.raises(EngineStartupError, match=r"no node of the Ray cluster has \[\{'CPU': 3.0\}\] free"):
         handle.start()
