@@ -146,6 +146,7 @@ __device__ __forceinline__ void moe_fill_w(
     E* ws, int row, int k0, const void* __restrict__ w, const float* __restrict__ scale, long long wrow_a,
     long long wrow_b, int n_a, int n_b, int K)
 {
+#pragma unroll 1  // unrolled, ptxas spills a few bytes (sm_90) for no gain: loads stay in flight across warps
     for (int i = threadIdx.x; i < 2 * kMoeBN * kMoeBK; i += kMoeThreads) {
         const int j = i / kMoeBK, kk = i % kMoeBK, k = k0 + kk;
         const bool second = j >= kMoeBN;
@@ -198,6 +199,38 @@ __device__ __forceinline__ void moe_tile_simt(
     }
 }
 
+// The tensor-core tiles for the k step at k0 in 16-byte copies (cp.async; vec: K % 8 == 0 and A's and a
+// dense weight's rows 16-byte aligned): A rows as moe_a, dense weight rows as moe_fill_w (quantized ones
+// through moe_fill_w itself, dequantized element by element).
+template <typename T, int WF, int BM>
+__device__ __forceinline__ void moe_fill_vec(
+    T* as, T* ws, int row, int k0, const T* __restrict__ a, int a_div, const int* ids, int num_pairs,
+    const void* __restrict__ w, const float* __restrict__ scale, long long wrow_a, long long wrow_b,
+    int n_a, int n_b, int K)
+{
+    constexpr int CH = kMoeBK / 8;  // 16-byte chunks per tile row
+    for (int i = threadIdx.x; i < BM * CH; i += kMoeThreads) {
+        const int r = i / CH, kk = (i % CH) * 8, k = k0 + kk, p = ids[r];
+        const bool ok = p < num_pairs && k < K;
+        cp_async16(as + r * row + kk, ok ? a + static_cast<long long>(p / a_div) * K + k : a, ok ? 16 : 0);
+    }
+    if constexpr (WF == kMoeDense) {
+        const T* wt = static_cast<const T*>(w);
+        for (int i = threadIdx.x; i < 2 * kMoeBN * CH; i += kMoeThreads) {
+            const int j = i / CH, kk = (i % CH) * 8, k = k0 + kk;
+            const bool second = j >= kMoeBN;
+            const int jj = second ? j - kMoeBN : j;
+            const bool ok = k < K && jj < (second ? n_b : n_a);
+            const T* src = wt + ((second ? wrow_b : wrow_a) + jj) * K + k;
+            cp_async16(ws + j * row + kk, ok ? src : wt, ok ? 16 : 0);
+        }
+    } else {
+        moe_fill_w<T, WF>(ws, row, k0, w, scale, wrow_a, wrow_b, n_a, n_b, K);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+}
+
 // Tensor cores (mma.m16n8k16, fp16/bf16, sm_80+): warp w takes m-tile w / (128 / BM) (16 rows) and
 // BM / 16 pairs of n8 tiles (an "a" tile of 8 weight rows and the "b" tile 64 rows below it) starting at
 // pair (w % (128 / BM)) * BM / 16; acc[(q * 2 + h) * 4 + i]: pair q, half h, mma register i.
@@ -205,7 +238,7 @@ template <typename T, int WF, int BM>
 __device__ __forceinline__ void moe_tile_mma(
     float (&acc)[BM / 2], unsigned char* smem, const T* __restrict__ a, int a_div, const int* ids,
     int num_pairs, const void* __restrict__ w, const float* __restrict__ scale, long long wrow_a,
-    long long wrow_b, int n_a, int n_b, int K)
+    long long wrow_b, int n_a, int n_b, int K, bool vec)
 {
     using S = MoeSmem<T, BM, true>;
     constexpr int ROW = S::kRow, NP = BM / 16, WPM = 128 / BM;
@@ -214,11 +247,16 @@ __device__ __forceinline__ void moe_tile_mma(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int mt = warp / WPM, p0 = (warp % WPM) * NP, mi = lane >> 3, mr = lane & 7;
     for (int k0 = 0; k0 < K; k0 += kMoeBK) {
-        for (int i = threadIdx.x; i < BM * kMoeBK; i += kMoeThreads) {
-            const int r = i / kMoeBK, kk = i % kMoeBK;
-            as[r * ROW + kk] = moe_a(a, a_div, ids[r], num_pairs, k0 + kk, K);
+        if (vec) {
+            moe_fill_vec<T, WF, BM>(as, ws, ROW, k0, a, a_div, ids, num_pairs, w, scale, wrow_a, wrow_b,
+                                    n_a, n_b, K);
+        } else {
+            for (int i = threadIdx.x; i < BM * kMoeBK; i += kMoeThreads) {
+                const int r = i / kMoeBK, kk = i % kMoeBK;
+                as[r * ROW + kk] = moe_a(a, a_div, ids[r], num_pairs, k0 + kk, K);
+            }
+            moe_fill_w<T, WF>(ws, ROW, k0, w, scale, wrow_a, wrow_b, n_a, n_b, K);
         }
-        moe_fill_w<T, WF>(ws, ROW, k0, w, scale, wrow_a, wrow_b, n_a, n_b, K);
         __syncthreads();
 #pragma unroll
         for (int ks = 0; ks < kMoeBK / 16; ++ks) {
@@ -290,13 +328,15 @@ __device__ __forceinline__ void moe_load_ids(int* ids, const int* __restrict__ s
 template <typename T, int WF, int BM, bool MMA>
 __device__ __forceinline__ void moe_tile(
     float (&acc)[BM / 2], unsigned char* smem, const T* a, int a_div, const int* ids, int num_pairs,
-    const void* w, const float* scale, long long wrow_a, long long wrow_b, int n_a, int n_b, int K)
+    const void* w, const float* scale, long long wrow_a, long long wrow_b, int n_a, int n_b, int K,
+    bool vec)
 {
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) acc[i] = 0.f;
     if constexpr (MMA) {
         static_assert(sizeof(T) == 2, "tensor cores take fp16 / bf16");
-        moe_tile_mma<T, WF, BM>(acc, smem, a, a_div, ids, num_pairs, w, scale, wrow_a, wrow_b, n_a, n_b, K);
+        moe_tile_mma<T, WF, BM>(acc, smem, a, a_div, ids, num_pairs, w, scale, wrow_a, wrow_b, n_a, n_b, K,
+                                vec);
     } else {
         moe_tile_simt<T, WF, BM>(acc, smem, a, a_div, ids, num_pairs, w, scale, wrow_a, wrow_b, n_a, n_b, K);
     }
@@ -305,13 +345,14 @@ __device__ __forceinline__ void moe_tile(
 // ---------------------------------------------------------------------------------------------
 // inter [num_pairs, I] (row p: pair p) = act(gate, up). grid: (max_tiles, ceil(I / 64)), block: 256,
 // dynamic smem: MoeSmem<T, BM, MMA>::kBytes. w: [E, 2I, H] (w_scale [E, 2I] for fp8), bias [E, 2I] or
-// null. MMA: tensor cores (sm_80+, fp16/bf16), else fp32 FMAs.
+// null. MMA: tensor cores (sm_80+, fp16/bf16), else fp32 FMAs. vec: the tensor-core tiles load in
+// 16-byte copies (hidden % 8 == 0, x and a dense w 16-byte aligned).
 template <typename T, int WF, int ACT, int BM, bool MMA>
 __global__ void __launch_bounds__(256) moe_gate_up(
     T* __restrict__ inter, const T* __restrict__ x, const void* __restrict__ w,
     const float* __restrict__ w_scale, const T* __restrict__ bias, const int* __restrict__ sorted_ids,
     const int* __restrict__ tile_expert, int num_pairs, int top_k, int hidden, int inter_size,
-    float alpha, float limit)
+    float alpha, float limit, int vec)
 {
     static_assert(BM == 16 || BM == 64, "row tiles of 16 or 64");
     extern __shared__ __align__(16) unsigned char pg_smem[];
@@ -324,7 +365,7 @@ __global__ void __launch_bounds__(256) moe_gate_up(
     const long long erow = static_cast<long long>(e) * 2 * inter_size;
     float acc[BM / 2];
     moe_tile<T, WF, BM, MMA>(acc, pg_smem, x, top_k, ids, num_pairs, w, w_scale, erow + n0,
-                             erow + inter_size + n0, nv, nv, hidden);
+                             erow + inter_size + n0, nv, nv, hidden, vec != 0);
 #pragma unroll
     for (int j = 0; j < BM / 4; ++j) {
         int row, col, ia, ib;
@@ -341,13 +382,14 @@ __global__ void __launch_bounds__(256) moe_gate_up(
 
 // pairs [num_pairs, H] (row p: pair p) = round(round(inter[p] W_d[e]^T + b_d[e]) * topk_weights[p]).
 // grid: (max_tiles, ceil(H / 128)), block: 256, dynamic smem: MoeSmem<T, BM, MMA>::kBytes. w: [E, H, I]
-// (w_scale [E, H] for fp8), bias [E, H] or null; topk_weights [num_pairs].
+// (w_scale [E, H] for fp8), bias [E, H] or null; topk_weights [num_pairs]. vec: as moe_gate_up's, for
+// inter_size, inter and w.
 template <typename T, int WF, int BM, bool MMA>
 __global__ void __launch_bounds__(256) moe_down(
     T* __restrict__ pairs, const T* __restrict__ inter, const void* __restrict__ w,
     const float* __restrict__ w_scale, const T* __restrict__ bias, const T* __restrict__ topk_weights,
     const int* __restrict__ sorted_ids, const int* __restrict__ tile_expert, int num_pairs, int hidden,
-    int inter_size)
+    int inter_size, int vec)
 {
     static_assert(BM == 16 || BM == 64, "row tiles of 16 or 64");
     extern __shared__ __align__(16) unsigned char pg_smem[];
@@ -361,7 +403,7 @@ __global__ void __launch_bounds__(256) moe_down(
     const long long erow = static_cast<long long>(e) * hidden;
     float acc[BM / 2];
     moe_tile<T, WF, BM, MMA>(acc, pg_smem, inter, 1, ids, num_pairs, w, w_scale, erow + n0,
-                             erow + n0 + kMoeBN, na, nb, inter_size);
+                             erow + n0 + kMoeBN, na, nb, inter_size, vec != 0);
 #pragma unroll
     for (int j = 0; j < BM / 4; ++j) {
         int row, col, ia, ib;

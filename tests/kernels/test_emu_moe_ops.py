@@ -19,6 +19,7 @@ from pagedrs.distributed.group import TPGroup
 from pagedrs.kernels import moe_ops
 from pagedrs.kernels._loader import CTYPES, moe_op_names
 from pagedrs.kernels.moe_ops import ExpertMatrix
+from pagedrs.layers.kernel_switch import use_layer_kernels
 from pagedrs.layers.moe import FusedExperts, fused_experts_torch
 from pagedrs.layers.moe.cuda import cuda_fused_experts
 from pagedrs.layers.moe.experts import ExpertActivation
@@ -268,7 +269,7 @@ def test_layer_cuda_branch_matches_its_torch_path(gpt_oss: bool, launched: list[
         b_gate_up=layer.gate_up_bias, b_down=layer.down_bias,
     )  # fmt: skip
     launched.clear()
-    layer.cuda_kernels = True
+    assert not layer.cuda_kernels and use_layer_kernels(layer) == 1 and layer.cuda_kernels
     layer(x, weights, ids)  # a CPU tensor: the CUDA branch is not selected
     assert launched == []
     got = cuda_fused_experts(

@@ -177,6 +177,13 @@ def _scale(w: ExpertMatrix) -> np.uint64:
     return ptr(w.scale) if w.scale is not None and w.form == "fp8" else np.uint64(0)
 
 
+def _vec(cols: int, a: Tensor, w: ExpertMatrix) -> bool:
+    """Whether the tensor-core tiles may load 16-byte chunks: rows of 8-element multiples, A (and a dense
+    weight) 16-byte aligned."""
+    aligned = a.data_ptr() % 16 == 0 and (w.form != "dense" or w.data.data_ptr() % 16 == 0)
+    return cols % 8 == 0 and aligned
+
+
 def pick_block_m(num_pairs: int, num_experts: int) -> int:
     """Row tile: 16 while experts average under 32 rows (decode, small batches), else 64."""
     return 16 if num_pairs < 32 * num_experts else 64
@@ -245,7 +252,7 @@ def fused_experts(
         gu_args: tuple[np.generic, ...] = (
             ptr(inter), ptr(x), ptr(gate_up.data), _scale(gate_up), bgu, ptr(sorted_ids), ptr(tile_expert),
             np.int32(pairs), np.int32(top_k), np.int32(hidden), np.int32(inter_size),
-            np.float32(swiglu_alpha), np.float32(swiglu_limit),
+            np.float32(swiglu_alpha), np.float32(swiglu_limit), np.int32(_vec(hidden, x, gate_up)),
         )  # fmt: skip
         grid = (tiles, -(-inter_size // _BN))
         _launch(
@@ -257,6 +264,7 @@ def fused_experts(
     args: tuple[np.generic, ...] = (
         ptr(ys), ptr(inter), ptr(down.data), _scale(down), bd, ptr(weights), ptr(sorted_ids),
         ptr(tile_expert), np.int32(pairs), np.int32(hidden), np.int32(inter_size),
+        np.int32(_vec(inter_size, inter, down)),
     )  # fmt: skip
     grid = (tiles, -(-hidden // (2 * _BN)))
     _launch(ctype, f"moe_down<{ctype}, {wf}, {bm}, {tc}>", grid, _THREADS, smem, args, device)
