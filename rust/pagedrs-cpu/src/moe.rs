@@ -14,6 +14,8 @@
 //! then its up rows); down `[E, H, I]`; `out` `[T, H]`. Biases and gpt-oss's clamped SwiGLU: `epilogue`.
 
 mod epilogue;
+#[cfg(target_arch = "x86_64")]
+mod f32_tiles;
 pub use epilogue::{ExpertAct, ExpertEpilogue};
 
 use crate::ops::silu_and_mul;
@@ -278,13 +280,28 @@ fn grouped_matmul(
     let tasks = active.len() * chunks;
     let out = SharedOut::new(out);
     match w {
-        ExpertWeights::F32(w) => parallel_for(threads, tasks, &|task| {
-            let (e, s0, m) = active[task / chunks];
-            let j0 = task % chunks * per_task;
-            let rows = j0..(j0 + per_task).min(n);
-            let we = &w[e * n * kdim..][..n * kdim];
-            f32_tile(isa, we, &a[s0 * kdim..][..m * kdim], kdim, out, s0, n, rows);
-        }),
+        ExpertWeights::F32(w) => {
+            let wide = f32_wide(isa);
+            parallel_for(threads, tasks, &|task| {
+                let (e, s0, m) = active[task / chunks];
+                let j0 = task % chunks * per_task;
+                let rows = j0..(j0 + per_task).min(n);
+                let we = &w[e * n * kdim..][..n * kdim];
+                let ae = &a[s0 * kdim..][..m * kdim];
+                #[cfg(target_arch = "x86_64")]
+                if wide && m >= WIDE_MIN_ROWS {
+                    // SAFETY: AVX2 and FMA are supported (`f32_wide`); this task alone writes columns `rows`
+                    // of the expert's output rows `s0..s0 + m`.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        f32_tiles::tile(we, ae, kdim, out, s0, n, rows);
+                    }
+                    return;
+                }
+                let _ = wide;
+                f32_tile(isa, we, ae, kdim, out, s0, n, rows);
+            })
+        }
         ExpertWeights::Quant(qt, w) => {
             let rb = qt.row_bytes(kdim);
             let mut acts: Vec<Option<(QuantizedActs, Vec<_>)>> =
@@ -327,6 +344,21 @@ fn grouped_matmul(
             });
         }
     }
+}
+
+/// The fewest rows of one expert that take the register tiles (`f32_tiles`); below, the one-weight-row
+/// kernel (the weights one sequential stream, what bounds a step of a few rows per expert).
+const WIDE_MIN_ROWS: usize = 8;
+
+/// Whether the float32 experts take the register tiles: the AVX2 kernel sets (`PAGEDRS_CPU_ISA=portable`
+/// turns them off).
+fn f32_wide(isa: Isa) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if isa.is_x86() {
+        return true;
+    }
+    let _ = isa;
+    false
 }
 
 /// Weight rows `rows` of `w` (`[n, kdim]` float32) against the `m` rows of `a`, into `out` rows

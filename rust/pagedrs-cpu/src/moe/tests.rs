@@ -135,6 +135,22 @@ fn f32_experts_match_the_float64_reference_on_random_shapes() {
 }
 
 #[test]
+fn f32_experts_with_many_rows_each_match_the_float64_reference() {
+    // tens of rows per expert (the register tiles' whole 4 x 4 blocks and every row/column tail),
+    // widths off the 16-float step; an expert with no rows, all rows to one expert, top_k == experts
+    for isa in Isa::supported() {
+        for &shape in &[(90, 2, 70, 45, 3), (41, 3, 48, 33, 5), (23, 4, 37, 19, 4)] {
+            run_f32(isa, shape, None, 2);
+        }
+        let ids: Vec<i64> = (0..50).map(|t| [0i64, 2, 4][t % 3]).collect(); // experts 1 and 3 unused
+        run_f32(isa, (50, 1, 40, 21, 5), Some(ids), 3);
+        run_f32(isa, (29, 1, 35, 18, 3), Some(vec![1; 29]), 1);
+        let all: Vec<i64> = (0..19 * 3).map(|p| [2i64, 0, 1][p % 3]).collect();
+        run_f32(isa, (19, 3, 33, 20, 3), Some(all), 2);
+    }
+}
+
+#[test]
 fn f32_routing_edge_cases() {
     // every token to expert 2 (the others have no rows), and tokens naming the same experts in both orders
     run_f32(Isa::chosen(), (9, 1, 32, 24, 4), Some(vec![2; 9]), 2);
