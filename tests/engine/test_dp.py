@@ -123,3 +123,31 @@ def test_cache_routing_kill_and_restart(tiny: Path, want: list[list[int]]) -> No
     finally:
         engine.shutdown()
     assert all(gone(p) for p in pids)
+
+
+def test_ray_backend_equals_dp1(tiny: Path, want: list[list[int]]) -> None:
+    """`data_parallel_backend="ray"`: each replica a Ray actor on a local Ray instance; ids as DP=1."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        args = EngineArgs(
+            model=str(tiny),
+            data_parallel_size=2,
+            data_parallel_backend="ray",
+            dp_routing="round_robin",
+            **ENGINE,  # type: ignore[arg-type]
+        )
+        engine = AsyncLLMEngine.from_engine_args(args)
+
+        async def main() -> list[list[int]]:
+            engine.start()
+            try:
+                return await greedy_ids(engine, PREFIXED + DISTINCT)
+            finally:
+                engine.shutdown()
+
+        assert asyncio.run(main()) == want
+        assert routed(engine) == [6, 6]
+        assert all(r["state"] == "stopped" for r in engine.replica_states())
+    finally:
+        ray.shutdown()

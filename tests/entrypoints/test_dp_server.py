@@ -1,6 +1,6 @@
 """`pagedrs serve -dp 2`: two engine core processes behind one endpoint. Greedy text as DP=1 offline, a
 prefix-sharing sequence on one replica and concurrent distinct prompts on both (per-engine counters in
-/metrics), per-replica engine series and /health body; SIGKILL of a replica under load fails only its
+/metrics), per-replica engine series and /health body; session affinity (X-Session-Id, `user`); SIGKILL of a replica under load fails only its
 requests, later ones succeed and it comes back; SIGTERM leaves no process. Tiny model, CPU."""
 
 from __future__ import annotations
@@ -83,32 +83,27 @@ def test_routing_counters_and_health(server: SubprocessServer) -> None:
         assert [(r["index"], r["state"]) for r in health.json()["replicas"]] == [(0, "up"), (1, "up")]
 
 
-def test_session_affinity(tiny: Path, tmp_path: Path) -> None:
-    s = SubprocessServer(tmp_path, dp_flags(tiny, "--dp-session-affinity", "--dp-routing", "round_robin"))
-    start_dp_server(s)
-    try:
-        with s.http() as http:
-            for i in range(3):  # round robin would alternate; the session keeps them on one replica
-                r = http.post(
-                    "/v1/completions",
-                    json={"prompt": f"x{i}", "max_tokens": 1},
-                    headers={"X-Session-Id": "alice"},
-                )
-                assert r.status_code == 200
-            for i in range(3):
-                assert _complete(http, f"y{i}", max_tokens=1, user="bob").status_code == 200
-            counts = sorted(routed(http.get("/metrics").text).values())
-        assert counts in ([0, 6], [3, 3]), counts
-    finally:
-        s.kill()
+def _session_counts(http: httpx.Client) -> list[float]:
+    """Round robin would alternate; each session's 3 requests stay on one replica."""
+    before = routed(http.get("/metrics").text)
+    for i in range(3):
+        r = http.post(
+            "/v1/completions", json={"prompt": f"x{i}", "max_tokens": 1}, headers={"X-Session-Id": "a"}
+        )
+        assert r.status_code == 200
+    for i in range(3):
+        assert _complete(http, f"y{i}", max_tokens=1, user="bob").status_code == 200
+    after = routed(http.get("/metrics").text)
+    return sorted(after[k] - before.get(k, 0) for k in ("0", "1"))
 
 
-def test_kill_replica_under_load_then_sigterm(tiny: Path, tmp_path: Path) -> None:
-    s = SubprocessServer(tmp_path, dp_flags(tiny, "--dp-routing", "round_robin"))
+def test_session_affinity_kill_replica_under_load_then_sigterm(tiny: Path, tmp_path: Path) -> None:
+    s = SubprocessServer(tmp_path, dp_flags(tiny, "--dp-routing", "round_robin", "--dp-session-affinity"))
     start_dp_server(s)
     assert s.proc is not None
     try:
         with s.http() as http:
+            assert _session_counts(http) in ([0, 6], [3, 3])
             victim = http.get("/health").json()["replicas"][0]["pid"]
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
                 jobs = [pool.submit(_complete, http, p, 200) for p in DISTINCT]
