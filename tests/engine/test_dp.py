@@ -83,6 +83,10 @@ def test_cache_routing_kill_and_restart(tiny: Path, want: list[list[int]]) -> No
         got = await greedy_ids(engine, PREFIXED, concurrent=False)
         counts = routed(engine)
         assert sorted(counts) == [0, len(PREFIXED)], counts  # all where the prefix is cached
+        assert engine.router is not None
+        home = counts.index(len(PREFIXED))
+        # The cores' reported prefix-cache changes reached the router: the shared prefix's blocks are held.
+        assert engine.router.snapshot()[home].num_cached_blocks >= len(PREFIXED[0]) // ENGINE["block_size"]
         got += await greedy_ids(engine, DISTINCT)
         assert got == want
         assert min(routed(engine)) > 0, routed(engine)  # concurrent distinct prompts: both replicas
