@@ -11,6 +11,7 @@ pub mod error;
 pub mod free_queue;
 mod invariants;
 pub mod kv_events;
+pub mod kv_groups;
 pub mod plan;
 pub mod prefix_cache;
 pub mod request;

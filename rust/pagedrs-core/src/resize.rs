@@ -7,6 +7,11 @@ impl Scheduler {
     /// Grows the pool, or shrinks it by moving in-use blocks above `num_blocks` into free low
     /// blocks; the moves ride on the next plan (`block_moves`, applied before its forward).
     pub fn resize(&mut self, num_blocks: usize) -> Result<()> {
+        if self.window.is_some() {
+            return Err(Error::Resize(
+                "resizing the pool is not supported with a sliding-window group".into(),
+            ));
+        }
         let old = self.pool.num_blocks();
         if num_blocks == 0 || num_blocks >= u32::MAX as usize {
             return Err(Error::Resize(format!(

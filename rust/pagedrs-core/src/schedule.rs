@@ -103,8 +103,11 @@ impl Scheduler {
             }
             let scheduled = loop {
                 let (new, cow) = self.blocks_needed(slot, num_new, ops);
-                if new + usize::from(cow) <= self.pool.num_free() {
+                if new + usize::from(cow) <= self.pool.num_free()
+                    && self.window_fits(slot, nc + num_new, 0)
+                {
                     self.allocate(slot, num_new, cow, ops);
+                    self.window_grow(slot, nc + num_new);
                     break true;
                 }
                 if num_new > remaining {
@@ -183,6 +186,9 @@ impl Scheduler {
         self.num_running_seqs -= seq.width();
         if let Some(row) = seq.row.take() {
             self.tables.release(row);
+        }
+        if let Some(w) = self.window.as_mut() {
+            w.free_slot(slot);
         }
         let n = seq.block_table.len();
         if self.swap.num_blocks() > 0 && n > 0 && self.swap.num_free() >= n {
@@ -313,11 +319,15 @@ impl Scheduler {
         self.seqs[slot as usize].flush();
         let mut hits = std::mem::take(&mut self.hit_scratch);
         hits.clear();
-        let last_hash = if lookup {
+        let mut last_hash = if lookup {
             self.find_cached_prefix(slot, &mut hits)
         } else {
             0
         };
+        let mut window_hit = Vec::new();
+        if lookup && self.window.is_some() {
+            (window_hit, last_hash) = self.window_cap_hit(slot, &mut hits);
+        }
         let seq = &self.seqs[slot as usize];
         let nc = hits.len() * bs;
         let Some(num_new) = self.chunk(seq.num_tokens() - nc, *budget) else {
@@ -329,7 +339,9 @@ impl Scheduler {
             .iter()
             .filter(|&&b| self.pool.ref_count(BlockId(b)) == 0)
             .count();
-        if self.pool.num_free() < new_blocks + evictable + self.admission_watermark() {
+        if self.pool.num_free() < new_blocks + evictable + self.admission_watermark()
+            || !self.window_fits_hit(&window_hit, nc + num_new)
+        {
             self.hit_scratch = hits;
             return Admit::No;
         }
@@ -350,6 +362,8 @@ impl Scheduler {
         seq.sync_last_block();
         seq.num_computed = nc;
         seq.num_cached_blocks = hits.len();
+        self.window_admit(slot, std::mem::take(&mut window_hit), nc + num_new);
+        let seq = &mut self.seqs[slot as usize];
         seq.last_hash = last_hash;
         if !seq.admitted {
             seq.admitted = true;

@@ -81,6 +81,8 @@ pub struct Scheduler {
     pub(crate) sched: Vec<(u32, usize)>,
     pub(crate) hit_scratch: Vec<u32>,
     pub(crate) cache_scratch: Vec<crate::block_pool::CacheItem>,
+    /// The sliding-window layers' KV-cache group, when the model has one (`kv_groups`).
+    pub(crate) window: Option<crate::kv_groups::WindowGroup>,
 }
 
 impl Scheduler {
@@ -117,6 +119,7 @@ impl Scheduler {
             sched: Vec::new(),
             hit_scratch: Vec::new(),
             cache_scratch: Vec::new(),
+            window: None,
         })
     }
 
@@ -156,6 +159,11 @@ impl Scheduler {
             if self.ids.contains_key(&id) || req.seq_ids[..i].contains(&id) {
                 return Err(Error::DuplicateSeqId { seq_id: id });
             }
+        }
+        if n > 1 && self.window.is_some() {
+            return Err(Error::InvalidRequest(format!(
+                "{n} sequences in one request are not supported with a sliding-window group"
+            )));
         }
         let prompt_len = req.prompt_token_ids.len();
         if prompt_len == 0 {
@@ -299,6 +307,7 @@ impl Scheduler {
 
     /// Frees the blocks of `slot`, forgets its id and recycles the slot. Queues are the caller's.
     pub(crate) fn release_slot(&mut self, slot: u32) {
+        self.window_free(slot);
         let seq = &mut self.seqs[slot as usize];
         if let Some(row) = seq.row.take() {
             self.tables.release(row);
@@ -479,7 +488,14 @@ impl Scheduler {
 
     /// Drops every prefix-cache entry; false (nothing done) while blocks are in use.
     pub fn reset_prefix_cache(&mut self) -> bool {
-        self.pool.reset_prefix_cache()
+        let window_idle = self.window.as_ref().is_none_or(|w| w.pool.num_used() == 0);
+        if !window_idle || !self.pool.reset_prefix_cache() {
+            return false;
+        }
+        if let Some(w) = self.window.as_mut() {
+            w.pool.reset_prefix_cache();
+        }
+        true
     }
 
     pub fn stats(&self) -> Stats {

@@ -115,6 +115,9 @@ impl Scheduler {
             adapt(seq, proposed, emitted - 1, self.cfg.num_speculative_tokens);
         }
         seq.num_computed += emitted - 1;
+        let num_tokens = seq.num_tokens();
+        self.window_truncate(slot, num_tokens);
+        let seq = &mut self.seqs[slot as usize];
         let keep = seq.num_tokens().div_ceil(bs);
         if seq.block_table.len() > keep {
             for b in seq.block_table.drain(keep..) {

@@ -117,6 +117,7 @@ impl Scheduler {
             let seqs = &self.seqs;
             self.running.retain(|&s| seqs[s as usize].alive);
         }
+        self.window_release();
         Ok((finished, kept))
     }
 
@@ -171,6 +172,7 @@ impl Scheduler {
             }
         }
         if !items.is_empty() {
+            self.window_cache(&items);
             let bs = self.cfg.block_size;
             let seqs = &self.seqs;
             self.pool.cache_blocks(&mut items, |it| {
