@@ -15,6 +15,9 @@ Llama of the same shape with the MoE's active parameters.
     python bench/moe.py --rows 1 16 --json bench/results/moe.json
 
 Each figure is the 10th percentile of --iters timed calls after two warm-up calls (`_common.low_time`).
+The fused step and the loop are also timed interleaved (one call of each in turn, --rounds rounds of
+--iters pairs): `loop_over_fused` is each round's ratio of the two 10th percentiles, median and spread,
+so that load from other processes falls on both alike.
 """
 
 # ruff: noqa: B023  (each timed lambda runs within its own loop iteration, on that iteration's values)
@@ -27,6 +30,8 @@ import pagedrs  # noqa: F401
 # isort: split
 
 import argparse
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +70,25 @@ def _fused(x, gate_up, down, w, ids, threads, types=(None, None)):
     return out
 
 
+def _interleaved(fused, loop, iters: int, rounds: int) -> dict[str, float]:
+    """loop / fused time, one call of each in turn: per round the ratio of the 10th percentiles."""
+    ratios = []
+    for _ in range(rounds):
+        tf, tl = [], []
+        fused(), loop()
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fused()
+            t1 = time.perf_counter()
+            loop()
+            tf.append(t1 - t0)
+            tl.append(time.perf_counter() - t1)
+        tf.sort(), tl.sort()
+        ratios.append(tl[len(tl) // 10] / tf[len(tf) // 10])
+    ratios.sort()
+    return {"median": ratios[len(ratios) // 2], "min": ratios[0], "max": ratios[-1], "rounds": rounds}
+
+
 def _weights(experts: int, hidden: int, inter: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.05
@@ -82,8 +106,6 @@ def _routing(rows: int, experts: int, top_k: int, hidden: int, seed: int = 1):
 def _engine_tok_s(folder: str, batch: int, tokens: int, threads: int) -> float:
     """Decode throughput of the engine over `folder` (random weights): `batch` requests of 8-token prompts,
     `tokens` greedy tokens each, timed from the step after every prompt is in."""
-    import time
-
     from pagedrs import EngineArgs, LLMEngine, SamplingParams
 
     torch.set_num_threads(threads)
@@ -156,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inter", type=int, default=384, help="each expert's intermediate size")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved fused/loop rounds")
     p.add_argument(
         "--quant", default=None, help="also the fused step on experts in this GGUF type (Q8_0, Q4_0)"
     )
@@ -196,12 +219,23 @@ def main(argv: list[str] | None = None) -> int:
         t_dense = low_time(
             lambda: F.linear(F.silu(F.linear(x, dense_gu)[:, : k * inter]), dense_dn), args.iters
         )
+        ratio = _interleaved(
+            lambda: _fused(x, gu_np, dn_np, w, ids, args.threads),
+            lambda: _loop(x, gate_up, down, w, ids),
+            args.iters,
+            args.rounds,
+        )
         entry = {
             "fused_ms": t_fused * 1e3,
             "loop_ms": t_loop * 1e3,
             "dense_same_active_ms": t_dense * 1e3,
             "active_experts": len(torch.unique(ids)),
+            "loop_over_fused": ratio,
         }
+        print(
+            f"fused experts at {rows} rows, interleaved: loop / fused = {ratio['median']:.2f}x "
+            f"(median of {args.rounds} rounds, {ratio['min']:.2f}..{ratio['max']:.2f})"
+        )
         print(
             f"fused experts at {rows} rows: {t_fused * 1e3:.3f} ms (fused) vs {t_loop * 1e3:.3f} ms (loop over experts) = {t_loop / t_fused:.2f}x"
         )
@@ -227,7 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine:
         results["engine_decode_tok_s"] = _engine_comparison(args)
     results.update(
-        git_info(args.commit), machine=machine_info(), command=command_line(), threads=args.threads
+        git_info(args.commit),
+        machine=machine_info(),
+        command=command_line(),
+        threads=args.threads,
+        load_average_1m=os.getloadavg()[0],  # other processes on the machine while it ran
     )
     write_json(args.json, results)
     return 0
