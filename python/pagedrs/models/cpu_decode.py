@@ -147,13 +147,14 @@ def _layer(layer: LlamaDecoderLayer) -> _Layer:
     qkv = attn.qkv_proj
     assert isinstance(qkv.qweight, QuantizedWeight) and isinstance(attn.o_proj.qweight, QuantizedWeight)
     moe = mlp if isinstance(mlp, SparseMoeBlock) else None
-    gate_up = down = None
+    gate_up: QuantizedWeight | None = None
+    down: QuantizedWeight | None = None
     mods: tuple[torch.nn.Module, torch.nn.Module] = (mlp, mlp)
     if moe is None:
         dense = cast("LlamaMLP", mlp)
-        gate_up, down = dense.gate_up_proj.qweight, dense.down_proj.qweight
-        assert isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
-        mods = (dense.gate_up_proj, dense.down_proj)
+        gu, dn = dense.gate_up_proj.qweight, dense.down_proj.qweight
+        assert isinstance(gu, QuantizedWeight) and isinstance(dn, QuantizedWeight)
+        gate_up, down, mods = gu, dn, (dense.gate_up_proj, dense.down_proj)
     a = attn.attn
     qn, kn = attn.q_norm, attn.k_norm
     return _Layer(
