@@ -10,7 +10,7 @@ Workloads (drawn once from --seed; every server gets the same requests in the sa
   * `multi_tenant`: --tenants tenants, each with its own system prompt of --system-words words; each
     request is one tenant's system prompt and a question of --question-words words, the tenant drawn at
     random per request (all tenants interleaved);
-  * `no_shared`: as many requests of the same length, no two sharing a prefix (the hot-spot check: cache
+  * `no_shared`: --no-shared-requests requests of the same length, no two sharing a prefix (the hot-spot check: cache
     routing should do as well as least_loaded here).
 
 Each server (one per entry of --configs: `dp1` is DP=1, the others DP=--dp with that routing policy) is
@@ -85,7 +85,7 @@ def make_workloads(args: argparse.Namespace) -> dict[str, list[str]]:
         multi.append(f"{system}\n\nUser: {_words(rng, args.question_words)}?\nAssistant:")
     no_shared = [
         f"{_words(rng, args.system_words + 12)}\n\nUser: {_words(rng, args.question_words)}?\nAssistant:"
-        for _ in range(args.requests)
+        for _ in range(args.no_shared_requests)
     ]
     return {"multi_tenant": multi, "no_shared": no_shared}
 
@@ -219,6 +219,8 @@ def bench_config(
             )
             row = summarize(float("inf"), results, duration, args.concurrency, args.concurrency)
             row.update(config=config, workload=name, server_args=cmd, **counter_delta(before, scrape(url)))
+            # per request, in sending order (None: failed): where the slow first tokens fall
+            row["ttft_ms_by_request"] = [round(r.ttft * 1000, 1) if r.ok else None for r in results]
             rows.append(row)
             hr = row["hit_rate"]
             print(
@@ -324,11 +326,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--dp", type=int, default=2, help="replicas of the policy runs")
     p.add_argument("--threads", type=int, default=2, help="CPU threads in all (shared out among replicas)")
-    p.add_argument("--num-kv-blocks", type=int, default=192, help="KV-cache blocks per replica")
+    p.add_argument("--num-kv-blocks", type=int, default=96, help="KV-cache blocks per replica")
     p.add_argument("--tenants", type=int, default=8)
-    p.add_argument("--system-words", type=int, default=200, help="words of a tenant's system prompt")
+    p.add_argument("--system-words", type=int, default=240, help="words of a tenant's system prompt")
     p.add_argument("--question-words", type=int, default=12)
-    p.add_argument("--requests", type=int, default=48, help="requests per workload")
+    p.add_argument("--requests", type=int, default=96, help="requests of the multi-tenant workload")
+    p.add_argument("--no-shared-requests", type=int, default=32, help="requests of the no-shared workload")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -346,8 +349,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     for w in args.workloads:
         if w not in WORKLOADS:
             p.error(f"--workloads: {w!r} is not one of {WORKLOADS}")
-    if args.tenants < 1 or args.requests < 1 or args.concurrency < 1 or args.dp < 2:
-        p.error("--tenants, --requests and --concurrency must be >= 1, --dp >= 2")
+    if min(args.tenants, args.requests, args.no_shared_requests, args.concurrency) < 1 or args.dp < 2:
+        p.error("--tenants, --requests, --no-shared-requests and --concurrency must be >= 1, --dp >= 2")
     return args, extra
 
 

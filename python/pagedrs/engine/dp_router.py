@@ -8,7 +8,7 @@ replica by one of `ROUTING_POLICIES`:
   holds, times the block size) minus ``load_penalty`` times the replica's load tokens (the tokens of the
   requests in flight there, running or waiting). A replica whose load exceeds the least loaded one's by
   more than ``balance_abs_tokens`` and by more than ``balance_ratio`` times gets no new work, whatever its
-  cache (SGLang's gateway guards its cache-aware policy with the same two thresholds). Ties go to the least
+  cache (SGLang's gateway balances its cache-aware policy on the same two thresholds). Ties go to the least
   loaded replica, then to the lowest index.
 * ``least_loaded``: the fewest load tokens (then fewest requests, then the lowest index).
 * ``round_robin``: the next replica that is up.
@@ -45,10 +45,11 @@ DEFAULT_TUNING: dict[str, Any] = {
     # Cached-prefix tokens one load token is worth: small, as most load tokens of a cache-routed replica
     # are cached prefixes or decoding requests, far cheaper than the prefill a hit saves.
     "load_penalty": 0.1,
-    # The guard: load > ratio x the least load and more than abs tokens above it (a handful of requests;
-    # both measured on a 2-replica multi-tenant simulation: lower scatters tenants, higher hot-spots).
+    # The guard: load > ratio x the least load and more than abs tokens above it (a few requests; on a
+    # 2-replica multi-tenant workload a lower floor scattered tenants, a higher one let one replica run
+    # 7 requests to the other's 1).
     "balance_ratio": 1.5,
-    "balance_abs_tokens": 1536,
+    "balance_abs_tokens": 1024,
     "optimistic": True,  # count a routed prompt's blocks as cached on its replica at once
     "max_sticky_keys": 65536,  # sticky keys remembered (least recently used dropped first)
 }
