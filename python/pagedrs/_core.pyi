@@ -406,6 +406,21 @@ class Scheduler:
         """Steps left in the governor's current pause of speculation (0: not paused)."""
     def abort(self, seq_ids: Sequence[int]) -> None: ...
     def resize(self, num_blocks: int) -> None: ...
+    def enable_window_group(self, window: int, num_blocks: int) -> None:
+        """Adds the KV-cache group of the layers attending to the last `window` tokens, with its own pool of
+        `num_blocks` blocks (before any request; no swap space, resize or n > 1 with it)."""
+    def window_pool(self) -> tuple[int, int, int] | None:
+        """(window, num_blocks, num_free_blocks) of the window group, None without one."""
+    def window_tables(
+        self,
+        step_id: int,
+        req_ids: npt.ArrayLike,
+        query_start_loc: npt.ArrayLike,
+        positions: npt.ArrayLike,
+        max_blocks: int,
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32], npt.NDArray[np.int64]]:
+        """The window group's slot mapping [T] and padded block tables [B, max_blocks] of a plan (dead
+        entries 0), until the next `schedule()`, and its copy-on-write pairs (src, dst flattened), once."""
     def reset_prefix_cache(self) -> bool: ...
     def has_unfinished(self) -> bool: ...
     def num_unfinished(self) -> int: ...

@@ -85,6 +85,19 @@ class UniProcExecutor:
         """The scheduler's persistent block table (a read-only view the runner reads every step)."""
         self.runner.attach_block_table(view)
 
+    def attach_window_group(self, scheduler: Any) -> None:
+        """Gives `scheduler` the runner's sliding-window KV-cache group, if any, and the runner the
+        scheduler's tables of it per plan."""
+        group = self.runner.window_group
+        if group is None:
+            return
+        scheduler.enable_window_group(group.window, group.num_blocks)
+        self.runner.attach_window_tables(
+            lambda p: scheduler.window_tables(
+                p.step_id, p.req_ids, p.query_start_loc, p.positions, p.block_tables.shape[1]
+            )
+        )
+
     def attach_lora(self, manager: LoRAManager) -> None:
         """The core's adapters (the other ranks follow their slots); their CUDA kernels are on where the
         runner's layer kernels are."""

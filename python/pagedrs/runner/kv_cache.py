@@ -180,7 +180,8 @@ class KVCachePool:
 
     @property
     def num_blocks(self) -> int:
-        return self.kv_caches[0].shape[1] if self.kv_caches else 0
+        # a full-attention layer's: sliding-window layers may have a pool of their own (`kv_groups`)
+        return self.kv_caches[getattr(self, "full_layer", 0)].shape[1] if self.kv_caches else 0
 
     # Block ops, in the runner's order: grow, moves, swap out, swap in, copies, (forward), shrink.
     def resize(self, num_blocks: int) -> None:
@@ -206,8 +207,11 @@ class KVCachePool:
         if len(pairs) == 0:
             return
         src, dst = _pairs(pairs, self.device)
-        for kv in map(as_bytes, self.kv_caches):
-            kv[:, dst] = kv[:, src]
+        # full-attention layers only: sliding-window layers in a pool of their own number blocks apart
+        window_layers = getattr(self, "window_layers", ())
+        for i, kv in enumerate(map(as_bytes, self.kv_caches)):
+            if i not in window_layers:
+                kv[:, dst] = kv[:, src]
 
     def swap_out(self, pairs: np.ndarray) -> None:
         """(device_block, swap_block) pairs: device -> CPU swap pool."""

@@ -35,6 +35,7 @@ from pagedrs.runner.kv_cache import (
     num_blocks_for_bytes,
     profile_num_gpu_blocks,
 )
+from pagedrs.runner.kv_groups import WindowGroup, install_window_pool, plan_window_pool, window_metadata
 from pagedrs.runner.outputs import Forward, RunnerOutput
 from pagedrs.runner.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs, plan_prompt_logprobs
 from pagedrs.runner.sampling_state import SamplingState
@@ -114,6 +115,9 @@ class ModelRunner:
         self.sampling_state: SamplingState | None = None  # built at the first sampled step (vocab size)
         self.cuda_graphs: Any = None  # CudaGraphRunner for decode-only steps (CUDA + cupy backend)
         self._graphs_failed = False  # a capture failed once: this model runs eagerly
+        # The sliding-window layers' own pool (`kv_groups`), and the scheduler's tables of it per plan.
+        self.window_group: WindowGroup | None = None
+        self._window_tables: Callable[[StepPlan], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
         # The scheduler's persistent block table (read-only numpy view) and, off the CPU, its device
         # mirror. INVARIANT: after each plan's changed rows are copied, the mirror equals the view.
         self._bt_view: np.ndarray | None = None
@@ -166,6 +170,12 @@ class ModelRunner:
         self._bt_view = view
         if mirror if mirror is not None else self.device.type != "cpu":
             self._bt_device = torch.as_tensor(np.array(view), device=self.device)
+
+    def attach_window_tables(
+        self, tables: Callable[[StepPlan], tuple[np.ndarray, np.ndarray, np.ndarray]]
+    ) -> None:
+        """The scheduler's window-group tables of a plan: slot mapping [T], block tables [B, M], copies."""
+        self._window_tables = tables
 
     def release(self) -> None:
         """Free the model, the KV pool and the graphs (device memory); the runner takes no more steps."""
@@ -230,7 +240,10 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int, num_swap_blocks: int | None = None) -> KVCachePool:
         """Allocate the KV pool, then (CUDA) capture every decode graph, before any request runs."""
         num_swap = self.determine_num_swap_blocks() if num_swap_blocks is None else num_swap_blocks
+        num_blocks, self.window_group = plan_window_pool(self, num_blocks, num_swap)
         self.kv_pool = self._new_pool(num_blocks, num_swap)
+        if self.window_group is not None:
+            install_window_pool(self.kv_pool, self.window_group)
         if self.drafter is not None:
             self.drafter.init_kv_cache(num_blocks, num_swap)
         self.capture_model()
@@ -249,6 +262,7 @@ class ModelRunner:
             and not dev.enforce_eager
             and self.backend.name == "cupy"
             and not self._graphs_failed
+            and self.window_group is None  # the window group's tables are per plan, not in the graphs
             and not routes_to_reference(self.model, self.backend)  # the reference plans on the host
         )
 
@@ -322,7 +336,7 @@ class ModelRunner:
         else:
             assert self._bt_device is not None and inputs.block_table_rows is not None
             block_tables = self._bt_device.index_select(0, inputs.block_table_rows)
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             slot_mapping=inputs.slot_mapping,
             query_start_loc=inputs.query_start_loc,
             seq_lens=inputs.seq_lens,
@@ -335,6 +349,11 @@ class ModelRunner:
             block_size=self.block_size,
             num_decode_tokens=int(plan.num_decode_tokens),
         )
+        if self._window_tables is not None and self.window_group is not None and self.kv_pool is not None:
+            meta.window = window_metadata(
+                meta, plan, self._window_tables, self.window_group, self.kv_pool.kv_caches
+            )
+        return meta
 
     @torch.inference_mode()
     def execute(

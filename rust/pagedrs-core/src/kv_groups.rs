@@ -17,6 +17,10 @@ use crate::scheduler::Scheduler;
 use crate::sliding_window::{longest_hit, max_live_blocks, SlidingTable, NULL_BLOCK};
 use crate::BlockId;
 
+/// A plan's slot mapping and padded block tables in the window group, and the copy-on-write pairs
+/// to apply to the group's blocks before its forward (handed over once).
+pub type WindowTables = (Vec<i64>, Vec<i32>, Vec<i64>);
+
 /// The blocks of the layers with one window size shorter than the context.
 #[derive(Debug)]
 pub struct WindowGroup {
@@ -24,6 +28,8 @@ pub struct WindowGroup {
     pub pool: BlockPool,
     /// Indexed by sequence slot; empty for slots holding nothing.
     pub(crate) tables: Vec<SlidingTable>,
+    /// Copy-on-write pairs (src, dst) of the group's blocks not yet handed to the runner, flattened.
+    pub(crate) pending_copies: Vec<i64>,
 }
 
 impl WindowGroup {
@@ -88,6 +94,7 @@ impl Scheduler {
             window,
             pool: BlockPool::new(num_blocks, self.cfg.block_size),
             tables: Vec::new(),
+            pending_copies: Vec::new(),
         });
         Ok(())
     }
@@ -106,6 +113,76 @@ impl Scheduler {
             (Some(w), false) => w.table(r.slot),
             _ => &[],
         })
+    }
+
+    /// Plan `p`'s slot mapping `[T]` and padded block tables `[B, max_blocks]` in the window group
+    /// (dead entries and padding 0: the kernels mask those positions by the window); valid until
+    /// the next `schedule()`, as [`Self::plan_block_tables`].
+    pub fn plan_window_tables(&mut self, p: &crate::StepPlan) -> Result<WindowTables> {
+        self.window_tables(
+            p.step_id,
+            &p.req_ids,
+            &p.query_start_loc,
+            &p.positions,
+            p.max_blocks,
+        )
+    }
+
+    /// [`Self::plan_window_tables`] from the plan's arrays.
+    pub fn window_tables(
+        &mut self,
+        step_id: u64,
+        req_ids: &[i64],
+        query_start_loc: &[i32],
+        positions: &[i64],
+        max_blocks: usize,
+    ) -> Result<WindowTables> {
+        let w = self
+            .window
+            .as_ref()
+            .ok_or_else(|| Error::InvalidRequest("the scheduler has no window group".into()))?;
+        if step_id + 1 != self.step {
+            return Err(Error::StalePlan {
+                step: step_id,
+                latest: self.step.saturating_sub(1),
+            });
+        }
+        if query_start_loc.len() != req_ids.len() + 1
+            || query_start_loc.last().map_or(0, |&x| x as usize) != positions.len()
+        {
+            return Err(Error::InvalidRequest(
+                "query_start_loc does not match req_ids and positions".into(),
+            ));
+        }
+        let bs = self.cfg.block_size;
+        let mut slots = Vec::with_capacity(positions.len());
+        let mut tables = vec![0i32; req_ids.len() * max_blocks];
+        for (b, &id) in req_ids.iter().enumerate() {
+            let r = self
+                .ids
+                .get(&id)
+                .ok_or(Error::UnknownSeqId { seq_id: id })?;
+            let t = w.table(r.slot);
+            for (dst, &blk) in tables[b * max_blocks..(b + 1) * max_blocks]
+                .iter_mut()
+                .zip(t)
+            {
+                *dst = if blk == NULL_BLOCK { 0 } else { blk as i32 };
+            }
+            let (a, z) = (query_start_loc[b] as usize, query_start_loc[b + 1] as usize);
+            for &pos in &positions[a..z] {
+                let pos = pos as usize;
+                let blk = t.get(pos / bs).copied().unwrap_or(NULL_BLOCK);
+                if blk == NULL_BLOCK {
+                    return Err(Error::Invariant(format!(
+                        "seq {id} writes position {pos} outside its live window blocks"
+                    )));
+                }
+                slots.push(i64::from(blk) * bs as i64 + (pos % bs) as i64);
+            }
+        }
+        let copies = std::mem::take(&mut self.window.as_mut().expect("checked").pending_copies);
+        Ok((slots, tables, copies))
     }
 
     /// Caps a full-attention prefix hit `hits` of `slot` to what the window group can serve and
@@ -143,9 +220,24 @@ impl Scheduler {
     /// Whether the window group has the blocks for `slot` to reach `num_tokens` tokens (plus
     /// `extra` blocks taken by a hit still to be claimed).
     pub(crate) fn window_fits(&self, slot: u32, num_tokens: usize, extra: usize) -> bool {
-        self.window
-            .as_ref()
-            .is_none_or(|w| w.new_blocks(slot, num_tokens) + extra <= w.pool.num_free())
+        self.window.as_ref().is_none_or(|w| {
+            let cow = usize::from(self.window_cow(slot).is_some());
+            w.new_blocks(slot, num_tokens) + extra + cow <= w.pool.num_free()
+        })
+    }
+
+    /// The index of the window block `slot` writes first when that block is shared with a forked
+    /// sibling (its partial last prompt block): copied before the write, as the full group's.
+    fn window_cow(&self, slot: u32) -> Option<usize> {
+        let w = self.window.as_ref()?;
+        let seq = &self.seqs[slot as usize];
+        let bs = self.cfg.block_size;
+        let idx = seq.num_computed / bs;
+        if !seq.shared_tail || seq.num_computed % bs == 0 {
+            return None;
+        }
+        let b = *w.table(slot).get(idx)?;
+        (b != NULL_BLOCK && w.pool.ref_count(BlockId(b)) > 1).then_some(idx)
     }
 
     /// [`Self::window_fits`] for a sequence not yet holding anything, admitted with the window hit
@@ -167,13 +259,35 @@ impl Scheduler {
         }
     }
 
+    /// Grows `slot`'s window table; call before the full group's `allocate` (which clears
+    /// `shared_tail`).
     pub(crate) fn window_grow(&mut self, slot: u32, num_tokens: usize) {
+        let cow = self.window_cow(slot);
         if let Some(w) = self.window.as_mut() {
+            if let Some(idx) = cow {
+                let dst = w
+                    .pool
+                    .allocate()
+                    .expect("window blocks checked before growing");
+                let src = w.tables[slot as usize].replace(idx, dst);
+                w.pool.free(src);
+                w.pending_copies
+                    .extend([i64::from(src.0), i64::from(dst.0)]);
+            }
             let t = w.table_mut(slot);
             let mut t = std::mem::take(t);
             let grown = t.grow(&mut w.pool, num_tokens);
             w.tables[slot as usize] = t;
             assert!(grown, "window blocks checked before growing");
+        }
+    }
+
+    /// A forked child `kid` shares every live window block of `parent`.
+    pub(crate) fn window_fork(&mut self, parent: u32, kid: u32) {
+        if let Some(w) = self.window.as_mut() {
+            let t = w.tables.get(parent as usize).cloned().unwrap_or_default();
+            let t = t.fork(&mut w.pool);
+            *w.table_mut(kid) = t;
         }
     }
 
@@ -297,167 +411,4 @@ impl Scheduler {
 }
 
 #[cfg(test)]
-mod tests {
-    use crate::sliding_window::{max_live_blocks, NULL_BLOCK};
-    use crate::{Config, NewRequest, Scheduler};
-
-    fn sched(num_blocks: usize, window_blocks: usize, budget: usize) -> Scheduler {
-        let mut s = Scheduler::new(Config {
-            num_blocks,
-            block_size: 4,
-            max_model_len: 256,
-            max_num_batched_tokens: budget,
-            watermark: 0.0,
-            ..Config::default()
-        })
-        .unwrap();
-        s.enable_window_group(8, window_blocks).unwrap();
-        s
-    }
-
-    fn req(id: i64, prompt: Vec<i64>, max_tokens: i64) -> NewRequest {
-        NewRequest {
-            seq_ids: vec![id],
-            prompt_token_ids: prompt,
-            max_tokens,
-            ..Default::default()
-        }
-    }
-
-    /// Runs to completion, checking invariants each step; returns the most window blocks in use.
-    fn drain(s: &mut Scheduler) -> usize {
-        let mut most = 0;
-        let mut step = 0i64;
-        while s.has_unfinished() {
-            let p = s.schedule().unwrap();
-            s.check_invariants().unwrap();
-            most = most.max(s.window_group().unwrap().pool.num_used());
-            let sampled: Vec<i64> = (0..p.sampled_seq_ids.len() as i64)
-                .map(|i| 1 + (step * 7 + i) % 50)
-                .collect();
-            s.update(p.step_id, &sampled).unwrap();
-            s.check_invariants().unwrap();
-            step += 1;
-        }
-        most
-    }
-
-    #[test]
-    fn refuses_what_it_does_not_support() {
-        let mut s = Scheduler::new(Config {
-            num_swap_blocks: 4,
-            ..Config::default()
-        })
-        .unwrap();
-        let e = s.enable_window_group(64, 1024).unwrap_err().to_string();
-        assert!(e.contains("swap space"), "{e}");
-        let mut s = sched(64, 16, 8);
-        assert!(s.resize(32).unwrap_err().to_string().contains("window"));
-        let e = NewRequest {
-            seq_ids: vec![1, 2],
-            ..req(1, vec![1, 2], 2)
-        };
-        assert!(s
-            .add_request(e)
-            .unwrap_err()
-            .to_string()
-            .contains("2 sequences"));
-        let mut s = Scheduler::new(Config::default()).unwrap();
-        let e = s.enable_window_group(4, 2).unwrap_err().to_string();
-        assert!(e.contains("2 blocks") && e.contains("live blocks"), "{e}");
-    }
-
-    #[test]
-    fn window_blocks_are_freed_mid_request() {
-        // A 100-token prompt in chunks of 8, then 20 decode steps: the full group ends holding 30
-        // blocks, the window group never more than the window's live blocks.
-        let mut s = sched(64, 16, 8);
-        s.add_request(req(1, (1..=100).collect(), 20)).unwrap();
-        let most = drain(&mut s);
-        assert!(most <= max_live_blocks(8, 4, 8), "{most}");
-        assert!(s.window_group().unwrap().pool.num_free() == 16);
-        assert_eq!(s.pool().num_free(), 64);
-    }
-
-    #[test]
-    fn prefix_hit_across_the_window_maps_only_cached_window_blocks() {
-        let prompt: Vec<i64> = (1..=41).collect();
-        let mut s = sched(64, 16, 8);
-        s.add_request(req(1, prompt.clone(), 1)).unwrap();
-        drain(&mut s);
-        // The same prompt again: all 10 full blocks hit; the window group holds blocks 8 and 9.
-        s.add_request(req(2, prompt.clone(), 3)).unwrap();
-        let p = s.schedule().unwrap();
-        assert_eq!(s.num_cached_tokens(2).unwrap(), 40);
-        let t = s.window_table_of(2).unwrap().to_vec();
-        assert!(t[..8].iter().all(|&b| b == NULL_BLOCK), "{t:?}");
-        assert!(t[8..].iter().all(|&b| b != NULL_BLOCK), "{t:?}");
-        s.check_invariants().unwrap();
-        s.update(p.step_id, &[5]).unwrap();
-        drain(&mut s);
-        // Another prompt evicts the window group's cache (16 blocks); the full group keeps its
-        // blocks, but a hit must not bring back evicted window blocks: it shrinks to what the
-        // window group still holds (nothing here).
-        s.add_request(req(3, (100..164).collect(), 1)).unwrap();
-        drain(&mut s);
-        s.add_request(req(4, prompt, 1)).unwrap();
-        s.schedule().unwrap();
-        s.check_invariants().unwrap();
-        // (check_invariants: every live window entry is a block cached with this prompt's hash.)
-        let hit = s.num_cached_tokens(4).unwrap();
-        assert!(hit < 40, "{hit}");
-        assert_eq!(s.stats().prefix_cache_hits, 40 + hit as u64);
-    }
-
-    #[test]
-    fn random_workloads_keep_every_group_consistent() {
-        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move |n: u64| {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng % n
-        };
-        let (mut preempted, mut hits) = (0, 0);
-        for round in 0..30 {
-            let window_blocks = 8 + next(16) as usize;
-            let mut s = sched(24 + next(40) as usize, window_blocks, 4 + next(12) as usize);
-            let mut id = 0;
-            for _ in 0..60 {
-                if next(3) == 0 && s.num_unfinished() < 8 {
-                    let base = next(3) as i64 * 1000;
-                    let len = 1 + next(60) as i64;
-                    let prompt = (0..len).map(|t| base + t + 1).collect();
-                    s.add_request(req(id, prompt, 1 + next(20) as i64)).unwrap();
-                    id += 1;
-                }
-                if !s.has_unfinished() {
-                    continue;
-                }
-                let p = s.schedule().unwrap();
-                s.check_invariants().unwrap();
-                let sampled: Vec<i64> = (0..p.sampled_seq_ids.len())
-                    .map(|_| 1 + next(3) as i64)
-                    .collect();
-                s.update(p.step_id, &sampled).unwrap();
-                s.check_invariants().unwrap();
-                if next(10) == 0 {
-                    if let Some(&seq_id) = p.req_ids.first() {
-                        s.abort(&[seq_id]);
-                        s.check_invariants().unwrap();
-                    }
-                }
-            }
-            drain(&mut s);
-            let st = s.stats();
-            preempted += st.num_preemptions;
-            hits += st.prefix_cache_hits;
-            assert_eq!(st.num_free_blocks, st.num_blocks, "round {round}");
-            assert_eq!(s.window_group().unwrap().pool.num_free(), window_blocks);
-        }
-        assert!(
-            preempted > 0 && hits > 0,
-            "{preempted} preemptions, {hits} hit tokens"
-        );
-    }
-}
+mod tests;

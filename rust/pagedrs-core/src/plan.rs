@@ -265,6 +265,7 @@ impl Scheduler {
             for &b in &kid.block_table {
                 self.pool.incref(crate::BlockId(b));
             }
+            self.window_fork(slot, c);
             self.ids.insert(
                 id,
                 crate::scheduler::SeqRef {

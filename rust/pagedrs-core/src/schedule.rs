@@ -106,8 +106,8 @@ impl Scheduler {
                 if new + usize::from(cow) <= self.pool.num_free()
                     && self.window_fits(slot, nc + num_new, 0)
                 {
-                    self.allocate(slot, num_new, cow, ops);
                     self.window_grow(slot, nc + num_new);
+                    self.allocate(slot, num_new, cow, ops);
                     break true;
                 }
                 if num_new > remaining {

@@ -160,11 +160,6 @@ impl Scheduler {
                 return Err(Error::DuplicateSeqId { seq_id: id });
             }
         }
-        if n > 1 && self.window.is_some() {
-            return Err(Error::InvalidRequest(format!(
-                "{n} sequences in one request are not supported with a sliding-window group"
-            )));
-        }
         let prompt_len = req.prompt_token_ids.len();
         if prompt_len == 0 {
             return Err(Error::EmptyPrompt {

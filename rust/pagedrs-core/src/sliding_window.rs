@@ -135,6 +135,13 @@ impl SlidingTable {
         true
     }
 
+    /// Points live entry `idx` at block `b` (a copy-on-write destination), returning the old block
+    /// (the caller drops its reference).
+    pub fn replace(&mut self, idx: usize, b: BlockId) -> BlockId {
+        debug_assert!(idx >= self.num_dead && idx < self.blocks.len());
+        BlockId(std::mem::replace(&mut self.blocks[idx], b.0))
+    }
+
     /// Frees the blocks no query at committed position `num_computed` or later reads, latest
     /// first (so a cached run is evicted from its tail), and returns how many.
     pub fn release_dead(

@@ -280,6 +280,52 @@ impl PyScheduler {
             .map_err(to_py)
     }
 
+    /// Adds the KV-cache group of the layers attending to the last `window` tokens, with its own
+    /// pool of `num_blocks` blocks (before any request; no swap space, resize or n > 1 with it).
+    fn enable_window_group(&self, py: Python<'_>, window: i64, num_blocks: i64) -> PyResult<()> {
+        let (w, n) = (
+            size("window", window, 1)?,
+            size("num_blocks", num_blocks, 1)?,
+        );
+        self.with(py, |s| s.enable_window_group(w, n))?
+            .map_err(to_py)
+    }
+
+    /// (window, num_blocks, num_free_blocks) of the window group, None without one.
+    fn window_pool(&self, py: Python<'_>) -> PyResult<Option<(usize, usize, usize)>> {
+        self.with(py, |s| {
+            s.window_group()
+                .map(|w| (w.window, w.pool.num_blocks(), w.pool.num_free()))
+        })
+    }
+
+    /// The window group's slot mapping (int64 [T]), padded block tables (int32 [B, max_blocks]) of
+    /// `plan`, until the next `schedule()`, and its copy-on-write pairs (int64 [2k], src, dst), once.
+    #[allow(clippy::type_complexity)]
+    fn window_tables<'py>(
+        &self,
+        py: Python<'py>,
+        step_id: u64,
+        req_ids: Vec<i64>,
+        query_start_loc: Vec<i32>,
+        positions: Vec<i64>,
+        max_blocks: usize,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        let (slots, tables, copies) = self
+            .detached(py, |s| {
+                s.window_tables(step_id, &req_ids, &query_start_loc, &positions, max_blocks)
+            })?
+            .map_err(to_py)?;
+        let rows = req_ids.len();
+        let tables = numpy::ndarray::Array2::from_shape_vec((rows, max_blocks), tables)
+            .expect("window table shape");
+        Ok((
+            slots.into_pyarray(py).into_any(),
+            PyArray2::from_owned_array(py, tables).into_any(),
+            copies.into_pyarray(py).into_any(),
+        ))
+    }
+
     fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<bool> {
         self.with(py, |s| s.reset_prefix_cache())
     }

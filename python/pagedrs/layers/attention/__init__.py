@@ -50,6 +50,10 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     # Per-backend scratch (index tensors built once per step and shared by every layer).
     cache: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
+    # The sliding-window layers' KV-cache group (its own pool): the layers whose window is `group_window`
+    # read and write through `window`'s slot mapping and block tables instead (`runner.kv_groups`).
+    window: AttentionMetadata | None = field(default=None, repr=False, compare=False)
+    group_window: int | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -255,6 +259,8 @@ class Attention(torch.nn.Module):
                 raise ValueError("ForwardContext.backend is required when attn_metadata is given")
             # only a backend that takes sinks gets the keyword (route_layer routes the others' layers away)
             extra = {} if self.sinks is None else {"sinks": self.sinks}
+            if meta.window is not None and meta.window.group_window == self.sliding_window:
+                meta = meta.window
             out = self._backend_for(ctx.backend).forward(
                 q3,
                 k3,

@@ -1,0 +1,120 @@
+"""Sliding-window layers in a KV pool of their own (`runner.kv_groups`, the core's `kv_groups`): a tiny
+Gemma 3 (window 8, two local layers and one global) keeps only the window's blocks of its local layers —
+freed mid-request and reused by other requests — while its greedy ids stay HF transformers' own, with
+chunked prefill, prefix hits across the window and preemption; a model without a short window is unchanged.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagedrs.runner.kv_groups import max_live_blocks, split_pool, window_group_for
+from tests.engine.conftest import assert_pool_free, greedy, make_engine, random_prompts
+from tests.helpers import make_tiny_model
+from tests.models.helpers_families import WINDOW, gemma3_config, hf_reference
+
+BLOCK = 4
+STEP = 8
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("gemma3w") / "m", gemma3_config())
+
+
+def _engine(folder: Path, num_kv_blocks: int):
+    return make_engine(
+        folder,
+        dtype="float32",
+        block_size=BLOCK,
+        num_kv_blocks=num_kv_blocks,
+        max_num_batched_tokens=STEP,
+        enable_prefix_caching=True,
+    )
+
+
+def _run(engine, window_used: list[int]) -> dict:
+    """Steps to the end; the window pool's blocks in use after each step are appended to `window_used`."""
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+        _, num_blocks, num_free = engine.scheduler.window_pool()
+        window_used.append(num_blocks - num_free)
+    return final
+
+
+def test_window_blocks_freed_mid_request_and_reused(gemma3: Path) -> None:
+    ref = hf_reference(gemma3)
+    engine = _engine(gemma3, num_kv_blocks=40)
+    window, num_window_blocks, _ = engine.scheduler.window_pool()
+    live = max_live_blocks(WINDOW, BLOCK, STEP)
+    assert window == WINDOW and num_window_blocks < 40
+    # One 60-token prompt alone: 15+ full blocks, never more than the window's live blocks of local ones.
+    used: list[int] = []
+    prompt = random_prompts([60], seed=5)[0]
+    engine.add_request("long", prompt, greedy(8))
+    assert _run(engine, used)["long"] == ref(prompt, 8)
+    assert max(used) <= live < 60 // BLOCK, used
+    # Three long prompts at once: more window blocks than the pool has are used over the run (freed ones
+    # are reused), and the full pool is too small for all of them (preemption); ids unchanged.
+    prompts = random_prompts([50, 44, 37], seed=6)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, greedy(6))
+    outs = _run(engine, used)
+    for i, p in enumerate(prompts):
+        assert outs[str(i)] == ref(p, 6), i
+    stats = engine.get_stats()
+    assert stats.num_preemptions > 0, stats
+    assert sum(-(-len(p) // BLOCK) for p in prompts) > num_window_blocks
+    assert_pool_free(engine)
+    _, n, free = engine.scheduler.window_pool()
+    assert free == n
+    engine.scheduler.check_invariants()
+
+
+def test_prefix_hit_across_the_window(gemma3: Path) -> None:
+    ref = hf_reference(gemma3)
+    engine = _engine(gemma3, num_kv_blocks=40)
+    prefix = random_prompts([36], seed=7)[0]
+    engine.add_request("a", prefix + [5, 6], greedy(4))
+    _run(engine, [])
+    before = engine.get_stats().prefix_cache_hits
+    # The same 36-token prefix: its local layers' blocks 0..6 were freed (outside the window); the hit
+    # takes the global layer's 9 blocks and the local layers' last 2, never a freed one.
+    prompt = prefix + [9, 10, 11]
+    engine.add_request("b", prompt, greedy(6))
+    assert _run(engine, [])["b"] == ref(prompt, 6)
+    assert engine.get_stats().prefix_cache_hits - before == 36
+    engine.scheduler.check_invariants()
+
+
+def test_pool_split_and_when_a_group_applies() -> None:
+    assert window_group_for([8, 8, None], 256) is not None
+    assert window_group_for([8, 8, None], 8) is None  # the window covers the context
+    assert window_group_for([None, None], 256) is None
+    assert window_group_for([8, 8], 256) is None  # all layers windowed (Mistral): not grouped
+    full, window = split_pool(
+        10_000, full_block_bytes=10, window_block_bytes=20, blocks_per_seq=64, live_per_seq=5
+    )
+    assert full * 10 + window * 20 <= 10_000
+    assert window == -(-full * 5 // 64) and full > 10_000 // 30
+
+
+def test_forked_sequences_copy_their_shared_window_block(gemma3: Path) -> None:
+    """n=2 over a prompt ending mid-block: both samples write the shared partial block of the local layers
+    too, each into its own copy (copy-on-write in the window pool); both give HF's greedy ids."""
+    ref = hf_reference(gemma3)
+    engine = _engine(gemma3, num_kv_blocks=40)
+    prompt = random_prompts([38], seed=8)[0]
+    engine.add_request("n2", prompt, greedy(6, n=2))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs = [o for o in engine.step() if o.finished] or outs
+    assert [c.token_ids for c in outs[0].outputs] == [ref(prompt, 6)] * 2
+    engine.scheduler.check_invariants()
+    _, n, free = engine.scheduler.window_pool()
+    assert free == n
