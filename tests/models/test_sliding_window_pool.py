@@ -118,3 +118,23 @@ def test_forked_sequences_copy_their_shared_window_block(gemma3: Path) -> None:
     engine.scheduler.check_invariants()
     _, n, free = engine.scheduler.window_pool()
     assert free == n
+
+
+def test_ngram_speculation_rolls_back_only_above_the_window(gemma3: Path) -> None:
+    """Drafts are written to the window pool too; rejected ones are dropped, and blocks are freed only at
+    the committed position, so the ids stay HF's."""
+    ref = hf_reference(gemma3)
+    engine = make_engine(
+        gemma3,
+        dtype="float32",
+        block_size=BLOCK,
+        num_kv_blocks=40,
+        max_num_batched_tokens=STEP,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    assert engine.scheduler.window_pool() is not None
+    prompt = random_prompts([6], seed=9)[0] * 5  # repeats: the n-gram lookup proposes
+    engine.add_request("s", prompt, greedy(12))
+    assert _run(engine, [])["s"] == ref(prompt, 12)
+    assert engine.get_stats().spec_num_draft_tokens > 0
+    engine.scheduler.check_invariants()

@@ -240,6 +240,8 @@ class CpuDecodeStep:
         meta, backend = ctx.attn_metadata, ctx.backend
         if meta is None or not isinstance(backend, TorchAttentionBackend) or not backend.use_cpu_kernels:
             return None
+        if meta.window is not None:  # sliding-window layers in their own pool (`runner.kv_groups`)
+            return None
         t = int(input_ids.shape[0])
         plan = step_plan(meta)
         dec = plan.cpu_decodes

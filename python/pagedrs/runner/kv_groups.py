@@ -97,20 +97,22 @@ def plan_window_pool(runner: Any, num_blocks: int, num_swap: int) -> tuple[int, 
     """The full-attention pool's blocks and the window group of `runner`'s model, out of the budget of
     `num_blocks` blocks over all layers. No group (every layer keeps all its blocks, as before) for a model
     without a window shorter than the context, and where the group is not supported: swap space, tensor
-    parallelism, a liquid device range."""
+    parallelism, a liquid device range, a drafter that runs sub-steps of its own (speculation other than
+    n-gram)."""
     cfg = runner.config
     group = window_group_for(layer_windows(runner.model), cfg.scheduler.max_model_len)
     if group is None:
         return num_blocks, None
-    if num_swap > 0 or runner.tp.size > 1 or cfg.parallel.liquid_gpu_range is not None:
+    spec = cfg.speculative
+    drafter = spec is not None and spec.method != "ngram"
+    if num_swap > 0 or runner.tp.size > 1 or cfg.parallel.liquid_gpu_range is not None or drafter:
         logger.info(
             "sliding-window layers keep all their blocks: their own pool is not supported with swap space, "
-            "tensor parallelism or a liquid device range"
+            "tensor parallelism, a liquid device range or a drafter model"
         )
         return num_blocks, None
     per_block = runner.bytes_per_block
     window_bytes = per_block * len(group.layers) // int(runner.model.num_layers)
-    spec = cfg.speculative
     step = cfg.scheduler.max_num_batched_tokens + (spec.num_speculative_tokens if spec is not None else 0)
     live = max_live_blocks(group.window, runner.block_size, step)
     explicit = cfg.cache.num_kv_blocks is not None
