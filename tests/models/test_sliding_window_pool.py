@@ -138,3 +138,26 @@ def test_ngram_speculation_rolls_back_only_above_the_window(gemma3: Path) -> Non
     assert _run(engine, [])["s"] == ref(prompt, 12)
     assert engine.get_stats().spec_num_draft_tokens > 0
     engine.scheduler.check_invariants()
+
+
+def test_resize_is_refused_with_a_window_pool(gemma3: Path) -> None:
+    engine = _engine(gemma3, num_kv_blocks=40)
+    with pytest.raises(ValueError, match="sliding-window"):
+        engine.scheduler.resize(48)
+
+
+def test_gemma3_1b_shape_figure() -> None:
+    """The docs' figure: 8192-token requests in 4 GiB of bf16 KV, Gemma-3-1B shape (22 local layers with
+    a 512-token window, 4 global, one KV head of 256), blocks of 16, a 2048-token step."""
+    per_layer = 2 * 16 * 1 * 256 * 2
+    budget = 4 << 30
+    assert budget // (per_layer * 26) // 512 == 19  # every layer keeps all its blocks
+    live = max_live_blocks(512, 16, 2048)
+    full, window = split_pool(
+        budget,
+        full_block_bytes=per_layer * 4,
+        window_block_bytes=per_layer * 22,
+        blocks_per_seq=512,
+        live_per_seq=live,
+    )
+    assert min(full // 512, window // live) == 46
