@@ -39,7 +39,9 @@ SERVER_SNIPPETS = [s for s in SNIPPETS if s.mode == "server"]
 def _run(snippet: Snippet, namespace: dict[str, Any], code: str | None = None) -> str:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code or snippet.code, snippet.where, "exec"), namespace)
+        # dont_inherit: a snippet runs as a user's script does, without this module's
+        # `from __future__ import annotations` (msgspec resolves real annotations).
+        exec(compile(code or snippet.code, snippet.where, "exec", dont_inherit=True), namespace)
     printed = out.getvalue()
     assert printed.strip(), f"{snippet.where} printed nothing"
     return printed
