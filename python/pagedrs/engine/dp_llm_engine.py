@@ -13,6 +13,7 @@ from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
 from pagedrs.engine.async_engine import AsyncLLMEngine
+from pagedrs.engine.input_processor import chat_template_ids
 from pagedrs.engine.request_stream import RequestStream
 from pagedrs.lora_request import LoRARequest
 from pagedrs.outputs import EmbeddingRequestOutput, RequestOutput
@@ -66,12 +67,7 @@ class DPLLMEngine:
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
     ) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"the tokenizer of {self.model_name} has no chat template")
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-        )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return chat_template_ids(self.tokenizer, self.model_name, messages, add_generation_prompt, **kwargs)
 
     def add_request(
         self,

@@ -14,7 +14,7 @@ from pagedrs.lora_request import LoRARequest
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import SamplingParams
 
-__all__ = ["InputError", "InputProcessor", "PromptType"]
+__all__ = ["InputError", "InputProcessor", "PromptType", "chat_template_ids"]
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -224,3 +224,16 @@ class InputProcessor:
             client_index=client_index,
             pooling=pooling,  # unset fields take the engine's defaults in the core
         )
+
+
+def chat_template_ids(
+    tokenizer: Any, model_name: str, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+) -> list[int]:
+    """`messages` through the tokenizer's chat template, as token ids (the template adds its own special
+    tokens); ValueError when the tokenizer has none."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer of {model_name} has no chat template")
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))

@@ -12,7 +12,7 @@ from pagedrs import _core
 from pagedrs.config import EngineConfig
 from pagedrs.engine.arg_utils import EngineArgs
 from pagedrs.engine.core import EngineCore
-from pagedrs.engine.input_processor import InputProcessor, PromptType
+from pagedrs.engine.input_processor import InputProcessor, PromptType, chat_template_ids
 from pagedrs.engine.messages import EngineCoreOutputs
 from pagedrs.engine.output_processor import OutputProcessor
 from pagedrs.executor import UniProcExecutor
@@ -104,12 +104,7 @@ class LLMEngine:
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
     ) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"the tokenizer of {self.model_name} has no chat template")
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-        )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return chat_template_ids(self.tokenizer, self.model_name, messages, add_generation_prompt, **kwargs)
 
     def add_request(
         self,
