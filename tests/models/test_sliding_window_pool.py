@@ -6,6 +6,7 @@ chunked prefill, prefix hits across the window and preemption; a model without a
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,29 @@ def test_gemma3_1b_shape_figure() -> None:
         live_per_seq=live,
     )
     assert min(full // 512, window // live) == 46
+
+
+def test_default_swap_yields_to_the_window_pool(
+    gemma3: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With CUDA's default swap space (faked here: the CPU default is none) a model with a window group gets
+    no swap and its window pool; an explicit swap_space keeps swap and every layer's blocks, and says so."""
+    import pagedrs.engine.arg_utils as arg_utils
+
+    monkeypatch.setattr(arg_utils, "default_swap_space", lambda device_type: 4.0)
+    with caplog.at_level(logging.INFO, logger="pagedrs"):
+        engine = _engine(gemma3, num_kv_blocks=40)
+    assert engine.engine_core.config.cache.swap_space == 4.0  # the (faked) default, not given
+    assert engine.get_stats().num_swap_blocks == 0
+    assert engine.scheduler.window_pool() is not None
+    assert "no swap space by default" in caplog.text
+    ref = hf_reference(gemma3)
+    prompt = random_prompts([30], seed=10)[0]
+    engine.add_request("d", prompt, greedy(4))
+    assert _run(engine, [])["d"] == ref(prompt, 4)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pagedrs"):
+        engine = make_engine(gemma3, dtype="float32", block_size=BLOCK, num_kv_blocks=40, swap_space=0.001)
+    assert engine.get_stats().num_swap_blocks > 0
+    assert engine.scheduler.window_pool() is None
+    assert "not supported with swap space (swap_space=0.001" in caplog.text

@@ -345,6 +345,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             cpu_kv_cache_gb=self.cpu_kv_cache_gb,
             swap_space=default_swap_space(device_type) if self.swap_space is None else self.swap_space,
+            swap_space_is_default=self.swap_space is None,
             enable_prefix_caching=self.enable_prefix_caching,
             cache_dtype=self.kv_cache_dtype,
         )

@@ -27,6 +27,7 @@ __all__ = [
     "max_live_blocks",
     "plan_window_pool",
     "split_pool",
+    "swap_yields_to_window_pool",
     "window_group_for",
     "window_metadata",
 ]
@@ -93,22 +94,53 @@ def split_pool(
     return num_full_blocks, window
 
 
+def _unsupported(runner: Any) -> str | None:
+    """Why `runner` cannot keep its window group in a pool of its own, swap space aside (None: it can)."""
+    cfg = runner.config
+    spec = cfg.speculative
+    if runner.tp.size > 1:
+        return "tensor parallelism"
+    if cfg.parallel.liquid_gpu_range is not None:
+        return "a liquid device range"
+    if spec is not None and spec.method != "ngram":
+        return "a drafter model"
+    return None
+
+
+def swap_yields_to_window_pool(runner: Any) -> bool:
+    """True when `runner`'s swap space is the device's default (not given) and its model has a window group
+    that can have its own pool: the window pool takes the place of the swap pool (no swap blocks)."""
+    cfg = runner.config
+    if not cfg.cache.swap_space_is_default or cfg.cache.swap_space <= 0:
+        return False
+    group = window_group_for(layer_windows(runner.model), cfg.scheduler.max_model_len)
+    if group is None or _unsupported(runner) is not None:
+        return False
+    logger.info(
+        "no swap space by default: sliding-window layers keep their blocks in a pool of their own, which "
+        "swap does not support (an explicit swap_space > 0 keeps swap, and every layer keeps its blocks)"
+    )
+    return True
+
+
 def plan_window_pool(runner: Any, num_blocks: int, num_swap: int) -> tuple[int, WindowGroup | None]:
     """The full-attention pool's blocks and the window group of `runner`'s model, out of the budget of
     `num_blocks` blocks over all layers. No group (every layer keeps all its blocks, as before) for a model
     without a window shorter than the context, and where the group is not supported: swap space, tensor
-    parallelism, a liquid device range, a drafter that runs sub-steps of its own (speculation other than
-    n-gram)."""
+    parallelism, a liquid device range, a drafter that runs sub-steps of its own (speculation other than n-gram)."""
     cfg = runner.config
     group = window_group_for(layer_windows(runner.model), cfg.scheduler.max_model_len)
     if group is None:
         return num_blocks, None
     spec = cfg.speculative
-    drafter = spec is not None and spec.method != "ngram"
-    if num_swap > 0 or runner.tp.size > 1 or cfg.parallel.liquid_gpu_range is not None or drafter:
+    reason = _unsupported(runner)
+    if reason is None and num_swap > 0:
+        reason = (
+            f"swap space (swap_space={cfg.cache.swap_space} GiB; 0 gives the window layers their own pool)"
+        )
+    if reason is not None:
         logger.info(
-            "sliding-window layers keep all their blocks: their own pool is not supported with swap space, "
-            "tensor parallelism, a liquid device range or a drafter model"
+            "sliding-window layers keep all their blocks: their own pool is not supported with %s", reason
         )
         return num_blocks, None
     per_block = runner.bytes_per_block

@@ -35,7 +35,13 @@ from pagedrs.runner.kv_cache import (
     num_blocks_for_bytes,
     profile_num_gpu_blocks,
 )
-from pagedrs.runner.kv_groups import WindowGroup, install_window_pool, plan_window_pool, window_metadata
+from pagedrs.runner.kv_groups import (
+    WindowGroup,
+    install_window_pool,
+    plan_window_pool,
+    swap_yields_to_window_pool,
+    window_metadata,
+)
 from pagedrs.runner.outputs import Forward, RunnerOutput
 from pagedrs.runner.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs, plan_prompt_logprobs
 from pagedrs.runner.sampling_state import SamplingState
@@ -225,6 +231,8 @@ class ModelRunner:
         return num
 
     def determine_num_swap_blocks(self) -> int:
+        if swap_yields_to_window_pool(self):
+            return 0
         return num_blocks_for_bytes(self.config.cache.swap_space * _GiB, self.bytes_per_block)
 
     def _new_pool(self, num_blocks: int, num_swap: int) -> KVCachePool:
