@@ -98,8 +98,6 @@ def _unsupported(runner: Any) -> str | None:
     """Why `runner` cannot keep its window group in a pool of its own, swap space aside (None: it can)."""
     cfg = runner.config
     spec = cfg.speculative
-    if runner.tp.size > 1:
-        return "tensor parallelism"
     if cfg.parallel.liquid_gpu_range is not None:
         return "a liquid device range"
     if spec is not None and spec.method != "ngram":
@@ -126,8 +124,8 @@ def swap_yields_to_window_pool(runner: Any) -> bool:
 def plan_window_pool(runner: Any, num_blocks: int, num_swap: int) -> tuple[int, WindowGroup | None]:
     """The full-attention pool's blocks and the window group of `runner`'s model, out of the budget of
     `num_blocks` blocks over all layers. No group (every layer keeps all its blocks, as before) for a model
-    without a window shorter than the context, and where the group is not supported: swap space, tensor
-    parallelism, a liquid device range, a drafter that runs sub-steps of its own (speculation other than n-gram)."""
+    without a window shorter than the context, and where the group is not supported: swap space, a liquid
+    device range, a drafter that runs sub-steps of its own (speculation other than n-gram)."""
     cfg = runner.config
     group = window_group_for(layer_windows(runner.model), cfg.scheduler.max_model_len)
     if group is None:
