@@ -419,7 +419,8 @@ class AsyncLLMEngine:
             stream._put(out)
             if out.finished:
                 del self._streams[out.request_id]
-                num = sum(len(c.token_ids) for c in getattr(out, "outputs", ()) if hasattr(c, "token_ids"))
+                # an embedding request generates nothing; its `outputs` is one EmbeddingOutput
+                num = sum(len(c.token_ids) for c in out.outputs) if isinstance(out, RequestOutput) else 0
                 self._cores.forget(out.request_id, num)
         if processed.abort_seqs:  # stop strings found here: the core stops those samples
             self._cores.send(replica, AbortRequests([], processed.abort_seqs))
