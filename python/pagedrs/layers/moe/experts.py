@@ -249,7 +249,9 @@ class FusedExperts(torch.nn.Module):
             num_experts, [hidden_size], intermediate_size, split="row", tp=tp, dtype=dtype, device=device
         )
         self.use_kernels = True  # the Rust kernels where they apply (tests and benches turn them off)
-        self.cuda_kernels = False  # cuda/moe_ops.cu on CUDA devices: set with the layer kernels (kernel_switch)
+        self.cuda_kernels = (
+            False  # cuda/moe_ops.cu on CUDA devices: set with the layer kernels (kernel_switch)
+        )
         self.gate_up_bias: torch.nn.Parameter | None = None
         self.down_bias: torch.nn.Parameter | None = None
         if bias:
