@@ -26,6 +26,7 @@ import zmq
 
 from pagedrs.engine.core_handles import EngineStartupError, send_shutdown
 from pagedrs.engine.core_proc import EngineCoreProc, serve_core
+from pagedrs.executor.rank_processes import connect_ray as rank_connect_ray
 
 __all__ = ["RayCore", "connect_ray", "core_bundles"]
 
@@ -36,29 +37,8 @@ _BIND_TIMEOUT_S = 120.0  # the actor's process starts and binds its sockets
 
 
 def connect_ray() -> Any:
-    """The `ray` module, connected to the cluster in `RAY_ADDRESS` (or a local instance started here);
-    ValueError naming the address when it cannot be reached."""
-    try:
-        import ray
-    except ImportError as exc:
-        raise ValueError(
-            "data_parallel_backend='ray' needs Ray: pip install 'pagedrs[ray]' (or use 'mp')"
-        ) from exc
-    if not ray.is_initialized():
-        from pagedrs.executor.rank_processes import _check_reachable
-
-        address = os.environ.get("RAY_ADDRESS")
-        _check_reachable(address)
-        try:
-            ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
-        except Exception as exc:  # a cluster that cannot be reached
-            hint = ""
-            if address and os.environ.get("RAY_AUTH_MODE") != "token":
-                hint = " (a cluster with token authentication needs RAY_AUTH_MODE=token and its token here)"
-            raise ValueError(
-                f"cannot connect to the Ray cluster at {address or '(local)'}: {exc}{hint}"
-            ) from exc
-    return ray
+    """The `ray` module, connected to the cluster in `RAY_ADDRESS` (or a local instance started here)."""
+    return rank_connect_ray("data_parallel_backend")
 
 
 def core_bundles(engine_args: Any, use_gpu: bool) -> list[dict[str, float]]:

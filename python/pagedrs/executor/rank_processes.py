@@ -212,21 +212,7 @@ class RayRanks(RankProcesses):
     """Ray actors, one per rank, on whichever nodes Ray places them."""
 
     def __init__(self, launch_json: str, size: int, device: torch.device) -> None:
-        try:
-            import ray
-        except ImportError as exc:
-            raise ValueError(
-                "distributed_executor_backend='ray' needs Ray: pip install 'pagedrs[ray]' (or use 'mp')"
-            ) from exc
-        if not ray.is_initialized():
-            address = os.environ.get("RAY_ADDRESS")
-            _check_reachable(address)
-            try:
-                ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
-            except Exception as exc:  # a cluster that cannot be reached
-                raise ValueError(
-                    f"cannot connect to the Ray cluster at {address or '(local)'}: {exc}"
-                ) from exc
+        ray = connect_ray("distributed_executor_backend")
         host = ray.util.get_node_ip_address()
         super().__init__(size, device, host)
         self._ray = ray
@@ -236,8 +222,7 @@ class RayRanks(RankProcesses):
         # Ray gives each GPU actor its own visible device: cuda:0 inside the actor.
         dev = "cuda:0" if use_gpu else "cpu"
         self.refs = {
-            # ray's stubs type an actor's method as the plain function (no .remote)
-            r: a.run.remote(r, size, host, self.port, launch_json, dev, COLLECTIVE_TIMEOUT_S)  # type: ignore[union-attr]  # a Ray actor handle: methods resolved at run time
+            r: a.run.remote(r, size, host, self.port, launch_json, dev, COLLECTIVE_TIMEOUT_S)
             for r, a in self.actors.items()
         }
         logger.info("started %d tensor-parallel Ray actor(s) (store at %s:%d)", size - 1, host, self.port)
@@ -293,3 +278,25 @@ class _RayRank:
         logging.basicConfig(level=logging.INFO, format=f"%(levelname)s [rank {rank}] %(message)s")
         run_rank(rank, size, host, port, args_json, device, timeout)
         return rank
+
+
+def connect_ray(setting: str) -> Any:
+    """The `ray` module, connected to the cluster in `RAY_ADDRESS` (or a local instance started here);
+    ValueError naming `setting` when Ray is missing, and the address when it cannot be reached."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ValueError(f"{setting}='ray' needs Ray: pip install 'pagedrs[ray]' (or use 'mp')") from exc
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        _check_reachable(address)
+        try:
+            ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
+        except Exception as exc:  # a cluster that cannot be reached
+            hint = ""
+            if address and os.environ.get("RAY_AUTH_MODE") != "token":
+                hint = " (a cluster with token authentication needs RAY_AUTH_MODE=token and its token here)"
+            raise ValueError(
+                f"cannot connect to the Ray cluster at {address or '(local)'}: {exc}{hint}"
+            ) from exc
+    return ray
