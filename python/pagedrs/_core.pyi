@@ -36,6 +36,7 @@ def paged_decode_attention(
     num_threads: int = 1,
     logits_soft_cap: float | None = None,
     isa: str | None = None,
+    sinks: npt.NDArray[np.float32] | None = None,
 ) -> None:
     """Paged decode attention on CPU (one query token per sequence), written into ``out``; GIL released.
 
@@ -43,7 +44,9 @@ def paged_decode_attention(
     seq_lens int32 [B] (context including the query token). All C-contiguous; ValueError otherwise.
     Scores are ``scale * q.k``, then ``logits_soft_cap * tanh(s / logits_soft_cap)`` when it is given (HF's
     Gemma 2 attention soft-capping; a positive number). Any head size (64, 128 and 256 compiled for).
-    ``isa``: the kernels (a ``quant_isa()`` name, capped to what this CPU runs; default the chosen ones)."""
+    ``isa``: the kernels (a ``quant_isa()`` name, capped to what this CPU runs; default the chosen ones).
+    ``sinks`` float32 [H]: a logit per query head that joins every softmax (its max and denominator) and
+    adds no value, as gpt-oss's attention sinks."""
 
 def moe_experts(
     x: npt.NDArray[np.float32],
@@ -106,7 +109,7 @@ def quant_get_rows(
     weight is in the layout of ``quant_pack_x8``."""
 
 def quant_type_ids() -> list[int]:
-    """GGML type ids the quantized kernels take (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)."""
+    """GGML type ids the quantized kernels take (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4)."""
 
 def quant_isa() -> str:
     """The kernels quant_matmul runs on this CPU: "avx512-vnni" (the AVX2 kernels with AVX-512 VNNI in

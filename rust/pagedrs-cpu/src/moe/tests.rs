@@ -261,6 +261,7 @@ fn random_quant(qt: QuantType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u
         QuantType::Q4_0 | QuantType::Q5_0 | QuantType::Q8_0 => &[0],
         QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K | QuantType::Q5_K => &[0, 2],
         QuantType::Q6_K => &[208],
+        QuantType::MXFP4 => &[],
     };
     for block in w.chunks_exact_mut(qt.block_bytes()) {
         for &at in fields {
@@ -268,6 +269,9 @@ fn random_quant(qt: QuantType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u
             let bits: u16 = ((8 + rng.next() % 4) as u16) << 10 | (rng.next() % 1024) as u16;
             let sign: u16 = if rng.next() % 2 == 0 { 0 } else { 0x8000 };
             block[at..at + 2].copy_from_slice(&(bits | sign).to_le_bytes());
+        }
+        if qt == QuantType::MXFP4 {
+            block[0] = 118 + (rng.next() % 4) as u8; // the e8m0 exponent: 2^-10 .. 2^-7
         }
     }
     w
@@ -354,6 +358,7 @@ fn quantized_experts_match_the_dense_kernels_and_the_float64_reference() {
             QuantType::Q4_0,
             QuantType::Q4_K,
             QuantType::Q6_K,
+            QuantType::MXFP4,
         ] {
             let bl = qt.block_len();
             for &(tokens, top_k, experts, threads) in &[(1, 2, 4, 1), (11, 2, 8, 3), (6, 4, 4, 2)] {

@@ -11,7 +11,7 @@
 use std::arch::x86_64::*;
 
 use super::act::{ActRow, RowGroup};
-use super::formats::scale_min_k4;
+use super::formats::{e8m0_half, scale_min_k4, KVALUES_MXFP4};
 use super::QuantType;
 
 #[inline]
@@ -143,6 +143,7 @@ pub(super) unsafe fn dot_rows<const R: usize>(
         QuantType::Q4_K => q4_k(w, nb, a),
         QuantType::Q5_K => q5_k(w, nb, a),
         QuantType::Q6_K => q6_k(w, nb, a),
+        QuantType::MXFP4 => mxfp4(w, nb, a),
     }
 }
 
@@ -200,6 +201,31 @@ unsafe fn q8_0<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> 
         for r in 0..R {
             let x = _mm256_sign_epi8(load_x(&a[r], b), q);
             let s = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, x), ones);
+            let scale = _mm256_set1_ps(d * *a[r].d.get_unchecked(b));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
+        }
+    })
+}
+
+/// MXFP4 as llama.cpp's `ggml_vec_dot_mxfp4_q8_0`: the nibbles looked up in the doubled e2m1 table
+/// (`pshufb`) to signed bytes (|w| <= 12), their signed dot with the activations through `maddubs` (the
+/// sign trick, as Q8_0), times the halved e8m0 scale and the activation block's scale.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn mxfp4<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
+    let table = _mm_loadu_si128(KVALUES_MXFP4.as_ptr().cast());
+    let m4 = _mm_set1_epi8(0x0f);
+    let ones = _mm256_set1_epi16(1);
+    two_chains!(nb, R, |b, acc, _off| {
+        let p = w.add(b * 17);
+        let d = e8m0_half(*p);
+        let q = _mm_loadu_si128(p.add(1).cast());
+        let lo = _mm_shuffle_epi8(table, _mm_and_si128(q, m4));
+        let hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), m4));
+        let v = _mm256_set_m128i(hi, lo);
+        let av = _mm256_sign_epi8(v, v);
+        for r in 0..R {
+            let x = _mm256_sign_epi8(load_x(&a[r], b), v);
+            let s = _mm256_madd_epi16(_mm256_maddubs_epi16(av, x), ones);
             let scale = _mm256_set1_ps(d * *a[r].d.get_unchecked(b));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
         }

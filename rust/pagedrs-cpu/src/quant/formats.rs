@@ -1,5 +1,5 @@
-//! llama.cpp's GGUF weight block layouts (ggml's `block_q4_0` ... `block_q6_K`), decoded 32 weights at a
-//! time into small integers plus a scale and an offset per 16 weights:
+//! llama.cpp's GGUF weight block layouts (ggml's `block_q4_0` ... `block_q6_K`, `block_mxfp4`), decoded 32
+//! weights at a time into small integers plus a scale and an offset per 16 weights:
 //! `weight[i] = scale[i / 16] * vals[i] + offset[i / 16]`.
 //!
 //! This decoding is what the portable dot product and the dequantizer use; the AVX2 kernels read the same
@@ -17,13 +17,16 @@ pub enum QuantType {
     Q4_K,
     Q5_K,
     Q6_K,
+    /// OCP microscaling FP4 as ggml's `block_mxfp4` (gpt-oss's experts): an e8m0 exponent byte, then 16
+    /// bytes of e2m1 codes (weight j in the low nibble of byte j, weight j + 16 in the high one).
+    MXFP4,
 }
 
 /// Weights per sub-block: the unit an activation block (and one decode) covers.
 pub const SUB: usize = 32;
 
 impl QuantType {
-    pub const ALL: [QuantType; 8] = [
+    pub const ALL: [QuantType; 9] = [
         QuantType::Q4_0,
         QuantType::Q4_1,
         QuantType::Q5_0,
@@ -32,6 +35,7 @@ impl QuantType {
         QuantType::Q4_K,
         QuantType::Q5_K,
         QuantType::Q6_K,
+        QuantType::MXFP4,
     ];
 
     /// The type with ggml's numeric id (`GGMLQuantizationType` in gguf-py), if the kernels take it.
@@ -49,6 +53,7 @@ impl QuantType {
             QuantType::Q4_K => 12,
             QuantType::Q5_K => 13,
             QuantType::Q6_K => 14,
+            QuantType::MXFP4 => 39,
         }
     }
 
@@ -62,6 +67,7 @@ impl QuantType {
             QuantType::Q4_K => "Q4_K",
             QuantType::Q5_K => "Q5_K",
             QuantType::Q6_K => "Q6_K",
+            QuantType::MXFP4 => "MXFP4",
         }
     }
 
@@ -84,6 +90,7 @@ impl QuantType {
             QuantType::Q4_K => 144,
             QuantType::Q5_K => 176,
             QuantType::Q6_K => 210,
+            QuantType::MXFP4 => 17,
         }
     }
 
@@ -114,6 +121,22 @@ pub fn f16_to_f32(bits: u16) -> f32 {
 #[inline(always)]
 pub(crate) fn half_at(b: &[u8], off: usize) -> f32 {
     f16_to_f32(u16::from_le_bytes([b[off], b[off + 1]]))
+}
+
+/// The FP4 e2m1 values doubled, by 4-bit code (ggml's `kvalues_mxfp4`): integers, so that a block is
+/// `e8m0_half(e) * KVALUES_MXFP4[code]` with the scale halved instead.
+pub(crate) const KVALUES_MXFP4: [i8; 16] =
+    [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// An e8m0 exponent byte as `2^(e - 127) / 2`, exact (ggml's `GGML_E8M0_TO_FP32_HALF`): `e` 0 and 1
+/// are the subnormals 2^-128 and 2^-127, and 255 is 2^127 (no NaN).
+#[inline(always)]
+pub(crate) fn e8m0_half(e: u8) -> f32 {
+    if e < 2 {
+        f32::from_bits(0x0020_0000 << e)
+    } else {
+        f32::from_bits(u32::from(e - 1) << 23)
+    }
 }
 
 /// ggml's `get_scale_min_k4`: the 6-bit scale and min of sub-block `j` (0..8) of a Q4_K / Q5_K block.
@@ -217,6 +240,14 @@ pub(crate) fn decode_sub(
             let s0 = f32::from(sc[2 * t] as i8);
             let s1 = f32::from(sc[2 * t + 1] as i8);
             ([d * s0, d * s1], [0.0; 2])
+        }
+        QuantType::MXFP4 => {
+            for i in 0..16 {
+                let q = block[1 + i];
+                vals[i] = KVALUES_MXFP4[usize::from(q & 0x0f)];
+                vals[i + 16] = KVALUES_MXFP4[usize::from(q >> 4)];
+            }
+            ([e8m0_half(block[0]); 2], [0.0; 2])
         }
     }
 }

@@ -25,7 +25,7 @@ use std::arch::aarch64::*;
 use std::arch::asm;
 
 use super::act::{ActRow, RowGroup};
-use super::formats::{scale_min_k4, SUB};
+use super::formats::{e8m0_half, scale_min_k4, KVALUES_MXFP4, SUB};
 use super::QuantType;
 
 /// The integer dot of signed bytes, in 4 i32 lanes.
@@ -346,6 +346,13 @@ unsafe fn rows<const R: usize, D: Dot>(
         QuantType::Q4_K => q4_k::<R, D>(w, nb, g),
         QuantType::Q5_K => q5_k::<R, D>(w, nb, g),
         QuantType::Q6_K => q6_k::<R, D>(w, nb, &g.rows),
+        // the nibbles looked up in the doubled e2m1 table (`tbl`) to signed bytes, times the halved scale
+        QuantType::MXFP4 => two_chains!(nb, R, |b, acc, _off| {
+            let p = w.add(b * 17);
+            let table = vld1q_s8(KVALUES_MXFP4.as_ptr());
+            let q = nibbles(p.add(1)).map(|i| vqtbl1q_s8(table, i));
+            acc_sub::<R, D>(q, a, b, e8m0_half(*p), acc);
+        }),
     }
 }
 

@@ -32,6 +32,16 @@ fn half_fields(qt: QuantType) -> &'static [usize] {
         QuantType::Q4_0 | QuantType::Q5_0 | QuantType::Q8_0 => &[0],
         QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K | QuantType::Q5_K => &[0, 2],
         QuantType::Q6_K => &[208],
+        QuantType::MXFP4 => &[],
+    }
+}
+
+/// Byte offsets of a block's one-byte scales (MXFP4's e8m0 exponent).
+fn byte_fields(qt: QuantType) -> &'static [usize] {
+    if qt == QuantType::MXFP4 {
+        &[0]
+    } else {
+        &[]
     }
 }
 
@@ -43,6 +53,9 @@ fn random_weights(qt: QuantType, n: usize, k: usize, rng: &mut Rng) -> Vec<u8> {
             let v =
                 (0.002 + 0.05 * rng.uniform().abs()) * if rng.next() % 2 == 0 { 1.0 } else { -1.0 };
             block[at..at + 2].copy_from_slice(&f16_bits(v).to_le_bytes());
+        }
+        for &at in byte_fields(qt) {
+            block[at] = 118 + (rng.next() % 12) as u8; // 2^-10 .. 2^1, halved
         }
     }
     w
@@ -144,6 +157,27 @@ fn reference_dequantize(qt: QuantType, row: &[u8], k: usize) -> Vec<f32> {
                     }
                 }
             }
+            QuantType::MXFP4 => {
+                // OCP e2m1 (sign, 2 exponent bits with bias 1, 1 mantissa bit) times 2^(e - 127)
+                let e2m1 = |c: u8| {
+                    let (exp, man) = (i32::from((c >> 1) & 3), f64::from(c & 1));
+                    let mag = if exp == 0 {
+                        man * 0.5
+                    } else {
+                        (1.0 + man * 0.5) * 2f64.powi(exp - 1)
+                    };
+                    if c & 8 != 0 {
+                        -mag
+                    } else {
+                        mag
+                    }
+                };
+                let scale = 2f64.powi(i32::from(x[0]) - 127);
+                for j in 0..16 {
+                    y[j] = (e2m1(x[1 + j] & 0x0f) * scale) as f32;
+                    y[j + 16] = (e2m1(x[1 + j] >> 4) * scale) as f32;
+                }
+            }
         }
     }
     y
@@ -179,6 +213,17 @@ fn type_ids_round_trip() {
     for unsupported in [0, 1, 9, 10, 11, 15, 16, 30] {
         assert_eq!(QuantType::from_ggml_id(unsupported), None);
     }
+}
+
+#[test]
+fn e8m0_scales_are_ggmls_halved_powers_of_two() {
+    // ggml's GGML_E8M0_TO_FP32_HALF: 2^(e - 128), the two smallest as subnormals, 255 not NaN
+    for e in 0..=255u8 {
+        let want = 2f64.powi(i32::from(e) - 128);
+        assert_eq!(f64::from(formats::e8m0_half(e)), want, "e = {e}");
+    }
+    assert_eq!(formats::e8m0_half(127), 0.5);
+    assert_eq!(formats::e8m0_half(0).to_bits(), 0x0020_0000);
 }
 
 #[test]
@@ -454,7 +499,8 @@ fn extreme_weights_do_not_overflow_the_integer_sums() {
         for block in w.chunks_exact_mut(qt.block_bytes()) {
             let fields = half_fields(qt);
             for (i, byte) in block.iter_mut().enumerate() {
-                if !fields.iter().any(|&at| i == at || i == at + 1) {
+                let field = fields.iter().any(|&at| i == at || i == at + 1);
+                if !field && !byte_fields(qt).contains(&i) {
                     *byte = if qt == QuantType::Q8_0 { 0x80 } else { 0xff };
                 }
             }
