@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3, help="interleaved fused/loop rounds")
     p.add_argument(
-        "--quant", default=None, help="also the fused step on experts in this GGUF type (Q8_0, Q4_0)"
+        "--quant", default=None, help="also the fused step on experts in this GGUF type (Q8_0, Q4_0, MXFP4)"
     )
     p.add_argument("--engine", action="store_true", help="also the engine's decode tok/s, MoE vs dense")
     p.add_argument("--engine-batch", type=int, default=4)

@@ -1,5 +1,6 @@
 """Random GGUF-quantized weights for the quantized-kernel tests: random bytes with finite, moderate f16
-block scales written over each block's scale fields (so every value dequantizes to a finite float)."""
+block scales written over each block's scale fields (MXFP4: its e8m0 exponent byte), so every value
+dequantizes to a finite float."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from pagedrs.quantization.gguf_blocks import GGUFWeight
 
 Q = gguf.GGMLQuantizationType
-KERNEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+KERNEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4]
 
 # Byte offsets of the f16 scale / min fields in one block (llama.cpp's block structs).
 _HALF_FIELDS: dict[Q, tuple[int, ...]] = {
@@ -23,6 +24,7 @@ _HALF_FIELDS: dict[Q, tuple[int, ...]] = {
     Q.Q5_K: (0, 2),
     Q.Q6_K: (208,),
     Q.Q2_K: (80, 82),
+    Q.MXFP4: (),
 }
 
 
@@ -34,6 +36,8 @@ def random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     for at in _HALF_FIELDS[qtype]:
         scales = (rng.uniform(0.002, 0.05, len(data)) * rng.choice([-1, 1], len(data))).astype(np.float16)
         data[:, at : at + 2] = scales.view(np.uint8).reshape(-1, 2)
+    if qtype == Q.MXFP4:
+        data[:, 0] = rng.integers(118, 130, len(data))  # 2^(e - 127): 2^-9 .. 2^2
     return data.reshape(rows, cols // block * size)
 
 

@@ -6,8 +6,10 @@ clamped SwiGLU (`swiglu_alpha`, `swiglu_limit`; HF's GptOssExperts).
 
 Checkpoints hold the experts stacked as HF's GptOssExperts does: `experts.gate_up_proj` [E, H, 2I] with
 gate and up interleaved column by column (gate 0, up 0, gate 1, ...) and `experts.down_proj` [E, I, H];
-MXFP4 checkpoints ship them as `*_blocks` / `*_scales`, dequantized at load
-(`pagedrs.quantization.mxfp4`). Both are turned into the stacked parameters [E, out, in] here.
+MXFP4 checkpoints ship them as `*_blocks` / `*_scales` (`pagedrs.quantization.mxfp4`): on the CPU with
+dtype "auto" kept 4-bit (`Mxfp4Experts`, handed over per expert as GGUF MXFP4 rows, gate rows then up
+rows, which the stacked experts kernel multiplies), elsewhere dequantized at load. Both are turned into
+the stacked parameters [E, out, in] here.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pagedrs.layers.linear import Loaded
 from pagedrs.layers.moe import ExpertActivation, RoutingConfig, expert_tensor_name
 from pagedrs.models.moe import MoeForCausalLM, MoeSpec
 from pagedrs.models.utils import load_weights_into
+from pagedrs.quantization.mxfp4 import Mxfp4Experts
 
 __all__ = ["GptOssForCausalLM"]
 
@@ -39,6 +42,16 @@ def _gate_then_up(t: Tensor, dim: int) -> Tensor:
     return t.index_select(dim, order)
 
 
+def _mxfp4_pieces(name: str, w: Mxfp4Experts, pieces: tuple[str, ...]) -> Iterator[tuple[str, Loaded]]:
+    """An MXFP4 stacked weight as per-expert GGUF rows named as the per-expert checkpoints name them
+    (`experts.<e>.<piece>.weight`): with pieces ("gate_proj", "up_proj") the interleaved rows are split,
+    gate at even rows and up at odd ones (the order `_gate_then_up` gives the float weight)."""
+    base = name.rpartition(".")[0]
+    for e in range(w.shape[0]):
+        for p, piece in enumerate(pieces):
+            yield f"{base}.{e}.{piece}.weight", w.expert_rows(e, p, len(pieces))
+
+
 def _hf_to_stacked(weights: Iterable[tuple[str, Loaded]]) -> Iterator[tuple[str, Loaded]]:
     """HF's gpt-oss names and layouts -> this model's: router -> gate, sinks into the attention layer,
     experts transposed to [E, out, in] with gate rows before up rows (biases likewise)."""
@@ -47,6 +60,10 @@ def _hf_to_stacked(weights: Iterable[tuple[str, Loaded]]) -> Iterator[tuple[str,
             yield name.replace(".mlp.router.", ".mlp.gate."), t
         elif name.endswith(".self_attn.sinks"):
             yield name.replace(".self_attn.sinks", ".self_attn.attn.sinks"), t
+        elif isinstance(t, Mxfp4Experts) and name.endswith(".experts.gate_up_proj"):
+            yield from _mxfp4_pieces(name, t, ("gate_proj", "up_proj"))
+        elif isinstance(t, Mxfp4Experts) and name.endswith(".experts.down_proj"):
+            yield from _mxfp4_pieces(name, t, ("down_proj",))
         elif name.endswith(".experts.gate_up_proj"):
             yield name, _gate_then_up(_full(t).transpose(-1, -2), 1).contiguous()
         elif name.endswith(".experts.down_proj"):

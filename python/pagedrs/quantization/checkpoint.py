@@ -59,10 +59,10 @@ def quantized_checkpoint(
     """`weights` with each quantized layer's parts replaced by its `<layer>.weight` (packed in the form
     `keep_packed` names where it applies, else float32); other tensors pass through. Logs once what was
     done; ValueError naming the layer when its parts are incomplete or misshapen."""
-    if cfg.method == "mxfp4":  # gpt-oss's experts: dequantized at load whatever the form
+    if cfg.method == "mxfp4":  # gpt-oss's experts: kept 4-bit for the CPU kernels, else dequantized
         from pagedrs.quantization.mxfp4 import mxfp4_checkpoint
 
-        yield from mxfp4_checkpoint(weights)
+        yield from mxfp4_checkpoint(weights, keep=keep_packed == "gguf")
         return
     done: Counter[str] = Counter()
     pending: dict[str, dict[str, Tensor]] = {}
