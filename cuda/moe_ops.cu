@@ -18,7 +18,9 @@
 // the forms WF (dequantized in the tile, in shared memory, as they are read):
 //   0 dense T;
 //   1 GGUF Q8_0: each row its K/32 blocks of 34 bytes (fp16 scale d, 32 int8 q), w = d * q (K % 32 == 0);
-//   2 fp8 e4m3 with a float32 scale per (expert, row): w = fp8 * scale (weight-only, as vLLM's W8A16).
+//   2 fp8 e4m3 with float32 scales per block of SR rows x SC columns (the `MoeScale`): per output row
+//     (SR 1, SC >= K), or the block-FP8 checkpoints' 128 x 128 blocks (`weight_scale_inv`, as vLLM's
+//     fused_moe block_shape); w = fp8 * scale (weight-only, as vLLM's W8A16).
 // Gate and up are rounded to T (as a T linear layer stores them) before the activation ACT:
 //   0 silu(g) * u, 1 gelu(g) * u (erf), 2 gelu_tanh(g) * u, each activation rounded to T first (as
 //   torch's SiluAndMul / GeGLU); 3 gpt-oss's clamped SwiGLU: g = min(g, limit), u = clamp(u, -limit,
@@ -112,14 +114,28 @@ __global__ void __launch_bounds__(1024) moe_align(
     }
 }
 
+// The fp8 form's scales: scale[(row / rows) * kblocks + k / cols] for weight element (row, k), row counting
+// every expert's rows (so an expert's rows are whole blocks of `rows`), kblocks = ceil(K / cols).
+struct MoeScale {
+    const float* s;
+    int rows, cols, kblocks;
+};
+
+__device__ __forceinline__ MoeScale moe_scale(const float* s, int rows, int cols, int K) {
+    rows = imax(rows, 1);
+    cols = imax(cols, 1);
+    return MoeScale{s, rows, cols, (K + cols - 1) / cols};
+}
+
 // ---------------------------------------------------------------------------------------------
 // Weight element (row, k) of a stacked weight of `cols` = K columns (row counts every expert's rows).
 template <typename T, int WF>
-__device__ __forceinline__ float moe_weight(const void* w, const float* scale, long long row, int k, int cols) {
+__device__ __forceinline__ float moe_weight(const void* w, const MoeScale& sc, long long row, int k, int cols) {
     if constexpr (WF == kMoeDense) {
         return to_float(static_cast<const T*>(w)[row * cols + k]);
     } else if constexpr (WF == kMoeFp8) {
-        return to_float(static_cast<const fp8e4m3_t*>(w)[row * cols + k]) * scale[row];
+        const float scale = sc.s[(row / sc.rows) * sc.kblocks + k / sc.cols];
+        return to_float(static_cast<const fp8e4m3_t*>(w)[row * cols + k]) * scale;
     } else {
         const unsigned char* b =
             static_cast<const unsigned char*>(w) + row * (cols / 32 * 34) + (k / 32) * 34;
@@ -143,7 +159,7 @@ template <typename T, int BM, bool MMA> struct MoeSmem {
 // element read (and dequantized) once per CTA, as E (float or T); zero past K and past the valid rows.
 template <typename T, int WF, typename E>
 __device__ __forceinline__ void moe_fill_w(
-    E* ws, int row, int k0, const void* __restrict__ w, const float* __restrict__ scale, long long wrow_a,
+    E* ws, int row, int k0, const void* __restrict__ w, const MoeScale& scale, long long wrow_a,
     long long wrow_b, int n_a, int n_b, int K)
 {
 #pragma unroll 1  // unrolled, ptxas spills a few bytes (sm_90) for no gain: loads stay in flight across warps
@@ -170,7 +186,7 @@ __device__ __forceinline__ T moe_a(const T* __restrict__ a, int a_div, int p, in
 template <typename T, int WF, int BM>
 __device__ __forceinline__ void moe_tile_simt(
     float (&acc)[BM / 2], unsigned char* smem, const T* __restrict__ a, int a_div, const int* ids,
-    int num_pairs, const void* __restrict__ w, const float* __restrict__ scale, long long wrow_a,
+    int num_pairs, const void* __restrict__ w, const MoeScale& scale, long long wrow_a,
     long long wrow_b, int n_a, int n_b, int K)
 {
     using S = MoeSmem<T, BM, false>;
@@ -205,7 +221,7 @@ __device__ __forceinline__ void moe_tile_simt(
 template <typename T, int WF, int BM>
 __device__ __forceinline__ void moe_fill_vec(
     T* as, T* ws, int row, int k0, const T* __restrict__ a, int a_div, const int* ids, int num_pairs,
-    const void* __restrict__ w, const float* __restrict__ scale, long long wrow_a, long long wrow_b,
+    const void* __restrict__ w, const MoeScale& scale, long long wrow_a, long long wrow_b,
     int n_a, int n_b, int K)
 {
     constexpr int CH = kMoeBK / 8;  // 16-byte chunks per tile row
@@ -237,7 +253,7 @@ __device__ __forceinline__ void moe_fill_vec(
 template <typename T, int WF, int BM>
 __device__ __forceinline__ void moe_tile_mma(
     float (&acc)[BM / 2], unsigned char* smem, const T* __restrict__ a, int a_div, const int* ids,
-    int num_pairs, const void* __restrict__ w, const float* __restrict__ scale, long long wrow_a,
+    int num_pairs, const void* __restrict__ w, const MoeScale& scale, long long wrow_a,
     long long wrow_b, int n_a, int n_b, int K, bool vec)
 {
     using S = MoeSmem<T, BM, true>;
@@ -328,7 +344,7 @@ __device__ __forceinline__ void moe_load_ids(int* ids, const int* __restrict__ s
 template <typename T, int WF, int BM, bool MMA>
 __device__ __forceinline__ void moe_tile(
     float (&acc)[BM / 2], unsigned char* smem, const T* a, int a_div, const int* ids, int num_pairs,
-    const void* w, const float* scale, long long wrow_a, long long wrow_b, int n_a, int n_b, int K,
+    const void* w, const MoeScale& scale, long long wrow_a, long long wrow_b, int n_a, int n_b, int K,
     bool vec)
 {
 #pragma unroll
@@ -344,15 +360,15 @@ __device__ __forceinline__ void moe_tile(
 
 // ---------------------------------------------------------------------------------------------
 // inter [num_pairs, I] (row p: pair p) = act(gate, up). grid: (max_tiles, ceil(I / 64)), block: 256,
-// dynamic smem: MoeSmem<T, BM, MMA>::kBytes. w: [E, 2I, H] (w_scale [E, 2I] for fp8), bias [E, 2I] or
-// null. MMA: tensor cores (sm_80+, fp16/bf16), else fp32 FMAs. vec: the tensor-core tiles load in
-// 16-byte copies (hidden % 8 == 0, x and a dense w 16-byte aligned).
+// dynamic smem: MoeSmem<T, BM, MMA>::kBytes. w: [E, 2I, H] (fp8: w_scale per block of scale_rows x
+// scale_cols, `MoeScale`), bias [E, 2I] or null. MMA: tensor cores (sm_80+, fp16/bf16), else fp32 FMAs.
+// vec: the tensor-core tiles load in 16-byte copies (hidden % 8 == 0, x and a dense w 16-byte aligned).
 template <typename T, int WF, int ACT, int BM, bool MMA>
 __global__ void __launch_bounds__(256) moe_gate_up(
     T* __restrict__ inter, const T* __restrict__ x, const void* __restrict__ w,
     const float* __restrict__ w_scale, const T* __restrict__ bias, const int* __restrict__ sorted_ids,
     const int* __restrict__ tile_expert, int num_pairs, int top_k, int hidden, int inter_size,
-    float alpha, float limit, int vec)
+    float alpha, float limit, int vec, int scale_rows, int scale_cols)
 {
     static_assert(BM == 16 || BM == 64, "row tiles of 16 or 64");
     extern __shared__ __align__(16) unsigned char pg_smem[];
@@ -364,7 +380,8 @@ __global__ void __launch_bounds__(256) moe_gate_up(
     const int nv = imin(kMoeBN, inter_size - n0);
     const long long erow = static_cast<long long>(e) * 2 * inter_size;
     float acc[BM / 2];
-    moe_tile<T, WF, BM, MMA>(acc, pg_smem, x, top_k, ids, num_pairs, w, w_scale, erow + n0,
+    const MoeScale sc = moe_scale(w_scale, scale_rows, scale_cols, hidden);
+    moe_tile<T, WF, BM, MMA>(acc, pg_smem, x, top_k, ids, num_pairs, w, sc, erow + n0,
                              erow + inter_size + n0, nv, nv, hidden, vec != 0);
 #pragma unroll
     for (int j = 0; j < BM / 4; ++j) {
@@ -382,14 +399,14 @@ __global__ void __launch_bounds__(256) moe_gate_up(
 
 // pairs [num_pairs, H] (row p: pair p) = round(round(inter[p] W_d[e]^T + b_d[e]) * topk_weights[p]).
 // grid: (max_tiles, ceil(H / 128)), block: 256, dynamic smem: MoeSmem<T, BM, MMA>::kBytes. w: [E, H, I]
-// (w_scale [E, H] for fp8), bias [E, H] or null; topk_weights [num_pairs]. vec: as moe_gate_up's, for
-// inter_size, inter and w.
+// (fp8: w_scale per block of scale_rows x scale_cols), bias [E, H] or null; topk_weights [num_pairs].
+// vec: as moe_gate_up's, for inter_size, inter and w.
 template <typename T, int WF, int BM, bool MMA>
 __global__ void __launch_bounds__(256) moe_down(
     T* __restrict__ pairs, const T* __restrict__ inter, const void* __restrict__ w,
     const float* __restrict__ w_scale, const T* __restrict__ bias, const T* __restrict__ topk_weights,
     const int* __restrict__ sorted_ids, const int* __restrict__ tile_expert, int num_pairs, int hidden,
-    int inter_size, int vec)
+    int inter_size, int vec, int scale_rows, int scale_cols)
 {
     static_assert(BM == 16 || BM == 64, "row tiles of 16 or 64");
     extern __shared__ __align__(16) unsigned char pg_smem[];
@@ -402,7 +419,8 @@ __global__ void __launch_bounds__(256) moe_down(
     const int nb = imax(0, imin(kMoeBN, hidden - n0 - kMoeBN));
     const long long erow = static_cast<long long>(e) * hidden;
     float acc[BM / 2];
-    moe_tile<T, WF, BM, MMA>(acc, pg_smem, inter, 1, ids, num_pairs, w, w_scale, erow + n0,
+    const MoeScale sc = moe_scale(w_scale, scale_rows, scale_cols, inter_size);
+    moe_tile<T, WF, BM, MMA>(acc, pg_smem, inter, 1, ids, num_pairs, w, sc, erow + n0,
                              erow + n0 + kMoeBN, na, nb, inter_size, vec != 0);
 #pragma unroll
     for (int j = 0; j < BM / 4; ++j) {

@@ -5,8 +5,9 @@ rows with the activation, one for the down rows with the routing weight, and a p
 results (no atomics).
 
 Weights are stacked per expert, `gate_up` [E, 2I, H] (gate rows then up rows) and `down` [E, H, I], in one
-of the forms of `ExpertMatrix`: dense (the activations' dtype), GGUF Q8_0 blocks, or fp8 e4m3 with a
-float32 scale per output row; quantized forms are dequantized in the kernel's tile as they are read.
+of the forms of `ExpertMatrix`: dense (the activations' dtype), GGUF Q8_0 blocks, or fp8 e4m3 with
+float32 scales per output row or per 2-D block (the block-FP8 checkpoints' 128 x 128, as vLLM's fused_moe
+`block_shape`); quantized forms are dequantized in the kernel's tile as they are read.
 Activations, biases and routing weights are float16, bfloat16 or float32 (one dtype); products accumulate
 in float32; gate/up and each expert's output are rounded to the dtype as torch's per-expert linear layers
 round them. Expert ids must be in [0, E): routing produces them and they are not checked on the device
@@ -52,17 +53,26 @@ class ExpertMatrix:
 
     - "dense": `data` [E, rows, cols] in the activations' dtype;
     - "q8_0": `data` uint8 [E, rows, cols / 32 * 34], each row its GGUF Q8_0 blocks in file order;
-    - "fp8": `data` float8_e4m3fn [E, rows, cols] and `scale` float32 [E, rows] (w = fp8 * scale)."""
+    - "fp8": `data` float8_e4m3fn [E, rows, cols] and `scale` float32 (w = fp8 * scale): [E, rows], one per
+      output row, or with `block` (br, bc) [E, rows / br, ceil(cols / bc)], one per block of br rows and
+      bc columns (rows % br == 0: each expert's rows are whole blocks)."""
 
     data: Tensor
     form: str = "dense"
     scale: Tensor | None = None
     cols: int = 0  # columns (needed for q8_0, whose data is in bytes); 0: data.shape[2]
+    block: tuple[int, int] | None = None  # fp8: the scale's (rows, cols) block; None: one per row
 
     @property
     def shape(self) -> tuple[int, int, int]:
         e, rows, last = self.data.shape
         return e, rows, self.cols or last
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight and its scales."""
+        scale = 0 if self.scale is None else self.scale.numel() * self.scale.element_size()
+        return self.data.numel() * self.data.element_size() + scale
 
     def check(self, what: str, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device) -> None:
         """ValueError naming `what` unless this is a contiguous [E, rows, cols] = `shape` weight on `device`
@@ -86,14 +96,37 @@ class ExpertMatrix:
                     f"got {d.dtype} {list(d.shape)} for {cols} columns"
                 )
         if self.form == "fp8":
-            s = self.scale
-            if d.dtype != torch.float8_e4m3fn:
-                raise ValueError(f"{what} (fp8) must be float8_e4m3fn, got {d.dtype}")
-            if s is None or s.dtype != torch.float32 or tuple(s.shape) != (e, rows) or not s.is_contiguous():
-                got = None if s is None else f"{s.dtype} {list(s.shape)}"
-                raise ValueError(f"{what} (fp8) needs a contiguous float32 scale [{e}, {rows}], got {got}")
-            if s.device != device:
-                raise ValueError(f"{what} scale is on {s.device}, expected {device}")
+            self._check_fp8(what, device)
+
+    def scale_shape(self) -> tuple[int, ...]:
+        """The fp8 scale's shape: [E, rows], or [E, rows / br, ceil(cols / bc)] with `block`."""
+        e, rows, cols = self.shape
+        if self.block is None:
+            return e, rows
+        br, bc = self.block
+        return e, rows // br, -(-cols // bc)
+
+    def scale_block(self) -> tuple[int, int]:
+        """(rows, cols) of one scale's block, as the kernels take them (per row: 1 x cols)."""
+        return self.block if self.block is not None else (1, max(self.shape[2], 1))
+
+    def _check_fp8(self, what: str, device: torch.device) -> None:
+        d, s = self.data, self.scale
+        if d.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{what} (fp8) must be float8_e4m3fn, got {d.dtype}")
+        if self.block is not None:
+            br, bc = self.block
+            if br < 1 or bc < 1 or self.shape[1] % br:
+                raise ValueError(
+                    f"{what} (fp8): scale block {list(self.block)} must be positive and divide the "
+                    f"{self.shape[1]} rows of each expert"
+                )
+        want = self.scale_shape()
+        if s is None or s.dtype != torch.float32 or tuple(s.shape) != want or not s.is_contiguous():
+            got = None if s is None else f"{s.dtype} {list(s.shape)}"
+            raise ValueError(f"{what} (fp8) needs a contiguous float32 scale {list(want)}, got {got}")
+        if s.device != device:
+            raise ValueError(f"{what} scale is on {s.device}, expected {device}")
 
 
 def _ctype(dtype: torch.dtype) -> str:
@@ -177,6 +210,11 @@ def _scale(w: ExpertMatrix) -> np.uint64:
     return ptr(w.scale) if w.scale is not None and w.form == "fp8" else np.uint64(0)
 
 
+def _scale_block(w: ExpertMatrix) -> tuple[np.int32, np.int32]:
+    rows, cols = w.scale_block()
+    return np.int32(rows), np.int32(cols)
+
+
 def _vec(cols: int, a: Tensor, w: ExpertMatrix) -> bool:
     """Whether the tensor-core tiles may load 16-byte chunks: rows of 8-element multiples, A (and a dense
     weight) 16-byte aligned."""
@@ -253,6 +291,7 @@ def fused_experts(
             ptr(inter), ptr(x), ptr(gate_up.data), _scale(gate_up), bgu, ptr(sorted_ids), ptr(tile_expert),
             np.int32(pairs), np.int32(top_k), np.int32(hidden), np.int32(inter_size),
             np.float32(swiglu_alpha), np.float32(swiglu_limit), np.int32(_vec(hidden, x, gate_up)),
+            *_scale_block(gate_up),
         )  # fmt: skip
         grid = (tiles, -(-inter_size // _BN))
         _launch(
@@ -264,7 +303,7 @@ def fused_experts(
     args: tuple[np.generic, ...] = (
         ptr(ys), ptr(inter), ptr(down.data), _scale(down), bd, ptr(weights), ptr(sorted_ids),
         ptr(tile_expert), np.int32(pairs), np.int32(hidden), np.int32(inter_size),
-        np.int32(_vec(inter_size, inter, down)),
+        np.int32(_vec(inter_size, inter, down)), *_scale_block(down),
     )  # fmt: skip
     grid = (tiles, -(-hidden // (2 * _BN)))
     _launch(ctype, f"moe_down<{ctype}, {wf}, {bm}, {tc}>", grid, _THREADS, smem, args, device)

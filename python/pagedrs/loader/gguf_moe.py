@@ -7,6 +7,7 @@ transformers' GGUF reader leaves at their defaults (the experts' sizes; Mixtral 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -14,7 +15,15 @@ import numpy as np
 if TYPE_CHECKING:
     from gguf import GGUFReader
 
-__all__ = ["MOE_BLOCK_NAMES", "apply_moe_metadata", "expert_pieces", "is_stacked_experts", "split_dense"]
+__all__ = [
+    "MOE_BLOCK_NAMES",
+    "apply_moe_metadata",
+    "expert_pieces",
+    "has_q8_0_experts",
+    "is_stacked_experts",
+    "q8_0_experts_only",
+    "split_dense",
+]
 
 MOE_BLOCK_NAMES = {
     "ffn_gate_inp": "mlp.gate",
@@ -27,6 +36,8 @@ MOE_BLOCK_NAMES = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _STACKED = re.compile(r"\.mlp\.experts\.(gate|up|down)_exps\.weight$")
+_EXPERT_PIECE = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+_Q8_0 = 8  # gguf.GGMLQuantizationType.Q8_0
 
 
 def is_stacked_experts(name: str) -> bool:
@@ -84,3 +95,18 @@ def split_dense(name: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
     if is_stacked_experts(name):
         return [(n, np.ascontiguousarray(a)) for n, a in expert_pieces(name, w)]
     return [(name, w)]
+
+
+def has_q8_0_experts(reader: GGUFReader) -> bool:
+    """Whether the file holds stacked experts (`ffn_*_exps`) in Q8_0."""
+    return any(t.name.endswith("_exps.weight") and int(t.tensor_type) == _Q8_0 for t in reader.tensors)
+
+
+def q8_0_experts_only(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """`iter_gguf_weights`' tensors for a CUDA device: the experts' Q8_0 pieces kept quantized (the fused
+    experts kernel multiplies them), every other tensor float32 (dequantized, as the GGUF cache folder
+    holds it)."""
+    for name, t in weights:
+        keep = getattr(t, "ggml_type", None) == _Q8_0 and _EXPERT_PIECE.search(name) is not None
+        read = getattr(t, "materialize", None)
+        yield name, t if keep or read is None else read()

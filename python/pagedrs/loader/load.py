@@ -4,7 +4,8 @@ its tokenizer.
 A GGUF file loaded with dtype "auto" on CPU keeps its quantized tensors in their block layout (the CPU
 kernels multiply them; under tensor parallelism each rank keeps its shard's blocks); any explicit dtype or
 a GPU loads the float32 dequantized tensors of the cache folder instead (the oracle the quantized path is
-tested against). A GPTQ/AWQ/FP8 checkpoint goes through `pagedrs.quantization.checkpoint`.
+tested against), except a file's Q8_0 experts on a GPU: they stay Q8_0 for the fused experts kernel. A
+GPTQ/AWQ/FP8 checkpoint goes through `pagedrs.quantization.checkpoint`.
 
 Every check happens here, at load time: unknown path or architecture, a checkpoint missing a tensor or
 holding one of the wrong shape -> ValueError naming it, before any request can be accepted.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import transformers
@@ -25,6 +27,7 @@ from pagedrs.layers.quantized import QuantizedWeight
 from pagedrs.loader.checkpoint import checkpoint_weights
 from pagedrs.loader.dtype import resolve_dtype
 from pagedrs.loader.gguf import iter_gguf_weights
+from pagedrs.loader.gguf_moe import has_q8_0_experts, q8_0_experts_only
 from pagedrs.loader.options import LoadOptions, apply_overrides, init_dummy_weights
 from pagedrs.loader.paths import gguf_file, model_folder, resolve_model_path
 from pagedrs.loader.safetensors import TensorSlice
@@ -60,7 +63,8 @@ class LoadedModel:
         dense = sum(p.numel() * p.element_size() for p in self.model.parameters())
         packed: dict[int, int] = {}  # by id: a tied output head shares its table's slot
         for m in self.model.modules():
-            for q in (getattr(m, "qweight", None), getattr(getattr(m, "quant", None), "weight", None)):
+            quant = getattr(getattr(m, "quant", None), "weight", None)
+            for q in (getattr(m, "qweight", None), quant, getattr(m, "kernel_weight", None)):
                 if q is not None:
                     packed[id(q)] = int(q.nbytes)
         return dense + sum(packed.values())
@@ -90,6 +94,16 @@ def keeps_quantized(path: str, dtype: str | torch.dtype, device: torch.device, l
     if gguf_file(path) is None or load_format not in ("auto", "gguf"):
         return False
     return dtype == "auto" and device.type == "cpu"
+
+
+def keeps_q8_0_experts(gguf_path: Path, device: torch.device, load_format: str) -> bool:
+    """Whether a GGUF file's Q8_0 experts stay Q8_0 for the CUDA fused experts kernel (a CUDA device; every
+    other tensor then loads dequantized, as from the cache folder)."""
+    if device.type != "cuda" or load_format not in ("auto", "gguf"):
+        return False
+    import gguf
+
+    return has_q8_0_experts(gguf.GGUFReader(str(gguf_path)))
 
 
 def load_model(
@@ -168,6 +182,12 @@ def _load_weights(
         assert gguf_path is not None  # keeps_quantized checked it
         net.load_weights(iter_gguf_weights(gguf_path, num_heads, num_kv_heads))  # type: ignore[operator]  # as below
         return True
+    gguf_path = gguf_file(path)
+    if gguf_path is not None and keeps_q8_0_experts(gguf_path, device, opts.load_format):
+        num_heads = int(config.num_attention_heads)
+        num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+        net.load_weights(q8_0_experts_only(iter_gguf_weights(gguf_path, num_heads, num_kv_heads)))  # type: ignore[operator]  # as below
+        return False
     weights = checkpoint_weights(path, folder, opts.load_format)
     if quant is not None:
         weights = _quantized(weights, quant, dtype, device)

@@ -4,13 +4,14 @@ A quantized linear layer ships as parts (`qweight`, `qzeros`, `scales`, `g_idx` 
 float8_e4m3fn with `weight_scale` or `weight_scale_inv` for FP8). `quantized_checkpoint` gathers a layer's
 parts and yields one weight [out_features, in_features]: kept packed as GGUF blocks the CPU kernels
 multiply (`GGUFWeight`) where that is exact (`pagedrs.quantization.dequant`), kept as its own parts for
-the GPU kernels (`PackedInt`, `Fp8`), or else dequantized to float32; the layers then cast and shard a
-float weight like any other.
+the GPU kernels (`PackedInt`, `Fp8`; a block-FP8 expert as `Fp8Block` for the fused experts kernel), or
+else dequantized to float32; the layers then cast and shard a float weight like any other.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +28,7 @@ from pagedrs.quantization.dequant import (
     gptq_as_gguf,
     gptq_g_idx,
 )
+from pagedrs.quantization.fp8_block import Fp8Block
 from pagedrs.quantization.gguf_blocks import GGUFWeight
 from pagedrs.quantization.packed_parts import Fp8, PackedInt
 
@@ -34,6 +36,8 @@ __all__ = ["PackedForm", "quantized_checkpoint"]
 
 logger = logging.getLogger("pagedrs.loader")
 
+# a mixture-of-experts layer's per-expert projection (`mlp.experts.3.gate_proj`, Mixtral's `w1`)
+_EXPERT = re.compile(r"\.experts\.\d+\.[^.]+$")
 _PARTS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales")}
 
 
@@ -101,7 +105,7 @@ def _complete(
     keep_packed: PackedForm,
     done: Counter[str],
     final: bool,
-) -> tuple[str, Tensor | GGUFWeight | PackedInt | Fp8] | None:
+) -> tuple[str, Tensor | GGUFWeight | PackedInt | Fp8 | Fp8Block] | None:
     """The layer's weight once its parts are in (at the end, `final`: what is missing is an error)."""
     if cfg.method == "fp8":
         scale = got.get("weight_scale_inv", got.get("weight_scale"))
@@ -116,6 +120,14 @@ def _complete(
                 raise ValueError(f"{prefix}: {e}") from None
             done["kept in fp8"] += 1
             return f"{prefix}.weight", packed_fp8
+        if keep_packed == "device" and cfg.block is not None and _EXPERT.search(prefix) is not None:
+            if got["weight"].dtype == torch.float8_e4m3fn:  # the fused experts kernel's block scales
+                try:
+                    block_fp8 = Fp8Block(got["weight"], scale.to(torch.float32), cfg.block)
+                except ValueError as e:
+                    raise ValueError(f"{prefix}: {e}") from None
+                done["kept in fp8 (experts, block scales)"] += 1
+                return f"{prefix}.weight", block_fp8
         done["dequantized at load"] += 1
         return f"{prefix}.weight", dequantize_fp8(prefix, got["weight"], scale, cfg.block)
     needed = ("qweight", "qzeros", "scales") + (("g_idx",) if cfg.method == "gptq" and not final else ())

@@ -1,13 +1,18 @@
 """The fused experts step on a CUDA device: the grouped GEMM kernels of cuda/moe_ops.cu (vLLM's
-`fused_moe`) through `pagedrs.kernels.moe_ops`, for float16/bfloat16/float32 experts held dense in the
-activations' dtype; SiLU-gated or gpt-oss's clamped SwiGLU, with or without the experts' biases."""
+`fused_moe`) through `pagedrs.kernels.moe_ops`, for float16/bfloat16/float32 activations with experts held
+dense in the activations' dtype or kept quantized for the kernel (`kernel_weight`: GGUF Q8_0 blocks, FP8
+e4m3 with per-row or block scales, dequantized in the kernel's tile); SiLU-gated or gpt-oss's clamped
+SwiGLU, with or without the experts' biases."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from pagedrs.kernels.moe_ops import ExpertMatrix
 
 __all__ = ["cuda_fused_experts"]
 
@@ -15,11 +20,15 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class ExpertWeights(Protocol):
-    """What the step reads of a stacked expert weight (`experts.ExpertWeights`): the dense weight
-    [E, out, in], unless kept GGUF-quantized (`qweight`, then the step declines)."""
+    """What the step reads of a stacked expert weight (`experts.ExpertWeights`): the kernel's quantized
+    form (`kernel_weight`) when kept so, else the dense weight [E, out, in], unless kept GGUF-quantized for
+    the CPU kernels (`qweight`, then the step declines)."""
 
     @property
     def qweight(self) -> Any: ...
+
+    @property
+    def kernel_weight(self) -> ExpertMatrix | None: ...
 
     @property
     def weight(self) -> Tensor: ...
@@ -44,21 +53,23 @@ def cuda_fused_experts(
     gate_up_bias: Tensor | None = None,
     down_bias: Tensor | None = None,
 ) -> Tensor | None:
-    """The step through the kernels, or None where they do not take it (the caller's torch path): x and
-    both weights dense, of one of their dtypes, on x's device. The caller selects this on CUDA devices
-    only (the tests run it on CPU tensors through the kernel emulator)."""
-    from pagedrs.kernels.moe_ops import ExpertMatrix, fused_experts
+    """The step through the kernels, or None where they do not take it (the caller's torch path): x of one
+    of their dtypes, both weights kept for the kernel or dense in x's dtype, all on x's device. The
+    caller selects this on CUDA devices only (the tests run it on CPU tensors through the kernel
+    emulator)."""
+    from pagedrs.kernels.moe_ops import fused_experts
 
-    if x.dim() != 2 or x.dtype not in _DTYPES or gate_up.qweight is not None or down.qweight is not None:
+    if x.dim() != 2 or x.dtype not in _DTYPES:
         return None
-    tensors = [gate_up.weight, down.weight, *(b for b in (gate_up_bias, down_bias) if b is not None)]
-    if any(t.dtype != x.dtype or t.device != x.device or not t.is_contiguous() for t in tensors):
+    mgu, md = _matrix(gate_up, x), _matrix(down, x)
+    biases = [b for b in (gate_up_bias, down_bias) if b is not None]
+    if mgu is None or md is None or any(_unfit(b, x) for b in biases):
         return None
     oai = activation.swiglu_limit is not None
     return fused_experts(
         x.contiguous(),
-        ExpertMatrix(gate_up.weight.detach()),
-        ExpertMatrix(down.weight.detach()),
+        mgu,
+        md,
         topk_weights,
         topk_ids.to(torch.int64),
         activation="swiglu_oai" if oai else "silu",
@@ -67,3 +78,19 @@ def cuda_fused_experts(
         gate_up_bias=None if gate_up_bias is None else gate_up_bias.detach(),
         down_bias=None if down_bias is None else down_bias.detach(),
     )
+
+
+def _unfit(t: Tensor, x: Tensor) -> bool:
+    return t.dtype != x.dtype or t.device != x.device or not t.is_contiguous()
+
+
+def _matrix(w: ExpertWeights, x: Tensor) -> ExpertMatrix | None:
+    """The weight as the kernels take it, or None (kept for the CPU kernels, or not in x's dtype/device)."""
+    from pagedrs.kernels.moe_ops import ExpertMatrix
+
+    m = w.kernel_weight
+    if m is not None:
+        return m if m.data.device == x.device else None
+    if w.qweight is not None or _unfit(w.weight, x):
+        return None
+    return ExpertMatrix(w.weight.detach())

@@ -12,8 +12,9 @@ up_proj/down_proj` for Qwen) or stacked (`experts.gate_up_proj` [E, 2I, H], `exp
 as transformers >= 5 holds them); `expert_tensor_name` maps either onto the stacked parameters.
 
 On a CPU with float32 activations the step is one Rust call (`_core.moe_experts_f32`, or
-`_core.moe_experts_quant` for GGUF-quantized experts); on a CUDA device with dense experts the grouped GEMM
-kernels of cuda/moe_ops.cu (`cuda.cuda_fused_experts`); elsewhere a torch loop over the active experts.
+`_core.moe_experts_quant` for GGUF-quantized experts); on a CUDA device the grouped GEMM kernels of
+cuda/moe_ops.cu (`cuda.cuda_fused_experts`), with the experts dense, GGUF Q8_0 or FP8 (kept quantized,
+`kernel_form`); elsewhere a torch loop over the active experts.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -30,9 +31,15 @@ from torch import Tensor
 
 from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.linear import Loaded
+from pagedrs.layers.moe import kernel_form
+from pagedrs.layers.moe.kernel_form import dequantized as kernel_dequantized
+from pagedrs.layers.moe.kernel_form import keeps_for_kernel, stack_for_kernel
 from pagedrs.layers.moe.routing import sort_by_expert
 from pagedrs.layers.moe.stacked_quant import StackedQuantWeight
 from pagedrs.quantization.gguf_blocks import GGUFWeight
+
+if TYPE_CHECKING:
+    from pagedrs.kernels.moe_ops import ExpertMatrix
 
 __all__ = ["ExpertActivation", "ExpertWeights", "FusedExperts", "expert_tensor_name", "fused_experts_torch"]
 
@@ -122,6 +129,9 @@ class ExpertWeights(torch.nn.Module):
         self.shard_ids: tuple[object, ...] = self.expert_shards  # what the loader checks is covered
         self.qweight: StackedQuantWeight | None = None
         self._qpieces: dict[tuple[int, int], GGUFWeight] = {}
+        # quantized for the CUDA kernel (GGUF Q8_0 on a CUDA device, FP8): `kernel_form`
+        self.kernel_weight: ExpertMatrix | None = None
+        self._kpieces: dict[tuple[int, int], object] = {}
 
     def _piece_rows(self, piece: int) -> tuple[int, int, int]:
         """(offset in this rank's rows, rows this rank holds, first full row it holds) of one piece."""
@@ -154,6 +164,11 @@ class ExpertWeights(torch.nn.Module):
         piece = loaded.narrow(0, first, n)
         if self.split == "row":
             piece = piece.narrow(1, self.tp.position * self.cols, self.cols)
+        if keeps_for_kernel(piece, param):
+            self._kpieces[(e, p)] = piece
+            if len(self._kpieces) == len(self.shard_ids):
+                self._take_kernel_form(param)
+            return
         if isinstance(piece, GGUFWeight) and piece.has_kernel and param.device.type == "cpu":
             self._qpieces[(e, p)] = piece
             if len(self._qpieces) == len(self.shard_ids):
@@ -180,8 +195,25 @@ class ExpertWeights(torch.nn.Module):
             offset, n, _ = self._piece_rows(k)
             param.data[e, offset : offset + n].copy_(p.materialize())
 
+    def _take_kernel_form(self, param: Tensor) -> None:
+        """Every piece arrived in a form the CUDA kernel takes: stack them in its layout (`kernel_form`),
+        else dequantize them into the dense weight."""
+        pieces = [self._kpieces[sid] for sid in self.expert_shards]
+        self._kpieces = {}
+        m = stack_for_kernel(pieces, len(self.output_sizes), self.cols, param.device)
+        if m is not None:
+            self.kernel_weight = m
+            param.data = torch.empty(0, self.rows, self.cols, dtype=param.dtype, device=param.device)
+            return
+        for (e, k), p in zip(self.expert_shards, pieces, strict=True):
+            offset, n, _ = self._piece_rows(k)
+            param.data[e, offset : offset + n].copy_(cast(Loaded, p).materialize())  # type: ignore[union-attr]
+
     def dense(self) -> Tensor:
-        """The weights as float32 [E, out, in] (dequantized when kept quantized)."""
+        """The weights [E, out, in] (float32 dequantized when kept GGUF-quantized for the CPU; the layer's
+        dtype when kept for the CUDA kernel)."""
+        if self.kernel_weight is not None:
+            return kernel_dequantized(self.kernel_weight).to(self.weight.dtype)
         return self.qweight.dequantized() if self.qweight is not None else self.weight
 
 
@@ -281,7 +313,7 @@ class FusedExperts(torch.nn.Module):
 
         # under tensor parallelism the down bias is added by one rank only (the block sums the ranks)
         b_down = self.down_bias if self.tp.position == 0 else None
-        if self.use_kernels and self.cuda_kernels and x.device.type == "cuda":
+        if self.use_kernels and self.cuda_kernels and kernel_form.kernel_device(x):
             from pagedrs.layers.moe.cuda import cuda_fused_experts
 
             out = cuda_fused_experts(
@@ -296,7 +328,7 @@ class FusedExperts(torch.nn.Module):
             )
             if out is not None:
                 return out
-        if self.use_kernels:
+        if self.use_kernels and self.gate_up.kernel_weight is None and self.down.kernel_weight is None:
             act = self.activation
             swiglu = None if act.swiglu_limit is None else (act.swiglu_alpha, act.swiglu_limit)
             out = cpu_fused_experts(
