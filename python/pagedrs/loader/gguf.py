@@ -6,9 +6,9 @@ GPUs and explicit dtypes), or `iter_gguf_weights`, straight from the GGUF file w
 kept in their block layout (`GGUFWeight`) for the CPU kernels (each tensor-parallel rank cuts its shard).
 
 Config and tokenizer (chat template included) come from transformers' own GGUF readers
-(`AutoConfig/AutoTokenizer.from_pretrained(dir, gguf_file=...)`); tensors are dequantized with the `gguf`
-package, renamed to HF names, and the Q/K row permutation llama.cpp's converter applies to Llama
-attention weights is undone.
+(`AutoConfig/AutoTokenizer.from_pretrained(dir, gguf_file=...)`; gpt-oss's config from its metadata,
+`gguf_gpt_oss`); tensors are dequantized with the `gguf` package, renamed to HF names, and the Q/K row
+permutation llama.cpp's converter applies to Llama attention weights is undone.
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pagedrs.loader.gguf_gpt_oss import (
+    GPT_OSS_BLOCK_NAMES,
+    check_gpt_oss_tensors,
+    gpt_oss_config,
+    gpt_oss_weights,
+)
 from pagedrs.loader.gguf_moe import (
     MOE_BLOCK_NAMES,
     apply_moe_metadata,
@@ -54,6 +60,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "gemma3": ("Gemma3ForCausalLM", False),
     "qwen2moe": ("Qwen2MoeForCausalLM", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", False),
+    "gpt-oss": ("GptOssForCausalLM", False),
 }
 # llama.cpp's converter stores Gemma's (1 + w) norm weights with the 1 added: loading subtracts it
 _NORM_PLUS_ONE = {"gemma2", "gemma3"}
@@ -83,6 +90,7 @@ _BLOCK_NAMES = {
 _ARCH_BLOCK_NAMES = {
     arch: {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm"} for arch in ("gemma2", "gemma3")
 }
+_ARCH_BLOCK_NAMES["gpt-oss"] = {**_BLOCK_NAMES, **GPT_OSS_BLOCK_NAMES}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _IGNORED = {"rope_freqs.weight"}  # llama3 rope factors: the config carries the scaling
 _FORMAT_VERSION = 1  # bump when the cache layout changes
@@ -162,6 +170,8 @@ def _tensors(gguf_path: Path, num_heads: int, num_kv_heads: int) -> tuple[str, d
             w = np.array(w, dtype=np.float32, order="C")
         for piece, a in split_dense(name, _unshift_norm(w, name, arch)):
             tensors[piece] = torch.from_numpy(a)
+    if arch == "gpt-oss":
+        tensors = dict(gpt_oss_weights(tensors.items()))
     return arch, tensors
 
 
@@ -174,7 +184,10 @@ def _unshift_norm(w: np.ndarray, name: str, arch: str) -> np.ndarray:
 
 
 def _named(gguf_path: Path, reader: GGUFReader, arch: str) -> Iterator[tuple[str, ReaderTensor]]:
-    """(HF name, ReaderTensor) of every GGUF tensor that has one; ValueError for an unknown tensor."""
+    """(HF name, ReaderTensor) of every GGUF tensor that has one; ValueError for an unknown tensor (or, for
+    gpt-oss, a missing one)."""
+    if arch == "gpt-oss":
+        check_gpt_oss_tensors(gguf_path, reader)
     for t in reader.tensors:
         name = hf_tensor_name(t.name, arch)
         if name is None:
@@ -190,13 +203,20 @@ def iter_gguf_weights(
     """(HF name, tensor) of a GGUF file, straight from its memory map: 2-D tensors of a type the CPU
     kernels take stay quantized (`GGUFWeight`, rows unpermuted where llama.cpp permuted Q/K); every
     other tensor is float32 (dequantized, with one log line per type that had to be)."""
+    path = Path(gguf_path)
+    reader, arch = _open(path)
+    weights = _file_weights(path, reader, arch, num_heads, num_kv_heads)
+    return gpt_oss_weights(weights) if arch == "gpt-oss" else weights
+
+
+def _file_weights(
+    path: Path, reader: GGUFReader, arch: str, num_heads: int, num_kv_heads: int
+) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
     import gguf
     import torch
 
     from pagedrs.quantization.gguf_blocks import GGUFWeight, kernel_types
 
-    path = Path(gguf_path)
-    reader, arch = _open(path)
     dequantized: Counter[str] = Counter()
     for name, t in _named(path, reader, arch):
         ggml_type = int(t.tensor_type)
@@ -261,7 +281,7 @@ def convert_gguf(gguf_path: str | Path, root: str | Path | None = None) -> Path:
     """The HF-style cache folder for `gguf_path`, converting on first use. Safe against concurrent
     converters: each writes a private temp folder and renames it into place."""
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
     gguf_path = Path(gguf_path).resolve()
     out = gguf_cache_dir(gguf_path, root)
@@ -273,18 +293,25 @@ def convert_gguf(gguf_path: str | Path, root: str | Path | None = None) -> Path:
     tmp.mkdir()
     try:
         folder, fname = str(gguf_path.parent), gguf_path.name
-        config = AutoConfig.from_pretrained(folder, gguf_file=fname)
+        reader, arch = _open(gguf_path)
+        if arch == "gpt-oss":  # transformers' GGUF config reader fails on its rope keys
+            config = gpt_oss_config(reader, gguf_path)
+        else:
+            config = AutoConfig.from_pretrained(folder, gguf_file=fname)
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         arch, tensors = _tensors(gguf_path, num_heads, num_kv_heads)
         config.architectures = [GGUF_ARCHITECTURES[arch][0]]
-        _apply_metadata(config, gguf_path, arch)
-        config = apply_moe_metadata(config, _open(gguf_path)[0], arch)
+        if arch != "gpt-oss":
+            _apply_metadata(config, gguf_path, arch)
+            config = apply_moe_metadata(config, reader, arch)
         if "lm_head.weight" not in tensors:
             config.tie_word_embeddings = True
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(str(tmp))
-        AutoTokenizer.from_pretrained(folder, gguf_file=fname).save_pretrained(str(tmp))
+        # AutoTokenizer reads the GGUF config too; the tokenizer itself is read the same way either way
+        tokenizer_cls = PreTrainedTokenizerFast if arch == "gpt-oss" else AutoTokenizer
+        tokenizer_cls.from_pretrained(folder, gguf_file=fname).save_pretrained(str(tmp))
         marker = {"source": str(gguf_path), "architecture": arch, "format_version": _FORMAT_VERSION}
         (tmp / "pagedrs_gguf.json").write_text(json.dumps(marker, indent=2))
         try:
