@@ -39,6 +39,8 @@ def _quant_config(strategy: str, block: tuple[int, int]) -> dict[str, object]:
         return quant_config_of("awq", group_size=32)
     if strategy == "block":
         return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    if strategy == "tensor":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic"}
     weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}
     return {
         "quant_method": "compressed-tensors",
@@ -52,7 +54,8 @@ def make_fp8_moe_pair(
     tmp_path: Path, strategy: str = "block", block: tuple[int, int] = (128, 128)
 ) -> tuple[Path, Path]:
     """(the quantized Qwen3-MoE checkpoint, the float32 one with its dequantized weights). strategy "block":
-    FP8 with `weight_scale_inv` per `block`; "channel": compressed-tensors' FP8 `weight_scale` [out, 1];
+    FP8 with `weight_scale_inv` per `block`; "tensor": FP8 with one `weight_scale`; "channel":
+    compressed-tensors' FP8 `weight_scale` [out, 1];
     "gptq" (4-bit, groups of 32, act-order, zero points) or "awq" (4-bit, groups of 32)."""
     src = make_tiny_model(tmp_path / "fp8-moe-src", qwen3_moe_config())
     state = load_file(str(src / "model.safetensors"))
@@ -76,6 +79,11 @@ def make_fp8_moe_pair(
             full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
             ref[name] = q.float() * full[: w.shape[0], : w.shape[1]]
             quant[f"{prefix}.weight_scale_inv"] = scale
+        elif strategy == "tensor":
+            scale = w.float().abs().amax().clamp(min=1e-8) / 448.0
+            q = (w.float() / scale).to(torch.float8_e4m3fn)
+            ref[name] = q.float() * scale
+            quant[f"{prefix}.weight_scale"] = scale
         else:
             scale = w.float().abs().amax(1, keepdim=True).clamp(min=1e-8) / 448.0
             q = (w.float() / scale).to(torch.float8_e4m3fn)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import pagedrs.loader.load
+from pagedrs.distributed.group import TPGroup
 from pagedrs.kernels import moe_ops
 from pagedrs.kernels._loader import moe_op_names, quant_op_names
 from pagedrs.kernels.moe_ops import ExpertMatrix
@@ -113,9 +114,10 @@ def test_fp8_block_scales_match_float64_reference(dtype: torch.dtype, mma: bool,
         ("block", (128, 128), (None, None)),  # pieces of 32 / 64 rows and columns: one scale per row
         ("block", (32, 32), ((32, 32), (32, 32))),  # whole blocks: kept as the checkpoint's
         ("block", (64, 32), ((1, 32), (64, 32))),  # gate/up pieces of 32 rows: each row its block scales
+        ("tensor", (0, 0), (None, None)),  # one scale per tensor: repeated per row
         ("channel", (0, 0), (None, None)),  # compressed-tensors per output channel
     ],
-    ids=["block128", "block32", "block64x32", "ct-channel"],
+    ids=["block128", "block32", "block64x32", "fp8-tensor", "ct-channel"],
 )
 def test_fp8_moe_checkpoint_keeps_fp8_experts_and_equals_dequantized_model(
     tmp_path: Path,
@@ -201,3 +203,21 @@ def test_int4_moe_checkpoint_on_gpu_dequantizes_its_experts_at_load(
     got = logits_of(quant, IDS)
     assert "pagedrs::moe_gate_up<float, 0, 0, 16, false>" in launched
     torch.testing.assert_close(got, logits_of(ref, IDS), rtol=LOGITS_TOL, atol=LOGITS_TOL)
+
+
+def test_each_rank_keeps_its_fp8_expert_shard(tmp_path: Path, as_on_gpu: None) -> None:
+    """TP=2 with 16 x 16 blocks: each rank's gate/up rows and down columns are whole blocks, kept fp8 and
+    dequantizing to exactly that rank's shard of the dequantized model; 32 x 32 blocks would cut the down
+    projection's 32 columns inside a block: refused, naming the cut."""
+    qdir, rdir = make_fp8_moe_pair(tmp_path, "block", (16, 16))
+    for rank in range(2):
+        tp = TPGroup(rank, 2)
+        quant = load_model(str(qdir), dtype="float32", tp=tp, with_tokenizer=False)
+        ref = load_model(str(rdir), dtype="float32", tp=tp, with_tokenizer=False)
+        for mq, mr in zip(_experts(quant), _experts(ref), strict=True):
+            for wq, wr in ((mq.gate_up, mr.gate_up), (mq.down, mr.down)):
+                assert wq.kernel_weight is not None and wq.kernel_weight.block == (16, 16)
+                torch.testing.assert_close(wq.dense(), wr.weight, rtol=0, atol=0)
+    qdir32, _ = make_fp8_moe_pair(tmp_path / "b32", "block", (32, 32))
+    with pytest.raises(ValueError, match=r"columns 16\.\.32 .*32-column blocks"):
+        load_model(str(qdir32), dtype="float32", tp=TPGroup(1, 2), with_tokenizer=False)
