@@ -97,7 +97,7 @@ def test_sinks_route_to_the_torch_reference() -> None:
     class Named:
         name = "cupy"
 
-    assert not kernel_takes("cpu_decode", head_size=64, logits_soft_cap=None, sinks=True)
+    assert kernel_takes("cpu_decode", head_size=64, logits_soft_cap=None, sinks=True)  # the Rust kernel
     assert not kernel_takes("cupy", head_size=64, logits_soft_cap=None, sinks=True)
     layer = Attention(4, 64, 2, 0, scale=0.125, sinks=True)
     cupy_like, torch_ref = Named(), TorchAttentionBackend()

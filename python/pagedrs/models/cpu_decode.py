@@ -12,11 +12,13 @@ matmul, on torch views of the same arrays, as the module would run them.
 The arithmetic is the module path's, op for op and call for call (the same Rust kernels in the same
 order: RMSNorm with the residual add fused in, the quantized matmuls, neox rotary in place, the K/V
 store, the paged decode-attention kernel, SiLU-and-mul), so the hidden states are bit-identical to it
-(tests/models/test_cpu_decode.py). Per-head q/k RMSNorm (Qwen3) is the same Rust norm over each head. A
-mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE: `SparseMoeBlock`) runs inside the step as its
-module would: the router's matmul, `route`, the fused experts kernel (`cpu_fused_experts`, one Rust call
-for all the step's rows) and the shared expert with its sigmoid gate. Any other step, or a model outside
-that case, takes the modules.
+(tests/models/test_cpu_decode.py). Per-head q/k RMSNorm (Qwen3) is the same Rust norm over each head;
+q/k/v and o biases and attention sinks (gpt-oss: the decode kernel folds each head's sink into its
+softmax, as the attention module's decodes do) are taken as the modules take them. Sliding-window layers
+read and write their own KV pool where the runner gives them one (`runner.kv_groups`), as the attention
+module does. A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss: `SparseMoeBlock`) runs
+inside the step as its module would (`cpu_decode_moe`). Any other step, or a model outside that case,
+takes the modules.
 `PAGEDRS_CPU_DECODE=0` turns the fast path off.
 """
 
@@ -29,17 +31,16 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import numpy.typing as npt
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from pagedrs import _core
 from pagedrs.layers.activation import SiluAndMul
-from pagedrs.layers.attention import ForwardContext
+from pagedrs.layers.attention import AttentionMetadata, ForwardContext
 from pagedrs.layers.attention.torch_ref import TorchAttentionBackend, cpu_kernel_threads, step_plan
 from pagedrs.layers.device_form import DeviceForm, PrepareOptions
-from pagedrs.layers.moe import SparseMoeBlock, route
-from pagedrs.layers.moe.cpu import cpu_fused_experts
+from pagedrs.layers.moe import SparseMoeBlock
 from pagedrs.layers.quantized import QuantizedWeight
+from pagedrs.models.cpu_decode_moe import moe_forward, moe_why_not
 
 if TYPE_CHECKING:
     from pagedrs.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
@@ -59,6 +60,7 @@ class _Layer:
     qkv: QuantizedWeight
     qkv_bias: F32 | None
     o_proj: QuantizedWeight
+    o_bias: F32 | None
     gate_up: QuantizedWeight | None  # the dense MLP's (None with `moe`)
     down: QuantizedWeight | None
     moe: SparseMoeBlock | None
@@ -72,9 +74,30 @@ class _Layer:
     head_size: int
     scale: float
     sliding_window: int | None
+    sinks: F32 | None  # a logit per query head in every softmax (gpt-oss)
     layer_idx: int
     # the qkv, o, gate_up and down modules (their forward hooks: LoRA; the MoE block for the last two)
     modules: tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module, torch.nn.Module]
+
+
+@dataclass(frozen=True, slots=True)
+class _KvTables:
+    """Where a layer's K/V of the step are written (a slot per token) and read (per decode: block table
+    row, context length) in one KV pool."""
+
+    slots: npt.NDArray[np.int64]
+    block_tables: npt.NDArray[np.int32]
+    seq_lens: npt.NDArray[np.int32]
+
+
+def _kv_tables(meta: AttentionMetadata, t: int) -> _KvTables | None:
+    """The step's tables in `meta`'s pool, or None unless its `t` tokens are all decodes for the CPU
+    kernel (as the attention backend's `step_plan` splits the step)."""
+    plan = step_plan(meta)
+    dec = plan.cpu_decodes
+    if plan.prefills or dec is None or len(dec.seq_lens) != t:
+        return None
+    return _KvTables(meta.slot_mapping.numpy(), dec.block_tables, dec.seq_lens)
 
 
 def _decoder_layers(model: LlamaModel) -> list[LlamaDecoderLayer]:
@@ -94,10 +117,13 @@ def _why_not(model: LlamaModel) -> str | None:
 
     for layer in _decoder_layers(model):
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.attn.sinks is not None or attn.attn.logits_soft_cap is not None:
-            return "attention sinks or soft-capping are not in the fused step"
+        if attn.attn.logits_soft_cap is not None:
+            return "attention soft-capping is not in the fused step"
+        sinks = attn.attn.sinks
+        if sinks is not None and sinks.dtype != torch.float32:
+            return "attention sinks are not float32"
         if isinstance(mlp, SparseMoeBlock):
-            why = _moe_why_not(mlp)
+            why = moe_why_not(mlp)
             if why is not None:
                 return why
             mlps: tuple[LlamaMLP, ...] = ()
@@ -108,8 +134,8 @@ def _why_not(model: LlamaModel) -> str | None:
         linears = (attn.qkv_proj, attn.o_proj, *(p for m in mlps for p in (m.gate_up_proj, m.down_proj)))
         if any(not isinstance(lin.qweight, QuantizedWeight) or lin.tp_size != 1 for lin in linears):
             return "a linear layer is not quantized on one rank"
-        if any(lin.bias is not None for lin in linears[1:]):
-            return "a bias other than q/k/v's"
+        if any(lin.bias is not None for lin in linears[2:]):
+            return "a bias other than q/k/v's and o's"
         norms = [n for n in (attn.q_norm, attn.k_norm) if n is not None]
         if not all(n.cpu_fused for n in norms):
             return "the q/k norm is not the fused RMSNorm"
@@ -119,25 +145,6 @@ def _why_not(model: LlamaModel) -> str | None:
             return "a norm is not the fused RMSNorm"
     if not model.norm.cpu_fused:
         return "the final norm is not the fused RMSNorm"
-    return None
-
-
-def _moe_why_not(block: SparseMoeBlock) -> str | None:
-    """Why an MoE block cannot run inside the fast step, or None when it can."""
-    if block.tp.size != 1:
-        return "a mixture of experts split over tensor-parallel ranks"
-    ex = block.experts
-    if not ex.use_kernels or any(
-        w.qweight is None and w.weight.dtype != torch.float32 for w in (ex.gate_up, ex.down)
-    ):
-        return "the experts are not float32 or quantized for the CPU kernel"
-    shared = block.shared_expert
-    if shared is not None:
-        if not (isinstance(shared.act_fn, SiluAndMul) and shared.act_fn.cpu_fused):
-            return "the shared expert's activation is not the fused SiLU-and-mul"
-        linears = (shared.gate_up_proj, shared.down_proj)
-        if any(not isinstance(lin.qweight, QuantizedWeight) or lin.bias is not None for lin in linears):
-            return "the shared expert is not quantized without biases"
     return None
 
 
@@ -164,6 +171,7 @@ def _layer(layer: LlamaDecoderLayer) -> _Layer:
         qkv=qkv.qweight,
         qkv_bias=None if qkv.bias is None else qkv.bias.detach().numpy(),
         o_proj=attn.o_proj.qweight,
+        o_bias=None if attn.o_proj.bias is None else attn.o_proj.bias.detach().numpy(),
         gate_up=gate_up,
         down=down,
         moe=moe,
@@ -177,6 +185,7 @@ def _layer(layer: LlamaDecoderLayer) -> _Layer:
         head_size=a.head_size,
         scale=float(a.scale),
         sliding_window=a.sliding_window,
+        sinks=None if a.sinks is None else a.sinks.detach().contiguous().numpy(),
         layer_idx=a.layer_idx,
         modules=(qkv, attn.o_proj, mods[0], mods[1]),
     )
@@ -240,20 +249,19 @@ class CpuDecodeStep:
         meta, backend = ctx.attn_metadata, ctx.backend
         if meta is None or not isinstance(backend, TorchAttentionBackend) or not backend.use_cpu_kernels:
             return None
-        if meta.window is not None:  # sliding-window layers in their own pool (`runner.kv_groups`)
-            return None
         t = int(input_ids.shape[0])
-        plan = step_plan(meta)
-        dec = plan.cpu_decodes
-        if plan.prefills or dec is None or len(dec.seq_lens) != t or t == 0:
+        full = _kv_tables(meta, t)
+        # the sliding-window layers' own KV pool (`runner.kv_groups`), where the runner gives them one
+        window = None if meta.window is None else _kv_tables(meta.window, t)
+        if t == 0 or full is None or (meta.window is not None and window is None):
             return None
+        group_window = None if meta.window is None else meta.window.group_window
         caches = [c.numpy() for c in ctx.kv_caches]
         if any(c.dtype != np.float32 or not c.flags.c_contiguous for c in caches):
             return None
         if positions.dtype != torch.int64 or input_ids.device.type != "cpu" or self._hooked():
             return None
         pos = positions.numpy()
-        slots = meta.slot_mapping.numpy()
         layers = self.layers if ctx.exit_layer is None else self.layers[: ctx.exit_layer]
         if not layers:
             return None
@@ -264,12 +272,11 @@ class CpuDecodeStep:
                 _core.cpu_rms_norm(residual, w.input_norm, w.eps, hidden)
             else:
                 _core.cpu_fused_add_rms_norm(hidden, residual, w.input_norm, w.eps)
-            hidden = self._attention(
-                w, hidden, pos, caches[w.layer_idx], slots, dec.block_tables, dec.seq_lens
-            )
+            kv = window if window is not None and w.sliding_window == group_window else full
+            hidden = self._attention(w, hidden, pos, caches[w.layer_idx], kv)
             _core.cpu_fused_add_rms_norm(hidden, residual, w.post_norm, w.eps)
             if w.moe is not None:
-                hidden = _moe(w.moe, hidden)
+                hidden = moe_forward(w.moe, hidden)
                 continue
             assert w.gate_up is not None and w.down is not None
             gate_up = self._linear(w.modules[2], w.gate_up, hidden)
@@ -285,9 +292,7 @@ class CpuDecodeStep:
         hidden: F32,
         pos: npt.NDArray[np.int64],
         cache: F32,
-        slots: npt.NDArray[np.int64],
-        block_tables: npt.NDArray[np.int32],
-        seq_lens: npt.NDArray[np.int32],
+        kv: _KvTables,
     ) -> F32:
         t = hidden.shape[0]
         qkv = self._linear(w.modules[0], w.qkv, hidden, w.qkv_bias)
@@ -299,14 +304,22 @@ class CpuDecodeStep:
             k = _per_head_norm(k, w.k_norm, w.qk_eps, w.head_size)
         _core.cpu_rope_neox(pos, q, k, self.cos_sin, self.rope_head_size, self.rotary_dim)
         flat = cache.reshape(2, -1, w.num_kv_heads, w.head_size)
-        flat[0][slots] = k.reshape(t, w.num_kv_heads, w.head_size)
-        flat[1][slots] = v.reshape(t, w.num_kv_heads, w.head_size)
+        flat[0][kv.slots] = k.reshape(t, w.num_kv_heads, w.head_size)
+        flat[1][kv.slots] = v.reshape(t, w.num_kv_heads, w.head_size)
         qd = np.ascontiguousarray(q).reshape(t, w.num_heads, w.head_size)
         out = np.empty_like(qd)
         _core.paged_decode_attention(
-            qd, cache, block_tables, seq_lens, out, w.scale, w.sliding_window, cpu_kernel_threads()
+            qd,
+            cache,
+            kv.block_tables,
+            kv.seq_lens,
+            out,
+            w.scale,
+            w.sliding_window,
+            cpu_kernel_threads(),
+            sinks=w.sinks,
         )
-        return self._linear(w.modules[1], w.o_proj, out.reshape(t, w.num_heads * w.head_size))
+        return self._linear(w.modules[1], w.o_proj, out.reshape(t, w.num_heads * w.head_size), w.o_bias)
 
 
 def _per_head_norm(x: F32, weight: F32, eps: float, head_size: int) -> F32:
@@ -316,45 +329,6 @@ def _per_head_norm(x: F32, weight: F32, eps: float, head_size: int) -> F32:
     out = np.empty_like(rows)
     _core.cpu_rms_norm(rows, weight, eps, out)
     return out.reshape(x.shape[0], -1)
-
-
-def _moe(block: SparseMoeBlock, hidden: F32) -> F32:
-    """The block's forward on rows `hidden` (one rank, no hooks: checked), op for op as
-    `SparseMoeBlock.forward`: the router's matmul, `route`, the fused experts kernel, the shared expert
-    (quantized matmuls, SiLU-and-mul) scaled by its sigmoid gate."""
-    x = torch.from_numpy(hidden)
-    g = block.gate
-    logits = g.qweight.matmul(x, g.bias) if g.qweight is not None else F.linear(x, g.weight, g.bias)
-    topk_weights, topk_ids = route(logits, block.routing)
-    ex = block.experts
-    act = ex.activation
-    out = cpu_fused_experts(
-        x,
-        ex.gate_up,
-        ex.down,
-        topk_weights,
-        topk_ids,
-        gate_up_bias=ex.gate_up_bias,
-        down_bias=ex.down_bias,
-        swiglu=None if act.swiglu_limit is None else (act.swiglu_alpha, act.swiglu_limit),
-    )
-    if out is None:  # rows past what the kernel takes for float32 experts: the module's torch step
-        out = ex(x, topk_weights, topk_ids)
-    shared = block.shared_expert
-    if shared is None:
-        return out.numpy()
-    up = shared.gate_up_proj.qweight
-    down = shared.down_proj.qweight
-    assert isinstance(up, QuantizedWeight) and isinstance(down, QuantizedWeight)  # checked by _why_not
-    gate_up = up.matmul_rows(hidden)
-    a = np.empty((hidden.shape[0], gate_up.shape[1] // 2), dtype=np.float32)
-    _core.cpu_silu_and_mul(gate_up, a)
-    s = torch.from_numpy(down.matmul_rows(a))
-    sg = block.shared_expert_gate
-    if sg is not None:
-        gl = sg.qweight.matmul(x, sg.bias) if sg.qweight is not None else F.linear(x, sg.weight, sg.bias)
-        s = torch.sigmoid(gl) * s
-    return (out + s).numpy()
 
 
 def enable_cpu_decode(model: torch.nn.Module) -> bool:

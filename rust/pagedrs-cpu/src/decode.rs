@@ -13,7 +13,9 @@
 //! Head sizes 64, 128 and 256 get copies with the size known at compile time; any other size runs the
 //! same code with the size read at run time.
 //! Scores are `scale * q.k`, optionally soft-capped (`cap * tanh(s / cap)`, as HF's Gemma 2 does to its
-//! attention logits) before the softmax.
+//! attention logits) before the softmax. Optional attention sinks (a learned logit per query head, as
+//! HF's GptOssAttention and vLLM's `sinks`) join each softmax: the max includes the head's sink and the
+//! denominator adds `exp(sink - max)`; the sink contributes no value row.
 
 use std::ops::Range;
 
@@ -36,7 +38,7 @@ pub struct DecodeDims {
 
 /// What a decode computes besides its shapes.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct DecodeParams {
+pub struct DecodeParams<'a> {
     /// Multiplies `q.k` (the score before the softmax).
     pub scale: f32,
     /// A query at position `p` sees keys `p - w + 1 ..= p` (all of them when `None`).
@@ -44,17 +46,20 @@ pub struct DecodeParams {
     /// Scores become `cap * tanh(s / cap)` before the softmax (HF's `attn_logit_softcapping`); `None`:
     /// unchanged.
     pub logits_soft_cap: Option<f32>,
+    /// One logit per query head (`[num_heads]`) in every softmax's denominator (gpt-oss); `None`: no sink.
+    pub sinks: Option<&'a [f32]>,
     /// The kernels to run; ones this CPU lacks give way to the nearest ones below that it runs.
     pub isa: Isa,
 }
 
-impl DecodeParams {
-    /// `scale`, no window, no soft cap, the kernels `Isa::chosen()` names.
+impl DecodeParams<'_> {
+    /// `scale`, no window, no soft cap, no sinks, the kernels `Isa::chosen()` names.
     pub fn new(scale: f32) -> Self {
         Self {
             scale,
             sliding_window: None,
             logits_soft_cap: None,
+            sinks: None,
             isa: Isa::chosen(),
         }
     }
@@ -75,6 +80,8 @@ struct Ctx<'a> {
     scale: f32,
     sliding_window: Option<usize>,
     soft_cap: Option<f32>,
+    /// Per query head (`[num_heads]`, checked).
+    sinks: Option<&'a [f32]>,
     /// Run the AVX2 + FMA copy (the CPU has both).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     avx2: bool,
@@ -100,7 +107,7 @@ pub fn paged_decode_f32(
     seq_lens: &[i32],
     out: &mut [f32],
     dims: &DecodeDims,
-    params: &DecodeParams,
+    params: &DecodeParams<'_>,
     num_threads: usize,
 ) -> Result<(), KernelError> {
     let sliding_window = params.sliding_window;
@@ -113,6 +120,9 @@ pub fn paged_decode_f32(
         dims,
         sliding_window,
     )?;
+    if let Some(sinks) = params.sinks {
+        KernelError::check_len("sinks", sinks.len(), dims.num_heads)?;
+    }
     if let Some(cap) = params.logits_soft_cap {
         if !(cap.is_finite() && cap > 0.0) {
             return Err(KernelError::NotPositive {
@@ -135,6 +145,7 @@ pub fn paged_decode_f32(
         scale: params.scale,
         sliding_window,
         soft_cap: params.logits_soft_cap,
+        sinks: params.sinks,
         avx2: uses_avx2(params.isa),
     };
     let item_len = ctx.group * d.head_size;
@@ -863,15 +874,7 @@ fn attend_run<'o, V: Vector, const HD: usize>(
     for t in 0..count {
         for h in 0..g {
             let s = &mut scores[(t * g + h) * n_max..][..len(t)];
-            if let Some(cap) = ctx.soft_cap {
-                V::soft_cap(s, cap);
-            }
-            let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let sum = V::exp_shifted(s, max);
-            let inv = 1.0 / sum;
-            for x in s.iter_mut() {
-                *x *= inv;
-            }
+            softmax::<V>(ctx, kv_head * g + h, s);
             head_out(t, h).fill(0.0);
         }
     }
@@ -884,6 +887,29 @@ fn attend_run<'o, V: Vector, const HD: usize>(
                 V::weighted_sum::<HD>(p, rows, head_out(t, h));
             }
         }
+    }
+}
+
+/// Query head `head`'s scores `s` (non-empty) -> its attention weights, in place: soft-capped when asked,
+/// then a softmax whose max and denominator include the head's sink (`exp(sink - max)`) when there are
+/// sinks. Each token's weights depend only on its own scores (the run path gives the item path's bits).
+#[inline(always)]
+fn softmax<V: Vector>(ctx: &Ctx<'_>, head: usize, s: &mut [f32]) {
+    if let Some(cap) = ctx.soft_cap {
+        V::soft_cap(s, cap);
+    }
+    let sink = ctx.sinks.map(|sinks| sinks[head]);
+    let max = s
+        .iter()
+        .copied()
+        .fold(sink.unwrap_or(f32::NEG_INFINITY), f32::max);
+    let mut sum = V::exp_shifted(s, max);
+    if let Some(sink) = sink {
+        sum += (sink - max).exp();
+    }
+    let inv = 1.0 / sum;
+    for x in s.iter_mut() {
+        *x *= inv;
     }
 }
 
@@ -931,16 +957,8 @@ fn attend<V: Vector, const HD: usize>(
         V::scores::<HD>(qh, rows, ctx.scale, s);
     }
     // Softmax per head, normalized before the value sum (as torch's softmax then bmm).
-    for s in scores.chunks_exact_mut(n) {
-        if let Some(cap) = ctx.soft_cap {
-            V::soft_cap(s, cap);
-        }
-        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let sum = V::exp_shifted(s, max);
-        let inv = 1.0 / sum;
-        for x in s.iter_mut() {
-            *x *= inv;
-        }
+    for (h, s) in scores.chunks_exact_mut(n).enumerate() {
+        softmax::<V>(ctx, kv_head * g + h, s);
     }
     // Head by head, so one output row stays in registers while the value rows stream past.
     for (o, p) in out.chunks_exact_mut(hd).zip(scores.chunks_exact(n)) {
@@ -1024,8 +1042,8 @@ mod tests {
         naive_with(c, &params(scale, window, None))
     }
 
-    /// `naive` with every parameter (the soft cap applied in f64 too).
-    fn naive_with(c: &Case, p: &DecodeParams) -> Vec<f32> {
+    /// `naive` with every parameter (the soft cap and the sinks applied in f64 too).
+    fn naive_with(c: &Case, p: &DecodeParams<'_>) -> Vec<f32> {
         let (scale, window) = (p.scale, p.sliding_window);
         let cap = p.logits_soft_cap.map(f64::from);
         let d = &c.d;
@@ -1053,9 +1071,13 @@ mod tests {
                     })
                     .map(|x| cap.map_or(x, |cap| cap * (x / cap).tanh()))
                     .collect();
-                let max = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let sink = p.sinks.map(|sinks| f64::from(sinks[h]));
+                let max = sc
+                    .iter()
+                    .copied()
+                    .fold(sink.unwrap_or(f64::NEG_INFINITY), f64::max);
                 let e: Vec<f64> = sc.iter().map(|x| (x - max).exp()).collect();
-                let sum: f64 = e.iter().sum();
+                let sum: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |x| (x - max).exp());
                 let o = &mut out[(s * d.num_heads + h) * hd..][..hd];
                 for (i, p) in (start..len).enumerate() {
                     let v = &c.kv[half + row(p)..][..hd];
@@ -1068,7 +1090,7 @@ mod tests {
         out
     }
 
-    fn params(scale: f32, window: Option<usize>, cap: Option<f32>) -> DecodeParams {
+    fn params(scale: f32, window: Option<usize>, cap: Option<f32>) -> DecodeParams<'static> {
         DecodeParams {
             sliding_window: window,
             logits_soft_cap: cap,
@@ -1080,7 +1102,7 @@ mod tests {
         run_with(c, &params(scale, window, None), threads)
     }
 
-    fn run_with(c: &Case, p: &DecodeParams, threads: usize) -> Vec<f32> {
+    fn run_with(c: &Case, p: &DecodeParams<'_>, threads: usize) -> Vec<f32> {
         let mut out = vec![f32::NAN; c.q.len()];
         paged_decode_f32(&c.q, &c.kv, &c.bt, &c.lens, &mut out, &c.d, p, threads).unwrap();
         out
@@ -1123,14 +1145,19 @@ mod tests {
         let scale = 0.3;
         // Runs of 9 and 3 tokens (one cut in two for the threads), single tokens, a run of 17 (more
         // than MAX_RUN), contexts crossing RUN_BLOCK and ending mid-chunk of 4; soft-capped or not.
-        for (hd, bs, cap) in [
-            (64, 16, None),
-            (32, 4, None),
-            (128, 8, None),
-            (256, 16, Some(1.5)),
-            (64, 8, Some(0.7)),
+        let sinks = [0.5, -1.0, 2.0, 3.5, -0.25, 1.0];
+        for (hd, bs, cap, sinks) in [
+            (64, 16, None, None),
+            (32, 4, None, Some(&sinks[..])),
+            (128, 8, None, None),
+            (256, 16, Some(1.5), None),
+            (64, 8, Some(0.7), Some(&sinks[..])),
+            (64, 16, None, Some(&sinks[..])),
         ] {
-            let p = params(scale, None, cap);
+            let p = DecodeParams {
+                sinks,
+                ..params(scale, None, cap)
+            };
             let c = verification_case(5, &[150, 7, 1, 66, 200], &[9, 3, 1, 1, 17], hd, bs);
             let all = run_with(&c, &p, 2);
             let want = naive_with(&c, &p);
@@ -1170,6 +1197,7 @@ mod tests {
                         scale,
                         sliding_window: None,
                         soft_cap: cap,
+                        sinks,
                         avx2: false,
                     },
                     1
@@ -1241,32 +1269,68 @@ mod tests {
     }
 
     /// Every kernel set this CPU runs, at head sizes 64, 128, 256 (the compiled-in sizes) and one read at
-    /// run time, with and without a soft cap that bites (scores up to ~10 against caps of 2 and 30) and a
-    /// window, against the f64 reference.
+    /// run time, with and without a soft cap that bites (scores up to ~10 against caps of 2 and 30), a
+    /// window and sinks (some below the scores, some above every score), against the f64 reference.
     #[test]
-    fn every_isa_head_size_soft_cap_and_window_match_f64() {
+    fn every_isa_head_size_soft_cap_window_and_sinks_match_f64() {
         let lens = [1, 15, 16, 17, 100, 7, 250];
+        let sinks = [-2.0, 0.0, 1.5, 12.0, -30.0, 3.0, 0.7, 6.0];
         for isa in Isa::supported() {
             for hd in [64, 128, 256, 40] {
                 let c = case(hd as u64, &lens, 8, 2, hd, 16);
                 for cap in [None, Some(2.0), Some(30.0)] {
                     for window in [None, Some(9)] {
-                        let p = DecodeParams {
-                            isa,
-                            ..params(0.5, window, cap)
-                        };
-                        let got = run_with(&c, &p, 2);
-                        let want = naive_with(&c, &p);
-                        for (i, (x, y)) in got.iter().zip(&want).enumerate() {
-                            assert!(
-                                (x - y).abs() <= 1e-5,
-                                "{isa:?} hd {hd} cap {cap:?} window {window:?} element {i}: {x} vs {y}"
-                            );
+                        for sinks in [None, Some(&sinks[..])] {
+                            let p = DecodeParams {
+                                isa,
+                                sinks,
+                                ..params(0.5, window, cap)
+                            };
+                            let got = run_with(&c, &p, 2);
+                            let want = naive_with(&c, &p);
+                            for (i, (x, y)) in got.iter().zip(&want).enumerate() {
+                                assert!(
+                                    (x - y).abs() <= 1e-5,
+                                    "{isa:?} hd {hd} cap {cap:?} window {window:?} sinks {} element {i}: {x} vs {y}",
+                                    sinks.is_some()
+                                );
+                            }
                         }
                     }
                 }
             }
         }
+    }
+
+    /// A sink of -inf is no sink; a sink far above every score draws the weight off every key (output
+    /// toward 0); a sinks array of another length than the heads is refused.
+    #[test]
+    fn sinks_take_part_in_the_softmax_and_are_checked() {
+        let c = case(12, &[40, 3, 17], 4, 2, 64, 16);
+        let with = |sinks: &[f32]| {
+            let p = DecodeParams {
+                sinks: Some(sinks),
+                ..params(0.3, None, None)
+            };
+            run_with(&c, &p, 2)
+        };
+        assert_eq!(with(&[f32::NEG_INFINITY; 4]), run(&c, 0.3, None, 2));
+        assert!(with(&[40.0; 4]).iter().all(|x| x.abs() < 1e-6));
+        let some = with(&[0.0, 1.0, -1.0, 2.0]);
+        assert_ne!(some, run(&c, 0.3, None, 2));
+        let mut out = vec![0.0; c.q.len()];
+        let p = DecodeParams {
+            sinks: Some(&[0.0; 3]),
+            ..params(0.3, None, None)
+        };
+        assert_eq!(
+            paged_decode_f32(&c.q, &c.kv, &c.bt, &c.lens, &mut out, &c.d, &p, 1),
+            Err(KernelError::Length {
+                name: "sinks",
+                actual: 3,
+                expected: 4
+            })
+        );
     }
 
     #[test]

@@ -52,9 +52,10 @@ fn shape_error(what: &str, detail: String) -> PyErr {
 /// Decode attention over the paged KV cache, one query token per sequence, written into `out`.
 /// q/out float32 [B, H, D], kv_cache float32 [2, num_blocks, block_size, KVH, D], block_tables int32
 /// [B, M], seq_lens int32 [B] (context length including the query token). `logits_soft_cap`: scores
-/// become `cap * tanh(s / cap)` before the softmax; `isa`: the kernels (`quant_isa()`'s names).
+/// become `cap * tanh(s / cap)` before the softmax; `isa`: the kernels (`quant_isa()`'s names);
+/// `sinks` float32 [H]: a logit per query head in every softmax's denominator (gpt-oss's attention sinks).
 #[pyfunction]
-#[pyo3(signature = (q, kv_cache, block_tables, seq_lens, out, scale, sliding_window=None, num_threads=1, logits_soft_cap=None, isa=None))]
+#[pyo3(signature = (q, kv_cache, block_tables, seq_lens, out, scale, sliding_window=None, num_threads=1, logits_soft_cap=None, isa=None, sinks=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention(
     py: Python<'_>,
@@ -68,13 +69,9 @@ pub fn paged_decode_attention(
     num_threads: usize,
     logits_soft_cap: Option<f32>,
     isa: Option<&str>,
+    sinks: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
-    let params = DecodeParams {
-        scale,
-        sliding_window,
-        logits_soft_cap,
-        isa: isa_named(isa)?,
-    };
+    let isa = isa_named(isa)?;
     let q = array::<f32>(q, "q", 3, "float32")?;
     let kv = array::<f32>(kv_cache, "kv_cache", 5, "float32")?;
     let bt = array::<i32>(block_tables, "block_tables", 2, "int32")?;
@@ -106,7 +103,19 @@ pub fn paged_decode_attention(
         block_size: ks[2],
         max_blocks_per_seq: bs[1],
     };
+    let sinks = sinks
+        .map(|s| array::<f32>(s, "sinks", 1, "float32"))
+        .transpose()?;
+    if let Some(s) = &sinks {
+        if s.shape()[0] != qs[1] {
+            return Err(shape_error(
+                "sinks must be [H], one per query head",
+                format!("got {:?} for q {qs:?}", s.shape()),
+            ));
+        }
+    }
     let (q, kv, bt, lens) = (q.readonly(), kv.readonly(), bt.readonly(), lens.readonly());
+    let sinks = sinks.as_ref().map(|s| s.readonly());
     let mut out = out
         .try_readwrite()
         .map_err(|e| PyValueError::new_err(format!("out cannot be written: {e}")))?;
@@ -117,6 +126,13 @@ pub fn paged_decode_attention(
         lens.as_slice()?,
     );
     let out = out.as_slice_mut()?;
+    let params = DecodeParams {
+        scale,
+        sliding_window,
+        logits_soft_cap,
+        sinks: sinks.as_ref().map(|s| s.as_slice()).transpose()?,
+        isa,
+    };
     py.detach(|| paged_decode_f32(q, kv, bt, lens, out, &dims, &params, num_threads))
         .map_err(|e| PyValueError::new_err(e.to_string()))
 }

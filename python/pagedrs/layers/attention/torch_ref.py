@@ -268,7 +268,9 @@ class TorchAttentionBackend:
         plan = step_plan(meta, every_token=self.batch_invariant)
         out = torch.empty_like(q)
         if plan.cpu_decodes is not None and kernel:
-            self._decode_cpu(q, kv_cache, plan.cpu_decodes, out, scale, sliding_window, logits_soft_cap)
+            self._decode_cpu(
+                q, kv_cache, plan.cpu_decodes, out, scale, sliding_window, logits_soft_cap, sinks
+            )
         else:
             for group in plan.decode_groups:
                 out[group.token_idx] = self._decode(
@@ -313,6 +315,7 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None,
         logits_soft_cap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> None:
         """All decodes in one call of the Rust kernel, reading K/V in place through the block tables."""
         if dec.all_tokens:
@@ -331,6 +334,7 @@ class TorchAttentionBackend:
             sliding_window,
             cpu_kernel_threads(),
             logits_soft_cap,
+            sinks=None if sinks is None else sinks.detach().to(torch.float32).contiguous().numpy(),
         )
         if od is not out:
             out[dec.token_idx] = od
