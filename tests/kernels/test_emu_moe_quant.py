@@ -221,3 +221,23 @@ def test_each_rank_keeps_its_fp8_expert_shard(tmp_path: Path, as_on_gpu: None) -
     qdir32, _ = make_fp8_moe_pair(tmp_path / "b32", "block", (32, 32))
     with pytest.raises(ValueError, match=r"columns 16\.\.32 .*32-column blocks"):
         load_model(str(qdir32), dtype="float32", tp=TPGroup(1, 2), with_tokenizer=False)
+
+
+def test_experts_mixing_fp8_and_dense_pieces_load_dense() -> None:
+    """A weight whose pieces arrive partly fp8, partly float (a mixed checkpoint): all dense, exact."""
+    from pagedrs.layers.moe import ExpertWeights
+    from pagedrs.quantization.packed_parts import Fp8
+
+    w = ExpertWeights(2, [32, 32], 64, split="column", tp=TPGroup(), dtype=torch.float32, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    want = torch.randn(2, 64, 64, generator=g)
+    for e in range(2):
+        for p in range(2):
+            piece = want[e, 32 * p : 32 * p + 32]
+            if (e, p) != (1, 1):
+                q, s = fp8_block_quantize(piece, (32, 64))
+                want[e, 32 * p : 32 * p + 32] = q.float() * s
+                piece = Fp8(q, s.reshape(-1).expand(32).contiguous())
+            w.weight_loader(w.weight, piece, (e, p))
+    assert w.kernel_weight is None
+    torch.testing.assert_close(w.weight, want, rtol=0, atol=0)

@@ -132,6 +132,7 @@ class ExpertWeights(torch.nn.Module):
         # quantized for the CUDA kernel (GGUF Q8_0 on a CUDA device, FP8): `kernel_form`
         self.kernel_weight: ExpertMatrix | None = None
         self._kpieces: dict[tuple[int, int], object] = {}
+        self._dense_pieces = 0  # pieces loaded dense (a weight mixing them with kernel pieces is all dense)
 
     def _piece_rows(self, piece: int) -> tuple[int, int, int]:
         """(offset in this rank's rows, rows this rank holds, first full row it holds) of one piece."""
@@ -166,16 +167,19 @@ class ExpertWeights(torch.nn.Module):
             piece = piece.narrow(1, self.tp.position * self.cols, self.cols)
         if keeps_for_kernel(piece, param):
             self._kpieces[(e, p)] = piece
-            if len(self._kpieces) == len(self.shard_ids):
-                self._take_kernel_form(param)
-            return
-        if isinstance(piece, GGUFWeight) and piece.has_kernel and param.device.type == "cpu":
+        elif isinstance(piece, GGUFWeight) and piece.has_kernel and param.device.type == "cpu":
             self._qpieces[(e, p)] = piece
             if len(self._qpieces) == len(self.shard_ids):
                 self._take_quantized(param)
             return
-        read = getattr(piece, "materialize", None)
-        param.data[e, offset : offset + n].copy_(read() if read is not None else cast(Tensor, piece))
+        else:
+            read = getattr(piece, "materialize", None)
+            param.data[e, offset : offset + n].copy_(read() if read is not None else cast(Tensor, piece))
+            self._dense_pieces += 1
+        if self._kpieces and len(self._kpieces) + self._dense_pieces >= len(self.shard_ids):
+            self._take_kernel_form(param)
+        elif self._dense_pieces >= len(self.shard_ids):  # all dense: a later load starts afresh
+            self._dense_pieces = 0
 
     def _take_quantized(self, param: Tensor) -> None:
         """Every piece arrived quantized: stack them per expert (pieces in order) if they share one type,
@@ -196,16 +200,18 @@ class ExpertWeights(torch.nn.Module):
             param.data[e, offset : offset + n].copy_(p.materialize())
 
     def _take_kernel_form(self, param: Tensor) -> None:
-        """Every piece arrived in a form the CUDA kernel takes: stack them in its layout (`kernel_form`),
-        else dequantize them into the dense weight."""
-        pieces = [self._kpieces[sid] for sid in self.expert_shards]
-        self._kpieces = {}
-        m = stack_for_kernel(pieces, len(self.output_sizes), self.cols, param.device)
+        """Every piece arrived: if all in a form the CUDA kernel takes, stack them in its layout
+        (`kernel_form`); else (some pieces dense, or forms the kernel cannot stack together) dequantize the
+        kept ones into the dense weight."""
+        shards = [sid for sid in self.expert_shards if sid in self._kpieces]
+        pieces = [self._kpieces[sid] for sid in shards]
+        self._kpieces, dense, self._dense_pieces = {}, self._dense_pieces, 0
+        m = None if dense else stack_for_kernel(pieces, len(self.output_sizes), self.cols, param.device)
         if m is not None:
             self.kernel_weight = m
             param.data = torch.empty(0, self.rows, self.cols, dtype=param.dtype, device=param.device)
             return
-        for (e, k), p in zip(self.expert_shards, pieces, strict=True):
+        for (e, k), p in zip(shards, pieces, strict=True):
             offset, n, _ = self._piece_rows(k)
             param.data[e, offset : offset + n].copy_(cast(Loaded, p).materialize())  # type: ignore[union-attr]
 
