@@ -36,6 +36,7 @@ def test_policies_named() -> None:
         ((2,), {"block_size": BS, "balance_ratio": 0.5}, "balance_ratio"),
         ((2,), {"block_size": BS, "balance_abs_tokens": -5}, "balance_abs_tokens"),
         ((2,), {"block_size": BS, "max_sticky_keys": 0}, "max_sticky_keys"),
+        ((2,), {"block_size": BS, "request_tokens": -1}, "request_tokens"),
         ((2,), {"block_size": BS, "optimistic": "yes"}, "optimistic"),
         ((2,), {"block_size": BS, "loadpenalty": 1}, "loadpenalty"),
     ],
@@ -92,7 +93,7 @@ def test_cache_prefers_longest_cached_prefix() -> None:
 
 
 def test_cache_without_hits_is_least_loaded() -> None:
-    router = DPRouter(2, block_size=BS, balance_abs_tokens=10**9)
+    router = DPRouter(2, block_size=BS, balance_abs_tokens=10**9, request_tokens=0)
     assert router.route("a", blocks(1, 2), 500) == 0
     assert router.route("b", blocks(2, 2), 100) == 1
     assert router.route("c", blocks(3, 2), 100) == 1  # 500 vs 100: replica 1 again
@@ -103,7 +104,7 @@ def test_cache_without_hits_is_least_loaded() -> None:
 
 
 def test_load_penalty_trades_cache_for_load() -> None:
-    router = DPRouter(2, block_size=BS, load_penalty=1.0, balance_abs_tokens=10**9)
+    router = DPRouter(2, block_size=BS, load_penalty=1.0, balance_abs_tokens=10**9, request_tokens=0)
     prompt = blocks(1, 4)  # 64 cached tokens on replica 0
     store(router, 0, prompt)
     assert router.route("busy", [], 60) == 0  # tie: lowest index
@@ -115,9 +116,11 @@ def test_load_penalty_trades_cache_for_load() -> None:
 
 
 def test_hot_spot_guard_ratio_and_floor() -> None:
-    router = DPRouter(2, block_size=BS, load_penalty=0.0, balance_ratio=2.0, balance_abs_tokens=100)
+    router = DPRouter(
+        2, block_size=BS, load_penalty=0.0, balance_ratio=2.0, balance_abs_tokens=100, request_tokens=50
+    )
     prompt = blocks(3, 64)  # 1024 cached tokens on replica 0 outweigh any load (penalty 0)
-    store(router, 0, prompt)
+    store(router, 0, prompt)  # nothing to prefill: each request weighs request_tokens
     for i in range(2):
         assert router.route(f"a{i}", prompt, 50) == 0  # excess 0, then 50 <= floor 100
     assert router.route("a2", prompt, 50) == 0  # excess 100 <= floor
@@ -128,20 +131,77 @@ def test_hot_spot_guard_ratio_and_floor() -> None:
 
 
 def test_guard_ratio_lets_big_loads_differ() -> None:
-    router = DPRouter(2, block_size=BS, load_penalty=0.0, balance_ratio=2.0, balance_abs_tokens=100)
+    router = DPRouter(
+        2, block_size=BS, load_penalty=0.0, balance_ratio=2.0, balance_abs_tokens=100, request_tokens=500
+    )
     prompt = blocks(3, 64)
     store(router, 0, prompt)
-    router.route("big0", [], 1000)  # replica 0
-    router.route("big1", [], 1000)  # replica 1
+    router.route("big0", [], 500)  # replica 0: no hashes, its 500 tokens count until it finishes
+    router.route("big1", [], 500)  # replica 1
     router.route("p0", prompt, 500)  # replica 0: 1500 vs 1000, excess 500 <= 1 x 1000
     assert router.route("p1", prompt, 500) == 0  # 1500 vs 1000: still within the ratio
     assert router.route("p2", prompt, 500) == 0  # 2000 vs 1000: excess 1000 = (2 - 1) x 1000
     assert router.route("p3", prompt, 500) == 1  # 2500 vs 1000: guarded
-    assert [s.load_tokens for s in router.snapshot()] == [2500, 1500]
+    # p3 has its 500 prompt tokens to prefill on replica 1, where nothing of it is cached
+    assert [s.load_tokens for s in router.snapshot()] == [2500, 2000]
+
+
+def test_load_is_prefill_left_plus_request_tokens() -> None:
+    router = DPRouter(2, block_size=BS, load_penalty=0.0, request_tokens=10)
+    tenant = blocks(1, 4)
+    store(router, 0, tenant)
+    a = [*tenant, *blocks(2, 2)]  # the tenant's 4 cached blocks, then 2 of its own
+    assert router.route("a", a, 100) == 0
+    b = blocks(3, 6)  # cached nowhere: least loaded
+    assert router.route("b", b, 96) == 1
+    full = blocks(4, 3)
+    store(router, 0, full)
+    assert router.route("c", full, 50) == 0  # every full block cached: only request_tokens
+    assert [s.load_tokens for s in router.snapshot()] == [(100 - 64 + 10) + 10, 96 + 10]
+    store(router, 1, b[:5])  # prefill under way: still counted
+    assert router.snapshot()[1].load_tokens == 106
+    router.apply_events(1, KVCacheEvents(stored=[b[5]]))  # its last full block stored: prefill done
+    store(router, 0, a[4:])
+    assert [s.load_tokens for s in router.snapshot()] == [20, 10]
+    router.finish("a")
+    router.finish("b")
+    router.finish("c")
+    assert [s.load_tokens for s in router.snapshot()] == [0, 0]
+
+
+def test_prefill_ended_by_finish_or_replica_down() -> None:
+    router = DPRouter(2, block_size=BS, request_tokens=8)
+    p, q = blocks(5, 3), blocks(6, 3)
+    assert router.route("p", p, 48) == 0
+    assert router.route("q", q, 48) == 1
+    # the same prompt follows p (its blocks are claimed there), but they are not computed yet: it
+    # counts its whole prompt, as the core may compute both in one step
+    assert router.route("p2", p, 48) == 0
+    assert [s.load_tokens for s in router.snapshot()] == [2 * (48 + 8), 56]
+    router.finish("p")  # before its last block was reported
+    store(router, 0, p)  # ends p2's prefill
+    assert [s.load_tokens for s in router.snapshot()] == [8, 56]
+    router.set_available(1, False)
+    router.set_available(1, True)
+    store(router, 1, q)  # the dropped request's block: nothing to end
+    assert [s.load_tokens for s in router.snapshot()] == [8, 0]
+
+
+def test_cached_requests_let_a_replica_keep_its_tenant() -> None:
+    """Requests whose prefix is cached weigh only request_tokens, so a replica holding a tenant keeps its
+    requests under a load of cached requests that would guard it were they counted in prompt tokens."""
+    router = DPRouter(2, block_size=BS, request_tokens=32, balance_abs_tokens=256)
+    tenant = blocks(7, 16)  # 256 tokens
+    store(router, 0, tenant)
+    picks = [router.route(f"t{i}", [*tenant, 9_000 + i], 272) for i in range(6)]
+    assert picks == [0] * 6  # 6 x (16 + 32) = 288 tokens: within the floor over an idle replica
+    assert router.route("cold", blocks(8, 17), 272) == 1  # cached nowhere: the least loaded
 
 
 def test_sticky_key_follows_replica_until_down_or_guarded() -> None:
-    router = DPRouter(3, "least_loaded", block_size=BS, sticky=True, balance_abs_tokens=1000)
+    router = DPRouter(
+        3, "least_loaded", block_size=BS, sticky=True, balance_abs_tokens=1000, request_tokens=0
+    )
     assert router.route("a", [], 10, sticky_key="alice") == 0
     assert router.route("b", [], 10, sticky_key="bob") == 1
     assert router.route("c", [], 10, sticky_key="alice") == 0  # least loaded would be 2
@@ -171,7 +231,7 @@ def test_sticky_keys_bounded_lru() -> None:
 
 
 def test_down_replica_never_routed_and_state_dropped() -> None:
-    router = DPRouter(2, block_size=BS)
+    router = DPRouter(2, block_size=BS, load_penalty=0.0)
     prompt = blocks(1, 4)
     store(router, 0, prompt)
     assert router.route("a", prompt, 64) == 0
@@ -283,6 +343,8 @@ class ReferenceHolds:
         self.exact: list[set[int]] = [set() for _ in range(n)]
         self.claims: list[dict[int, int]] = [{} for _ in range(n)]
         self.requests: dict[str, tuple[int, list[int]]] = {}
+        # per request in flight: [replica, prompt tokens left to prefill, the block that ends the prefill]
+        self.prefill: dict[str, list] = {}
 
     def held_prefix(self, r: int, prompt: list[int]) -> int:
         n = 0
@@ -292,13 +354,24 @@ class ReferenceHolds:
             n += 1
         return n
 
-    def routed(self, rid: str, r: int, prompt: list[int]) -> None:
+    def routed(self, rid: str, r: int, prompt: list[int], num_tokens: int) -> None:
+        hit = 0  # the leading blocks the core reported: optimistic entries do not lighten the load
+        while hit < len(prompt) and prompt[hit] in self.exact[r]:
+            hit += 1
+        if hit < len(prompt):
+            self.prefill[rid] = [r, max(0, num_tokens - hit * BS), prompt[-1]]
+        else:
+            self.prefill[rid] = [r, 0 if prompt else num_tokens, None]
         claimed = [h for h in prompt if h not in self.exact[r]]
         for h in claimed:
             self.claims[r][h] = self.claims[r].get(h, 0) + 1
         self.requests[rid] = (r, claimed)
 
+    def load(self, r: int, request_tokens: int) -> int:
+        return sum(request_tokens + left for rr, left, _ in self.prefill.values() if rr == r)
+
     def finished(self, rid: str) -> None:
+        del self.prefill[rid]
         r, claimed = self.requests.pop(rid)
         for h in claimed:
             if self.claims[r].get(h):
@@ -312,6 +385,9 @@ class ReferenceHolds:
             self.exact[r].discard(h)
             self.claims[r].pop(h, None)
         self.exact[r].update(ev.stored)
+        for entry in self.prefill.values():
+            if entry[0] == r and entry[2] in ev.stored:
+                entry[1], entry[2] = 0, None
 
 
 def test_random_operations_match_reference() -> None:
@@ -319,7 +395,7 @@ def test_random_operations_match_reference() -> None:
 
     rng = random.Random(1)
     n = 3
-    router = DPRouter(n, block_size=BS, load_penalty=0.0, balance_abs_tokens=10**9)
+    router = DPRouter(n, block_size=BS, load_penalty=0.0, balance_abs_tokens=10**9, request_tokens=7)
     ref = ReferenceHolds(n)
     families = [blocks(t, 6) for t in range(5)]
     in_flight: list[str] = []
@@ -332,9 +408,10 @@ def test_random_operations_match_reference() -> None:
             best = max(range(n), key=lambda r: (expect[r], -loads[r], -r))
             before = router.snapshot()[best].hit_blocks_expected
             rid = f"q{step}"
-            assert router.route(rid, prompt, rng.randint(1, 50)) == best, step
+            num_tokens = rng.randint(1, 120)
+            assert router.route(rid, prompt, num_tokens) == best, step
             assert router.snapshot()[best].hit_blocks_expected - before == expect[best]
-            ref.routed(rid, best, prompt)
+            ref.routed(rid, best, prompt, num_tokens)
             in_flight.append(rid)
         elif op < 0.7 and in_flight:
             rid = in_flight.pop(rng.randrange(len(in_flight)))
@@ -354,3 +431,4 @@ def test_random_operations_match_reference() -> None:
             assert state.num_cached_blocks == len(ref.exact[r])
             held = {h for h, c in ref.claims[r].items() if c} - ref.exact[r]
             assert state.num_optimistic_blocks == len(held), step
+            assert state.load_tokens == ref.load(r, 7), step

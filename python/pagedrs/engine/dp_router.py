@@ -2,15 +2,23 @@
 
 It keeps, per replica, the exact set of prefix-cache block hashes the core holds (from the net changes in
 its step messages, `KVCacheEvents`), the requests in flight there and their load in tokens, and picks a
-replica by one of `ROUTING_POLICIES`:
+replica by one of `ROUTING_POLICIES`.
+
+A replica's load is the work its requests in flight still bring, in prompt tokens: per request
+``request_tokens`` (its share of the decode steps) plus the prompt tokens it has still to prefill. Those
+are the tokens past the prefix the replica's core reported cached when the request was routed to it (not
+blocks only claimed by other requests in flight: the core computes a prefix again for requests scheduled
+in the same step), counted until the core reports the prompt's last full block stored (its prefill is then
+done); a prompt routed without its block hashes counts every prompt token until it finishes. So a request
+whose prefix is cached, or that is past its prefill, weighs little, and a queued prefill weighs what it
+will cost.
 
 * ``cache``: the most cached prefix tokens (the longest run of the prompt's leading block hashes a replica
-  holds, times the block size) minus ``load_penalty`` times the replica's load tokens (the tokens of the
-  requests in flight there, running or waiting). A replica whose load exceeds the least loaded one's by
-  more than ``balance_abs_tokens`` and by more than ``balance_ratio`` times gets no new work, whatever its
-  cache (SGLang's gateway balances its cache-aware policy on the same two thresholds). Ties go to the least
-  loaded replica, then to the lowest index.
-* ``least_loaded``: the fewest load tokens (then fewest requests, then the lowest index).
+  holds, times the block size) minus ``load_penalty`` times the replica's load. A replica whose load
+  exceeds the least loaded one's by more than ``balance_abs_tokens`` and by more than ``balance_ratio``
+  times gets no new work, whatever its cache (SGLang's gateway balances its cache-aware policy on the same
+  two thresholds). Ties go to the least loaded replica, then to the lowest index.
+* ``least_loaded``: the least load (then fewest requests, then the lowest index).
 * ``round_robin``: the next replica that is up.
 
 A routed prompt's block hashes count as cached on the chosen replica at once (optimistic entries, as
@@ -23,7 +31,8 @@ that replica is up and not guarded against (a bounded map, least recently used k
 
 All state sits in plain dicts and sets; a route walks the prompt's hashes once against one map from
 block hash to a bit mask of the replicas holding it, so it costs O(blocks in the prompt + replicas)
-whatever the cache sizes. Every public method takes one lock, so the frontend may call from any thread.
+whatever the cache sizes; a step's events cost one more dict lookup per stored block (the prefills they
+end). Every public method takes one lock, so the frontend may call from any thread.
 """
 
 from __future__ import annotations
@@ -42,12 +51,12 @@ ROUTING_POLICIES = ("cache", "least_loaded", "round_robin")
 
 # tuning knob -> default (see the module docstring)
 DEFAULT_TUNING: dict[str, Any] = {
-    # Cached-prefix tokens one load token is worth: small, as most load tokens of a cache-routed replica
-    # are cached prefixes or decoding requests, far cheaper than the prefill a hit saves.
-    "load_penalty": 0.1,
-    # The guard: load > ratio x the least load and more than abs tokens above it (a few requests; on a
-    # 2-replica multi-tenant workload a lower floor scattered tenants, a higher one let one replica run
-    # 7 requests to the other's 1).
+    # Cached-prefix tokens one load token is worth: a request leaves the replica holding its prefix for one
+    # holding none when the former's load exceeds the latter's by 4x the cached tokens.
+    "load_penalty": 0.25,
+    # Load of a request in flight besides its prompt tokens still to prefill (its decode steps).
+    "request_tokens": 32,
+    # The guard: load > ratio x the least load and more than abs tokens above it.
     "balance_ratio": 1.5,
     "balance_abs_tokens": 1024,
     "optimistic": True,  # count a routed prompt's blocks as cached on its replica at once
@@ -70,7 +79,7 @@ class ReplicaState:
     index: int
     up: bool
     num_requests: int  # in flight (routed, not finished)
-    load_tokens: int  # tokens of the requests in flight
+    load_tokens: int  # load of the requests in flight (prompt tokens still to prefill + request_tokens each)
     num_cached_blocks: int  # block hashes the core reported cached
     num_optimistic_blocks: int  # blocks counted as cached from routed prompts, not yet reported
     routed: int  # requests routed here since the router started
@@ -82,7 +91,9 @@ class ReplicaState:
 @dataclass(slots=True)
 class _InFlight:
     replica: int
-    num_tokens: int
+    load: int  # what it adds to its replica's load now
+    prefill: int  # of which prompt tokens still to prefill
+    marker: int | None  # the prompt's last full block: stored on the replica -> prefill done
     claimed: list[int]  # hashes this request holds optimistic entries for
 
 
@@ -90,7 +101,8 @@ class _InFlight:
 class _Replica:
     up: bool = True
     cached: set[int] = field(default_factory=set)  # exact: from the core's events
-    load: int = 0  # tokens of the requests in flight
+    prefilling: dict[int, list[str]] = field(default_factory=dict)  # marker hash -> requests awaiting it
+    load: int = 0  # of the requests in flight
     num_requests: int = 0
     routed: int = 0
     hit_blocks: int = 0
@@ -107,6 +119,7 @@ def _check_tuning(tuning: dict[str, Any]) -> dict[str, Any]:
         ("load_penalty", lambda v: v >= 0, ">= 0"),
         ("balance_ratio", lambda v: v >= 1, ">= 1"),
         ("balance_abs_tokens", lambda v: v >= 0, ">= 0"),
+        ("request_tokens", lambda v: v >= 0, ">= 0"),
         ("max_sticky_keys", lambda v: isinstance(v, int) and v >= 1, "an int >= 1"),
     )
     for name, ok, what in checks:
@@ -142,6 +155,7 @@ class DPRouter:
         self.block_size = block_size
         self.sticky = bool(sticky)
         self._penalty = float(t["load_penalty"])
+        self._request_tokens = int(t["request_tokens"])
         self._ratio = float(t["balance_ratio"])
         self._abs = float(t["balance_abs_tokens"])
         self._optimistic: bool = t["optimistic"]
@@ -253,17 +267,32 @@ class DPRouter:
     def _admit(self, request_id: str, r: int, block_hashes: Sequence[int], num_tokens: int, hit: int) -> None:
         rep = self._replicas[r]
         claimed: list[int] = []
+        # the leading blocks the core reported (an optimistic entry's prefill may run in this one's step)
+        computed = hit
         if self._optimistic:
             bit, exact, unit, claims = 1 << r, self._exact[r], self._claim_unit[r], self._claim_field[r]
             index = self._index
-            for h in block_hashes:
+            computed = -1
+            for i, h in enumerate(block_hashes):
                 v = index.get(h, 0)
+                if not v & exact and computed < 0:
+                    computed = i
                 if v & exact or v & claims == claims:
                     continue
                 index[h] = (v | bit) + unit
                 claimed.append(h)
-        self._requests[request_id] = _InFlight(r, num_tokens, claimed)
-        rep.load += num_tokens
+            if computed < 0:
+                computed = len(block_hashes)
+        marker = None
+        if computed < len(block_hashes):
+            prefill = max(0, num_tokens - computed * self.block_size)
+            marker = block_hashes[-1]
+            rep.prefilling.setdefault(marker, []).append(request_id)
+        else:  # the whole prompt's full blocks held there (or no hashes: counted till it finishes)
+            prefill = num_tokens if not block_hashes else 0
+        load = prefill + self._request_tokens
+        self._requests[request_id] = _InFlight(r, load, prefill, marker, claimed)
+        rep.load += load
         rep.num_requests += 1
         rep.routed += 1
         rep.hit_blocks += hit
@@ -278,8 +307,10 @@ class DPRouter:
             if req is None:
                 return
             rep = self._replicas[req.replica]
-            rep.load -= req.num_tokens
+            rep.load -= req.load
             rep.num_requests -= 1
+            if req.marker is not None:
+                self._unwait(rep, req.marker, request_id)
             rep.finished += 1
             rep.generated += max(0, int(num_generated))
             r = req.replica
@@ -316,6 +347,8 @@ class DPRouter:
             for h in events.stored:
                 rep.cached.add(h)
                 index[h] = index.get(h, 0) | held
+            if rep.prefilling:
+                self._prefilled(rep, events.stored)
 
     def set_available(self, replica: int, up: bool) -> None:
         """Mark a replica up or down. Down: never routed to; its cache set, optimistic entries, in-flight
@@ -337,6 +370,7 @@ class DPRouter:
                 del self._requests[rid]
             rep.load = 0
             rep.num_requests = 0
+            rep.prefilling.clear()
             for key in [k for k, r in self._sticky_map.items() if r == replica]:
                 del self._sticky_map[key]
 
@@ -386,6 +420,27 @@ class DPRouter:
                 for h in req.claimed:
                     self._drop(h, everything)
         rep.cached.clear()
+
+    def _prefilled(self, rep: _Replica, stored: Sequence[int]) -> None:
+        """The requests whose prompt's last full block is among `stored` are past their prefill."""
+        waiting, requests = rep.prefilling, self._requests
+        for h in stored:
+            rids = waiting.pop(h, None)
+            if rids is None:
+                continue
+            for rid in rids:
+                req = requests[rid]
+                rep.load -= req.prefill
+                req.load -= req.prefill
+                req.prefill = 0
+                req.marker = None
+
+    @staticmethod
+    def _unwait(rep: _Replica, marker: int, request_id: str) -> None:
+        rids = rep.prefilling[marker]
+        rids.remove(request_id)
+        if not rids:
+            del rep.prefilling[marker]
 
     def _drop(self, h: int, bits: int) -> None:
         v = self._index.get(h)
