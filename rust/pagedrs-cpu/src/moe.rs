@@ -15,7 +15,7 @@
 
 mod epilogue;
 #[cfg(target_arch = "x86_64")]
-mod f32_tiles;
+mod f32_panel;
 pub use epilogue::{ExpertAct, ExpertEpilogue};
 
 use crate::ops::silu_and_mul;
@@ -289,12 +289,12 @@ fn grouped_matmul(
                 let we = &w[e * n * kdim..][..n * kdim];
                 let ae = &a[s0 * kdim..][..m * kdim];
                 #[cfg(target_arch = "x86_64")]
-                if wide && m >= WIDE_MIN_ROWS {
+                if wide {
                     // SAFETY: AVX2 and FMA are supported (`f32_wide`); this task alone writes columns `rows`
                     // of the expert's output rows `s0..s0 + m`.
                     #[allow(unsafe_code)]
                     unsafe {
-                        f32_tiles::tile(we, ae, kdim, out, s0, n, rows);
+                        f32_panel::panel(we, ae, kdim, out, s0, n, rows);
                     }
                     return;
                 }
@@ -346,12 +346,8 @@ fn grouped_matmul(
     }
 }
 
-/// The fewest rows of one expert that take the register tiles (`f32_tiles`); below, the one-weight-row
-/// kernel (the weights one sequential stream, what bounds a step of a few rows per expert).
-const WIDE_MIN_ROWS: usize = 8;
-
-/// Whether the float32 experts take the register tiles: the AVX2 kernel sets (`PAGEDRS_CPU_ISA=portable`
-/// turns them off).
+/// Whether the float32 experts take the register-tile kernels (`f32_panel`): the AVX2 kernel sets
+/// (`PAGEDRS_CPU_ISA=portable` turns them off).
 fn f32_wide(isa: Isa) -> bool {
     #[cfg(target_arch = "x86_64")]
     if isa.is_x86() {
@@ -362,7 +358,8 @@ fn f32_wide(isa: Isa) -> bool {
 }
 
 /// Weight rows `rows` of `w` (`[n, kdim]` float32) against the `m` rows of `a`, into `out` rows
-/// `s0..s0 + m` (width `n`): 4 activation rows share each weight row's loads, then 2 and 1.
+/// `s0..s0 + m` (width `n`): 4 activation rows share each weight row's loads, then 2 and 1 (the kernel of
+/// the portable and NEON sets; the x86 ones take `f32_panel`).
 #[allow(clippy::too_many_arguments)]
 fn f32_tile(
     isa: Isa,
@@ -419,54 +416,12 @@ const W_BLOCK: usize = 16;
 #[inline]
 fn dot_rows<const R: usize>(isa: Isa, w: &[f32], a: &[f32], i: usize, kdim: usize) -> [f32; R] {
     let xs: [&[f32]; R] = std::array::from_fn(|r| &a[(i + r) * kdim..][..kdim]);
-    #[cfg(target_arch = "x86_64")]
-    if isa.is_x86() {
-        // SAFETY: AVX2 and FMA are supported (`or_supported` kept an x86 kernel set).
-        #[allow(unsafe_code)]
-        unsafe {
-            return dot_rows_avx2::<R>(w, &xs);
-        }
-    }
     #[cfg(target_arch = "aarch64")]
     if matches!(isa, Isa::Neon | Isa::NeonDot) {
         return dot_rows_body::<R, true>(w, &xs); // fused multiply-add is baseline on aarch64
     }
     let _ = isa;
     dot_rows_body::<R, false>(w, &xs)
-}
-
-/// R rows against one weight row, 16 floats a step in two 8-float accumulators per row: each weight
-/// load serves every row (the compiler left the portable body's 2-D accumulator scalar here).
-#[cfg(target_arch = "x86_64")]
-#[allow(unsafe_code)]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot_rows_avx2<const R: usize>(w: &[f32], xs: &[&[f32]; R]) -> [f32; R] {
-    use std::arch::x86_64::*;
-    let k = w.len();
-    let whole = k / 16 * 16;
-    let mut acc = [[_mm256_setzero_ps(); 2]; R];
-    let wp = w.as_ptr();
-    let mut c = 0;
-    while c < whole {
-        // SAFETY: c + 16 <= k = w.len() = xs[r].len() (the callers' slices are all kdim long).
-        let (w0, w1) = (_mm256_loadu_ps(wp.add(c)), _mm256_loadu_ps(wp.add(c + 8)));
-        for r in 0..R {
-            let xp = xs[r].as_ptr();
-            acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp.add(c)), acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp.add(c + 8)), acc[r][1]);
-        }
-        c += 16;
-    }
-    std::array::from_fn(|r| {
-        let v = _mm256_add_ps(acc[r][0], acc[r][1]);
-        let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        let mut s = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<0b01>(s2, s2)));
-        for c in whole..k {
-            s += w[c] * xs[r][c];
-        }
-        s
-    })
 }
 
 /// Each row's dot with `w` in turn (the weight row stays in L1 across the rows; a 2-D accumulator over

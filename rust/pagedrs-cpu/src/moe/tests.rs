@@ -151,6 +151,27 @@ fn f32_experts_with_many_rows_each_match_the_float64_reference() {
 }
 
 #[test]
+fn f32_experts_with_one_to_nine_rows_each_match_the_float64_reference() {
+    // expert e takes e rows (expert 0 none): every tile height of the panel kernel (1 and 2 rows one
+    // weight row at a time, 3..9 in groups of at most 4), widths off the 8- and 16-float steps and output
+    // widths off the tile and panel widths; 4 threads split one expert's weight rows into runs that start
+    // inside a panel and end before the prefetch distance
+    let ids: Vec<i64> = (0..10i64)
+        .flat_map(|e| std::iter::repeat_n(e, e as usize))
+        .collect();
+    for isa in Isa::supported() {
+        for &(hidden, inter) in &[(37, 13), (70, 45), (48, 33), (200, 100)] {
+            for threads in [1, 4] {
+                run_f32(isa, (45, 1, hidden, inter, 10), Some(ids.clone()), threads);
+            }
+        }
+        for rows in 1..=9 {
+            run_f32(isa, (rows, 1, 133, 98, 3), Some(vec![1; rows]), 4);
+        }
+    }
+}
+
+#[test]
 fn f32_routing_edge_cases() {
     // every token to expert 2 (the others have no rows), and tokens naming the same experts in both orders
     run_f32(Isa::chosen(), (9, 1, 32, 24, 4), Some(vec![2; 9]), 2);
