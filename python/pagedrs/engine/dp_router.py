@@ -43,26 +43,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedrs.engine.dp_router_tuning import check_tuning
 from pagedrs.engine.messages import KVCacheEvents
 
 __all__ = ["ROUTING_POLICIES", "DPRouter", "NoReplicaAvailable", "ReplicaState"]
 
 ROUTING_POLICIES = ("cache", "least_loaded", "round_robin")
-
-# tuning knob -> default (see the module docstring)
-DEFAULT_TUNING: dict[str, Any] = {
-    # Cached-prefix tokens one load token is worth: a request leaves the replica holding its prefix for one
-    # holding none when the former's load exceeds the latter's by 4x the cached tokens.
-    "load_penalty": 0.25,
-    # Load of a request in flight besides its prompt tokens still to prefill (its decode steps).
-    "request_tokens": 32,
-    # The guard: load > ratio x the least load and more than abs tokens above it.
-    "balance_ratio": 1.5,
-    "balance_abs_tokens": 1024,
-    "optimistic": True,  # count a routed prompt's blocks as cached on its replica at once
-    "max_sticky_keys": 65536,  # sticky keys remembered (least recently used dropped first)
-}
-
 
 _CLAIM_BITS = 20
 _CLAIM_MAX = (1 << _CLAIM_BITS) - 1  # claims of one block on one replica beyond this are not counted
@@ -91,8 +77,7 @@ class ReplicaState:
 @dataclass(slots=True)
 class _InFlight:
     replica: int
-    load: int  # what it adds to its replica's load now
-    prefill: int  # of which prompt tokens still to prefill
+    prefill: int  # prompt tokens still to prefill (its load: this + request_tokens)
     marker: int | None  # the prompt's last full block: stored on the replica -> prefill done
     claimed: list[int]  # hashes this request holds optimistic entries for
 
@@ -108,27 +93,6 @@ class _Replica:
     hit_blocks: int = 0
     finished: int = 0
     generated: int = 0
-
-
-def _check_tuning(tuning: dict[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(tuning) - set(DEFAULT_TUNING))
-    if unknown:
-        raise ValueError(f"unknown router tuning {unknown}; known: {sorted(DEFAULT_TUNING)}")
-    t = {**DEFAULT_TUNING, **tuning}
-    checks = (
-        ("load_penalty", lambda v: v >= 0, ">= 0"),
-        ("balance_ratio", lambda v: v >= 1, ">= 1"),
-        ("balance_abs_tokens", lambda v: v >= 0, ">= 0"),
-        ("request_tokens", lambda v: v >= 0, ">= 0"),
-        ("max_sticky_keys", lambda v: isinstance(v, int) and v >= 1, "an int >= 1"),
-    )
-    for name, ok, what in checks:
-        v = t[name]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
-            raise ValueError(f"router tuning {name} must be {what}, got {v!r}")
-    if not isinstance(t["optimistic"], bool):
-        raise ValueError(f"router tuning optimistic must be a bool, got {t['optimistic']!r}")
-    return t
 
 
 class DPRouter:
@@ -149,7 +113,7 @@ class DPRouter:
             raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}, got {policy!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-        t = _check_tuning(tuning)
+        t = check_tuning(tuning)
         self.num_replicas = num_replicas
         self.policy = policy
         self.block_size = block_size
@@ -290,9 +254,8 @@ class DPRouter:
             rep.prefilling.setdefault(marker, []).append(request_id)
         else:  # the whole prompt's full blocks held there (or no hashes: counted till it finishes)
             prefill = num_tokens if not block_hashes else 0
-        load = prefill + self._request_tokens
-        self._requests[request_id] = _InFlight(r, load, prefill, marker, claimed)
-        rep.load += load
+        self._requests[request_id] = _InFlight(r, prefill, marker, claimed)
+        rep.load += prefill + self._request_tokens
         rep.num_requests += 1
         rep.routed += 1
         rep.hit_blocks += hit
@@ -307,10 +270,13 @@ class DPRouter:
             if req is None:
                 return
             rep = self._replicas[req.replica]
-            rep.load -= req.load
+            rep.load -= req.prefill + self._request_tokens
             rep.num_requests -= 1
             if req.marker is not None:
-                self._unwait(rep, req.marker, request_id)
+                rids = rep.prefilling[req.marker]
+                rids.remove(request_id)
+                if not rids:
+                    del rep.prefilling[req.marker]
             rep.finished += 1
             rep.generated += max(0, int(num_generated))
             r = req.replica
@@ -431,16 +397,7 @@ class DPRouter:
             for rid in rids:
                 req = requests[rid]
                 rep.load -= req.prefill
-                req.load -= req.prefill
-                req.prefill = 0
-                req.marker = None
-
-    @staticmethod
-    def _unwait(rep: _Replica, marker: int, request_id: str) -> None:
-        rids = rep.prefilling[marker]
-        rids.remove(request_id)
-        if not rids:
-            del rep.prefilling[marker]
+                req.prefill, req.marker = 0, None
 
     def _drop(self, h: int, bits: int) -> None:
         v = self._index.get(h)
