@@ -21,12 +21,21 @@ fn main() {
         (QuantType::Q8_0, 49152, 576),
         (QuantType::Q4_K, 1536, 1536),
         (QuantType::Q6_K, 1536, 1536),
+        (QuantType::Q4_0, 1536, 1536),
+        (QuantType::MXFP4, 1536, 1536),
     ] {
         let mut w: Vec<u8> = (0..n * qt.row_bytes(k)).map(|_| next() as u8).collect();
         // small finite f16 scales (0x2000 ~ 0.0078) over every 2-byte field: values stay finite
-        for c in w.chunks_exact_mut(2) {
-            if c[1] & 0x7c == 0x7c {
-                c[1] = 0x20;
+        if qt == QuantType::MXFP4 {
+            // e8m0 exponents near 2^-7: normal, finite products
+            for b in w.chunks_exact_mut(qt.block_bytes()) {
+                b[0] = 120 + (b[0] & 7);
+            }
+        } else {
+            for c in w.chunks_exact_mut(2) {
+                if c[1] & 0x7c == 0x7c {
+                    c[1] = 0x20;
+                }
             }
         }
         for m in [1usize, 4, 16] {

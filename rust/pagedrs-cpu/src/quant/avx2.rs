@@ -1,7 +1,7 @@
 //! AVX2 + FMA + F16C dot products of one weight row with `R` quantized activation rows (the weight
 //! block is unpacked once for all `R`); the x8 kernels also in a variant with AVX-512 VNNI's `vpdpbusd`. Integer products as llama.cpp does them: `maddubs` of unsigned
 //! weights (0..63) by signed 8-bit activations, `madd` by ones (or by 16-bit scales) to 32 bits, then one
-//! float FMA per 32 weights with the product of the two block scales. Q4_0, Q4_1 and Q8_0 run the
+//! float FMA per 32 weights with the product of the two block scales. Q4_0, Q4_1, Q8_0 and MXFP4 run the
 //! block-group kernels below instead (8 integer dots reduced together, one FMA per 8); the others the
 //! per-block ones.
 //!
@@ -356,7 +356,7 @@ unsafe fn q6_k<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> 
     finish(acc, [[0.0; R]; 2])
 }
 
-// ---- Block-group kernels for Q4_0, Q4_1 and Q8_0 ---------------------------------------------------------
+// ---- Block-group kernels for Q4_0, Q4_1, Q8_0 and MXFP4 --------------------------------------------------
 //
 // One "unit" is (weight block, activation row): the integer dot of 32 weights with 32 activations, times
 // the two block scales. Instead of reducing each unit's `maddubs` products on its own (a `madd`, a
@@ -366,18 +366,22 @@ unsafe fn q6_k<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> 
 // block b + u / R and activation row u % R, matching the interleaved scales of `RowGroup`. Each row's
 // output is the sum of its lanes once at the end (no per-block horizontal sum). The 4-bit types sum in
 // 16 bits until the last step: a `maddubs` lane is at most 2 * 15 * 127 = 3810, so 8 of them fit. Q8_0's
-// lanes (up to 2 * 128 * 127) go to 32 bits by `madd` first. (Q5_0 / Q5_1 stay on the per-block kernels:
-// their fifth bits and signs made the one-row case slower here than there, measured, and a row's
-// arithmetic must not change with the batch, so one kernel serves every row count.)
+// lanes (up to 2 * 128 * 127) go to 32 bits by `madd` first; MXFP4's signed weights (|w| <= 12, the sign
+// moved onto x) make lanes of at most 2 * 12 * 127 = 3048, summed in 16 bits as the 4-bit types. (Q5_0 /
+// Q5_1 stay on the per-block kernels: their fifth bits and signs made the one-row case slower here than
+// there, measured, and a row's arithmetic must not change with the batch, so one kernel serves every row
+// count.)
 
 const T_Q4_0: u8 = 0;
 const T_Q4_1: u8 = 1;
 const T_Q8_0: u8 = 2;
+const T_MXFP4: u8 = 3;
 
 const fn tree_block_bytes(t: u8) -> usize {
     match t {
         T_Q4_0 => 18,
         T_Q4_1 => 20,
+        T_MXFP4 => 17,
         _ => 34,
     }
 }
@@ -483,15 +487,40 @@ unsafe fn eight_block_halves(w: *const u8, bb: usize, b: usize) -> (__m256, __m2
     )
 }
 
-/// The 32 weights of the block at `p`: unsigned (0..15) for Q4_0 / Q4_1, signed bytes for Q8_0.
+/// The 32 weights of the block at `p`: unsigned (0..15) for Q4_0 / Q4_1, signed bytes for Q8_0 and for
+/// MXFP4 (its codes looked up in the doubled e2m1 table, |w| <= 12).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tree_weights<const T: u8>(p: *const u8) -> __m256i {
     match T {
         T_Q4_0 => nibbles16(p.add(2)),
         T_Q4_1 => nibbles16(p.add(4)),
+        T_MXFP4 => {
+            let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(KVALUES_MXFP4.as_ptr().cast()));
+            _mm256_shuffle_epi8(table, nibbles16(p.add(1)))
+        }
         _ => _mm256_loadu_si256(p.add(2).cast()),
     }
+}
+
+/// The halved e8m0 scales (`e8m0_half`) of blocks `b..b + nblk` of an MXFP4 row, one per lane (lane u:
+/// block b + u / R), as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn lane_e8m0<const R: usize>(w: *const u8, b: usize, nblk: usize) -> __m256 {
+    let mut e = [0i32; 8];
+    for (u, e) in e.iter_mut().enumerate() {
+        if u / R < nblk {
+            *e = i32::from(*w.add((b + u / R) * 17));
+        }
+    }
+    let e = _mm256_loadu_si256(e.as_ptr().cast());
+    // 2^(e - 128): exponent field e - 1, or the subnormals 2^-128, 2^-127 (0x200000 << e) for e < 2
+    let normal = _mm256_slli_epi32::<23>(_mm256_sub_epi32(e, _mm256_set1_epi32(1)));
+    let subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
+    let small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    // (lanes past nblk hold 2^-128: their integer sums and activation scales are 0)
+    _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, small))
 }
 
 /// Integer products of the 8 units of the blocks `b..b + nblk` (nblk <= 8 / R) into `p` (the units of
@@ -515,6 +544,13 @@ unsafe fn tree_products<const R: usize, const T: u8>(
         if T == T_Q4_0 || T == T_Q4_1 {
             for r in 0..R {
                 p[j * R + r] = _mm256_maddubs_epi16(q, load_x(&g.rows[r], b + j));
+            }
+        } else if T == T_MXFP4 {
+            // |w| times x with w's sign moved onto x: pairs up to 2 * 12 * 127, 8 of them fit i16
+            let aq = _mm256_sign_epi8(q, q);
+            for r in 0..R {
+                let x = _mm256_sign_epi8(load_x(&g.rows[r], b + j), q);
+                p[j * R + r] = _mm256_maddubs_epi16(aq, x);
             }
         } else {
             // Signed x signed through maddubs: |w| times x with w's sign moved onto x.
@@ -548,7 +584,9 @@ unsafe fn tree_step<const R: usize, const T: u8, const FULL: bool, const SITE: u
         sum8_i16(&p)
     };
     let with_min = T == T_Q4_1;
-    let (dw, min) = if R == 1 && FULL {
+    let (dw, min) = if T == T_MXFP4 {
+        (lane_e8m0::<R>(w, b, nblk), _mm256_setzero_ps())
+    } else if R == 1 && FULL {
         eight_block_halves(w, bb, b)
     } else {
         let min = if with_min {
@@ -634,6 +672,7 @@ pub(super) unsafe fn group_rows<const R: usize>(
         QuantType::Q4_0 => tree_rows::<R, T_Q4_0>(w, nb, g),
         QuantType::Q4_1 => tree_rows::<R, T_Q4_1>(w, nb, g),
         QuantType::Q8_0 => tree_rows::<R, T_Q8_0>(w, nb, g),
+        QuantType::MXFP4 => tree_rows::<R, T_MXFP4>(w, nb, g),
         _ => dot_rows(qt, w, nb, &g.rows),
     }
 }

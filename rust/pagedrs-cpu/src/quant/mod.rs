@@ -150,7 +150,10 @@ impl Isa {
     fn takes_eight_rows(self, qt: QuantType) -> bool {
         #[cfg(target_arch = "x86_64")]
         if self.is_x86() {
-            return matches!(qt, QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0);
+            return matches!(
+                qt,
+                QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0 | QuantType::MXFP4
+            );
         }
         let _ = qt;
         false
@@ -500,7 +503,7 @@ pub(crate) struct Tile<'a> {
 }
 
 /// The activation rows split into groups that share each weight row's unpacking: 8 rows at a time for
-/// the AVX2 block-group kernels (Q4_0, Q4_1, Q8_0), 4 for the others (whose per-row accumulators would
+/// the AVX2 block-group kernels (Q4_0, Q4_1, Q8_0, MXFP4), 4 for the others (whose per-row accumulators would
 /// not fit the registers at 8; the NEON kernels' spilled in the inner loop at 8 too), then 2 and 1 for
 /// the rest (m = 7 runs as 4 + 2 + 1). Every kernel gives a row the same bits in any group.
 pub(crate) fn row_groups(isa: Isa, qt: QuantType, acts: &QuantizedActs) -> Vec<Interleaved> {

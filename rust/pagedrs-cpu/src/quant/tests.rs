@@ -227,6 +227,41 @@ fn e8m0_scales_are_ggmls_halved_powers_of_two() {
 }
 
 #[test]
+fn mxfp4_with_the_smallest_exponents_matches_reference() {
+    // e8m0 bytes 0 and 1 are the subnormal scales 2^-128 and 2^-127 (with 2 and 3 beside them): large
+    // activations keep the outputs normal, so the comparison is relative, on every row group and ISA.
+    let qt = QuantType::MXFP4;
+    let mut rng = Rng(23);
+    let (n, k) = (5, 96);
+    let mut w = random_weights(qt, n, k, &mut rng);
+    for block in w.chunks_exact_mut(qt.block_bytes()) {
+        block[0] = (rng.next() % 4) as u8;
+    }
+    for m in [1, 3, 9] {
+        let x: Vec<f32> = (0..m * k).map(|_| 1e30 * rng.uniform()).collect();
+        let (want, mag) = reference_matmul(qt, &w, &x, m, k);
+        for isa in isas() {
+            let mut out = vec![0.0f32; m * n];
+            let dims = MatmulDims {
+                m,
+                k,
+                n,
+                ldo: n,
+                col0: 0,
+            };
+            quant_matmul_with(isa, qt, &w, &x, &mut out, &dims, 1).unwrap();
+            for ((&got, &e), &s) in out.iter().zip(&want).zip(&mag) {
+                assert!(s > 1e-30, "{s}");
+                assert!(
+                    (f64::from(got) - e).abs() <= 1e-5 * s,
+                    "{isa:?} m{m}: {got} vs {e} (scale {s})"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn f16_decoding() {
     for (bits, want) in [
         (0x3c00u16, 1.0f32),
