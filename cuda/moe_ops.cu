@@ -128,13 +128,17 @@ __device__ __forceinline__ MoeScale moe_scale(const float* s, int rows, int cols
 }
 
 // ---------------------------------------------------------------------------------------------
-// Weight element (row, k) of a stacked weight of `cols` = K columns (row counts every expert's rows).
+// Weight element (row, k) of a stacked weight of `cols` = K columns (row counts every expert's rows). fp8:
+// kb is k's column block when the caller knows it for the whole k step (>= 0), else -1.
 template <typename T, int WF>
-__device__ __forceinline__ float moe_weight(const void* w, const MoeScale& sc, long long row, int k, int cols) {
+__device__ __forceinline__ float moe_weight(
+    const void* w, const MoeScale& sc, long long row, int k, int cols, int kb)
+{
     if constexpr (WF == kMoeDense) {
         return to_float(static_cast<const T*>(w)[row * cols + k]);
     } else if constexpr (WF == kMoeFp8) {
-        const float scale = sc.s[(row / sc.rows) * sc.kblocks + k / sc.cols];
+        const long long rb = sc.rows == 1 ? row : row / sc.rows;
+        const float scale = sc.s[rb * sc.kblocks + (kb >= 0 ? kb : k / sc.cols)];
         return to_float(static_cast<const fp8e4m3_t*>(w)[row * cols + k]) * scale;
     } else {
         const unsigned char* b =
@@ -162,13 +166,15 @@ __device__ __forceinline__ void moe_fill_w(
     E* ws, int row, int k0, const void* __restrict__ w, const MoeScale& scale, long long wrow_a,
     long long wrow_b, int n_a, int n_b, int K)
 {
+    // fp8: one column block for the whole k step when blocks are whole k steps, or span every column
+    const int kb = scale.cols % kMoeBK == 0 || scale.kblocks == 1 ? k0 / scale.cols : -1;
 #pragma unroll 1  // unrolled, ptxas spills a few bytes (sm_90) for no gain: loads stay in flight across warps
     for (int i = threadIdx.x; i < 2 * kMoeBN * kMoeBK; i += kMoeThreads) {
         const int j = i / kMoeBK, kk = i % kMoeBK, k = k0 + kk;
         const bool second = j >= kMoeBN;
         const int jj = second ? j - kMoeBN : j;
         const bool ok = k < K && jj < (second ? n_b : n_a);
-        const float v = ok ? moe_weight<T, WF>(w, scale, (second ? wrow_b : wrow_a) + jj, k, K) : 0.f;
+        const float v = ok ? moe_weight<T, WF>(w, scale, (second ? wrow_b : wrow_a) + jj, k, K, kb) : 0.f;
         ws[j * row + kk] = from_float<E>(v);
     }
 }

@@ -7,6 +7,7 @@ Q8_0 blocks and equals its float32 dequantized run."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from pagedrs.kernels._loader import moe_op_names, quant_op_names
 from pagedrs.kernels.moe_ops import ExpertMatrix
 from pagedrs.layers.moe import FusedExperts, kernel_form
 from pagedrs.loader import LoadedModel, load_model
+from pagedrs.quantization import fp8_block
 from pagedrs.quantization.fp8_block import Fp8Block
 from tests.helpers import greedy_by_logits, logits_of
 from tests.kernels.emu.emulator import needs_emulator, recording_kernels
@@ -174,15 +176,16 @@ def test_q8_0_moe_gguf_keeps_q8_0_experts_for_the_kernel(
     torch.testing.assert_close(got, want, rtol=LOGITS_TOL, atol=LOGITS_TOL)
 
 
-def test_a_column_cut_inside_an_fp8_block_is_refused() -> None:
+def test_fp8_block_cuts() -> None:
     q, s = fp8_block_quantize(torch.randn(64, 256), (128, 128))
     w = Fp8Block(q, s, (128, 128))
     assert w.narrow(1, 128, 128).shape == (64, 128)
     cut = w.narrow(0, 16, 32)  # inside a row block: one scale row per weight row, exact
-    assert cut.block == (1, 128)
+    assert isinstance(cut, Fp8Block) and cut.block == (1, 128)
     torch.testing.assert_close(cut.materialize(), w.materialize()[16:48], rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"columns 64\.\.192 .*128-column blocks"):
-        w.narrow(1, 64, 128)
+    inside = w.narrow(1, 64, 128)  # inside column blocks: the dequantized slice
+    assert isinstance(inside, torch.Tensor) and inside.dtype == torch.float32
+    torch.testing.assert_close(inside, w.materialize()[:, 64:192], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
@@ -205,10 +208,12 @@ def test_int4_moe_checkpoint_on_gpu_dequantizes_its_experts_at_load(
     torch.testing.assert_close(got, logits_of(ref, IDS), rtol=LOGITS_TOL, atol=LOGITS_TOL)
 
 
-def test_each_rank_keeps_its_fp8_expert_shard(tmp_path: Path, as_on_gpu: None) -> None:
+def test_each_rank_keeps_its_fp8_expert_shard(
+    tmp_path: Path, as_on_gpu: None, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """TP=2 with 16 x 16 blocks: each rank's gate/up rows and down columns are whole blocks, kept fp8 and
-    dequantizing to exactly that rank's shard of the dequantized model; 32 x 32 blocks would cut the down
-    projection's 32 columns inside a block: refused, naming the cut."""
+    dequantizing to exactly that rank's shard of the dequantized model; 32 x 32 blocks cut the down
+    projection's 32 columns inside a block: that rank's down shards are held dequantized (logged), exact."""
     qdir, rdir = make_fp8_moe_pair(tmp_path, "block", (16, 16))
     for rank in range(2):
         tp = TPGroup(rank, 2)
@@ -218,9 +223,16 @@ def test_each_rank_keeps_its_fp8_expert_shard(tmp_path: Path, as_on_gpu: None) -
             for wq, wr in ((mq.gate_up, mr.gate_up), (mq.down, mr.down)):
                 assert wq.kernel_weight is not None and wq.kernel_weight.block == (16, 16)
                 torch.testing.assert_close(wq.dense(), wr.weight, rtol=0, atol=0)
-    qdir32, _ = make_fp8_moe_pair(tmp_path / "b32", "block", (32, 32))
-    with pytest.raises(ValueError, match=r"columns 16\.\.32 .*32-column blocks"):
-        load_model(str(qdir32), dtype="float32", tp=TPGroup(1, 2), with_tokenizer=False)
+    qdir32, rdir32 = make_fp8_moe_pair(tmp_path / "b32", "block", (32, 32))
+    monkeypatch.setattr(fp8_block, "_warned", set())  # the warning is logged once per process
+    with caplog.at_level(logging.WARNING, logger="pagedrs.loader"):
+        quant = load_model(str(qdir32), dtype="float32", tp=TPGroup(1, 2), with_tokenizer=False)
+    assert "cut inside their 32x32 scale blocks" in caplog.text
+    ref = load_model(str(rdir32), dtype="float32", tp=TPGroup(1, 2), with_tokenizer=False)
+    for mq, mr in zip(_experts(quant), _experts(ref), strict=True):
+        assert mq.gate_up.kernel_weight is not None and mq.down.kernel_weight is None
+        torch.testing.assert_close(mq.gate_up.dense(), mr.gate_up.weight, rtol=0, atol=0)
+        torch.testing.assert_close(mq.down.weight, mr.down.weight, rtol=0, atol=0)
 
 
 def test_experts_mixing_fp8_and_dense_pieces_load_dense() -> None:

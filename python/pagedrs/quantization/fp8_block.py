@@ -8,11 +8,13 @@ per br x bc tile, w = fp8 * scale (the name is DeepSeek's; the scale multiplies)
 dequantized, as before; the mixture-of-experts layer keeps its experts' pieces in fp8 for the fused
 experts kernel (`pagedrs.layers.moe.kernel_form`). A tensor-parallel rank's cut of the rows keeps the
 blocks when it falls on them, else carries one scale row per weight row (exact either way); a cut of the
-columns must fall on whole blocks (ValueError naming the numbers, as vLLM refuses such a split).
+columns inside a block (a row-parallel share that is not whole blocks, which vLLM refuses) gives the
+float32 dequantized slice instead, logged once: that projection is then held dense.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +23,22 @@ from torch import Tensor
 from pagedrs.quantization.dequant import dequantize_fp8
 
 __all__ = ["Fp8Block"]
+
+logger = logging.getLogger("pagedrs.loader")
+_warned: set[tuple[int, int]] = set()
+
+
+def _warn_cut(start: int, length: int, block: tuple[int, int]) -> None:
+    if block not in _warned:
+        _warned.add(block)
+        logger.warning(
+            "FP8 columns %d..%d cut inside their %dx%d scale blocks (a tensor-parallel share that is not "
+            "whole blocks): those weights are held dequantized; a tensor-parallel size that keeps whole "
+            "blocks per rank keeps them fp8",
+            start,
+            start + length,
+            *block,
+        )
 
 
 @dataclass(frozen=True)
@@ -61,7 +79,9 @@ class Fp8Block:
         rows = self.scale.repeat_interleave(self.block[0], 0)[: self.shape[0]].contiguous()
         return Fp8Block(self.weight, rows, (1, self.block[1]))
 
-    def narrow(self, dim: int, start: int, length: int) -> Fp8Block:
+    def narrow(self, dim: int, start: int, length: int) -> Fp8Block | Tensor:
+        """Rows (dim 0), or columns (dim 1) on whole blocks; a column cut inside a block gives the float32
+        dequantized slice (the layer holds it dense)."""
         br, bc = self.block
         if dim == 0:
             if start % br:
@@ -71,11 +91,8 @@ class Fp8Block:
         if dim != 1:
             raise ValueError(f"an FP8 weight has 2 dimensions, got dim={dim}")
         if start % bc or (length % bc and start + length != self.shape[1]):
-            raise ValueError(
-                f"cannot cut columns {start}..{start + length} of an FP8 weight with {br}x{bc} scale blocks: "
-                f"the cut must fall on its {bc}-column blocks (use a tensor-parallel size that keeps whole "
-                "blocks per rank)"
-            )
+            _warn_cut(start, length, self.block)
+            return self.materialize().narrow(1, start, length)
         end = -(-(start + length) // bc)
         return Fp8Block(self.weight.narrow(1, start, length), self.scale[:, start // bc : end], self.block)
 
