@@ -12,11 +12,11 @@ from pagedrs import _core
 
 __all__ = ["cpu_fused_experts"]
 
-# Rows above which float32 experts take torch's per-expert GEMMs instead of the Rust kernel (whose experts
-# of 8 rows or more take its AVX2 register tiles): bench/moe.py's shape (32 experts, top 4, hidden 768, 384
-# per expert), 1 thread, CPU time on a loaded 2-core AVX-512 EPYC: 64 rows 15-16 ms kernel vs 19-20 ms
-# loop over experts, 256 rows 39-40 ms vs 34-36 ms. Quantized experts always take the kernel.
-F32_KERNEL_MAX_ROWS = 64
+# Rows above which float32 experts take torch's per-expert GEMMs instead of the Rust kernel: bench/moe.py's
+# shape (32 experts, top 4, hidden 768, 384 per expert), 1 thread, interleaved loop / kernel time on a
+# loaded 2-core Zen 4 EPYC: 256 rows 1.3-1.7x, 512 rows 1.15x, 1024 rows 0.9x (torch's GEMMs win once an
+# expert has ~100 rows). Quantized experts always take the kernel.
+F32_KERNEL_MAX_ROWS = 512
 
 
 class ExpertWeights(Protocol):
