@@ -52,7 +52,8 @@ class LiquidExecutor(TPExecutor):
     def _init_pool(self) -> KVCachePool:
         """Rank 0 alone holds the model at first; its pool is sized as on one device."""
         runner = self.runner
-        if any(getattr(m, "qweight", None) is not None for m in runner.model.modules()):
+        quantized = ("qweight", "kernel_weight")  # kept for the CPU kernels, or MoE experts for the CUDA ones
+        if any(getattr(m, q, None) is not None for m in runner.model.modules() for q in quantized):
             raise ValueError(
                 "liquid scaling moves float weights between ranks, and this model's weights are kept "
                 "quantized: pass dtype='float32' to load them dequantized"
