@@ -1,17 +1,19 @@
-//! The float32 experts' matmul on AVX2 + FMA, any rows per expert. An expert of 1 or 2 rows streams its
-//! weights one row at a time (one sequential stream, which the hardware prefetchers follow at the
-//! core's full read rate). Larger ones are split into groups of at most 4 rows and the weights are read
-//! one panel of `PANEL` rows at a time: every group passes the panel (from memory once, then from L1) in
-//! register tiles of R activation rows x C weight rows (R*C accumulators, C weight vectors and one
-//! activation vector within the 16 ymm registers, at least 8 independent FMA chains), so each weight load
-//! serves R rows and each activation load C weight rows. A tile of C rows reads C streams at once, which
-//! the hardware prefetchers follow poorly: the weight rows `AHEAD` tiles on are prefetched into L2 a line
-//! per line consumed, so the weight stream and the arithmetic overlap.
+//! The float32 experts' matmul on AVX2 + FMA, any rows per expert.
 //!
-//! Measured on one core of a 2-core AMD EPYC (Zen 4), 768 x 768 weights (`kbench`-style timing, the
-//! weights in DRAM): 1-4 rows 17-21 GB/s of weights (the plain stream: 20-26 GB/s), 32 rows 82 GFLOP/s;
-//! the weights in L2, 4-32 rows 90-100 GFLOP/s (the two FMA pipes' peak). AVX-512 would add no FMA
-//! throughput on Zen 4 (512-bit FMAs take both pipes).
+//! Experts of 1-3 rows (a decode step's usual case: bounded by reading the weights) take the weights one
+//! row at a time from `STREAMS` (3 for 3 rows) places of the run at once: so many long sequential
+//! streams, which the hardware prefetchers run ahead on together (one Zen 4 core reads ~25 GB/s from 4-8
+//! streams, 18-21 GB/s from one). Larger experts are split into groups of at most 4 rows and the weights
+//! are read one panel of `PANEL` rows at a time: every group passes the panel (from memory once, then from
+//! L1) in register tiles of R activation rows x C weight rows (R*C accumulators, C weight vectors and one
+//! activation vector within the 16 ymm registers, at least 8 independent FMA chains), so each weight load
+//! serves R rows and each activation load C weight rows. A tile reads C short streams, which the hardware
+//! prefetchers follow poorly: the rows `AHEAD` tiles on are prefetched into L2, a line per line consumed.
+//!
+//! Measured on one core of a 2-core AMD EPYC (Zen 4), 768 x 768 weights in DRAM (thread CPU time, quiet
+//! machine): 1 row 24-28 GB/s, 2 rows 23-25, 3 rows 21-23, 4 rows 20-22, 8 rows 14 (50-60 GFLOP/s),
+//! 32 rows 82 GFLOP/s; weights in L2, 4-32 rows 90-100 GFLOP/s (the two FMA pipes' peak). AVX-512 would
+//! add no FMA throughput on Zen 4 (its 512-bit FMAs take both 256-bit pipes).
 
 use crate::pool::SharedOut;
 use std::arch::x86_64::*;
@@ -21,8 +23,10 @@ use std::arch::x86_64::*;
 const PANEL: usize = 12;
 /// How many tiles ahead the weight stream is prefetched.
 const AHEAD: usize = 2;
-/// Up to this many rows per expert, one weight row at a time (`Tile::row`).
+/// Up to this many rows per expert, one weight row at a time from `STREAMS` places (`Tile::far`).
 const ROW_AT_A_TIME: usize = 2;
+/// Weight streams of the one-row-at-a-time experts: rows a quarter of the run apart.
+const STREAMS: usize = 4;
 
 /// Weight rows `rows` of `w` (`[n, kdim]`) against the `m` rows of `a` (`[m, kdim]`), into `out` rows
 /// `s0..s0 + m` (width `n`).
@@ -45,19 +49,26 @@ pub(super) unsafe fn panel(
     if m == 0 || kdim == 0 {
         return;
     }
-    let tile = |i: usize, first: bool| Tile {
+    let tile = |i: usize, end: usize| Tile {
         w,
         a,
         i,
         kdim,
         o: out.at((s0 + i) * n),
         n,
-        end: if first { rows.end } else { 0 },
+        end,
     };
     if m <= ROW_AT_A_TIME {
-        // one sequential stream, which the hardware prefetchers follow best; the arithmetic is light
-        let t = tile(0, false);
-        for j in rows {
+        // the run's quarters side by side, the rows left over one at a time
+        let t = tile(0, 0);
+        let q = rows.len() / STREAMS;
+        for j in rows.start..rows.start + q {
+            match m {
+                2 => t.far::<2, STREAMS>(j, q),
+                _ => t.far::<1, STREAMS>(j, q),
+            }
+        }
+        for j in rows.start + STREAMS * q..rows.end {
             match m {
                 2 => t.row::<2>(j),
                 _ => t.row::<1>(j),
@@ -67,13 +78,25 @@ pub(super) unsafe fn panel(
     }
     // groups of rows as even as 4-row groups allow: 5 -> 3 + 2, 6 -> 3 + 3, 7 -> 4 + 3
     let groups = m.div_ceil(4);
+    if m == 3 {
+        // three streams of 3 rows: 9 accumulators, as sequential as the one-row-at-a-time experts
+        let t = tile(0, 0);
+        let q = rows.len() / 3;
+        for j in rows.start..rows.start + q {
+            t.far::<3, 3>(j, q);
+        }
+        for j in rows.start + 3 * q..rows.end {
+            t.far::<3, 1>(j, 0);
+        }
+        return;
+    }
     let mut j0 = rows.start;
     while j0 < rows.end {
         let jend = (j0 + PANEL).min(rows.end);
         let mut i = 0;
         for g in 0..groups {
             let r = (m - i).div_ceil(groups - g);
-            let t = tile(i, g == 0);
+            let t = tile(i, if g == 0 { rows.end } else { 0 });
             match r {
                 4 => t.panel::<4, 3>(j0, jend),
                 3 => t.panel::<3, 3>(j0, jend),
@@ -115,6 +138,43 @@ impl Tile<'_> {
             3 => self.run::<R, 3>(j),
             4 => self.run::<R, 4>(j),
             _ => self.run::<R, 5>(j),
+        }
+    }
+
+    /// Rows `i..i + R` against the `STREAMS` weight rows `j + s * q`: as many long sequential streams, which
+    /// the hardware prefetchers run ahead on together (one core reads more from several streams than from
+    /// one). Safety: as `run`.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(unsafe_code)]
+    #[inline]
+    unsafe fn far<const R: usize, const S: usize>(&self, j: usize, q: usize) {
+        let k = self.kdim;
+        let ap = self.a.as_ptr().add(self.i * k);
+        let wp = self.w.as_ptr().add(j * k);
+        let mut acc = [[_mm256_setzero_ps(); S]; R];
+        let whole = k / 8 * 8;
+        let mut p = 0;
+        while p < whole {
+            let mut wv = [_mm256_setzero_ps(); S];
+            for (s, v) in wv.iter_mut().enumerate() {
+                *v = _mm256_loadu_ps(wp.add(s * q * k + p));
+            }
+            for (r, row) in acc.iter_mut().enumerate() {
+                let av = _mm256_loadu_ps(ap.add(r * k + p));
+                for (s, v) in row.iter_mut().enumerate() {
+                    *v = _mm256_fmadd_ps(av, wv[s], *v);
+                }
+            }
+            p += 8;
+        }
+        for (r, row) in acc.iter().enumerate() {
+            for (s, &v) in row.iter().enumerate() {
+                let mut sum = hsum(v);
+                for c in whole..k {
+                    sum += *ap.add(r * k + c) * *wp.add(s * q * k + c);
+                }
+                *self.o.add(r * self.n + j + s * q) = sum;
+            }
         }
     }
 
