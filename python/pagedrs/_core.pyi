@@ -62,6 +62,8 @@ def moe_experts(
     gate_up_bias: npt.NDArray[np.float32] | None = None,
     down_bias: npt.NDArray[np.float32] | None = None,
     swiglu: tuple[float, float] | None = None,
+    gate_up_packed: bool = False,
+    down_packed: bool = False,
 ) -> None:
     """The fused experts step of a mixture-of-experts layer, written into `out`; GIL released:
     out[t] = sum over s of topk_weights[t, s] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, s],
@@ -73,7 +75,9 @@ def moe_experts(
     type; topk_ids int64 [T, k] (each in 0..E); topk_weights float32 [T, k]; out float32 [T, H].
     gate_up_bias float32 [E, 2I] / down_bias [E, H]: the experts' biases (added after each projection);
     swiglu (alpha, limit): gpt-oss's clamped SwiGLU, (up + 1) * g * sigmoid(alpha * g) with g = min(gate,
-    limit) and up clamped to +-limit, instead of silu(gate) * up.
+    limit) and up clamped to +-limit, instead of silu(gate) * up. gate_up_packed / down_packed: that GGUF
+    weight in the 8-row interleaved layout (``quant_pack_x8`` of it as [E * rows, row_bytes]; Q4_0, Q4_1 or
+    Q8_0, rows a multiple of 8), on the dense packed kernels.
     ValueError naming the array or the id on a bad argument."""
 
 def quant_matmul(

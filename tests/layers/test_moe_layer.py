@@ -158,6 +158,68 @@ def test_quantized_experts_binding_matches_dequantized_torch(gu_type: str, dn_ty
     assert err < 0.03, f"relative error {err:.4f}"
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_packed_quantized_experts_equal_the_unpacked_ones(qtype: str) -> None:
+    """Stacked experts repacked 8 rows at a time at load (`StackedQuantWeight`, `quant_pack_x8`) give the
+    unpacked kernel's step, both packed or one; they dequantize to the same weights; a type without the
+    layout is a ValueError."""
+    import gguf
+
+    from pagedrs.layers.moe.stacked_quant import StackedQuantWeight
+
+    experts, hidden, inter, tokens, top_k = 4, 64, 32, 11, 2
+    gen = torch.Generator().manual_seed(5)
+    qt = int(getattr(gguf.GGMLQuantizationType, qtype))
+    gu = gguf.quants.quantize(torch.randn(experts * 2 * inter, hidden, generator=gen).numpy() * 0.1, qt)
+    dn = gguf.quants.quantize(torch.randn(experts * hidden, inter, generator=gen).numpy() * 0.1, qt)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w, ids = route(torch.randn(tokens, experts, generator=gen), RoutingConfig(experts, top_k))
+    plain = [
+        StackedQuantWeight(qt, a.reshape(experts, r, -1), c, pack=False)
+        for a, r, c in ((gu, 2 * inter, hidden), (dn, hidden, inter))
+    ]
+    packed = [
+        StackedQuantWeight(qt, a.reshape(experts, r, -1), c)
+        for a, r, c in ((gu, 2 * inter, hidden), (dn, hidden, inter))
+    ]
+    assert all(p.packed for p in packed) and not any(p.packed for p in plain)
+    assert not np.array_equal(packed[0].data, plain[0].data)
+    for p, q in zip(packed, plain, strict=True):
+        torch.testing.assert_close(p.dequantized(), q.dequantized(), atol=0, rtol=0)
+
+    def run(g: StackedQuantWeight, d: StackedQuantWeight) -> np.ndarray:
+        out = np.full((tokens, hidden), np.nan, dtype=np.float32)
+        _core.moe_experts(
+            x.numpy(),
+            g.data,
+            d.data,
+            ids.numpy(),
+            w.numpy(),
+            out,
+            gate_up_type=qt,
+            down_type=qt,
+            num_threads=2,
+            gate_up_packed=g.packed,
+            down_packed=d.packed,
+        )
+        return out
+
+    want = run(*plain)
+    for g, d in ((packed[0], packed[1]), (packed[0], plain[1]), (plain[0], packed[1])):
+        np.testing.assert_allclose(run(g, d), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    with pytest.raises(ValueError, match="Q4_K"):
+        _core.moe_experts(
+            np.zeros((tokens, 256), np.float32),
+            np.zeros((experts, 2 * inter, 144), np.uint8),  # 256-wide Q4_K rows
+            np.zeros((experts, 256, inter), np.float32),
+            ids.numpy(),
+            w.numpy(),
+            np.zeros((tokens, 256), np.float32),
+            gate_up_type=int(gguf.GGMLQuantizationType.Q4_K),
+            gate_up_packed=True,
+        )
+
+
 def test_binding_rejects_bad_arguments() -> None:
     x = np.zeros((2, 8), np.float32)
     gu, dn = np.zeros((3, 8, 8), np.float32), np.zeros((3, 8, 4), np.float32)

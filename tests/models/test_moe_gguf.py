@@ -42,6 +42,7 @@ def test_q8_moe_gguf_keeps_experts_quantized(tmp_path: Path, cache: Path, kind: 
         experts = layer.mlp.experts
         assert experts.gate_up.qweight is not None and experts.down.qweight is not None
         assert experts.gate_up.weight.numel() == 0
+        assert experts.gate_up.qweight.packed and experts.down.qweight.packed  # the x8 layout at load
     # the stacked blocks are exactly the dequantized run's weights
     qe, de = quant.model.model.layers[1].mlp.experts, dense.model.model.layers[1].mlp.experts
     torch.testing.assert_close(qe.gate_up.dense(), de.gate_up.weight, rtol=0, atol=0)

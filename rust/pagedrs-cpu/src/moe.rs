@@ -7,8 +7,9 @@
 //! them in one pass: tasks on the warm thread pool are (expert, run of weight rows), so every weight row
 //! of an active expert is read once per step and an expert no token chose is never read. Experts are
 //! float32 (`ExpertWeights::F32`) or GGUF-quantized rows of the types the dense kernels take
-//! (`ExpertWeights::Quant`, activations quantized per expert as `quant::quant_matmul` does); the kernels
-//! are chosen at run time (`Isa`).
+//! (`ExpertWeights::Quant`, activations quantized per expert as `quant::quant_matmul` does), or Q4_0 /
+//! Q4_1 / Q8_0 rows repacked 8 at a time at load (`ExpertWeights::QuantX8`, the dense x8 kernels); the
+//! kernels are chosen at run time (`Isa`).
 //!
 //! Layouts: `x` `[T, H]`; `ids`, `weights` `[T, k]`; gate_up `[E, 2I, H]` (each expert's gate rows
 //! then its up rows); down `[E, H, I]`; `out` `[T, H]`. Biases and gpt-oss's clamped SwiGLU: `epilogue`.
@@ -16,6 +17,7 @@
 mod epilogue;
 #[cfg(target_arch = "x86_64")]
 mod f32_panel;
+mod quant_x8;
 pub use epilogue::{ExpertAct, ExpertEpilogue};
 
 use crate::ops::silu_and_mul;
@@ -40,6 +42,9 @@ pub enum ExpertWeights<'a> {
     F32(&'a [f32]),
     /// GGUF blocks, each matrix row `qt.row_bytes(cols)` bytes.
     Quant(QuantType, &'a [u8]),
+    /// The same blocks with each matrix in the 8-row interleaved layout (`quant::x8::pack` of the
+    /// stacked `[E * rows, row_bytes]`; Q4_0, Q4_1 or Q8_0, rows a multiple of 8).
+    QuantX8(QuantType, &'a [u8]),
 }
 
 impl ExpertWeights<'_> {
@@ -52,6 +57,15 @@ impl ExpertWeights<'_> {
     ) -> Result<(), KernelError> {
         match *self {
             ExpertWeights::F32(w) => KernelError::check_len(name, w.len(), e * rows * cols),
+            ExpertWeights::QuantX8(qt, w) => {
+                if !crate::quant::x8::packs(qt) || rows % crate::quant::x8::ROWS != 0 {
+                    return Err(KernelError::Packing {
+                        qtype: qt.name(),
+                        n: rows,
+                    });
+                }
+                ExpertWeights::Quant(qt, w).check(name, e, rows, cols)
+            }
             ExpertWeights::Quant(qt, w) => {
                 if cols == 0 || cols % qt.block_len() != 0 {
                     return Err(KernelError::BlockLen {
@@ -278,6 +292,11 @@ fn grouped_matmul(
         .min(n);
     let chunks = n.div_ceil(per_task);
     let tasks = active.len() * chunks;
+    if let ExpertWeights::QuantX8(qt, w) = w {
+        let t = TASKS_PER_THREAD;
+        quant_x8::grouped_matmul_x8(isa, qt, w, &active, a, kdim, out, n, threads, t);
+        return;
+    }
     let out = SharedOut::new(out);
     match w {
         ExpertWeights::F32(w) => {
@@ -302,6 +321,7 @@ fn grouped_matmul(
                 f32_tile(isa, we, ae, kdim, out, s0, n, rows);
             })
         }
+        ExpertWeights::QuantX8(..) => unreachable!("taken above"),
         ExpertWeights::Quant(qt, w) => {
             let rb = qt.row_bytes(kdim);
             let mut acts: Vec<Option<(QuantizedActs, Vec<_>)>> =

@@ -579,10 +579,12 @@ impl<'py> ExpertArray<'py> {
         }
     }
 
-    fn weights(&self) -> PyResult<pagedrs_cpu::moe::ExpertWeights<'_>> {
+    /// `packed`: GGUF rows in the 8-row interleaved layout (`quant_pack_x8`).
+    fn weights(&self, packed: bool) -> PyResult<pagedrs_cpu::moe::ExpertWeights<'_>> {
         use pagedrs_cpu::moe::ExpertWeights;
         Ok(match self {
             ExpertArray::F32(a) => ExpertWeights::F32(a.as_slice()?),
+            ExpertArray::Quant(qt, a) if packed => ExpertWeights::QuantX8(*qt, a.as_slice()?),
             ExpertArray::Quant(qt, a) => ExpertWeights::Quant(*qt, a.as_slice()?),
         })
     }
@@ -594,9 +596,11 @@ impl<'py> ExpertArray<'py> {
 /// rows uint8 [E, rows, row_bytes] where `gate_up_type` / `down_type` name their GGML type; topk_ids int64
 /// [T, k]; topk_weights float32 [T, k]; out float32 [T, H]. `isa`: the kernels (`quant_isa()`'s names).
 /// `gate_up_bias` float32 [E, 2I] / `down_bias` [E, H]: the experts' biases; `swiglu` (alpha, limit):
-/// gpt-oss's clamped SwiGLU instead of silu(gate) * up.
+/// gpt-oss's clamped SwiGLU instead of silu(gate) * up. `gate_up_packed` / `down_packed`: that GGUF
+/// weight in the 8-row interleaved layout (`quant_pack_x8` of [E * rows, row_bytes]; Q4_0, Q4_1, Q8_0,
+/// rows a multiple of 8).
 #[pyfunction]
-#[pyo3(signature = (x, gate_up, down, topk_ids, topk_weights, out, gate_up_type=None, down_type=None, num_threads=1, isa=None, gate_up_bias=None, down_bias=None, swiglu=None))]
+#[pyo3(signature = (x, gate_up, down, topk_ids, topk_weights, out, gate_up_type=None, down_type=None, num_threads=1, isa=None, gate_up_bias=None, down_bias=None, swiglu=None, gate_up_packed=false, down_packed=false))]
 #[allow(clippy::too_many_arguments)]
 pub fn moe_experts(
     py: Python<'_>,
@@ -613,6 +617,8 @@ pub fn moe_experts(
     gate_up_bias: Option<&Bound<'_, PyAny>>,
     down_bias: Option<&Bound<'_, PyAny>>,
     swiglu: Option<(f32, f32)>,
+    gate_up_packed: bool,
+    down_packed: bool,
 ) -> PyResult<()> {
     let isa = isa_named(isa)?;
     let b_gu = gate_up_bias
@@ -667,7 +673,7 @@ pub fn moe_experts(
         wts.as_slice()?,
         out.as_slice_mut()?,
     );
-    let (gw, dw) = (gu.weights()?, dn.weights()?);
+    let (gw, dw) = (gu.weights(gate_up_packed)?, dn.weights(down_packed)?);
     let (b_gu, b_dn) = (
         b_gu.as_ref().map(|b| b.readonly()),
         b_dn.as_ref().map(|b| b.readonly()),

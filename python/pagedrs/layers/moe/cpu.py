@@ -21,7 +21,8 @@ F32_KERNEL_MAX_ROWS = 512
 
 class ExpertWeights(Protocol):
     """What the kernel reads of a stacked expert weight (`experts.ExpertWeights`): the GGUF blocks when
-    kept quantized (`qweight.data`, `qweight.ggml_type`), else the float weight [E, out, in]."""
+    kept quantized (`qweight.data`, `qweight.ggml_type`, `qweight.packed`), else the float weight
+    [E, out, in]."""
 
     @property
     def qweight(self) -> Any: ...
@@ -30,14 +31,15 @@ class ExpertWeights(Protocol):
     def weight(self) -> Tensor: ...
 
 
-def _operand(w: ExpertWeights) -> tuple[object, int | None] | None:
-    """(array, GGML type or None for float32) of a stacked expert weight the kernels take."""
+def _operand(w: ExpertWeights) -> tuple[object, int | None, bool] | None:
+    """(array, GGML type or None for float32, whether in the x8 layout) of a stacked expert weight the
+    kernels take."""
     if w.qweight is not None:
-        return w.qweight.data, w.qweight.ggml_type
+        return w.qweight.data, w.qweight.ggml_type, bool(getattr(w.qweight, "packed", False))
     p = w.weight
     if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
         return None
-    return p.detach().numpy(), None
+    return p.detach().numpy(), None, False
 
 
 def cpu_fused_experts(
@@ -78,5 +80,7 @@ def cpu_fused_experts(
         gate_up_bias=None if gate_up_bias is None else gate_up_bias.detach().contiguous().numpy(),
         down_bias=None if down_bias is None else down_bias.detach().contiguous().numpy(),
         swiglu=swiglu,
+        gate_up_packed=gu[2],
+        down_packed=dn[2],
     )
     return out

@@ -307,55 +307,70 @@ pub fn quant_matmul_x8_with(
                     std::ptr::copy_nonoverlapping(v.as_ptr(), out.at(at), x8::ROWS);
                 }
             };
-            let mut i = 0;
-            #[cfg(target_arch = "x86_64")]
-            if isa.is_x86() {
-                // 4 activation rows share each block's loads, then the 1-3 left in one group: the
-                // same bits for a row in any group.
-                while i < d.m {
-                    let r = (d.m - i).min(4);
-                    // One activation row is bound by reading the weights, and the AVX2 kernel measured
-                    // a little faster there (`bench/quant_kernel.py --isas avx2,avx512-vnni`): VNNI from two rows.
-                    let vnni = isa == Isa::Avx512Vnni && r > 1;
-                    // SAFETY: the kernels are supported (`begin`: AVX2/FMA/F16C, and AVX512VL/VNNI for
-                    // `vnni`); `wg` is `nb` packed blocks, each row `nb` sub-blocks.
-                    #[allow(unsafe_code)]
-                    unsafe {
-                        match r {
-                            4 => x8_rows::<4>(vnni, qt, wg.as_ptr(), nb, &acts, i, &store),
-                            3 => x8_rows::<3>(vnni, qt, wg.as_ptr(), nb, &acts, i, &store),
-                            2 => x8_rows::<2>(vnni, qt, wg.as_ptr(), nb, &acts, i, &store),
-                            _ => x8_rows::<1>(vnni, qt, wg.as_ptr(), nb, &acts, i, &store),
-                        }
-                    }
-                    i += r;
-                }
-            }
-            #[cfg(target_arch = "aarch64")]
-            if matches!(isa, Isa::Neon | Isa::NeonDot) {
-                // 4 activation rows share each block's loads, then the 1-3 left in one group.
-                while i < d.m {
-                    let r = (d.m - i).min(4);
-                    // SAFETY: the kernels are supported (`begin`); `wg` is `nb` packed blocks, each row
-                    // `nb` sub-blocks.
-                    #[allow(unsafe_code)]
-                    unsafe {
-                        match r {
-                            4 => neon_x8_rows::<4>(isa, qt, wg.as_ptr(), nb, &acts, i, &store),
-                            3 => neon_x8_rows::<3>(isa, qt, wg.as_ptr(), nb, &acts, i, &store),
-                            2 => neon_x8_rows::<2>(isa, qt, wg.as_ptr(), nb, &acts, i, &store),
-                            _ => neon_x8_rows::<1>(isa, qt, wg.as_ptr(), nb, &acts, i, &store),
-                        }
-                    }
-                    i += r;
-                }
-            }
-            for i in i..d.m {
-                store(i, x8::group_portable(qt, wg, nb, acts.row(i)));
-            }
+            x8_group_rows(isa, qt, wg, nb, &acts, d.m, &store);
         }
     });
     Ok(())
+}
+
+/// The `m` activation rows of `acts` against one packed group `wg` of W (`nb` blocks), each row's 8
+/// outputs given to `store`, on the kernels of `isa` (supported): what `quant_matmul_x8_with` runs per
+/// group, and the fused experts step per group of an expert's rows.
+pub(crate) fn x8_group_rows(
+    isa: Isa,
+    qt: QuantType,
+    wg: &[u8],
+    nb: usize,
+    acts: &QuantizedActs,
+    m: usize,
+    store: &impl Fn(usize, [f32; x8::ROWS]),
+) {
+    let mut i = 0;
+    #[cfg(target_arch = "x86_64")]
+    if isa.is_x86() {
+        // 4 activation rows share each block's loads, then the 1-3 left in one group: the
+        // same bits for a row in any group.
+        while i < m {
+            let r = (m - i).min(4);
+            // One activation row is bound by reading the weights, and the AVX2 kernel measured
+            // a little faster there (`bench/quant_kernel.py --isas avx2,avx512-vnni`): VNNI from two rows.
+            let vnni = isa == Isa::Avx512Vnni && r > 1;
+            // SAFETY: the kernels are supported (`isa` is, as the callers' `or_supported` gives:
+            // AVX2/FMA/F16C, and AVX512VL/VNNI for `vnni`); `wg` is `nb` packed blocks, each row `nb` sub-blocks.
+            #[allow(unsafe_code)]
+            unsafe {
+                match r {
+                    4 => x8_rows::<4>(vnni, qt, wg.as_ptr(), nb, acts, i, store),
+                    3 => x8_rows::<3>(vnni, qt, wg.as_ptr(), nb, acts, i, store),
+                    2 => x8_rows::<2>(vnni, qt, wg.as_ptr(), nb, acts, i, store),
+                    _ => x8_rows::<1>(vnni, qt, wg.as_ptr(), nb, acts, i, store),
+                }
+            }
+            i += r;
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    if matches!(isa, Isa::Neon | Isa::NeonDot) {
+        // 4 activation rows share each block's loads, then the 1-3 left in one group.
+        while i < m {
+            let r = (m - i).min(4);
+            // SAFETY: the kernels are supported (`isa` is); `wg` is `nb` packed blocks, each row
+            // `nb` sub-blocks.
+            #[allow(unsafe_code)]
+            unsafe {
+                match r {
+                    4 => neon_x8_rows::<4>(isa, qt, wg.as_ptr(), nb, acts, i, store),
+                    3 => neon_x8_rows::<3>(isa, qt, wg.as_ptr(), nb, acts, i, store),
+                    2 => neon_x8_rows::<2>(isa, qt, wg.as_ptr(), nb, acts, i, store),
+                    _ => neon_x8_rows::<1>(isa, qt, wg.as_ptr(), nb, acts, i, store),
+                }
+            }
+            i += r;
+        }
+    }
+    for i in i..m {
+        store(i, x8::group_portable(qt, wg, nb, acts.row(i)));
+    }
 }
 
 /// Activation rows `i..i + R` against one packed group of W, each row's 8 outputs given to `store`
