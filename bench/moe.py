@@ -53,7 +53,7 @@ def _loop(x, gate_up, down, w, ids):
     return out
 
 
-def _fused(x, gate_up, down, w, ids, threads, types=(None, None)):
+def _fused(x, gate_up, down, w, ids, threads, types=(None, None), packed=False):
     out = np.empty(tuple(x.shape), dtype=np.float32)
     gu, dn = gate_up, down
     _core.moe_experts(
@@ -66,6 +66,8 @@ def _fused(x, gate_up, down, w, ids, threads, types=(None, None)):
         gate_up_type=types[0],
         down_type=types[1],
         num_threads=threads,
+        gate_up_packed=packed,
+        down_packed=packed,
     )
     return out
 
@@ -200,12 +202,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.quant:
         import gguf
 
+        from pagedrs.layers.moe.stacked_quant import StackedQuantWeight
+
+        # as the MoE layer keeps them: Q4_0 / Q4_1 / Q8_0 repacked 8 rows at a time at load
         qt = getattr(gguf.GGMLQuantizationType, args.quant)
-        qdata = (
-            gguf.quants.quantize(gu_np.reshape(-1, H), qt).reshape(E, 2 * inter, -1),
-            gguf.quants.quantize(dn_np.reshape(-1, inter), qt).reshape(E, H, -1),
-            int(qt),
+        qg = StackedQuantWeight(
+            int(qt), gguf.quants.quantize(gu_np.reshape(-1, H), qt).reshape(E, 2 * inter, -1), H
         )
+        qd = StackedQuantWeight(
+            int(qt), gguf.quants.quantize(dn_np.reshape(-1, inter), qt).reshape(E, H, -1), inter
+        )
+        qdata = (qg.data, qd.data, int(qt), qg.packed)
     results: dict[str, object] = {
         "shape": {"experts": E, "top_k": k, "hidden": H, "inter": inter},
         "rows": {},
@@ -243,8 +250,10 @@ def main(argv: list[str] | None = None) -> int:
             f"fused experts at {rows} rows: {t_fused * 1e3:.3f} ms (fused) vs {t_dense * 1e3:.3f} ms (dense, same active parameters) = {t_dense / t_fused:.2f}x"
         )
         if qdata is not None:
-            qg, qd, qt_id = qdata
-            t_q = low_time(lambda: _fused(x, qg, qd, w, ids, args.threads, (qt_id, qt_id)), args.iters)
+            qg, qd, qt_id, packed = qdata
+            t_q = low_time(
+                lambda: _fused(x, qg, qd, w, ids, args.threads, (qt_id, qt_id), packed), args.iters
+            )
             entry[f"fused_{args.quant}_ms"] = t_q * 1e3
             print(
                 f"fused experts at {rows} rows: {t_q * 1e3:.3f} ms ({args.quant}) vs {t_fused * 1e3:.3f} ms (float32) = {t_fused / t_q:.2f}x"
