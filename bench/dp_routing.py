@@ -15,9 +15,12 @@ Workloads (drawn once from --seed; every server gets the same requests in the sa
 
 Each server (one per entry of --configs: `dp1` is DP=1, the others DP=--dp with that routing policy) is
 started on 127.0.0.1 with --threads CPU threads in all (OMP_NUM_THREADS, shared out among replicas) and
---num-kv-blocks blocks per replica (DP=1: --dp times as many, the same KV memory in all; small enough that one replica cannot hold every tenant's prefix, so
-where the requests go decides what stays cached), warmed up, then runs each workload at --concurrency
-requests in flight: streaming `/v1/completions`, greedy, `ignore_eos`, --max-tokens output tokens each.
+--num-kv-blocks blocks per replica (DP=1: --dp times as many, the same KV memory in all). The defaults size
+the multi-tenant workload so that where the requests go decides what stays cached: 8 tenants' prefixes of
+16 blocks (of 16 tokens) each are 128 blocks, 1.45x one replica's 88; half of them and the requests in
+flight fit in one replica, all of them do not. Each server is warmed up, then runs each workload at
+--concurrency requests in flight: streaming `/v1/completions`, greedy, `ignore_eos`, --max-tokens output
+tokens each.
 Per server and workload: output tok/s, TTFT p50/p90, and the prefix-cache hit rate (hit / queried prompt
 tokens) from the server's `pagedrs:prefix_cache_hits` / `pagedrs:prefix_cache_queries` counters before and
 after (per replica where the series carry an `engine` label). Prints, for the goals,
@@ -326,11 +329,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--dp", type=int, default=2, help="replicas of the policy runs")
     p.add_argument("--threads", type=int, default=2, help="CPU threads in all (shared out among replicas)")
-    p.add_argument("--num-kv-blocks", type=int, default=96, help="KV-cache blocks per replica")
+    p.add_argument("--num-kv-blocks", type=int, default=88, help="KV-cache blocks per replica")
     p.add_argument("--tenants", type=int, default=8)
     p.add_argument("--system-words", type=int, default=240, help="words of a tenant's system prompt")
     p.add_argument("--question-words", type=int, default=12)
-    p.add_argument("--requests", type=int, default=96, help="requests of the multi-tenant workload")
+    p.add_argument("--requests", type=int, default=256, help="requests of the multi-tenant workload")
     p.add_argument("--no-shared-requests", type=int, default=32, help="requests of the no-shared workload")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16)
