@@ -45,8 +45,11 @@ def test_bad_settings_name_the_value() -> None:
     ):
         with pytest.raises(ValueError, match=name):
             EngineArgs(**kw).early_configs()  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="--api-server-count 2 with --data-parallel-size 2"):
-        resolve_server_args(ServerArgs(api_server_count=2), EngineArgs(data_parallel_size=2))
+    with pytest.raises(ValueError, match="--api-server-count 2 with --data-parallel-backend 'ray'"):
+        resolve_server_args(
+            ServerArgs(api_server_count=2), EngineArgs(data_parallel_size=2, data_parallel_backend="ray")
+        )
+    assert resolve_server_args(ServerArgs(api_server_count=2), EngineArgs(data_parallel_size=2))
 
 
 def test_threads_are_shared_out(monkeypatch: pytest.MonkeyPatch) -> None:

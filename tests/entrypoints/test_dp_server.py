@@ -17,7 +17,7 @@ import pytest
 from conftest import SubprocessServer, wait_until
 
 from pagedrs import LLM, SamplingParams
-from tests.entrypoints.helpers_dp import SHARED, dp_flags, routed, start_dp_server, tree
+from tests.entrypoints.helpers_dp import SHARED, dp_flags, per_engine, routed, start_dp_server, tree
 from tests.helpers import make_tiny_llama, process_gone
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -81,6 +81,45 @@ def test_routing_counters_and_health(server: SubprocessServer) -> None:
         health = http.get("/health")
         assert health.status_code == 200
         assert [(r["index"], r["state"]) for r in health.json()["replicas"]] == [(0, "up"), (1, "up")]
+
+
+# Engine-level samples: each must carry the engine label of the replica that served (as vLLM's DP does).
+ENGINE_COUNTS = [
+    f"{prefix}:{name}"
+    for prefix in ("pagedrs", "vllm")
+    for name in (
+        "time_to_first_token_seconds_count",
+        "e2e_request_latency_seconds_count",
+        "request_success_total",
+    )
+]
+
+
+def test_request_histograms_and_prefix_counters_per_engine(server: SubprocessServer) -> None:
+    with server.http() as http:
+        before = per_engine(http.get("/metrics").text)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:  # concurrent, distinct: both replicas
+            answers = list(pool.map(lambda p: _complete(http, "Again: " + p, max_tokens=12), FRESH))
+        assert [a.status_code for a in answers] == [200] * 4
+        prompt_tokens = sum(a.json()["usage"]["prompt_tokens"] for a in answers)
+        after = per_engine(http.get("/metrics").text)
+    for name, label_free in after.items():  # every engine-level sample carries the label
+        if name.startswith(("pagedrs:", "vllm:")) and not name.startswith("pagedrs:http_requests"):
+            assert "-" not in label_free, name
+
+    def delta(name: str) -> dict[str, float]:
+        return {e: v - before.get(name, {}).get(e, 0.0) for e, v in after[name].items()}
+
+    for name in ENGINE_COUNTS:
+        d = delta(name)
+        assert set(d) == {"0", "1"} and sum(d.values()) == 4, (name, d)
+        assert min(d.values()) > 0, (name, d)  # both replicas served, each counted under its own label
+    for name in ("pagedrs:prefix_cache_queries_total", "vllm:prefix_cache_queries_total"):
+        d = delta(name)
+        assert set(d) == {"0", "1"} and sum(d.values()) == prompt_tokens, (name, d)
+    assert set(after["vllm:prefix_cache_hits_total"]) == {"0", "1"}
+    for name in ("pagedrs:engine_step_seconds_count", "pagedrs:inter_token_latency_seconds_count"):
+        assert min(delta(name).values()) > 0, name
 
 
 def _session_counts(http: httpx.Client) -> list[float]:

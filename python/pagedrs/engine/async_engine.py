@@ -155,13 +155,17 @@ class AsyncLLMEngine:
     def from_supervised_core(
         cls, engine_args: Any, ipc_dir: str, client_index: int, **kwargs: Any
     ) -> AsyncLLMEngine:
-        """Client `client_index` of the core that this process's parent supervises in `ipc_dir`
-        (`--api-server-count N`): the parent starts and restarts the core; this frontend follows it."""
+        """Client `client_index` of the core (with `data_parallel_size` M, of each of the M cores) that
+        this process's parent supervises in `ipc_dir` (`--api-server-count N`): the parent starts and
+        restarts the cores; this frontend follows them and routes its requests over all of them."""
+        dp = engine_args.data_parallel_config()
         return cls(
             tokenizer=_frontend_tokenizer(engine_args),
             client_index=client_index,
             ipc_dir=ipc_dir,
-            _make_handle=lambda ipc_dir, gen: RemoteCore(ipc_dir, gen, client_index),
+            _make_handle=[lambda ipc_dir, gen: RemoteCore(ipc_dir, gen, client_index)] * dp.size,
+            routing=dp.routing,
+            session_affinity=dp.session_affinity,
             **kwargs,
         )
 
@@ -327,6 +331,8 @@ class AsyncLLMEngine:
             replica = self._cores.route(request_id, req)
         except NoReplicaAvailable as exc:
             raise EngineDeadError(str(exc)) from None
+        if self.observer is not None and self.router is not None:
+            self.observer.on_routed(replica)
         if isinstance(params, PoolingParams):
             self.output_processor.add_pooling_request(request_id, text, req.prompt_token_ids)
             kind = RequestOutputKind.FINAL_ONLY
@@ -382,6 +388,7 @@ class AsyncLLMEngine:
     def _abort(self, stream: RequestStream[Any]) -> None:
         rid = stream.request_id
         del self._streams[rid]
+        self._select_engine(self._cores.owner.get(rid))
         self.output_processor.abort_requests([rid])
         stream._fail(RequestAbortedError(f"request {rid} aborted"))
         self._cores.abort(rid)
@@ -396,6 +403,7 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------ outputs
     def _on_outputs(self, replica: int, msg: EngineCoreOutputs, received_at: float) -> None:
+        self._select_engine(replica)
         try:
             self._process(replica, msg)
         except Exception as exc:  # a frontend bug fails these requests, not the loop
@@ -425,6 +433,11 @@ class AsyncLLMEngine:
         if processed.abort_seqs:  # stop strings found here: the core stops those samples
             self._cores.send(replica, AbortRequests([], processed.abort_seqs))
 
+    def _select_engine(self, replica: int | None) -> None:
+        """The observer's next request events are of this replica's requests (metrics per engine)."""
+        if self.observer is not None and replica is not None:
+            self.observer.select_engine(replica)
+
     # ------------------------------------------------------------ faults
     def _restarted(self) -> None:
         for fn in self._restart_listeners:
@@ -434,13 +447,16 @@ class AsyncLLMEngine:
         for rid in request_ids:
             stream = self._streams.pop(rid, None)
             if stream is not None:
+                self._select_engine(self._cores.owner.get(rid))
                 self.output_processor.abort_requests([rid])
                 stream._fail(exc)
             self._cores.abort(rid)
 
     def _fail_all(self, exc: BaseException) -> None:
         streams, self._streams = self._streams, {}
-        self.output_processor.abort_requests(list(streams))
+        for rid in streams:
+            self._select_engine(self._cores.owner.get(rid))
+            self.output_processor.abort_requests([rid])
         for rid in list(self._cores.owner):
             self._cores.forget(rid)
         for stream in streams.values():

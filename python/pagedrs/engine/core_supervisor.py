@@ -1,8 +1,9 @@
 """The engine core of a server with several API server processes (`--api-server-count N`): one process
 (the supervisor, the server's main process) starts the core with N client sockets, restarts it when it
-dies (at most `max_restarts` times), and publishes what it knows in `core-state.json` in the private ipc
+dies (at most `max_restarts` times), and publishes what it knows in `core-state.json` in the core's ipc
 dir. The API server processes follow that file (`RemoteCore`): they fail their in-flight requests when the
-core dies and reconnect to the generation that replaces it."""
+core dies and reconnect to the generation that replaces it. With data parallelism there is one of these
+per core (`dp_frontends.DPCoreSupervisor`)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,13 @@ _READY_TIMEOUT_S = 600.0
 class CoreSupervisor:
     """Owns the core process of N frontends. `start()` once, then `check()` a few times a second."""
 
-    def __init__(self, engine_args: Any, ipc_dir: str, num_clients: int, max_restarts: int = 3) -> None:
+    def __init__(
+        self, engine_args: Any, ipc_dir: str, num_clients: int, max_restarts: int = 3, *, index: int = 0
+    ) -> None:
+        """`index`: the data-parallel replica this core is (named in the log)."""
         if num_clients < 1:
             raise ValueError(f"num_clients must be at least 1, got {num_clients}")
+        self.index = index
         self.engine_args = engine_args
         self.ipc_dir = ipc_dir
         self.num_clients = num_clients
@@ -52,12 +57,22 @@ class CoreSupervisor:
     def start(self, should_stop: Callable[[], bool] = lambda: False) -> Ready:
         """Starts generation `self.gen` and waits for its Ready; EngineStartupError (published as
         `failed`) when it reports a failure, exits, says nothing for the timeout, or `should_stop()`."""
+        self.launch()
+        return self.wait_ready(should_stop)
+
+    def launch(self) -> None:
+        """Starts generation `self.gen`'s process, not waiting for it (from a thread that outlives the
+        core: it dies with the thread that started it)."""
         self.handle = None
         self._publish("starting")
         handle = ProcessCore(self.engine_args, self.ipc_dir, self.gen, self.num_clients, status=True)
         handle.start()
         self.handle = handle
-        assert handle.status_addr is not None
+
+    def wait_ready(self, should_stop: Callable[[], bool] = lambda: False) -> Ready:
+        """Waits for the launched generation's Ready (any thread); see `start`."""
+        handle = self.handle
+        assert handle is not None and handle.status_addr is not None
         try:
             ready, sock = connect_ready(
                 handle, _READY_TIMEOUT_S, address=handle.status_addr, should_stop=should_stop
@@ -69,7 +84,8 @@ class CoreSupervisor:
         sock.close(linger=0)
         self._publish("ready")
         logger.info(
-            "engine core ready (pid %s, generation %d): %s, %d KV blocks, %d API servers",
+            "engine core %d ready (pid %s, generation %d): %s, %d KV blocks, %d API servers",
+            self.index,
             handle.pid,
             self.gen,
             ready.model_name,
@@ -92,7 +108,9 @@ class CoreSupervisor:
         while self.num_restarts < self.max_restarts and not should_stop():
             self.num_restarts += 1
             self.gen += 1
-            logger.warning("restarting the engine core (%d/%d)", self.num_restarts, self.max_restarts)
+            logger.warning(
+                "restarting engine core %d (%d/%d)", self.index, self.num_restarts, self.max_restarts
+            )
             try:
                 self.start(should_stop)
                 return True

@@ -19,7 +19,8 @@ from typing import Any
 
 from pagedrs.engine.core_client import CoreClient
 from pagedrs.engine.core_handles import CoreHandle, EngineStartupError, ProcessCore, connect_ready
-from pagedrs.engine.dp_router import DPRouter, NoReplicaAvailable
+from pagedrs.engine.dp_frontends import FrontendRouter
+from pagedrs.engine.dp_router import NoReplicaAvailable
 from pagedrs.engine.messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, KVCacheEvents, Ready
 from pagedrs.engine.prefix_hashes import core_request_block_hashes
 from pagedrs.engine.request_stream import EngineCoreDiedError, EngineDeadError
@@ -232,7 +233,8 @@ class ReplicaSet:
             )
             for i, make in enumerate(makers)
         ]
-        self.router: DPRouter | None = None
+        self.client_index = client_index
+        self.router: FrontendRouter | None = None
         self.routing = "round_robin"
         self.owner: dict[str, int] = {}  # request id -> its replica
 
@@ -273,7 +275,7 @@ class ReplicaSet:
         """With more than one core, the router that picks each request's."""
         self.routing = routing
         if len(self.replicas) > 1:
-            self.router = DPRouter(
+            self.router = FrontendRouter(
                 len(self.replicas), routing, block_size=block_size, sticky=session_affinity
             )
 
@@ -341,6 +343,8 @@ class ReplicaSet:
         self.replicas[replica].stats = msg.stats
         if self.router is not None and msg.kv_events is not None:
             self.router.apply_events(replica, msg.kv_events)
+        if self.router is not None and msg.client_load is not None:  # other frontends route here too
+            self.router.observe_load(replica, msg.client_load, self.client_index)
 
     async def call(self, method: str, args: list[Any], timeout: float) -> Any:
         """A utility call on every core that serves: the first one's answer (for bools, all of them)."""

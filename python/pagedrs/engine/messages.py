@@ -138,6 +138,9 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
     stats: EngineStats
     timestamp: float
     kv_events: KVCacheEvents | None = None  # set when the frontend routes by cache (data parallelism)
+    # With several clients (API server processes): per client, the prompt tokens of its requests in flight
+    # on this core (running or waiting), so that each client's router sees the load the others bring.
+    client_load: list[int] | None = None
 
 
 class UtilityResult(msgspec.Struct, tag="result", array_like=True):

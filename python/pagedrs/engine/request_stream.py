@@ -43,7 +43,12 @@ class RequestAbortedError(RuntimeError):
 
 
 class StepObserver(RequestObserver, Protocol):
+    """Also told, with data parallelism, which replica the next request events and step are of, and
+    where each request was routed."""
+
     def on_step(self, stats: EngineStats, frontend_s: float) -> None: ...
+    def select_engine(self, index: int) -> None: ...
+    def on_routed(self, index: int) -> None: ...
 
 
 def merge_delta(prev: RequestOutput, new: RequestOutput) -> RequestOutput:

@@ -168,8 +168,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "-asc",
         type=int,
         default=_SERVER.api_server_count,
-        help="API server processes sharing the port and one engine core (default 1): HTTP, tokenization "
-        "and streaming scale past one process's CPU",
+        help="API server processes sharing the port and the engine core(s) (default 1): HTTP, tokenization "
+        "and streaming scale past one process's CPU; with -dp M each routes its requests over all M cores "
+        "(not with --data-parallel-backend ray)",
     )
     g.add_argument("--log-level", default=_SERVER.log_level, choices=["debug", "info", "warning", "error"])
     g.add_argument(

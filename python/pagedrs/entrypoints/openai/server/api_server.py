@@ -29,11 +29,12 @@ def resolve_server_args(server: ServerArgs, engine_args: EngineArgs) -> ServerAr
         server = dataclasses.replace(server, data_dir=os.path.join(base, "pagedrs"))
     if server.api_server_count < 1:
         raise ValueError(f"--api-server-count must be at least 1, got {server.api_server_count}")
-    if server.api_server_count > 1 and engine_args.data_parallel_size > 1:
+    if server.api_server_count > 1 and engine_args.data_parallel_backend != "mp":
         raise ValueError(
-            f"--api-server-count {server.api_server_count} with --data-parallel-size "
-            f"{engine_args.data_parallel_size} is not supported: the data-parallel router runs in one API "
-            "server process; use --api-server-count 1"
+            f"--api-server-count {server.api_server_count} with --data-parallel-backend "
+            f"{engine_args.data_parallel_backend!r} is not supported: several API server processes share "
+            "engine cores that the server's main process runs (--data-parallel-backend mp); use "
+            "--api-server-count 1"
         )
     error = server.error(enable_lora=engine_args.enable_lora)
     if error is not None:

@@ -84,7 +84,6 @@ def make_state(engine: AsyncLLMEngine, args: ServerArgs) -> ServerState:
         engine.get_stats,
         core_histograms=args.api_server_index == 0,
         get_replica_stats=engine.get_replica_stats if dp else None,
-        get_routing=engine.router.snapshot if engine.router is not None else None,
     )
     engine.set_observer(metrics)
     models = ServingModels(engine, names)

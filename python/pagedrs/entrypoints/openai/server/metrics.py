@@ -119,12 +119,10 @@ class _EngineStatsCollector(Collector):
         get_stats: Callable[[], Any],
         model_name: str,
         get_replica_stats: Callable[[], list[Any]] | None = None,
-        get_routing: Callable[[], list[Any]] | None = None,
     ) -> None:
         self._get_stats = get_stats
         self._model = model_name
         self._get_replica_stats = get_replica_stats
-        self._get_routing = get_routing
 
     def collect(self) -> Iterator[Any]:
         """One sample per family, or with data parallelism one per replica (vLLM's ``engine`` label)."""
@@ -146,16 +144,6 @@ class _EngineStatsCollector(Collector):
 
         def c(name: str, doc: str, key: str) -> CounterMetricFamily:
             return fill(CounterMetricFamily(name, doc, labels=labels), key)
-
-        if self._get_routing is not None:
-            routed = CounterMetricFamily(
-                "pagedrs:dp_routed_requests",
-                "Requests the data-parallel router sent to each replica.",
-                labels=["model_name", "engine"],
-            )
-            for r in self._get_routing():
-                routed.add_metric([self._model, str(r.index)], float(r.routed))
-            yield routed
 
         yield g("pagedrs:num_requests_running", "Requests in the running batch.", "num_running")
         yield g("pagedrs:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting")
@@ -260,7 +248,7 @@ def exposition(registry: CollectorRegistry) -> bytes:
 
 
 class ServerMetrics:
-    """One registry per app; also the AsyncLLMEngine's RequestObserver."""
+    """One registry per app; also the AsyncLLMEngine's StepObserver."""
 
     def __init__(
         self,
@@ -269,19 +257,23 @@ class ServerMetrics:
         *,
         core_histograms: bool = True,
         get_replica_stats: Callable[[], list[Any]] | None = None,
-        get_routing: Callable[[], list[Any]] | None = None,
     ) -> None:
         """`core_histograms`: observe the core's per-step figures (step time, send time, batch size).
         Every API server process gets every step message; one of them observes these, so the summed
         histograms count each step once. With data parallelism, `get_replica_stats` gives each replica's
-        stats (the engine series then carry vLLM's ``engine`` label) and `get_routing` the router's
-        per-replica state. Long because it declares every metric, one per statement, with
-        vLLM's names."""
+        stats: every engine-level series (the engine's gauges and counters, the request histograms and
+        counters, the step histograms) then carries vLLM's ``engine`` label, the replica's index, and
+        the requests routed to each replica are counted.
+        Long because it declares every metric, one per statement, with vLLM's names."""
         self.core_histograms = core_histograms
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        self._engine_collector = _EngineStatsCollector(get_stats, model_name, get_replica_stats, get_routing)
-        labels = ["model_name"]
+        self._engine_collector = _EngineStatsCollector(get_stats, model_name, get_replica_stats)
+        # With data parallelism the request and step series carry the engine label (vLLM's); one engine
+        # serves them without it, and vLLM's names add engine="0" (`vllm_twins`).
+        self.num_engines = len(get_replica_stats()) if get_replica_stats is not None else 0
+        self._engine = VLLM_ENGINE_INDEX  # the replica whose events are being observed
+        labels = ["model_name", "engine"] if self.num_engines else ["model_name"]
         self.ttft = Histogram(
             "pagedrs:time_to_first_token_seconds",
             "Time to first token.",
@@ -306,7 +298,7 @@ class ServerMetrics:
         self.finished = Counter(
             "pagedrs:request_success",
             "Finished requests by finish reason.",
-            ["model_name", "finished_reason"],
+            [*labels, "finished_reason"],
             registry=self.registry,
         )
         self.http = Counter(
@@ -343,35 +335,62 @@ class ServerMetrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
             registry=self.registry,
         )
-        for reason in ("stop", "length", "abort"):
-            self.finished.labels(model_name, reason)
+        # A counter in every API server process (summed at scrape time), unlike the router's own count.
+        self.routed = (
+            Counter(
+                "pagedrs:dp_routed_requests",
+                "Requests the data-parallel router sent to each replica.",
+                ["model_name", "engine"],
+                registry=self.registry,
+            )
+            if self.num_engines
+            else None
+        )
+        for engine in range(max(1, self.num_engines)):
+            self._engine = str(engine)
+            for reason in ("stop", "length", "abort"):
+                self.finished.labels(*self._labels(), reason)
+            if self.routed is not None:
+                self.routed.labels(model_name, str(engine))
+        self._engine = VLLM_ENGINE_INDEX
         self.registry.register(self._engine_collector)
 
-    # RequestObserver (called from the engine thread; prometheus_client is thread-safe)
+    def _labels(self) -> tuple[str, ...]:
+        return (self.model_name, self._engine) if self.num_engines else (self.model_name,)
+
+    # StepObserver (called on the engine's event loop; prometheus_client is thread-safe)
+    def select_engine(self, index: int) -> None:
+        """The replica whose requests and step the next calls observe."""
+        self._engine = str(index)
+
+    def on_routed(self, index: int) -> None:
+        if self.routed is not None:
+            self.routed.labels(self.model_name, str(index)).inc()
+
     def on_first_token(self, ttft_s: float) -> None:
-        self.ttft.labels(self.model_name).observe(ttft_s)
+        self.ttft.labels(*self._labels()).observe(ttft_s)
 
     def on_tokens(self, itl_s: float, num_tokens: int) -> None:
-        child = self.itl.labels(self.model_name)
+        child = self.itl.labels(*self._labels())
         for _ in range(num_tokens):
             child.observe(itl_s / num_tokens)
 
     def on_finished(self, reason: str, e2e_s: float) -> None:
-        self.finished.labels(self.model_name, reason).inc()
+        self.finished.labels(*self._labels(), reason).inc()
         if reason != "abort":
-            self.e2e.labels(self.model_name).observe(e2e_s)
+            self.e2e.labels(*self._labels()).observe(e2e_s)
 
     def on_step(self, stats: Any, frontend_s: float) -> None:
         """One step message from the engine core: its timings and the frontend's."""
-        m = self.model_name
-        self.frontend_step.labels(m).observe(frontend_s)
+        lbl = self._labels()
+        self.frontend_step.labels(*lbl).observe(frontend_s)
         if not self.core_histograms:
             return
-        self.engine_step.labels(m).observe(stats.step_time_s)
+        self.engine_step.labels(*lbl).observe(stats.step_time_s)
         if stats.send_time_s:
-            self.output_send.labels(m).observe(stats.send_time_s)
+            self.output_send.labels(*lbl).observe(stats.send_time_s)
         if stats.batch_size:
-            self.step_batch.labels(m).observe(stats.batch_size)
+            self.step_batch.labels(*lbl).observe(stats.batch_size)
 
     def observe_http(self, method: str, route: str, status: int) -> None:
         self.http.labels(method, route, str(status)).inc()

@@ -3,14 +3,15 @@ HTTP, tokenization, detokenization and SSE encoding are not bound to one process
 `--api-server-count`).
 
 The main process is the supervisor: it reserves the port, starts the engine core with N client sockets
-(`CoreSupervisor`), then N API server processes (`python -m pagedrs.entrypoints.openai.server.multi_server`), each
+(`CoreSupervisor`; with `-dp M`, M cores, each with N client sockets: `DPCoreSupervisor`, every API
+server routing its requests over all M, as vLLM's DP with several API servers), then N API server processes (`python -m pagedrs.entrypoints.openai.server.multi_server`), each
 with its client index. Each listens on the port with SO_REUSEPORT, so the kernel spreads connections over
 them evenly (one shared listening socket would let whichever process wakes first accept them all).
 Each serves every endpoint: files and batch jobs live in the shared SQLite store (API server 0 runs the
 jobs, polling the store for jobs and cancellations made through the others); Prometheus metrics are
 aggregated over the processes (prometheus_client's multiprocess mode). A dead core is restarted by the
-supervisor, and every API server fails its in-flight requests and reconnects. A dead API server ends the
-whole server (non-zero exit). SIGTERM drains every API server, then stops the core.
+supervisor, and every API server fails its in-flight requests on it and reconnects. A dead API server
+ends the whole server (non-zero exit). SIGTERM drains every API server, then stops the cores.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def run_multi_server(engine_args: EngineArgs, server: ServerArgs) -> int:
     """`--api-server-count N`: the supervisor's loop. Long because start-up, the supervision loop and the
     shutdown share the child handles and their cleanup in one try/finally (no process left behind)."""
     from pagedrs.engine.core_handles import EngineStartupError
-    from pagedrs.engine.core_supervisor import CoreSupervisor
+    from pagedrs.engine.dp_client import replica_engine_args
+    from pagedrs.engine.dp_frontends import DPCoreSupervisor
 
     count = server.api_server_count
     try:
@@ -99,7 +101,9 @@ def run_multi_server(engine_args: EngineArgs, server: ServerArgs) -> int:
     stop = _Stop()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     children: list[subprocess.Popen[bytes]] = []
-    supervisor = CoreSupervisor(engine_args, ipc_dir, count, server.max_engine_restarts)
+    size = engine_args.data_parallel_size
+    replicas = [engine_args] if size == 1 else [replica_engine_args(engine_args, i) for i in range(size)]
+    supervisor = DPCoreSupervisor(replicas, ipc_dir, count, server.max_engine_restarts)
     failed: list[str] = []
 
     def should_stop() -> bool:
@@ -136,12 +140,12 @@ def run_multi_server(engine_args: EngineArgs, server: ServerArgs) -> int:
             # Their own session: a terminal's Ctrl-C reaches the supervisor, which drains them with SIGTERM.
             children.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True))
         logger.info(
-            "%d API servers (pids %s) on http://%s:%d sharing engine core pid %s",
+            "%d API servers (pids %s) on http://%s:%d sharing engine core pid(s) %s",
             count,
             ", ".join(str(c.pid) for c in children),
             server.host,
             server.port,
-            supervisor.pid,
+            ", ".join(str(p) for p in supervisor.pids),
         )
         while not should_stop():
             supervisor.check(should_stop)

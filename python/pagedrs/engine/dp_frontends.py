@@ -1,0 +1,127 @@
+"""Data parallelism with several API server processes (`--api-server-count N` with `-dp M`), as vLLM runs
+them: the server's main process starts the M engine cores, each with N client sockets, and restarts
+any that dies (`DPCoreSupervisor`, one `CoreSupervisor` per core); each of the N API servers holds all M
+cores (`RemoteCore`s in its `ReplicaSet`) and routes its own requests over them.
+
+Each core sends every step message to every client: the step's stats and prefix-cache changes
+(`KVCacheEvents`), and the prompt tokens of each client's requests in flight there (`client_load`). So
+every frontend's router knows each core's cache exactly, and its load as its own requests in flight there
+plus what the core reports of the other frontends' (`FrontendRouter`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from pagedrs.engine.core_handles import EngineStartupError
+from pagedrs.engine.core_supervisor import CoreSupervisor
+from pagedrs.engine.dp_router import DPRouter
+
+__all__ = ["DPCoreSupervisor", "FrontendRouter", "replica_ipc_dir"]
+
+logger = logging.getLogger("pagedrs.core_supervisor")
+
+
+def replica_ipc_dir(ipc_dir: str, index: int, size: int) -> str:
+    """Where replica `index` of `size` keeps its sockets and state (the server's ipc dir with one core, as
+    `ReplicaSet` lays them out)."""
+    return ipc_dir if size == 1 else os.path.join(ipc_dir, f"dp{index}")
+
+
+class FrontendRouter(DPRouter):
+    """The router of one of several frontends: a replica's load is this frontend's requests in flight
+    there (as `DPRouter` counts them, at once) plus the other frontends' requests there as the core last
+    reported them (`observe_load`)."""
+
+    def __init__(self, num_replicas: int, policy: str = "cache", **kwargs: Any) -> None:
+        super().__init__(num_replicas, policy, **kwargs)
+        self._peer_load = [0] * num_replicas
+
+    def observe_load(self, replica: int, client_load: Sequence[int], client_index: int) -> None:
+        """A core's report: per client, the prompt tokens of its requests in flight there."""
+        self._check_replica(replica)
+        peer = sum(client_load) - (client_load[client_index] if client_index < len(client_load) else 0)
+        with self._lock:
+            rep = self._replicas[replica]
+            if not rep.up:
+                return
+            rep.load += peer - self._peer_load[replica]
+            self._peer_load[replica] = peer
+
+    def peer_load(self, replica: int) -> int:
+        """The other frontends' load on `replica` as its core last reported it."""
+        with self._lock:
+            return self._peer_load[replica]
+
+    def set_available(self, replica: int, up: bool) -> None:
+        super().set_available(replica, up)
+        if not up:
+            with self._lock:
+                self._peer_load[replica] = 0  # the load went with the core (the router zeroed it)
+
+
+class DPCoreSupervisor:
+    """The M engine cores of N API server processes: `start()` launches them all (the models load in
+    parallel), `check()` restarts one that died, `stop()` ends them. Core i runs with the arguments of
+    replica i (`replica_engine_args`) in `replica_ipc_dir(ipc_dir, i, M)`."""
+
+    def __init__(
+        self, replica_args: Sequence[Any], ipc_dir: str, num_clients: int, max_restarts: int = 3
+    ) -> None:
+        size = len(replica_args)
+        if size < 1:
+            raise ValueError(f"at least one engine core is needed, got {size}")
+        self.supervisors = [
+            CoreSupervisor(args, replica_ipc_dir(ipc_dir, i, size), num_clients, max_restarts, index=i)
+            for i, args in enumerate(replica_args)
+        ]
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [s.pid for s in self.supervisors]
+
+    def start(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Launches every core from this thread (a core dies with the thread that started it), then waits
+        for their Ready in parallel; EngineStartupError (every core stopped) when one does not come up."""
+        try:
+            for s in self.supervisors:
+                os.makedirs(s.ipc_dir, mode=0o700, exist_ok=True)
+                s.launch()
+            if len(self.supervisors) == 1:
+                errors = [_error(self.supervisors[0], should_stop)]
+            else:
+                with ThreadPoolExecutor(len(self.supervisors)) as pool:
+                    errors = list(pool.map(lambda s: _error(s, should_stop), self.supervisors))
+        except BaseException:
+            self.stop(5.0)
+            raise
+        failed = [(i, e) for i, e in enumerate(errors) if e is not None]
+        if failed:
+            self.stop(5.0)
+            i, exc = failed[0]
+            if len(self.supervisors) == 1:
+                raise exc
+            raise EngineStartupError(f"data-parallel replica {i}: {exc}") from exc
+
+    def check(self, should_stop: Callable[[], bool] = lambda: False) -> bool:
+        """Restarts the cores that died; False once every core is down for good."""
+        up = [s.check(should_stop) for s in self.supervisors]
+        return any(up)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if len(self.supervisors) == 1:
+            self.supervisors[0].stop(timeout)
+            return
+        with ThreadPoolExecutor(len(self.supervisors)) as pool:
+            list(pool.map(lambda s: s.stop(timeout), self.supervisors))
+
+
+def _error(supervisor: CoreSupervisor, should_stop: Callable[[], bool]) -> EngineStartupError | None:
+    try:
+        supervisor.wait_ready(should_stop)
+    except EngineStartupError as exc:
+        return exc
+    return None
