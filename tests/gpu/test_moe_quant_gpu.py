@@ -15,7 +15,8 @@ import torch
 from pagedrs.kernels.moe_ops import ExpertMatrix, fused_experts
 from pagedrs.layers.moe import FusedExperts, RoutingConfig, fused_experts_torch, route
 from pagedrs.loader import LoadedModel, load_model
-from tests.kernels.helpers_moe_quant import fp8_block_quantize, make_fp8_moe_pair
+from tests.kernels.helpers_moe_quant import make_fp8_moe_pair
+from tests.loader.helpers_quant import fp8_block_quantize
 
 pytestmark = [
     pytest.mark.cuda,

@@ -6,48 +6,32 @@ float32 checkpoint of the same model holding the dequantized values (the oracle)
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from tests.helpers import make_tiny_model
-from tests.loader.helpers_quant import awq_quantize, gptq_quantize, quant_config_of
+from tests.loader.helpers_quant import (
+    LINEARS,
+    awq_quantize,
+    fp8_quantize,
+    gptq_quantize,
+    quant_config_of,
+    write_pair,
+)
 from tests.models.helpers_moe import qwen3_moe_config
 
-_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-
-def fp8_block_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 weight, float32 scale per block [ceil(out / br), ceil(in / bc)]): each block's max |w| maps
-    to 448 (partial blocks at the edges, as the checkpoints' quantizers write them)."""
-    w = w.to(torch.float32)
-    (o, i), (br, bc) = w.shape, block
-    pad = torch.zeros(-(-o // br) * br, -(-i // bc) * bc)
-    pad[:o, :i] = w
-    tiles = pad.reshape(pad.shape[0] // br, br, pad.shape[1] // bc, bc)
-    scale = tiles.abs().amax((1, 3)).clamp(min=1e-8) / 448.0
-    full = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:o, :i]
-    return (w / full).to(torch.float8_e4m3fn), scale.contiguous()
-
-
-def _quant_config(strategy: str, block: tuple[int, int]) -> dict[str, object]:
+def _quant_config(strategy: str, block: tuple[int, int]) -> dict[str, Any]:
     if strategy == "gptq":
         return quant_config_of("gptq", bits=4, group_size=32, desc_act=True, sym=False)
     if strategy == "awq":
         return quant_config_of("awq", group_size=32)
-    if strategy == "block":
-        return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(block)}
-    if strategy == "tensor":
-        return {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "float-quantized",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
-        "ignore": ["lm_head"],
-    }
+    if strategy in ("block", "tensor"):
+        return quant_config_of("fp8", strategy=strategy, block=block)
+    return {**quant_config_of("compressed-tensors", strategy=strategy), "ignore": ["lm_head"]}
 
 
 def make_fp8_moe_pair(
@@ -63,7 +47,7 @@ def make_fp8_moe_pair(
     ref: dict[str, torch.Tensor] = {}
     for name, w in sorted(state.items()):
         prefix = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and prefix.rsplit(".", 1)[-1] in _LINEARS):
+        if not (name.endswith(".weight") and prefix.rsplit(".", 1)[-1] in LINEARS):
             quant[name] = ref[name] = w
             continue
         if strategy in ("gptq", "awq"):
@@ -74,31 +58,8 @@ def make_fp8_moe_pair(
             )
             quant.update({f"{prefix}.{k}": v.contiguous() for k, v in parts.items()})
             continue
-        if strategy == "block":
-            q, scale = fp8_block_quantize(w, block)
-            full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-            ref[name] = q.float() * full[: w.shape[0], : w.shape[1]]
-            quant[f"{prefix}.weight_scale_inv"] = scale
-        elif strategy == "tensor":
-            scale = w.float().abs().amax().clamp(min=1e-8) / 448.0
-            q = (w.float() / scale).to(torch.float8_e4m3fn)
-            ref[name] = q.float() * scale
-            quant[f"{prefix}.weight_scale"] = scale
-        else:
-            scale = w.float().abs().amax(1, keepdim=True).clamp(min=1e-8) / 448.0
-            q = (w.float() / scale).to(torch.float8_e4m3fn)
-            ref[name] = q.float() * scale
-            quant[f"{prefix}.weight_scale"] = scale
-        quant[name] = q
+        parts, ref[name] = fp8_quantize(w, strategy, block)
+        quant.update({f"{prefix}.{k}": v for k, v in parts.items()})
     qdir, rdir = tmp_path / f"{strategy}-moe", tmp_path / "moe-ref"
-    for d, tensors, qc in ((qdir, quant, _quant_config(strategy, block)), (rdir, ref, None)):
-        d.mkdir(exist_ok=True)
-        for f in src.iterdir():
-            if f.name != "model.safetensors":
-                (d / f.name).write_bytes(f.read_bytes())
-        save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
-        if qc is not None:
-            config = json.loads((d / "config.json").read_text())
-            config["quantization_config"] = qc
-            (d / "config.json").write_text(json.dumps(config))
+    write_pair(src, (qdir, quant, _quant_config(strategy, block)), (rdir, ref))
     return qdir, rdir

@@ -25,7 +25,8 @@ from pagedrs.quantization import fp8_block
 from pagedrs.quantization.fp8_block import Fp8Block
 from tests.helpers import greedy_by_logits, logits_of
 from tests.kernels.emu.emulator import needs_emulator, recording_kernels
-from tests.kernels.helpers_moe_quant import fp8_block_quantize, make_fp8_moe_pair
+from tests.kernels.helpers_moe_quant import make_fp8_moe_pair
+from tests.loader.helpers_quant import fp8_block_quantize
 from tests.models.helpers_moe import make_tiny_moe_gguf
 
 pytestmark = needs_emulator

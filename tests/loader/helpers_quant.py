@@ -106,25 +106,39 @@ def awq_quantize(w: torch.Tensor, group_size: int) -> tuple[dict[str, torch.Tens
     return parts, deq
 
 
+def fp8_block_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, float32 scale per block [ceil(out / br), ceil(in / bc)]): each block's max |w| maps
+    to 448 (partial blocks at the edges, as the checkpoints' quantizers write them)."""
+    w = w.to(torch.float32)
+    (o, i), (br, bc) = w.shape, block
+    pad = torch.zeros(-(-o // br) * br, -(-i // bc) * bc)
+    pad[:o, :i] = w
+    tiles = pad.reshape(pad.shape[0] // br, br, pad.shape[1] // bc, bc)
+    scale = tiles.abs().amax((1, 3)).clamp(min=1e-8) / 448.0
+    return (w / _block_full(scale, block, w.shape)).to(torch.float8_e4m3fn), scale.contiguous()
+
+
+def _block_full(scale: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
+    """A per-block scale repeated over every element of a weight of `shape`."""
+    full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return full[: shape[0], : shape[1]]
+
+
 def fp8_quantize(
-    w: torch.Tensor, strategy: str, block: int = 32
+    w: torch.Tensor, strategy: str, block: int | tuple[int, int] = 32
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """(FP8 e4m3 weight with its scale(s) for `strategy` tensor | channel | block, the dequantized float32)."""
     w = w.to(torch.float32)
-    if strategy == "tensor":
-        scale = w.abs().amax() / 448.0
-        full = scale
-    elif strategy == "channel":
-        scale = w.abs().amax(1, keepdim=True) / 448.0
-        full = scale
-    else:
-        o, i = w.shape
-        scale = w.reshape(o // block, block, i // block, block).abs().amax((1, 3)) / 448.0
-        full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
-    q = (w / full).to(torch.float8_e4m3fn)
-    deq = q.to(torch.float32) * full
-    key = "weight_scale_inv" if strategy == "block" else "weight_scale"
-    return {"weight": q, key: scale.to(torch.float32).reshape(scale.shape)}, deq
+    if strategy == "block":
+        blk = (block, block) if isinstance(block, int) else block
+        q, scale = fp8_block_quantize(w, blk)
+        return {"weight": q, "weight_scale_inv": scale}, q.to(torch.float32) * _block_full(
+            scale, blk, w.shape
+        )
+    amax = w.abs().amax() if strategy == "tensor" else w.abs().amax(1, keepdim=True)
+    scale = amax.clamp(min=1e-8) / 448.0
+    q = (w / scale).to(torch.float8_e4m3fn)
+    return {"weight": q, "weight_scale": scale}, q.to(torch.float32) * scale
 
 
 def quant_config_of(method: str, **kw: Any) -> dict[str, Any]:
@@ -147,7 +161,8 @@ def quant_config_of(method: str, **kw: Any) -> dict[str, Any]:
             "version": "gemm",
         }
     if method == "fp8" and kw["strategy"] == "block":
-        return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]}
+        block = list(kw.get("block", (32, 32)))
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": block}
     if method == "fp8":
         return {"quant_method": "fp8", "activation_scheme": "dynamic"}
     weights = {"num_bits": 8, "type": "float", "strategy": kw["strategy"], "symmetric": True}
@@ -180,8 +195,19 @@ def make_quantized_pair(tmp_path: Path, method: str, **kw: Any) -> tuple[Path, P
         quant.update({f"{prefix}.{k}": v.contiguous() for k, v in parts.items()})
         ref[name] = deq
     qdir, rdir = tmp_path / f"{method}-quant", tmp_path / f"{method}-ref"
-    for d, tensors, qc in ((qdir, quant, quant_config_of(method, **kw)), (rdir, ref, None)):
-        d.mkdir()
+    write_pair(src, (qdir, quant, quant_config_of(method, **kw)), (rdir, ref))
+    return qdir, rdir
+
+
+def write_pair(
+    src: Path,
+    quantized: tuple[Path, dict[str, torch.Tensor], dict[str, Any]],
+    reference: tuple[Path, dict[str, torch.Tensor]],
+) -> None:
+    """The quantized checkpoint (folder, tensors, its `quantization_config`) and the float32 reference
+    (folder, tensors), each a copy of `src`'s other files with its own `model.safetensors`."""
+    for d, tensors, qc in (quantized, (*reference, None)):
+        d.mkdir(exist_ok=True)
         for f in src.iterdir():
             if f.name != "model.safetensors":
                 (d / f.name).write_bytes(f.read_bytes())
@@ -190,4 +216,3 @@ def make_quantized_pair(tmp_path: Path, method: str, **kw: Any) -> tuple[Path, P
             config = json.loads((d / "config.json").read_text())
             config["quantization_config"] = qc
             (d / "config.json").write_text(json.dumps(config))
-    return qdir, rdir
