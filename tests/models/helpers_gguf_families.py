@@ -86,7 +86,8 @@ def _sentencepiece_vocab(w: Any, vocab_size: int) -> None:
     w.add_add_eos_token(False)
 
 
-def _metadata(w: Any, cfg: transformers.PretrainedConfig, arch: str) -> None:
+def family_metadata(w: Any, cfg: transformers.PretrainedConfig, arch: str) -> None:
+    """The shape, norm and rope keys llama.cpp writes for `arch`, from the HF config."""
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -119,7 +120,7 @@ def write_family_gguf(src: Path, out: Path, arch: str, qtype: str = "Q8_0") -> P
         state.pop("lm_head.weight", None)
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(out), arch)
-    _metadata(w, cfg, arch)
+    family_metadata(w, cfg, arch)
     (_sentencepiece_vocab if gemma else _byte_level_vocab)(w, cfg.vocab_size)
     for name, tensor in state.items():
         a = tensor.to(torch.float32).numpy()

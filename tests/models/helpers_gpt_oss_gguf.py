@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from tests.helpers import CHAT_TEMPLATE
-from tests.models.helpers_gguf_families import _byte_level_vocab
+from tests.models.helpers_gguf_families import _byte_level_vocab, family_metadata
 from tests.models.helpers_gpt_oss import make_tiny_gpt_oss
 
 _LAYER = {
@@ -64,22 +64,12 @@ def gguf_tensors(hf: transformers.PreTrainedModel) -> dict[str, np.ndarray]:
 
 
 def _metadata(w: gguf.GGUFWriter, cfg: transformers.GptOssConfig) -> None:
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
+    family_metadata(w, cfg, "gpt-oss")
     w.add_expert_count(cfg.num_local_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_sliding_window(cfg.sliding_window)
     w.add_expert_feed_forward_length(cfg.intermediate_size)
     rope = cfg.rope_parameters
-    w.add_rope_freq_base(float(rope["rope_theta"]))
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_rope_scaling_factor(float(rope["factor"]))
     w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
