@@ -98,17 +98,23 @@ def hf_reference(folder: Path) -> HFReference:
 
 
 def assert_engine_greedy_matches_hf(
-    folder: Path, ref: HFReference, max_tokens: int = 10, **engine_kw: Any
+    folder: Path,
+    ref: HFReference,
+    max_tokens: int = 10,
+    num_kv_blocks: int = 14,
+    unshared: tuple[int, int] = (21, 12),
+    **engine_kw: Any,
 ) -> None:
     """Greedy ids through the engine == HF `generate`, float32, with a step budget of 8 tokens (prompts
-    prefilled in chunks), a prompt sharing a cached 16-token prefix (prefix-cache hits) and a 14-block pool
-    of 4-token blocks too small for the batch (preemption); each checked to have fired. Every prompt is
-    longer than the tiny Gemma configs' window."""
+    prefilled in chunks), a prompt sharing a cached 16-token prefix (prefix-cache hits), two `unshared`
+    prompts of those lengths, and a `num_kv_blocks` pool of 4-token blocks too small for the batch
+    (preemption); each checked to have fired. Every prompt is longer than the tiny Gemma and gpt-oss
+    configs' window."""
     engine = make_engine(
         folder,
         dtype="float32",
         block_size=4,
-        num_kv_blocks=14,
+        num_kv_blocks=num_kv_blocks,
         max_num_batched_tokens=8,
         enable_prefix_caching=True,
         **engine_kw,
@@ -116,7 +122,9 @@ def assert_engine_greedy_matches_hf(
     spy = PlanSpy().attach(engine)
     prefix = random_prompts([16], seed=1)[0]
     first = [prefix + [7, 8, 9]]
-    batch = [prefix + tail for tail in random_prompts([5, 2], seed=2)] + random_prompts([21, 12], seed=3)
+    batch = [prefix + tail for tail in random_prompts([5, 2], seed=2)] + random_prompts(
+        list(unshared), seed=3
+    )
     for prompts in (first, batch):  # the first request's blocks are cached when the batch arrives
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, greedy(max_tokens))

@@ -21,14 +21,9 @@ from pagedrs.models.gpt_oss import GptOssForCausalLM
 from pagedrs.quantization.gguf_blocks import kernel_types
 from tests.engine.conftest import (
     HFReference,
-    PlanSpy,
-    assert_pool_free,
-    greedy,
-    make_engine,
-    random_prompts,
-    run_all,
 )
 from tests.helpers import CHAT_TEMPLATE, load_hf_model, logits_of
+from tests.models.helpers_families import assert_engine_greedy_matches_hf
 from tests.models.helpers_gpt_oss import SLIDING_WINDOW
 from tests.models.helpers_gpt_oss_gguf import make_tiny_gpt_oss_gguf
 
@@ -95,35 +90,7 @@ def test_f32_experts_match_hf_greedy(f32_file: tuple[Path, Path]) -> None:
     # straight from the file (dtype auto): float32 experts on the fused kernel, the same run
     torch.testing.assert_close(logits_of(auto, IDS), ref, atol=1e-4, rtol=0)
     hf.generation_config.eos_token_id = None
-    _assert_engine_greedy_matches(path, HFReference(hf))
-
-
-def _assert_engine_greedy_matches(path: Path, ref: HFReference, max_tokens: int = 10) -> None:
-    """Greedy ids through the engine == HF `generate`: 4-token blocks in a 10-block pool too small for the
-    batch (preemption), a step budget of 8 tokens (chunked prefill), a 16-token prefix cached by a first
-    request (prefix hits); every prompt longer than the window. Each checked to have fired."""
-    engine = make_engine(
-        path,
-        dtype="float32",
-        block_size=4,
-        num_kv_blocks=10,
-        max_num_batched_tokens=8,
-        enable_prefix_caching=True,
-    )
-    spy = PlanSpy().attach(engine)
-    prefix = random_prompts([16], seed=1)[0]
-    batch = [prefix + tail for tail in random_prompts([5, 2], seed=2)] + random_prompts([18, 11], seed=3)
-    for prompts in ([prefix + [7, 8, 9]], batch):
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, greedy(max_tokens))
-        outs = run_all(engine)
-        for i, prompt in enumerate(prompts):
-            assert outs[str(i)].outputs[0].token_ids == ref(prompt, max_tokens), (
-                f"prompt {len(prompt)} tokens"
-            )
-    stats = engine.get_stats()
-    assert spy.chunked_prefills > 0 and spy.preemptions > 0 and stats.prefix_cache_hits >= 16, stats
-    assert_pool_free(engine)
+    assert_engine_greedy_matches_hf(path, HFReference(hf), num_kv_blocks=10, unshared=(18, 11))
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "MXFP4"])
