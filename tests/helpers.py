@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,6 +152,28 @@ def load_hf_model(path: str | Path, **kwargs: Any) -> transformers.PreTrainedMod
     """The HF transformers model for a folder, float32, eval mode (the reference in equivalence tests)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kwargs)
     return model.eval()
+
+
+def hf_greedy_q8_0_rounded(
+    src: str | Path, prompt: list[int], n: int, rounded: Callable[[str, torch.Tensor], bool]
+) -> list[int]:
+    """HF transformers' greedy ids (float32) on the model at `src` with every parameter `rounded(name, p)`
+    picks quantized to Q8_0 and dequantized: the weights a Q8_0 run of pagedrs multiplies."""
+    import gguf
+
+    model = load_hf_model(src)
+    qt = gguf.GGMLQuantizationType.Q8_0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if rounded(name, p):
+                a = p.detach().numpy()
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(a, qt), qt)))
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, eos_token_id=[]
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def _shard_bytes(model: torch.nn.Module, num_shards: int) -> int:

@@ -21,7 +21,7 @@ from pagedrs.layers.quantized import QuantizedWeight
 from pagedrs.models.cpu_decode import CpuDecodeStep
 from tests.distributed.helpers_tp import PROMPTS, check_forced, run_workload_logprobs, tp_engine
 from tests.engine.conftest import PlanSpy
-from tests.helpers import load_hf_model, make_step_metadata
+from tests.helpers import hf_greedy_q8_0_rounded, make_step_metadata
 from tests.models.helpers_gpt_oss import SLIDING_WINDOW, make_tiny_gpt_oss
 
 # the largest logprob gap at which a Q8_0 run may pick another token than float32 HF (as the other MoE
@@ -69,21 +69,7 @@ def _hf_greedy(src: Path, prompt: list[int], n: int) -> list[int]:
     """HF transformers' greedy ids with the weights `quantization="q8_0"` quantizes (every linear and
     embedding matrix: attention, router, vocabulary table and output head; not the experts nor any bias)
     rounded through Q8_0."""
-    import gguf
-
-    model = load_hf_model(src)
-    qt = gguf.GGMLQuantizationType.Q8_0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and name.endswith(".weight"):
-                a = p.detach().numpy()
-                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(a, qt), qt)))
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, eos_token_id=[]
-        )
-    return out[0, len(prompt) :].tolist()
+    return hf_greedy_q8_0_rounded(src, prompt, n, lambda name, p: p.dim() == 2 and name.endswith(".weight"))
 
 
 def _float_activations(engine: LLMEngine) -> None:

@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from pagedrs.models.cpu_decode import CpuDecodeStep
 from tests.distributed.helpers_tp import PROMPTS, check_forced, run_workload, run_workload_logprobs, tp_engine
-from tests.helpers import load_hf_model
+from tests.helpers import hf_greedy_q8_0_rounded
 from tests.models.helpers_moe import make_tiny_moe_gguf
 
 # the largest logprob gap at which a Q8_0 run may pick another token than float32 HF
@@ -38,21 +37,12 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def _hf_greedy(src: Path, prompt: list[int], n: int) -> list[int]:
     """HF transformers' greedy ids on the source model with the GGUF file's weights: every matrix the
     file holds in Q8_0 (all but the routers and the shared expert's gate) quantized and dequantized."""
-    import gguf
-
-    model = load_hf_model(src)
-    qt = gguf.GGMLQuantizationType.Q8_0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2 and not name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
-                a = p.detach().numpy()
-                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(a, qt), qt)))
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, eos_token_id=[]
-        )
-    return out[0, len(prompt) :].tolist()
+    return hf_greedy_q8_0_rounded(
+        src,
+        prompt,
+        n,
+        lambda name, p: p.dim() >= 2 and not name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")),
+    )
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
