@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pagedrs.quantization.dequant import dequantize_fp8
 from pagedrs.quantization.fp8_block import Fp8Block
 from pagedrs.quantization.gguf_blocks import GGUFWeight
 from pagedrs.quantization.packed_parts import Fp8
@@ -112,10 +113,7 @@ def dequantized(m: ExpertMatrix) -> Tensor:
         return (d * q).reshape(e, rows, cols)
     if m.form == "fp8":
         assert m.scale is not None
-        w = m.data.to(torch.float32)
-        if m.block is None:
-            return w * m.scale[..., None]
-        br, bc = m.block
-        full = m.scale.repeat_interleave(br, 1).repeat_interleave(bc, 2)[:, :rows, :cols]
-        return w * full
+        return torch.stack(
+            [dequantize_fp8("expert", w, s, m.block) for w, s in zip(m.data, m.scale, strict=True)]
+        )
     return m.data.to(torch.float32)
