@@ -120,3 +120,27 @@ def low_time(fn: Callable[[], object], iters: int) -> float:
         times.append(time.perf_counter() - t0)
     times.sort()
     return times[len(times) // 10]
+
+
+def decode_tok_s(
+    engine_args: Any,
+    prompts: list[list[int]],
+    max_tokens: int,
+    check: Callable[[Any], None] | None = None,
+) -> float:
+    """Decode tok/s of the engine `engine_args` builds (`check` sees it first): the prompts added at once,
+    `max_tokens` greedy tokens each (EOS ignored), timed from the step after the prompts' first step."""
+    from pagedrs import LLMEngine, SamplingParams
+
+    engine = LLMEngine.from_engine_args(engine_args)
+    if check is not None:
+        check(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    engine.step()  # the prompts
+    t0, steps = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return len(prompts) * steps / (time.perf_counter() - t0)

@@ -9,15 +9,15 @@ the machine's load falls on both alike.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
+from _common import add_commit_arg, command_line, decode_tok_s, git_info, machine_info, write_json
 
 
 def _config(window: int) -> transformers.GptOssConfig:
@@ -49,7 +49,7 @@ def _config(window: int) -> transformers.GptOssConfig:
 def _tok_s(folder: str, fast: bool, batch: int, tokens: int, threads: int) -> float:
     """Decode tok/s: `batch` requests of 24-token prompts (longer than the window), `tokens` greedy tokens
     each, timed from the step after every prompt is in."""
-    from pagedrs import EngineArgs, LLMEngine, SamplingParams
+    from pagedrs import EngineArgs
 
     os.environ["PAGEDRS_CPU_DECODE"] = "1" if fast else "0"
     torch.set_num_threads(threads)
@@ -62,17 +62,12 @@ def _tok_s(folder: str, fast: bool, batch: int, tokens: int, threads: int) -> fl
         dtype="float32",
         disable_log_stats=True,
     )
-    engine = LLMEngine.from_engine_args(args)
-    assert (engine.runner.model.model.cpu_decode is not None) == fast
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(str(i), [(7 * i + j) % 500 + 3 for j in range(24)], params)
-    engine.step()  # the prompts
-    t0, steps = time.perf_counter(), 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-    return batch * steps / (time.perf_counter() - t0)
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(24)] for i in range(batch)]
+
+    def check(engine: Any) -> None:
+        assert (engine.runner.model.model.cpu_decode is not None) == fast
+
+    return decode_tok_s(args, prompts, tokens, check)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--window", type=int, default=16)
     p.add_argument("--json", default=str(Path(__file__).parent / "results" / "cpu_decode_gpt_oss.json"))
+    add_commit_arg(p)
     args = p.parse_args(argv)
     results: dict[str, object] = {"threads": args.threads, "load_avg_1m": os.getloadavg()[0]}
+    results.update(git_info(args.commit), machine=machine_info(), command=command_line())
     with tempfile.TemporaryDirectory() as tmp:
         folder = str(Path(tmp) / "gpt_oss")
         _config(args.window).save_pretrained(folder)
@@ -99,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"batch {batch}: decode throughput: {fast:.1f} tok/s (CPU decode step) vs {mods:.1f} tok/s "
                 f"(modules) = {fast / mods:.2f}x"
             )
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
     return 0
 
 

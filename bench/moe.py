@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _common import add_commit_arg, command_line, git_info, low_time, machine_info, write_json
+from _common import add_commit_arg, command_line, decode_tok_s, git_info, low_time, machine_info, write_json
 
 from pagedrs import _core
 from pagedrs.layers.moe import RoutingConfig, route
@@ -108,7 +108,7 @@ def _routing(rows: int, experts: int, top_k: int, hidden: int, seed: int = 1):
 def _engine_tok_s(folder: str, batch: int, tokens: int, threads: int) -> float:
     """Decode throughput of the engine over `folder` (random weights): `batch` requests of 8-token prompts,
     `tokens` greedy tokens each, timed from the step after every prompt is in."""
-    from pagedrs import EngineArgs, LLMEngine, SamplingParams
+    from pagedrs import EngineArgs
 
     torch.set_num_threads(threads)
     args = EngineArgs(
@@ -119,16 +119,7 @@ def _engine_tok_s(folder: str, batch: int, tokens: int, threads: int) -> float:
         dtype="float32",
         disable_log_stats=True,
     )
-    engine = LLMEngine.from_engine_args(args)
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(str(i), [(7 * i + j) % 200 + 3 for j in range(8)], params)
-    engine.step()  # the prompts
-    t0, steps = time.perf_counter(), 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-    return batch * steps / (time.perf_counter() - t0)
+    return decode_tok_s(args, [[(7 * i + j) % 200 + 3 for j in range(8)] for i in range(batch)], tokens)
 
 
 def _engine_comparison(args: argparse.Namespace) -> dict[str, float]:
