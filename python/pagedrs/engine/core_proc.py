@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import msgspec
 import zmq
 
+from pagedrs.engine.client_load import ClientLoadTracker
 from pagedrs.engine.messages import (
     AbortRequests,
     EngineCoreOutput,
@@ -83,9 +84,7 @@ class EngineCoreProc:
         self._inputs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._outputs: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
         self._stop = threading.Event()
-        self._owner: dict[str, int] = {}  # request id -> client index
-        self._tokens: dict[str, int] = {}  # request id -> its prompt tokens (the load it brings)
-        self._client_load = [0] * len(self.output_addrs)  # per client: its requests' prompt tokens
+        self._requests = ClientLoadTracker(len(self.output_addrs))  # request id -> client, and its load
         self._send_time = 0.0  # encode + send of the latest step message (output thread)
         self.num_malformed = 0
         self._out_socks: list[zmq.Socket] = []
@@ -193,7 +192,7 @@ class EngineCoreProc:
                 if changed:  # now idle: rejections, and the stats after the last aborts
                     self._publish(core, EngineCoreOutputs(core.take_pending(), core.get_stats(), time.time()))
         # Whatever is left is aborted: the frontends already failed or are gone.
-        core.abort(list(self._owner))
+        core.abort(self._requests.request_ids())
         return code
 
     def stop(self) -> None:
@@ -211,7 +210,7 @@ class EngineCoreProc:
             elif isinstance(msg, AbortRequests):
                 core.abort(msg.request_ids, msg.seqs)
                 for rid in msg.request_ids:
-                    self._forget(rid)
+                    self._requests.forget(rid)
             elif isinstance(msg, UtilityCall):
                 self._call(core, msg)
             elif isinstance(msg, Shutdown):
@@ -225,10 +224,7 @@ class EngineCoreProc:
         if not 0 <= req.client_index < len(self._out_socks):
             logger.warning("request %s names client %d: dropped", req.request_id, req.client_index)
             return
-        self._forget(req.request_id)
-        self._owner[req.request_id] = req.client_index
-        self._tokens[req.request_id] = len(req.prompt_token_ids)
-        self._client_load[req.client_index] += len(req.prompt_token_ids)
+        self._requests.add(req.request_id, req.client_index, len(req.prompt_token_ids))
         try:
             core.add_request(req)
         except ValueError as exc:
@@ -245,25 +241,22 @@ class EngineCoreProc:
         if 0 <= call.client_index < len(self._out_socks):
             self._outputs.put((call.client_index, result))
 
-    def _forget(self, request_id: str) -> None:
-        client = self._owner.pop(request_id, None)
-        if client is not None:
-            self._client_load[client] -= self._tokens.pop(request_id, 0)
-
     def _publish(self, core: CoreLike, out: EngineCoreOutputs) -> None:
         """One message per step to each frontend: its requests' outputs, the step's stats and prefix-cache
         changes, and (with several frontends, each routing over every core) every client's load here."""
         per: list[list[EngineCoreOutput]] = [[] for _ in self._out_socks]
         if len(self._out_socks) > 1:
             for o in out.outputs:
-                per[self._owner.get(o.request_id, 0)].append(o)
+                per[self._requests.client_of(o.request_id) or 0].append(o)
         for o in out.outputs:
             if o.finish_reason is not None and not core.has_request(o.request_id):
-                self._forget(o.request_id)
+                self._requests.forget(o.request_id)
+            else:
+                self._requests.observe(o)
         if len(self._out_socks) == 1:
             self._outputs.put((0, out))
             return
-        load = list(self._client_load)  # after this step's finished requests left
+        load = self._requests.loads()  # after this step's finished requests left
         for i, outs in enumerate(per):
             self._outputs.put((i, EngineCoreOutputs(outs, out.stats, out.timestamp, out.kv_events, load)))
 

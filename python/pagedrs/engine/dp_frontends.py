@@ -4,9 +4,9 @@ any that dies (`DPCoreSupervisor`, one `CoreSupervisor` per core); each of the N
 cores (`RemoteCore`s in its `ReplicaSet`) and routes its own requests over them.
 
 Each core sends every step message to every client: the step's stats and prefix-cache changes
-(`KVCacheEvents`), and the prompt tokens of each client's requests in flight there (`client_load`). So
-every frontend's router knows each core's cache exactly, and its load as its own requests in flight there
-plus what the core reports of the other frontends' (`FrontendRouter`)."""
+(`KVCacheEvents`), and each client's requests in flight there with their prompt tokens still to prefill
+(`client_load`). So every frontend's router knows each core's cache exactly, and its load as its own
+requests in flight there plus what the core reports of the other frontends' (`FrontendRouter`)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from typing import Any
 from pagedrs.engine.core_handles import EngineStartupError
 from pagedrs.engine.core_supervisor import CoreSupervisor
 from pagedrs.engine.dp_router import DPRouter
+from pagedrs.engine.messages import ClientLoad
 
 __all__ = ["DPCoreSupervisor", "FrontendRouter", "replica_ipc_dir"]
 
@@ -34,16 +35,21 @@ def replica_ipc_dir(ipc_dir: str, index: int, size: int) -> str:
 class FrontendRouter(DPRouter):
     """The router of one of several frontends: a replica's load is this frontend's requests in flight
     there (as `DPRouter` counts them, at once) plus the other frontends' requests there as the core last
-    reported them (`observe_load`)."""
+    reported them (`observe_load`), in the same measure: prompt tokens still to prefill plus
+    ``request_tokens`` per request."""
 
     def __init__(self, num_replicas: int, policy: str = "cache", **kwargs: Any) -> None:
         super().__init__(num_replicas, policy, **kwargs)
         self._peer_load = [0] * num_replicas
 
-    def observe_load(self, replica: int, client_load: Sequence[int], client_index: int) -> None:
-        """A core's report: per client, the prompt tokens of its requests in flight there."""
+    def observe_load(self, replica: int, client_load: Sequence[ClientLoad], client_index: int) -> None:
+        """A core's report: per client, its requests in flight there and their prompt tokens to prefill."""
         self._check_replica(replica)
-        peer = sum(client_load) - (client_load[client_index] if client_index < len(client_load) else 0)
+        peer = sum(
+            c.prefill_tokens + self._request_tokens * c.requests
+            for i, c in enumerate(client_load)
+            if i != client_index
+        )
         with self._lock:
             rep = self._replicas[replica]
             if not rep.up:

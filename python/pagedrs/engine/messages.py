@@ -20,6 +20,7 @@ from pagedrs.sampling_params import SamplingParams
 
 __all__ = [
     "AbortRequests",
+    "ClientLoad",
     "EngineCoreOutput",
     "EngineCoreOutputs",
     "EngineCoreRequest",
@@ -131,6 +132,13 @@ class KVCacheEvents(msgspec.Struct, array_like=True, omit_defaults=True):
     cleared: bool = False
 
 
+class ClientLoad(msgspec.Struct, array_like=True):
+    """One client's requests in flight on a core, in the data-parallel router's load measure."""
+
+    requests: int  # running or waiting
+    prefill_tokens: int  # their prompt tokens still to prefill (past the cached prefix, until prefilled)
+
+
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
     """Everything one engine step produced: one message per step, for every request."""
 
@@ -138,9 +146,9 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
     stats: EngineStats
     timestamp: float
     kv_events: KVCacheEvents | None = None  # set when the frontend routes by cache (data parallelism)
-    # With several clients (API server processes): per client, the prompt tokens of its requests in flight
-    # on this core (running or waiting), so that each client's router sees the load the others bring.
-    client_load: list[int] | None = None
+    # With several clients (API server processes): per client, its requests in flight on this core, so
+    # that each client's router sees the load the others bring.
+    client_load: list[ClientLoad] | None = None
 
 
 class UtilityResult(msgspec.Struct, tag="result", array_like=True):
