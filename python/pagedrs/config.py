@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -294,12 +295,14 @@ class DataParallelConfig:
     tensor-parallel group) behind one frontend, started by `backend` ("mp": local processes, "ray": Ray
     actors), each request sent to one of them by `routing` ("cache": where its prefix is cached, load
     considered; "least_loaded"; "round_robin"); `session_affinity`: requests of one session (the
-    request's `user`, or its X-Session-Id header) go to the same replica."""
+    request's `user`, or its X-Session-Id header) go to the same replica; `router_tuning`: the router's
+    knobs over their defaults (`pagedrs.engine.dp_router_tuning`)."""
 
     size: int = 1
     backend: str = "mp"
     routing: str = "cache"
     session_affinity: bool = False
+    router_tuning: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -314,6 +317,12 @@ class DataParallelConfig:
             r,
             "must be 'cache', 'least_loaded' or 'round_robin'",
         )
+        t = self.router_tuning
+        if t is not None:
+            _require(isinstance(t, dict), "dp_router_config", t, "must be a JSON object")
+            from pagedrs.engine.dp_router_tuning import check_tuning
+
+            check_tuning(t)  # ValueError naming the knob
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,10 @@ def test_bad_settings_name_the_value() -> None:
         ({"data_parallel_size": 0}, "data_parallel_size"),
         ({"dp_routing": "random"}, "dp_routing"),
         ({"data_parallel_backend": "k8s"}, "data_parallel_backend"),
+        ({"dp_router_config": '{"load_penalty": -1}'}, "load_penalty"),
+        ({"dp_router_config": {"penalty": 1}}, "'penalty'"),
+        ({"dp_router_config": "[1, 2]"}, "dp_router_config"),
+        ({"dp_router_config": "{load_penalty: 1"}, "dp_router_config"),
     ):
         with pytest.raises(ValueError, match=name):
             EngineArgs(**kw).early_configs()  # type: ignore[arg-type]
@@ -78,8 +82,12 @@ def test_cache_routing_kill_and_restart(tiny: Path, want: list[list[int]]) -> No
     """Cache routing: a prefix-sharing sequence stays on one replica, concurrent distinct prompts use both,
     ids as DP=1. A SIGKILLed replica fails its in-flight requests only; later requests succeed; it returns;
     shutdown leaves no process."""
-    args = EngineArgs(model=str(tiny), data_parallel_size=2, **ENGINE)  # type: ignore[arg-type]
+    tuning = '{"request_tokens": 24, "balance_abs_tokens": 2048}'
+    args = EngineArgs(model=str(tiny), data_parallel_size=2, dp_router_config=tuning, **ENGINE)  # type: ignore[arg-type]
     engine = AsyncLLMEngine.from_engine_args(args, max_restarts=1)
+    assert engine.router is not None  # the knobs reached the router
+    assert (engine.router.tuning["request_tokens"], engine.router.tuning["balance_abs_tokens"]) == (24, 2048)
+    assert engine.router.tuning["load_penalty"] == 0.25  # the rest keep their defaults
 
     async def main() -> list[int]:
         engine.start()

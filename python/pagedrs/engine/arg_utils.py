@@ -141,6 +141,13 @@ class EngineArgs:
         "send the requests of one session (the request's `user`, or its X-Session-Id header) to the "
         "same replica",
     )
+    dp_router_config: str | dict | None = flag_field(
+        None,
+        "the data-parallel router's knobs over their defaults, JSON: "
+        '{"load_penalty": 0.25, "request_tokens": 32, "balance_ratio": 1.5, "balance_abs_tokens": 1024, '
+        '"optimistic": true, "max_sticky_keys": 65536}',
+        parse=json.loads,
+    )
     # vLLM's names, accepted so that programs written for it run (each either works or is refused at
     # start with what to use instead; see `check_compat`).
     skip_tokenizer_init: bool = flag_field(False, "no tokenizer: prompts are token ids, outputs have no text")
@@ -322,6 +329,7 @@ class EngineArgs:
             backend=self.data_parallel_backend,
             routing=self.dp_routing,
             session_affinity=self.dp_session_affinity,
+            router_tuning=_json_object(self.dp_router_config, "dp_router_config"),
         )
 
     def early_configs(self) -> tuple[ModelConfig, CacheConfig, DeviceConfig, ObservabilityConfig]:
@@ -445,3 +453,16 @@ class EngineArgs:
     def create_engine_config(self, model_max_len: int) -> EngineConfig:
         """The engine's config for a model that takes `model_max_len` tokens."""
         return self.launch_config().resolve(model_max_len)
+
+
+def _json_object(value: str | dict | None, name: str) -> dict[str, Any] | None:
+    """A flag given as a dict or its JSON text: the dict (None stays None); ValueError naming `name`."""
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    return parsed

@@ -92,6 +92,7 @@ class AsyncLLMEngine:
         | None = None,
         routing: str = "round_robin",
         session_affinity: bool = False,
+        router_tuning: dict[str, Any] | None = None,
     ) -> None:
         self.observer = observer
         self.max_restarts = max_restarts
@@ -121,7 +122,7 @@ class AsyncLLMEngine:
         )
         self.embedding_size = ready.embedding_size
         self.output_processor = OutputProcessor(tokenizer, observer)
-        self._cores.make_router(routing, ready.block_size, session_affinity)
+        self._cores.make_router(routing, ready.block_size, session_affinity, router_tuning)
         self.router = self._cores.router
         self._streams: dict[str, RequestStream[Any]] = {}
         self._num_inflight = 0
@@ -148,6 +149,7 @@ class AsyncLLMEngine:
             _make_handle=makers,
             routing=dp.routing,
             session_affinity=dp.session_affinity,
+            router_tuning=dp.router_tuning,
             **kwargs,
         )
 
@@ -166,6 +168,7 @@ class AsyncLLMEngine:
             _make_handle=[lambda ipc_dir, gen: RemoteCore(ipc_dir, gen, client_index)] * dp.size,
             routing=dp.routing,
             session_affinity=dp.session_affinity,
+            router_tuning=dp.router_tuning,
             **kwargs,
         )
 

@@ -271,12 +271,14 @@ class ReplicaSet:
             "engine core %d ready: %s, %d KV blocks", replica.index, ready.model_name, ready.num_blocks
         )
 
-    def make_router(self, routing: str, block_size: int, session_affinity: bool) -> None:
-        """With more than one core, the router that picks each request's."""
+    def make_router(
+        self, routing: str, block_size: int, session_affinity: bool, tuning: dict[str, Any] | None = None
+    ) -> None:
+        """With more than one core, the router that picks each request's (`tuning`: its knobs)."""
         self.routing = routing
         if len(self.replicas) > 1:
             self.router = FrontendRouter(
-                len(self.replicas), routing, block_size=block_size, sticky=session_affinity
+                len(self.replicas), routing, block_size=block_size, sticky=session_affinity, **(tuning or {})
             )
 
     def stop_all(self, timeout: float) -> None:

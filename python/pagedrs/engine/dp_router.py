@@ -118,6 +118,7 @@ class DPRouter:
         self.policy = policy
         self.block_size = block_size
         self.sticky = bool(sticky)
+        self.tuning: dict[str, Any] = t  # every knob, defaults included
         self._penalty = float(t["load_penalty"])
         self._request_tokens = int(t["request_tokens"])
         self._ratio = float(t["balance_ratio"])
