@@ -21,6 +21,8 @@ the multi-tenant workload so that where the requests go decides what stays cache
 flight fit in one replica, all of them do not. Each server is warmed up, then runs each workload at
 --concurrency requests in flight: streaming `/v1/completions`, greedy, `ignore_eos`, --max-tokens output
 tokens each.
+With --rounds N every server runs N times, the configs taking turns, and each figure is the median of the
+N runs (each run's under `<figure>_rounds` in the JSON, the runs themselves under `runs`).
 Per server and workload: output tok/s, TTFT p50/p90, and the prefix-cache hit rate (hit / queried prompt
 tokens) from the server's `pagedrs:prefix_cache_hits` / `pagedrs:prefix_cache_queries` counters before and
 after (per replica where the series carry an `engine` label). Prints, for the goals,
@@ -225,18 +227,49 @@ def bench_config(
             # per request, in sending order (None: failed): where the slow first tokens fall
             row["ttft_ms_by_request"] = [round(r.ttft * 1000, 1) if r.ok else None for r in results]
             rows.append(row)
-            hr = row["hit_rate"]
-            print(
-                f"{config:>13} {name:>12}: {row['output_token_throughput']:7.1f} out tok/s, TTFT p50 "
-                f"{row['ttft_p50_ms']:6.0f} ms p90 {row['ttft_p90_ms']:6.0f} ms, hit rate "
-                f"{'-' if hr is None else f'{hr:.1%}'}, {row['completed']}/{row['sent']} done",
-                flush=True,
-            )
+            print_row(row)
     finally:
         if proc is not None:
             stop_process_group(proc, 20)
         shutil.rmtree(data_dir, ignore_errors=True)
     return rows
+
+
+def print_row(row: dict[str, Any]) -> None:
+    hr = row["hit_rate"]
+    print(
+        f"{row['config']:>13} {row['workload']:>12}: {row['output_token_throughput']:7.1f} out tok/s, TTFT p50 "
+        f"{row['ttft_p50_ms']:6.0f} ms p90 {row['ttft_p90_ms']:6.0f} ms, hit rate "
+        f"{'-' if hr is None else f'{hr:.1%}'}, {row['completed']}/{row['sent']} done",
+        flush=True,
+    )
+
+
+MEDIAN_KEYS = ("output_token_throughput", "ttft_p50_ms", "ttft_p90_ms", "hit_rate")
+
+
+def merge_rounds(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (config, workload): with one round, its run; with several, the first round's row with
+    each of MEDIAN_KEYS the median over the rounds (the upper one of an even count), every round's value
+    under `<key>_rounds`, and completed / sent summed."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in runs:
+        groups.setdefault((row["config"], row["workload"]), []).append(row)
+    out = []
+    for group in groups.values():
+        if len(group) == 1:
+            out.append({k: v for k, v in group[0].items() if k != "round"})
+            continue
+        row = {k: v for k, v in group[0].items() if k not in ("round", "ttft_ms_by_request")}
+        for key in MEDIAN_KEYS:
+            vals = [g.get(key) for g in group]
+            row[f"{key}_rounds"] = vals
+            known = sorted(v for v in vals if v is not None)
+            row[key] = known[len(known) // 2] if known else None
+        row["completed"] = sum(g["completed"] for g in group)
+        row["sent"] = sum(g["sent"] for g in group)
+        out.append(row)
+    return out
 
 
 def _row(rows: list[dict[str, Any]], config: str, workload: str) -> dict[str, Any] | None:
@@ -338,6 +371,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--rounds", type=int, default=1, help="run every config this many times, taking turns; report medians"
+    )
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--server-start-timeout", type=float, default=300.0)
     p.add_argument("--json", default=None)
@@ -352,8 +388,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     for w in args.workloads:
         if w not in WORKLOADS:
             p.error(f"--workloads: {w!r} is not one of {WORKLOADS}")
-    if min(args.tenants, args.requests, args.no_shared_requests, args.concurrency) < 1 or args.dp < 2:
-        p.error("--tenants, --requests, --no-shared-requests and --concurrency must be >= 1, --dp >= 2")
+    if (
+        min(args.tenants, args.requests, args.no_shared_requests, args.concurrency, args.rounds) < 1
+        or args.dp < 2
+    ):
+        p.error(
+            "--tenants, --requests, --no-shared-requests, --concurrency and --rounds must be >= 1, --dp >= 2"
+        )
     return args, extra
 
 
@@ -362,10 +403,16 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_interrupt)
     workloads = make_workloads(args)
-    rows: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = []
     started = time.time()
-    for config in args.configs:
-        rows.extend(bench_config(config, args, workloads, extra))
+    for r in range(args.rounds):  # configs take turns, so that a change in the machine's load hits each
+        for config in args.configs:
+            runs.extend({**row, "round": r} for row in bench_config(config, args, workloads, extra))
+    rows = merge_rounds(runs)
+    if args.rounds > 1:
+        print(f"medians of {args.rounds} rounds:")
+        for row in rows:
+            print_row(row)
     summary = goals(rows)
     if args.json:
         write_json(
@@ -381,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
                 "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
                 "server_extra_args": extra,
                 "rows": rows,
+                "runs": runs if args.rounds > 1 else None,
                 "goals": summary,
             },
         )

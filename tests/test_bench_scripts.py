@@ -418,3 +418,35 @@ def test_spec_decode_takes_turns_and_reports_every_configuration(tmp_path: Path)
             if name == "none":
                 assert r["draft_tokens"] == 0
     assert "same ids" in proc.stdout and "ceiling" in proc.stdout
+
+
+def test_dp_routing_rounds_report_medians(monkeypatch: pytest.MonkeyPatch) -> None:
+    d = _load("dp_routing", monkeypatch)
+
+    def run(config: str, r: int, tok_s: float, p90: float, hit: float | None) -> dict[str, Any]:
+        return {
+            "config": config,
+            "workload": "multi_tenant",
+            "round": r,
+            "output_token_throughput": tok_s,
+            "ttft_p50_ms": p90 / 2,
+            "ttft_p90_ms": p90,
+            "hit_rate": hit,
+            "completed": 8,
+            "sent": 8,
+            "ttft_ms_by_request": [1.0],
+        }
+
+    runs = [run("cache", 0, 100, 800, 0.8), run("round_robin", 0, 50, 1400, 0.25)]
+    runs += [run("cache", 1, 190, 340, 0.88), run("round_robin", 1, 60, 1500, None)]
+    runs += [run("cache", 2, 160, 500, 0.86), run("round_robin", 2, 55, 1300, 0.27)]
+    rows = d.merge_rounds(runs)
+    cache, rr = d._row(rows, "cache", "multi_tenant"), d._row(rows, "round_robin", "multi_tenant")
+    assert (cache["output_token_throughput"], cache["ttft_p90_ms"], cache["hit_rate"]) == (160, 500, 0.86)
+    assert cache["ttft_p90_ms_rounds"] == [800, 340, 500] and "ttft_ms_by_request" not in cache
+    assert (rr["hit_rate"], rr["hit_rate_rounds"]) == (0.27, [0.25, None, 0.27])  # a missing figure skipped
+    assert (cache["completed"], cache["sent"], "round" in cache) == (24, 24, False)
+    g = d.goals(rows)
+    assert g["multi_tenant_ttft_p90_cache_over_rr"] == pytest.approx(500 / 1400)
+    one = d.merge_rounds(runs[:2])  # one round: the runs as they are
+    assert one[0]["ttft_ms_by_request"] == [1.0] and "ttft_p90_ms_rounds" not in one[0]
