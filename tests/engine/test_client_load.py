@@ -16,6 +16,7 @@ from pagedrs.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    FinishReason,
     output_decoder,
 )
 from pagedrs.metrics import EngineStats
@@ -58,7 +59,7 @@ def test_tracker_embedding_and_finish_end_prefill() -> None:
     t.add("e", 0, 50)
     t.add("f", 0, 30)
     t.observe(EngineCoreOutput("e", 0, embedding=[0.5, 0.25]))
-    t.observe(EngineCoreOutput("f", 0, finish_reason="abort", error="too long"))
+    t.observe(EngineCoreOutput("f", 0, finish_reason=FinishReason.ABORT, error="too long"))
     assert pairs(t) == [(2, 0)]
     t.observe(EngineCoreOutput("unknown", 0, new_token_ids=[1]))  # not tracked: ignored
     assert pairs(t) == [(2, 0)]
@@ -134,7 +135,10 @@ def test_core_proc_reports_each_clients_load(tmp_path: Any) -> None:
         proc._publish(core, EngineCoreOutputs(step, EngineStats(), 1.0))  # type: ignore[arg-type]
         core.requests.discard("c")
         proc._publish(
-            core, EngineCoreOutputs([EngineCoreOutput("c", 0, finish_reason="abort")], EngineStats(), 2.0)
+            core,
+            EngineCoreOutputs(
+                [EngineCoreOutput("c", 0, finish_reason=FinishReason.ABORT)], EngineStats(), 2.0
+            ),
         )  # type: ignore[arg-type]
         sent = [proc._outputs.get_nowait() for _ in range(4)]
         assert [(i, [o.request_id for o in m.outputs]) for i, m in sent] == [

@@ -341,7 +341,12 @@ class AsyncLLMEngine:
             kind = RequestOutputKind.FINAL_ONLY
         else:
             self.output_processor.add_request(
-                request_id, text, req.prompt_token_ids, params, req.arrival_time
+                request_id,
+                text,
+                req.prompt_token_ids,
+                params,
+                req.arrival_time,
+                replica if self.router is not None else None,
             )
             kind = params.output_kind
         stream: RequestStream[Any] = RequestStream(request_id, self, kind)
@@ -391,7 +396,6 @@ class AsyncLLMEngine:
     def _abort(self, stream: RequestStream[Any]) -> None:
         rid = stream.request_id
         del self._streams[rid]
-        self._select_engine(self._cores.owner.get(rid))
         self.output_processor.abort_requests([rid])
         stream._fail(RequestAbortedError(f"request {rid} aborted"))
         self._cores.abort(rid)
@@ -406,14 +410,14 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------ outputs
     def _on_outputs(self, replica: int, msg: EngineCoreOutputs, received_at: float) -> None:
-        self._select_engine(replica)
         try:
             self._process(replica, msg)
         except Exception as exc:  # a frontend bug fails these requests, not the loop
             logger.exception("processing a step message failed")
             self._fail_requests({o.request_id for o in msg.outputs}, exc)
         if self.observer is not None:
-            self.observer.on_step(msg.stats, time.perf_counter() - received_at)
+            engine = replica if self.router is not None else None
+            self.observer.on_step(msg.stats, time.perf_counter() - received_at, engine)
 
     def _process(self, replica: int, msg: EngineCoreOutputs) -> None:
         self._cores.observe(replica, msg)
@@ -436,11 +440,6 @@ class AsyncLLMEngine:
         if processed.abort_seqs:  # stop strings found here: the core stops those samples
             self._cores.send(replica, AbortRequests([], processed.abort_seqs))
 
-    def _select_engine(self, replica: int | None) -> None:
-        """The observer's next request events are of this replica's requests (metrics per engine)."""
-        if self.observer is not None and replica is not None:
-            self.observer.select_engine(replica)
-
     # ------------------------------------------------------------ faults
     def _restarted(self) -> None:
         for fn in self._restart_listeners:
@@ -450,7 +449,6 @@ class AsyncLLMEngine:
         for rid in request_ids:
             stream = self._streams.pop(rid, None)
             if stream is not None:
-                self._select_engine(self._cores.owner.get(rid))
                 self.output_processor.abort_requests([rid])
                 stream._fail(exc)
             self._cores.abort(rid)
@@ -458,7 +456,6 @@ class AsyncLLMEngine:
     def _fail_all(self, exc: BaseException) -> None:
         streams, self._streams = self._streams, {}
         for rid in streams:
-            self._select_engine(self._cores.owner.get(rid))
             self.output_processor.abort_requests([rid])
         for rid in list(self._cores.owner):
             self._cores.forget(rid)

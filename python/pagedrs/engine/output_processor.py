@@ -21,11 +21,12 @@ __all__ = ["OutputProcessor", "ProcessedOutputs", "RequestObserver"]
 
 
 class RequestObserver(Protocol):
-    """Receives per-request timings (e.g. Prometheus histograms)."""
+    """Receives per-request timings (e.g. Prometheus histograms), each with the data-parallel replica
+    that served the request (None with one engine core)."""
 
-    def on_first_token(self, ttft_s: float) -> None: ...
-    def on_tokens(self, itl_s: float, num_tokens: int) -> None: ...
-    def on_finished(self, reason: str, e2e_s: float) -> None: ...
+    def on_first_token(self, ttft_s: float, engine: int | None) -> None: ...
+    def on_tokens(self, itl_s: float, num_tokens: int, engine: int | None) -> None: ...
+    def on_finished(self, reason: str, e2e_s: float, engine: int | None) -> None: ...
 
 
 @dataclass
@@ -49,8 +50,11 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float,
+        engine: int | None = None,
     ) -> Request:
+        """`engine`: the data-parallel replica it was routed to (its metrics carry that label)."""
         req = Request(request_id, prompt, prompt_token_ids, params, arrival_time, self.tokenizer)
+        req.engine = engine
         self.requests[request_id] = req
         return req
 
@@ -86,7 +90,7 @@ class OutputProcessor:
             req.num_unfinished = 0
             req.metrics.finished_time = now
             if self.observer is not None:
-                self.observer.on_finished(reason, now - req.metrics.arrival_time)
+                self.observer.on_finished(reason, now - req.metrics.arrival_time, req.engine)
             outs.append(req.to_output(changed))
         return outs
 
@@ -205,10 +209,10 @@ class OutputProcessor:
         if m.first_token_time is None:
             m.first_token_time = now
             if obs is not None:
-                obs.on_first_token(now - m.arrival_time)
+                obs.on_first_token(now - m.arrival_time, req.engine)
         elif obs is not None:
-            obs.on_tokens(now - m.last_token_time, 1)
+            obs.on_tokens(now - m.last_token_time, 1, req.engine)
         m.last_token_time = now
         if req.finished and obs is not None:
             reasons = [s.finish_reason for s in req.seqs if s.finish_reason]
-            obs.on_finished(reasons[0] if reasons else "stop", now - m.arrival_time)
+            obs.on_finished(reasons[0] if reasons else "stop", now - m.arrival_time, req.engine)

@@ -43,11 +43,10 @@ class RequestAbortedError(RuntimeError):
 
 
 class StepObserver(RequestObserver, Protocol):
-    """Also told, with data parallelism, which replica the next request events and step are of, and
-    where each request was routed."""
+    """Also told of each step message (with data parallelism, with the replica that sent it) and where
+    each request was routed."""
 
-    def on_step(self, stats: EngineStats, frontend_s: float) -> None: ...
-    def select_engine(self, index: int) -> None: ...
+    def on_step(self, stats: EngineStats, frontend_s: float, engine: int | None) -> None: ...
     def on_routed(self, index: int) -> None: ...
 
 

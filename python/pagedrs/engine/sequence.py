@@ -112,6 +112,7 @@ class Request:
         "num_cached_tokens",
         "num_unfinished",
         "output_kind",
+        "engine",
     )
 
     def __init__(
@@ -135,6 +136,7 @@ class Request:
         self.num_cached_tokens: int | None = None
         self.seqs = [SampleState(i, self, params.child(i), tokenizer) for i in range(params.n)]
         self.num_unfinished = params.n
+        self.engine: int | None = None  # the data-parallel replica serving it (None: one engine core)
 
     @property
     def finished(self) -> bool:

@@ -272,7 +272,6 @@ class ServerMetrics:
         # With data parallelism the request and step series carry the engine label (vLLM's); one engine
         # serves them without it, and vLLM's names add engine="0" (`vllm_twins`).
         self.num_engines = len(get_replica_stats()) if get_replica_stats is not None else 0
-        self._engine = VLLM_ENGINE_INDEX  # the replica whose events are being observed
         labels = ["model_name", "engine"] if self.num_engines else ["model_name"]
         self.ttft = Histogram(
             "pagedrs:time_to_first_token_seconds",
@@ -347,42 +346,39 @@ class ServerMetrics:
             else None
         )
         for engine in range(max(1, self.num_engines)):
-            self._engine = str(engine)
             for reason in ("stop", "length", "abort"):
-                self.finished.labels(*self._labels(), reason)
+                self.finished.labels(*self._labels(engine), reason)
             if self.routed is not None:
                 self.routed.labels(model_name, str(engine))
-        self._engine = VLLM_ENGINE_INDEX
         self.registry.register(self._engine_collector)
 
-    def _labels(self) -> tuple[str, ...]:
-        return (self.model_name, self._engine) if self.num_engines else (self.model_name,)
+    def _labels(self, engine: int | None) -> tuple[str, ...]:
+        if not self.num_engines:
+            return (self.model_name,)
+        return (self.model_name, VLLM_ENGINE_INDEX if engine is None else str(engine))
 
     # StepObserver (called on the engine's event loop; prometheus_client is thread-safe)
-    def select_engine(self, index: int) -> None:
-        """The replica whose requests and step the next calls observe."""
-        self._engine = str(index)
-
     def on_routed(self, index: int) -> None:
         if self.routed is not None:
             self.routed.labels(self.model_name, str(index)).inc()
 
-    def on_first_token(self, ttft_s: float) -> None:
-        self.ttft.labels(*self._labels()).observe(ttft_s)
+    def on_first_token(self, ttft_s: float, engine: int | None = None) -> None:
+        self.ttft.labels(*self._labels(engine)).observe(ttft_s)
 
-    def on_tokens(self, itl_s: float, num_tokens: int) -> None:
-        child = self.itl.labels(*self._labels())
+    def on_tokens(self, itl_s: float, num_tokens: int, engine: int | None = None) -> None:
+        child = self.itl.labels(*self._labels(engine))
         for _ in range(num_tokens):
             child.observe(itl_s / num_tokens)
 
-    def on_finished(self, reason: str, e2e_s: float) -> None:
-        self.finished.labels(*self._labels(), reason).inc()
+    def on_finished(self, reason: str, e2e_s: float, engine: int | None = None) -> None:
+        self.finished.labels(*self._labels(engine), reason).inc()
         if reason != "abort":
-            self.e2e.labels(*self._labels()).observe(e2e_s)
+            self.e2e.labels(*self._labels(engine)).observe(e2e_s)
 
-    def on_step(self, stats: Any, frontend_s: float) -> None:
-        """One step message from the engine core: its timings and the frontend's."""
-        lbl = self._labels()
+    def on_step(self, stats: Any, frontend_s: float, engine: int | None = None) -> None:
+        """One step message from an engine core (`engine`, with data parallelism): its timings and the
+        frontend's."""
+        lbl = self._labels(engine)
         self.frontend_step.labels(*lbl).observe(frontend_s)
         if not self.core_histograms:
             return
