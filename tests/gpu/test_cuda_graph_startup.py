@@ -12,7 +12,7 @@ import torch
 
 from pagedrs import EngineArgs, LLMEngine
 from pagedrs.models.llama import LlamaForCausalLM
-from pagedrs.runner import model_runner as model_runner_mod
+from pagedrs.runner import kv_setup
 from pagedrs.runner.cuda_graphs import context_buckets, default_capture_sizes
 from pagedrs.runner.model_runner import ModelRunner
 from tests.engine.conftest import greedy, random_prompts, run_all
@@ -92,7 +92,7 @@ def test_graph_memory_is_kept_out_of_the_pool(model_path: Path, monkeypatch: pyt
     estimates: list[int] = []
     reserved: list[int] = []
     profile = ModelRunner.profile_cudagraph_memory
-    sizing = model_runner_mod.profile_num_gpu_blocks
+    sizing = kv_setup.profile_num_gpu_blocks
 
     def spy_profile(self: ModelRunner) -> int:
         estimates.append(profile(self))
@@ -103,7 +103,7 @@ def test_graph_memory_is_kept_out_of_the_pool(model_path: Path, monkeypatch: pyt
         return sizing(*args, **kwargs)
 
     monkeypatch.setattr(ModelRunner, "profile_cudagraph_memory", spy_profile)
-    monkeypatch.setattr(model_runner_mod, "profile_num_gpu_blocks", spy_sizing)
+    monkeypatch.setattr(kv_setup, "profile_num_gpu_blocks", spy_sizing)
     engine = _engine(model_path)
     graphs = engine.runner.cuda_graphs
     assert graphs is not None

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagedrs.layers.attention import AttentionMetadata, ForwardContext
-from pagedrs.runner import model_runner as model_runner_mod
+from pagedrs.runner import kv_setup
 from pagedrs.runner.cuda_graphs import (
     capture_order,
     context_buckets,
@@ -95,7 +95,7 @@ def test_when_graphs_are_used_and_the_reserve_reaches_the_sizing(
         seen.update(kwargs)
         return 7
 
-    monkeypatch.setattr(model_runner_mod, "profile_num_gpu_blocks", fake_profile)
+    monkeypatch.setattr(kv_setup, "profile_num_gpu_blocks", fake_profile)
     monkeypatch.setattr(runner, "device", torch.device("cuda"))
     monkeypatch.setattr(runner, "profile_cudagraph_memory", lambda: 123 * MiB)
     monkeypatch.setattr(

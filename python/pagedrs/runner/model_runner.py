@@ -5,13 +5,12 @@ graphs' static inputs included; `step_buffers.py`), the forward (a graph replay 
 CUDA), and a sampler call over the rows that produce a token, built from sampling parameters kept per
 sequence (`sampling_state.py`); there is no per-token or per-layer Python.
 
-On CUDA the decode graphs are captured when the KV pool is created, and the memory they will hold is kept
-out of the pool when it is sized (`determine_num_blocks`, `profile_cudagraph_memory`).
+The KV pool's sizing and allocation and the decode graphs' capture are in `kv_setup.py`, the sampling side
+in `sample_step.py` (mixins of `ModelRunner`); this module holds the runner's state and the step.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -25,38 +24,23 @@ from pagedrs._core import StepPlan
 from pagedrs.config import EngineConfig, kv_cache_torch_dtype
 from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.attention import AttentionMetadata, ForwardContext, get_attention_backend
-from pagedrs.layers.attention.selector import routes_to_reference
-from pagedrs.layers.sampler import LogprobsTensors, Sampler, SamplingMetadata, SamplingRow
+from pagedrs.layers.sampler import Sampler, SamplingRow
 from pagedrs.models.interface import CausalLM
 from pagedrs.models.prepare import prepare_for_device, runner_options
-from pagedrs.runner.kv_cache import (
-    KVCachePool,
-    model_block_bytes,
-    num_blocks_for_bytes,
-    profile_num_gpu_blocks,
-)
-from pagedrs.runner.kv_groups import (
-    WindowGroup,
-    install_window_pool,
-    plan_window_pool,
-    swap_yields_to_window_pool,
-    window_metadata,
-)
+from pagedrs.runner.kv_cache import KVCachePool, model_block_bytes
+from pagedrs.runner.kv_groups import WindowGroup, window_metadata
+from pagedrs.runner.kv_setup import KVSetupMixin
 from pagedrs.runner.outputs import Forward, RunnerOutput
-from pagedrs.runner.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs, plan_prompt_logprobs
+from pagedrs.runner.sample_step import SampleStepMixin
 from pagedrs.runner.sampling_state import SamplingState
 from pagedrs.runner.step_buffers import StepBuffers, StepInputs
 from pagedrs.spec_decode import Drafter, DrafterContext, StepContext, build_drafter
-from pagedrs.spec_decode.verifier import first_rows, greedy_with_drafts, sample_with_drafts
 
 __all__ = ["ModelRunner"]
 
 logger = logging.getLogger(__name__)
 
-_GiB = 1 << 30
-_DEFAULT_CPU_KV_GB = 4.0
 _MAX_GRAPH_BATCH = 512  # decode batches up to this many requests replay a CUDA graph
-_PROFILE_GRAPH_BLOCKS = 16  # the throwaway KV pool the graph-memory profile captures against
 
 
 def check_batch_invariant(model: torch.nn.Module, kv_dtype: torch.dtype) -> None:
@@ -70,7 +54,7 @@ def check_batch_invariant(model: torch.nn.Module, kv_dtype: torch.dtype) -> None
         )
 
 
-class ModelRunner:
+class ModelRunner(KVSetupMixin, SampleStepMixin):
     """Owns the model, the KV pool, the attention backend and the sampler for one device."""
 
     def __init__(
@@ -193,148 +177,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    # ---- KV pool sizing -------------------------------------------------------------------------------
-    @property
-    def bytes_per_block(self) -> int:
-        """One block's bytes on this rank: the target's KV, plus a drafter's own (a draft model's pool has
-        as many blocks)."""
-        own = model_block_bytes(self.model, self.block_size, self.kv_dtype)
-        return own + (self.drafter.kv_bytes_per_block if self.drafter is not None else 0)
-
-    def determine_num_blocks(self) -> int:
-        cache = self.config.cache
-        if cache.num_kv_blocks is not None:
-            return cache.num_kv_blocks
-        per_block = self.bytes_per_block
-        if self.device.type == "cuda":
-            return profile_num_gpu_blocks(
-                self.model,
-                self.profile_run,
-                device=self.device,
-                gpu_memory_utilization=cache.gpu_memory_utilization,
-                per_block=per_block,
-                reserved_bytes=self.profile_cudagraph_memory(),
-            )
-        sched = self.config.scheduler
-        if cache.cpu_kv_cache_gb is not None:
-            num = num_blocks_for_bytes(cache.cpu_kv_cache_gb * _GiB, per_block)
-        else:
-            # No more than every sequence at full length would need, and at most 4 GiB.
-            num = min(
-                sched.max_num_seqs * self.max_blocks_per_seq,
-                num_blocks_for_bytes(_DEFAULT_CPU_KV_GB * _GiB, per_block),
-            )
-        if num < 1:
-            raise ValueError(
-                f"cpu_kv_cache_gb={cache.cpu_kv_cache_gb} holds no block of {per_block} bytes; raise it"
-            )
-        return num
-
-    def determine_num_swap_blocks(self) -> int:
-        if swap_yields_to_window_pool(self):
-            return 0
-        return num_blocks_for_bytes(self.config.cache.swap_space * _GiB, self.bytes_per_block)
-
-    def _new_pool(self, num_blocks: int, num_swap: int) -> KVCachePool:
-        return KVCachePool.for_model(
-            self.model,
-            block_size=self.block_size,
-            num_blocks=num_blocks,
-            dtype=self.kv_dtype,
-            device=self.device,
-            num_swap_blocks=num_swap,
-        )
-
-    def init_kv_cache(self, num_blocks: int, num_swap_blocks: int | None = None) -> KVCachePool:
-        """Allocate the KV pool, then (CUDA) capture every decode graph, before any request runs."""
-        num_swap = self.determine_num_swap_blocks() if num_swap_blocks is None else num_swap_blocks
-        num_blocks, self.window_group = plan_window_pool(self, num_blocks, num_swap)
-        self.kv_pool = self._new_pool(num_blocks, num_swap)
-        if self.window_group is not None:
-            install_window_pool(self.kv_pool, self.window_group)
-        if self.drafter is not None:
-            self.drafter.init_kv_cache(num_blocks, num_swap)
-        self.capture_model()
-        return self.kv_pool
-
-    @property
-    def uses_cuda_graphs(self) -> bool:
-        """Decode steps replay CUDA graphs: one CUDA device (tensor-parallel and liquid steps run eagerly:
-        their collectives and their model objects change), the cupy backend, not enforce_eager, and no
-        capture failed before."""
-        dev = self.config.device
-        return (
-            self.device.type == "cuda"
-            and self.tp.size == 1
-            and self.config.parallel.liquid_gpu_range is None
-            and not dev.enforce_eager
-            and self.backend.name == "cupy"
-            and not self._graphs_failed
-            and self.window_group is None  # the window group's tables are per plan, not in the graphs
-            and not routes_to_reference(self.model, self.backend)  # the reference plans on the host
-        )
-
-    def _graph_runner(self, kv_caches: list[Tensor], *, shared_inputs: bool) -> Any:
-        from pagedrs.runner.cuda_graphs import CudaGraphRunner
-
-        return CudaGraphRunner(
-            self.model,
-            kv_caches,
-            self.backend,
-            max_batch_size=self.graph_batch_size,
-            max_blocks_per_seq=self.max_blocks_per_seq,
-            block_size=self.block_size,
-            inputs=self.step_buffers.graph_inputs() if shared_inputs else None,
-        )
-
-    @torch.inference_mode()
-    def capture_model(self) -> None:
-        """Capture every (batch size, context bucket) decode graph against the KV pool now, so that no
-        request pays for a capture; a model that cannot be captured runs eagerly."""
-        self.cuda_graphs = None
-        if not self.uses_cuda_graphs or self.kv_pool is None:
-            return
-        graphs = self._graph_runner(self.kv_pool.kv_caches, shared_inputs=True)
-        graphs.capture_all(progress=True)
-        if graphs.enabled:
-            self.cuda_graphs = graphs
-        else:
-            self._graphs_failed = True
-
-    @torch.inference_mode()
-    def profile_cudagraph_memory(self) -> int:
-        """Bytes the decode graphs will hold once captured, measured before the KV pool exists.
-
-        What vLLM V1 does (gpu_model_runner.profile_cudagraph_memory): capturing needs KV caches, so the
-        two largest graphs are captured against a small throwaway pool, their free-memory deltas taken
-        (the first is the shared pool, the second one graph's own cost, at least 1 MiB), and
-        first + second * (num_graphs - 1) is kept out of the KV budget; the graphs and the pool are then
-        dropped, and the real capture follows the pool's allocation. A margin fixed in advance would be
-        wrong both ways: the shared pool grows with the batch, the context bucket and the model's width.
-        0 when graphs are off; a model that fails to capture here is marked eager for good."""
-        if not self.uses_cuda_graphs:
-            return 0
-        pool = self._new_pool(_PROFILE_GRAPH_BLOCKS, 0)
-        graphs = self._graph_runner(pool.kv_caches, shared_inputs=False)
-        estimate = int(graphs.profile_memory())
-        if not graphs.enabled:
-            self._graphs_failed = True
-        del graphs, pool
-        gc.collect()
-        torch.cuda.empty_cache()
-        return estimate
-
-    @torch.inference_mode()
-    def profile_run(self) -> None:
-        """A forward at the largest token budget with no KV cache, and the logits of a full batch."""
-        sched = self.config.scheduler
-        num_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        pos = torch.arange(num_tokens, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, pos, ForwardContext(attn_metadata=None, kv_caches=[], backend=self.backend))
-        rows = min(sched.max_num_seqs, num_tokens)
-        self.model.compute_logits(hidden[:rows])
-
     # ---- one step ----------------------------------------------------------------------------------
     def _attn_metadata(
         self, plan: StepPlan, inputs: StepInputs, max_query_len: int, max_seq_len: int
@@ -399,88 +241,6 @@ class ModelRunner:
         finally:
             self.step_rows = None
         return Forward(logits, plp, self.last_hidden)
-
-    def _sampling_metadata(self, plan: StepPlan, rows: Sequence[SamplingRow], vocab: int) -> SamplingMetadata:
-        """From the per-sequence state (the one builder of a step's sampling metadata), keyed by the plan's
-        sampled seq ids."""
-        seq_ids = plan.sampled_seq_ids
-        if len(seq_ids) != len(rows):
-            raise ValueError(f"{len(rows)} sampling rows for a plan that samples {len(seq_ids)} sequences")
-        state = self.sampling_state
-        if state is None or state.vocab_size != vocab:
-            state = self.sampling_state = SamplingState(
-                vocab_size=vocab,
-                device=self.device,
-                eos_token_ids=self.eos_token_ids,
-                capacity=2 * self.config.scheduler.max_num_seqs,
-            )
-        return state.metadata(seq_ids, rows, default_generator=self.generator)
-
-    @torch.inference_mode()
-    def sample(
-        self,
-        plan: StepPlan,
-        rows: Sequence[SamplingRow],
-        fwd: Forward,
-        token_bitmask: Any = None,
-    ) -> RunnerOutput:
-        """Rank 0 only: prompt logprobs from the rows after the sampled ones, then the grammar masks
-        (structured outputs), then the sampler (logprobs are reported after masking, as vLLM does)."""
-        logits, plp = fwd.logits, fwd.prompt_logprobs
-        out = RunnerOutput(np.zeros(0, dtype=np.int64), None, {}, hidden=fwd.hidden)
-        if logits is None:
-            return out
-        num_rows = len(plan.logits_indices)
-        if plp is not None:
-            out.prompt_logprobs = compute_prompt_logprobs(logits[num_rows:], plp)
-        if hasattr(token_bitmask, "result"):  # built in a helper thread while the forward ran
-            token_bitmask = token_bitmask.result()
-        main = logits[:num_rows]
-        sampling = self._sampling_metadata(plan, rows, logits.shape[-1]) if num_rows else None
-        if (
-            sampling is not None
-            and plan.has_drafts
-            and token_bitmask is None
-            and sampling.is_plain_greedy
-            and sampling.max_num_logprobs is None
-        ):
-            drafts = self.last_drafts if self.last_drafts is not None else plan.draft_token_ids
-            greedy_with_drafts(out, plan, main, drafts)
-            return out
-        if num_rows and plan.has_drafts:  # one row per sequence for the sampler: each one's first
-            main = logits.index_select(
-                0, torch.as_tensor(first_rows(plan.num_draft_tokens), device=logits.device)
-            )
-        if num_rows and token_bitmask is not None:
-            import xgrammar as xgr
-
-            mask, indices = token_bitmask
-            xgr.apply_token_bitmask_inplace(
-                main, mask.to(logits.device), vocab_size=logits.shape[-1], indices=indices
-            )
-        if sampling is not None:
-            sampled = self.sampler(main, sampling)
-            # Every copy to the host is queued, then one wait.
-            ids = sampled.sampled_token_ids.to("cpu", non_blocking=True)
-            token_lps = None
-            if sampled.sampled_logprobs is not None:
-                token_lps = sampled.sampled_logprobs.to("cpu", non_blocking=True)
-            lp = sampled.logprobs
-            if lp is not None:
-                lp = LogprobsTensors(
-                    *(t.to("cpu", non_blocking=True) for t in (lp.token_ids, lp.logprobs, lp.ranks))
-                )
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-            out.sampled_token_ids = ids.numpy().astype(np.int64, copy=False)
-            out.sampled_logprobs = token_lps.numpy() if token_lps is not None else None
-            out.logprobs = lp
-            if plan.has_drafts:
-                drafts = self.last_drafts if self.last_drafts is not None else plan.draft_token_ids
-                sample_with_drafts(
-                    out, plan, rows, logits[:num_rows], drafts, self.generator, self.last_draft_probs
-                )
-        return out
 
     @torch.inference_mode()
     def execute_model(self, plan: StepPlan, extra_logits_indices: np.ndarray | None = None) -> Tensor | None:
@@ -580,9 +340,3 @@ class ModelRunner:
             assert inputs.block_tables is not None
             graphs.block_tables[:num_reqs, : inputs.block_tables.shape[1]].copy_(inputs.block_tables)
         return graphs.replay(graph)[:num_reqs]
-
-    def prompt_logprobs_plan(
-        self, plan: StepPlan, wanted: dict[int, tuple[int, Sequence[int]]] | None
-    ) -> PromptLogprobsPlan | None:
-        """Which hidden rows give this step's prompt logprobs: position p's logits predict token p + 1."""
-        return plan_prompt_logprobs(plan, wanted)
