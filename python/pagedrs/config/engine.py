@@ -1,0 +1,28 @@
+"""The whole engine's configuration: one frozen bundle of the per-part configs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedrs.config.model import (
+    CacheConfig,
+    DeviceConfig,
+    ModelConfig,
+    ObservabilityConfig,
+    SchedulerConfig,
+)
+from pagedrs.config.parallel import LoRAConfig, ParallelConfig
+from pagedrs.config.speculative import KVEventsConfig, SpeculativeConfig
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: DeviceConfig
+    observability: ObservabilityConfig
+    parallel: ParallelConfig = ParallelConfig()
+    lora: LoRAConfig | None = None  # None: LoRA adapters are off
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    kv_events: KVEventsConfig = KVEventsConfig()  # prefix-cache events: off
