@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
-from pagedrs.config.checks import _is_int, _require
+from pagedrs.config.checks import _is_int, _require, json_object
 
 SPEC_METHODS = ("ngram", "self_draft", "draft_model")
 _DEFAULT_LOOKUP = (2, 4)  # prompt_lookup_min, prompt_lookup_max
@@ -89,17 +88,9 @@ class SpeculativeConfig:
         taken: a `model` alone is a draft model, `"[ngram]"` as the method or the model is n-gram, and
         where only one of `prompt_lookup_min` / `prompt_lookup_max` is given the other follows it where
         the default would leave an empty range (vLLM sets the missing one equal to the given one)."""
+        spec = json_object(spec, "speculative_config")
         if spec is None:
             return None
-        if isinstance(spec, str):
-            import json
-
-            try:
-                spec = json.loads(spec)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
-        _require(isinstance(spec, dict), "speculative_config", spec, "must be a dict (or its JSON)")
-        assert isinstance(spec, dict)
         spec = dict(spec)
         if spec.get("method") in ("eagle", "eagle3", "medusa", "mtp"):
             raise ValueError(
@@ -181,15 +172,7 @@ class KVEventsConfig:
         """From vLLM's `--kv-events-config` JSON (or its dict); ValueError naming a bad value or key."""
         if isinstance(spec, cls):
             spec = {f: getattr(spec, f) for f in cls.__dataclass_fields__}
-        elif isinstance(spec, str):
-            try:
-                spec = json.loads(spec)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"kv_events_config must be a JSON object, got {spec!r} ({exc})") from None
-        if spec is None:
-            spec = {}
-        if not isinstance(spec, dict):
-            raise ValueError(f"kv_events_config must be a JSON object, got {spec!r}")
+        spec = json_object(spec, "kv_events_config") or {}
         unknown = sorted(set(spec) - set(cls.__dataclass_fields__))
         if unknown:
             known = sorted(cls.__dataclass_fields__)

@@ -24,6 +24,7 @@ from pagedrs.config import (
     default_swap_space,
     resolve_device,
 )
+from pagedrs.config.checks import json_object
 from pagedrs.engine.arg_checks import LOAD_FORMATS, check_compat
 from pagedrs.engine.arg_fields import add_field_flags, config_default, flag_field
 
@@ -329,7 +330,7 @@ class EngineArgs:
             backend=self.data_parallel_backend,
             routing=self.dp_routing,
             session_affinity=self.dp_session_affinity,
-            router_tuning=_json_object(self.dp_router_config, "dp_router_config"),
+            router_tuning=json_object(self.dp_router_config, "dp_router_config"),
         )
 
     def early_configs(self) -> tuple[ModelConfig, CacheConfig, DeviceConfig, ObservabilityConfig]:
@@ -453,16 +454,3 @@ class EngineArgs:
     def create_engine_config(self, model_max_len: int) -> EngineConfig:
         """The engine's config for a model that takes `model_max_len` tokens."""
         return self.launch_config().resolve(model_max_len)
-
-
-def _json_object(value: str | dict | None, name: str) -> dict[str, Any] | None:
-    """A flag given as a dict or its JSON text: the dict (None stays None); ValueError naming `name`."""
-    if value is None or isinstance(value, dict):
-        return value
-    try:
-        parsed = json.loads(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a JSON object, got {value!r}") from None
-    if not isinstance(parsed, dict):
-        raise ValueError(f"{name} must be a JSON object, got {value!r}")
-    return parsed
