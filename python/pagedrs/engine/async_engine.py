@@ -346,7 +346,7 @@ class AsyncLLMEngine:
                 req.prompt_token_ids,
                 params,
                 req.arrival_time,
-                replica if self.router is not None else None,
+                replica,
             )
             kind = params.output_kind
         stream: RequestStream[Any] = RequestStream(request_id, self, kind)
@@ -416,8 +416,7 @@ class AsyncLLMEngine:
             logger.exception("processing a step message failed")
             self._fail_requests({o.request_id for o in msg.outputs}, exc)
         if self.observer is not None:
-            engine = replica if self.router is not None else None
-            self.observer.on_step(msg.stats, time.perf_counter() - received_at, engine)
+            self.observer.on_step(msg.stats, time.perf_counter() - received_at, replica)
 
     def _process(self, replica: int, msg: EngineCoreOutputs) -> None:
         self._cores.observe(replica, msg)

@@ -245,15 +245,16 @@ class EngineCoreProc:
         """One message per step to each frontend: its requests' outputs, the step's stats and prefix-cache
         changes, and (with several frontends, each routing over every core) every client's load here."""
         per: list[list[EngineCoreOutput]] = [[] for _ in self._out_socks]
-        if len(self._out_socks) > 1:
+        several = len(self._out_socks) > 1
+        if several:
             for o in out.outputs:
                 per[self._requests.client_of(o.request_id) or 0].append(o)
         for o in out.outputs:
             if o.finish_reason is not None and not core.has_request(o.request_id):
                 self._requests.forget(o.request_id)
-            else:
+            elif several:  # the load only the other frontends' routers read
                 self._requests.observe(o)
-        if len(self._out_socks) == 1:
+        if not several:
             self._outputs.put((0, out))
             return
         load = self._requests.loads()  # after this step's finished requests left

@@ -21,8 +21,8 @@ __all__ = ["OutputProcessor", "ProcessedOutputs", "RequestObserver"]
 
 
 class RequestObserver(Protocol):
-    """Receives per-request timings (e.g. Prometheus histograms), each with the data-parallel replica
-    that served the request (None with one engine core)."""
+    """Receives per-request timings (e.g. Prometheus histograms), each with the engine core (data-parallel
+    replica) that served the request: its index, 0 with one core, None where the caller has no cores."""
 
     def on_first_token(self, ttft_s: float, engine: int | None) -> None: ...
     def on_tokens(self, itl_s: float, num_tokens: int, engine: int | None) -> None: ...
@@ -52,7 +52,7 @@ class OutputProcessor:
         arrival_time: float,
         engine: int | None = None,
     ) -> Request:
-        """`engine`: the data-parallel replica it was routed to (its metrics carry that label)."""
+        """`engine`: the core (data-parallel replica) it was routed to (its metrics carry that label)."""
         req = Request(request_id, prompt, prompt_token_ids, params, arrival_time, self.tokenizer)
         req.engine = engine
         self.requests[request_id] = req

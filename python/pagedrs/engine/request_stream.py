@@ -43,8 +43,8 @@ class RequestAbortedError(RuntimeError):
 
 
 class StepObserver(RequestObserver, Protocol):
-    """Also told of each step message (with data parallelism, with the replica that sent it) and where
-    each request was routed."""
+    """Also told of each step message, with the core (data-parallel replica) that sent it, and where each
+    request was routed."""
 
     def on_step(self, stats: EngineStats, frontend_s: float, engine: int | None) -> None: ...
     def on_routed(self, index: int) -> None: ...

@@ -136,7 +136,7 @@ class Request:
         self.num_cached_tokens: int | None = None
         self.seqs = [SampleState(i, self, params.child(i), tokenizer) for i in range(params.n)]
         self.num_unfinished = params.n
-        self.engine: int | None = None  # the data-parallel replica serving it (None: one engine core)
+        self.engine: int | None = None  # the engine core (data-parallel replica) serving it, if known
 
     @property
     def finished(self) -> bool:
