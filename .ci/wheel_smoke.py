@@ -1,15 +1,20 @@
 """Smoke test of an installed pagedrs wheel (run by .ci/wheel in a fresh virtualenv, cargo not on
 PATH): the package and its Rust extension come from the wheel, the CPU kernels chosen at run time for
-this CPU, and a greedy generation on the default model."""
+this CPU, and a greedy generation on the default model. WHEEL_SMOKE_IMPORTS (comma-separated module names)
+are imported first: modules only the calling environment has, to prove the virtualenv sees it."""
 
 from __future__ import annotations
 
+import importlib
+import os
 import shutil
 import sys
 from pathlib import Path
 
 
 def main() -> None:
+    for name in filter(None, os.environ.get("WHEEL_SMOKE_IMPORTS", "").split(",")):
+        importlib.import_module(name)
     import pagedrs
     from pagedrs import LLM, SamplingParams, _core
 

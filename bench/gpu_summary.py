@@ -1,4 +1,4 @@
-"""Fold the JSON of bench/kernels.py and two bench/throughput.py runs (Llama-3-8B and Llama-3.2-1B shapes)
+"""Fold the JSON of bench/gpu_kernels.py and two bench/throughput.py runs (Llama-3-8B and Llama-3.2-1B shapes)
 into bench/results/gpu-summary.json: the headline GPU figures in one small file.
 
 How a GPU session produces it (../shared/GPU.md: no git and no Rust on the GPU machine). Here, with the
@@ -13,13 +13,13 @@ On the GPU machine, one `run` call per benchmark (each under the 10-minute limit
 with the line that installs the wheel (the scripts import the installed package) and exports the commit.
 First the correctness suite (kernels, fused layer ops, CUDA graphs, greedy ids against the torch path):
 
-    <the first two lines of the kernels.py command below> cd .gpu && python -m pytest -q -x tests/gpu
+    <the first two lines of the gpu_kernels.py command below> cd .gpu && python -m pytest -q -x tests/gpu
 
 then the benchmarks:
 
     [ -d /tmp/site/pagedrs ] || pip install -q --no-index --no-deps --target /tmp/site .gpu/.whl/*.whl; \
     export PYTHONPATH=/tmp/site PAGEDRS_COMMIT=$(cat .gpu/COMMIT); \
-    python .gpu/bench/kernels.py --out $OUT/kernels.json
+    python .gpu/bench/gpu_kernels.py --out $OUT/kernels.json
 
     <same first two lines> python .gpu/bench/throughput.py --device cuda --model-config llama-3-8b \
         --num-prompts 256 --input-len 64 1024 --output-len 64 512 --passes 2 --hf-cb \
@@ -39,7 +39,7 @@ not finished by then is missing from the JSON (hf_error says so; the script then
 `--step-timing` on a throughput run synchronises the device at every step boundary: exact per-step times
 for a separate look, not the headline run.
 
-Keys: device and commit; from kernels.py decode_tbps (the best paged decode attention bandwidth at context
+Keys: device and commit; from gpu_kernels.py decode_tbps (the best paged decode attention bandwidth at context
 >= 4k, TB/s), decode_bw_fraction (decode_tbps over the device's HBM data-sheet bandwidth: 3.35 TB/s H100
 SXM, 4.8 TB/s H200) and prefill_time_vs_sdpa (paged prefill attention time / torch SDPA's, median over
 lengths); from the 8B run throughput_vs_hf_cb (pagedrs output tok/s / transformers continuous batching's),
@@ -93,7 +93,7 @@ def summarize(inputs: dict[str, dict[str, Any]], commit: str | None = None) -> d
     named = {d.get("commit") for d in inputs.values()} - {None, "unknown"}
     if not commit:
         commit = named.pop() if len(named) == 1 else resolve_commit()
-    # kernels.py names the GPU in "device"; throughput.py in "device_name" ("device" is cuda / cpu there)
+    # gpu_kernels.py names the GPU in "device"; throughput.py in "device_name" ("device" is cuda / cpu there)
     devices = [d.get("device_name") or d.get("device") for _, d in sorted(inputs.items())]
     out: dict[str, Any] = dict.fromkeys(KEYS)
     out["device"] = next((d for d in devices if d), None)
@@ -108,7 +108,7 @@ def summarize(inputs: dict[str, dict[str, Any]], commit: str | None = None) -> d
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernels", type=Path, help="the JSON of bench/kernels.py --out")
+    p.add_argument("--kernels", type=Path, help="the JSON of bench/gpu_kernels.py --out")
     p.add_argument("--throughput-8b", type=Path, help="bench/throughput.py --model-config llama-3-8b --json")
     p.add_argument(
         "--throughput-1b", type=Path, help="bench/throughput.py --model-config llama-3.2-1b --json"

@@ -99,7 +99,7 @@ def test_scripts_import_from_outside_the_repo(script: str, tmp_path: Path) -> No
 def test_kernels_needs_a_gpu(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: tests/gpu covers the kernels")
-    proc = _run("kernels.py", "--out", str(tmp_path / "k.json"), cwd=tmp_path)
+    proc = _run("gpu_kernels.py", "--out", str(tmp_path / "k.json"), cwd=tmp_path)
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
     assert not (tmp_path / "k.json").exists()
 
@@ -191,7 +191,7 @@ def test_model_shape_counts_tied_weights_once(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_kernels_headline_is_against_hbm(monkeypatch: pytest.MonkeyPatch) -> None:
-    k = _load("kernels", monkeypatch)
+    k = _load("gpu_kernels", monkeypatch)
     decode = [
         {"batch": 64, "context": 2048, "TBps": 3.0},  # short context: not the headline
         {"batch": 64, "context": 4096, "TBps": 2.5},

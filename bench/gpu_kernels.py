@@ -1,7 +1,7 @@
 """Kernel benchmark: paged decode attention against the device's HBM bandwidth, varlen prefill against
 torch's scaled_dot_product_attention.
 
-    python bench/kernels.py --out bench/results/kernels.json [--hbm-tbps 3.35] [--commit SHA]
+    python bench/gpu_kernels.py --out bench/results/kernels.json [--hbm-tbps 3.35] [--commit SHA]
 
 Decode: K/V bytes read per step / kernel time, for batch 1..256 and context 512..32k, in TB/s and as a
 fraction of the device's HBM bandwidth from its data sheet (H100 SXM 3.35 TB/s, H200 4.8 TB/s; see
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layer-tokens", type=int, nargs="+", default=[64, 256, 2048])
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
+        print("bench/gpu_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
 
     name = torch.cuda.get_device_name()
