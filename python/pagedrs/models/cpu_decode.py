@@ -323,21 +323,27 @@ def _block(op: Block) -> Step:
     return run
 
 
-_COMPILERS: dict[type, Callable[[Op], Step]] = {
-    Norm: _norm,  # type: ignore[dict-item]  # each compiler takes its own op type
-    AddResidual: _add_residual,  # type: ignore[dict-item]
-    QKVProj: _qkv,  # type: ignore[dict-item]
-    HeadNorm: _head_norm,  # type: ignore[dict-item]
-    Rope: _rope,  # type: ignore[dict-item]
-    Attend: _attend,  # type: ignore[dict-item]
-    Linear: _linear,  # type: ignore[dict-item]
-    Act: _act,  # type: ignore[dict-item]
-    Block: _block,  # type: ignore[dict-item]
-}
-
-
 def _compile(op: Op) -> Step:
-    return _COMPILERS[type(op)](op)
+    """The op as one step of the replay (its Rust call where the module would make one)."""
+    match op:
+        case Norm():
+            return _norm(op)
+        case AddResidual():
+            return _add_residual(op)
+        case QKVProj():
+            return _qkv(op)
+        case HeadNorm():
+            return _head_norm(op)
+        case Rope():
+            return _rope(op)
+        case Attend():
+            return _attend(op)
+        case Linear():
+            return _linear(op)
+        case Act():
+            return _act(op)
+        case Block():
+            return _block(op)
 
 
 def _why_not(desc: ModelDesc) -> str | None:
