@@ -120,6 +120,11 @@ class GemmaAttention(torch.nn.Module):
             Linear(self.o_proj),
         )
 
+    def forward(self, positions: Tensor, hidden: Tensor, ctx: ForwardContext) -> Tensor:
+        s = TorchState(positions, ctx, None, hidden)
+        run_ops(self.describe(), s)
+        return s.x
+
 
 class GemmaMLP(torch.nn.Module):
     """down(act(gate(x)) * up(x)), act = gelu tanh in the released checkpoints (`hidden_activation`)."""
