@@ -198,46 +198,57 @@ def _add_residual(op: AddResidual) -> Step:
     return run
 
 
-def _matmul(m: torch.nn.Module) -> Callable[[F32], F32] | None:
-    """Rows -> the linear module's output: its quantized matmul and bias, or (with hooks: LoRA) the module
-    called; None when its weight is not quantized on one rank."""
+def _quantized(m: torch.nn.Module) -> tuple[QuantizedWeight, F32 | None] | None:
+    """A linear module's quantized weight and bias, or None when its weight is not quantized on one rank."""
     w = getattr(m, "qweight", None)
     if not isinstance(w, QuantizedWeight) or getattr(m, "tp_size", 1) != 1:
         return None
     b = getattr(m, "bias", None)
-    bias = None if b is None else b.detach().numpy()
+    return w, None if b is None else b.detach().numpy()
 
-    def mm(x: F32) -> F32:
-        if m._forward_hooks or m._forward_pre_hooks:
-            return m(torch.from_numpy(x)).numpy()
-        out = w.matmul_rows(x)
-        if bias is not None:
-            out += bias
-        return out
 
-    return mm
+def _call(m: torch.nn.Module, x: F32) -> F32:
+    """The module called on rows x (a layer with hooks, LoRA's: they run as on the module path)."""
+    return m(torch.from_numpy(x)).numpy()
+
+
+# A linear step is the quantized matmul and its bias, as the module computes them, inline (a batch-1 step
+# makes over a hundred); a layer with hooks is called as its module.
 
 
 def _linear(op: Linear) -> Step:
-    mm = _matmul(op.module)
-    if mm is None:
+    q = _quantized(op.module)
+    if q is None:
         return _on_module(op)
+    m, (w, bias) = op.module, q
 
     def run(s: _Replay) -> None:
-        s.x = mm(s.x)
+        if m._forward_hooks or m._forward_pre_hooks:
+            s.x = _call(m, s.x)
+            return
+        out = w.matmul_rows(s.x)
+        if bias is not None:
+            out += bias
+        s.x = out
 
     return run
 
 
 def _qkv(op: QKVProj) -> Step:
-    mm = _matmul(op.module)
-    if mm is None:
+    q = _quantized(op.module)
+    if q is None:
         return _on_module(op)
-    q_end = int(op.module.q_size)
-    k_end = q_end + int(op.module.kv_size)
+    m, (w, bias) = op.module, q
+    q_end = int(m.q_size)
+    k_end = q_end + int(m.kv_size)
 
     def run(s: _Replay) -> None:
-        qkv = mm(s.x)
+        if m._forward_hooks or m._forward_pre_hooks:
+            qkv = _call(m, s.x)
+        else:
+            qkv = w.matmul_rows(s.x)
+            if bias is not None:
+                qkv += bias
         s.q, s.k, s.v = qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
 
     return run
