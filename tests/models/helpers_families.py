@@ -1,4 +1,4 @@
-"""Tiny random Qwen3, Gemma 2 and Gemma 3 configs (float32 tests against HF transformers), and one engine
+"""Tiny random Qwen3, Gemma 2, Gemma 3 and SmolLM3 configs (float32 tests against HF transformers), and one engine
 run that forces chunked prefill, prefix-cache hits and preemption at once and checks each fired."""
 
 from __future__ import annotations
@@ -89,6 +89,25 @@ def gemma3_config(**overrides: Any) -> transformers.Gemma3TextConfig:
         pad_token_id=PAD_ID,
     )
     return transformers.Gemma3TextConfig(**{**kwargs, **overrides})
+
+
+def smollm3_config(**overrides: Any) -> transformers.SmolLM3Config:
+    """Four layers: the fourth a NoPE layer (`no_rope_layers` as HF derives it: every 4th)."""
+    kwargs: dict[str, Any] = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+    return transformers.SmolLM3Config(**{**kwargs, **overrides})
 
 
 def hf_reference(folder: Path) -> HFReference:

@@ -3,9 +3,9 @@
 Engines over GGUF files kept quantized (tiny random Llama and Qwen2 with q/k/v biases, in two block types,
 and the default model), with the fast path and without it (PAGEDRS_CPU_DECODE=0), under forced
 preemption, chunked prefill, prefix-cache hits and n=2: token ids and every top-5 logprob are equal, not
-close, and the fast path is checked to have run on the decode steps (and only on them). It runs the linear
-layers' forward hooks (LoRA's deltas: the same bits as the modules, with an adapter and without in one
-batch) and declines steps it does not cover (a forward pre-hook, prefill chunks) and models it does not
+close, and the fast path is checked to have run on the decode steps (and only on them). It calls a linear
+layer with hooks as its module (LoRA's deltas: the same bits as the modules, with an adapter and without in
+one batch; pre-hooks too) and declines steps it does not cover (prefill chunks) and models it does not
 cover (float32 weights)."""
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def test_default_model_decode_is_bit_identical(monkeypatch: pytest.MonkeyPatch) 
     assert [g.logprobs for g in got] == [w.logprobs for w in want]
 
 
-def test_forward_hooks_run_pre_hooks_decline_and_float32_models_decline(
+def test_hooks_run_in_the_fast_path_and_float32_models_decline(
     gguf_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls = _Calls(monkeypatch)
@@ -100,12 +100,15 @@ def test_forward_hooks_run_pre_hooks_decline_and_float32_models_decline(
     run_workload(engine)
     assert calls.taken > 0
     assert seen and all(rows_in == rows_out for rows_in, rows_out in seen)
-    # A pre-hook (it may change the input) is not run there: such steps take the modules.
+    # A pre-hook (it may change the input) runs there too: the layer is called as its module.
     other = tp_engine(gguf_file, 1, dtype="auto")
-    _model(other).model.layers[0].mlp.down_proj.register_forward_pre_hook(lambda m, a: None)
-    before = calls.taken
+    pre: list[int] = []
+    _model(other).model.layers[0].mlp.down_proj.register_forward_pre_hook(
+        lambda m, a: pre.append(a[0].shape[0])
+    )
+    before, seen_before = calls.taken, len(pre)
     run_workload(other)
-    assert calls.taken == before and calls.declined > 0
+    assert calls.taken > before and len(pre) > seen_before
 
     dense = tp_engine(gguf_file, 1, dtype="float32")
     assert _model(dense).model.cpu_decode is None

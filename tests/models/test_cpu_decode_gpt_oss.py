@@ -19,6 +19,7 @@ from pagedrs.engine.llm_engine import LLMEngine
 from pagedrs.layers.attention.torch_ref import TorchAttentionBackend
 from pagedrs.layers.quantized import QuantizedWeight
 from pagedrs.models.cpu_decode import CpuDecodeStep
+from pagedrs.models.layer_desc import Attend, Block
 from tests.distributed.helpers_tp import PROMPTS, check_forced, run_workload_logprobs, tp_engine
 from tests.engine.conftest import PlanSpy
 from tests.helpers import hf_greedy_q8_0_rounded, make_step_metadata
@@ -92,10 +93,11 @@ def test_gpt_oss_fast_path_equals_the_modules_and_hf(
     calls = _spy(monkeypatch)
     fast = tp_engine(path, 1, **kw)
     step = fast.runner.model.model.cpu_decode
-    assert step is not None and all(
-        layer.moe is not None and layer.sinks is not None for layer in step.layers
-    )
-    assert [layer.sliding_window for layer in step.layers] == [SLIDING_WINDOW, None]
+    assert step is not None
+    attends = [op.module for layer in step.desc.layers for op in layer if isinstance(op, Attend)]
+    assert all(any(isinstance(op, Block) for op in layer) for layer in step.desc.layers)
+    assert all(a.sinks is not None for a in attends)
+    assert [a.sliding_window for a in attends] == [SLIDING_WINDOW, None]
     spy = PlanSpy().attach(fast)
     got = run_workload_logprobs(fast)  # ids and top-5 logprobs
     check_forced(fast, spy)

@@ -1,6 +1,6 @@
 """The quantized CPU decode step over mixture-of-experts models (Mixtral, Qwen2-MoE with its gated shared
 expert, Qwen3-MoE with per-head q/k norms): tiny Q8_0 GGUF files as llama.cpp writes them. The fast path is
-taken on the decode steps, gives the same token ids and top-5 logprobs as the modules (PAGEDRS_CPU_DECODE=0)
+taken on the decode steps (each MoE block called as one op, through its own forward), gives the same token ids and top-5 logprobs as the modules (PAGEDRS_CPU_DECODE=0)
 under forced preemption, chunked prefill and prefix-cache hits, and its greedy ids follow HF transformers'
 on the file's dequantized weights (equal up to a near tie the 8-bit activations may break otherwise)."""
 
@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from pagedrs.models.cpu_decode import CpuDecodeStep
+from pagedrs.models.layer_desc import Block
 from tests.distributed.helpers_tp import PROMPTS, check_forced, run_workload, run_workload_logprobs, tp_engine
 from tests.helpers import hf_greedy_q8_0_rounded
 from tests.models.helpers_moe import make_tiny_moe_gguf
@@ -54,7 +55,7 @@ def test_moe_fast_path_equals_the_modules_and_hf(
     calls = _spy(monkeypatch)
     fast = tp_engine(path, 1, dtype="auto")
     step = fast.runner.model.model.cpu_decode
-    assert step is not None and any(layer.moe is not None for layer in step.layers)
+    assert step is not None and any(isinstance(op, Block) for layer in step.desc.layers for op in layer)
     ids, spy = run_workload(fast)
     check_forced(fast, spy)
     assert calls[0] > 0 and calls[1] > 0, calls  # decode steps taken, prefill steps declined

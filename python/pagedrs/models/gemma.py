@@ -7,7 +7,8 @@ sliding-window layers interleaved with global ones (`layer_types`). Gemma 2 adds
 the attention scores and of the final logits; Gemma 3 adds a (1 + w) RMSNorm over each head of q and k
 before RoPE, and gives local and global layers their own RoPE (`rope_parameters` per layer type:
 rope_local_base_freq for sliding layers, rope_theta and its scaling for full ones). What differs between
-the two is data on the class (`qk_norm`, `attn_soft_cap`).
+the two is data on the class (`qk_norm`, `attn_soft_cap`). A layer is its description (`describe`:
+pagedrs.models.layer_desc), which the forward runs.
 
 Parameter names are HF's, except that q/k/v are fused into `qkv_proj` and gate/up into `gate_up_proj`.
 """
@@ -35,6 +36,22 @@ from pagedrs.layers.linear import (
 from pagedrs.layers.norm import GemmaRMSNorm
 from pagedrs.layers.rotary import RotaryEmbedding, get_rope
 from pagedrs.models.interface import CausalLM
+from pagedrs.models.layer_desc import (
+    Act,
+    AddResidual,
+    Attend,
+    DescribedModel,
+    HeadNorm,
+    Linear,
+    ModelDesc,
+    Norm,
+    Op,
+    QKVProj,
+    Residual,
+    Rope,
+    TorchState,
+    run_ops,
+)
 from pagedrs.models.llama import LlamaForCausalLM, _head_size, _layer_windows
 from pagedrs.models.utils import load_weights_into
 
@@ -90,14 +107,23 @@ class GemmaAttention(torch.nn.Module):
             logits_soft_cap=float(cap) if cap else None,
         )
 
-    def forward(self, positions: Tensor, hidden: Tensor, ctx: ForwardContext) -> Tensor:
-        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
+    def describe(self) -> tuple[Op, ...]:
+        """q/k/v projection, (1 + w) norm over each head of q and k (Gemma 3), rotary, attention, o proj."""
+        head_norm: tuple[Op, ...] = ()
         if self.q_norm is not None and self.k_norm is not None:
-            t = hidden.shape[0]
-            q = self.q_norm(q.reshape(-1, self.head_size)).view(t, -1)
-            k = self.k_norm(k.reshape(-1, self.head_size)).view(t, -1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, ctx))
+            head_norm = (HeadNorm(self.q_norm, self.k_norm, self.head_size),)
+        return (
+            QKVProj(self.qkv_proj),
+            *head_norm,
+            Rope(self.rotary_emb),
+            Attend(self.attn),
+            Linear(self.o_proj),
+        )
+
+    def forward(self, positions: Tensor, hidden: Tensor, ctx: ForwardContext) -> Tensor:
+        s = TorchState(positions, ctx, None, hidden)
+        run_ops(self.describe(), s)
+        return s.x
 
 
 class GemmaMLP(torch.nn.Module):
@@ -114,6 +140,9 @@ class GemmaMLP(torch.nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, bias=False, tp=tp, dtype=dtype, device=device)
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
         self.act_fn = get_act_and_mul_fn(str(act or "gelu_pytorch_tanh"))
+
+    def describe(self) -> tuple[Op, ...]:
+        return (Linear(self.gate_up_proj), Act(self.act_fn), Linear(self.down_proj))
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -138,13 +167,24 @@ class GemmaDecoderLayer(torch.nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype=dtype, device=device)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype=dtype, device=device)
 
+    def describe(self) -> tuple[Op, ...]:
+        """Sandwich norms: each block between a pre-norm (its input kept as the residual) and a post-norm,
+        the residual added after the post-norm."""
+        return (
+            Norm(self.input_layernorm, Residual.SAVE),
+            *self.self_attn.describe(),
+            Norm(self.post_attention_layernorm, Residual.NONE),
+            AddResidual(),
+            Norm(self.pre_feedforward_layernorm, Residual.SAVE),
+            *self.mlp.describe(),
+            Norm(self.post_feedforward_layernorm, Residual.NONE),
+            AddResidual(),
+        )
+
     def forward(self, positions: Tensor, hidden: Tensor, ctx: ForwardContext) -> Tensor:
-        residual = hidden
-        hidden = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(hidden), ctx))
-        hidden = residual + hidden
-        residual = hidden
-        hidden = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
-        return residual + hidden
+        s = TorchState(positions, ctx, None, hidden)
+        run_ops(self.describe(), s)
+        return s.x
 
 
 def _rope_config(config: PretrainedConfig, layer_type: str) -> Any:
@@ -164,7 +204,7 @@ class _RopeView:
         return getattr(self._config, name)
 
 
-class GemmaModel(torch.nn.Module):
+class GemmaModel(DescribedModel):
     def __init__(
         self,
         config: PretrainedConfig,
@@ -215,11 +255,12 @@ class GemmaModel(torch.nn.Module):
         self.layers = torch.nn.ModuleList(layers)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
-        hidden = self.embed_tokens(input_ids) * self.normalizer
-        for layer in self.layers if ctx.exit_layer is None else self.layers[: ctx.exit_layer]:
-            hidden = layer(positions, hidden, ctx)
-        return self.norm(hidden)
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.embed_tokens(input_ids) * self.normalizer
+
+    def describe(self) -> ModelDesc:
+        layers = [cast(GemmaDecoderLayer, layer).describe() for layer in self.layers]
+        return ModelDesc.of(self.embed, layers, Norm(self.norm, Residual.NONE))
 
 
 class Gemma2ForCausalLM(CausalLM):

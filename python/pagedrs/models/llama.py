@@ -1,6 +1,6 @@
 """The Llama family in one module: Llama 2, Llama 3 / 3.1 (rope scaling), Mistral (sliding window),
 Qwen2 (q/k/v bias), Qwen3 (per-head RMSNorm on q and k before RoPE, explicit head_dim), SmolLM2 (tied
-embeddings).
+embeddings). A layer is its description (`describe`: pagedrs.models.layer_desc), which the forward runs.
 
 Same structure as HF's LlamaForCausalLM and the same parameter names, except that q/k/v are fused into
 `qkv_proj` and gate/up into `gate_up_proj` (load_weights maps HF's separate tensors into the shards).
@@ -9,7 +9,7 @@ Same structure as HF's LlamaForCausalLM and the same parameter names, except tha
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Protocol, cast
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -17,7 +17,7 @@ from transformers import PretrainedConfig
 
 from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.activation import get_act_and_mul_fn
-from pagedrs.layers.attention import Attention, ForwardContext, token_seq_lens
+from pagedrs.layers.attention import Attention, ForwardContext
 from pagedrs.layers.linear import (
     Loaded,
     MergedColumnParallelLinear,
@@ -29,6 +29,22 @@ from pagedrs.layers.linear import (
 from pagedrs.layers.norm import RMSNorm
 from pagedrs.layers.rotary import RotaryEmbedding, get_rope
 from pagedrs.models.interface import CausalLM
+from pagedrs.models.layer_desc import (
+    Act,
+    Attend,
+    Block,
+    DescribedModel,
+    HeadNorm,
+    Linear,
+    ModelDesc,
+    Norm,
+    Op,
+    QKVProj,
+    Residual,
+    Rope,
+    TorchState,
+    run_ops,
+)
 from pagedrs.models.utils import StackedParam, load_weights_into
 
 __all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
@@ -58,7 +74,7 @@ class LlamaAttention(torch.nn.Module):
         self,
         config: PretrainedConfig,
         layer_idx: int,
-        rotary_emb: RotaryEmbedding,
+        rotary_emb: RotaryEmbedding | None,
         sliding_window: int | None,
         *,
         qk_norm: bool,
@@ -66,6 +82,7 @@ class LlamaAttention(torch.nn.Module):
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
+        """`rotary_emb` None: a layer without position embedding (NoPE)."""
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
@@ -94,22 +111,20 @@ class LlamaAttention(torch.nn.Module):
         self.q_norm = RMSNorm(head_size, eps, dtype=dtype, device=device) if qk_norm else None
         self.k_norm = RMSNorm(head_size, eps, dtype=dtype, device=device) if qk_norm else None
 
+    def describe(self) -> tuple[Op, ...]:
+        """q/k/v projection, per-head q/k norm (Qwen3), rotary (none on a NoPE layer), attention, o proj."""
+        head_norm: tuple[Op, ...] = ()
+        if self.q_norm is not None and self.k_norm is not None:
+            head_norm = (HeadNorm(self.q_norm, self.k_norm, self.head_size),)
+        rope: tuple[Op, ...] = () if self.rotary_emb is None else (Rope(self.rotary_emb),)
+        return (QKVProj(self.qkv_proj), *head_norm, *rope, Attend(self.attn), Linear(self.o_proj))
+
     def forward(
         self, positions: Tensor, hidden: Tensor, ctx: ForwardContext, seq_lens: Tensor | None
     ) -> Tensor:
-        q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
-        if self.q_norm is not None and self.k_norm is not None:
-            q = _per_head(self.q_norm, q, self.head_size)
-            k = _per_head(self.k_norm, k, self.head_size)
-        q, k = self.rotary_emb(positions, q, k, seq_lens)
-        return self.o_proj(self.attn(q, k, v, ctx))
-
-
-def _per_head(norm: RMSNorm, x: Tensor, head_size: int) -> Tensor:
-    """`norm` over each head of x [T, heads*head_size] (a contiguous [T, heads*head_size] result)."""
-    out = norm(x.reshape(-1, head_size))
-    assert isinstance(out, Tensor)
-    return out.view(x.shape[0], -1)
+        s = TorchState(positions, ctx, seq_lens, hidden)
+        run_ops(self.describe(), s)
+        return s.x
 
 
 class LlamaMLP(torch.nn.Module):
@@ -125,6 +140,9 @@ class LlamaMLP(torch.nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, bias=bias, tp=tp, dtype=dtype, device=device)
         self.act_fn = get_act_and_mul_fn(getattr(config, "hidden_act", "silu"))
 
+    def describe(self) -> tuple[Op, ...]:
+        return (Linear(self.gate_up_proj), Act(self.act_fn), Linear(self.down_proj))
+
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
@@ -134,7 +152,7 @@ class LlamaDecoderLayer(torch.nn.Module):
         self,
         config: PretrainedConfig,
         layer_idx: int,
-        rotary_emb: RotaryEmbedding,
+        rotary_emb: RotaryEmbedding | None,
         sliding_window: int | None,
         *,
         qk_norm: bool,
@@ -155,6 +173,18 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
 
+    def describe(self) -> tuple[Op, ...]:
+        """Pre-norm with the residual add fused in, attention, pre-norm, MLP (dense, or a block such as a
+        mixture of experts called as one op)."""
+        mlp = self.mlp
+        mlp_ops = mlp.describe() if isinstance(mlp, LlamaMLP) else (Block(mlp),)
+        return (
+            Norm(self.input_layernorm, Residual.FUSED),
+            *self.self_attn.describe(),
+            Norm(self.post_attention_layernorm, Residual.FUSED),
+            *mlp_ops,
+        )
+
     def forward(
         self,
         positions: Tensor,
@@ -162,29 +192,18 @@ class LlamaDecoderLayer(torch.nn.Module):
         residual: Tensor | None,
         ctx: ForwardContext,
         seq_lens: Tensor | None,
-    ) -> tuple[Tensor, Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, ctx, seq_lens)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+    ) -> tuple[Tensor, Tensor | None]:
+        s = TorchState(positions, ctx, seq_lens, hidden, residual)
+        run_ops(self.describe(), s)
+        return s.x, s.residual
 
 
-# builds decoder layer `layer_idx` around the model's shared rotary embedding, with its sliding window
-LayerFactory = Callable[[int, RotaryEmbedding, "int | None"], LlamaDecoderLayer]
+# builds decoder layer `layer_idx` around the model's shared rotary embedding (None: a NoPE layer), with
+# its sliding window
+LayerFactory = Callable[[int, "RotaryEmbedding | None", "int | None"], LlamaDecoderLayer]
 
 
-class DecodeFastPath(Protocol):
-    """A decode step that replaces the modules where it applies (pagedrs.models.cpu_decode.CpuDecodeStep):
-    the hidden states after the final norm, or None to run the modules."""
-
-    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor | None: ...
-
-
-class LlamaModel(torch.nn.Module):
+class LlamaModel(DescribedModel):
     def __init__(
         self,
         config: PretrainedConfig,
@@ -213,24 +232,10 @@ class LlamaModel(torch.nn.Module):
             make(i, self.rotary_emb, windows[i]) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
-        # Decode-only steps of a quantized CPU model, one Rust call per op (set when the model is prepared
-        # for its device: pagedrs.models.cpu_decode.enable_cpu_decode).
-        self.cpu_decode: DecodeFastPath | None = None
 
-    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
-        if self.cpu_decode is not None:
-            fast = self.cpu_decode.forward(input_ids, positions, ctx)
-            if fast is not None:
-                return fast
-        seq_lens = None
-        if self.rotary_emb.long_cos_sin_cache is not None and ctx.attn_metadata is not None:
-            seq_lens = token_seq_lens(ctx.attn_metadata)
-        hidden = self.embed_tokens(input_ids)
-        residual: Tensor | None = None
-        for layer in self.layers if ctx.exit_layer is None else self.layers[: ctx.exit_layer]:
-            hidden, residual = layer(positions, hidden, residual, ctx, seq_lens)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+    def describe(self) -> ModelDesc:
+        layers = [cast(LlamaDecoderLayer, layer).describe() for layer in self.layers]
+        return ModelDesc.of(self.embed_tokens, layers, Norm(self.norm, Residual.FUSED))
 
 
 class LlamaForCausalLM(CausalLM):

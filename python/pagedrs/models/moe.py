@@ -51,7 +51,7 @@ class MoeAttention(LlamaAttention):
         self,
         config: PretrainedConfig,
         layer_idx: int,
-        rotary_emb: RotaryEmbedding,
+        rotary_emb: RotaryEmbedding | None,
         sliding_window: int | None,
         spec: MoeSpec,
         *,
@@ -116,7 +116,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     ) -> LlamaModel:
         spec = self.spec(config)
 
-        def layer(i: int, rotary_emb: RotaryEmbedding, window: int | None) -> LlamaDecoderLayer:
+        def layer(i: int, rotary_emb: RotaryEmbedding | None, window: int | None) -> LlamaDecoderLayer:
             attn = MoeAttention(config, i, rotary_emb, window, spec, tp=tp, dtype=dtype, device=device)
             mlp: torch.nn.Module
             if i in spec.sparse_layers:

@@ -1,0 +1,240 @@
+"""One description of a decoder layer, consumed by every backend (llama.cpp's graph builder per
+architecture, as data): the ops of a layer in order, each naming the module that holds its weights and
+parameters, built once from a model's modules (`DescribedModel.describe`).
+
+The torch module path runs the description: each op calls its module (`run`), the modules pick their
+kernels per device (torch, the CUDA layer kernels, the Rust CPU ops), so a family's forward is its
+description. The CPU decode step (`models.cpu_decode`) replays the same ops on the Rust kernels, one call
+an op, as a captured graph would, and any op it has no kernel for through that op's own `run`; a variant of
+a known layer is a different description and needs no second forward.
+
+The ops read and write one state: the hidden rows `x`, the residual stream `residual`, and q/k/v inside
+the attention block:
+
+- `Norm` (RMSNorm, or Gemma's (1 + w) norm) with its residual rule: `FUSED` adds the residual in first and
+  keeps the sum as the residual (Llama's pre-norms; the first layer's input becomes the residual), `SAVE`
+  makes its input the residual (Gemma's pre-norms), `NONE` leaves it (Gemma's post-norms).
+- `AddResidual`: x = residual + x (after Gemma's sandwich post-norms).
+- `QKVProj` (the fused q/k/v projection, with its bias), `HeadNorm` (per-head q/k norm: Qwen3, Gemma 3),
+  `Rope` (neox or GPT-J, partial; a NoPE layer has none), `Attend` (paged attention with the module's scale,
+  sliding window, logit soft cap and sinks), then `Linear` (o proj).
+- The MLP: `Linear` (gate|up), `Act` (SiLU or GeLU-tanh gate-and-mul), `Linear` (down); or `Block`, a
+  module called as one op (a mixture-of-experts block, through its own forward).
+
+The model: `embed` (its embedding, with Gemma's sqrt(hidden) scale), the layers, the final norm. The final
+logit soft cap (Gemma 2) is the LM head's (`compute_logits`), after either path.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from pagedrs.layers.attention import Attention, ForwardContext, token_seq_lens
+from pagedrs.layers.linear import QKVParallelLinear
+from pagedrs.layers.rotary import RotaryEmbedding
+
+__all__ = [
+    "Act",
+    "AddResidual",
+    "Attend",
+    "Block",
+    "DecodeFastPath",
+    "DescribedModel",
+    "HeadNorm",
+    "Linear",
+    "ModelDesc",
+    "Norm",
+    "Op",
+    "QKVProj",
+    "Residual",
+    "Rope",
+    "TorchState",
+    "run_ops",
+]
+
+
+class Residual(enum.Enum):
+    """What a norm does with the residual stream."""
+
+    FUSED = "fused"  # residual += x (or residual = x when there is none yet), then x = norm(residual)
+    SAVE = "save"  # residual = x, then x = norm(x)
+    NONE = "none"  # x = norm(x)
+
+
+class TorchState:
+    """The rows one forward carries through the ops, on the module path (torch tensors)."""
+
+    __slots__ = ("ctx", "k", "positions", "q", "residual", "seq_lens", "v", "x")
+
+    def __init__(
+        self,
+        positions: Tensor,
+        ctx: ForwardContext,
+        seq_lens: Tensor | None,
+        x: Tensor,
+        residual: Tensor | None = None,
+    ) -> None:
+        self.positions, self.ctx, self.seq_lens = positions, ctx, seq_lens
+        self.x, self.residual = x, residual
+        self.q: Tensor | None = None
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+
+def _tensor(t: Tensor | None) -> Tensor:
+    assert t is not None, "an attention op before QKVProj in a description"
+    return t
+
+
+@dataclass(frozen=True, slots=True)
+class Norm:
+    module: torch.nn.Module  # RMSNorm or GemmaRMSNorm (weight, eps)
+    residual: Residual
+
+    def run(self, s: TorchState) -> None:
+        if self.residual is Residual.FUSED and s.residual is not None:
+            s.x, s.residual = self.module(s.x, s.residual)
+            return
+        if self.residual is not Residual.NONE:
+            s.residual = s.x
+        s.x = self.module(s.x)
+
+
+@dataclass(frozen=True, slots=True)
+class AddResidual:
+    def run(self, s: TorchState) -> None:
+        s.x = _tensor(s.residual) + s.x
+
+
+@dataclass(frozen=True, slots=True)
+class QKVProj:
+    module: QKVParallelLinear  # q_size, kv_size, bias
+
+    def run(self, s: TorchState) -> None:
+        s.q, s.k, s.v = self.module.split_qkv(self.module(s.x))
+
+
+@dataclass(frozen=True, slots=True)
+class HeadNorm:
+    """The norms over each head of q and of k, [T, heads * head_size] -> contiguous [T, heads * head_size]."""
+
+    q_norm: torch.nn.Module
+    k_norm: torch.nn.Module
+    head_size: int
+
+    def run(self, s: TorchState) -> None:
+        q, k = _tensor(s.q), _tensor(s.k)
+        s.q = self.q_norm(q.reshape(-1, self.head_size)).view(q.shape[0], -1)
+        s.k = self.k_norm(k.reshape(-1, self.head_size)).view(k.shape[0], -1)
+
+
+@dataclass(frozen=True, slots=True)
+class Rope:
+    module: RotaryEmbedding  # style, rotary_dim, scaling, cos/sin cache
+
+    def run(self, s: TorchState) -> None:
+        s.q, s.k = self.module(s.positions, _tensor(s.q), _tensor(s.k), s.seq_lens)
+
+
+@dataclass(frozen=True, slots=True)
+class Attend:
+    module: Attention  # heads, head size, scale, sliding window, logit soft cap, sinks, layer index
+
+    def run(self, s: TorchState) -> None:
+        s.x = self.module(_tensor(s.q), _tensor(s.k), _tensor(s.v), s.ctx)
+
+
+@dataclass(frozen=True, slots=True)
+class Linear:
+    module: torch.nn.Module  # a linear layer (its weight format, bias and tensor-parallel split inside)
+
+    def run(self, s: TorchState) -> None:
+        s.x = self.module(s.x)
+
+
+@dataclass(frozen=True, slots=True)
+class Act:
+    module: torch.nn.Module  # SiluAndMul or GeluAndMul: [T, 2d] -> [T, d]
+
+    def run(self, s: TorchState) -> None:
+        s.x = self.module(s.x)
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    module: torch.nn.Module  # called as one op on x (a mixture-of-experts block)
+
+    def run(self, s: TorchState) -> None:
+        s.x = self.module(s.x)
+
+
+Op = Norm | AddResidual | QKVProj | HeadNorm | Rope | Attend | Linear | Act | Block
+
+
+def run_ops(ops: tuple[Op, ...], s: TorchState) -> None:
+    for op in ops:
+        op.run(s)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDesc:
+    embed: Callable[[Tensor], Tensor]  # input ids [T] -> rows [T, hidden]
+    layers: tuple[tuple[Op, ...], ...]
+    final: Norm
+    long_rope: bool  # a layer's rotary embedding picks its factors per request (longrope: `seq_lens`)
+
+    @classmethod
+    def of(cls, embed: Callable[[Tensor], Tensor], layers: list[tuple[Op, ...]], final: Norm) -> ModelDesc:
+        long_rope = any(
+            isinstance(op, Rope) and op.module.long_cos_sin_cache is not None for ops in layers for op in ops
+        )
+        return cls(embed, tuple(layers), final, long_rope)
+
+
+class DecodeFastPath(Protocol):
+    """A decode step that replaces the modules where it applies (pagedrs.models.cpu_decode.CpuDecodeStep):
+    the hidden states after the final norm, or None to run the modules."""
+
+    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor | None: ...
+
+
+class DescribedModel(torch.nn.Module):
+    """A decoder stack whose forward runs its description (`describe`, built once, on first use)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Decode-only steps of a quantized CPU model replayed on the Rust ops (set when the model is
+        # prepared for its device: pagedrs.models.cpu_decode.enable_cpu_decode).
+        self.cpu_decode: DecodeFastPath | None = None
+        self._desc: ModelDesc | None = None
+
+    def describe(self) -> ModelDesc:
+        raise NotImplementedError
+
+    @property
+    def desc(self) -> ModelDesc:
+        if self._desc is None:
+            self._desc = self.describe()
+        return self._desc
+
+    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden] after the final norm."""
+        if self.cpu_decode is not None:
+            fast = self.cpu_decode.forward(input_ids, positions, ctx)
+            if fast is not None:
+                return fast
+        desc = self.desc
+        seq_lens = None
+        if ctx.attn_metadata is not None and desc.long_rope:
+            seq_lens = token_seq_lens(ctx.attn_metadata)
+        s = TorchState(positions, ctx, seq_lens, desc.embed(input_ids))
+        for layer in desc.layers if ctx.exit_layer is None else desc.layers[: ctx.exit_layer]:
+            run_ops(layer, s)
+        desc.final.run(s)
+        return s.x
