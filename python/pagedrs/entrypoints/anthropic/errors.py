@@ -3,6 +3,7 @@ error a route under ``/v1/messages`` answers (bad body, unknown model, authentic
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -33,7 +34,7 @@ def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-def error_response(path: str, err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(path: str, err: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
     """`err` in the shape the route's API uses: Anthropic's under /v1/messages, OpenAI's elsewhere."""
     body = anthropic_error_body(err.status, err.message) if is_anthropic_path(path) else err.body()
     return JSONResponse(body, status_code=err.status, headers=headers)
