@@ -5,6 +5,7 @@ as 400s in Anthropic's error shape."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -115,6 +116,9 @@ def test_tool_use_then_tool_result(engine: ScriptedEngine, client: anthropic.Ant
 
 REPLIES = [
     "Plain text, no tools at all.",
+    f'{{"name": "get_weather", "arguments": {W}}}',
+    f'<think>Weather.</think>\n```json\n[{{"name": "get_weather", "arguments": {W}}}]\n```',
+    '{"name": "send_email", "arguments": {"to": "x"}}',
     f'<tool_call>{{"name": "get_weather", "arguments": {W}}}</tool_call>',
     f'Let me see. <tool_call>{{"name": "get_weather", "arguments": {W}}}</tool_call>\n'
     '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>',
@@ -270,3 +274,34 @@ def test_sdk_raises_on_bad_request_and_auth(server: ThreadedServer, client: anth
         f"{server.base_url}/v1/chat/completions", json={"model": "fake"}, headers={"x-api-key": API_KEY}
     )
     assert r.status_code == 400 and "param" in r.json()["error"]
+
+
+def test_bare_json_reply_is_a_call_on_both_endpoints(engine: ScriptedEngine, server: ThreadedServer) -> None:
+    """A small model's bare JSON call (no template markup) is a tool call on /v1/chat/completions and
+    /v1/messages, streamed or not."""
+    key = script(engine, f'{{"name": "get_weather", "arguments": {W}}}')
+    chat_tool = {
+        "type": "function",
+        "function": {"name": WEATHER["name"], "parameters": WEATHER["input_schema"]},
+    }
+    body = {"model": "fake", "max_tokens": 200, "messages": [{"role": "user", "content": key}]}
+    with httpx.Client(base_url=server.base_url, headers={"x-api-key": API_KEY}, timeout=30) as http:
+        chat = http.post("/v1/chat/completions", json=body | {"tools": [chat_tool]}).json()
+        streamed = sse_bodies(
+            http.post("/v1/chat/completions", json=body | {"tools": [chat_tool], "stream": True}).text
+        )
+        message = http.post("/v1/messages", json=body | {"tools": [WEATHER]}).json()
+    choice = chat["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(
+        call["function"]["arguments"]
+    ) == json.loads(W)
+    args = "".join(
+        tc["function"].get("arguments") or ""
+        for c in streamed
+        for ch in c["choices"]
+        for tc in ch["delta"].get("tool_calls") or []
+    )
+    assert json.loads(args) == json.loads(W)
+    assert message["stop_reason"] == "tool_use" and message["content"][0]["input"] == json.loads(W)
