@@ -32,6 +32,7 @@ from pagedrs.entrypoints.openai.tool_parsers import (
     ToolParser,
     template_tool_format,
 )
+from pagedrs.entrypoints.openai.tool_parsers.bare_json import BareJsonCalls
 from pagedrs.entrypoints.openai.tool_parsers.generic import (
     generic_history,
     generic_schema,
@@ -226,7 +227,9 @@ class ReplyPlan:
         if self.choice == "auto" and self.tools:
             if self.generic:
                 return GenericToolParser(new_id, max_calls)
-            return TOOL_PARSERS[self.parsing.auto_format](new_id, max_calls)
+            inner = TOOL_PARSERS[self.parsing.auto_format](new_id, max_calls)
+            names = frozenset(t.function.name for t in self.tools)
+            return BareJsonCalls(inner, names, new_id, max_calls)  # small models' bare JSON calls too
         return None
 
     def reader(self, prompt_text: str, new_id: IdFactory | None = None) -> ReplyReader:

@@ -17,6 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedrs import __version__
 from pagedrs.engine.async_engine import AsyncLLMEngine
+from pagedrs.entrypoints.anthropic import routes as anthropic_routes
+from pagedrs.entrypoints.anthropic.errors import error_response
 from pagedrs.entrypoints.cli_args import ServerArgs
 from pagedrs.entrypoints.openai.batches import routes as files_batches
 from pagedrs.entrypoints.openai.batches.store import BatchStore
@@ -24,7 +26,7 @@ from pagedrs.entrypoints.openai.batches.worker import BatchRunner
 from pagedrs.entrypoints.openai.chat.output import OutputParsing
 from pagedrs.entrypoints.openai.chat.serving import OpenAIServingChat
 from pagedrs.entrypoints.openai.completions.serving import OpenAIServingCompletion
-from pagedrs.entrypoints.openai.errors import APIError, error_body, internal
+from pagedrs.entrypoints.openai.errors import APIError, bad_request, internal
 from pagedrs.entrypoints.openai.responses import routes as responses_routes
 from pagedrs.entrypoints.openai.server import lora_routes, routes
 from pagedrs.entrypoints.openai.server.metrics import ServerMetrics
@@ -49,6 +51,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     files_batches.router,
     responses_routes.router,
     sglang_routes.router,
+    anthropic_routes.router,
 )
 
 
@@ -139,29 +142,27 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.store.close()
 
 
-async def api_error_handler(_: Request, exc: APIError) -> JSONResponse:
-    return exc.response()
+# Each handler answers in the shape of the route's API: Anthropic's under /v1/messages, OpenAI's elsewhere.
+async def api_error_handler(request: Request, exc: APIError) -> JSONResponse:
+    return error_response(request.url.path, exc)
 
 
-async def validation_handler(_: Request, exc: RequestValidationError) -> JSONResponse:
-    """FastAPI's own validation (query and path parameters): a 400 in OpenAI's shape, not a 422."""
+async def validation_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's own validation (query and path parameters): a 400, not a 422."""
     first = exc.errors()[0] if exc.errors() else {}
     loc = [str(x) for x in first.get("loc", ()) if x not in ("query", "path", "body")]
     param = ".".join(loc) or None
-    return JSONResponse(
-        error_body(f"{param}: {first.get('msg', 'invalid value')}", param=param, code="invalid_value"),
-        status_code=400,
-    )
+    err = bad_request(f"{param}: {first.get('msg', 'invalid value')}", param=param, code="invalid_value")
+    return error_response(request.url.path, err)
 
 
-async def http_error_handler(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    err = APIError(exc.status_code, str(exc.detail))
-    return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+async def http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error_response(request.url.path, APIError(exc.status_code, str(exc.detail)), exc.headers)
 
 
-async def unhandled_handler(_: Request, exc: Exception) -> JSONResponse:
+async def unhandled_handler(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error")
-    return internal(f"{type(exc).__name__}: {exc}").response()
+    return error_response(request.url.path, internal(f"{type(exc).__name__}: {exc}"))
 
 
 __all__ = ["ROUTERS", "build_app"]

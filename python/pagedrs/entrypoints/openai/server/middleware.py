@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pagedrs.entrypoints.anthropic.errors import anthropic_error_body, is_anthropic_path
 from pagedrs.entrypoints.openai.errors import APIError, too_large, unauthorized
 
 access_logger = logging.getLogger("pagedrs.access")
@@ -25,8 +26,10 @@ Send = Callable[[dict[str, Any]], Any]
 _DISCARD_LIMIT = 256 * 1024 * 1024
 
 
-async def _send_error(send: Send, err: APIError) -> None:
-    body = json.dumps(err.body()).encode()
+async def _send_error(send: Send, err: APIError, path: str) -> None:
+    """`err` in the shape of the path's API (Anthropic's under /v1/messages, OpenAI's elsewhere)."""
+    shaped = anthropic_error_body(err.status, err.message) if is_anthropic_path(path) else err.body()
+    body = json.dumps(shaped).encode()
     await send(
         {
             "type": "http.response.start",
@@ -52,16 +55,19 @@ class ServerMiddleware:
         self.on_response = on_response
 
     def _authorized(self, scope: Scope) -> bool:
+        """`Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's)."""
         if self.api_key is None:
             return True
-        supplied = b""
+        bearer, x_api_key = b"", b""
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
-                supplied = value
-                break
-        expected = b"Bearer " + self.api_key
+                bearer = value
+            elif name == b"x-api-key":
+                x_api_key = value
         # Constant-time: compare_digest's time does not depend on where the bytes differ.
-        return hmac.compare_digest(supplied, expected)
+        return hmac.compare_digest(bearer, b"Bearer " + self.api_key) | hmac.compare_digest(
+            x_api_key, self.api_key
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -78,7 +84,7 @@ class ServerMiddleware:
         try:
             path: str = scope.get("path", "")
             if path.startswith("/v1") and not self._authorized(scope):
-                await _send_error(send_wrapper, unauthorized())
+                await _send_error(send_wrapper, unauthorized(), path)
                 return
             limited = await self._limit_body(scope, receive, send_wrapper)
             if limited is None:
@@ -108,7 +114,7 @@ class ServerMiddleware:
         total = 0
         over = length is not None and length > limit
         if over and length is not None and length > _DISCARD_LIMIT:
-            await _send_error(send, too_large(limit))
+            await _send_error(send, too_large(limit), scope.get("path", ""))
             return None
         more = True
         while more:
@@ -125,7 +131,7 @@ class ServerMiddleware:
             if not over:
                 chunks.append(body)
         if over:
-            await _send_error(send, too_large(limit))
+            await _send_error(send, too_large(limit), scope.get("path", ""))
             return None
         replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
