@@ -2,8 +2,8 @@
 //! block is unpacked once for all `R`); the x8 kernels also in a variant with AVX-512 VNNI's `vpdpbusd`. Integer products as llama.cpp does them: `maddubs` of unsigned
 //! weights (0..63) by signed 8-bit activations, `madd` by ones (or by 16-bit scales) to 32 bits, then one
 //! float FMA per 32 weights with the product of the two block scales. Q4_0, Q4_1, Q8_0 and MXFP4 run the
-//! block-group kernels below instead (8 integer dots reduced together, one FMA per 8); the others the
-//! per-block ones.
+//! block-group kernels (`block_group`) instead (8 integer dots reduced together, one FMA per 8); the
+//! others the per-block ones (`per_block`).
 //!
 //! Every function here is `unsafe`: callers must have checked that the CPU has AVX2, FMA and F16C, and
 //! that `w` points at `nb` whole blocks of the type and every `ActRow` holds the matching sub-blocks.
