@@ -3,6 +3,11 @@
 //! that carry one (Q4_1, Q5_1, the K-quants' mins).
 
 use super::formats::SUB;
+use super::q8_block::quantize_block;
+#[cfg(target_arch = "x86_64")]
+use super::q8_block::quantize_block_avx2;
+#[cfg(target_arch = "aarch64")]
+use super::q8_block::quantize_block_neon;
 
 /// `rows` activation rows of `k` values each (`k` a multiple of 32), quantized.
 pub struct QuantizedActs {
@@ -57,7 +62,7 @@ impl QuantizedActs {
                 // SAFETY: NEON supported; `x` and `q` are whole blocks of 32.
                 #[allow(unsafe_code)]
                 unsafe {
-                    (*d, *s) = super::neon::quantize_block(x, q);
+                    (*d, *s) = quantize_block_neon(x, q);
                 }
             }
             return QuantizedActs { k, rows, qs, d, s };
@@ -120,70 +125,6 @@ pub struct RowGroup<'a, const R: usize> {
     pub rows: [ActRow<'a>; R],
     pub d: &'a [f32],
     pub s: &'a [f32],
-}
-
-/// Round to nearest (ties to even, as `_mm256_round_ps` and NEON's `fcvtns` do); returns (d, d * sum(q)).
-#[inline]
-fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32) {
-    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let d = amax / 127.0;
-    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-    let mut sum = 0i32;
-    for (q, &v) in q.iter_mut().zip(x) {
-        let r = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
-        *q = r;
-        sum += i32::from(r);
-    }
-    (d, d * sum as f32)
-}
-
-/// `quantize_block` in AVX2 (a libm `rintf` call per value there, as x86-64's baseline has no vector
-/// rounding: about a tenth of a speculative verification step's time went to it): the same scalar scale
-/// and inverse, the same products, `_mm256_round_ps` to nearest with ties to even, an exact integer sum.
-/// The max ignores NaN as `f32::max` does (`max_ps` returns its second operand, the running max, when
-/// the first is NaN).
-#[cfg(target_arch = "x86_64")]
-#[allow(unsafe_code)]
-#[target_feature(enable = "avx2")]
-unsafe fn quantize_block_avx2(x: &[f32], q: &mut [i8]) -> (f32, f32) {
-    use std::arch::x86_64::*;
-    debug_assert!(x.len() == SUB && q.len() == SUB);
-    let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(x.as_ptr().add(8 * i)));
-    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
-    let mut m = _mm256_setzero_ps();
-    for vi in v {
-        m = _mm256_max_ps(_mm256_and_ps(vi, abs_mask), m);
-    }
-    let mut lanes = [0.0f32; 8];
-    _mm256_storeu_ps(lanes.as_mut_ptr(), m);
-    let amax = lanes.iter().fold(0.0f32, |a, &b| a.max(b));
-    let d = amax / 127.0;
-    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-    let (idv, lo, hi) = (
-        _mm256_set1_ps(id),
-        _mm256_set1_ps(-127.0),
-        _mm256_set1_ps(127.0),
-    );
-    let qi: [__m256i; 4] = std::array::from_fn(|i| {
-        let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm256_mul_ps(v[i], idv),
-        );
-        _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
-    });
-    let sum = _mm256_add_epi32(
-        _mm256_add_epi32(qi[0], qi[1]),
-        _mm256_add_epi32(qi[2], qi[3]),
-    );
-    let mut sums = [0i32; 8];
-    _mm256_storeu_si256(sums.as_mut_ptr().cast(), sum);
-    // i32 -> i16 -> i8 packs work per 128-bit lane: the permute puts the 32 bytes back in order
-    let packed = _mm256_packs_epi16(
-        _mm256_packs_epi32(qi[0], qi[1]),
-        _mm256_packs_epi32(qi[2], qi[3]),
-    );
-    let ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(q.as_mut_ptr().cast(), ordered);
-    (d, d * sums.iter().sum::<i32>() as f32)
 }
 
 /// `dot(dequantized weight row, dequantized activation row)` through the sub-block decoder, in plain
