@@ -26,9 +26,7 @@ def moe_why_not(block: SparseMoeBlock) -> str | None:
     if block.tp.size != 1:
         return "a mixture of experts split over tensor-parallel ranks"
     ex = block.experts
-    if not ex.use_kernels or any(
-        w.qweight is None and w.weight.dtype != torch.float32 for w in (ex.gate_up, ex.down)
-    ):
+    if not ex.method.cpu_kernel:
         return "the experts are not float32 or quantized for the CPU kernel"
     shared = block.shared_expert
     if shared is not None:
