@@ -3,7 +3,7 @@ that owns the weights' form after load (`after_load`) and the forward (`apply`),
 never per call.
 
     method          weights it takes                                  forward
-    TorchExperts    any form (kept quantized ones dequantized a call)  torch loop: the oracle, any device
+    TorchExperts    any form (a quantized one dequantized per call)    torch loop: the oracle, any device
     CpuExperts      dense float32 on a CPU                             Rust kernel up to F32_KERNEL_MAX_ROWS
                                                                        rows, torch's GEMMs above (measured)
     GgufCpuExperts  GGUF blocks on a CPU (beside a dense float32 one)  Rust kernel (`cpu_fused_experts`)
