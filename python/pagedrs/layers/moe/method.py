@@ -26,22 +26,21 @@ its reason (`unfit`), never skipped at run time.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
 
+from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.moe import kernel_form
 from pagedrs.layers.moe.cpu import F32_KERNEL_MAX_ROWS, cpu_fused_experts
 from pagedrs.layers.moe.expert_weights import ExpertWeights
-from pagedrs.layers.moe.torch_step import fused_experts_torch
-
-if TYPE_CHECKING:
-    from pagedrs.layers.moe.experts import FusedExperts
+from pagedrs.layers.moe.torch_step import ExpertActivation, fused_experts_torch
 
 __all__ = [
     "CpuExperts",
     "CudaExperts",
+    "ExpertsLayer",
     "ExpertsMethod",
     "GgufCpuExperts",
     "TorchExperts",
@@ -52,11 +51,37 @@ __all__ = [
 _CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _weights(layer: FusedExperts) -> tuple[tuple[str, ExpertWeights], ...]:
+class ExpertsLayer(Protocol):
+    """What a method reads of its layer (`experts.FusedExperts`)."""
+
+    @property
+    def gate_up(self) -> ExpertWeights: ...
+
+    @property
+    def down(self) -> ExpertWeights: ...
+
+    @property
+    def gate_up_bias(self) -> Tensor | None: ...
+
+    @property
+    def down_bias(self) -> Tensor | None: ...
+
+    @property
+    def activation(self) -> ExpertActivation: ...
+
+    @property
+    def tp(self) -> TPGroup: ...
+
+    @property
+    def cuda_kernels(self) -> bool | None:
+        """The layer kernels switch: on, off, or not switched (None)."""
+
+
+def _weights(layer: ExpertsLayer) -> tuple[tuple[str, ExpertWeights], ...]:
     return (("gate_up", layer.gate_up), ("down", layer.down))
 
 
-def _biases(layer: FusedExperts) -> tuple[Tensor | None, Tensor | None]:
+def _biases(layer: ExpertsLayer) -> tuple[Tensor | None, Tensor | None]:
     """(gate_up bias, down bias) as this rank adds them: under tensor parallelism the down bias is added by
     one rank only (the block sums the ranks)."""
     return layer.gate_up_bias, layer.down_bias if layer.tp.position == 0 else None
@@ -68,7 +93,7 @@ def _not_float32_cpu(name: str, t: Tensor) -> str | None:
     return None
 
 
-def _bias_unfit(layer: FusedExperts) -> str | None:
+def _bias_unfit(layer: ExpertsLayer) -> str | None:
     for name, b in (("gate_up_bias", layer.gate_up_bias), ("down_bias", layer.down_bias)):
         reason = None if b is None else _not_float32_cpu(name, b)
         if reason:
@@ -84,18 +109,18 @@ class ExpertsMethod:
     cpu_kernel: ClassVar[bool] = False  # the step is the Rust CPU kernel (the CPU decode step replays it)
 
     @classmethod
-    def unfit(cls, layer: FusedExperts) -> str | None:
+    def unfit(cls, layer: ExpertsLayer) -> str | None:
         """Why this method cannot run `layer` as its weights are held, or None when it can."""
         return None
 
     @classmethod
-    def after_load(cls, layer: FusedExperts) -> None:
+    def after_load(cls, layer: ExpertsLayer) -> None:
         """The quantized pieces loading held (`ExpertWeights.pending`) in this method's form; the dense
         methods dequantize them into the weights."""
         for _, w in _weights(layer):
             w.take_dense()
 
-    def apply(self, layer: FusedExperts, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+    def apply(self, layer: ExpertsLayer, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         """This rank's partial sum of the step: x [T, H] -> [T, H]."""
         raise NotImplementedError
 
@@ -110,7 +135,7 @@ class TorchExperts(ExpertsMethod):
 
     name = "torch"
 
-    def apply(self, layer: FusedExperts, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+    def apply(self, layer: ExpertsLayer, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         b_gate_up, b_down = _biases(layer)
         return fused_experts_torch(
             x,
@@ -127,7 +152,7 @@ class TorchExperts(ExpertsMethod):
 _TORCH = TorchExperts()
 
 
-def _cpu_kernel(layer: FusedExperts, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+def _cpu_kernel(layer: ExpertsLayer, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
     act = layer.activation
     b_gate_up, b_down = _biases(layer)
     return cpu_fused_experts(
@@ -150,7 +175,7 @@ class CpuExperts(ExpertsMethod):
     cpu_kernel = True
 
     @classmethod
-    def unfit(cls, layer: FusedExperts) -> str | None:
+    def unfit(cls, layer: ExpertsLayer) -> str | None:
         for name, w in _weights(layer):
             if w.qweight is not None or w.kernel_weight is not None:
                 return f"{name} is kept quantized, not dense"
@@ -159,7 +184,7 @@ class CpuExperts(ExpertsMethod):
                 return reason
         return _bias_unfit(layer)
 
-    def apply(self, layer: FusedExperts, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+    def apply(self, layer: ExpertsLayer, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         if x.shape[0] > F32_KERNEL_MAX_ROWS:
             return _TORCH.apply(layer, x, topk_weights, topk_ids)
         return _cpu_kernel(layer, x, topk_weights, topk_ids)
@@ -174,7 +199,7 @@ class GgufCpuExperts(ExpertsMethod):
     cpu_kernel = True
 
     @classmethod
-    def unfit(cls, layer: FusedExperts) -> str | None:
+    def unfit(cls, layer: ExpertsLayer) -> str | None:
         if all(w.qweight is None for _, w in _weights(layer)):
             return "no projection is kept as GGUF blocks (they load dense off a float32 CPU layer)"
         for name, w in _weights(layer):
@@ -186,12 +211,12 @@ class GgufCpuExperts(ExpertsMethod):
         return _bias_unfit(layer)
 
     @classmethod
-    def after_load(cls, layer: FusedExperts) -> None:
+    def after_load(cls, layer: ExpertsLayer) -> None:
         for _, w in _weights(layer):
             if not w.take_gguf():
                 w.take_dense()
 
-    def apply(self, layer: FusedExperts, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+    def apply(self, layer: ExpertsLayer, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         return _cpu_kernel(layer, x, topk_weights, topk_ids)
 
 
@@ -203,7 +228,7 @@ class CudaExperts(ExpertsMethod):
     name = "cuda"
 
     @classmethod
-    def unfit(cls, layer: FusedExperts) -> str | None:
+    def unfit(cls, layer: ExpertsLayer) -> str | None:
         w0 = layer.gate_up.weight
         if not kernel_form.kernel_device(w0):
             return f"the CUDA fused experts kernels run on a CUDA device, the experts are on {w0.device}"
@@ -215,12 +240,12 @@ class CudaExperts(ExpertsMethod):
         return None
 
     @classmethod
-    def after_load(cls, layer: FusedExperts) -> None:
+    def after_load(cls, layer: ExpertsLayer) -> None:
         for _, w in _weights(layer):
             if not w.take_kernel():
                 w.take_dense()
 
-    def apply(self, layer: FusedExperts, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+    def apply(self, layer: ExpertsLayer, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         from pagedrs.layers.moe.cuda import cuda_fused_experts
 
         b_gate_up, b_down = _biases(layer)
@@ -236,7 +261,7 @@ class CudaExperts(ExpertsMethod):
         )
 
 
-def after_load_method(layer: FusedExperts) -> type[ExpertsMethod]:
+def after_load_method(layer: ExpertsLayer) -> type[ExpertsMethod]:
     """The method whose form the loaded pieces take: the CUDA kernels' where some projection arrived in
     it on a CUDA device, the GGUF CPU kernels' where some arrived as GGUF blocks they take on a float32
     CPU layer, else dense."""
@@ -248,7 +273,7 @@ def after_load_method(layer: FusedExperts) -> type[ExpertsMethod]:
     return TorchExperts
 
 
-def choose_method(layer: FusedExperts) -> ExpertsMethod:
+def choose_method(layer: ExpertsLayer) -> ExpertsMethod:
     """The forward for the layer's weights as held (see the module docstring)."""
     kernels = layer.cuda_kernels
     kept_for_kernel = any(w.kernel_weight is not None for _, w in _weights(layer))
