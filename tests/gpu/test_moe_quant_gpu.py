@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedrs.kernels.moe_ops import ExpertMatrix, fused_experts
-from pagedrs.layers.moe import FusedExperts, RoutingConfig, fused_experts_torch, route
+from pagedrs.layers.moe import CudaExperts, FusedExperts, RoutingConfig, fused_experts_torch, route
 from pagedrs.loader import LoadedModel, load_model
 from tests.kernels.helpers_moe_quant import make_fp8_moe_pair
 from tests.loader.helpers_quant import fp8_block_quantize
@@ -63,7 +63,8 @@ def _logits(loaded: LoadedModel, ids: list[int], device: str) -> torch.Tensor:
 def _experts(loaded: LoadedModel) -> list[FusedExperts]:
     found = [m for m in loaded.model.modules() if isinstance(m, FusedExperts)]
     for m in found:
-        m.cuda_kernels = True  # as the "cupy" backend's layer kernels switch them on
+        m.use_cuda_kernels(True)  # as the "cupy" backend's layer kernels switch them on
+        assert isinstance(m.method, CudaExperts)
     assert found
     return found
 

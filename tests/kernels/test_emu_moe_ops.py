@@ -20,8 +20,7 @@ from pagedrs.kernels import moe_ops
 from pagedrs.kernels._loader import CTYPES, moe_op_names
 from pagedrs.kernels.moe_ops import ExpertMatrix
 from pagedrs.layers.kernel_switch import use_layer_kernels
-from pagedrs.layers.moe import FusedExperts, fused_experts_torch
-from pagedrs.layers.moe.cuda import cuda_fused_experts
+from pagedrs.layers.moe import CudaExperts, FusedExperts, TorchExperts, fused_experts_torch, kernel_form
 from pagedrs.layers.moe.experts import ExpertActivation
 from tests.kernels.emu.emulator import needs_emulator, recording_kernels
 
@@ -251,9 +250,11 @@ def test_bad_inputs_are_refused(launched: list[str]) -> None:
 
 
 @pytest.mark.parametrize("gpt_oss", [False, True])
-def test_layer_cuda_branch_matches_its_torch_path(gpt_oss: bool, launched: list[str]) -> None:
-    """FusedExperts' CUDA step (cuda_fused_experts, here on CPU tensors through the emulator) against the
-    layer's torch step on the same bfloat16 weights; the CPU forward itself never takes it."""
+def test_layer_cuda_method_matches_its_torch_path(
+    gpt_oss: bool, launched: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FusedExperts' CUDA method (cuda_fused_experts, here on CPU tensors through the emulator) against the
+    torch step on the same bfloat16 weights; a CPU layer never chooses it, and refuses it when asked."""
     act = ExpertActivation(swiglu_limit=2.0) if gpt_oss else ExpertActivation()
     layer = FusedExperts(
         4, 48, 20, tp=TPGroup(), dtype=torch.bfloat16, device="cpu", bias=gpt_oss, activation=act
@@ -269,14 +270,22 @@ def test_layer_cuda_branch_matches_its_torch_path(gpt_oss: bool, launched: list[
         b_gate_up=layer.gate_up_bias, b_down=layer.down_bias,
     )  # fmt: skip
     launched.clear()
-    assert not layer.cuda_kernels and use_layer_kernels(layer) == 1 and layer.cuda_kernels
-    layer(x, weights, ids)  # a CPU tensor: the CUDA branch is not selected
+    assert layer.cuda_kernels is None and use_layer_kernels(layer) == 1 and layer.cuda_kernels
+    assert isinstance(layer.method, TorchExperts)  # a CPU layer: the CUDA method is not chosen
+    layer(x, weights, ids)
     assert launched == []
-    got = cuda_fused_experts(
-        x, layer.gate_up, layer.down, weights, ids, activation=act,
-        gate_up_bias=layer.gate_up_bias, down_bias=layer.down_bias,
-    )  # fmt: skip
-    assert got is not None and launched[0] == "pagedrs::moe_align"
+    with pytest.raises(ValueError, match="'cuda' cannot run this layer: .* run on a CUDA device"):
+        layer.use_method(CudaExperts)
+    monkeypatch.setattr(kernel_form, "kernel_device", lambda t: True)  # as on a CUDA device
+    layer.use_cuda_kernels(True)
+    assert isinstance(layer.method, CudaExperts)
+    got = layer(x, weights, ids)
+    assert launched[0] == "pagedrs::moe_align"
     err = (got.float() - want.float()).abs().max().item()
     assert err <= 2e-2 * want.float().abs().max().item()
-    assert cuda_fused_experts(x.float(), layer.gate_up, layer.down, weights, ids, activation=act) is None
+    with pytest.raises(
+        ValueError, match=r"gate_up must be contiguous torch.float32 on cpu, got torch.bfloat16"
+    ):
+        layer(x.float(), weights, ids)  # never a silent fall back to torch
+    layer.use_cuda_kernels(False)
+    assert isinstance(layer.method, TorchExperts)

@@ -19,7 +19,7 @@ from pagedrs.distributed.group import TPGroup
 from pagedrs.kernels import moe_ops
 from pagedrs.kernels._loader import moe_op_names, quant_op_names
 from pagedrs.kernels.moe_ops import ExpertMatrix
-from pagedrs.layers.moe import FusedExperts, kernel_form
+from pagedrs.layers.moe import CudaExperts, FusedExperts, kernel_form
 from pagedrs.loader import LoadedModel, load_model
 from pagedrs.quantization import fp8_block
 from pagedrs.quantization.fp8_block import Fp8Block
@@ -61,8 +61,10 @@ def _experts(loaded: LoadedModel) -> list[FusedExperts]:
 
 
 def _on_kernels(loaded: LoadedModel) -> None:
+    """The experts' CUDA kernels switched on, as the "cupy" backend's layer kernels do: the CUDA method."""
     for m in _experts(loaded):
-        m.cuda_kernels = True
+        m.use_cuda_kernels(True)
+        assert isinstance(m.method, CudaExperts)
 
 
 def _reference(x: torch.Tensor, wgu: torch.Tensor, wd: torch.Tensor, w: torch.Tensor, ids: torch.Tensor):
@@ -168,8 +170,8 @@ def test_q8_0_moe_gguf_keeps_q8_0_experts_for_the_kernel(
             assert kw is not None and kw.form == "q8_0" and kw.data.dtype == torch.uint8
             assert wq.qweight is None and wq.weight.numel() == 0 and wd.kernel_weight is None
             torch.testing.assert_close(wq.dense(), wd.weight, rtol=0, atol=0)
+    monkeypatch.setattr(kernel_form, "kernel_device", lambda t: True)  # the quantized model's device again
     _on_kernels(quant)
-    monkeypatch.setattr(kernel_form, "kernel_device", lambda t: True)
     launched.clear()
     got = logits_of(quant, IDS)
     assert sum(n.startswith("pagedrs::moe_down<float, 1,") for n in launched) == len(_experts(quant))
@@ -252,5 +254,7 @@ def test_experts_mixing_fp8_and_dense_pieces_load_dense() -> None:
                 want[e, 32 * p : 32 * p + 32] = q.float() * s
                 piece = Fp8(q, s.reshape(-1).expand(32).contiguous())
             w.weight_loader(w.weight, piece, (e, p))
-    assert w.kernel_weight is None
+    assert not w.kernel_stackable() and len(w.pending) == 3  # one piece dense: no kernel form
+    w.take_dense()
+    assert w.kernel_weight is None and not w.pending
     torch.testing.assert_close(w.weight, want, rtol=0, atol=0)

@@ -285,5 +285,7 @@ def test_quantized_pieces_are_kept_stacked() -> None:
         for p in range(2):
             rows = slice((2 * e + p) * 32, (2 * e + p + 1) * 32)
             ew.weight_loader(ew.weight, GGUFWeight(int(q8), (32, 32), data[rows]), (e, p))
-    assert ew.qweight is not None and ew.weight.numel() == 0
+    assert len(ew.pending) == 4 and ew.qweight is None  # loading holds the pieces as they came
+    assert ew.gguf_stackable() and ew.take_gguf()  # the GGUF CPU method's after-load stacks them
+    assert ew.qweight is not None and ew.weight.numel() == 0 and not ew.pending
     torch.testing.assert_close(ew.dense().reshape(-1, 32), torch.from_numpy(gguf.quants.dequantize(data, q8)))

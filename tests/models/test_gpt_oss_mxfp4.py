@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pagedrs.engine.llm_engine import LLMEngine
+from pagedrs.layers.moe import GgufCpuExperts
 from pagedrs.loader import load_model
 from pagedrs.quantization.mxfp4 import GGML_MXFP4
 from tests.engine.conftest import PlanSpy, greedy, make_engine, run_all
@@ -46,7 +47,9 @@ def test_experts_kept_mxfp4_match_the_dequantized_run(mxfp4: Path, monkeypatch: 
             assert torch.equal(w.dense(), d.weight)  # gate rows then up rows, as the float path
     assert kept.model.model.layers[0].mlp.experts.gate_up.rows == 2 * cfg.intermediate_size
 
-    import pagedrs.layers.moe.experts as experts_mod
+    import pagedrs.layers.moe.method as method_mod
+
+    assert all(isinstance(layer.mlp.experts.method, GgufCpuExperts) for layer in kept.model.model.layers)
 
     def no_fallback(*args: object, **kwargs: object) -> torch.Tensor:
         raise AssertionError("the MXFP4 experts left the Rust kernel")
@@ -54,7 +57,7 @@ def test_experts_kept_mxfp4_match_the_dequantized_run(mxfp4: Path, monkeypatch: 
     k = cfg.num_experts_per_tok
     for ids in ([7, 8, 9, 10, 120, 3, 55, 201, 17, 4, 90, 33], [5, 6, 7]):
         with monkeypatch.context() as m:
-            m.setattr(experts_mod, "fused_experts_torch", no_fallback)
+            m.setattr(method_mod, "fused_experts_torch", no_fallback)
             lq, rq = _logits_and_router(kept, ids)
         ld, rd = _logits_and_router(dense, ids)
         same = torch.ones(len(ids), dtype=torch.bool)

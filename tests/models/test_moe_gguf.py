@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedrs.layers.moe import CpuExperts, GgufCpuExperts
 from pagedrs.loader import load_model
 from tests.helpers import load_hf_model, logits_of
 from tests.models.helpers_moe import GGUF_ARCH, make_tiny_moe_gguf
@@ -43,6 +44,8 @@ def test_q8_moe_gguf_keeps_experts_quantized(tmp_path: Path, cache: Path, kind: 
         assert experts.gate_up.qweight is not None and experts.down.qweight is not None
         assert experts.gate_up.weight.numel() == 0
         assert experts.gate_up.qweight.packed and experts.down.qweight.packed  # the x8 layout at load
+        assert isinstance(experts.method, GgufCpuExperts)  # chosen once, after load
+    assert all(isinstance(m.mlp.experts.method, CpuExperts) for m in dense.model.model.layers)
     # the stacked blocks are exactly the dequantized run's weights
     qe, de = quant.model.model.layers[1].mlp.experts, dense.model.model.layers[1].mlp.experts
     torch.testing.assert_close(qe.gate_up.dense(), de.gate_up.weight, rtol=0, atol=0)

@@ -85,8 +85,8 @@ def test_the_engine_prepares_each_model_once_and_the_draft_keeps_its_layer_kerne
     target = id(engine.engine_core.executor.runner.model)  # type: ignore[attr-defined]
     assert set(seen) - {target}, "the draft model was prepared too"
     (other,) = set(seen) - {target}
-    assert seen[target] == Counter({"onednn": 1, "layer_kernels": 1})
-    assert seen[other] == Counter({"onednn": 1})  # the draft opts out of the layer kernels
+    assert seen[target] == Counter({"after_load": 1, "onednn": 1, "layer_kernels": 1})
+    assert seen[other] == Counter({"after_load": 1, "onednn": 1})  # the draft opts out of the layer kernels
 
 
 def test_a_quantized_gguf_takes_its_cpu_forms_at_load_and_the_rest_in_the_runner(
@@ -97,7 +97,9 @@ def test_a_quantized_gguf_takes_its_cpu_forms_at_load_and_the_rest_in_the_runner
     engine = tp_engine(gguf, 1, dtype="auto")
     model = engine.engine_core.executor.runner.model  # type: ignore[attr-defined]
     assert dict(seen) == {
-        id(model): Counter({"cpu_fused_ops": 1, "cpu_decode": 1, "onednn": 1, "layer_kernels": 1})
+        id(model): Counter(
+            {"after_load": 1, "cpu_fused_ops": 1, "cpu_decode": 1, "onednn": 1, "layer_kernels": 1}
+        )
     }
     assert model.model.cpu_decode is not None
 

@@ -25,6 +25,7 @@ class PrepareOptions:
     """Which device forms a model takes. Every form is off by default: a caller turns on what its model
     needs, and a rank whose weights must stay as loaded (liquid scaling moves them) leaves that form off."""
 
+    after_load: bool = False  # once the weights are in: quantized pieces in their layer method's form
     quantize_q8_0: bool = False  # quantization="q8_0": dense float32 CPU weights to Q8_0 blocks
     cpu_quantized: bool = False  # the quantized CPU path: Rust norm/activation/rotary ops, the decode step
     pack_dense: bool = False  # dense float32 CPU weights packed for oneDNN's matmul

@@ -9,12 +9,14 @@ dim, in the weights' dtype); anything else takes the torch path.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 from torch import Tensor
 
 from pagedrs.layers.device_form import DeviceForm, PrepareOptions, apply_forms
 
-__all__ = ["KERNEL_DTYPES", "KernelLayer", "LayerKernels", "use_layer_kernels"]
+__all__ = ["KERNEL_DTYPES", "KernelLayer", "LayerKernels", "SwitchesKernels", "use_layer_kernels"]
 
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -35,8 +37,16 @@ class KernelLayer(torch.nn.Module):
         )
 
 
+@runtime_checkable
+class SwitchesKernels(Protocol):
+    """A layer that re-chooses how it runs when the layer kernels are switched (moe.FusedExperts: its
+    experts method, the CUDA kernels of cuda/moe_ops.cu or not)."""
+
+    def use_cuda_kernels(self, enabled: bool) -> None: ...
+
+
 class LayerKernels(DeviceForm):
-    """Every KernelLayer switched to its fused kernel, or back to torch."""
+    """Every KernelLayer switched to its fused kernel, or back to torch; every SwitchesKernels told."""
 
     name = "layer_kernels"
 
@@ -56,8 +66,8 @@ class LayerKernels(DeviceForm):
         if isinstance(module, KernelLayer):
             module.use_kernels = self.enabled
             self.count += 1
-        elif hasattr(module, "cuda_kernels"):  # moe.FusedExperts: its CUDA kernels (cuda/moe_ops.cu)
-            setattr(module, "cuda_kernels", self.enabled)  # noqa: B010  # an attribute, not a submodule
+        elif isinstance(module, SwitchesKernels):
+            module.use_cuda_kernels(self.enabled)
             self.count += 1
 
     def finish(self, model: torch.nn.Module) -> int:

@@ -140,7 +140,8 @@ def load_model(
     with torch.device(device):
         net = model_cls(config, dtype=torch_dtype, device=device, tp=tp)
     cpu_quantized = _load_weights(net, path, folder, config, quant, dtype, device, opts)
-    prepare_for_device(net, PrepareOptions(quantize_q8_0=q8_0, cpu_quantized=cpu_quantized or q8_0))
+    opts_here = PrepareOptions(after_load=True, quantize_q8_0=q8_0, cpu_quantized=cpu_quantized or q8_0)
+    prepare_for_device(net, opts_here)
     net.eval()
     tok = None
     if with_tokenizer:

@@ -1,9 +1,9 @@
 """A loaded model prepared for its device, as vLLM's `process_weights_after_loading`: one walk gives each
 layer the device forms its options turn on, in the order of `DEVICE_FORMS`.
 
-Two callers, each for what it knows: the loader, once the weights are in (`quantize_q8_0`,
-`cpu_quantized`: the weights' form on a CPU), and the model runner of every rank, for its model and its
-draft model (`pack_dense`, off where liquid scaling moves the weights between ranks; `integer_matmuls`;
+Two callers, each for what it knows: the loader, once the weights are in (`after_load`: the quantized
+pieces each layer kept, in the form of its method; `quantize_q8_0`, `cpu_quantized`: the weights' form on
+a CPU), and the model runner of every rank, for its model and its draft model (`pack_dense`, off where liquid scaling moves the weights between ranks; `integer_matmuls`;
 `layer_kernels`, which follow the runner's attention backend and so are set again by each runner that
 reuses a model). A form on a model twice is a no-op: each skips the layers it has given its form.
 
@@ -20,15 +20,17 @@ from pagedrs.layers.cpu_fused import CpuFusedOps
 from pagedrs.layers.device_form import DeviceForm, PrepareOptions, apply_forms
 from pagedrs.layers.integer_matmuls import IntegerMatmuls
 from pagedrs.layers.kernel_switch import LayerKernels
+from pagedrs.layers.moe.after_load import ExpertsAfterLoad
 from pagedrs.layers.onednn import PackDense
 from pagedrs.layers.quantize_at_load import QuantizeQ8_0
 from pagedrs.models.cpu_decode import CpuDecode
 
 __all__ = ["DEVICE_FORMS", "PrepareOptions", "prepare_for_device", "runner_options"]
 
-# In the order a layer takes them: Q8_0 blocks before the CPU ops and the decode step that run on them;
-# oneDNN packing after, for the float32 weights still dense.
+# In the order a layer takes them: the loaded pieces in their method's form first; Q8_0 blocks before the
+# CPU ops and the decode step that run on them; oneDNN packing after, for the float32 weights still dense.
 DEVICE_FORMS: tuple[type[DeviceForm], ...] = (
+    ExpertsAfterLoad,
     QuantizeQ8_0,
     CpuFusedOps,
     CpuDecode,

@@ -1,5 +1,6 @@
-"""Mixture-of-experts layers: the routing step (`routing`), the fused experts step (`experts`, with the
-CPU kernels' dispatch in `cpu`) and the MLP block that joins them (`block`)."""
+"""Mixture-of-experts layers: the routing step (`routing`), the fused experts step (`experts`: its stacked
+weights in `expert_weights`, the way they are held and run chosen once per layer in `method`, the kernels'
+calls in `cpu` and `cuda`) and the MLP block that joins them (`block`)."""
 
 from pagedrs.layers.moe.block import SharedExpert, SparseMoeBlock
 from pagedrs.layers.moe.experts import (
@@ -9,15 +10,27 @@ from pagedrs.layers.moe.experts import (
     expert_tensor_name,
     fused_experts_torch,
 )
+from pagedrs.layers.moe.method import (
+    CpuExperts,
+    CudaExperts,
+    ExpertsMethod,
+    GgufCpuExperts,
+    TorchExperts,
+)
 from pagedrs.layers.moe.routing import RoutingConfig, route, sort_by_expert
 
 __all__ = [
+    "CpuExperts",
+    "CudaExperts",
     "ExpertActivation",
+    "ExpertsMethod",
     "ExpertWeights",
     "FusedExperts",
+    "GgufCpuExperts",
     "RoutingConfig",
     "SharedExpert",
     "SparseMoeBlock",
+    "TorchExperts",
     "expert_tensor_name",
     "fused_experts_torch",
     "route",

@@ -20,9 +20,9 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class ExpertWeights(Protocol):
-    """What the step reads of a stacked expert weight (`experts.ExpertWeights`): the kernel's quantized
-    form (`kernel_weight`) when kept so, else the dense weight [E, out, in], unless kept GGUF-quantized for
-    the CPU kernels (`qweight`, then the step declines)."""
+    """What the step reads of a stacked expert weight (`expert_weights.ExpertWeights`): the kernel's
+    quantized form (`kernel_weight`) when kept so, else the dense weight [E, out, in] (never the GGUF blocks
+    kept for the CPU kernels, `qweight`)."""
 
     @property
     def qweight(self) -> Any: ...
@@ -52,19 +52,24 @@ def cuda_fused_experts(
     activation: Activation,
     gate_up_bias: Tensor | None = None,
     down_bias: Tensor | None = None,
-) -> Tensor | None:
-    """The step through the kernels, or None where they do not take it (the caller's torch path): x of one
-    of their dtypes, both weights kept for the kernel or dense in x's dtype, all on x's device. The
-    caller selects this on CUDA devices only (the tests run it on CPU tensors through the kernel
-    emulator)."""
+) -> Tensor:
+    """The step through the kernels: x [T, H] of one of their dtypes, both weights kept for the kernel or
+    dense in x's dtype, all on x's device (ValueError otherwise: the experts method checked the weights
+    when it was chosen). The method is chosen on CUDA devices only (the tests run it on CPU tensors
+    through the kernel emulator)."""
     from pagedrs.kernels.moe_ops import fused_experts
 
     if x.dim() != 2 or x.dtype not in _DTYPES:
-        return None
-    mgu, md = _matrix(gate_up, x), _matrix(down, x)
-    biases = [b for b in (gate_up_bias, down_bias) if b is not None]
-    if mgu is None or md is None or any(_unfit(b, x) for b in biases):
-        return None
+        raise ValueError(
+            f"the CUDA experts kernels take float16/bfloat16/float32 [tokens, hidden] activations, got "
+            f"{x.dtype} {tuple(x.shape)}"
+        )
+    mgu, md = _matrix(gate_up, x, "gate_up"), _matrix(down, x, "down")
+    for name, b in (("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
+        if b is not None and _unfit(b, x):
+            raise ValueError(
+                f"{name} must be contiguous {x.dtype} on {x.device}, got {b.dtype} on {b.device}"
+            )
     oai = activation.swiglu_limit is not None
     return fused_experts(
         x.contiguous(),
@@ -84,13 +89,20 @@ def _unfit(t: Tensor, x: Tensor) -> bool:
     return t.dtype != x.dtype or t.device != x.device or not t.is_contiguous()
 
 
-def _matrix(w: ExpertWeights, x: Tensor) -> ExpertMatrix | None:
-    """The weight as the kernels take it, or None (kept for the CPU kernels, or not in x's dtype/device)."""
+def _matrix(w: ExpertWeights, x: Tensor, what: str) -> ExpertMatrix:
+    """The weight as the kernels take it (its kernel form, or the dense weight in x's dtype and device)."""
     from pagedrs.kernels.moe_ops import ExpertMatrix
 
     m = w.kernel_weight
     if m is not None:
-        return m if m.data.device == x.device else None
-    if w.qweight is not None or _unfit(w.weight, x):
-        return None
+        if m.data.device != x.device:
+            raise ValueError(f"{what} is kept for the kernel on {m.data.device}, activations on {x.device}")
+        return m
+    if w.qweight is not None:
+        raise ValueError(
+            f"{what} is kept as GGUF blocks for the CPU kernels, which the CUDA kernels do not take"
+        )
+    if _unfit(w.weight, x):
+        p = w.weight
+        raise ValueError(f"{what} must be contiguous {x.dtype} on {x.device}, got {p.dtype} on {p.device}")
     return ExpertMatrix(w.weight.detach())

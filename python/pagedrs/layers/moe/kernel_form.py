@@ -28,7 +28,7 @@ from pagedrs.quantization.packed_parts import Fp8
 if TYPE_CHECKING:
     from pagedrs.kernels.moe_ops import ExpertMatrix
 
-__all__ = ["dequantized", "keeps_for_kernel", "kernel_device", "stack_for_kernel"]
+__all__ = ["dequantized", "kernel_piece", "kernel_device", "stack_for_kernel"]
 
 _Q8_0 = 8  # gguf.GGMLQuantizationType.Q8_0
 _Q8_0_BYTES = 34
@@ -40,12 +40,11 @@ def kernel_device(t: Tensor) -> bool:
     return t.device.type == "cuda"
 
 
-def keeps_for_kernel(piece: Any, param: Tensor) -> bool:
-    """Whether a loaded piece is kept quantized for the kernel: FP8 e4m3 (the loader hands those over for
-    a GPU only), or GGUF Q8_0 on a kernel device."""
+def kernel_piece(piece: Any) -> bool:
+    """Whether a loaded piece is in a form the kernel multiplies: FP8 e4m3, or GGUF Q8_0."""
     if isinstance(piece, (Fp8, Fp8Block)):
         return piece.weight.dtype == torch.float8_e4m3fn
-    return isinstance(piece, GGUFWeight) and piece.ggml_type == _Q8_0 and kernel_device(param)
+    return isinstance(piece, GGUFWeight) and piece.ggml_type == _Q8_0
 
 
 def _as_blocks(p: Fp8 | Fp8Block) -> Fp8Block:
