@@ -15,7 +15,7 @@ import pytest
 from pagedrs import LLM, SamplingParams
 from pagedrs.engine.arg_utils import EngineArgs
 from pagedrs.engine.async_engine import AsyncLLMEngine, EngineCoreDiedError
-from pagedrs.engine.dp_client import replica_engine_args
+from pagedrs.engine.dp.client import replica_engine_args
 from pagedrs.entrypoints.cli_args import ServerArgs
 from pagedrs.entrypoints.openai.server.api_server import resolve_server_args
 from tests.engine.helpers_dp import DISTINCT, ENGINE, GREEDY, PREFIXED, gone, greedy_ids, routed

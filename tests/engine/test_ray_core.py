@@ -17,8 +17,8 @@ import pytest
 from pagedrs import SamplingParams
 from pagedrs.engine.arg_utils import EngineArgs
 from pagedrs.engine.async_engine import AsyncLLMEngine, EngineCoreDiedError
-from pagedrs.engine.core_handles import EngineStartupError, ProcessCore, connect_ready, wait_ready
-from pagedrs.engine.ray_core import RayCore, connect_ray, core_bundles
+from pagedrs.engine.client.core_handles import EngineStartupError, ProcessCore, connect_ready, wait_ready
+from pagedrs.engine.client.ray_core import RayCore, connect_ray, core_bundles
 from tests.helpers import make_tiny_llama, make_tokenizer
 
 ray = pytest.importorskip("ray")

@@ -15,7 +15,7 @@ class DataParallelConfig:
     actors), each request sent to one of them by `routing` ("cache": where its prefix is cached, load
     considered; "least_loaded"; "round_robin"); `session_affinity`: requests of one session (the
     request's `user`, or its X-Session-Id header) go to the same replica; `router_tuning`: the router's
-    knobs over their defaults (`pagedrs.engine.dp_router_tuning`)."""
+    knobs over their defaults (`pagedrs.config.router_tuning`)."""
 
     size: int = 1
     backend: str = "mp"
@@ -39,7 +39,7 @@ class DataParallelConfig:
         t = self.router_tuning
         if t is not None:
             _require(isinstance(t, dict), "dp_router_config", t, "must be a JSON object")
-            from pagedrs.engine.dp_router_tuning import check_tuning
+            from pagedrs.config.router_tuning import check_tuning
 
             check_tuning(t)  # ValueError naming the knob
 

@@ -9,8 +9,8 @@ whose reader is slow gets its deltas merged: the next read returns everything si
 A dead core process is detected: every in-flight request gets `EngineCoreDiedError`, the engine reports
 unhealthy, and the core is restarted (at most `max_restarts` times) so that new requests are served.
 
-With data parallelism (`data_parallel_size` N > 1) the engine holds N cores (`dp_client.CoreReplica`) and
-a router (`dp_router.DPRouter`) that sends each request to one of them; a dead replica is restarted alone
+With data parallelism (`data_parallel_size` N > 1) the engine holds N cores (`dp.client.CoreReplica`) and
+a router (`dp.router.DPRouter`) that sends each request to one of them; a dead replica is restarted alone
 and the engine stays healthy while one replica serves.
 """
 
@@ -24,18 +24,18 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, overload
 
-from pagedrs.engine.core_handles import CoreHandle, EngineStartupError, RemoteCore, ThreadCore
-from pagedrs.engine.dp_client import (
+from pagedrs.engine.client.core_handles import CoreHandle, EngineStartupError, RemoteCore, ThreadCore
+from pagedrs.engine.core.messages import AbortRequests, EngineCoreOutputs
+from pagedrs.engine.dp.client import (
     NoReplicaAvailable,
     ReplicaSet,
     make_core_handle,
     replica_engine_args,
     sum_stats,
 )
-from pagedrs.engine.input_processor import InputError, InputProcessor
-from pagedrs.engine.messages import AbortRequests, EngineCoreOutputs
-from pagedrs.engine.output_processor import OutputProcessor
-from pagedrs.engine.request_stream import (
+from pagedrs.engine.frontend.input_processor import InputError, InputProcessor
+from pagedrs.engine.frontend.output_processor import OutputProcessor
+from pagedrs.engine.frontend.request_stream import (
     EngineCoreDiedError,
     EngineDeadError,
     EngineDrainingError,

@@ -11,10 +11,10 @@ from typing import Any
 from pagedrs import _core
 from pagedrs.config import EngineConfig
 from pagedrs.engine.arg_utils import EngineArgs
-from pagedrs.engine.core import EngineCore
-from pagedrs.engine.input_processor import InputProcessor, PromptType, chat_template_ids
-from pagedrs.engine.messages import EngineCoreOutputs
-from pagedrs.engine.output_processor import OutputProcessor
+from pagedrs.engine.core.engine_core import EngineCore
+from pagedrs.engine.core.messages import EngineCoreOutputs
+from pagedrs.engine.frontend.input_processor import InputProcessor, PromptType, chat_template_ids
+from pagedrs.engine.frontend.output_processor import OutputProcessor
 from pagedrs.executor import UniProcExecutor
 from pagedrs.executor.build import build_executor
 from pagedrs.loader import LoadedModel

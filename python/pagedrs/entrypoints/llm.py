@@ -65,7 +65,7 @@ class LLM:
             raise ValueError(f"unknown LLM argument(s): {', '.join(unknown)}")
         args = EngineArgs(model=model, **kwargs)
         if args.data_parallel_size != 1:  # N engine core processes, each request routed to one
-            from pagedrs.engine.dp_llm_engine import DPLLMEngine
+            from pagedrs.engine.dp.llm_engine import DPLLMEngine
 
             args.early_configs()
             self.llm_engine: Any = DPLLMEngine(args)

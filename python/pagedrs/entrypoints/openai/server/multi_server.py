@@ -74,9 +74,9 @@ class _Stop:
 def run_multi_server(engine_args: EngineArgs, server: ServerArgs) -> int:
     """`--api-server-count N`: the supervisor's loop. Long because start-up, the supervision loop and the
     shutdown share the child handles and their cleanup in one try/finally (no process left behind)."""
-    from pagedrs.engine.core_handles import EngineStartupError
-    from pagedrs.engine.dp_client import replica_engine_args
-    from pagedrs.engine.dp_frontends import DPCoreSupervisor
+    from pagedrs.engine.client.core_handles import EngineStartupError
+    from pagedrs.engine.dp.client import replica_engine_args
+    from pagedrs.engine.dp.frontends import DPCoreSupervisor
 
     count = server.api_server_count
     try:

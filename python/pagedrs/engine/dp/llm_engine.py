@@ -13,8 +13,8 @@ from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
 from pagedrs.engine.async_engine import AsyncLLMEngine
-from pagedrs.engine.input_processor import chat_template_ids
-from pagedrs.engine.request_stream import RequestStream
+from pagedrs.engine.frontend.input_processor import chat_template_ids
+from pagedrs.engine.frontend.request_stream import RequestStream
 from pagedrs.lora_request import LoRARequest
 from pagedrs.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedrs.pooling_params import PoolingParams

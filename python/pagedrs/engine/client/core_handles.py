@@ -1,7 +1,7 @@
 """Where an engine core runs, seen from the frontend: its own process (`ProcessCore`, what the server uses),
 a thread of this process (`ThreadCore`, for an `LLMEngine` or a stand-in core handed to the server), or a
 process started and restarted by a supervisor that several API server processes share (`RemoteCore`,
-`--api-server-count N`). All speak the same ZeroMQ + msgspec channel (`core_proc`), so the frontend code
+`--api-server-count N`). All speak the same ZeroMQ + msgspec channel (`core.proc`), so the frontend code
 is one."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any, Protocol
 import msgspec
 import zmq
 
-from pagedrs.engine.core_proc import CoreLike, EngineCoreProc
-from pagedrs.engine.messages import Ready, Shutdown, StartupFailed, output_decoder
+from pagedrs.engine.core.messages import Ready, Shutdown, StartupFailed, output_decoder
+from pagedrs.engine.core.proc import CoreLike, EngineCoreProc
 
 __all__ = [
     "CoreHandle",
@@ -65,7 +65,7 @@ def status_address(ipc_dir: str, gen: int) -> str:
 
 
 class ProcessCore:
-    """`python -m pagedrs.engine.core_proc` with the engine arguments as JSON; it dies with this process.
+    """`python -m pagedrs.engine.core.proc` with the engine arguments as JSON; it dies with this process.
     With `status=True` it also announces Ready / StartupFailed on `status_address` (for a supervisor that
     does not read step messages)."""
 
@@ -79,7 +79,7 @@ class ProcessCore:
 
     def start(self) -> None:
         args_json = msgspec.json.encode(asdict(self.engine_args)).decode()
-        cmd = [sys.executable, "-m", "pagedrs.engine.core_proc", "--input", self.input_addr]
+        cmd = [sys.executable, "-m", "pagedrs.engine.core.proc", "--input", self.input_addr]
         for addr in self.output_addrs:
             cmd += ["--output", addr]
         if self.status_addr is not None:

@@ -17,13 +17,19 @@ from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from typing import Any
 
-from pagedrs.engine.core_client import CoreClient
-from pagedrs.engine.core_handles import CoreHandle, EngineStartupError, ProcessCore, connect_ready
-from pagedrs.engine.dp_frontends import FrontendRouter
-from pagedrs.engine.dp_router import NoReplicaAvailable
-from pagedrs.engine.messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, KVCacheEvents, Ready
-from pagedrs.engine.prefix_hashes import core_request_block_hashes
-from pagedrs.engine.request_stream import EngineCoreDiedError, EngineDeadError
+from pagedrs.engine.client.core_client import CoreClient
+from pagedrs.engine.client.core_handles import CoreHandle, EngineStartupError, ProcessCore, connect_ready
+from pagedrs.engine.core.messages import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    KVCacheEvents,
+    Ready,
+)
+from pagedrs.engine.core.prefix_hashes import core_request_block_hashes
+from pagedrs.engine.dp.frontends import FrontendRouter
+from pagedrs.engine.dp.router import NoReplicaAvailable
+from pagedrs.engine.frontend.request_stream import EngineCoreDiedError, EngineDeadError
 from pagedrs.metrics import EngineStats
 
 __all__ = [
@@ -78,7 +84,7 @@ def make_core_handle(
 ) -> CoreHandle:
     """The handle of one engine core: a local process (`mp`) or a Ray actor placed on the cluster (`ray`)."""
     if backend == "ray":
-        from pagedrs.engine.ray_core import RayCore
+        from pagedrs.engine.client.ray_core import RayCore
 
         return RayCore(engine_args, ipc_dir, gen, num_clients, status=status)
     if backend != "mp":

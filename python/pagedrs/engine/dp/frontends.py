@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pagedrs.engine.core_handles import EngineStartupError
-from pagedrs.engine.core_supervisor import CoreSupervisor
-from pagedrs.engine.dp_router import DPRouter
-from pagedrs.engine.messages import ClientLoad
+from pagedrs.engine.client.core_handles import EngineStartupError
+from pagedrs.engine.client.core_supervisor import CoreSupervisor
+from pagedrs.engine.core.messages import ClientLoad
+from pagedrs.engine.dp.router import DPRouter
 
 __all__ = ["DPCoreSupervisor", "FrontendRouter", "replica_ipc_dir"]
 

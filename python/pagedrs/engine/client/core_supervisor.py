@@ -3,7 +3,7 @@
 dies (at most `max_restarts` times), and publishes what it knows in `core-state.json` in the core's ipc
 dir. The API server processes follow that file (`RemoteCore`): they fail their in-flight requests when the
 core dies and reconnect to the generation that replaces it. With data parallelism there is one of these
-per core (`dp_frontends.DPCoreSupervisor`)."""
+per core (`dp.frontends.DPCoreSupervisor`)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from pagedrs.engine.core_handles import (
+from pagedrs.engine.client.core_handles import (
     CoreState,
     EngineStartupError,
     ProcessCore,
     connect_ready,
     write_core_state,
 )
-from pagedrs.engine.messages import Ready
+from pagedrs.engine.core.messages import Ready
 
 __all__ = ["CoreSupervisor"]
 

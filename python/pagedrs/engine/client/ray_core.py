@@ -8,7 +8,7 @@ per other rank; the rank actors the core starts are captured by the group, so a 
 nodes. Under the `mp` executor the ranks are the core's child processes and bundle 0 holds them all.
 
 The core binds TCP sockets on its node's IP (an ephemeral port each), not ipc paths: the frontend may be on
-another node. The channel is the same ZeroMQ + msgspec one (`core_proc`); Ray carries only the engine
+another node. The channel is the same ZeroMQ + msgspec one (`core.proc`); Ray carries only the engine
 arguments as JSON and the addresses back. The actor's end is watched through the reference of its `run`
 call, which resolves when the core returns or the actor dies; `stop()` kills the actor and removes its
 placement group."""
@@ -24,8 +24,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from pagedrs.engine.core_handles import EngineStartupError, send_shutdown
-from pagedrs.engine.core_proc import EngineCoreProc, serve_core
+from pagedrs.engine.client.core_handles import EngineStartupError, send_shutdown
+from pagedrs.engine.core.proc import EngineCoreProc, serve_core
 from pagedrs.executor.rank_processes import connect_ray as rank_connect_ray
 
 __all__ = ["RayCore", "connect_ray", "core_bundles"]
