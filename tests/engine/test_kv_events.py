@@ -36,7 +36,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _core_with(tiny: Path, **kw: Any) -> EngineCore:
     args = EngineArgs(model=str(tiny), device="cpu", num_kv_blocks=24, block_size=BS, **kw)
-    return EngineCore.from_engine_args(args)[0]
+    return EngineCore.from_config(args.launch_config())[0]
 
 
 def _run_wave(core: EngineCore, wave: int, n: int = 4) -> Iterator[EngineCoreOutputs]:

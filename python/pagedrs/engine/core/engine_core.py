@@ -52,7 +52,7 @@ from pagedrs.spec_decode.policy import spec_scheduler_args as _spec_scheduler_ar
 from pagedrs.structured_outputs import StructuredOutputManager
 
 if TYPE_CHECKING:
-    from pagedrs.engine.arg_utils import EngineArgs
+    from pagedrs.launch_config import LaunchConfig
 
 __all__ = ["CoreSeq", "EngineCore"]
 
@@ -155,11 +155,12 @@ class EngineCore(CoreUtilitiesMixin):
         )
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> tuple[EngineCore, LoadedModel]:
-        """(core, loaded model); the tokenizer in `loaded` is for the in-process frontend."""
-        config, loaded, executor = load_engine(args.with_local_model().launch_config())
+    def from_config(cls, launch: LaunchConfig) -> tuple[EngineCore, LoadedModel]:
+        """(core, loaded model) from the resolved config (vLLM's `EngineCore(vllm_config)`); the tokenizer
+        in `loaded` is for the in-process frontend."""
+        config, loaded, executor = load_engine(launch)
         try:
-            return cls(config, loaded, executor, max_logprobs=args.max_logprobs), loaded
+            return cls(config, loaded, executor, max_logprobs=launch.max_logprobs), loaded
         except BaseException:
             executor.shutdown()
             raise
