@@ -1,4 +1,4 @@
-r"""Cost of the data-parallel router (`pagedrs.engine.dp_router.DPRouter`) per request, per policy.
+r"""Cost of the data-parallel router (`pagedrs.engine.dp.router.DPRouter`) per request, per policy.
 
     python bench/dp_router_micro.py --json bench/results/dp_router_micro.json
 
@@ -28,8 +28,8 @@ from typing import Any
 
 from _common import add_commit_arg, command_line, git_info, machine_info, write_json
 
-from pagedrs.engine.dp_router import ROUTING_POLICIES, DPRouter
-from pagedrs.engine.messages import KVCacheEvents
+from pagedrs.engine.core.messages import KVCacheEvents
+from pagedrs.engine.dp.router import ROUTING_POLICIES, DPRouter
 
 SHAPES = ("tenant", "all_hit", "miss")
 

@@ -4,7 +4,7 @@ A page asks for a table with a marker line, replaced when the site is built:
 
 - `<!-- generated: engine-args -->`: every `pagedrs.engine.arg_utils.EngineArgs` field (type, default,
   the `pagedrs serve` flag that sets it and its help text);
-- `<!-- generated: server-flags -->`: the server group of `pagedrs serve`;
+- `<!-- generated: server-flags -->`: the server group of `pagedrs serve` (the `ServerArgs` fields' flags);
 - `<!-- generated: subcommands -->`: the `pagedrs` subcommands and their own flags;
 - `<!-- generated: metrics -->`: every series the server's Prometheus registry exposes.
 

@@ -1,10 +1,14 @@
-"""What the executor builds an engine from: the engine's settings resolved and checked at the edge
+"""What an engine core is built from: the engine's settings resolved and checked once, at the edge
 (`EngineArgs.launch_config`), every config final but the scheduler's, whose context length the loaded
-model bounds; the loader's options; and the few arguments the start-up log echoes as given. It crosses
-to the other tensor-parallel ranks as JSON (`to_json` / `from_json`)."""
+model bounds; the loader's options; and the few arguments the start-up log echoes as given. It is what
+crosses a process line (vLLM's `EngineCore(vllm_config)`): to an engine core process or Ray actor, to the
+other tensor-parallel ranks, to the API server processes of `--api-server-count`, always as JSON
+(`to_json` / `from_json`). A data-parallel replica's config is the engine's with that replica's fields
+set (`for_replica`); a core placed on another machine settles an "auto" device there (`on_device`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +17,7 @@ import torch
 
 from pagedrs.config import (
     CacheConfig,
+    DataParallelConfig,
     DeviceConfig,
     EngineConfig,
     KVEventsConfig,
@@ -22,6 +27,7 @@ from pagedrs.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    default_swap_space,
 )
 from pagedrs.loader.options import LoadOptions
 
@@ -50,6 +56,10 @@ class LaunchConfig:
     rope_theta: float | None = None
     disable_custom_all_reduce: bool = False
     pipeline_parallel_size: int = 1
+    # Data parallelism: the replicas, their routing, and which replica this config's core is.
+    data_parallel: DataParallelConfig = DataParallelConfig()
+    max_logprobs: int = 20  # the most logprobs a request may ask for
+    device_name: str = "auto"  # the device as given ("auto" is settled where the core runs: `on_device`)
 
     def resolve(self, model_max_len: int) -> EngineConfig:
         """The engine's config for a model that takes `model_max_len` tokens; ValueError for a
@@ -78,6 +88,29 @@ class LaunchConfig:
             lora=self.lora,
             speculative=self.speculative,
             kv_events=self.kv_events,
+            data_parallel=self.data_parallel,
+        )
+
+    def for_replica(self, rank: int, num_threads: int | None) -> LaunchConfig:
+        """Replica `rank`'s config: its rank (stamped on its prefix-cache events), its CPU threads, and its
+        prefix-cache changes on every step message when the router routes by cache."""
+        events = self.kv_events.step_events or self.data_parallel.routing == "cache"
+        return dataclasses.replace(
+            self,
+            data_parallel=dataclasses.replace(self.data_parallel, rank=rank),
+            kv_events=dataclasses.replace(self.kv_events, step_events=events, data_parallel_rank=rank),
+            device=dataclasses.replace(self.device, num_threads=num_threads),
+        )
+
+    def on_device(self, device: str) -> LaunchConfig:
+        """This config on `device` ("cpu" or "cuda"), with the swap space that device defaults to when none
+        was given: where a core runs decides what an "auto" device is."""
+        dev = torch.device(device)
+        cache = self.cache
+        if cache.swap_space_is_default:
+            cache = dataclasses.replace(cache, swap_space=default_swap_space(dev.type))
+        return dataclasses.replace(
+            self, device=dataclasses.replace(self.device, device=dev), cache=cache, device_name=device
         )
 
     def to_json(self) -> str:

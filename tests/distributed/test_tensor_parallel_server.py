@@ -25,7 +25,7 @@ def _workers_of(pid: int) -> list[int]:
     """TP worker processes under the server's engine core."""
     found: list[int] = []
     for core in child_pids(pid):
-        if "pagedrs.engine.core_proc" in cmdline(core):
+        if "pagedrs.engine.core.proc" in cmdline(core):
             found += [w for w in child_pids(core) if "pagedrs.executor.rank_main" in cmdline(w)]
     return found
 

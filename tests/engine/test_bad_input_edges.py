@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-import pagedrs.engine.sequence as sequence_mod
+import pagedrs.engine.frontend.sequence as sequence_mod
 from pagedrs import LLM, SamplingParams
 from tests.helpers import VOCAB_SIZE, make_tiny_llama
 

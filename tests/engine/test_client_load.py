@@ -8,10 +8,8 @@ from typing import Any
 
 import msgspec
 
-from pagedrs.engine.client_load import ClientLoadTracker
-from pagedrs.engine.core_proc import EngineCoreProc
-from pagedrs.engine.dp_frontends import FrontendRouter
-from pagedrs.engine.messages import (
+from pagedrs.engine.core.client_load import ClientLoadTracker
+from pagedrs.engine.core.messages import (
     ClientLoad,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -19,6 +17,8 @@ from pagedrs.engine.messages import (
     FinishReason,
     output_decoder,
 )
+from pagedrs.engine.core.proc import EngineCoreProc
+from pagedrs.engine.dp.frontends import FrontendRouter
 from pagedrs.metrics import EngineStats
 from pagedrs.sampling_params import SamplingParams
 

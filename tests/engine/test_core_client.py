@@ -12,8 +12,8 @@ import msgspec
 import pytest
 import zmq
 
-from pagedrs.engine.core_client import CoreClient
-from pagedrs.engine.messages import EngineCoreOutputs, UtilityCall, UtilityResult, input_decoder
+from pagedrs.engine.client.core_client import CoreClient
+from pagedrs.engine.core.messages import EngineCoreOutputs, UtilityCall, UtilityResult, input_decoder
 from pagedrs.metrics import EngineStats
 
 

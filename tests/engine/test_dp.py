@@ -15,7 +15,7 @@ import pytest
 from pagedrs import LLM, SamplingParams
 from pagedrs.engine.arg_utils import EngineArgs
 from pagedrs.engine.async_engine import AsyncLLMEngine, EngineCoreDiedError
-from pagedrs.engine.dp_client import replica_engine_args
+from pagedrs.engine.factory import replica_config
 from pagedrs.entrypoints.cli_args import ServerArgs
 from pagedrs.entrypoints.openai.server.api_server import resolve_server_args
 from tests.engine.helpers_dp import DISTINCT, ENGINE, GREEDY, PREFIXED, gone, greedy_ids, routed
@@ -59,9 +59,10 @@ def test_bad_settings_name_the_value() -> None:
 def test_threads_are_shared_out(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "8")
     args = EngineArgs(data_parallel_size=2, tensor_parallel_size=2)
-    assert replica_engine_args(args, 1).num_threads == 2  # 8 CPUs / (2 replicas x 2 ranks)
-    assert replica_engine_args(EngineArgs(data_parallel_size=16), 0).num_threads == 1
-    assert replica_engine_args(EngineArgs(data_parallel_size=2, num_threads=3), 0).num_threads == 3
+    assert replica_config(args.launch_config(), 1).device.num_threads == 2  # 8 CPUs / (2 replicas x 2 ranks)
+    assert replica_config(EngineArgs(data_parallel_size=16).launch_config(), 0).device.num_threads == 1
+    three = EngineArgs(data_parallel_size=2, num_threads=3).launch_config()
+    assert replica_config(three, 0).device.num_threads == 3
 
 
 def test_offline_dp2_equals_dp1(tiny: Path, want: list[list[int]]) -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedrs.engine.dp_router import ROUTING_POLICIES, DPRouter, NoReplicaAvailable
-from pagedrs.engine.messages import KVCacheEvents
+from pagedrs.engine.core.messages import KVCacheEvents
+from pagedrs.engine.dp.router import ROUTING_POLICIES, DPRouter, NoReplicaAvailable
 
 BS = 16
 
@@ -322,7 +322,7 @@ def test_finish_unknown_and_counts() -> None:
 
 
 def test_routes_real_prompt_hashes_to_their_blocks() -> None:
-    from pagedrs.engine.prefix_hashes import request_block_hashes
+    from pagedrs.engine.core.prefix_hashes import request_block_hashes
 
     system = list(range(100, 164))  # 4 blocks of 16
     a = request_block_hashes([*system, 1, 2, 3], BS)

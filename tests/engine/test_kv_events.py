@@ -17,10 +17,10 @@ import zmq
 from pagedrs import _core
 from pagedrs.config import KVEventsConfig
 from pagedrs.engine.arg_utils import EngineArgs
-from pagedrs.engine.core import EngineCore
-from pagedrs.engine.kv_events import BlockStored, ZmqEventPublisher, to_vllm_events
-from pagedrs.engine.messages import EngineCoreOutputs, EngineCoreRequest
-from pagedrs.engine.prefix_hashes import lora_salt_of, request_block_hashes
+from pagedrs.engine.core.engine_core import EngineCore
+from pagedrs.engine.core.kv_events import BlockStored, ZmqEventPublisher, to_vllm_events
+from pagedrs.engine.core.messages import EngineCoreOutputs, EngineCoreRequest
+from pagedrs.engine.core.prefix_hashes import lora_salt_of, request_block_hashes
 from pagedrs.lora_request import LoRARequest
 from pagedrs.sampling_params import SamplingParams
 from tests.engine.helpers_kv_events import AllBlocksCleared, BlockRemoved, Subscriber, free_tcp_ports
@@ -36,7 +36,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _core_with(tiny: Path, **kw: Any) -> EngineCore:
     args = EngineArgs(model=str(tiny), device="cpu", num_kv_blocks=24, block_size=BS, **kw)
-    return EngineCore.from_engine_args(args)[0]
+    return EngineCore.from_config(args.launch_config())[0]
 
 
 def _run_wave(core: EngineCore, wave: int, n: int = 4) -> Iterator[EngineCoreOutputs]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedrs.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
-from pagedrs.engine.output_processor import OutputProcessor
+from pagedrs.engine.core.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from pagedrs.engine.frontend.output_processor import OutputProcessor
 from pagedrs.entrypoints.openai.server.metrics import ServerMetrics
 from pagedrs.metrics import EngineStats
 from pagedrs.sampling_params import SamplingParams

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pagedrs._core import Scheduler
-from pagedrs.engine.messages import EngineCoreRequest
-from pagedrs.engine.prefix_hashes import (
+from pagedrs.engine.core.messages import EngineCoreRequest
+from pagedrs.engine.core.prefix_hashes import (
     core_request_block_hashes,
     lora_salt_of,
     request_block_hashes,

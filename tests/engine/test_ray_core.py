@@ -17,8 +17,8 @@ import pytest
 from pagedrs import SamplingParams
 from pagedrs.engine.arg_utils import EngineArgs
 from pagedrs.engine.async_engine import AsyncLLMEngine, EngineCoreDiedError
-from pagedrs.engine.core_handles import EngineStartupError, ProcessCore, connect_ready, wait_ready
-from pagedrs.engine.ray_core import RayCore, connect_ray, core_bundles
+from pagedrs.engine.client.core_handles import EngineStartupError, ProcessCore, connect_ready, wait_ready
+from pagedrs.engine.client.ray_core import RayCore, connect_ray, core_bundles
 from tests.helpers import make_tiny_llama, make_tokenizer
 
 ray = pytest.importorskip("ray")
@@ -119,11 +119,11 @@ def _nothing_left(pids: list[int]) -> None:
 
 def test_ray_core_equals_process_core(local_ray: None, tiny: Path) -> None:
     args = EngineArgs(model=str(tiny), **ENGINE)
-    want = _run_greedy(_engine(lambda d, g: ProcessCore(args, d, g)))
+    want = _run_greedy(_engine(lambda d, g: ProcessCore(args.launch_config(), d, g)))
     handles: list[RayCore] = []
 
     def make(ipc_dir: str, gen: int) -> RayCore:
-        handles.append(RayCore(args, ipc_dir, gen))
+        handles.append(RayCore(args.launch_config(), ipc_dir, gen))
         return handles[-1]
 
     got = _run_greedy(_engine(make))
@@ -141,7 +141,7 @@ def test_killed_actor_is_a_dead_core_and_is_restarted(local_ray: None, tiny: Pat
     handles: list[RayCore] = []
 
     def make(ipc_dir: str, gen: int) -> RayCore:
-        handles.append(RayCore(args, ipc_dir, gen))
+        handles.append(RayCore(args.launch_config(), ipc_dir, gen))
         return handles[-1]
 
     async def main() -> None:
@@ -181,7 +181,7 @@ def test_tensor_parallel_core_is_packed_and_stop_leaves_nothing(local_ray: None,
         distributed_executor_backend="ray",
         **ENGINE,
     )
-    handle = RayCore(args)
+    handle = RayCore(args.launch_config())
     handle.start()
     try:
         assert handle.bundles == [{"CPU": 1.0}, {"CPU": 1.0}]
@@ -204,7 +204,7 @@ def test_replicas_spread_over_the_nodes(local_ray: None, tiny: Path) -> None:
     # Each core asks a whole node's CPUs: the two must land on different nodes, each answering.
     args = EngineArgs(model=str(tiny), num_threads=NODE_CPUS, **ENGINE)
     # The second also announces Ready on a status socket, as a supervisor's core does (read first).
-    handles = [RayCore(args, "", 0), RayCore(args, "", 1, status=True)]
+    handles = [RayCore(args.launch_config(), "", 0), RayCore(args.launch_config(), "", 1, status=True)]
     try:
         for h in handles:
             h.start()
@@ -244,7 +244,7 @@ def test_data_parallel_ray_equals_one_replica(local_ray: None, tiny: Path) -> No
 
 def test_bundles_for_gpus_and_threads() -> None:
     def bundles(use_gpu: bool, **kw: Any) -> list[dict[str, float]]:
-        return core_bundles(EngineArgs(**kw), use_gpu)
+        return core_bundles(EngineArgs(**kw).launch_config(), use_gpu)
 
     assert bundles(False, num_threads=4) == [{"CPU": 4.0}]
     # mp ranks are the core's children: one bundle; Ray ranks get one bundle each.
@@ -260,7 +260,7 @@ def test_bundles_for_gpus_and_threads() -> None:
 def test_no_room_in_the_cluster_is_a_clear_error(local_ray: None, tiny: Path) -> None:
     # The cluster has 4 CPUs, but no node has 3.
     args = EngineArgs(model=str(tiny), num_threads=NODE_CPUS + 1, **ENGINE)
-    handle = RayCore(args, placement_timeout_s=1.0)
+    handle = RayCore(args.launch_config(), placement_timeout_s=1.0)
     with pytest.raises(EngineStartupError, match=r"no node of the Ray cluster has \[\{'CPU': 3.0\}\] free"):
         handle.start()
     assert handle.placement_group is None and not handle.alive()

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pagedrs.engine.sequence import IncrementalDetokenizer, check_stop_strings
+from pagedrs.engine.frontend.sequence import IncrementalDetokenizer, check_stop_strings
 from pagedrs.metrics import EngineStats, StatLogger, visualize_batch
 from tests.helpers import make_tokenizer
 from tests.helpers_vllm_logs import HIT_RATE_LINE, STATS_LINE

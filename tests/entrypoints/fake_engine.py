@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedrs.engine.messages import (
+from pagedrs.engine.core.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,

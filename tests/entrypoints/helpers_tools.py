@@ -10,7 +10,7 @@ from typing import Any
 
 from fake_engine import EOS, ByteTokenizer, FakeEngine
 
-from pagedrs.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from pagedrs.engine.core.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from pagedrs.entrypoints.cli_args import ServerArgs
 
 

@@ -34,7 +34,7 @@ def _kids(server: SubprocessServer) -> tuple[int, list[int]]:
     """(engine core pid, API server pids by client index)."""
     assert server.proc is not None
     kids = child_pids(server.proc.pid)
-    cores = [k for k in kids if "pagedrs.engine.core_proc" in cmdline(k)]
+    cores = [k for k in kids if "pagedrs.engine.core.proc" in cmdline(k)]
     apis = [k for k in kids if "pagedrs.entrypoints.openai.server.multi_server" in cmdline(k)]
     apis.sort(key=lambda k: int(cmdline(k).split("--client-index ")[1].split()[0]))
     assert len(cores) == 1 and len(apis) == 2, (cores, apis)

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 def _core_pid(server: SubprocessServer) -> int:
     assert server.proc is not None
-    kids = [k for k in child_pids(server.proc.pid) if "pagedrs.engine.core_proc" in cmdline(k)]
+    kids = [k for k in child_pids(server.proc.pid) if "pagedrs.engine.core.proc" in cmdline(k)]
     assert len(kids) == 1, kids
     return kids[0]
 

@@ -65,7 +65,7 @@ def _kids(server: SubprocessServer) -> tuple[list[int], list[int]]:
     """(engine core pids, API server pids) of the supervisor."""
     assert server.proc is not None
     kids = child_pids(server.proc.pid)
-    cores = [k for k in kids if "pagedrs.engine.core_proc" in cmdline(k)]
+    cores = [k for k in kids if "pagedrs.engine.core.proc" in cmdline(k)]
     apis = [k for k in kids if "pagedrs.entrypoints.openai.server.multi_server" in cmdline(k)]
     assert len(cores) == 2 and len(apis) == 2, (cores, apis)
     return cores, apis

@@ -210,3 +210,24 @@ def test_what_crosses_to_api_server_processes_round_trips() -> None:
     server = ServerArgs(served_model_name=("a", "b"), lora_modules=(LoRAModulePath("x", "/p", "a"),))
     assert msgspec.json.decode(msgspec.json.encode(engine), type=EngineArgs) == engine
     assert msgspec.json.decode(msgspec.json.encode(server), type=ServerArgs) == server
+
+
+def test_server_flags_are_declared_by_the_server_args_fields() -> None:
+    """One declaration per server flag: each ServerArgs field with help is a flag of the "server" group
+    with the field's default and help, and each flag sets its field."""
+    parser = make_serve_parser()
+    group = next(g for g in parser._action_groups if g.title == "server")
+    by_dest = {a.dest: a for a in group._group_actions}
+    with_help = [f for f in dataclasses.fields(ServerArgs) if f.metadata.get("help") is not None]
+    assert [f.name for f in with_help] == list(by_dest)  # the fields' order is the flags' order
+    for f in with_help:
+        assert (by_dest[f.name].default, by_dest[f.name].help) == (f.default, f.metadata["help"]), f.name
+    assert {"api_server_index", "model", "tokenizer"}.isdisjoint(by_dest)  # set by the server, not flags
+    argv = ["--no-access-log", "-asc", "2", "--lora-modules", "a=/p", "--served-model-name", "x", "y"]
+    argv += ["--log-level", "debug", "--allow-runtime-lora-updating", "--log-stats-interval", "0"]
+    server = ServerArgs.from_namespace(parser.parse_args(argv))
+    assert (server.access_log, server.api_server_count, server.log_level) == (False, 2, "debug")
+    assert server.lora_modules == (LoRAModulePath("a", "/p"),) and server.served_model_name == ("x", "y")
+    assert server.allow_runtime_lora_updating and server.log_stats_interval == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--log-level", "loud"])

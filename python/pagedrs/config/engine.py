@@ -11,7 +11,7 @@ from pagedrs.config.model import (
     ObservabilityConfig,
     SchedulerConfig,
 )
-from pagedrs.config.parallel import LoRAConfig, ParallelConfig
+from pagedrs.config.parallel import DataParallelConfig, LoRAConfig, ParallelConfig
 from pagedrs.config.speculative import KVEventsConfig, SpeculativeConfig
 
 
@@ -26,3 +26,4 @@ class EngineConfig:
     lora: LoRAConfig | None = None  # None: LoRA adapters are off
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     kv_events: KVEventsConfig = KVEventsConfig()  # prefix-cache events: off
+    data_parallel: DataParallelConfig = DataParallelConfig()  # one replica

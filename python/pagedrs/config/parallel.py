@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedrs.config.checks import _is_int, _is_number, _require
+from pagedrs.config.router_tuning import check_tuning
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,17 +16,22 @@ class DataParallelConfig:
     actors), each request sent to one of them by `routing` ("cache": where its prefix is cached, load
     considered; "least_loaded"; "round_robin"); `session_affinity`: requests of one session (the
     request's `user`, or its X-Session-Id header) go to the same replica; `router_tuning`: the router's
-    knobs over their defaults (`pagedrs.engine.dp_router_tuning`)."""
+    knobs over their defaults (`pagedrs.config.router_tuning`); `rank`: the replica a core is (each core
+    runs with its own, vLLM's `data_parallel_rank`)."""
 
     size: int = 1
     backend: str = "mp"
     routing: str = "cache"
     session_affinity: bool = False
     router_tuning: dict[str, Any] | None = None
+    rank: int = 0
 
     def __post_init__(self) -> None:
         _require(
             _is_int(self.size) and self.size >= 1, "data_parallel_size", self.size, "must be an int >= 1"
+        )
+        _require(
+            _is_int(self.rank) and self.rank >= 0, "data_parallel_rank", self.rank, "must be an int >= 0"
         )
         b = self.backend
         _require(b in ("mp", "ray"), "data_parallel_backend", b, "must be 'mp' or 'ray'")
@@ -39,8 +45,6 @@ class DataParallelConfig:
         t = self.router_tuning
         if t is not None:
             _require(isinstance(t, dict), "dp_router_config", t, "must be a JSON object")
-            from pagedrs.engine.dp_router_tuning import check_tuning
-
             check_tuning(t)  # ValueError naming the knob
 
 

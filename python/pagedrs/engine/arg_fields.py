@@ -15,8 +15,9 @@ __all__ = ["add_field_flags", "config_default", "flag_field"]
 def flag_field(default: Any, help: str | None = None, **cli: Any) -> Any:
     """A field with its default and, given `help`, the ``pagedrs serve|generate|chat`` flag that sets it
     (``--`` and the name with dashes). `cli`: the flag's extras: `aliases`, `choices`, `parse` (the
-    value's parser, e.g. json.loads), `negatable` (a switch with its ``--no-`` form) and `negative_alias`
-    (one more flag that turns it off)."""
+    value's parser, e.g. json.loads; for a list or tuple, each item's), `negatable` (a switch with its
+    ``--no-`` form), `negative_only` (a switch that is on by default: only its ``--no-`` form, which turns
+    it off) and `negative_alias` (one more flag that turns it off)."""
     return field(default=default, metadata={"help": help, **cli})
 
 
@@ -26,19 +27,24 @@ def config_default(config: type, name: str) -> Any:
 
 
 def _add_flag(group: Any, f: dataclasses.Field, hint: Any) -> None:
-    """One field's flag: a switch for a bool (with its --no- form when negatable), `nargs="+"` for a
-    list, else one value parsed by the field's type (or its `parse`)."""
+    """One field's flag: a switch for a bool (with its --no- form when negatable; only that form when
+    negative_only), `nargs="+"` for a list or tuple, else one value parsed by the field's type (or its
+    `parse`)."""
     meta = f.metadata
     kinds = [t for t in (get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,))]
     kind = next(t for t in kinds if t is not type(None))
     kw: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta["help"]}
+    flag = "--" + f.name.replace("_", "-")
+    if kind is bool and meta.get("negative_only"):
+        group.add_argument("--no-" + flag[2:], action="store_false", **kw)
+        return
     if kind is bool:
         kw["action"] = argparse.BooleanOptionalAction if meta.get("negatable") else "store_true"
-    elif get_origin(kind) is list:
-        kw.update(type=get_args(kind)[0], nargs="+")
+    elif get_origin(kind) in (list, tuple):
+        kw.update(type=meta.get("parse", get_args(kind)[0]), nargs="+")
     else:
         kw.update(type=meta.get("parse", kind), choices=meta.get("choices"))
-    group.add_argument(*meta.get("aliases", ()), "--" + f.name.replace("_", "-"), **kw)
+    group.add_argument(*meta.get("aliases", ()), flag, **kw)
     if "negative_alias" in meta:
         group.add_argument(
             meta["negative_alias"],

@@ -293,7 +293,7 @@ class EngineArgs:
             revision=None,
             tokenizer_revision=None,
             gguf_file=None,
-            hf_token=None,  # the arguments travel to other processes on their command line
+            hf_token=None,  # the config made from these travels to other processes on their command line
             served_model_name=self.served_model_name or self.model,
         )
 
@@ -331,6 +331,7 @@ class EngineArgs:
             routing=self.dp_routing,
             session_affinity=self.dp_session_affinity,
             router_tuning=json_object(self.dp_router_config, "dp_router_config"),
+            rank=self.data_parallel_rank,
         )
 
     def early_configs(self) -> tuple[ModelConfig, CacheConfig, DeviceConfig, ObservabilityConfig]:
@@ -425,8 +426,8 @@ class EngineArgs:
         )
 
     def launch_config(self) -> LaunchConfig:
-        """What the executor builds the engine from: these arguments checked and resolved into the configs
-        (a Hub name stays a name: `with_local_model` first fetches it)."""
+        """What an engine core is built from, and what crosses to its process: these arguments checked and
+        resolved into the configs (a Hub name stays a name: `with_local_model` first fetches it)."""
         from pagedrs.launch_config import LaunchConfig
 
         model, cache, device, obs = self.early_configs()
@@ -449,6 +450,9 @@ class EngineArgs:
             rope_theta=self.rope_theta,
             disable_custom_all_reduce=self.disable_custom_all_reduce,
             pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel=self.data_parallel_config(),
+            max_logprobs=self.max_logprobs,
+            device_name=str(self.device),
         )
 
     def create_engine_config(self, model_max_len: int) -> EngineConfig:

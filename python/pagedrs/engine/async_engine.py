@@ -9,8 +9,8 @@ whose reader is slow gets its deltas merged: the next read returns everything si
 A dead core process is detected: every in-flight request gets `EngineCoreDiedError`, the engine reports
 unhealthy, and the core is restarted (at most `max_restarts` times) so that new requests are served.
 
-With data parallelism (`data_parallel_size` N > 1) the engine holds N cores (`dp_client.CoreReplica`) and
-a router (`dp_router.DPRouter`) that sends each request to one of them; a dead replica is restarted alone
+With data parallelism (`data_parallel_size` N > 1) the engine holds N cores (`dp.client.CoreReplica`) and
+a router (`dp.router.DPRouter`) that sends each request to one of them; a dead replica is restarted alone
 and the engine stays healthy while one replica serves.
 """
 
@@ -24,18 +24,14 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, overload
 
-from pagedrs.engine.core_handles import CoreHandle, EngineStartupError, RemoteCore, ThreadCore
-from pagedrs.engine.dp_client import (
-    NoReplicaAvailable,
-    ReplicaSet,
-    make_core_handle,
-    replica_engine_args,
-    sum_stats,
-)
-from pagedrs.engine.input_processor import InputError, InputProcessor
-from pagedrs.engine.messages import AbortRequests, EngineCoreOutputs
-from pagedrs.engine.output_processor import OutputProcessor
-from pagedrs.engine.request_stream import (
+from pagedrs.engine.arg_utils import EngineArgs
+from pagedrs.engine.client.core_handles import CoreHandle, EngineStartupError, RemoteCore, ThreadCore
+from pagedrs.engine.core.messages import AbortRequests, EngineCoreOutputs
+from pagedrs.engine.dp.client import NoReplicaAvailable, ReplicaSet, sum_stats
+from pagedrs.engine.factory import core_makers
+from pagedrs.engine.frontend.input_processor import InputError, InputProcessor
+from pagedrs.engine.frontend.output_processor import OutputProcessor
+from pagedrs.engine.frontend.request_stream import (
     EngineCoreDiedError,
     EngineDeadError,
     EngineDrainingError,
@@ -43,6 +39,7 @@ from pagedrs.engine.request_stream import (
     RequestStream,
     StepObserver,
 )
+from pagedrs.launch_config import LaunchConfig
 from pagedrs.lora_request import LoRARequest
 from pagedrs.metrics import EngineStats
 from pagedrs.outputs import EmbeddingRequestOutput, RequestOutput
@@ -62,13 +59,13 @@ __all__ = [
 logger = logging.getLogger("pagedrs.async_engine")
 
 
-def _frontend_tokenizer(engine_args: Any) -> Any:
+def _frontend_tokenizer(config: LaunchConfig) -> Any:
     """The tokenizer the frontend validates, tokenizes and detokenizes with (None: skip_tokenizer_init)."""
-    if engine_args.skip_tokenizer_init:
+    if not config.with_tokenizer:
         return None
     from pagedrs.loader import load_tokenizer
 
-    return load_tokenizer(engine_args.model, engine_args.tokenizer, engine_args.load_options())
+    return load_tokenizer(config.model.model, config.model.tokenizer, config.load)
 
 
 class AsyncLLMEngine:
@@ -133,20 +130,19 @@ class AsyncLLMEngine:
         self._restart_listeners: list[Callable[[], None]] = []
 
     @classmethod
-    def from_engine_args(cls, engine_args: Any, **kwargs: Any) -> AsyncLLMEngine:
-        """The core in its own process (`data_parallel_size` of them: each a replica, its own process or Ray
-        actor), loading the model there; the tokenizer is loaded here."""
-        engine_args.early_configs()  # bad arguments fail here, before any process starts
-        # A Hub name is fetched here, once: the tokenizer below and the core process read the local copy.
-        engine_args = engine_args.with_local_model()
-        dp = engine_args.data_parallel_config()
-        if dp.size == 1 and dp.backend == "mp":
-            makers = [lambda ipc_dir, gen: make_core_handle("mp", engine_args, ipc_dir, gen)]
-        else:
-            makers = [_maker(dp.backend, replica_engine_args(engine_args, i)) for i in range(dp.size)]
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLMEngine:
+        """`from_config` of the arguments' config. Bad arguments fail here, before any process starts; a
+        Hub name is fetched here, once: the tokenizer and the core processes read the local copy."""
+        return cls.from_config(engine_args.with_local_model().launch_config(), **kwargs)
+
+    @classmethod
+    def from_config(cls, config: LaunchConfig, **kwargs: Any) -> AsyncLLMEngine:
+        """The core in its own process (`data_parallel.size` of them: each a replica, its own process or Ray
+        actor: `factory.core_makers`), loading the model there; the tokenizer is loaded here."""
+        dp = config.data_parallel
         return cls(
-            tokenizer=_frontend_tokenizer(engine_args),
-            _make_handle=makers,
+            tokenizer=_frontend_tokenizer(config),
+            _make_handle=core_makers(config),
             routing=dp.routing,
             session_affinity=dp.session_affinity,
             router_tuning=dp.router_tuning,
@@ -155,14 +151,14 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_supervised_core(
-        cls, engine_args: Any, ipc_dir: str, client_index: int, **kwargs: Any
+        cls, config: LaunchConfig, ipc_dir: str, client_index: int, **kwargs: Any
     ) -> AsyncLLMEngine:
         """Client `client_index` of the core (with `data_parallel_size` M, of each of the M cores) that
         this process's parent supervises in `ipc_dir` (`--api-server-count N`): the parent starts and
         restarts the cores; this frontend follows them and routes its requests over all of them."""
-        dp = engine_args.data_parallel_config()
+        dp = config.data_parallel
         return cls(
-            tokenizer=_frontend_tokenizer(engine_args),
+            tokenizer=_frontend_tokenizer(config),
             client_index=client_index,
             ipc_dir=ipc_dir,
             _make_handle=[lambda ipc_dir, gen: RemoteCore(ipc_dir, gen, client_index)] * dp.size,
@@ -461,7 +457,3 @@ class AsyncLLMEngine:
         for stream in streams.values():
             stream._fail(exc)
         self._cores.fail_calls(EngineDeadError(str(exc)))
-
-
-def _maker(backend: str, engine_args: Any) -> Callable[[str, int], CoreHandle]:
-    return lambda ipc_dir, gen: make_core_handle(backend, engine_args, ipc_dir, gen)

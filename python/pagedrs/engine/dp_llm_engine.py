@@ -13,8 +13,9 @@ from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
 from pagedrs.engine.async_engine import AsyncLLMEngine
-from pagedrs.engine.input_processor import chat_template_ids
-from pagedrs.engine.request_stream import RequestStream
+from pagedrs.engine.frontend.input_processor import chat_template_ids
+from pagedrs.engine.frontend.request_stream import RequestStream
+from pagedrs.launch_config import LaunchConfig
 from pagedrs.lora_request import LoRARequest
 from pagedrs.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedrs.pooling_params import PoolingParams
@@ -28,12 +29,12 @@ T = TypeVar("T")
 class DPLLMEngine:
     """`LLMEngine`'s methods that `LLM` uses, over the cores of an `AsyncLLMEngine` (data parallelism)."""
 
-    def __init__(self, engine_args: Any) -> None:
+    def __init__(self, config: LaunchConfig) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pagedrs-dp-llm", daemon=True)
         self._thread.start()
         try:
-            self.engine = AsyncLLMEngine.from_engine_args(engine_args)
+            self.engine = AsyncLLMEngine.from_config(config)
         except BaseException:
             self._stop_loop()
             raise

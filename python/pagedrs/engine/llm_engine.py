@@ -11,12 +11,13 @@ from typing import Any
 from pagedrs import _core
 from pagedrs.config import EngineConfig
 from pagedrs.engine.arg_utils import EngineArgs
-from pagedrs.engine.core import EngineCore
-from pagedrs.engine.input_processor import InputProcessor, PromptType, chat_template_ids
-from pagedrs.engine.messages import EngineCoreOutputs
-from pagedrs.engine.output_processor import OutputProcessor
+from pagedrs.engine.core.engine_core import EngineCore
+from pagedrs.engine.core.messages import EngineCoreOutputs
+from pagedrs.engine.frontend.input_processor import InputProcessor, PromptType, chat_template_ids
+from pagedrs.engine.frontend.output_processor import OutputProcessor
 from pagedrs.executor import UniProcExecutor
 from pagedrs.executor.build import build_executor
+from pagedrs.launch_config import LaunchConfig
 from pagedrs.loader import LoadedModel
 from pagedrs.lora_request import LoRARequest
 from pagedrs.metrics import EngineStats
@@ -65,7 +66,12 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        core, loaded = EngineCore.from_engine_args(args)
+        return cls.from_config(args.with_local_model().launch_config())
+
+    @classmethod
+    def from_config(cls, launch: LaunchConfig) -> LLMEngine:
+        """The engine of a resolved config (`EngineArgs.launch_config`), its core in this process."""
+        core, loaded = EngineCore.from_config(launch)
         self = cls.__new__(cls)
         self.engine_core = core
         self._init_frontend(loaded)

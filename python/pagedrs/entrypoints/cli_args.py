@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pagedrs.config import ObservabilityConfig
+from pagedrs.engine.arg_fields import add_field_flags, config_default, flag_field
 from pagedrs.engine.arg_utils import EngineArgs
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -53,35 +55,80 @@ def parse_lora_module(text: str) -> LoRAModulePath:
 
 @dataclass(frozen=True)
 class ServerArgs:
-    """The serve flags (``pagedrs serve``) that are not engine settings, typed, with their defaults
-    (the flags take theirs from here)."""
+    """The serve flags (``pagedrs serve``) that are not engine settings, typed, with their defaults. A field
+    with help is also a flag (`add_server_args`), declared once as `EngineArgs`' are (`flag_field`)."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None  # None: $PAGEDRS_API_KEY (`resolve_server_args`)
-    served_model_name: tuple[str, ...] = ()
-    data_dir: str | None = None  # None: $XDG_DATA_HOME/pagedrs (`resolve_server_args`)
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_batch_concurrency: int = 64
-    shutdown_grace: float = 30.0
-    max_engine_restarts: int = 3
-    api_server_count: int = 1
+    host: str = flag_field("127.0.0.1", "address to bind (default 127.0.0.1)")
+    port: int = flag_field(8000, "port (default 8000)")
+    api_key: str | None = flag_field(  # None: $PAGEDRS_API_KEY (`resolve_server_args`)
+        None, "require `Authorization: Bearer KEY` on /v1 routes (default: $PAGEDRS_API_KEY if set)"
+    )
+    served_model_name: tuple[str, ...] = flag_field(  # None (none given) becomes ()
+        None, "model name(s) the API answers to (default: the model path)"
+    )
+    data_dir: str | None = flag_field(  # None: $XDG_DATA_HOME/pagedrs (`resolve_server_args`)
+        None,
+        "where files and batch jobs are kept (default: $XDG_DATA_HOME/pagedrs, else ~/.local/share/pagedrs)",
+    )
+    max_body_bytes: int = flag_field(DEFAULT_MAX_BODY_BYTES, "larger request bodies get 413 (default 64 MiB)")
+    max_batch_concurrency: int = flag_field(64, "batch lines in flight at once")
+    shutdown_grace: float = flag_field(30.0, "seconds in-flight requests get to finish after SIGTERM")
+    # The engine's stats_log_interval under the server's name (`engine_kwargs`; 0: disable_log_stats).
+    log_stats_interval: float = flag_field(
+        config_default(ObservabilityConfig, "stats_log_interval"),
+        "seconds between engine stats lines (0: off)",
+    )
+    max_engine_restarts: int = flag_field(
+        3, "times the engine core process is restarted after it dies (then /health stays 503)"
+    )
+    api_server_count: int = flag_field(
+        1,
+        "API server processes sharing the port and the engine core(s) (default 1): HTTP, tokenization "
+        "and streaming scale past one process's CPU; with -dp M each routes its requests over all M cores "
+        "(not with --data-parallel-backend ray)",
+        aliases=("-asc",),
+    )
+    log_level: str = flag_field(
+        "info", "the server's log level", choices=("debug", "info", "warning", "error")
+    )
+    access_log: bool = flag_field(True, "no access log line per request", negative_only=True)
+    # The flags of chat requests: template, tool calls, LoRA adapters by name, reasoning.
+    chat_template: str | None = flag_field(  # a file or the text (openai/chat/serving.py)
+        None,
+        "the chat template for chat requests: a Jinja file or the template text (as vLLM's flag; "
+        "default: the tokenizer's own)",
+    )
+    tool_call_parser: str | None = flag_field(  # see openai/chat/output.py
+        None,
+        "the model's tool call format, read into tool_calls (as vLLM's flag)",
+        choices=("hermes", "llama3_json", "mistral", "pythonic", "llama4_pythonic"),
+    )
+    enable_auto_tool_choice: bool = flag_field(
+        False, 'accepted as vLLM\'s flag (needs --tool-call-parser); tool_choice "auto" works without it'
+    )
+    lora_modules: tuple[LoRAModulePath, ...] = flag_field(  # None (none given) becomes ()
+        None,
+        'LoRA adapters served by name (needs --enable-lora): name=path, or JSON {"name": ..., '
+        '"path": ..., "base_model_name": ...}, as vLLM\'s flag',
+        parse=parse_lora_module,
+    )
+    allow_runtime_lora_updating: bool = flag_field(  # or $PAGEDRS_ALLOW_RUNTIME_LORA_UPDATING
+        False,
+        f"serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also ${RUNTIME_LORA_ENV}=1)",
+    )
+    reasoning_parser: str | None = flag_field(
+        None,
+        "split <think>...</think> into reasoning_content (as vLLM's flag)",
+        choices=("deepseek_r1", "qwen3"),
+    )
     api_server_index: int = 0  # which of several API server processes this is (0 runs batch jobs)
-    log_level: str = "info"
-    access_log: bool = True
     model: str | None = None  # --model as given (SGLang's get_model_info reports it)
     tokenizer: str | None = None
-    chat_template: str | None = None  # --chat-template: a file or the text (openai/chat/serving.py)
-    tool_call_parser: str | None = None  # --tool-call-parser, --enable-auto-tool-choice,
-    enable_auto_tool_choice: bool = False  # --reasoning-parser: see openai/chat/output.py
-    reasoning_parser: str | None = None
-    lora_modules: tuple[LoRAModulePath, ...] = ()  # --lora-modules
-    allow_runtime_lora_updating: bool = False  # or $PAGEDRS_ALLOW_RUNTIME_LORA_UPDATING
 
     def __post_init__(self) -> None:
-        names: Any = self.served_model_name
+        names: Any = self.served_model_name or ()
         object.__setattr__(self, "served_model_name", (names,) if isinstance(names, str) else tuple(names))
-        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))
 
     @property
     def runtime_lora_updating(self) -> bool:
@@ -108,116 +155,9 @@ class ServerArgs:
         return cls(**values)
 
 
-_SERVER = ServerArgs()  # the server flags' defaults
-
-
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """The server flags, one add_argument per flag, in the order --help shows them."""
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default=_SERVER.host, help=f"address to bind (default {_SERVER.host})")
-    g.add_argument("--port", type=int, default=_SERVER.port, help=f"port (default {_SERVER.port})")
-    g.add_argument(
-        "--api-key",
-        default=None,
-        help="require `Authorization: Bearer KEY` on /v1 routes (default: $PAGEDRS_API_KEY if set)",
-    )
-    g.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="model name(s) the API answers to (default: the model path)",
-    )
-    g.add_argument(
-        "--data-dir",
-        default=None,
-        help="where files and batch jobs are kept (default: $XDG_DATA_HOME/pagedrs, "
-        "else ~/.local/share/pagedrs)",
-    )
-    g.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=_SERVER.max_body_bytes,
-        help="larger request bodies get 413 (default 64 MiB)",
-    )
-    g.add_argument(
-        "--max-batch-concurrency",
-        type=int,
-        default=_SERVER.max_batch_concurrency,
-        help="batch lines in flight at once",
-    )
-    g.add_argument(
-        "--shutdown-grace",
-        type=float,
-        default=_SERVER.shutdown_grace,
-        help="seconds in-flight requests get to finish after SIGTERM",
-    )
-    g.add_argument(
-        "--log-stats-interval",
-        type=float,
-        default=EngineArgs.stats_log_interval,
-        help="seconds between engine stats lines (0: off)",
-    )
-    g.add_argument(
-        "--max-engine-restarts",
-        type=int,
-        default=_SERVER.max_engine_restarts,
-        help="times the engine core process is restarted after it dies (then /health stays 503)",
-    )
-    g.add_argument(
-        "--api-server-count",
-        "-asc",
-        type=int,
-        default=_SERVER.api_server_count,
-        help="API server processes sharing the port and the engine core(s) (default 1): HTTP, tokenization "
-        "and streaming scale past one process's CPU; with -dp M each routes its requests over all M cores "
-        "(not with --data-parallel-backend ray)",
-    )
-    g.add_argument("--log-level", default=_SERVER.log_level, choices=["debug", "info", "warning", "error"])
-    g.add_argument(
-        "--no-access-log", dest="access_log", action="store_false", help="no access log line per request"
-    )
-    _add_chat_args(g)
-
-
-def _add_chat_args(g: argparse._ArgumentGroup) -> None:
-    """The server flags of chat requests: template, tool calls, LoRA adapters by name, reasoning."""
-    g.add_argument(
-        "--chat-template",
-        default=None,
-        help="the chat template for chat requests: a Jinja file or the template text (as vLLM's flag; "
-        "default: the tokenizer's own)",
-    )
-    g.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=["hermes", "llama3_json", "mistral", "pythonic", "llama4_pythonic"],
-        help="the model's tool call format, read into tool_calls (as vLLM's flag)",
-    )
-    g.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='accepted as vLLM\'s flag (needs --tool-call-parser); tool_choice "auto" works without it',
-    )
-    g.add_argument(
-        "--lora-modules",
-        type=parse_lora_module,
-        nargs="+",
-        default=None,
-        help='LoRA adapters served by name (needs --enable-lora): name=path, or JSON {"name": ..., '
-        '"path": ..., "base_model_name": ...}, as vLLM\'s flag',
-    )
-    g.add_argument(
-        "--allow-runtime-lora-updating",
-        action="store_true",
-        default=None,
-        help=f"serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also ${RUNTIME_LORA_ENV}=1)",
-    )
-    g.add_argument(
-        "--reasoning-parser",
-        default=None,
-        choices=["deepseek_r1", "qwen3"],
-        help="split <think>...</think> into reasoning_content (as vLLM's flag)",
-    )
+    """The server flags, one per `ServerArgs` field with help, in the fields' order (as --help shows them)."""
+    add_field_flags(parser.add_argument_group("server"), ServerArgs)
 
 
 # SGLang's launch_server flags -> the serve flags they mean here (SGLang's name: (ours, takes a value)).

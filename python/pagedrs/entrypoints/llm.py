@@ -58,19 +58,19 @@ class LLM:
     `generate` call is spread over them (outputs still in prompt order)."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        from pagedrs.engine.factory import EngineKind, engine_kind
         from pagedrs.engine.llm_engine import EngineArgs, LLMEngine
 
         unknown = sorted(set(kwargs) - set(EngineArgs.field_names()))
         if unknown:
             raise ValueError(f"unknown LLM argument(s): {', '.join(unknown)}")
-        args = EngineArgs(model=model, **kwargs)
-        if args.data_parallel_size != 1:  # N engine core processes, each request routed to one
+        config = EngineArgs(model=model, **kwargs).with_local_model().launch_config()
+        if engine_kind(config, in_process=True) is EngineKind.DATA_PARALLEL:  # each request routed to a core
             from pagedrs.engine.dp_llm_engine import DPLLMEngine
 
-            args.early_configs()
-            self.llm_engine: Any = DPLLMEngine(args)
+            self.llm_engine: Any = DPLLMEngine(config)
         else:
-            self.llm_engine = LLMEngine.from_engine_args(args)
+            self.llm_engine = LLMEngine.from_config(config)
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:

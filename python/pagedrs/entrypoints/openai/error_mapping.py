@@ -10,7 +10,7 @@ from pagedrs.engine.async_engine import (
     EngineDrainingError,
     RequestAbortedError,
 )
-from pagedrs.engine.input_processor import InputError
+from pagedrs.engine.frontend.input_processor import InputError
 from pagedrs.entrypoints.openai.errors import APIError, bad_request, internal, unavailable
 
 __all__ = ["ENGINE_CORE_DIED", "to_api_error"]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from starlette.requests import Request
 
 from pagedrs.engine.async_engine import AsyncLLMEngine, RequestStream
-from pagedrs.engine.input_processor import InputError
+from pagedrs.engine.frontend.input_processor import InputError
 from pagedrs.entrypoints.openai.error_mapping import to_api_error
 from pagedrs.entrypoints.openai.errors import APIError, bad_request, not_found
 from pagedrs.entrypoints.openai.protocol import SamplingFields

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from pagedrs.beam_search import BeamSearch
-from pagedrs.engine.input_processor import InputError
+from pagedrs.engine.frontend.input_processor import InputError
 from pagedrs.entrypoints.openai.errors import bad_request
 from pagedrs.entrypoints.openai.protocol import SamplingFields
 from pagedrs.entrypoints.openai.serving_base import SSE_DONE, OpenAIServing, sse

@@ -39,7 +39,7 @@ from pagedrs.entrypoints.sglang import routes as sglang_routes
 from pagedrs.entrypoints.sglang.serving_generate import SGLangServingGenerate
 
 if TYPE_CHECKING:
-    from pagedrs.engine.core_proc import CoreLike
+    from pagedrs.engine.core.proc import CoreLike
     from pagedrs.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("pagedrs.server")

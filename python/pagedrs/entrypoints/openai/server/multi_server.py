@@ -74,9 +74,9 @@ class _Stop:
 def run_multi_server(engine_args: EngineArgs, server: ServerArgs) -> int:
     """`--api-server-count N`: the supervisor's loop. Long because start-up, the supervision loop and the
     shutdown share the child handles and their cleanup in one try/finally (no process left behind)."""
-    from pagedrs.engine.core_handles import EngineStartupError
-    from pagedrs.engine.dp_client import replica_engine_args
-    from pagedrs.engine.dp_frontends import DPCoreSupervisor
+    from pagedrs.engine.client.core_handles import EngineStartupError
+    from pagedrs.engine.dp.frontends import DPCoreSupervisor
+    from pagedrs.engine.factory import core_configs
 
     count = server.api_server_count
     try:
@@ -85,6 +85,7 @@ def run_multi_server(engine_args: EngineArgs, server: ServerArgs) -> int:
         # local paths.
         engine_args = engine_args.with_local_model()
         server = dataclasses.replace(server, model=engine_args.model, tokenizer=engine_args.tokenizer)
+        config = engine_args.launch_config()
     except ValueError as exc:
         logger.error("%s", exc)
         print(f"pagedrs: {exc}", file=sys.stderr)
@@ -101,9 +102,7 @@ def run_multi_server(engine_args: EngineArgs, server: ServerArgs) -> int:
     stop = _Stop()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     children: list[subprocess.Popen[bytes]] = []
-    size = engine_args.data_parallel_size
-    replicas = [engine_args] if size == 1 else [replica_engine_args(engine_args, i) for i in range(size)]
-    supervisor = DPCoreSupervisor(replicas, ipc_dir, count, server.max_engine_restarts)
+    supervisor = DPCoreSupervisor(core_configs(config), ipc_dir, count, server.max_engine_restarts)
     failed: list[str] = []
 
     def should_stop() -> bool:
@@ -124,7 +123,7 @@ def run_multi_server(engine_args: EngineArgs, server: ServerArgs) -> int:
             logger.error("%s", exc)
             print(f"pagedrs: {exc}", file=sys.stderr)
             return 1
-        engine_json = msgspec.json.encode(engine_args).decode()
+        config_json = config.to_json()
         server_json = msgspec.json.encode(server).decode()
         env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=prom_dir)
         for i in range(count):
@@ -136,7 +135,7 @@ def run_multi_server(engine_args: EngineArgs, server: ServerArgs) -> int:
                 str(i),
             ]
             cmd += ["--ipc-dir", ipc_dir, "--parent-pid", str(os.getpid())]
-            cmd += ["--engine-args-json", engine_json, "--server-args-json", server_json]
+            cmd += ["--config-json", config_json, "--server-args-json", server_json]
             # Their own session: a terminal's Ctrl-C reaches the supervisor, which drains them with SIGTERM.
             children.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True))
         logger.info(
@@ -186,7 +185,7 @@ def child_main(argv: list[str] | None = None) -> int:
     p.add_argument("--client-index", type=int, required=True)
     p.add_argument("--ipc-dir", required=True)
     p.add_argument("--parent-pid", type=int, required=True)
-    p.add_argument("--engine-args-json", required=True, help="the engine's arguments (EngineArgs)")
+    p.add_argument("--config-json", required=True, help="the engine's resolved config (LaunchConfig)")
     p.add_argument("--server-args-json", required=True, help="the server's (ServerArgs)")
     a = p.parse_args(argv)
 
@@ -195,14 +194,15 @@ def child_main(argv: list[str] | None = None) -> int:
     die_with_parent(a.parent_pid)
     from pagedrs.engine.async_engine import AsyncLLMEngine, EngineStartupError
     from pagedrs.entrypoints.openai.server.serve import serve_app, setup_logging
+    from pagedrs.launch_config import LaunchConfig
 
-    engine_args = msgspec.json.decode(a.engine_args_json.encode(), type=EngineArgs)
+    config = LaunchConfig.from_json(a.config_json)
     server = msgspec.json.decode(a.server_args_json.encode(), type=ServerArgs)
     server = dataclasses.replace(server, api_server_index=a.client_index)
     setup_logging(server.log_level, tag=f"[api-server {a.client_index}] ")
     try:
         engine = AsyncLLMEngine.from_supervised_core(
-            engine_args, a.ipc_dir, a.client_index, max_restarts=server.max_engine_restarts
+            config, a.ipc_dir, a.client_index, max_restarts=server.max_engine_restarts
         )
     except (EngineStartupError, ValueError) as exc:
         logger.error("%s", exc)

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedrs import __version__
-from pagedrs.engine.dp_client import SESSION_HEADER, session_key
+from pagedrs.engine.dp.client import SESSION_HEADER, session_key
 from pagedrs.entrypoints.openai.errors import APIError, bad_request, unavailable
 from pagedrs.entrypoints.openai.protocol import (
     ChatCompletionRequest,

@@ -30,8 +30,8 @@ import zmq
 
 from pagedrs import _core
 from pagedrs.config import KVEventsConfig
-from pagedrs.engine.messages import KVCacheEvents
-from pagedrs.engine.prefix_hashes import lora_salt_of
+from pagedrs.engine.core.messages import KVCacheEvents
+from pagedrs.engine.core.prefix_hashes import lora_salt_of
 
 if TYPE_CHECKING:
     from pagedrs.lora_request import LoRARequest

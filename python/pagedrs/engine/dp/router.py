@@ -43,8 +43,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedrs.engine.dp_router_tuning import check_tuning
-from pagedrs.engine.messages import KVCacheEvents
+from pagedrs.config.router_tuning import check_tuning
+from pagedrs.engine.core.messages import KVCacheEvents
 
 __all__ = ["ROUTING_POLICIES", "DPRouter", "NoReplicaAvailable", "ReplicaState"]
 

@@ -12,8 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pagedrs.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
-from pagedrs.engine.sequence import Request, SampleState, check_stop_strings, make_logprob_dict
+from pagedrs.engine.core.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from pagedrs.engine.frontend.sequence import Request, SampleState, check_stop_strings, make_logprob_dict
 from pagedrs.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagedrs.sampling_params import RequestOutputKind, SamplingParams
 

@@ -9,7 +9,6 @@ until it is Ready again, and the others go on serving."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -17,13 +16,19 @@ from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from typing import Any
 
-from pagedrs.engine.core_client import CoreClient
-from pagedrs.engine.core_handles import CoreHandle, EngineStartupError, ProcessCore, connect_ready
-from pagedrs.engine.dp_frontends import FrontendRouter
-from pagedrs.engine.dp_router import NoReplicaAvailable
-from pagedrs.engine.messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, KVCacheEvents, Ready
-from pagedrs.engine.prefix_hashes import core_request_block_hashes
-from pagedrs.engine.request_stream import EngineCoreDiedError, EngineDeadError
+from pagedrs.engine.client.core_client import CoreClient
+from pagedrs.engine.client.core_handles import CoreHandle, EngineStartupError, connect_ready
+from pagedrs.engine.core.messages import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    KVCacheEvents,
+    Ready,
+)
+from pagedrs.engine.core.prefix_hashes import core_request_block_hashes
+from pagedrs.engine.dp.frontends import FrontendRouter
+from pagedrs.engine.dp.router import NoReplicaAvailable
+from pagedrs.engine.frontend.request_stream import EngineCoreDiedError, EngineDeadError
 from pagedrs.metrics import EngineStats
 
 __all__ = [
@@ -31,8 +36,6 @@ __all__ = [
     "ReplicaSet",
     "SESSION_HEADER",
     "NoReplicaAvailable",
-    "make_core_handle",
-    "replica_engine_args",
     "session_key",
     "sum_stats",
 ]
@@ -46,44 +49,6 @@ _MONITOR_INTERVAL_S = 0.2
 # X-Session-Id header); with session affinity on, the requests of one session go to one replica.
 SESSION_HEADER = "X-Session-Id"
 session_key: ContextVar[str | None] = ContextVar("pagedrs_session_key", default=None)
-
-
-def _thread_budget() -> int:
-    """CPUs the replicas share: OMP_NUM_THREADS when set, else this process's affinity mask."""
-    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if omp.isdigit() and int(omp) >= 1:
-        return int(omp)
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def replica_engine_args(engine_args: Any, rank: int) -> Any:
-    """The arguments replica `rank` of `data_parallel_size` runs with: this machine's CPU threads shared out
-    among local replicas (each of its tensor-parallel ranks gets budget // (replicas x ranks), at least 1,
-    unless `num_threads` sets them; a Ray replica gets the CPUs of its bundle), its rank, and its prefix-cache changes reported when the router routes by cache."""
-    size = int(engine_args.data_parallel_size)
-    changes: dict[str, Any] = {}
-    if engine_args.num_threads is None and engine_args.data_parallel_backend == "mp":  # Ray: per bundle
-        changes["num_threads"] = max(1, _thread_budget() // (size * int(engine_args.tensor_parallel_size)))
-    changes["data_parallel_rank"] = rank
-    if engine_args.dp_routing == "cache":
-        changes["kv_cache_events"] = True
-    return dataclasses.replace(engine_args, **changes)
-
-
-def make_core_handle(
-    backend: str, engine_args: Any, ipc_dir: str, gen: int, num_clients: int = 1, *, status: bool = False
-) -> CoreHandle:
-    """The handle of one engine core: a local process (`mp`) or a Ray actor placed on the cluster (`ray`)."""
-    if backend == "ray":
-        from pagedrs.engine.ray_core import RayCore
-
-        return RayCore(engine_args, ipc_dir, gen, num_clients, status=status)
-    if backend != "mp":
-        raise ValueError(f"data_parallel_backend must be 'mp' or 'ray', got {backend!r}")
-    return ProcessCore(engine_args, ipc_dir, gen, num_clients, status=status)
 
 
 _SUMMED = (

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedrs.engine.messages import EngineCoreRequest
+from pagedrs.engine.core.messages import EngineCoreRequest
 from pagedrs.lora_request import LoRARequest
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import SamplingParams

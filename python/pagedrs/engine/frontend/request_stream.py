@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Generic, Protocol, TypeVar
 
-from pagedrs.engine.output_processor import RequestObserver
+from pagedrs.engine.frontend.output_processor import RequestObserver
 from pagedrs.metrics import EngineStats
 from pagedrs.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedrs.sampling_params import RequestOutputKind

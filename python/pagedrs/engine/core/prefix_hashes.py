@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from pagedrs import _core
 
 if TYPE_CHECKING:
-    from pagedrs.engine.messages import EngineCoreRequest
+    from pagedrs.engine.core.messages import EngineCoreRequest
     from pagedrs.lora_request import LoRARequest
 
 __all__ = [

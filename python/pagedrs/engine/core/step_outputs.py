@@ -7,8 +7,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from pagedrs.engine.core_requests import CoreSeq
-from pagedrs.engine.messages import EngineCoreOutput, PromptLogprobsMsg, SampleLogprobsMsg
+from pagedrs.engine.core.messages import EngineCoreOutput, PromptLogprobsMsg, SampleLogprobsMsg
+from pagedrs.engine.core.requests import CoreSeq
 from pagedrs.runner.outputs import RunnerOutput
 
 __all__ = ["StepOutputs"]

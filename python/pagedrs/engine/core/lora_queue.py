@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from pagedrs import _core
-from pagedrs.engine.messages import EngineCoreRequest
+from pagedrs.engine.core.messages import EngineCoreRequest
 from pagedrs.lora.manager import LoRAManager
 from pagedrs.lora_request import LoRARequest
 

@@ -8,25 +8,24 @@ per other rank; the rank actors the core starts are captured by the group, so a 
 nodes. Under the `mp` executor the ranks are the core's child processes and bundle 0 holds them all.
 
 The core binds TCP sockets on its node's IP (an ephemeral port each), not ipc paths: the frontend may be on
-another node. The channel is the same ZeroMQ + msgspec one (`core_proc`); Ray carries only the engine
-arguments as JSON and the addresses back. The actor's end is watched through the reference of its `run`
+another node. The channel is the same ZeroMQ + msgspec one (`core.proc`); Ray carries only the core's
+config as JSON and the addresses back. The actor's end is watched through the reference of its `run`
 call, which resolves when the core returns or the actor dies; `stop()` kills the actor and removes its
 placement group."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 from typing import Any
 
-import msgspec
 import zmq
 
-from pagedrs.engine.core_handles import EngineStartupError, send_shutdown
-from pagedrs.engine.core_proc import EngineCoreProc, serve_core
+from pagedrs.engine.client.core_handles import EngineStartupError, send_shutdown
+from pagedrs.engine.core.proc import EngineCoreProc, serve_core
 from pagedrs.executor.rank_processes import connect_ray as rank_connect_ray
+from pagedrs.launch_config import LaunchConfig
 
 __all__ = ["RayCore", "connect_ray", "core_bundles"]
 
@@ -41,24 +40,23 @@ def connect_ray() -> Any:
     return rank_connect_ray("data_parallel_backend")
 
 
-def core_bundles(engine_args: Any, use_gpu: bool) -> list[dict[str, float]]:
+def core_bundles(config: LaunchConfig, use_gpu: bool) -> list[dict[str, float]]:
     """The placement group of one core: bundle 0 for the core (with its `mp` ranks), then one bundle per
     Ray rank actor (`RayRanks` asks 1 CPU on CPU, 1 GPU and no CPU on GPUs). CPU counts are the torch
     threads of a rank (`num_threads`, 1 when unset): Ray sets OMP_NUM_THREADS to the CPUs it grants."""
-    tp = int(engine_args.tensor_parallel_size)
-    threads = int(engine_args.num_threads or 1)
-    ray_ranks = tp - 1 if engine_args.distributed_executor_backend == "ray" else 0
+    tp = config.parallel.tensor_parallel_size
+    threads = config.device.num_threads or 1
+    ray_ranks = tp - 1 if config.parallel.backend == "ray" else 0
     local = tp - ray_ranks  # ranks in the core's own process tree
     core: dict[str, float] = {"CPU": 1.0, "GPU": float(local)} if use_gpu else {"CPU": float(threads * local)}
     rank: dict[str, float] = {"GPU": 1.0} if use_gpu else {"CPU": float(threads)}
     return [core] + [dict(rank) for _ in range(ray_ranks)]
 
 
-def _uses_gpu(engine_args: Any, ray: Any) -> bool:
-    device = str(engine_args.device)
-    if device == "auto":
+def _uses_gpu(config: LaunchConfig, ray: Any) -> bool:
+    if config.device_name == "auto":
         return float(ray.cluster_resources().get("GPU", 0)) > 0
-    return device.startswith("cuda")
+    return config.device.device.type == "cuda"
 
 
 class RayCore:
@@ -67,7 +65,7 @@ class RayCore:
 
     def __init__(
         self,
-        engine_args: Any,
+        config: LaunchConfig,
         ipc_dir: str = "",
         gen: int = 0,
         num_clients: int = 1,
@@ -77,7 +75,7 @@ class RayCore:
     ) -> None:
         if num_clients < 1:
             raise ValueError(f"num_clients must be at least 1, got {num_clients}")
-        self.engine_args = engine_args
+        self.config = config
         self.generation = gen
         self.num_clients = num_clients
         self.status = status
@@ -101,10 +99,10 @@ class RayCore:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         ray = self._ray = connect_ray()
-        use_gpu = _uses_gpu(self.engine_args, ray)
+        use_gpu = _uses_gpu(self.config, ray)
         # Ray gives the actor its GPUs as cuda:0.. (CUDA_VISIBLE_DEVICES); "auto" is decided by the cluster.
-        args = dataclasses.replace(self.engine_args, device="cuda" if use_gpu else "cpu")
-        self.bundles = core_bundles(args, use_gpu)
+        config = self.config.on_device("cuda" if use_gpu else "cpu")
+        self.bundles = core_bundles(config, use_gpu)
         self._pg = placement_group(self.bundles, strategy="STRICT_PACK")
         placed, _ = ray.wait([self._pg.ready()], timeout=self.placement_timeout_s)
         if not placed:
@@ -137,8 +135,7 @@ class RayCore:
             ) from exc
         self.input_addr, self.output_addrs, self.status_addr, self.pid, self.node_ip = bound
         level = logging.getLevelName(logging.getLogger("pagedrs").getEffectiveLevel())
-        args_json = msgspec.json.encode(dataclasses.asdict(args)).decode()
-        self._run_ref = self._actor.run.remote(args_json, str(level).lower())
+        self._run_ref = self._actor.run.remote(config.to_json(), str(level).lower())
         logger.info(
             "engine core Ray actor started (pid %s on %s, bundles %s, input %s)",
             self.pid,
@@ -248,7 +245,7 @@ class _CoreActor:
         self.proc.bind()
         return self.proc.input_addr, self.proc.output_addrs, self.proc.status_addr, os.getpid(), ip
 
-    def run(self, engine_args_json: str, log_level: str) -> int:
+    def run(self, config_json: str, log_level: str) -> int:
         if self.proc is None:
             raise RuntimeError("bind() first")
         lvl = getattr(logging, log_level.upper(), logging.INFO)
@@ -259,4 +256,4 @@ class _CoreActor:
             force=True,
         )
         logging.getLogger("pagedrs").setLevel(lvl)
-        return serve_core(self.proc, engine_args_json)
+        return serve_core(self.proc, config_json)

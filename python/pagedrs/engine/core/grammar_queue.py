@@ -7,7 +7,7 @@ import concurrent.futures
 from concurrent.futures import Future
 from typing import Any
 
-from pagedrs.engine.messages import EngineCoreRequest
+from pagedrs.engine.core.messages import EngineCoreRequest
 from pagedrs.structured_outputs import StructuredOutputManager, StructuredOutputsParams
 
 __all__ = ["GrammarQueue", "compiled_grammar"]

@@ -123,7 +123,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
 class KVCacheEvents(msgspec.Struct, array_like=True, omit_defaults=True):
     """One step's net change to the core's prefix cache, as block hashes (the scheduler's chained
-    hashes, see `pagedrs.engine.prefix_hashes`). Applied in this order, `cleared` (empty the set),
+    hashes, see `pagedrs.engine.core.prefix_hashes`). Applied in this order, `cleared` (empty the set),
     then `removed`, then `stored`, to the set after the previous step, it gives the set of cached
     block hashes after this step."""
 

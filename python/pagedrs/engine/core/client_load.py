@@ -1,13 +1,13 @@
 """What an engine core reports of each client's load when several API servers route over it: per client,
 its requests in flight and their prompt tokens still to prefill, the measure the data-parallel router
-keeps for its own requests (`pagedrs.engine.dp_router`), so that a frontend adds the other frontends'
+keeps for its own requests (`pagedrs.engine.dp.router`), so that a frontend adds the other frontends'
 load to its own in one unit."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedrs.engine.messages import ClientLoad, EngineCoreOutput
+from pagedrs.engine.core.messages import ClientLoad, EngineCoreOutput
 
 __all__ = ["ClientLoadTracker"]
 

@@ -16,10 +16,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pagedrs.engine.core_handles import EngineStartupError
-from pagedrs.engine.core_supervisor import CoreSupervisor
-from pagedrs.engine.dp_router import DPRouter
-from pagedrs.engine.messages import ClientLoad
+from pagedrs.engine.client.core_handles import EngineStartupError
+from pagedrs.engine.client.core_supervisor import CoreSupervisor
+from pagedrs.engine.core.messages import ClientLoad
+from pagedrs.engine.dp.router import DPRouter
+from pagedrs.launch_config import LaunchConfig
 
 __all__ = ["DPCoreSupervisor", "FrontendRouter", "replica_ipc_dir"]
 
@@ -71,18 +72,18 @@ class FrontendRouter(DPRouter):
 
 class DPCoreSupervisor:
     """The M engine cores of N API server processes: `start()` launches them all (the models load in
-    parallel), `check()` restarts one that died, `stop()` ends them. Core i runs with the arguments of
-    replica i (`replica_engine_args`) in `replica_ipc_dir(ipc_dir, i, M)`."""
+    parallel), `check()` restarts one that died, `stop()` ends them. Core i runs with `configs[i]`
+    (replica i's: `factory.core_configs`) in `replica_ipc_dir(ipc_dir, i, M)`."""
 
     def __init__(
-        self, replica_args: Sequence[Any], ipc_dir: str, num_clients: int, max_restarts: int = 3
+        self, configs: Sequence[LaunchConfig], ipc_dir: str, num_clients: int, max_restarts: int = 3
     ) -> None:
-        size = len(replica_args)
+        size = len(configs)
         if size < 1:
             raise ValueError(f"at least one engine core is needed, got {size}")
         self.supervisors = [
-            CoreSupervisor(args, replica_ipc_dir(ipc_dir, i, size), num_clients, max_restarts, index=i)
-            for i, args in enumerate(replica_args)
+            CoreSupervisor(config, replica_ipc_dir(ipc_dir, i, size), num_clients, max_restarts, index=i)
+            for i, config in enumerate(configs)
         ]
 
     @property

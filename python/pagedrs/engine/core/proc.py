@@ -1,4 +1,4 @@
-"""The engine core's busy loop behind a ZeroMQ channel: `python -m pagedrs.engine.core_proc` (its own
+"""The engine core's busy loop behind a ZeroMQ channel: `python -m pagedrs.engine.core.proc` (its own
 process, behind the server) or `EngineCoreProc.run()` in a thread (an in-process core).
 
 Sockets (bound here, `ipc://` paths in a private 0700 directory): one PULL for requests from every
@@ -23,8 +23,8 @@ from typing import Any, Protocol
 import msgspec
 import zmq
 
-from pagedrs.engine.client_load import ClientLoadTracker
-from pagedrs.engine.messages import (
+from pagedrs.engine.core.client_load import ClientLoadTracker
+from pagedrs.engine.core.messages import (
     AbortRequests,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -264,11 +264,11 @@ class EngineCoreProc:
 
 # ---- process entry point ---------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pagedrs.engine.core_proc", description="pagedrs engine core")
+    p = argparse.ArgumentParser(prog="python -m pagedrs.engine.core.proc", description="pagedrs engine core")
     p.add_argument("--input", required=True, help="ipc:// address to bind for requests")
     p.add_argument("--output", action="append", required=True, help="ipc:// address per frontend client")
     p.add_argument("--status", default=None, help="ipc:// address where a supervisor hears Ready")
-    p.add_argument("--engine-args", required=True, help="EngineArgs as JSON")
+    p.add_argument("--config", required=True, help="the core's LaunchConfig as JSON")
     p.add_argument("--parent-pid", type=int, required=True)
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
@@ -282,19 +282,18 @@ def main(argv: list[str] | None = None) -> int:
     proc = EngineCoreProc(args.input, args.output, status_addr=args.status)
     proc.bind()
     signal.signal(signal.SIGTERM, lambda *_: proc.stop())
-    return serve_core(proc, args.engine_args)
+    return serve_core(proc, args.config)
 
 
-def serve_core(proc: EngineCoreProc, engine_args_json: str) -> int:
-    """Load the core from its arguments (JSON) behind bound sockets and run it until Shutdown: its exit
-    code. A load failure is announced as StartupFailed (code 1). Shared by this process's main and the
-    Ray actor that runs a core (`ray_core`)."""
+def serve_core(proc: EngineCoreProc, config_json: str) -> int:
+    """Load the core from its config (`LaunchConfig` as JSON) behind bound sockets and run it until
+    Shutdown: its exit code. A load failure is announced as StartupFailed (code 1). Shared by this
+    process's main and the Ray actor that runs a core (`client.ray_core`)."""
     try:
-        from pagedrs.engine.arg_utils import EngineArgs
-        from pagedrs.engine.core import EngineCore
+        from pagedrs.engine.core.engine_core import EngineCore
+        from pagedrs.launch_config import LaunchConfig
 
-        engine_args = msgspec.json.decode(engine_args_json.encode(), type=EngineArgs)
-        core, _ = EngineCore.from_engine_args(engine_args)
+        core, _ = EngineCore.from_config(LaunchConfig.from_json(config_json))
     except Exception as exc:  # reported to the server, which exits with it
         logger.exception("engine core failed to start")
         proc.send_all(StartupFailed(f"{type(exc).__name__}: {exc}"))

@@ -3,10 +3,10 @@
 It takes validated, tokenized `EngineCoreRequest`s and gives back one `EngineCoreOutputs` per step: each
 sequence's new token ids (and logprobs), finish reasons from the scheduler (eos, stop token ids, lengths),
 and the step's stats. Text, stop strings and `RequestOutput`s belong to the frontend (`OutputProcessor`);
-the same core runs in-process under `LLMEngine` and in its own process behind the server (`core_proc`).
+the same core runs in-process under `LLMEngine` and in its own process behind the server (`proc`).
 Beside the step, each in its own module: the outputs (`step_outputs`), pooling (`pooling`), grammar
 admission (`grammar_queue`), LoRA slots and parking (`lora_queue`), liquid moves (`executor/liquid/control`,
-between steps), the batch picture (`metrics`).
+between steps), the batch picture (`metrics`), the utility methods a frontend calls (`utilities`).
 Loading the model and starting the ranks is `executor.build`'s.
 """
 
@@ -23,20 +23,21 @@ import numpy as np
 
 from pagedrs import _core
 from pagedrs.config import EngineConfig
-from pagedrs.engine.core_requests import CoreRequest, CoreSeq
-from pagedrs.engine.grammar_queue import GrammarQueue, compiled_grammar
-from pagedrs.engine.kv_events import KVEventsTap
-from pagedrs.engine.lora_queue import LoRAQueue
-from pagedrs.engine.messages import (
+from pagedrs.engine.core.grammar_queue import GrammarQueue, compiled_grammar
+from pagedrs.engine.core.kv_events import KVEventsTap
+from pagedrs.engine.core.lora_queue import LoRAQueue
+from pagedrs.engine.core.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
     Ready,
 )
-from pagedrs.engine.pooling import pool_step
-from pagedrs.engine.prefix_hashes import lora_salt_of
-from pagedrs.engine.step_outputs import StepOutputs
+from pagedrs.engine.core.pooling import pool_step
+from pagedrs.engine.core.prefix_hashes import lora_salt_of
+from pagedrs.engine.core.requests import CoreRequest, CoreSeq
+from pagedrs.engine.core.step_outputs import StepOutputs
+from pagedrs.engine.core.utilities import CoreUtilitiesMixin
 from pagedrs.executor import ExecutorDeadError, UniProcExecutor
 from pagedrs.executor.build import load_engine
 from pagedrs.executor.liquid.control import LiquidControl
@@ -44,38 +45,22 @@ from pagedrs.executor.liquid.executor import LiquidExecutor
 from pagedrs.executor.startup_log import log_kv_cache_size
 from pagedrs.loader import LoadedModel
 from pagedrs.lora.manager import LoRAManager
-from pagedrs.metrics import EngineStats, StatLogger, token_boxes, visualize_batch
+from pagedrs.metrics import StatLogger, token_boxes, visualize_batch
 from pagedrs.runner.outputs import RunnerOutput
 from pagedrs.spec_decode.policy import can_speculate
 from pagedrs.spec_decode.policy import spec_scheduler_args as _spec_scheduler_args
 from pagedrs.structured_outputs import StructuredOutputManager
 
 if TYPE_CHECKING:
-    from pagedrs.engine.arg_utils import EngineArgs
+    from pagedrs.launch_config import LaunchConfig
 
 __all__ = ["CoreSeq", "EngineCore"]
 
 logger = logging.getLogger("pagedrs.engine")
 
 
-class EngineCore:
+class EngineCore(CoreUtilitiesMixin):
     """Scheduler + executor for one engine; one thread drives it."""
-
-    # Methods a frontend may call through `UtilityCall` (name -> bound method is looked up here only).
-    UTILITY_METHODS = frozenset(
-        {
-            "get_stats",
-            "resize",
-            "reset_prefix_cache",
-            "ping",
-            "liquid",
-            "liquid_degree",
-            "add_lora",
-            "remove_lora",
-            "list_loras",
-            "cached_block_hashes",
-        }
-    )
 
     def __init__(
         self, config: EngineConfig, loaded: LoadedModel, executor: UniProcExecutor, *, max_logprobs: int = 20
@@ -170,11 +155,12 @@ class EngineCore:
         )
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> tuple[EngineCore, LoadedModel]:
-        """(core, loaded model); the tokenizer in `loaded` is for the in-process frontend."""
-        config, loaded, executor = load_engine(args.with_local_model().launch_config())
+    def from_config(cls, launch: LaunchConfig) -> tuple[EngineCore, LoadedModel]:
+        """(core, loaded model) from the resolved config (vLLM's `EngineCore(vllm_config)`); the tokenizer
+        in `loaded` is for the in-process frontend."""
+        config, loaded, executor = load_engine(launch)
         try:
-            return cls(config, loaded, executor, max_logprobs=args.max_logprobs), loaded
+            return cls(config, loaded, executor, max_logprobs=launch.max_logprobs), loaded
         except BaseException:
             executor.shutdown()
             raise
@@ -502,77 +488,3 @@ class EngineCore:
         for rid in failed:
             self.reject(rid, f"engine step {self._num_steps} failed: {type(exc).__name__}: {exc}")
         logger.error("step %d failed; aborted requests %s", self._num_steps, failed)
-
-    # ---- utilities ---------------------------------------------------------------------------------
-    def get_stats(self) -> EngineStats:
-        s = self.scheduler.stats()
-        return EngineStats(
-            num_running=int(s.num_running),
-            num_waiting=int(s.num_waiting),
-            num_swapped=int(s.num_swapped),
-            kv_usage=float(s.kv_usage),
-            prefix_cache_queries=int(s.prefix_cache_queries),
-            prefix_cache_hits=int(s.prefix_cache_hits),
-            prompt_tokens_total=self._prompt_tokens_total,
-            generation_tokens_total=self._generation_tokens_total,
-            num_preemptions=int(s.num_preemptions),
-            num_blocks=int(s.num_blocks),
-            num_free_blocks=int(s.num_free_blocks),
-            num_swap_blocks=s.num_swap_blocks,
-            num_free_swap_blocks=s.num_free_swap_blocks,
-            num_steps=self._num_steps,
-            step_time_s=self._last_step_time,
-            batch_size=self._last_batch,
-            spec_num_drafts=int(s.spec_num_drafts),
-            spec_num_draft_tokens=int(s.spec_num_draft_tokens),
-            spec_num_accepted_tokens=int(s.spec_num_accepted_tokens),
-            spec_num_pauses=int(s.spec_num_pauses),
-        )
-
-    def resize(self, num_blocks: int) -> int:
-        """Resize the KV pool (the next step's plan moves and truncates blocks); returns the new count."""
-        self.scheduler.resize(int(num_blocks))
-        return int(self.scheduler.num_blocks)
-
-    def liquid_degree(self) -> int:
-        """Active ranks under liquid scaling (1 without it)."""
-        return self.liquid_control.degree if self.liquid_control is not None else 1
-
-    def liquid(self, target: int) -> list[dict[str, Any]]:
-        """Move to `target` active ranks between steps (`LiquidControl.move`); one record per event."""
-        if self.liquid_control is None:
-            raise ValueError("liquid scaling needs an engine started with liquid_gpu_range=[...]")
-        return self.liquid_control.move(target)
-
-    def idle_tick(self) -> None:
-        """Nothing to run: the liquid policy still sees the (idle) cache usage."""
-        if self.liquid_control is not None:
-            self.liquid_control.tick(self._waiting_prompt_tokens())
-
-    def reset_prefix_cache(self) -> bool:
-        return bool(self.scheduler.reset_prefix_cache())
-
-    def cached_block_hashes(self) -> list[int]:
-        """The hashes of the blocks in the prefix cache now, sorted: what the KV events add up to."""
-        return self.scheduler.cached_block_hashes()
-
-    def add_lora(self, name: str, lora_int_id: int, path: str) -> bool:
-        """Load an adapter onto the host now (vLLM's `add_lora`); ValueError for a bad adapter."""
-        self._loras.add_lora(name, lora_int_id, path)
-        return True
-
-    def remove_lora(self, lora_int_id: int) -> bool:
-        """Drop an adapter (False if unknown); ValueError while requests use it."""
-        return self._loras.remove_lora(lora_int_id)
-
-    def list_loras(self) -> list[tuple[str, int, str]]:
-        """(name, id, path) of every adapter loaded on the host."""
-        return self._loras.list_loras()
-
-    def ping(self) -> str:
-        return "pong"
-
-    def call_utility(self, method: str, args: Sequence[Any]) -> Any:
-        if method not in self.UTILITY_METHODS:
-            raise ValueError(f"unknown utility method {method!r}; one of {sorted(self.UTILITY_METHODS)}")
-        return getattr(self, method)(*args)

@@ -6,7 +6,7 @@ from typing import Any
 
 __all__ = ["DEFAULT_TUNING", "check_tuning"]
 
-# tuning knob -> default (see pagedrs.engine.dp_router's docstring)
+# tuning knob -> default (see pagedrs.engine.dp.router's docstring)
 DEFAULT_TUNING: dict[str, Any] = {
     # Cached-prefix tokens one load token is worth: a request leaves the replica holding its prefix for one
     # holding none when the former's load exceeds the latter's by 4x the cached tokens.

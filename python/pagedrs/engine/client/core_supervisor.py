@@ -3,22 +3,22 @@
 dies (at most `max_restarts` times), and publishes what it knows in `core-state.json` in the core's ipc
 dir. The API server processes follow that file (`RemoteCore`): they fail their in-flight requests when the
 core dies and reconnect to the generation that replaces it. With data parallelism there is one of these
-per core (`dp_frontends.DPCoreSupervisor`)."""
+per core (`dp.frontends.DPCoreSupervisor`)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
-from pagedrs.engine.core_handles import (
+from pagedrs.engine.client.core_handles import (
     CoreState,
     EngineStartupError,
     ProcessCore,
     connect_ready,
     write_core_state,
 )
-from pagedrs.engine.messages import Ready
+from pagedrs.engine.core.messages import Ready
+from pagedrs.launch_config import LaunchConfig
 
 __all__ = ["CoreSupervisor"]
 
@@ -31,13 +31,13 @@ class CoreSupervisor:
     """Owns the core process of N frontends. `start()` once, then `check()` a few times a second."""
 
     def __init__(
-        self, engine_args: Any, ipc_dir: str, num_clients: int, max_restarts: int = 3, *, index: int = 0
+        self, config: LaunchConfig, ipc_dir: str, num_clients: int, max_restarts: int = 3, *, index: int = 0
     ) -> None:
         """`index`: the data-parallel replica this core is (named in the log)."""
         if num_clients < 1:
             raise ValueError(f"num_clients must be at least 1, got {num_clients}")
         self.index = index
-        self.engine_args = engine_args
+        self.config = config
         self.ipc_dir = ipc_dir
         self.num_clients = num_clients
         self.max_restarts = max_restarts
@@ -65,7 +65,7 @@ class CoreSupervisor:
         core: it dies with the thread that started it)."""
         self.handle = None
         self._publish("starting")
-        handle = ProcessCore(self.engine_args, self.ipc_dir, self.gen, self.num_clients, status=True)
+        handle = ProcessCore(self.config, self.ipc_dir, self.gen, self.num_clients, status=True)
         handle.start()
         self.handle = handle
 

@@ -18,7 +18,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pagedrs.engine.messages import EngineCoreOutputs, UtilityCall, UtilityResult, output_decoder
+from pagedrs.engine.core.messages import EngineCoreOutputs, UtilityCall, UtilityResult, output_decoder
 
 __all__ = ["CoreClient"]
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from pagedrs._core import StepPlan
-from pagedrs.engine.core_requests import CoreRequest
+from pagedrs.engine.core.requests import CoreRequest
 
 __all__ = ["pool_step"]
 

@@ -1,7 +1,7 @@
 """Where an engine core runs, seen from the frontend: its own process (`ProcessCore`, what the server uses),
 a thread of this process (`ThreadCore`, for an `LLMEngine` or a stand-in core handed to the server), or a
 process started and restarted by a supervisor that several API server processes share (`RemoteCore`,
-`--api-server-count N`). All speak the same ZeroMQ + msgspec channel (`core_proc`), so the frontend code
+`--api-server-count N`). All speak the same ZeroMQ + msgspec channel (`core.proc`), so the frontend code
 is one."""
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 import zmq
 
-from pagedrs.engine.core_proc import CoreLike, EngineCoreProc
-from pagedrs.engine.messages import Ready, Shutdown, StartupFailed, output_decoder
+from pagedrs.engine.core.messages import Ready, Shutdown, StartupFailed, output_decoder
+from pagedrs.engine.core.proc import CoreLike, EngineCoreProc
+from pagedrs.launch_config import LaunchConfig
 
 __all__ = [
     "CoreHandle",
@@ -65,26 +65,25 @@ def status_address(ipc_dir: str, gen: int) -> str:
 
 
 class ProcessCore:
-    """`python -m pagedrs.engine.core_proc` with the engine arguments as JSON; it dies with this process.
+    """`python -m pagedrs.engine.core.proc` with the core's config as JSON; it dies with this process.
     With `status=True` it also announces Ready / StartupFailed on `status_address` (for a supervisor that
     does not read step messages)."""
 
     def __init__(
-        self, engine_args: Any, ipc_dir: str, gen: int, num_clients: int = 1, *, status: bool = False
+        self, config: LaunchConfig, ipc_dir: str, gen: int, num_clients: int = 1, *, status: bool = False
     ) -> None:
-        self.engine_args = engine_args
+        self.config = config
         self.input_addr, self.output_addrs = _addresses(ipc_dir, gen, num_clients)
         self.status_addr = status_address(ipc_dir, gen) if status else None
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        args_json = msgspec.json.encode(asdict(self.engine_args)).decode()
-        cmd = [sys.executable, "-m", "pagedrs.engine.core_proc", "--input", self.input_addr]
+        cmd = [sys.executable, "-m", "pagedrs.engine.core.proc", "--input", self.input_addr]
         for addr in self.output_addrs:
             cmd += ["--output", addr]
         if self.status_addr is not None:
             cmd += ["--status", self.status_addr]
-        cmd += ["--engine-args", args_json, "--parent-pid", str(os.getpid())]
+        cmd += ["--config", self.config.to_json(), "--parent-pid", str(os.getpid())]
         level = logging.getLevelName(logging.getLogger("pagedrs").getEffectiveLevel())
         cmd += ["--log-level", str(level).lower()]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
