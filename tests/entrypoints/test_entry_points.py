@@ -31,7 +31,7 @@ HELP_COMMANDS = [
 ]
 # What vLLM's and SGLang's docs have users type, which the docs here must keep naming.
 VLLM_MODULES = {"pagedrs.entrypoints.openai.api_server", "pagedrs.launch_server"}
-_DOCUMENTED = re.compile(r"python3? -m (pagedrs(?:\.\w+)*)")
+_DOCUMENTED = re.compile(r"python3?\s+-m\s+(pagedrs(?:\.\w+)*)")
 
 
 def _console_script(name: str) -> str:
@@ -103,8 +103,11 @@ def test_documented_modules_import_and_run_as_main() -> None:
 
 
 def test_the_docs_scan_sees_a_moved_module(tmp_path: Path) -> None:
-    """The scan reads `python -m` and `python3 -m` lines; a module that no longer exists is reported."""
-    page = "run `python3 -m pagedrs.entrypoints.openai.api_server --port 1`, or python -m pagedrs.no_such_mod"
+    """The scan reads `python -m` and `python3 -m`, also across a line break; a module that no longer
+    exists is reported."""
+    page = (
+        "run `python3 -m pagedrs.entrypoints.openai.api_server --port 1`, or python -m\npagedrs.no_such_mod"
+    )
     assert _DOCUMENTED.findall(page) == ["pagedrs.entrypoints.openai.api_server", "pagedrs.no_such_mod"]
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("pagedrs.no_such_mod")
