@@ -196,10 +196,10 @@ def server_args(config: str, args: argparse.Namespace, extra: list[str]) -> list
 
 
 def start(cmd: list[str], args: argparse.Namespace, log: str, data_dir: str) -> tuple[Any, str]:
-    """`python -m pagedrs.entrypoints.openai.server.api_server` on a free loopback port with --threads CPU
+    """`python -m pagedrs.entrypoints.openai.api_server` on a free loopback port with --threads CPU
     threads in all (OMP_NUM_THREADS, which the server shares out among its replicas)."""
     port = _free_port()
-    argv = [sys.executable, "-m", "pagedrs.entrypoints.openai.server.api_server", "--host", "127.0.0.1"]
+    argv = [sys.executable, "-m", "pagedrs.entrypoints.openai.api_server", "--host", "127.0.0.1"]
     argv += ["--port", str(port), "--data-dir", data_dir, *cmd]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     return launch_and_wait(argv, port, log, args.server_start_timeout, "server", env=env)

@@ -10,7 +10,7 @@ saturation (a fixed number of requests in flight), optionally against the offlin
     # flags after `--` go to the server this script starts (and to the offline engine)
     python bench/serving.py --rates inf --num-requests 64 -- --device cpu --max-num-seqs 64
 
-Starts `python -m pagedrs.entrypoints.openai.server.api_server` on 127.0.0.1 (a free port, its own process
+Starts `python -m pagedrs.entrypoints.openai.api_server` on 127.0.0.1 (a free port, its own process
 group, always stopped at the end, Ctrl-C and errors included) unless --base-url names a running one (it
 must be a loopback address). Requests are streaming `/v1/completions`, greedy, `ignore_eos`, exactly
 --max-tokens output tokens each; the prompts are drawn once (--seed) and every rate sends the same ones.
@@ -489,7 +489,7 @@ def start_server(
     cmd = [
         sys.executable,
         "-m",
-        "pagedrs.entrypoints.openai.server.api_server",
+        "pagedrs.entrypoints.openai.api_server",
         "--host",
         "127.0.0.1",
         "--port",

@@ -12,7 +12,7 @@ from pagedrs.entrypoints.cli_args import sglang_serve_argv
 
 def main(argv: list[str] | None = None) -> int:
     from pagedrs.entrypoints.cli_args import check_serve_args, make_serve_parser, parse_serve_args
-    from pagedrs.entrypoints.openai.server.api_server import run_server
+    from pagedrs.entrypoints.openai.api_server import run_server
 
     parser = make_serve_parser(
         argparse.ArgumentParser(

@@ -1,5 +1,5 @@
 """Servers for the entrypoint tests: in-process (uvicorn in a thread) and subprocess
-(`python -m pagedrs.entrypoints.openai.server.api_server`), both on 127.0.0.1 and a free port."""
+(`python -m pagedrs.entrypoints.openai.api_server`), both on 127.0.0.1 and a free port."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ class ThreadedServer:
 
 
 class SubprocessServer:
-    """`python -m pagedrs.entrypoints.openai.server.api_server` (or another server `module`) with the given flags."""
+    """`python -m pagedrs.entrypoints.openai.api_server` (or another server `module`) with the given flags."""
 
     def __init__(
         self,
@@ -85,7 +85,7 @@ class SubprocessServer:
         port: int | None = None,
         api_key: str | None = API_KEY,
         log_path: Path | None = None,
-        module: str = "pagedrs.entrypoints.openai.server.api_server",
+        module: str = "pagedrs.entrypoints.openai.api_server",
     ) -> None:
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"

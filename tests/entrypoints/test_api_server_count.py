@@ -173,6 +173,6 @@ def test_no_process_left_behind(tmp_path: Path, how: str) -> None:
 
 
 def test_bad_count_is_refused(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "pagedrs.entrypoints.openai.server.api_server", *SERVER_ENGINE_FLAGS]
+    cmd = [sys.executable, "-m", "pagedrs.entrypoints.openai.api_server", *SERVER_ENGINE_FLAGS]
     r = subprocess.run([*cmd, "--api-server-count", "0"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--api-server-count must be at least 1, got 0" in r.stderr

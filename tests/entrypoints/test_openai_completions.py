@@ -1,4 +1,4 @@
-"""The official `openai` client against `python -m pagedrs.entrypoints.openai.server.api_server` with the
+"""The official `openai` client against `python -m pagedrs.entrypoints.openai.api_server` with the
 default model (SmolLM2-135M-Instruct GGUF): results equal LLM.generate's, streaming, n, stop,
 logprobs, usage."""
 

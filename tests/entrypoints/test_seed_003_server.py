@@ -20,7 +20,7 @@ def test_seed_003_server_and_async_client(tmp_path: Path) -> None:
     server.args = [
         sys.executable,
         "-m",
-        "pagedrs.entrypoints.openai.server.api_server",
+        "pagedrs.entrypoints.openai.api_server",
         "--port",
         str(port),
         "--data-dir",

@@ -23,7 +23,7 @@ from pagedrs.entrypoints.cli_args import (
     parse_serve_args,
     serve_args_error,
 )
-from pagedrs.entrypoints.openai.server.api_server import resolve_server_args
+from pagedrs.entrypoints.openai.api_server import resolve_server_args
 
 
 def test_serve_flags_map_to_engine_args() -> None:
@@ -125,7 +125,14 @@ def test_auto_tool_choice_without_parser_is_a_usage_error() -> None:
     )
 
 
-@pytest.mark.parametrize("module", ["pagedrs.entrypoints.openai.server.api_server", "pagedrs.launch_server"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "pagedrs.entrypoints.openai.api_server",
+        "pagedrs.entrypoints.openai.server.api_server",
+        "pagedrs.launch_server",
+    ],
+)
 def test_auto_tool_choice_without_parser_other_entrypoints(
     module: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -6,8 +6,10 @@ import json
 
 import pytest
 
+from pagedrs.entrypoints.openai.chat.protocol import ChatCompletionRequest
+from pagedrs.entrypoints.openai.completions.protocol import CompletionRequest
 from pagedrs.entrypoints.openai.errors import APIError
-from pagedrs.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from pagedrs.entrypoints.openai.protocol import parse_body
 
 
 def _err(model: type, body: object) -> APIError:

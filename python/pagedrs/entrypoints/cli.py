@@ -92,7 +92,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pagedrs.entrypoints.openai.server.api_server import run_server
+    from pagedrs.entrypoints.openai.api_server import run_server
 
     engine_args, server_args = parse_serve_args(args)  # the flags end here, typed
     return run_server(engine_args, server_args)

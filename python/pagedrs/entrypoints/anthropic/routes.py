@@ -16,7 +16,7 @@ from pagedrs.entrypoints.anthropic.protocol import (
     MessagesRequest,
 )
 from pagedrs.entrypoints.anthropic.serving import AnthropicServingMessages
-from pagedrs.entrypoints.openai.server.routes import respond
+from pagedrs.entrypoints.openai.server.routing import respond
 from pagedrs.entrypoints.openai.server.state import JsonBody, ServerDep
 
 router = APIRouter()

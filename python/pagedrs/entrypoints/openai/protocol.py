@@ -1,20 +1,21 @@
-"""Request models of the OpenAI-compatible API (pydantic), validated once at the edge."""
+"""What the OpenAI-compatible API's bodies share (pydantic): the request base and the sampling fields of
+completions and chat completions, the usage and error bodies, and the parsing of a request body, validated
+once at the edge. Each API's own bodies are in its folder (``chat/protocol.py``, ``completions/``,
+``embeddings/``, ``models/``, ``responses/``, ``batches/``).
+
+The request and response models vLLM users import from ``vllm.entrypoints.openai.protocol`` are importable
+from here too (``from pagedrs.entrypoints.openai.protocol import ChatCompletionRequest``), loaded from
+their API's module on first use."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pagedrs.entrypoints.openai.errors import APIError, bad_request, from_validation_error
-from pagedrs.entrypoints.openai.protocol_tools import (
-    ChatTool,
-    MessageToolCall,
-    ToolChoice,
-    check_tools,
-    template_tool_calls,
-)
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -123,165 +124,41 @@ class SamplingFields(OpenAIModel):
                 raise bad_request(f"{name} is not supported with use_beam_search", param=name)
 
 
-class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1, le=2**31 - 1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
-
-    def check(self) -> None:
-        self.check_common()
-        if self.suffix:
-            raise bad_request("suffix is not supported", param="suffix")
-        if self.use_beam_search:
-            if self.best_of is not None and self.best_of < self.n:
-                raise bad_request(
-                    f"best_of ({self.best_of}) must be at least n ({self.n}) with use_beam_search",
-                    param="best_of",
-                )
-        elif self.best_of is not None and self.best_of != self.n:
-            raise bad_request("best_of other than n is not supported", param="best_of")
-        prompts = self.prompts()
-        if not prompts:
-            raise bad_request("prompt must not be empty", param="prompt")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise bad_request(
-                    "prompt must not be empty", param="prompt" if len(prompts) == 1 else f"prompt[{i}]"
-                )
-        if len(prompts) * self.n > 1024:
-            raise bad_request("too many choices: len(prompt) * n must be at most 1024", param="n")
-
-    def prompts(self) -> list[str | list[int]]:
-        """The prompt as a list of prompts (strings or token id lists)."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            return []
-        return _as_prompts(p)
-
-
-class EmbeddingRequest(OpenAIModel):
-    """OpenAI's /v1/embeddings body (and vLLM's extras: pooling_type, normalize)."""
-
-    model: str | None = None
-    input: str | list[str] | list[TokenId] | list[list[TokenId]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1, le=2**31 - 1)
-    user: str | None = None
-    pooling_type: Literal["last", "mean", "cls", "first"] | None = None
-    normalize: bool | None = None
-
-    def check(self) -> None:
-        inputs = self.inputs()
-        if not inputs:
-            raise bad_request("input must not be empty", param="input")
-        if len(inputs) > 2048:
-            raise bad_request(f"at most 2048 inputs per request, got {len(inputs)}", param="input")
-        for i, x in enumerate(inputs):
-            if len(x) == 0:
-                raise bad_request(
-                    "input must not be empty", param="input" if len(inputs) == 1 else f"input[{i}]"
-                )
-
-    def inputs(self) -> list[str | list[int]]:
-        x = self.input
-        if isinstance(x, str):
-            return [x]
-        if not x:
-            return []
-        return _as_prompts(x)
-
-
-def _as_prompts(x: list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+def as_prompts(x: list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
     """A non-empty list field of OpenAI's prompt shape: one token-id prompt, or a list of prompts."""
     if all(isinstance(t, int) for t in x):
         return [[int(t) for t in x if isinstance(t, int)]]
     return [t if isinstance(t, str) else list(t) for t in x if not isinstance(t, int)]
 
 
-class TextPart(OpenAIModel):
-    type: Literal["text"]
-    text: str
+class ResponseBody(BaseModel):
+    # A response body as /openapi.json documents it. Extra keys are allowed, so that fields other
+    # endpoints add (tool calls, reasoning) do not make a documented body wrong.
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
 
 
-class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
-    tool_call_id: str | None = None  # a tool result's call
-    reasoning_content: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+class ErrorDetail(ResponseBody):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(..., min_length=1, max_length=4096)
-    max_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
-    tools: list[ChatTool] | None = None
-    tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool = True
+class ErrorResponse(ResponseBody):
+    """OpenAI's error shape, for every 4xx and 5xx."""
 
-    def check(self) -> None:
-        self.check_common()
-        if self.top_logprobs is not None and not self.logprobs:
-            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-        self.resolved_tool_choice()
-
-    def resolved_tool_choice(self) -> str:
-        """The tool choice: none, auto, required or the named function (400 if tools disagree)."""
-        return check_tools(self.tools, self.tool_choice)
-
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def chat_messages(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for m in self.messages:
-            role = "system" if m.role == "developer" else m.role
-            msg: dict[str, Any] = {"role": role, "content": m.text()}
-            if m.tool_calls:
-                msg["tool_calls"] = template_tool_calls(m.tool_calls)
-            if m.tool_call_id is not None:
-                msg["tool_call_id"] = m.tool_call_id
-            if m.name is not None:
-                msg["name"] = m.name
-            out.append(msg)
-        return out
+    error: ErrorDetail
 
 
-class BatchCreateRequest(OpenAIModel):
-    input_file_id: str = Field(..., min_length=1, max_length=256)
-    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
-    completion_window: Literal["24h"] = "24h"
-    metadata: dict[str, str] | None = None
+class PromptTokensDetails(ResponseBody):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
-class LiquidScaleRequest(OpenAIModel):
-    """POST /v1/admin/liquid: exactly one of ``target`` (active ranks) or ``liquid_type`` (a named move)."""
-
-    target: int | None = Field(default=None, ge=1, le=1 << 16)  # a power of two the engine checks
-    liquid_type: str | None = Field(default=None, max_length=64)
-
-
-class FileUploadForm(BaseModel):
-    """POST /v1/files as multipart/form-data (documents the form; the route reads it itself)."""
-
-    file: bytes = Field(..., json_schema_extra={"format": "binary"})
-    purpose: Literal["batch"]
+class UsageInfo(ResponseBody):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -317,16 +194,44 @@ def parse_body(model: type[M], raw: bytes) -> M:
     return req
 
 
+# The modules of each API's bodies, in the order a name is looked up (each lists its bodies in __all__).
+API_PROTOCOLS = (
+    "pagedrs.entrypoints.openai.chat.protocol",
+    "pagedrs.entrypoints.openai.completions.protocol",
+    "pagedrs.entrypoints.openai.embeddings.protocol",
+    "pagedrs.entrypoints.openai.models.protocol",
+    "pagedrs.entrypoints.openai.responses.protocol",
+    "pagedrs.entrypoints.openai.batches.protocol",
+)
+
+
+def __getattr__(name: str) -> Any:
+    """An API's body by name, as vLLM's protocol module has it, from the module that defines it (imported
+    on first use: those modules import this one)."""
+    if not name.startswith("__"):
+        for module_name in API_PROTOCOLS:
+            module = importlib.import_module(module_name)
+            if name in getattr(module, "__all__", ()):
+                return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
+    "MAX_LOGPROBS",
+    "MAX_N",
+    "MAX_SEED",
     "APIError",
-    "BatchCreateRequest",
-    "ChatCompletionRequest",
-    "ChatMessage",
-    "CompletionRequest",
-    "EmbeddingRequest",
-    "FileUploadForm",
-    "LiquidScaleRequest",
+    "ErrorDetail",
+    "ErrorResponse",
+    "OpenAIModel",
+    "PromptTokensDetails",
+    "ResponseBody",
+    "ResponseFormat",
+    "SamplingFields",
     "StreamOptions",
+    "TokenId",
+    "UsageInfo",
+    "as_prompts",
     "parse_body",
     "parse_json_object",
     "parse_request",

@@ -27,7 +27,7 @@ from pagedrs.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger("pagedrs.serving")
 
 if TYPE_CHECKING:
-    from pagedrs.entrypoints.openai.serving_models import ServingModels
+    from pagedrs.entrypoints.openai.models.serving import ServingModels
 
 T = TypeVar("T")
 

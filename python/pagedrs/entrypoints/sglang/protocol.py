@@ -11,11 +11,11 @@ from pagedrs.entrypoints.openai.protocol import (
     MAX_N,
     MAX_SEED,
     OpenAIModel,
+    ResponseBody,
     SamplingFields,
     TokenId,
     parse_request,
 )
-from pagedrs.entrypoints.openai.responses.bodies import ResponseBody
 
 
 class SGLangSamplingParams(OpenAIModel):

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedrs.entrypoints.openai.server.routes import ERRORS, respond, streamed
+from pagedrs.entrypoints.openai.server.routing import ERRORS, respond, streamed
 from pagedrs.entrypoints.openai.server.state import JsonBody, ServerDep
 from pagedrs.entrypoints.sglang.protocol import GenerateRequest, GenerateResponse, ModelInfo
 

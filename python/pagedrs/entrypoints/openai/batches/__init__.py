@@ -1,1 +1,2 @@
-"""Files and batches: the SQLite store, the worker that runs jobs, the routes."""
+"""Files and batches: protocol (request and response bodies), the SQLite store, the worker that runs jobs,
+the routes."""

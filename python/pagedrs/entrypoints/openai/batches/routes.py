@@ -9,17 +9,18 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 
-from pagedrs.entrypoints.openai.batches.store import BatchStore
-from pagedrs.entrypoints.openai.errors import bad_request, not_found
-from pagedrs.entrypoints.openai.protocol import BatchCreateRequest, FileUploadForm
-from pagedrs.entrypoints.openai.responses.bodies import (
+from pagedrs.entrypoints.openai.batches.protocol import (
+    BatchCreateRequest,
     BatchList,
     BatchObject,
     FileDeleted,
     FileList,
     FileObject,
+    FileUploadForm,
 )
-from pagedrs.entrypoints.openai.server.routes import ERRORS
+from pagedrs.entrypoints.openai.batches.store import BatchStore
+from pagedrs.entrypoints.openai.errors import bad_request, not_found
+from pagedrs.entrypoints.openai.server.routing import ERRORS
 from pagedrs.entrypoints.openai.server.state import JsonBody, ServerDep
 
 FILE_PURPOSES = ("batch",)

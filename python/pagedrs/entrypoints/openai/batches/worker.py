@@ -15,17 +15,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedrs.entrypoints.openai.batches.store import BatchStore
+from pagedrs.entrypoints.openai.chat.protocol import ChatCompletionRequest
 from pagedrs.entrypoints.openai.chat.serving import OpenAIServingChat
+from pagedrs.entrypoints.openai.completions.protocol import CompletionRequest
 from pagedrs.entrypoints.openai.completions.serving import OpenAIServingCompletion
+from pagedrs.entrypoints.openai.embeddings.protocol import EmbeddingRequest
+from pagedrs.entrypoints.openai.embeddings.serving import OpenAIServingEmbedding
 from pagedrs.entrypoints.openai.error_mapping import ENGINE_CORE_DIED, to_api_error
 from pagedrs.entrypoints.openai.errors import APIError, bad_request
-from pagedrs.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    EmbeddingRequest,
-    parse_request,
-)
-from pagedrs.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedrs.entrypoints.openai.protocol import parse_request
 
 logger = logging.getLogger("pagedrs.batch")
 

@@ -1,1 +1,2 @@
-"""Chat Completions: the serving class and the reply (content, reasoning, tool calls) it builds."""
+"""Chat Completions: protocol (request and response bodies), the serving class and the reply (content,
+reasoning, tool calls) it builds, the route."""

@@ -16,10 +16,11 @@ from starlette.requests import Request
 
 from pagedrs.engine.async_engine import AsyncLLMEngine, RequestStream
 from pagedrs.entrypoints.openai.chat.output import OutputParsing, ReplyPlan
+from pagedrs.entrypoints.openai.chat.protocol import ChatCompletionRequest
 from pagedrs.entrypoints.openai.completions.beam_search import beam_search_outputs, whole_response_stream
 from pagedrs.entrypoints.openai.errors import bad_request
 from pagedrs.entrypoints.openai.logprobs import TokenText, chat_logprobs
-from pagedrs.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedrs.entrypoints.openai.models.serving import ServingModels
 from pagedrs.entrypoints.openai.serving_base import (
     SSE_DONE,
     OpenAIServing,
@@ -31,7 +32,6 @@ from pagedrs.entrypoints.openai.serving_base import (
     sse_error,
     usage_info,
 )
-from pagedrs.entrypoints.openai.serving_models import ServingModels
 from pagedrs.entrypoints.openai.tool_parsers import ParsedMessage, chat_deltas
 from pagedrs.lora_request import LoRARequest
 from pagedrs.sampling_params import SamplingParams

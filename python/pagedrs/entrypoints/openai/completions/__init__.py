@@ -1,1 +1,1 @@
-"""Completions, and beam search for both APIs."""
+"""Completions: protocol (request and response bodies), the serving class, beam search, the route."""

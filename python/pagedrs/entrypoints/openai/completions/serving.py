@@ -9,8 +9,8 @@ from starlette.requests import Request
 
 from pagedrs.engine.async_engine import RequestStream
 from pagedrs.entrypoints.openai.completions.beam_search import beam_search_outputs, whole_response_stream
+from pagedrs.entrypoints.openai.completions.protocol import CompletionRequest
 from pagedrs.entrypoints.openai.logprobs import TokenText, completion_logprobs
-from pagedrs.entrypoints.openai.protocol import CompletionRequest
 from pagedrs.entrypoints.openai.serving_base import (
     SSE_DONE,
     OpenAIServing,

@@ -290,3 +290,24 @@ class ResponseItemList(BaseModel):
     first_id: str | None = None
     last_id: str | None = None
     has_more: bool
+
+
+__all__ = [
+    "ContentPart",
+    "FunctionCallItem",
+    "FunctionCallOutputItem",
+    "FunctionChoice",
+    "FunctionTool",
+    "IncludeValue",
+    "InputItem",
+    "MessageItem",
+    "ReasoningItem",
+    "ResponseDeleted",
+    "ResponseItemList",
+    "ResponseObject",
+    "ResponsesModel",
+    "ResponsesRequest",
+    "TextConfig",
+    "TextFormat",
+    "to_chat_messages",
+]

@@ -15,7 +15,7 @@ from pagedrs.entrypoints.openai.responses.protocol import (
 )
 from pagedrs.entrypoints.openai.responses.serving import OpenAIServingResponses
 from pagedrs.entrypoints.openai.responses.store import ResponsesStore
-from pagedrs.entrypoints.openai.server.routes import ERRORS, respond, streamed
+from pagedrs.entrypoints.openai.server.routing import ERRORS, respond, streamed
 from pagedrs.entrypoints.openai.server.state import JsonBody, ServerDep
 
 router = APIRouter()

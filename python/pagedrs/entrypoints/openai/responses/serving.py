@@ -18,11 +18,12 @@ from pydantic import TypeAdapter, ValidationError
 from starlette.requests import Request
 
 from pagedrs.engine.async_engine import RequestStream
+from pagedrs.entrypoints.openai.chat.protocol import ChatCompletionRequest
 from pagedrs.entrypoints.openai.chat.serving import ChatPrepared, OpenAIServingChat
 from pagedrs.entrypoints.openai.error_mapping import to_api_error
 from pagedrs.entrypoints.openai.errors import bad_request, from_validation_error, not_found
 from pagedrs.entrypoints.openai.logprobs import TokenText, chat_logprobs
-from pagedrs.entrypoints.openai.protocol import ChatCompletionRequest, parse_request
+from pagedrs.entrypoints.openai.protocol import parse_request
 from pagedrs.entrypoints.openai.responses.items import OutputItems, StreamEvent, item_id, output_as_input
 from pagedrs.entrypoints.openai.responses.protocol import (
     FunctionCallItem,

@@ -20,21 +20,25 @@ from pagedrs.engine.async_engine import AsyncLLMEngine
 from pagedrs.entrypoints.anthropic import routes as anthropic_routes
 from pagedrs.entrypoints.anthropic.errors import error_response
 from pagedrs.entrypoints.cli_args import ServerArgs
-from pagedrs.entrypoints.openai.batches import routes as files_batches
+from pagedrs.entrypoints.openai.batches import routes as batches_routes
 from pagedrs.entrypoints.openai.batches.store import BatchStore
 from pagedrs.entrypoints.openai.batches.worker import BatchRunner
+from pagedrs.entrypoints.openai.chat import routes as chat_routes
 from pagedrs.entrypoints.openai.chat.output import OutputParsing
 from pagedrs.entrypoints.openai.chat.serving import OpenAIServingChat
+from pagedrs.entrypoints.openai.completions import routes as completions_routes
 from pagedrs.entrypoints.openai.completions.serving import OpenAIServingCompletion
+from pagedrs.entrypoints.openai.embeddings import routes as embeddings_routes
+from pagedrs.entrypoints.openai.embeddings.serving import OpenAIServingEmbedding
 from pagedrs.entrypoints.openai.errors import APIError, bad_request, internal
+from pagedrs.entrypoints.openai.models import routes as models_routes
+from pagedrs.entrypoints.openai.models.serving import ServingModels
 from pagedrs.entrypoints.openai.responses import routes as responses_routes
-from pagedrs.entrypoints.openai.server import lora_routes, routes
+from pagedrs.entrypoints.openai.server import liquid_routes, lora_routes, routes
 from pagedrs.entrypoints.openai.server.metrics import ServerMetrics
 from pagedrs.entrypoints.openai.server.middleware import ServerMiddleware
 from pagedrs.entrypoints.openai.server.openapi import PagedrsAPI
 from pagedrs.entrypoints.openai.server.state import ServerState
-from pagedrs.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
-from pagedrs.entrypoints.openai.serving_models import ServingModels
 from pagedrs.entrypoints.sglang import routes as sglang_routes
 from pagedrs.entrypoints.sglang.serving_generate import SGLangServingGenerate
 
@@ -44,11 +48,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagedrs.server")
 
-# Every router the app serves. A new endpoint family adds its router here.
+# Every router the app serves, in the order /openapi.json lists their paths. A new endpoint family adds
+# its router here.
 ROUTERS: tuple[APIRouter, ...] = (
     routes.router,
+    models_routes.router,
+    completions_routes.router,
+    chat_routes.router,
+    embeddings_routes.router,
+    liquid_routes.router,
     lora_routes.router,
-    files_batches.router,
+    batches_routes.router,
     responses_routes.router,
     sglang_routes.router,
     anthropic_routes.router,

@@ -14,7 +14,7 @@ from pydantic import Field
 from pagedrs.entrypoints.cli_args import RUNTIME_LORA_ENV
 from pagedrs.entrypoints.openai.errors import not_found
 from pagedrs.entrypoints.openai.protocol import OpenAIModel
-from pagedrs.entrypoints.openai.server.routes import ERRORS
+from pagedrs.entrypoints.openai.server.routing import ERRORS
 from pagedrs.entrypoints.openai.server.state import JsonBody, ServerDep
 
 router = APIRouter()

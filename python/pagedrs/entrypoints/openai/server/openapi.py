@@ -14,7 +14,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from pagedrs.entrypoints.openai.responses.bodies import ErrorResponse
+from pagedrs.entrypoints.openai.protocol import ErrorResponse
 
 _REF = "#/components/schemas/{model}"
 _BAD_REQUEST = {

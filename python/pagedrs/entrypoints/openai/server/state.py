@@ -20,10 +20,10 @@ from pagedrs.entrypoints.openai.batches.store import BatchStore
 from pagedrs.entrypoints.openai.batches.worker import BatchRunner
 from pagedrs.entrypoints.openai.chat.serving import OpenAIServingChat
 from pagedrs.entrypoints.openai.completions.serving import OpenAIServingCompletion
+from pagedrs.entrypoints.openai.embeddings.serving import OpenAIServingEmbedding
+from pagedrs.entrypoints.openai.models.serving import ServingModels
 from pagedrs.entrypoints.openai.protocol import parse_body
 from pagedrs.entrypoints.openai.server.metrics import ServerMetrics
-from pagedrs.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
-from pagedrs.entrypoints.openai.serving_models import ServingModels
 from pagedrs.entrypoints.sglang.serving_generate import SGLangServingGenerate
 
 logger = logging.getLogger("pagedrs.server")

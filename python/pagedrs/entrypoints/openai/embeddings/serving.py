@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 from fastapi import Request
 
+from pagedrs.entrypoints.openai.embeddings.protocol import EmbeddingRequest
 from pagedrs.entrypoints.openai.error_mapping import to_api_error
-from pagedrs.entrypoints.openai.protocol import EmbeddingRequest
 from pagedrs.entrypoints.openai.serving_base import OpenAIServing, random_id
 from pagedrs.pooling_params import PoolingParams
 

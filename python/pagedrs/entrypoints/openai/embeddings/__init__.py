@@ -1,0 +1,1 @@
+"""Embeddings: protocol (request and response bodies), the serving class, the route."""
