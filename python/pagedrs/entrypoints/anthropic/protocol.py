@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pagedrs.entrypoints.openai.errors import bad_request
 from pagedrs.entrypoints.openai.chat.protocol import ChatCompletionRequest
+from pagedrs.entrypoints.openai.errors import bad_request
 from pagedrs.entrypoints.openai.protocol import parse_request
 
 
