@@ -264,7 +264,7 @@ class ServerMetrics:
         stats: every engine-level series (the engine's gauges and counters, the request histograms and
         counters, the step histograms) then carries vLLM's ``engine`` label, the replica's index, and
         the requests routed to each replica are counted.
-        Long because it declares every metric, one per statement, with vLLM's names."""
+        Every metric is declared here, one per statement, with vLLM's names."""
         self.core_histograms = core_histograms
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
@@ -273,26 +273,16 @@ class ServerMetrics:
         # serves them without it, and vLLM's names add engine="0" (`vllm_twins`).
         self.num_engines = len(get_replica_stats()) if get_replica_stats is not None else 0
         labels = ["model_name", "engine"] if self.num_engines else ["model_name"]
-        self.ttft = Histogram(
-            "pagedrs:time_to_first_token_seconds",
-            "Time to first token.",
-            labels,
-            buckets=_TTFT_BUCKETS,
-            registry=self.registry,
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+
+        self.ttft = histogram("pagedrs:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self.itl = histogram(
+            "pagedrs:inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS
         )
-        self.itl = Histogram(
-            "pagedrs:inter_token_latency_seconds",
-            "Time between output tokens.",
-            labels,
-            buckets=_ITL_BUCKETS,
-            registry=self.registry,
-        )
-        self.e2e = Histogram(
-            "pagedrs:e2e_request_latency_seconds",
-            "End-to-end request latency.",
-            labels,
-            buckets=_E2E_BUCKETS,
-            registry=self.registry,
+        self.e2e = histogram(
+            "pagedrs:e2e_request_latency_seconds", "End-to-end request latency.", _E2E_BUCKETS
         )
         self.finished = Counter(
             "pagedrs:request_success",
@@ -306,33 +296,25 @@ class ServerMetrics:
             ["method", "route", "status"],
             registry=self.registry,
         )
-        self.engine_step = Histogram(
+        self.engine_step = histogram(
             "pagedrs:engine_step_seconds",
             "Engine core wall time per step (schedule + execute + update).",
-            labels,
-            buckets=_STEP_BUCKETS,
-            registry=self.registry,
+            _STEP_BUCKETS,
         )
-        self.output_send = Histogram(
+        self.output_send = histogram(
             "pagedrs:output_send_seconds",
             "Engine core time to encode and send one step's output message.",
-            labels,
-            buckets=_STEP_BUCKETS,
-            registry=self.registry,
+            _STEP_BUCKETS,
         )
-        self.frontend_step = Histogram(
+        self.frontend_step = histogram(
             "pagedrs:frontend_step_seconds",
             "API server time to process one step message (detokenize, stop strings, fan-out).",
-            labels,
-            buckets=_STEP_BUCKETS,
-            registry=self.registry,
+            _STEP_BUCKETS,
         )
-        self.step_batch = Histogram(
+        self.step_batch = histogram(
             "pagedrs:step_batch_size",
             "Sequences that sampled a token in a step.",
-            labels,
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
-            registry=self.registry,
+            (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
         )
         # A counter in every API server process (summed at scrape time), unlike the router's own count.
         self.routed = (
