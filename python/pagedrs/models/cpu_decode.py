@@ -251,11 +251,11 @@ class CpuDecodeStep:
             return None
         t = int(input_ids.shape[0])
         full = _kv_tables(meta, t)
-        # the sliding-window layers' own KV pool (`runner.kv_groups`), where the runner gives them one
-        window = None if meta.window is None else _kv_tables(meta.window, t)
-        if t == 0 or full is None or (meta.window is not None and window is None):
+        # the sliding-window layers' own KV pools (`runner.kv_groups`), where the runner gives them some
+        found = {w: _kv_tables(g, t) for w, g in meta.groups.items()}
+        groups = {w: g for w, g in found.items() if g is not None}
+        if t == 0 or full is None or len(groups) != len(found):
             return None
-        group_window = None if meta.window is None else meta.window.group_window
         caches = [c.numpy() for c in ctx.kv_caches]
         if any(c.dtype != np.float32 or not c.flags.c_contiguous for c in caches):
             return None
@@ -272,7 +272,7 @@ class CpuDecodeStep:
                 _core.cpu_rms_norm(residual, w.input_norm, w.eps, hidden)
             else:
                 _core.cpu_fused_add_rms_norm(hidden, residual, w.input_norm, w.eps)
-            kv = window if window is not None and w.sliding_window == group_window else full
+            kv = groups.get(w.sliding_window, full) if w.sliding_window is not None else full
             hidden = self._attention(w, hidden, pos, caches[w.layer_idx], kv)
             _core.cpu_fused_add_rms_norm(hidden, residual, w.post_norm, w.eps)
             if w.moe is not None:

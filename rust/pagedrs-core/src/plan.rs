@@ -49,6 +49,16 @@ pub struct StepPlan {
     pub copies: Vec<i64>,
     pub block_moves: Vec<i64>,
     pub preempted: Vec<i64>,
+    /// Every KV-cache group's slot mapping, `[G, T]` flattened (group order: `Scheduler::kv_groups`).
+    pub group_slot_mapping: Vec<i64>,
+    /// Every KV-cache group's block tables, `[G, B, max_blocks]` flattened, padded with 0 (as are
+    /// entries a group no longer holds: the kernels mask them).
+    pub group_block_tables: Vec<i32>,
+    /// Copy-on-write pairs (src, dst) to apply to each group's blocks before the forward, flattened
+    /// over groups in order; group `g` has `group_num_copies[g]` pairs.
+    pub group_copies: Vec<i64>,
+    /// `[G]`: copy-on-write pairs of each group (its length is the number of groups).
+    pub group_num_copies: Vec<i32>,
     /// Pool size after this plan.
     pub num_blocks: usize,
     pub num_prefill_tokens: usize,
@@ -59,6 +69,11 @@ pub struct StepPlan {
 impl StepPlan {
     pub fn num_reqs(&self) -> usize {
         self.req_ids.len()
+    }
+
+    /// KV-cache groups whose tables this plan carries.
+    pub fn num_groups(&self) -> usize {
+        self.group_num_copies.len()
     }
 }
 
@@ -143,6 +158,10 @@ impl Scheduler {
             copies: ops.copies,
             block_moves: std::mem::take(&mut self.pending_moves),
             preempted: ops.preempted,
+            group_slot_mapping: Vec::new(),
+            group_block_tables: Vec::new(),
+            group_copies: Vec::new(),
+            group_num_copies: Vec::new(),
             num_blocks: self.pool.num_blocks(),
             num_prefill_tokens: 0,
             num_decode_tokens: 0,
@@ -152,10 +171,14 @@ impl Scheduler {
         self.samples.clear();
         p.query_start_loc.push(0);
         let mut start = 0usize;
+        let mut group_rows = Vec::with_capacity(if self.kv.is_empty() { 0 } else { b });
         for &(slot, n) in sched {
             let seq = &mut self.seqs[slot as usize];
             let nc = seq.num_computed;
             let end = nc + n;
+            if !self.kv.is_empty() {
+                group_rows.push((slot, nc, end));
+            }
             let d = seq.drafts.len();
             let completes = end - d == seq.num_tokens();
             p.req_ids.push(seq.seq_id);
@@ -211,6 +234,7 @@ impl Scheduler {
             }
             start += n;
         }
+        self.kv.finish_plan(&group_rows, &mut p);
         // Forked children got their rows above: they are written now, with everything else that
         // changed since the last plan.
         self.tables.flush(&self.seqs, &mut p.changed_rows);
@@ -265,7 +289,7 @@ impl Scheduler {
             for &b in &kid.block_table {
                 self.pool.incref(crate::BlockId(b));
             }
-            self.window_fork(slot, c);
+            self.kv.fork(slot, c);
             self.ids.insert(
                 id,
                 crate::scheduler::SeqRef {

@@ -81,8 +81,8 @@ pub struct Scheduler {
     pub(crate) sched: Vec<(u32, usize)>,
     pub(crate) hit_scratch: Vec<u32>,
     pub(crate) cache_scratch: Vec<crate::block_pool::CacheItem>,
-    /// The sliding-window layers' KV-cache group, when the model has one (`kv_groups`).
-    pub(crate) window: Option<crate::kv_groups::WindowGroup>,
+    /// The KV-cache groups beside the primary pool (`kv_groups`): other kinds of layer state.
+    pub(crate) kv: crate::kv_groups::KvGroups,
 }
 
 impl Scheduler {
@@ -119,7 +119,7 @@ impl Scheduler {
             sched: Vec::new(),
             hit_scratch: Vec::new(),
             cache_scratch: Vec::new(),
-            window: None,
+            kv: Default::default(),
         })
     }
 
@@ -302,7 +302,7 @@ impl Scheduler {
 
     /// Frees the blocks of `slot`, forgets its id and recycles the slot. Queues are the caller's.
     pub(crate) fn release_slot(&mut self, slot: u32) {
-        self.window_free(slot);
+        self.kv.free(slot);
         let seq = &mut self.seqs[slot as usize];
         if let Some(row) = seq.row.take() {
             self.tables.release(row);
@@ -483,14 +483,10 @@ impl Scheduler {
 
     /// Drops every prefix-cache entry; false (nothing done) while blocks are in use.
     pub fn reset_prefix_cache(&mut self) -> bool {
-        let window_idle = self.window.as_ref().is_none_or(|w| w.pool.num_used() == 0);
-        if !window_idle || !self.pool.reset_prefix_cache() {
+        if !self.kv.is_idle() || !self.pool.reset_prefix_cache() {
             return false;
         }
-        if let Some(w) = self.window.as_mut() {
-            w.pool.reset_prefix_cache();
-        }
-        true
+        self.kv.reset_prefix_cache()
     }
 
     pub fn stats(&self) -> Stats {
