@@ -168,8 +168,11 @@ def plan_window_pools(runner: Any, num_blocks: int, num_swap: int) -> tuple[int,
     group_bytes = [per_block * len(g.layers) // num_layers for g in groups]
     step = cfg.scheduler.max_num_batched_tokens + (spec.num_speculative_tokens if spec is not None else 0)
     lives = [max_live_blocks(g.window, runner.block_size, step) for g in groups]
-    full_bytes = per_block - sum(group_bytes)
-    explicit = cfg.cache.num_kv_blocks is not None
+    all_windowed = sum(len(g.layers) for g in groups) == num_layers
+    full_bytes = 0 if all_windowed else per_block - sum(group_bytes)
+    # An explicit num_kv_blocks fixes the full-attention pool; with no full-attention layer it is the
+    # budget in blocks of every layer, as the default's.
+    explicit = cfg.cache.num_kv_blocks is not None and full_bytes > 0
     full, sizes = split_pools(
         float("inf") if explicit else num_blocks * per_block,
         full_block_bytes=full_bytes,
@@ -177,7 +180,7 @@ def plan_window_pools(runner: Any, num_blocks: int, num_swap: int) -> tuple[int,
         blocks_per_seq=runner.max_blocks_per_seq,
         num_full_blocks=num_blocks if explicit else None,
     )
-    if sum(len(g.layers) for g in groups) == num_layers:
+    if full_bytes == 0:
         full = cfg.scheduler.max_num_seqs * runner.max_blocks_per_seq
     return full, tuple(replace(g, num_blocks=n) for g, n in zip(groups, sizes, strict=True))
 
