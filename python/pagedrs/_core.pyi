@@ -196,7 +196,12 @@ class SchedulerStats:
     @property
     def num_free_blocks(self) -> int: ...
     @property
-    def kv_usage(self) -> float: ...
+    def kv_usage(self) -> float:
+        """The fullest pool's usage (0..1): the full-attention pool's, or a KV-cache group's when one is
+        fuller (the pool that limits admission)."""
+    @property
+    def group_kv_usage(self) -> list[float]:
+        """Each KV-cache group's pool usage (0..1), in group order."""
     @property
     def num_swap_blocks(self) -> int: ...
     @property

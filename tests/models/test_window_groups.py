@@ -5,11 +5,13 @@ stay HF transformers' own with chunked prefill, a prefix hit across the window a
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 
-from pagedrs.runner.kv_groups import max_live_blocks
+from pagedrs.executor.startup_log import kv_pools_line
+from pagedrs.runner.kv_groups import WindowGroup, max_live_blocks
 from tests.engine.conftest import greedy, make_engine, random_prompts
 from tests.helpers import make_tiny_llama
 from tests.models.helpers_families import hf_reference
@@ -37,7 +39,8 @@ def _engine(folder: Path):
 
 
 def _run(engine, used: list[int]) -> dict[str, list[int]]:
-    """Steps to the end; the window pool's blocks in use after each step are appended to `used`."""
+    """Steps to the end; the window pool's blocks in use after each step are appended to `used`. The stats'
+    usage covers the window pool: its own, and the fullest pool's."""
     final = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -45,12 +48,18 @@ def _run(engine, used: list[int]) -> dict[str, list[int]]:
                 final[out.request_id] = list(out.outputs[0].token_ids)
         ((_, _, n, free),) = engine.scheduler.kv_group_pools()
         used.append(n - free)
+        stats = engine.scheduler.stats()
+        assert stats.group_kv_usage == [pytest.approx((n - free) / n)]
+        assert stats.kv_usage == pytest.approx(max(stats.group_kv_usage))  # the full pool: bookkeeping
     return final
 
 
-def test_an_all_windowed_model_keeps_only_the_window_blocks(mistral: Path) -> None:
+def test_an_all_windowed_model_keeps_only_the_window_blocks(
+    mistral: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     ref = hf_reference(mistral)
-    engine = _engine(mistral)
+    with caplog.at_level(logging.INFO, logger="pagedrs"):
+        engine = _engine(mistral)
     runner = engine.engine_core.executor.runner
     assert [(g.window, len(g.layers)) for g in runner.kv_groups] == [(WINDOW, int(runner.model.num_layers))]
     ((name, window, num_window_blocks, _),) = engine.scheduler.kv_group_pools()
@@ -58,6 +67,12 @@ def test_an_all_windowed_model_keeps_only_the_window_blocks(mistral: Path) -> No
     # No layer stores KV in the full-attention pool: its size is bookkeeping, never a limit.
     assert all(int(kv.shape[1]) == NUM_KV_BLOCKS for kv in runner.kv_pool.kv_caches)
     live = max_live_blocks(WINDOW, BLOCK, STEP)
+    layers = int(runner.model.num_layers)
+    assert (
+        f"KV cache pools: full attention: no layer (its pool is bookkeeping only); window {WINDOW} "
+        f"{NUM_KV_BLOCKS} blocks ({layers} layers); maximum concurrency for 1,024 tokens per request over "
+        f"every pool: {NUM_KV_BLOCKS / live:.2f}x"
+    ) in caplog.text
     # One prompt generating far past the window: 25 blocks of context, never more than the live blocks.
     used: list[int] = []
     prompt = random_prompts([40], seed=3)[0]
@@ -85,3 +100,15 @@ def test_an_all_windowed_model_keeps_only_the_window_blocks(mistral: Path) -> No
     ((_, _, n, free),) = engine.scheduler.kv_group_pools()
     assert free == n and stats.num_free_blocks == stats.num_blocks
     engine.scheduler.check_invariants()
+
+
+def test_the_pools_line_names_every_pool_and_the_least_concurrency() -> None:
+    groups = [WindowGroup(8, (0, 1), 17), WindowGroup(32, (3,), 30)]
+    line = kv_pools_line(40, groups, num_layers=4, block_size=4, max_model_len=64, step=8)
+    # per request: 16 full blocks; window 8: 5 live blocks; window 32: 11 live blocks
+    assert line == (
+        "KV cache pools: full attention 40 blocks (1 layers); window 8 17 blocks (2 layers); window 32 30 "
+        "blocks (1 layers); maximum concurrency for 64 tokens per request over every pool: 2.50x"
+    )
+    assert kv_pools_line(40, groups[:1], 4, 4, 64, 8).endswith("2.50x")
+    assert kv_pools_line(90, groups[1:], 4, 4, 64, 8).endswith(f"{30 / 11:.2f}x")

@@ -27,6 +27,7 @@ from pagedrs._core import StepPlan
 from pagedrs.distributed.group import TPGroup
 from pagedrs.executor.rank import agree_kv_blocks
 from pagedrs.executor.rank_processes import RankFailure, RankProcesses
+from pagedrs.executor.startup_log import kv_pools_line
 from pagedrs.executor.step_packet import lora_header, pack_step, shutdown_header
 from pagedrs.layers.sampler import SamplingRow
 from pagedrs.lora.manager import LoRAManager
@@ -80,6 +81,22 @@ class UniProcExecutor:
     def init_kv_cache(self) -> KVCacheSpec:
         """Size and allocate the KV pool (and on CUDA capture the decode graphs)."""
         pool = self._init_pool()
+        if self.runner.kv_groups:
+            cfg = self.runner.config
+            spec = cfg.speculative
+            step = cfg.scheduler.max_num_batched_tokens + (
+                spec.num_speculative_tokens if spec is not None else 0
+            )
+            logger.info(
+                kv_pools_line(
+                    pool.num_blocks,
+                    self.runner.kv_groups,
+                    pool.num_layers,
+                    self.runner.block_size,
+                    cfg.scheduler.max_model_len,
+                    step,
+                )
+            )
         return KVCacheSpec(
             pool.num_blocks, pool.num_swap_blocks, pool.dtype, pool.bytes_per_block, self.runner.kv_groups
         )

@@ -26,7 +26,11 @@ pub struct Stats {
     pub num_swapped: usize,
     pub num_blocks: usize,
     pub num_free_blocks: usize,
+    /// The fullest pool's usage (0..1): the full-attention pool's, or a KV-cache group's when one is
+    /// fuller (the pool that limits admission).
     pub kv_usage: f64,
+    /// Each KV-cache group's pool usage, in group order.
+    pub group_kv_usage: Vec<f64>,
     pub num_swap_blocks: usize,
     pub num_free_swap_blocks: usize,
     pub prefix_cache_queries: u64,
@@ -490,6 +494,7 @@ impl Scheduler {
     }
 
     pub fn stats(&self) -> Stats {
+        let group_usage: Vec<f64> = self.kv.stats().iter().map(|g| g.kv_usage).collect();
         let width = |set: &BTreeSet<(SeqKey, u32)>| -> usize {
             set.iter()
                 .map(|&(_, s)| self.seqs[s as usize].width())
@@ -501,7 +506,8 @@ impl Scheduler {
             num_swapped: width(&self.swapped),
             num_blocks: self.pool.num_blocks(),
             num_free_blocks: self.pool.num_free(),
-            kv_usage: self.pool.usage(),
+            kv_usage: group_usage.iter().fold(self.pool.usage(), |a, &b| a.max(b)),
+            group_kv_usage: group_usage,
             num_swap_blocks: self.swap.num_blocks(),
             num_free_swap_blocks: self.swap.num_free(),
             prefix_cache_queries: self.prefix_queries,

@@ -39,6 +39,9 @@ fn drain(s: &mut Scheduler) -> usize {
         let p = s.schedule().unwrap();
         s.check_invariants().unwrap();
         most = most.max(window_used(s));
+        let (st, g) = (s.stats(), s.kv_group_stats()[0].clone());
+        assert_eq!(st.group_kv_usage, vec![g.kv_usage]);
+        assert_eq!(st.kv_usage, g.kv_usage.max(s.pool().usage()));
         let sampled: Vec<i64> = (0..p.sampled_seq_ids.len() as i64)
             .map(|i| 1 + (step * 7 + i) % 50)
             .collect();
