@@ -146,7 +146,8 @@ def plan_window_pools(runner: Any, num_blocks: int, num_swap: int) -> tuple[int,
     """The full-attention pool's blocks and the window groups of `runner`'s model, out of the budget of
     `num_blocks` blocks over all layers. No group (every layer keeps all its blocks, as before) for a model
     without a window shorter than the context, and where groups are not supported: swap space, a liquid
-    device range, a drafter that runs sub-steps of its own (speculation other than n-gram). With every layer
+    device range, a drafter that runs sub-steps of its own (speculation other than n-gram), and a budget too
+    small for the pools' minimum (one sequence's live window blocks at the largest step). With every layer
     windowed the full-attention pool stores nothing; it is sized so that it never limits admission."""
     cfg = runner.config
     groups = window_groups_for(layer_windows(runner.model), cfg.scheduler.max_model_len)
@@ -180,6 +181,15 @@ def plan_window_pools(runner: Any, num_blocks: int, num_swap: int) -> tuple[int,
         blocks_per_seq=runner.max_blocks_per_seq,
         num_full_blocks=num_blocks if explicit else None,
     )
+    used = full * full_bytes + sum(n * b for n, b in zip(sizes, group_bytes, strict=True))
+    if full < 1 or used > num_blocks * per_block:
+        logger.info(
+            "sliding-window layers keep all their blocks: %d blocks of KV cannot hold their own pools "
+            "(at least one sequence's live window blocks each, %s)",
+            num_blocks,
+            ", ".join(f"window {g.window}: {n}" for g, n in zip(groups, lives, strict=True)),
+        )
+        return num_blocks, ()
     if full_bytes == 0:
         full = cfg.scheduler.max_num_seqs * runner.max_blocks_per_seq
     return full, tuple(replace(g, num_blocks=n) for g, n in zip(groups, sizes, strict=True))

@@ -135,38 +135,7 @@ impl Scheduler {
             .max()
             .unwrap_or(0);
 
-        let mut p = StepPlan {
-            step_id: self.step,
-            req_ids: Vec::with_capacity(b),
-            num_scheduled_tokens: Vec::with_capacity(b),
-            num_computed_tokens: Vec::with_capacity(b),
-            num_prompt_tokens: Vec::with_capacity(b),
-            seq_lens: Vec::with_capacity(b),
-            query_start_loc: Vec::with_capacity(b + 1),
-            input_ids: Vec::with_capacity(t),
-            positions: Vec::with_capacity(t),
-            slot_mapping: Vec::with_capacity(t),
-            block_table_rows: Vec::with_capacity(b),
-            changed_rows: Vec::new(),
-            max_blocks,
-            logits_indices: Vec::with_capacity(b),
-            sampled_seq_ids: Vec::with_capacity(b),
-            num_draft_tokens: Vec::with_capacity(b),
-            draft_token_ids: Vec::new(),
-            swap_out: ops.swap_out,
-            swap_in: ops.swap_in,
-            copies: ops.copies,
-            block_moves: std::mem::take(&mut self.pending_moves),
-            preempted: ops.preempted,
-            group_slot_mapping: Vec::new(),
-            group_block_tables: Vec::new(),
-            group_copies: Vec::new(),
-            group_num_copies: Vec::new(),
-            num_blocks: self.pool.num_blocks(),
-            num_prefill_tokens: 0,
-            num_decode_tokens: 0,
-            num_tokens: t,
-        };
+        let mut p = self.new_plan(b, t, max_blocks, ops);
         self.rows.clear();
         self.samples.clear();
         p.query_start_loc.push(0);
@@ -249,6 +218,42 @@ impl Scheduler {
             self.pending = Some(p.step_id);
         }
         p
+    }
+
+    /// A plan of `b` rows and `t` tokens with the step's block operations, its arrays still empty.
+    fn new_plan(&mut self, b: usize, t: usize, max_blocks: usize, ops: PlanOps) -> StepPlan {
+        StepPlan {
+            step_id: self.step,
+            req_ids: Vec::with_capacity(b),
+            num_scheduled_tokens: Vec::with_capacity(b),
+            num_computed_tokens: Vec::with_capacity(b),
+            num_prompt_tokens: Vec::with_capacity(b),
+            seq_lens: Vec::with_capacity(b),
+            query_start_loc: Vec::with_capacity(b + 1),
+            input_ids: Vec::with_capacity(t),
+            positions: Vec::with_capacity(t),
+            slot_mapping: Vec::with_capacity(t),
+            block_table_rows: Vec::with_capacity(b),
+            changed_rows: Vec::new(),
+            max_blocks,
+            logits_indices: Vec::with_capacity(b),
+            sampled_seq_ids: Vec::with_capacity(b),
+            num_draft_tokens: Vec::with_capacity(b),
+            draft_token_ids: Vec::new(),
+            swap_out: ops.swap_out,
+            swap_in: ops.swap_in,
+            copies: ops.copies,
+            block_moves: std::mem::take(&mut self.pending_moves),
+            preempted: ops.preempted,
+            group_slot_mapping: Vec::new(),
+            group_block_tables: Vec::new(),
+            group_copies: Vec::new(),
+            group_num_copies: Vec::new(),
+            num_blocks: self.pool.num_blocks(),
+            num_prefill_tokens: 0,
+            num_decode_tokens: 0,
+            num_tokens: t,
+        }
     }
 
     /// Children of `slot` become running sequences sharing every block; each gets a logits row

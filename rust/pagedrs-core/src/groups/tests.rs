@@ -39,9 +39,13 @@ fn drain(s: &mut Scheduler) -> usize {
         let p = s.schedule().unwrap();
         s.check_invariants().unwrap();
         most = most.max(window_used(s));
-        let (st, g) = (s.stats(), s.kv_group_stats()[0].clone());
-        assert_eq!(st.group_kv_usage, vec![g.kv_usage]);
-        assert_eq!(st.kv_usage, g.kv_usage.max(s.pool().usage()));
+        let st = s.stats();
+        let usage: Vec<f64> = s.kv_group_stats().iter().map(|g| g.kv_usage).collect();
+        assert_eq!(st.group_kv_usage, usage);
+        assert_eq!(
+            st.kv_usage,
+            usage.iter().fold(s.pool().usage(), |a, &b| a.max(b))
+        );
         let sampled: Vec<i64> = (0..p.sampled_seq_ids.len() as i64)
             .map(|i| 1 + (step * 7 + i) % 50)
             .collect();
@@ -141,6 +145,10 @@ fn random_workloads_keep_every_group_consistent() {
     for round in 0..30 {
         let window_blocks = 8 + next(16) as usize;
         let mut s = sched(24 + next(40) as usize, window_blocks, 4 + next(12) as usize);
+        if round % 2 == 1 {
+            // A second window size: one group each, the hit the longest both serve.
+            s.add_window_group(16, window_blocks + 8).unwrap();
+        }
         let mut id = 0;
         for _ in 0..60 {
             if next(3) == 0 && s.num_unfinished() < 8 {
@@ -178,7 +186,9 @@ fn random_workloads_keep_every_group_consistent() {
         preempted += st.num_preemptions;
         hits += st.prefix_cache_hits;
         assert_eq!(st.num_free_blocks, st.num_blocks, "round {round}");
-        assert_eq!(s.kv_group_stats()[0].num_free_blocks, window_blocks);
+        for g in s.kv_group_stats() {
+            assert_eq!(g.num_free_blocks, g.num_blocks, "round {round}: {}", g.name);
+        }
     }
     assert!(
         preempted > 0 && hits > 0 && copies > 0,
