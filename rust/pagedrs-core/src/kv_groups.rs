@@ -12,7 +12,7 @@
 //! |----------------------------------------|-------------------------------------------|
 //! | admission with a prefix hit            | `cap_hit`, `fits_admit`, `admit`          |
 //! | growth before a step                   | `fits`, `grow` (else the scheduler preempts) |
-//! | the plan                               | `plan_row` per batch row, `finish_plan`   |
+//! | the plan                               | `plan_tables` (each group's `plan_row`s)  |
 //! | `update()`                             | `cache` newly full blocks, `release` at the committed position |
 //! | speculative rollback                   | `truncate`                                |
 //! | finish, abort, preemption              | `free`                                    |
@@ -36,7 +36,6 @@
 //!   reads the owning group's tables).
 
 use crate::block_pool::{BlockPool, CacheItem};
-use crate::plan::StepPlan;
 use crate::request::Seq;
 
 /// One kind of layer state: its pool, its per-sequence tables (indexed by sequence slot) and its
@@ -98,6 +97,19 @@ pub trait KvGroup: std::fmt::Debug + Send {
     }
     /// The group's invariants against the scheduler's sequences (indexed by slot).
     fn check(&self, seqs: &[Seq]) -> Result<(), String>;
+}
+
+/// Every group's arrays of one step plan (the plan's `group_*` fields).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct GroupTables {
+    /// `[G, T]` flattened.
+    pub slot_mapping: Vec<i64>,
+    /// `[G, B, max_blocks]` flattened, padded with 0.
+    pub block_tables: Vec<i32>,
+    /// Copy-on-write pairs, flattened over groups in order.
+    pub copies: Vec<i64>,
+    /// `[G]`: pairs of each group.
+    pub num_copies: Vec<i32>,
 }
 
 /// Usage of one group's pool, as `Scheduler::kv_group_stats` reports it.
@@ -240,34 +252,30 @@ impl KvGroups {
         }
     }
 
-    /// Starts a plan's group arrays: one copy-on-write count per group, nothing else yet.
-    pub fn start_plan(&self, p: &mut StepPlan) {
-        p.group_num_copies = vec![0; self.groups.len()];
-        p.group_slot_mapping.clear();
-        p.group_block_tables.clear();
-        p.group_copies.clear();
-    }
-
-    /// Writes every group's tables and slot mapping of a plan whose batch rows are `rows`
-    /// (slot, first position, end position), each group's `[T]` slots then `[B, max_blocks]`
-    /// tables, and hands over each group's copy-on-write pairs.
-    pub fn finish_plan(&mut self, rows: &[(u32, usize, usize)], p: &mut StepPlan) {
-        self.start_plan(p);
-        for (i, g) in self.groups.iter_mut().enumerate() {
+    /// Every group's tables and slot mapping of a plan whose batch rows are `rows` (slot, first
+    /// position, end position), each group's `[T]` slots then `[B, max_blocks]` tables, and each
+    /// group's copy-on-write pairs (handed over once).
+    pub fn plan_tables(&mut self, rows: &[(u32, usize, usize)], max_blocks: usize) -> GroupTables {
+        let mut out = GroupTables {
+            num_copies: Vec::with_capacity(self.groups.len()),
+            ..Default::default()
+        };
+        for g in &mut self.groups {
             for &(slot, start, end) in rows {
                 g.plan_row(
                     slot,
                     start,
                     end,
-                    p.max_blocks,
-                    &mut p.group_slot_mapping,
-                    &mut p.group_block_tables,
+                    max_blocks,
+                    &mut out.slot_mapping,
+                    &mut out.block_tables,
                 );
             }
             let copies = g.take_copies();
-            p.group_num_copies[i] = (copies.len() / 2) as i32;
-            p.group_copies.extend(copies);
+            out.num_copies.push((copies.len() / 2) as i32);
+            out.copies.extend(copies);
         }
+        out
     }
 
     /// Whether no group holds anything in use.

@@ -203,7 +203,9 @@ impl Scheduler {
             }
             start += n;
         }
-        self.kv.finish_plan(&group_rows, &mut p);
+        let g = self.kv.plan_tables(&group_rows, max_blocks);
+        (p.group_slot_mapping, p.group_block_tables) = (g.slot_mapping, g.block_tables);
+        (p.group_copies, p.group_num_copies) = (g.copies, g.num_copies);
         // Forked children got their rows above: they are written now, with everything else that
         // changed since the last plan.
         self.tables.flush(&self.seqs, &mut p.changed_rows);
