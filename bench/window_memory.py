@@ -18,7 +18,7 @@ import math
 import torch
 
 from pagedrs.runner.kv_cache import block_bytes
-from pagedrs.runner.kv_groups import max_live_blocks, split_pool, window_group_for
+from pagedrs.runner.kv_groups import max_live_blocks, split_pool, window_groups_for
 
 
 def figures(
@@ -35,8 +35,7 @@ def figures(
     budget_bytes: float,
 ) -> dict[str, float]:
     windows: list[int | None] = [None if (i + 1) % global_every == 0 else window for i in range(num_layers)]
-    group = window_group_for(windows, request_len)
-    assert group is not None
+    (group,) = window_groups_for(windows, request_len)
     per_layer = block_bytes(1, block_size, num_kv_heads, head_size, dtype)
     blocks_per_seq = math.ceil(request_len / block_size)
     # before: one pool, every layer's block of every position

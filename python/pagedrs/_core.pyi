@@ -196,7 +196,12 @@ class SchedulerStats:
     @property
     def num_free_blocks(self) -> int: ...
     @property
-    def kv_usage(self) -> float: ...
+    def kv_usage(self) -> float:
+        """The fullest pool's usage (0..1): the full-attention pool's, or a KV-cache group's when one is
+        fuller (the pool that limits admission)."""
+    @property
+    def group_kv_usage(self) -> list[float]:
+        """Each KV-cache group's pool usage (0..1), in group order."""
     @property
     def num_swap_blocks(self) -> int: ...
     @property
@@ -275,6 +280,23 @@ class StepPlan:
         when the runner's drafter proposes; the runner writes the real drafts into its inputs)."""
     @property
     def has_drafts(self) -> bool: ...
+    @property
+    def num_groups(self) -> int:
+        """KV-cache groups beside the full-attention pool whose tables this plan carries."""
+    @property
+    def group_slot_mapping(self) -> npt.NDArray[np.int64]:
+        """int64 [G, T]: each KV-cache group's slot of every token."""
+    @property
+    def group_block_tables(self) -> npt.NDArray[np.int32]:
+        """int32 [G, B, max_blocks]: each KV-cache group's block tables, padded with 0 (as are entries a
+        group no longer holds: the kernels mask them by the window)."""
+    @property
+    def group_copies(self) -> npt.NDArray[np.int64]:
+        """int64 [k, 2]: copy-on-write pairs (src, dst) to apply to each group's blocks before the forward,
+        in group order (`group_num_copies` per group)."""
+    @property
+    def group_num_copies(self) -> npt.NDArray[np.int32]:
+        """int32 [G]: the pairs of each group in `group_copies`."""
     @property
     def swap_out(self) -> npt.NDArray[np.int64]: ...
     @property
@@ -413,21 +435,15 @@ class Scheduler:
         """Steps left in the governor's current pause of speculation (0: not paused)."""
     def abort(self, seq_ids: Sequence[int]) -> None: ...
     def resize(self, num_blocks: int) -> None: ...
-    def enable_window_group(self, window: int, num_blocks: int) -> None:
+    def add_window_group(self, window: int, num_blocks: int) -> int:
         """Adds the KV-cache group of the layers attending to the last `window` tokens, with its own pool of
-        `num_blocks` blocks (before any request; no swap space, resize or n > 1 with it)."""
-    def window_pool(self) -> tuple[int, int, int] | None:
-        """(window, num_blocks, num_free_blocks) of the window group, None without one."""
-    def window_tables(
-        self,
-        step_id: int,
-        req_ids: npt.ArrayLike,
-        query_start_loc: npt.ArrayLike,
-        positions: npt.ArrayLike,
-        max_blocks: int,
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32], npt.NDArray[np.int64]]:
-        """The window group's slot mapping [T] and padded block tables [B, max_blocks] of a plan (dead
-        entries 0), until the next `schedule()`, and its copy-on-write pairs (src, dst flattened), once."""
+        `num_blocks` blocks (before any request, without swap space); returns its index in the plan's group
+        arrays."""
+    def kv_group_pools(self) -> list[tuple[str, int | None, int, int]]:
+        """Per KV-cache group beside the full-attention pool, in group order: (name, window or None,
+        num_blocks, num_free_blocks)."""
+    def group_blocks_of(self, group: int, seq_id: int) -> list[int]:
+        """Group `group`'s block ids for a live seq id (-1 where it holds nothing any more)."""
     def reset_prefix_cache(self) -> bool: ...
     def has_unfinished(self) -> bool: ...
     def num_unfinished(self) -> int: ...

@@ -56,6 +56,11 @@ PROMPTS = [
 ]
 
 
+# Models whose every layer is windowed keep only the window's blocks (a window KV-cache group): a smaller
+# budget forces the preemption there.
+ENGINE_FOR: dict[str, dict[str, Any]] = {"mistral-window": {"num_kv_blocks": 10}}
+
+
 def tp_engine(folder: Path, tp: int, **kw: Any) -> LLMEngine:
     """An engine over `folder` with `tp` ranks and the ENGINE settings (`kw` overrides them)."""
     return LLMEngine.from_engine_args(

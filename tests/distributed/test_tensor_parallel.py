@@ -20,6 +20,7 @@ from pagedrs.executor import ExecutorDeadError, TPExecutor
 from pagedrs.executor.rank_processes import rank_devices
 from tests.distributed.helpers_tp import (
     ENGINE,
+    ENGINE_FOR,
     MODELS,
     check_forced,
     run_workload,
@@ -31,17 +32,20 @@ from tests.helpers import FP8_SAME_CACHE_TOL, greedy_agreement, make_tiny_llama
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
-def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+def model(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, dict, dict]:
     folder = MODELS[request.param](tmp_path_factory.mktemp(request.param))
-    engine = tp_engine(folder, 1)
+    kw = ENGINE_FOR.get(request.param, {})
+    engine = tp_engine(folder, 1, **kw)
     want, spy = run_workload(engine)
     check_forced(engine, spy)
-    return folder, want
+    return folder, want, kw
 
 
-def test_tp2_equals_tp1(model: tuple[Path, dict]) -> None:
-    folder, want = model
-    engine = tp_engine(folder, 2)
+def test_tp2_equals_tp1(model: tuple[Path, dict, dict]) -> None:
+    folder, want, kw = model
+    engine = tp_engine(folder, 2, **kw)
     try:
         assert isinstance(engine.engine_core.executor, TPExecutor)
         got, spy = run_workload(engine)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedrs.runner.kv_groups import max_live_blocks, split_pool, window_group_for
+from pagedrs.runner.kv_groups import max_live_blocks, split_pool, split_pools, window_groups_for
 from tests.engine.conftest import assert_pool_free, greedy, make_engine, random_prompts
 from tests.helpers import make_tiny_model
 from tests.models.helpers_families import WINDOW, gemma3_config, hf_reference
@@ -36,6 +36,12 @@ def _engine(folder: Path, num_kv_blocks: int):
     )
 
 
+def _window_pool(engine) -> tuple[int, int, int]:
+    """(window, num_blocks, num_free_blocks) of the engine's one window group."""
+    ((_, window, num_blocks, num_free),) = engine.scheduler.kv_group_pools()
+    return window, num_blocks, num_free
+
+
 def _run(engine, window_used: list[int]) -> dict:
     """Steps to the end; the window pool's blocks in use after each step are appended to `window_used`."""
     final = {}
@@ -43,7 +49,7 @@ def _run(engine, window_used: list[int]) -> dict:
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out.outputs[0].token_ids
-        _, num_blocks, num_free = engine.scheduler.window_pool()
+        _, num_blocks, num_free = _window_pool(engine)
         window_used.append(num_blocks - num_free)
     return final
 
@@ -51,7 +57,7 @@ def _run(engine, window_used: list[int]) -> dict:
 def test_window_blocks_freed_mid_request_and_reused(gemma3: Path) -> None:
     ref = hf_reference(gemma3)
     engine = _engine(gemma3, num_kv_blocks=40)
-    window, num_window_blocks, _ = engine.scheduler.window_pool()
+    window, num_window_blocks, _ = _window_pool(engine)
     live = max_live_blocks(WINDOW, BLOCK, STEP)
     assert window == WINDOW and num_window_blocks < 40
     # One 60-token prompt alone: 15+ full blocks, never more than the window's live blocks of local ones.
@@ -72,7 +78,7 @@ def test_window_blocks_freed_mid_request_and_reused(gemma3: Path) -> None:
     assert stats.num_preemptions > 0, stats
     assert sum(-(-len(p) // BLOCK) for p in prompts) > num_window_blocks
     assert_pool_free(engine)
-    _, n, free = engine.scheduler.window_pool()
+    _, n, free = _window_pool(engine)
     assert free == n
     engine.scheduler.check_invariants()
 
@@ -94,10 +100,16 @@ def test_prefix_hit_across_the_window(gemma3: Path) -> None:
 
 
 def test_pool_split_and_when_a_group_applies() -> None:
-    assert window_group_for([8, 8, None], 256) is not None
-    assert window_group_for([8, 8, None], 8) is None  # the window covers the context
-    assert window_group_for([None, None], 256) is None
-    assert window_group_for([8, 8], 256) is None  # all layers windowed (Mistral): not grouped
+    assert window_groups_for([8, 8, None], 256)[0].layers == (0, 1)
+    assert window_groups_for([8, 8, None], 8) == ()  # the window covers the context
+    assert window_groups_for([None, None], 256) == ()
+    assert [g.layers for g in window_groups_for([8, 8], 256)] == [(0, 1)]  # all layers windowed (Mistral)
+    several = window_groups_for([16, None, 8, 16, 512], 256)  # one group per window size
+    assert [(g.window, g.layers) for g in several] == [(8, (2,)), (16, (0, 3))]
+    full, sizes = split_pools(10_000, full_block_bytes=10, groups=[(20, 5), (20, 10)], blocks_per_seq=64)
+    # within the budget, in the ratio of their live blocks, each at least what a max-length sequence uses
+    assert full * 10 + sum(sizes) * 20 <= 10_000 and abs(sizes[1] - 2 * sizes[0]) <= 1
+    assert sizes[0] >= -(-full * 5 // 64) and sizes[1] >= -(-full * 10 // 64)
     full, window = split_pool(
         10_000, full_block_bytes=10, window_block_bytes=20, blocks_per_seq=64, live_per_seq=5
     )
@@ -117,7 +129,7 @@ def test_forked_sequences_copy_their_shared_window_block(gemma3: Path) -> None:
         outs = [o for o in engine.step() if o.finished] or outs
     assert [c.token_ids for c in outs[0].outputs] == [ref(prompt, 6)] * 2
     engine.scheduler.check_invariants()
-    _, n, free = engine.scheduler.window_pool()
+    _, n, free = _window_pool(engine)
     assert free == n
 
 
@@ -133,7 +145,7 @@ def test_ngram_speculation_rolls_back_only_above_the_window(gemma3: Path) -> Non
         max_num_batched_tokens=STEP,
         speculative_config={"method": "ngram", "num_speculative_tokens": 3},
     )
-    assert engine.scheduler.window_pool() is not None
+    assert engine.scheduler.kv_group_pools() != []
     prompt = random_prompts([6], seed=9)[0] * 5  # repeats: the n-gram lookup proposes
     engine.add_request("s", prompt, greedy(12))
     assert _run(engine, [])["s"] == ref(prompt, 12)
@@ -143,7 +155,7 @@ def test_ngram_speculation_rolls_back_only_above_the_window(gemma3: Path) -> Non
 
 def test_resize_is_refused_with_a_window_pool(gemma3: Path) -> None:
     engine = _engine(gemma3, num_kv_blocks=40)
-    with pytest.raises(ValueError, match="sliding-window"):
+    with pytest.raises(ValueError, match="window:8"):
         engine.scheduler.resize(48)
 
 
@@ -176,7 +188,7 @@ def test_default_swap_yields_to_the_window_pool(
         engine = _engine(gemma3, num_kv_blocks=40)
     assert engine.engine_core.config.cache.swap_space == 4.0  # the (faked) default, not given
     assert engine.get_stats().num_swap_blocks == 0
-    assert engine.scheduler.window_pool() is not None
+    assert engine.scheduler.kv_group_pools() != []
     assert "no swap space by default" in caplog.text
     ref = hf_reference(gemma3)
     prompt = random_prompts([30], seed=10)[0]
@@ -186,5 +198,5 @@ def test_default_swap_yields_to_the_window_pool(
     with caplog.at_level(logging.INFO, logger="pagedrs"):
         engine = make_engine(gemma3, dtype="float32", block_size=BLOCK, num_kv_blocks=40, swap_space=0.001)
     assert engine.get_stats().num_swap_blocks > 0
-    assert engine.scheduler.window_pool() is None
+    assert engine.scheduler.kv_group_pools() == []
     assert "not supported with swap space (swap_space=0.001" in caplog.text

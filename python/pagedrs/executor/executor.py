@@ -2,9 +2,8 @@
 
 - `UniProcExecutor`: one device, the model runner in this process.
 - `TPExecutor`: tensor parallelism. This process is rank 0 (it samples); each step it broadcasts the plan
-  (`step_packet`: two int64 tensors over the gloo group; before it the step's sliding-window KV tables
-  when the window layers have a pool of their own) to ranks 1..N-1, then runs its own shard; the
-  all-reduces inside the forward keep the ranks in step.
+  (`step_packet`: two int64 tensors over the gloo group, every KV-cache group's tables included) to ranks
+  1..N-1, then runs its own shard; the all-reduces inside the forward keep the ranks in step.
 
 A tensor-parallel failure (a rank that raised or died, or a collective that broke) is fatal to the
 group: the executor names the rank, stops every worker and refuses further steps (`ExecutorDeadError`).
@@ -17,7 +16,7 @@ import atexit
 import logging
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +27,12 @@ from pagedrs._core import StepPlan
 from pagedrs.distributed.group import TPGroup
 from pagedrs.executor.rank import agree_kv_blocks
 from pagedrs.executor.rank_processes import RankFailure, RankProcesses
-from pagedrs.executor.step_packet import lora_header, pack_step, shutdown_header, window_message
+from pagedrs.executor.startup_log import kv_pools_line
+from pagedrs.executor.step_packet import lora_header, pack_step, shutdown_header
 from pagedrs.layers.sampler import SamplingRow
 from pagedrs.lora.manager import LoRAManager
 from pagedrs.runner.kv_cache import KVCachePool
+from pagedrs.runner.kv_groups import WindowGroup
 from pagedrs.runner.model_runner import ModelRunner
 from pagedrs.runner.outputs import RunnerOutput
 
@@ -54,12 +55,15 @@ class ExecutorDeadError(RuntimeError):
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """The KV pool an executor allocated (on every rank: the same block count)."""
+    """The KV pool an executor allocated (on every rank: the same block count). `groups`: the layers whose
+    blocks live in pools of their own (sliding windows), each to be added to the scheduler as a KV-cache
+    group, in this order (the plan's group index)."""
 
     num_blocks: int
     num_swap_blocks: int
     dtype: torch.dtype
     bytes_per_block: int  # per rank
+    groups: tuple[WindowGroup, ...] = ()
 
 
 class UniProcExecutor:
@@ -77,7 +81,25 @@ class UniProcExecutor:
     def init_kv_cache(self) -> KVCacheSpec:
         """Size and allocate the KV pool (and on CUDA capture the decode graphs)."""
         pool = self._init_pool()
-        return KVCacheSpec(pool.num_blocks, pool.num_swap_blocks, pool.dtype, pool.bytes_per_block)
+        if self.runner.kv_groups:
+            cfg = self.runner.config
+            spec = cfg.speculative
+            step = cfg.scheduler.max_num_batched_tokens + (
+                spec.num_speculative_tokens if spec is not None else 0
+            )
+            logger.info(
+                kv_pools_line(
+                    pool.num_blocks,
+                    self.runner.kv_groups,
+                    pool.num_layers,
+                    self.runner.block_size,
+                    cfg.scheduler.max_model_len,
+                    step,
+                )
+            )
+        return KVCacheSpec(
+            pool.num_blocks, pool.num_swap_blocks, pool.dtype, pool.bytes_per_block, self.runner.kv_groups
+        )
 
     def _init_pool(self) -> KVCachePool:
         return self.runner.init_kv_cache(self.runner.determine_num_blocks())
@@ -85,22 +107,6 @@ class UniProcExecutor:
     def attach_block_table(self, view: np.ndarray) -> None:
         """The scheduler's persistent block table (a read-only view the runner reads every step)."""
         self.runner.attach_block_table(view)
-
-    def attach_window_group(self, scheduler: Any) -> None:
-        """Gives `scheduler` the runner's sliding-window KV-cache group, if any, and the runner the
-        scheduler's tables of it per plan."""
-        group = self.runner.window_group
-        if group is None:
-            return
-        scheduler.enable_window_group(group.window, group.num_blocks)
-        self.runner.attach_window_tables(self._window_tables(scheduler))
-
-    @staticmethod
-    def _window_tables(scheduler: Any) -> Callable[[StepPlan], tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """The scheduler's window-group tables of a plan (its copy-on-write pairs are handed over once)."""
-        return lambda p: scheduler.window_tables(
-            p.step_id, p.req_ids, p.query_start_loc, p.positions, p.block_tables.shape[1]
-        )
 
     def attach_lora(self, manager: LoRAManager) -> None:
         """The core's adapters (the other ranks follow their slots); their CUDA kernels are on where the
@@ -140,9 +146,6 @@ class TPExecutor(UniProcExecutor):
         self._next_health_check = 0.0
         self._stopped = False
         self.lora: LoRAManager | None = None
-        # The window group's tables: from the scheduler, and the plan and tables last sent to the ranks.
-        self._window_source: Callable[[StepPlan], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
-        self._window_sent: tuple[StepPlan, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
         # Workers must not outlive the engine, also when nobody calls shutdown().
         self._finalizer = weakref.finalize(self, TPExecutor._shutdown_ranks, ranks, self.bcast, False)
         atexit.register(self._finalizer)
@@ -167,34 +170,11 @@ class TPExecutor(UniProcExecutor):
         super().attach_lora(manager)
         self.lora = manager
 
-    def attach_window_group(self, scheduler: Any) -> None:
-        """As one device's, but each step's window tables are taken from the scheduler once, broadcast to
-        the other ranks before the step, and the runner here reads the same ones."""
-        group = self.runner.window_group
-        if group is None:
-            return
-        scheduler.enable_window_group(group.window, group.num_blocks)
-        self._window_source = self._window_tables(scheduler)
-        self.runner.attach_window_tables(self._sent_window_tables)
-
-    def _sent_window_tables(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        sent = self._window_sent
-        if sent is None or sent[0] is not plan:
-            raise RuntimeError(f"no window tables were sent to the ranks for step {plan.step_id}")
-        return sent[1]
-
     def _broadcast(self, plan: StepPlan, extra: np.ndarray | None) -> None:
         message = self.lora.wire_message() if self.lora is not None else None
         if message is not None:  # slot changes and the step's adapter rows, before the step
             self.bcast.broadcast_cpu(lora_header(len(message)))
             self.bcast.broadcast_cpu(torch.frombuffer(bytearray(message), dtype=torch.uint8))
-        if self._window_source is not None and int(plan.num_tokens) > 0:  # the steps the runner reads them
-            tables = self._window_source(plan)
-            self._window_sent = (plan, tables)
-            header, payload = window_message(*tables)
-            self.bcast.broadcast_cpu(header)
-            if payload.numel():
-                self.bcast.broadcast_cpu(payload)
         header, payload = pack_step(plan, extra)
         self.bcast.broadcast_cpu(header)
         if payload.numel():

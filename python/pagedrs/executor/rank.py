@@ -11,12 +11,10 @@ from __future__ import annotations
 import logging
 import os
 
-import numpy as np
 import torch
 
-from pagedrs._core import StepPlan
 from pagedrs.distributed.group import TPGroup, connect_tp_group, create_store
-from pagedrs.executor.step_packet import HEADER_LEN, Op, unpack_step, unpack_window
+from pagedrs.executor.step_packet import HEADER_LEN, Op, unpack_step
 from pagedrs.launch_config import LaunchConfig
 from pagedrs.lora.manager import LoRASlots
 from pagedrs.runner.model_runner import ModelRunner
@@ -108,15 +106,6 @@ def run_rank(
 
 def _step_loop(runner: ModelRunner, tp: TPGroup, lora: LoRASlots | None = None) -> None:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    window: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # the next step's window tables (WINDOW)
-
-    def window_tables(plan: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if not window:
-            raise RuntimeError(f"step {plan.step_id} reached this rank without its window tables")
-        return window[0]
-
-    if runner.window_group is not None:
-        runner.attach_window_tables(window_tables)
     while True:
         tp.broadcast_cpu(header)
         h = header.numpy().copy()
@@ -129,16 +118,6 @@ def _step_loop(runner: ModelRunner, tp: TPGroup, lora: LoRASlots | None = None) 
             tp.broadcast_cpu(message)
             lora.apply(message.numpy().tobytes())
             continue
-        if h[0] == Op.WINDOW:
-            if runner.window_group is None:
-                raise RuntimeError(
-                    "window tables reached a rank whose window layers have no pool of their own"
-                )
-            payload = torch.empty(int(h[1]), dtype=torch.int64)
-            if payload.numel():
-                tp.broadcast_cpu(payload)
-            window[:] = [unpack_window(h, payload.numpy())]
-            continue
         if h[0] != Op.EXECUTE:
             raise RuntimeError(f"unknown step opcode {int(h[0])}")
         payload = torch.empty(int(h[1]), dtype=torch.int64)
@@ -148,4 +127,3 @@ def _step_loop(runner: ModelRunner, tp: TPGroup, lora: LoRASlots | None = None) 
         if lora is not None:
             lora.prepare(plan)
         runner.execute_model(plan, extra)
-        window.clear()

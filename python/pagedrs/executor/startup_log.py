@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pagedrs import __version__
 from pagedrs.config import EngineConfig
+from pagedrs.runner.kv_groups import WindowGroup, max_live_blocks
 
 if TYPE_CHECKING:
     from pagedrs.launch_config import LaunchConfig
@@ -144,4 +146,33 @@ def log_kv_cache_size(num_blocks: int, block_size: int, max_model_len: int) -> N
     logger.info("GPU KV cache size: %s tokens", f"{tokens:,}")
     logger.info(
         "Maximum concurrency for %s tokens per request: %.2fx", f"{max_model_len:,}", tokens / per_request
+    )
+
+
+def kv_pools_line(
+    num_blocks: int,
+    groups: Sequence[WindowGroup],
+    num_layers: int,
+    block_size: int,
+    max_model_len: int,
+    step: int,
+) -> str:
+    """One line naming each KV pool's size (the full-attention pool and every window group's) and the
+    requests of the full context length they hold at once: the least over the pools, a window group's
+    request holding only its live window blocks (a pool of no layer is bookkeeping and holds nothing)."""
+    per_request = math.ceil(max_model_len / block_size)
+    full_layers = num_layers - sum(len(g.layers) for g in groups)
+    parts, fits = [], []
+    if full_layers:
+        parts.append(f"full attention {num_blocks:,} blocks ({full_layers} layers)")
+        fits.append(num_blocks / per_request)
+    else:
+        parts.append("full attention: no layer (its pool is bookkeeping only)")
+    for g in groups:
+        need = min(per_request, max_live_blocks(g.window, block_size, step))
+        parts.append(f"window {g.window} {g.num_blocks:,} blocks ({len(g.layers)} layers)")
+        fits.append(g.num_blocks / need)
+    return (
+        f"KV cache pools: {'; '.join(parts)}; maximum concurrency for {max_model_len:,} tokens per request "
+        f"over every pool: {min(fits):.2f}x"
     )

@@ -5,8 +5,8 @@ A step's header and payload are `_core.StepPlan.to_wire` / `from_wire`: the form
 plan itself (no second declaration of its fields here), and a non-driver rank runs the same
 `_core.StepPlan` type the driver does. No per-request Python objects and no pickle. The other opcodes are
 control messages carried in the header alone, but for LORA: header[1] bytes of msgpack (a
-`pagedrs.lora.manager.LoRAWire`) follow it as a uint8 tensor, before the step they apply to; and WINDOW:
-the window KV group's tables of the step that follows (`window_message`), as an int64 payload.
+`pagedrs.lora.manager.LoRAWire`) follow it as a uint8 tensor, before the step they apply to. Every KV-cache
+group's tables travel inside the plan itself.
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ __all__ = [
     "pack_step",
     "shutdown_header",
     "unpack_step",
-    "unpack_window",
-    "window_message",
 ]
 
 HEADER_LEN: int = _core.STEP_WIRE_HEADER_LEN
@@ -38,7 +36,6 @@ class Op(IntEnum):
     SHUTDOWN = 2
     LIQUID = 3  # header[2:6] = from degree, to degree, pool blocks, swap blocks
     LORA = 4  # header[1] = bytes of the LoRA message that follows
-    WINDOW = 5  # header[1] = int64s that follow; header[2:5] = slots, table rows, table columns
 
 
 def pack_step(
@@ -74,32 +71,3 @@ def lora_header(num_bytes: int) -> torch.Tensor:
     header = _control(Op.LORA)
     header[1] = num_bytes
     return header
-
-
-def window_message(
-    slots: np.ndarray, block_tables: np.ndarray, copies: np.ndarray
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(header, payload) of the window group's tables of one step (`Scheduler.window_tables`): slot
-    mapping [T], block tables [B, M], copy-on-write pairs (flat), in one int64 payload."""
-    rows, cols = block_tables.shape
-    payload = np.concatenate(
-        [
-            np.asarray(slots, dtype=np.int64).ravel(),
-            np.asarray(block_tables, dtype=np.int64).ravel(),
-            np.asarray(copies, dtype=np.int64).ravel(),
-        ]
-    )
-    header = _control(Op.WINDOW, len(slots), rows, cols)
-    header[1] = len(payload)
-    return header, torch.from_numpy(payload)
-
-
-def unpack_window(header: np.ndarray, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(slot mapping, block tables, copies) of a WINDOW message; ValueError if it does not add up."""
-    num_slots, rows, cols = (int(x) for x in header[2:5])
-    if min(num_slots, rows, cols) < 0 or len(payload) < num_slots + rows * cols:
-        raise ValueError(
-            f"a window message of {len(payload)} int64s cannot hold {num_slots} slots and a {rows}x{cols} table"
-        )
-    tables = payload[num_slots : num_slots + rows * cols].astype(np.int32).reshape(rows, cols)
-    return payload[:num_slots].copy(), tables, payload[num_slots + rows * cols :].copy()

@@ -90,7 +90,7 @@ class _Replay:
         "caches",
         "ctx",
         "full",
-        "group_window",
+        "groups",
         "k",
         "pos",
         "positions",
@@ -99,7 +99,6 @@ class _Replay:
         "seq_lens",
         "threads",
         "v",
-        "window",
         "x",
     )
 
@@ -110,12 +109,10 @@ class _Replay:
         ctx: ForwardContext,
         caches: list[F32],
         full: _KvTables,
-        window: _KvTables | None,
+        groups: dict[int, _KvTables],
     ) -> None:
         self.x, self.positions, self.ctx, self.caches = x, positions, ctx, caches
-        self.full, self.window = full, window
-        meta = ctx.attn_metadata
-        self.group_window = None if meta is None or meta.window is None else meta.window.group_window
+        self.full, self.groups = full, groups  # the sliding-window layers' pools, by window
         self.pos = positions.numpy()
         self.threads = cpu_kernel_threads()
         self.residual: F32 | None = None
@@ -298,7 +295,7 @@ def _attend(op: Attend) -> Step:
     def run(s: _Replay) -> None:
         assert s.q is not None and s.k is not None and s.v is not None
         t = s.q.shape[0]
-        kv = s.window if s.window is not None and window == s.group_window else s.full
+        kv = s.groups.get(window, s.full) if window is not None else s.full
         cache = s.caches[layer]
         flat = cache.reshape(2, -1, kvh, hs)
         flat[0][kv.slots] = s.k.reshape(t, kvh, hs)
@@ -392,9 +389,10 @@ class CpuDecodeStep:
             return None
         t = int(input_ids.shape[0])
         full = _kv_tables(meta, t)
-        # the sliding-window layers' own KV pool (`runner.kv_groups`), where the runner gives them one
-        window = None if meta.window is None else _kv_tables(meta.window, t)
-        if t == 0 or full is None or (meta.window is not None and window is None):
+        # the sliding-window layers' own KV pools (`runner.kv_groups`), where the runner gives them some
+        found = {w: _kv_tables(g, t) for w, g in meta.groups.items()}
+        groups = {w: g for w, g in found.items() if g is not None}
+        if t == 0 or full is None or len(groups) != len(found):
             return None
         caches = [c.numpy() for c in ctx.kv_caches]
         if any(c.dtype != np.float32 or not c.flags.c_contiguous for c in caches):
@@ -404,7 +402,7 @@ class CpuDecodeStep:
         layers = self.layers if ctx.exit_layer is None else self.layers[: ctx.exit_layer]
         if not layers:
             return None
-        s = _Replay(self.desc.embed(input_ids).numpy(), positions, ctx, caches, full, window)
+        s = _Replay(self.desc.embed(input_ids).numpy(), positions, ctx, caches, full, groups)
         if self.desc.long_rope:
             s.seq_lens = token_seq_lens(meta)
         for steps in layers:

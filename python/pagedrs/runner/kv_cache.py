@@ -129,7 +129,9 @@ class KVCachePool:
         dtype: torch.dtype,
         device: torch.device,
         num_swap_blocks: int = 0,
+        layer_blocks: dict[int, int] | None = None,
     ) -> None:
+        """`layer_blocks`: layers whose KV-cache group has a pool of its own (`kv_groups`), and its size."""
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -137,8 +139,13 @@ class KVCachePool:
         self.dtype = dtype
         self.device = device
         self.bytes_per_block = block_bytes(num_layers, block_size, num_kv_heads, head_size, dtype)
+        # The full-attention pool's size: with every layer in a group of its own, no tensor has it.
+        self._num_blocks = num_blocks
+        self.group_layers = frozenset(layer_blocks or {})
         # Zero-filled: padded reads of a block table must never see NaN garbage (NaN * 0 is NaN).
-        self.kv_caches: list[Tensor] = [self._alloc(num_blocks, device) for _ in range(num_layers)]
+        self.kv_caches: list[Tensor] = [
+            self._alloc((layer_blocks or {}).get(i, num_blocks), device) for i in range(num_layers)
+        ]
         pin = device.type == "cuda"
         self.swap_caches: list[Tensor] = (
             [self._alloc(num_swap_blocks, torch.device("cpu"), pin=pin) for _ in range(num_layers)]
@@ -157,6 +164,7 @@ class KVCachePool:
         dtype: torch.dtype,
         device: torch.device,
         num_swap_blocks: int = 0,
+        layer_blocks: dict[int, int] | None = None,
     ) -> KVCachePool:
         """The pool of `model`'s layers (its `num_layers`, `num_kv_heads`, `head_size` on this rank)."""
         return cls(
@@ -168,6 +176,7 @@ class KVCachePool:
             dtype=dtype,
             device=device,
             num_swap_blocks=num_swap_blocks,
+            layer_blocks=layer_blocks,
         )
 
     def _alloc(self, n: int, device: torch.device, pin: bool = False) -> Tensor:
@@ -180,8 +189,8 @@ class KVCachePool:
 
     @property
     def num_blocks(self) -> int:
-        # a full-attention layer's: sliding-window layers may have a pool of their own (`kv_groups`)
-        return self.kv_caches[getattr(self, "full_layer", 0)].shape[1] if self.kv_caches else 0
+        """The full-attention pool's blocks (sliding-window layers may have pools of their own)."""
+        return self._num_blocks
 
     # Block ops, in the runner's order: grow, moves, swap out, swap in, copies, (forward), shrink.
     def resize(self, num_blocks: int) -> None:
@@ -189,6 +198,8 @@ class KVCachePool:
         cur = self.num_blocks
         if num_blocks == cur:
             return
+        if self.group_layers:
+            raise RuntimeError("the KV pool cannot be resized with KV-cache groups of their own")
         if num_blocks > cur:
             new = []
             for kv in self.kv_caches:
@@ -198,6 +209,7 @@ class KVCachePool:
         else:
             new = [kv[:, :num_blocks].clone() for kv in self.kv_caches]
         self.kv_caches = new
+        self._num_blocks = num_blocks
 
     def move_blocks(self, pairs: np.ndarray) -> None:
         """(src, dst) device blocks; all sources are read before any destination is written."""
@@ -207,10 +219,9 @@ class KVCachePool:
         if len(pairs) == 0:
             return
         src, dst = _pairs(pairs, self.device)
-        # full-attention layers only: sliding-window layers in a pool of their own number blocks apart
-        window_layers = getattr(self, "window_layers", ())
+        # full-attention layers only: layers in a group's pool of their own number blocks apart
         for i, kv in enumerate(map(as_bytes, self.kv_caches)):
-            if i not in window_layers:
+            if i not in self.group_layers:
                 kv[:, dst] = kv[:, src]
 
     def swap_out(self, pairs: np.ndarray) -> None:

@@ -1,35 +1,37 @@
-"""KV-cache groups: sliding-window layers keep their blocks in a second pool of their own.
+"""KV-cache groups: sliding-window layers keep their blocks in pools of their own, one per window size.
 
 A layer that attends only to the last ``window`` tokens never reads a block once every token in it fell out
-of the window; the scheduler (Rust core, ``kv_groups``) frees those blocks mid-request and caps prefix hits to
-what the window pool still holds, as vLLM V1's hybrid allocator and llama.cpp's SWA cache do. Here: which
-layers form the window group, and how one KV budget is split between the full-attention pool and the window
-pool so that the memory goes where it is used.
+of the window; the scheduler (Rust core, ``kv_groups``: one manager per group behind one trait) frees those
+blocks mid-request and caps prefix hits to what each group's pool still holds, as vLLM V1's hybrid allocator
+and llama.cpp's SWA cache do, and every step plan carries each group's slot mapping, block tables and
+copy-on-write pairs. Here: which layers form which group, how one KV budget is split between the
+full-attention pool and the window pools so that the memory goes where it is used, and each group's
+attention metadata from a plan. A model whose every layer is windowed (Mistral with a window shorter than
+the context) keeps its full-attention pool as bookkeeping only: no layer stores KV in it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import torch
 
+from pagedrs._core import StepPlan
 from pagedrs.config import as_bytes
 from pagedrs.layers.attention import AttentionMetadata
 
 __all__ = [
     "WindowGroup",
-    "install_window_pool",
+    "group_metadata",
     "layer_windows",
     "max_live_blocks",
-    "plan_window_pool",
+    "plan_window_pools",
     "split_pool",
+    "split_pools",
     "swap_yields_to_window_pool",
-    "window_group_for",
-    "window_metadata",
+    "window_groups_for",
 ]
 
 logger = logging.getLogger(__name__)
@@ -52,17 +54,11 @@ def layer_windows(model: Any) -> list[int | None]:
     return [found.get(i) for i in range(int(model.num_layers))]
 
 
-def window_group_for(windows: list[int | None], max_model_len: int) -> WindowGroup | None:
-    """The window group of a model whose layers have `windows`: the layers with one window shorter than
-    `max_model_len`, next to at least one full-attention layer. None (every layer keeps all its blocks,
-    masked by its window) when no window is shorter than the context, with several window sizes, or with no
-    full-attention layer."""
-    short = {w for w in windows if w is not None and w < max_model_len}
-    if len(short) != 1 or all(w in short for w in windows):
-        # several window sizes, or no full-attention layer (Mistral): every layer keeps its blocks
-        return None
-    (window,) = short
-    return WindowGroup(window, tuple(i for i, w in enumerate(windows) if w == window))
+def window_groups_for(windows: list[int | None], max_model_len: int) -> tuple[WindowGroup, ...]:
+    """The window groups of a model whose layers have `windows`: one per window size shorter than
+    `max_model_len`, smallest window first (layers whose window covers the context are full attention)."""
+    short = sorted({w for w in windows if w is not None and w < max_model_len})
+    return tuple(WindowGroup(w, tuple(i for i, x in enumerate(windows) if x == w)) for w in short)
 
 
 def max_live_blocks(window: int, block_size: int, step_tokens: int) -> int:
@@ -80,18 +76,43 @@ def split_pool(
     live_per_seq: int,
     num_full_blocks: int | None = None,
 ) -> tuple[int, int]:
-    """(full-attention blocks, window blocks) for `budget_bytes`: in the ratio a max-length sequence uses
-    them (`blocks_per_seq` full blocks, `live_per_seq` window blocks), the window pool never smaller than
-    one sequence's live blocks nor larger than the full pool (a sequence never holds more window blocks
-    than full ones). `num_full_blocks` fixes the full pool's size (an explicit `num_kv_blocks`)."""
-    ratio = min(1.0, live_per_seq / blocks_per_seq)
+    """`split_pools` with one window group: (full-attention blocks, window blocks)."""
+    full, (window,) = split_pools(
+        budget_bytes,
+        full_block_bytes=full_block_bytes,
+        groups=[(window_block_bytes, live_per_seq)],
+        blocks_per_seq=blocks_per_seq,
+        num_full_blocks=num_full_blocks,
+    )
+    return full, window
+
+
+def split_pools(
+    budget_bytes: float,
+    *,
+    full_block_bytes: int,
+    groups: list[tuple[int, int]],
+    blocks_per_seq: int,
+    num_full_blocks: int | None = None,
+) -> tuple[int, list[int]]:
+    """(full-attention blocks, each window group's blocks) for `budget_bytes`, `groups` being (bytes of a
+    block, live blocks of one sequence) per group: in the ratio a max-length sequence uses them
+    (`blocks_per_seq` full blocks), a window pool never smaller than one sequence's live blocks nor larger
+    than the full pool (a sequence never holds more window blocks than full ones). `num_full_blocks` fixes
+    the full pool's size (an explicit `num_kv_blocks`). With no full-attention layer (`full_block_bytes`
+    0) the full count is the number of full-length blocks the window pools serve."""
+    ratios = [min(1.0, live / blocks_per_seq) for _, live in groups]
     if num_full_blocks is None:
-        num_full_blocks = int(budget_bytes // (full_block_bytes + window_block_bytes * ratio))
-    window = min(num_full_blocks, -(-int(num_full_blocks * live_per_seq) // blocks_per_seq))
-    window = max(window, live_per_seq)
-    if num_full_blocks * full_block_bytes + window * window_block_bytes > budget_bytes:
-        num_full_blocks = int((budget_bytes - window * window_block_bytes) // full_block_bytes)
-    return num_full_blocks, window
+        per_full = full_block_bytes + sum(b * r for (b, _), r in zip(groups, ratios, strict=True))
+        num_full_blocks = int(budget_bytes // per_full)
+    sizes = [
+        max(min(num_full_blocks, -(-int(num_full_blocks * live) // blocks_per_seq)), live)
+        for _, live in groups
+    ]
+    window_bytes = sum(n * b for n, (b, _) in zip(sizes, groups, strict=True))
+    if full_block_bytes and num_full_blocks * full_block_bytes + window_bytes > budget_bytes:
+        num_full_blocks = int((budget_bytes - window_bytes) // full_block_bytes)
+    return num_full_blocks, sizes
 
 
 def _unsupported(runner: Any) -> str | None:
@@ -106,30 +127,32 @@ def _unsupported(runner: Any) -> str | None:
 
 
 def swap_yields_to_window_pool(runner: Any) -> bool:
-    """True when `runner`'s swap space is the device's default (not given) and its model has a window group
-    that can have its own pool: the window pool takes the place of the swap pool (no swap blocks)."""
+    """True when `runner`'s swap space is the device's default (not given) and its model has window groups
+    that can have their own pools: the window pools take the place of the swap pool (no swap blocks)."""
     cfg = runner.config
     if not cfg.cache.swap_space_is_default or cfg.cache.swap_space <= 0:
         return False
-    group = window_group_for(layer_windows(runner.model), cfg.scheduler.max_model_len)
-    if group is None or _unsupported(runner) is not None:
+    groups = window_groups_for(layer_windows(runner.model), cfg.scheduler.max_model_len)
+    if not groups or _unsupported(runner) is not None:
         return False
     logger.info(
-        "no swap space by default: sliding-window layers keep their blocks in a pool of their own, which "
+        "no swap space by default: sliding-window layers keep their blocks in pools of their own, which "
         "swap does not support (an explicit swap_space > 0 keeps swap, and every layer keeps its blocks)"
     )
     return True
 
 
-def plan_window_pool(runner: Any, num_blocks: int, num_swap: int) -> tuple[int, WindowGroup | None]:
-    """The full-attention pool's blocks and the window group of `runner`'s model, out of the budget of
+def plan_window_pools(runner: Any, num_blocks: int, num_swap: int) -> tuple[int, tuple[WindowGroup, ...]]:
+    """The full-attention pool's blocks and the window groups of `runner`'s model, out of the budget of
     `num_blocks` blocks over all layers. No group (every layer keeps all its blocks, as before) for a model
-    without a window shorter than the context, and where the group is not supported: swap space, a liquid
-    device range, a drafter that runs sub-steps of its own (speculation other than n-gram)."""
+    without a window shorter than the context, and where groups are not supported: swap space, a liquid
+    device range, a drafter that runs sub-steps of its own (speculation other than n-gram), and a budget too
+    small for the pools' minimum (one sequence's live window blocks at the largest step). With every layer
+    windowed the full-attention pool stores nothing; it is sized so that it never limits admission."""
     cfg = runner.config
-    group = window_group_for(layer_windows(runner.model), cfg.scheduler.max_model_len)
-    if group is None:
-        return num_blocks, None
+    groups = window_groups_for(layer_windows(runner.model), cfg.scheduler.max_model_len)
+    if not groups:
+        return num_blocks, ()
     spec = cfg.speculative
     reason = _unsupported(runner)
     if reason is None and num_swap > 0:
@@ -140,52 +163,58 @@ def plan_window_pool(runner: Any, num_blocks: int, num_swap: int) -> tuple[int, 
         logger.info(
             "sliding-window layers keep all their blocks: their own pool is not supported with %s", reason
         )
-        return num_blocks, None
+        return num_blocks, ()
     per_block = runner.bytes_per_block
-    window_bytes = per_block * len(group.layers) // int(runner.model.num_layers)
+    num_layers = int(runner.model.num_layers)
+    group_bytes = [per_block * len(g.layers) // num_layers for g in groups]
     step = cfg.scheduler.max_num_batched_tokens + (spec.num_speculative_tokens if spec is not None else 0)
-    live = max_live_blocks(group.window, runner.block_size, step)
-    explicit = cfg.cache.num_kv_blocks is not None
-    full, window = split_pool(
+    lives = [max_live_blocks(g.window, runner.block_size, step) for g in groups]
+    all_windowed = sum(len(g.layers) for g in groups) == num_layers
+    full_bytes = 0 if all_windowed else per_block - sum(group_bytes)
+    # An explicit num_kv_blocks fixes the full-attention pool; with no full-attention layer it is the
+    # budget in blocks of every layer, as the default's.
+    explicit = cfg.cache.num_kv_blocks is not None and full_bytes > 0
+    full, sizes = split_pools(
         float("inf") if explicit else num_blocks * per_block,
-        full_block_bytes=per_block - window_bytes,
-        window_block_bytes=window_bytes,
+        full_block_bytes=full_bytes,
+        groups=list(zip(group_bytes, lives, strict=True)),
         blocks_per_seq=runner.max_blocks_per_seq,
-        live_per_seq=live,
         num_full_blocks=num_blocks if explicit else None,
     )
-    return full, WindowGroup(group.window, group.layers, window)
+    used = full * full_bytes + sum(n * b for n, b in zip(sizes, group_bytes, strict=True))
+    if full < 1 or used > num_blocks * per_block:
+        logger.info(
+            "sliding-window layers keep all their blocks: %d blocks of KV cannot hold their own pools "
+            "(at least one sequence's live window blocks each, %s)",
+            num_blocks,
+            ", ".join(f"window {g.window}: {n}" for g, n in zip(groups, lives, strict=True)),
+        )
+        return num_blocks, ()
+    if full_bytes == 0:
+        full = cfg.scheduler.max_num_seqs * runner.max_blocks_per_seq
+    return full, tuple(replace(g, num_blocks=n) for g, n in zip(groups, sizes, strict=True))
 
 
-def window_metadata(
-    meta: AttentionMetadata,
-    plan: Any,
-    tables: Callable[[Any], tuple[np.ndarray, np.ndarray, np.ndarray]],
-    group: WindowGroup,
-    kv_caches: list[torch.Tensor],
+def group_metadata(
+    meta: AttentionMetadata, plan: StepPlan, index: int, group: WindowGroup, kv_caches: list[torch.Tensor]
 ) -> AttentionMetadata:
-    """`meta` with the window group's slot mapping and block tables of `plan` (dead entries are block 0:
-    the kernels mask those positions by the window), after applying the group's copy-on-write pairs (a
-    forked sequence's shared partial block) to its layers' blocks (the scheduler hands them over once)."""
-    slots, block_tables, copies = tables(plan)
+    """`meta` with group `index`'s slot mapping and block tables of `plan` (entries the group no longer holds
+    are block 0: the kernels mask those positions by the window), after applying the group's copy-on-write
+    pairs (a forked sequence's shared partial block) to its layers' blocks."""
     device = meta.slot_mapping.device
-    if len(copies):
-        pairs = torch.as_tensor(copies, dtype=torch.int64).view(-1, 2).to(device)
+    counts = plan.group_num_copies
+    start = int(counts[:index].sum())
+    pairs_np = plan.group_copies[start : start + int(counts[index])]
+    if len(pairs_np):
+        pairs = torch.as_tensor(pairs_np, dtype=torch.int64).to(device)
         for i in group.layers:
             kv = as_bytes(kv_caches[i])  # fp8 caches: copy the bytes
             kv[:, pairs[:, 1]] = kv[:, pairs[:, 0]]
     return replace(
         meta,
-        slot_mapping=torch.as_tensor(slots, dtype=torch.int64).to(device),
-        block_tables=torch.as_tensor(block_tables, dtype=torch.int32).to(device),
+        slot_mapping=torch.as_tensor(plan.group_slot_mapping[index], dtype=torch.int64).to(device),
+        block_tables=torch.as_tensor(plan.group_block_tables[index], dtype=torch.int32).to(device),
         cache={},
+        groups={},
         group_window=group.window,
     )
-
-
-def install_window_pool(pool: Any, group: WindowGroup) -> None:
-    """Gives the window group's layers tensors of the group's own block count in `pool`."""
-    pool.full_layer = next(i for i in range(len(pool.kv_caches)) if i not in group.layers)
-    pool.window_layers = frozenset(group.layers)
-    for i in group.layers:
-        pool.kv_caches[i] = pool._alloc(group.num_blocks, pool.device)

@@ -24,12 +24,7 @@ from pagedrs.runner.kv_cache import (
     num_blocks_for_bytes,
     profile_num_gpu_blocks,
 )
-from pagedrs.runner.kv_groups import (
-    WindowGroup,
-    install_window_pool,
-    plan_window_pool,
-    swap_yields_to_window_pool,
-)
+from pagedrs.runner.kv_groups import WindowGroup, plan_window_pools, swap_yields_to_window_pool
 from pagedrs.runner.step_buffers import StepBuffers
 from pagedrs.spec_decode import Drafter
 
@@ -56,7 +51,7 @@ class KVSetupMixin:
     step_buffers: StepBuffers
     cuda_graphs: Any
     _graphs_failed: bool
-    window_group: WindowGroup | None
+    kv_groups: tuple[WindowGroup, ...]
     drafter: Drafter | None
 
     @property
@@ -100,7 +95,7 @@ class KVSetupMixin:
             return 0
         return num_blocks_for_bytes(self.config.cache.swap_space * _GiB, self.bytes_per_block)
 
-    def _new_pool(self, num_blocks: int, num_swap: int) -> KVCachePool:
+    def _new_pool(self, num_blocks: int, num_swap: int, groups: tuple[WindowGroup, ...] = ()) -> KVCachePool:
         return KVCachePool.for_model(
             self.model,
             block_size=self.block_size,
@@ -108,15 +103,14 @@ class KVSetupMixin:
             dtype=self.kv_dtype,
             device=self.device,
             num_swap_blocks=num_swap,
+            layer_blocks={i: g.num_blocks for g in groups for i in g.layers},
         )
 
     def init_kv_cache(self, num_blocks: int, num_swap_blocks: int | None = None) -> KVCachePool:
         """Allocate the KV pool, then (CUDA) capture every decode graph, before any request runs."""
         num_swap = self.determine_num_swap_blocks() if num_swap_blocks is None else num_swap_blocks
-        num_blocks, self.window_group = plan_window_pool(self, num_blocks, num_swap)
-        self.kv_pool = self._new_pool(num_blocks, num_swap)
-        if self.window_group is not None:
-            install_window_pool(self.kv_pool, self.window_group)
+        num_blocks, self.kv_groups = plan_window_pools(self, num_blocks, num_swap)
+        self.kv_pool = self._new_pool(num_blocks, num_swap, self.kv_groups)
         if self.drafter is not None:
             self.drafter.init_kv_cache(num_blocks, num_swap)
         self.capture_model()
@@ -135,7 +129,7 @@ class KVSetupMixin:
             and not dev.enforce_eager
             and self.backend.name == "cupy"
             and not self._graphs_failed
-            and self.window_group is None  # the window group's tables are per plan, not in the graphs
+            and not self.kv_groups  # the groups' tables are per plan, not in the graphs
             and not routes_to_reference(self.model, self.backend)  # the reference plans on the host
         )
 

@@ -28,7 +28,7 @@ from pagedrs.layers.sampler import Sampler, SamplingRow
 from pagedrs.models.interface import CausalLM
 from pagedrs.models.prepare import prepare_for_device, runner_options
 from pagedrs.runner.kv_cache import KVCachePool, model_block_bytes
-from pagedrs.runner.kv_groups import WindowGroup, window_metadata
+from pagedrs.runner.kv_groups import WindowGroup, group_metadata
 from pagedrs.runner.kv_setup import KVSetupMixin
 from pagedrs.runner.outputs import Forward, RunnerOutput
 from pagedrs.runner.sample_step import SampleStepMixin
@@ -105,9 +105,8 @@ class ModelRunner(KVSetupMixin, SampleStepMixin):
         self.sampling_state: SamplingState | None = None  # built at the first sampled step (vocab size)
         self.cuda_graphs: Any = None  # CudaGraphRunner for decode-only steps (CUDA + cupy backend)
         self._graphs_failed = False  # a capture failed once: this model runs eagerly
-        # The sliding-window layers' own pool (`kv_groups`), and the scheduler's tables of it per plan.
-        self.window_group: WindowGroup | None = None
-        self._window_tables: Callable[[StepPlan], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
+        # The sliding-window layers' own pools (`kv_groups`), in the order of the plan's group arrays.
+        self.kv_groups: tuple[WindowGroup, ...] = ()
         # The scheduler's persistent block table (read-only numpy view) and, off the CPU, its device
         # mirror. INVARIANT: after each plan's changed rows are copied, the mirror equals the view.
         self._bt_view: np.ndarray | None = None
@@ -161,12 +160,6 @@ class ModelRunner(KVSetupMixin, SampleStepMixin):
         if mirror if mirror is not None else self.device.type != "cpu":
             self._bt_device = torch.as_tensor(np.array(view), device=self.device)
 
-    def attach_window_tables(
-        self, tables: Callable[[StepPlan], tuple[np.ndarray, np.ndarray, np.ndarray]]
-    ) -> None:
-        """The scheduler's window-group tables of a plan: slot mapping [T], block tables [B, M], copies."""
-        self._window_tables = tables
-
     def release(self) -> None:
         """Free the model, the KV pool and the graphs (device memory); the runner takes no more steps."""
         self.kv_pool = None
@@ -199,10 +192,16 @@ class ModelRunner(KVSetupMixin, SampleStepMixin):
             block_size=self.block_size,
             num_decode_tokens=int(plan.num_decode_tokens),
         )
-        if self._window_tables is not None and self.window_group is not None and self.kv_pool is not None:
-            meta.window = window_metadata(
-                meta, plan, self._window_tables, self.window_group, self.kv_pool.kv_caches
-            )
+        if self.kv_groups and self.kv_pool is not None:
+            if plan.num_groups != len(self.kv_groups):
+                raise RuntimeError(
+                    f"step {plan.step_id} carries {plan.num_groups} KV-cache groups' tables, "
+                    f"the runner has {len(self.kv_groups)} groups"
+                )
+            caches = self.kv_pool.kv_caches
+            meta.groups = {
+                g.window: group_metadata(meta, plan, i, g, caches) for i, g in enumerate(self.kv_groups)
+            }
         return meta
 
     @torch.inference_mode()

@@ -15,7 +15,7 @@ impl Scheduler {
         self.pool.check()?;
         self.swap.check()?;
         self.tables.check(&self.seqs)?;
-        self.check_window()?;
+        self.kv.check(&self.seqs)?;
         let bs = self.cfg.block_size;
         let n = self.pool.num_blocks();
         let mut refs = vec![0u32; n];

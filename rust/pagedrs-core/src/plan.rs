@@ -49,6 +49,16 @@ pub struct StepPlan {
     pub copies: Vec<i64>,
     pub block_moves: Vec<i64>,
     pub preempted: Vec<i64>,
+    /// Every KV-cache group's slot mapping, `[G, T]` flattened (group order: `Scheduler::kv_groups`).
+    pub group_slot_mapping: Vec<i64>,
+    /// Every KV-cache group's block tables, `[G, B, max_blocks]` flattened, padded with 0 (as are
+    /// entries a group no longer holds: the kernels mask them).
+    pub group_block_tables: Vec<i32>,
+    /// Copy-on-write pairs (src, dst) to apply to each group's blocks before the forward, flattened
+    /// over groups in order; group `g` has `group_num_copies[g]` pairs.
+    pub group_copies: Vec<i64>,
+    /// `[G]`: copy-on-write pairs of each group (its length is the number of groups).
+    pub group_num_copies: Vec<i32>,
     /// Pool size after this plan.
     pub num_blocks: usize,
     pub num_prefill_tokens: usize,
@@ -59,6 +69,11 @@ pub struct StepPlan {
 impl StepPlan {
     pub fn num_reqs(&self) -> usize {
         self.req_ids.len()
+    }
+
+    /// KV-cache groups whose tables this plan carries.
+    pub fn num_groups(&self) -> usize {
+        self.group_num_copies.len()
     }
 }
 
@@ -120,42 +135,19 @@ impl Scheduler {
             .max()
             .unwrap_or(0);
 
-        let mut p = StepPlan {
-            step_id: self.step,
-            req_ids: Vec::with_capacity(b),
-            num_scheduled_tokens: Vec::with_capacity(b),
-            num_computed_tokens: Vec::with_capacity(b),
-            num_prompt_tokens: Vec::with_capacity(b),
-            seq_lens: Vec::with_capacity(b),
-            query_start_loc: Vec::with_capacity(b + 1),
-            input_ids: Vec::with_capacity(t),
-            positions: Vec::with_capacity(t),
-            slot_mapping: Vec::with_capacity(t),
-            block_table_rows: Vec::with_capacity(b),
-            changed_rows: Vec::new(),
-            max_blocks,
-            logits_indices: Vec::with_capacity(b),
-            sampled_seq_ids: Vec::with_capacity(b),
-            num_draft_tokens: Vec::with_capacity(b),
-            draft_token_ids: Vec::new(),
-            swap_out: ops.swap_out,
-            swap_in: ops.swap_in,
-            copies: ops.copies,
-            block_moves: std::mem::take(&mut self.pending_moves),
-            preempted: ops.preempted,
-            num_blocks: self.pool.num_blocks(),
-            num_prefill_tokens: 0,
-            num_decode_tokens: 0,
-            num_tokens: t,
-        };
+        let mut p = self.new_plan(b, t, max_blocks, ops);
         self.rows.clear();
         self.samples.clear();
         p.query_start_loc.push(0);
         let mut start = 0usize;
+        let mut group_rows = Vec::with_capacity(if self.kv.is_empty() { 0 } else { b });
         for &(slot, n) in sched {
             let seq = &mut self.seqs[slot as usize];
             let nc = seq.num_computed;
             let end = nc + n;
+            if !self.kv.is_empty() {
+                group_rows.push((slot, nc, end));
+            }
             let d = seq.drafts.len();
             let completes = end - d == seq.num_tokens();
             p.req_ids.push(seq.seq_id);
@@ -211,6 +203,9 @@ impl Scheduler {
             }
             start += n;
         }
+        let g = self.kv.plan_tables(&group_rows, max_blocks);
+        (p.group_slot_mapping, p.group_block_tables) = (g.slot_mapping, g.block_tables);
+        (p.group_copies, p.group_num_copies) = (g.copies, g.num_copies);
         // Forked children got their rows above: they are written now, with everything else that
         // changed since the last plan.
         self.tables.flush(&self.seqs, &mut p.changed_rows);
@@ -225,6 +220,42 @@ impl Scheduler {
             self.pending = Some(p.step_id);
         }
         p
+    }
+
+    /// A plan of `b` rows and `t` tokens with the step's block operations, its arrays still empty.
+    fn new_plan(&mut self, b: usize, t: usize, max_blocks: usize, ops: PlanOps) -> StepPlan {
+        StepPlan {
+            step_id: self.step,
+            req_ids: Vec::with_capacity(b),
+            num_scheduled_tokens: Vec::with_capacity(b),
+            num_computed_tokens: Vec::with_capacity(b),
+            num_prompt_tokens: Vec::with_capacity(b),
+            seq_lens: Vec::with_capacity(b),
+            query_start_loc: Vec::with_capacity(b + 1),
+            input_ids: Vec::with_capacity(t),
+            positions: Vec::with_capacity(t),
+            slot_mapping: Vec::with_capacity(t),
+            block_table_rows: Vec::with_capacity(b),
+            changed_rows: Vec::new(),
+            max_blocks,
+            logits_indices: Vec::with_capacity(b),
+            sampled_seq_ids: Vec::with_capacity(b),
+            num_draft_tokens: Vec::with_capacity(b),
+            draft_token_ids: Vec::new(),
+            swap_out: ops.swap_out,
+            swap_in: ops.swap_in,
+            copies: ops.copies,
+            block_moves: std::mem::take(&mut self.pending_moves),
+            preempted: ops.preempted,
+            group_slot_mapping: Vec::new(),
+            group_block_tables: Vec::new(),
+            group_copies: Vec::new(),
+            group_num_copies: Vec::new(),
+            num_blocks: self.pool.num_blocks(),
+            num_prefill_tokens: 0,
+            num_decode_tokens: 0,
+            num_tokens: t,
+        }
     }
 
     /// Children of `slot` become running sequences sharing every block; each gets a logits row
@@ -265,7 +296,7 @@ impl Scheduler {
             for &b in &kid.block_table {
                 self.pool.incref(crate::BlockId(b));
             }
-            self.window_fork(slot, c);
+            self.kv.fork(slot, c);
             self.ids.insert(
                 id,
                 crate::scheduler::SeqRef {

@@ -7,10 +7,12 @@ impl Scheduler {
     /// Grows the pool, or shrinks it by moving in-use blocks above `num_blocks` into free low
     /// blocks; the moves ride on the next plan (`block_moves`, applied before its forward).
     pub fn resize(&mut self, num_blocks: usize) -> Result<()> {
-        if self.window.is_some() {
-            return Err(Error::Resize(
-                "resizing the pool is not supported with a sliding-window group".into(),
-            ));
+        if !self.kv.is_empty() {
+            return Err(Error::Resize(format!(
+                "resizing the pool is not supported with KV-cache groups beside the full-attention \
+                 pool ({})",
+                self.kv.names()
+            )));
         }
         let old = self.pool.num_blocks();
         if num_blocks == 0 || num_blocks >= u32::MAX as usize {

@@ -104,9 +104,9 @@ impl Scheduler {
             let scheduled = loop {
                 let (new, cow) = self.blocks_needed(slot, num_new, ops);
                 if new + usize::from(cow) <= self.pool.num_free()
-                    && self.window_fits(slot, nc + num_new, 0)
+                    && self.kv.fits(slot, &self.seqs[slot as usize], nc + num_new)
                 {
-                    self.window_grow(slot, nc + num_new);
+                    self.kv.grow(slot, &self.seqs[slot as usize], nc + num_new);
                     self.allocate(slot, num_new, cow, ops);
                     break true;
                 }
@@ -187,9 +187,7 @@ impl Scheduler {
         if let Some(row) = seq.row.take() {
             self.tables.release(row);
         }
-        if let Some(w) = self.window.as_mut() {
-            w.free_slot(slot);
-        }
+        self.kv.free(slot);
         let n = seq.block_table.len();
         if self.swap.num_blocks() > 0 && n > 0 && self.swap.num_free() >= n {
             for &b in &seq.block_table {
@@ -324,9 +322,9 @@ impl Scheduler {
         } else {
             0
         };
-        let mut window_hit = Vec::new();
-        if lookup && self.window.is_some() {
-            (window_hit, last_hash) = self.window_cap_hit(slot, &mut hits);
+        let mut group_hits = Vec::new();
+        if lookup && !self.kv.is_empty() {
+            (group_hits, last_hash) = self.groups_cap_hit(slot, &mut hits);
         }
         let seq = &self.seqs[slot as usize];
         let nc = hits.len() * bs;
@@ -340,7 +338,7 @@ impl Scheduler {
             .filter(|&&b| self.pool.ref_count(BlockId(b)) == 0)
             .count();
         if self.pool.num_free() < new_blocks + evictable + self.admission_watermark()
-            || !self.window_fits_hit(&window_hit, nc + num_new)
+            || !self.kv.fits_admit(&group_hits, nc + num_new)
         {
             self.hit_scratch = hits;
             return Admit::No;
@@ -362,7 +360,7 @@ impl Scheduler {
         seq.sync_last_block();
         seq.num_computed = nc;
         seq.num_cached_blocks = hits.len();
-        self.window_admit(slot, std::mem::take(&mut window_hit), nc + num_new);
+        self.kv.admit(slot, group_hits, nc + num_new);
         let seq = &mut self.seqs[slot as usize];
         seq.last_hash = last_hash;
         if !seq.admitted {

@@ -26,7 +26,11 @@ pub struct Stats {
     pub num_swapped: usize,
     pub num_blocks: usize,
     pub num_free_blocks: usize,
+    /// The fullest pool's usage (0..1): the full-attention pool's, or a KV-cache group's when one is
+    /// fuller (the pool that limits admission).
     pub kv_usage: f64,
+    /// Each KV-cache group's pool usage, in group order.
+    pub group_kv_usage: Vec<f64>,
     pub num_swap_blocks: usize,
     pub num_free_swap_blocks: usize,
     pub prefix_cache_queries: u64,
@@ -81,8 +85,8 @@ pub struct Scheduler {
     pub(crate) sched: Vec<(u32, usize)>,
     pub(crate) hit_scratch: Vec<u32>,
     pub(crate) cache_scratch: Vec<crate::block_pool::CacheItem>,
-    /// The sliding-window layers' KV-cache group, when the model has one (`kv_groups`).
-    pub(crate) window: Option<crate::kv_groups::WindowGroup>,
+    /// The KV-cache groups beside the primary pool (`kv_groups`): other kinds of layer state.
+    pub(crate) kv: crate::kv_groups::KvGroups,
 }
 
 impl Scheduler {
@@ -119,7 +123,7 @@ impl Scheduler {
             sched: Vec::new(),
             hit_scratch: Vec::new(),
             cache_scratch: Vec::new(),
-            window: None,
+            kv: Default::default(),
         })
     }
 
@@ -302,7 +306,7 @@ impl Scheduler {
 
     /// Frees the blocks of `slot`, forgets its id and recycles the slot. Queues are the caller's.
     pub(crate) fn release_slot(&mut self, slot: u32) {
-        self.window_free(slot);
+        self.kv.free(slot);
         let seq = &mut self.seqs[slot as usize];
         if let Some(row) = seq.row.take() {
             self.tables.release(row);
@@ -483,17 +487,14 @@ impl Scheduler {
 
     /// Drops every prefix-cache entry; false (nothing done) while blocks are in use.
     pub fn reset_prefix_cache(&mut self) -> bool {
-        let window_idle = self.window.as_ref().is_none_or(|w| w.pool.num_used() == 0);
-        if !window_idle || !self.pool.reset_prefix_cache() {
+        if !self.kv.is_idle() || !self.pool.reset_prefix_cache() {
             return false;
         }
-        if let Some(w) = self.window.as_mut() {
-            w.pool.reset_prefix_cache();
-        }
-        true
+        self.kv.reset_prefix_cache()
     }
 
     pub fn stats(&self) -> Stats {
+        let group_usage: Vec<f64> = self.kv.stats().iter().map(|g| g.kv_usage).collect();
         let width = |set: &BTreeSet<(SeqKey, u32)>| -> usize {
             set.iter()
                 .map(|&(_, s)| self.seqs[s as usize].width())
@@ -505,7 +506,8 @@ impl Scheduler {
             num_swapped: width(&self.swapped),
             num_blocks: self.pool.num_blocks(),
             num_free_blocks: self.pool.num_free(),
-            kv_usage: self.pool.usage(),
+            kv_usage: group_usage.iter().fold(self.pool.usage(), |a, &b| a.max(b)),
+            group_kv_usage: group_usage,
             num_swap_blocks: self.swap.num_blocks(),
             num_free_swap_blocks: self.swap.num_free(),
             prefix_cache_queries: self.prefix_queries,

@@ -67,7 +67,7 @@ pub fn longest_hit(
     if need == 0 {
         return (max_blocks, vec![NULL_BLOCK; max_blocks]);
     }
-    let mut found: Vec<u32> = Vec::with_capacity(need);
+    let mut found: Vec<u32> = Vec::with_capacity(need.min(max_blocks));
     // Scan from the right for `need` cached blocks in a row, or a cached run from block 0.
     let mut i = max_blocks;
     while i > 0 {

@@ -116,7 +116,7 @@ impl Scheduler {
         }
         seq.num_computed += emitted - 1;
         let num_tokens = seq.num_tokens();
-        self.window_truncate(slot, num_tokens);
+        self.kv.truncate(slot, num_tokens);
         let seq = &mut self.seqs[slot as usize];
         let keep = seq.num_tokens().div_ceil(bs);
         if seq.block_table.len() > keep {

@@ -117,7 +117,7 @@ impl Scheduler {
             let seqs = &self.seqs;
             self.running.retain(|&s| seqs[s as usize].alive);
         }
-        self.window_release();
+        self.groups_release();
         Ok((finished, kept))
     }
 
@@ -172,7 +172,7 @@ impl Scheduler {
             }
         }
         if !items.is_empty() {
-            self.window_cache(&items);
+            self.kv.cache(&items, &self.seqs);
             let bs = self.cfg.block_size;
             let seqs = &self.seqs;
             self.pool.cache_blocks(&mut items, |it| {

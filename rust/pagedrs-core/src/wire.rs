@@ -4,8 +4,9 @@
 //!
 //! Header (fixed length [`WIRE_HEADER_LEN`]): `[op, payload length, scalars.., one length per
 //! array..]`; op 1 = execute (other ops are the driver's control messages and use only the header).
-//! Payload: every array of the plan, then the dense `[B, max_blocks]` block tables (the other ranks
-//! have no persistent table), then the extra logits rows (prompt logprobs), concatenated.
+//! Payload: every array of the plan (the KV-cache groups' tables, slot mappings and copy-on-write
+//! pairs included), then the dense `[B, max_blocks]` block tables (the other ranks have no
+//! persistent table), then the extra logits rows (prompt logprobs), concatenated.
 
 use crate::error::{Error, Result};
 use crate::plan::StepPlan;
@@ -14,7 +15,7 @@ use crate::plan::StepPlan;
 pub const OP_EXECUTE: i64 = 1;
 
 const NUM_SCALARS: usize = 6; // step_id, num_blocks, num_prefill, num_decode, num_tokens, max_blocks
-const NUM_ARRAYS: usize = 22; // the plan's 20 arrays, block tables, extra logits rows
+const NUM_ARRAYS: usize = 26; // the plan's 24 arrays, block tables, extra logits rows
 
 /// Length of the header of every message on the step channel.
 pub const WIRE_HEADER_LEN: usize = 2 + NUM_SCALARS + NUM_ARRAYS;
@@ -45,6 +46,29 @@ fn narrow(name: &str, v: &[i64]) -> Result<Vec<i32>> {
 fn count(name: &str, x: i64) -> Result<usize> {
     usize::try_from(x)
         .map_err(|_| Error::InvalidRequest(format!("step wire: {name} is negative ({x})")))
+}
+
+/// The group arrays of a received plan add up to its groups, tokens and rows.
+fn check_groups(p: &StepPlan) -> Result<()> {
+    let g = p.num_groups();
+    let pairs: i64 = p.group_num_copies.iter().map(|&c| i64::from(c)).sum();
+    if p.group_slot_mapping.len() != g * p.positions.len()
+        || p.group_block_tables.len() != g * p.num_reqs() * p.max_blocks
+        || p.group_num_copies.iter().any(|&c| c < 0)
+        || pairs * 2 != p.group_copies.len() as i64
+    {
+        return Err(Error::InvalidRequest(format!(
+            "step wire: group arrays ({} slots, {} table entries, {} copy ids) do not fit {g} \
+             groups of {} tokens, {} rows x {} blocks and {pairs} copy pairs",
+            p.group_slot_mapping.len(),
+            p.group_block_tables.len(),
+            p.group_copies.len(),
+            p.positions.len(),
+            p.num_reqs(),
+            p.max_blocks
+        )));
+    }
+    Ok(())
 }
 
 impl StepPlan {
@@ -93,6 +117,10 @@ impl StepPlan {
         push(&mut self.preempted.iter().copied());
         push(&mut i32s(&self.num_draft_tokens));
         push(&mut self.draft_token_ids.iter().copied());
+        push(&mut self.group_slot_mapping.iter().copied());
+        push(&mut i32s(&self.group_block_tables));
+        push(&mut self.group_copies.iter().copied());
+        push(&mut i32s(&self.group_num_copies));
         push(&mut i32s(block_tables));
         push(&mut extra_logits_indices.iter().copied());
         debug_assert_eq!(lens.len(), NUM_ARRAYS);
@@ -148,12 +176,17 @@ impl StepPlan {
             preempted: parts[17].to_vec(),
             num_draft_tokens: narrow("num_draft_tokens", parts[18])?,
             draft_token_ids: parts[19].to_vec(),
+            group_slot_mapping: parts[20].to_vec(),
+            group_block_tables: narrow("group_block_tables", parts[21])?,
+            group_copies: parts[22].to_vec(),
+            group_num_copies: narrow("group_num_copies", parts[23])?,
             num_blocks: count("num_blocks", s[1])?,
             num_prefill_tokens: count("num_prefill_tokens", s[2])?,
             num_decode_tokens: count("num_decode_tokens", s[3])?,
             num_tokens: count("num_tokens", s[4])?,
         };
-        let block_tables = narrow("block_tables", parts[20])?;
+        check_groups(&plan)?;
+        let block_tables = narrow("block_tables", parts[24])?;
         if block_tables.len() != plan.num_reqs() * plan.max_blocks {
             return Err(Error::InvalidRequest(format!(
                 "step wire: {} block-table entries for {} requests x {} blocks",
@@ -165,7 +198,7 @@ impl StepPlan {
         Ok(WirePlan {
             plan,
             block_tables,
-            extra_logits_indices: parts[21].to_vec(),
+            extra_logits_indices: parts[25].to_vec(),
         })
     }
 }
@@ -198,6 +231,10 @@ mod tests {
             copies: vec![2, 5],
             block_moves: vec![],
             preempted: vec![8],
+            group_slot_mapping: vec![4, 5, 9],
+            group_block_tables: vec![1, 0, 2, 3],
+            group_copies: vec![6, 7],
+            group_num_copies: vec![1],
             num_blocks: 40,
             num_prefill_tokens: 2,
             num_decode_tokens: 1,
@@ -226,5 +263,14 @@ mod tests {
         assert!(StepPlan::from_wire(&h2, &p2).is_err());
         header[0] = 2;
         assert!(StepPlan::from_wire(&header, &payload).is_err());
+        // A group table short of one entry, and a copy count that does not match the pairs.
+        let mut short = plan.clone();
+        short.group_block_tables.pop();
+        let (h3, p3) = short.to_wire(&[1, 0, 2, 3], &[]);
+        assert!(StepPlan::from_wire(&h3, &p3).is_err());
+        let mut odd = plan.clone();
+        odd.group_num_copies = vec![2];
+        let (h4, p4) = odd.to_wire(&[1, 0, 2, 3], &[]);
+        assert!(StepPlan::from_wire(&h4, &p4).is_err());
     }
 }

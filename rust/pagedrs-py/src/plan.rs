@@ -2,7 +2,7 @@
 //! copy) the first time each is read. `block_tables` is gathered from the scheduler's persistent
 //! block table only when read.
 
-use numpy::ndarray::Array2;
+use numpy::ndarray::{Array2, ArrayD, IxDyn};
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayDyn, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
 
@@ -28,6 +28,19 @@ impl<T: numpy::Element + Clone> Arr<T> {
                 v.into_pyarray(py).into_any().unbind()
             };
             *self = Arr::Py(arr);
+        }
+        match self {
+            Arr::Py(a) => a.clone_ref(py),
+            Arr::Raw(_) => unreachable!(),
+        }
+    }
+
+    /// As [`Self::get`], with the array in `shape` (whose product is the length).
+    fn get_shaped(&mut self, py: Python<'_>, shape: &[usize]) -> Py<PyAny> {
+        if let Arr::Raw(v) = self {
+            let v = std::mem::take(v);
+            let a = ArrayD::from_shape_vec(IxDyn(shape), v).expect("plan array shape");
+            *self = Arr::Py(PyArrayDyn::from_owned_array(py, a).into_any().unbind());
         }
         match self {
             Arr::Py(a) => a.clone_ref(py),
@@ -79,6 +92,12 @@ pub struct PyStepPlan {
     copies: Arr<i64>,
     block_moves: Arr<i64>,
     preempted: Arr<i64>,
+    group_slot_mapping: Arr<i64>,
+    group_block_tables: Arr<i32>,
+    group_copies: Arr<i64>,
+    group_num_copies: Arr<i32>,
+    #[pyo3(get)]
+    num_groups: usize,
     #[pyo3(get)]
     num_blocks: usize,
     #[pyo3(get)]
@@ -125,6 +144,11 @@ impl PyStepPlan {
             copies: Arr::Raw(p.copies),
             block_moves: Arr::Raw(p.block_moves),
             preempted: Arr::Raw(p.preempted),
+            num_groups: p.group_num_copies.len(),
+            group_slot_mapping: Arr::Raw(p.group_slot_mapping),
+            group_block_tables: Arr::Raw(p.group_block_tables),
+            group_copies: Arr::Raw(p.group_copies),
+            group_num_copies: Arr::Raw(p.group_num_copies),
             num_blocks: p.num_blocks,
             num_prefill_tokens: p.num_prefill_tokens,
             num_decode_tokens: p.num_decode_tokens,
@@ -251,6 +275,29 @@ impl PyStepPlan {
     fn preempted(&mut self, py: Python<'_>) -> Py<PyAny> {
         self.preempted.get(py, 0)
     }
+    /// int64 [G, T]: each KV-cache group's slot of every token.
+    #[getter]
+    fn group_slot_mapping(&mut self, py: Python<'_>) -> Py<PyAny> {
+        let t = self.num_tokens;
+        self.group_slot_mapping
+            .get_shaped(py, &[self.num_groups, t])
+    }
+    /// int32 [G, B, max_blocks]: each KV-cache group's block tables, padded with 0.
+    #[getter]
+    fn group_block_tables(&mut self, py: Python<'_>) -> Py<PyAny> {
+        let shape = [self.num_groups, self.num_reqs, self.max_blocks];
+        self.group_block_tables.get_shaped(py, &shape)
+    }
+    /// int64 [k, 2]: copy-on-write pairs (src, dst) of every group, in group order.
+    #[getter]
+    fn group_copies(&mut self, py: Python<'_>) -> Py<PyAny> {
+        self.group_copies.get(py, 2)
+    }
+    /// int32 [G]: copy-on-write pairs of each group in `group_copies`.
+    #[getter]
+    fn group_num_copies(&mut self, py: Python<'_>) -> Py<PyAny> {
+        self.group_num_copies.get(py, 0)
+    }
 
     /// `(header, payload)`: this plan, its dense block tables and `extra_logits_indices` as two
     /// int64 arrays for the tensor-parallel step broadcast (`StepPlan.from_wire` reads them).
@@ -289,6 +336,10 @@ impl PyStepPlan {
             copies: self.copies.to_vec(py)?,
             block_moves: self.block_moves.to_vec(py)?,
             preempted: self.preempted.to_vec(py)?,
+            group_slot_mapping: self.group_slot_mapping.to_vec(py)?,
+            group_block_tables: self.group_block_tables.to_vec(py)?,
+            group_copies: self.group_copies.to_vec(py)?,
+            group_num_copies: self.group_num_copies.to_vec(py)?,
             num_blocks: self.num_blocks,
             num_prefill_tokens: self.num_prefill_tokens,
             num_decode_tokens: self.num_decode_tokens,

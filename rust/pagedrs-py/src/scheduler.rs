@@ -281,49 +281,40 @@ impl PyScheduler {
     }
 
     /// Adds the KV-cache group of the layers attending to the last `window` tokens, with its own
-    /// pool of `num_blocks` blocks (before any request; no swap space, resize or n > 1 with it).
-    fn enable_window_group(&self, py: Python<'_>, window: i64, num_blocks: i64) -> PyResult<()> {
+    /// pool of `num_blocks` blocks (before any request, without swap space); returns its index in
+    /// the plan's group arrays.
+    fn add_window_group(&self, py: Python<'_>, window: i64, num_blocks: i64) -> PyResult<usize> {
         let (w, n) = (
             size("window", window, 1)?,
             size("num_blocks", num_blocks, 1)?,
         );
-        self.with(py, |s| s.enable_window_group(w, n))?
-            .map_err(to_py)
+        self.with(py, |s| s.add_window_group(w, n))?.map_err(to_py)
     }
 
-    /// (window, num_blocks, num_free_blocks) of the window group, None without one.
-    fn window_pool(&self, py: Python<'_>) -> PyResult<Option<(usize, usize, usize)>> {
+    /// Per KV-cache group beside the full-attention pool, in group order: (name, window or None,
+    /// num_blocks, num_free_blocks).
+    #[allow(clippy::type_complexity)]
+    fn kv_group_pools(
+        &self,
+        py: Python<'_>,
+    ) -> PyResult<Vec<(String, Option<usize>, usize, usize)>> {
         self.with(py, |s| {
-            s.window_group()
-                .map(|w| (w.window, w.pool.num_blocks(), w.pool.num_free()))
+            s.kv_group_stats()
+                .into_iter()
+                .map(|g| (g.name, g.window, g.num_blocks, g.num_free_blocks))
+                .collect()
         })
     }
 
-    /// The window group's slot mapping (int64 [T]), padded block tables (int32 [B, max_blocks]) of
-    /// `plan`, until the next `schedule()`, and its copy-on-write pairs (int64 [2k], src, dst), once.
-    #[allow(clippy::type_complexity)]
-    fn window_tables<'py>(
-        &self,
-        py: Python<'py>,
-        step_id: u64,
-        req_ids: Vec<i64>,
-        query_start_loc: Vec<i32>,
-        positions: Vec<i64>,
-        max_blocks: usize,
-    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>)> {
-        let (slots, tables, copies) = self
-            .detached(py, |s| {
-                s.window_tables(step_id, &req_ids, &query_start_loc, &positions, max_blocks)
-            })?
+    /// Group `group`'s block ids for a live seq id (-1 where it holds nothing any more).
+    fn group_blocks_of(&self, py: Python<'_>, group: usize, seq_id: i64) -> PyResult<Vec<i64>> {
+        let blocks = self
+            .with(py, |s| s.group_blocks_of(group, seq_id))?
             .map_err(to_py)?;
-        let rows = req_ids.len();
-        let tables = numpy::ndarray::Array2::from_shape_vec((rows, max_blocks), tables)
-            .expect("window table shape");
-        Ok((
-            slots.into_pyarray(py).into_any(),
-            PyArray2::from_owned_array(py, tables).into_any(),
-            copies.into_pyarray(py).into_any(),
-        ))
+        Ok(blocks
+            .into_iter()
+            .map(|b| if b == u32::MAX { -1 } else { i64::from(b) })
+            .collect())
     }
 
     fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<bool> {

@@ -93,8 +93,8 @@ class EngineCore(CoreUtilitiesMixin):
             **_spec_scheduler_args(config),
         )
         executor.attach_block_table(self.scheduler.block_table_view())
-        if hasattr(executor, "attach_window_group"):
-            executor.attach_window_group(self.scheduler)
+        for group in kv.groups:  # the layers whose blocks live in pools of their own (`runner.kv_groups`)
+            self.scheduler.add_window_group(group.window, group.num_blocks)
         # Prefix-cache events for routers (`kv_events`): recorded by the scheduler only when consumed.
         medium = "GPU" if self.device.type == "cuda" else "CPU"
         self._kv_events = (

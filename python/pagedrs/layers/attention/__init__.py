@@ -50,10 +50,14 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     # Per-backend scratch (index tensors built once per step and shared by every layer).
     cache: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
-    # The sliding-window layers' KV-cache group (its own pool): the layers whose window is `group_window`
-    # read and write through `window`'s slot mapping and block tables instead (`runner.kv_groups`).
-    window: AttentionMetadata | None = field(default=None, repr=False, compare=False)
+    # The sliding-window layers' KV-cache groups (pools of their own), by window: the layers whose window is
+    # a key read and write through that metadata's slot mapping and block tables instead (`runner.kv_groups`).
+    groups: dict[int, AttentionMetadata] = field(default_factory=dict, repr=False, compare=False)
     group_window: int | None = None
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """The metadata of the layers with this sliding window: their group's, else this one."""
+        return self.groups.get(window, self) if window is not None and self.groups else self
 
     @property
     def num_reqs(self) -> int:
@@ -259,8 +263,7 @@ class Attention(torch.nn.Module):
                 raise ValueError("ForwardContext.backend is required when attn_metadata is given")
             # only a backend that takes sinks gets the keyword (route_layer routes the others' layers away)
             extra = {} if self.sinks is None else {"sinks": self.sinks}
-            if meta.window is not None and meta.window.group_window == self.sliding_window:
-                meta = meta.window
+            meta = meta.for_window(self.sliding_window)
             out = self._backend_for(ctx.backend).forward(
                 q3,
                 k3,
