@@ -294,6 +294,29 @@ impl BlockPool {
     }
 }
 
+impl BlockPool {
+    /// Starts (an empty log) or stops recording prefix-cache events.
+    pub fn set_kv_events(&mut self, on: bool) {
+        if !on {
+            self.events = None;
+        } else if self.events.is_none() {
+            self.events = Some(Box::new(KvEvents::new(self.block_size())));
+        }
+    }
+
+    pub fn kv_events_enabled(&self) -> bool {
+        self.events.is_some()
+    }
+
+    /// The events recorded since the last call (none when recording is off).
+    pub fn take_kv_events(&mut self) -> KvEvents {
+        match self.events.as_deref_mut() {
+            Some(ev) => ev.take(),
+            None => KvEvents::new(self.block_size()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

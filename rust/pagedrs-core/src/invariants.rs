@@ -1,7 +1,7 @@
 //! A full consistency check of the scheduler's state (tests and debugging; O(everything)).
 
 use crate::error::{Error, Result};
-use crate::request::Status;
+use crate::request::{Seq, Status};
 use crate::scheduler::Scheduler;
 use crate::BlockId;
 
@@ -16,99 +16,124 @@ impl Scheduler {
         self.swap.check()?;
         self.tables.check(&self.seqs)?;
         self.kv.check(&self.seqs)?;
-        let bs = self.cfg.block_size;
-        let n = self.pool.num_blocks();
-        let mut refs = vec![0u32; n];
-        let mut swap_refs = vec![0u32; self.swap.num_blocks()];
-        let (mut running, mut width) = (0, 0);
-        let mut ids = 0;
+        let mut tally = Tally {
+            refs: vec![0; self.pool.num_blocks()],
+            swap_refs: vec![0; self.swap.num_blocks()],
+            ..Tally::default()
+        };
         for (slot, seq) in self.seqs.iter().enumerate().filter(|(_, s)| s.alive) {
-            let id = seq.seq_id;
-            ids += seq.width();
-            for &b in &seq.block_table {
-                if b as usize >= n {
-                    return Err(format!("seq {id} holds block {b} >= pool size {n}"));
-                }
-                refs[b as usize] += 1;
+            self.check_seq(slot, seq, &mut tally)?;
+        }
+        self.check_ref_counts(&tally)?;
+        self.check_queues(&tally)
+    }
+
+    /// One live sequence: its blocks, status, queue, cached contents and id mapping (counted in `tally`).
+    fn check_seq(
+        &self,
+        slot: usize,
+        seq: &Seq,
+        tally: &mut Tally,
+    ) -> std::result::Result<(), String> {
+        let (id, bs, n) = (seq.seq_id, self.cfg.block_size, self.pool.num_blocks());
+        tally.ids += seq.width();
+        for &b in &seq.block_table {
+            if b as usize >= n {
+                return Err(format!("seq {id} holds block {b} >= pool size {n}"));
             }
-            for &s in &seq.swap_table {
-                swap_refs[s as usize] += 1;
-            }
-            if seq.row.is_some() != (seq.status == Status::Running) {
-                return Err(format!(
-                    "seq {id} ({:?}) has block-table row {:?}",
-                    seq.status, seq.row
-                ));
-            }
-            if seq.last_block != seq.block_table.last().copied().unwrap_or(0) {
-                return Err(format!(
-                    "seq {id}: last_block {} is not its last block",
-                    seq.last_block
-                ));
-            }
-            let in_queue = match seq.status {
-                Status::Running => {
-                    running += 1;
-                    width += seq.width();
-                    if seq.block_table.len() < seq.num_computed.div_ceil(bs) {
-                        return Err(format!(
-                            "running seq {id}: {} blocks cannot hold {} computed tokens",
-                            seq.block_table.len(),
-                            seq.num_computed
-                        ));
-                    }
-                    self.running.contains(&(slot as u32))
-                }
-                Status::Waiting => {
-                    if !seq.block_table.is_empty() || seq.num_computed != 0 {
-                        return Err(format!("waiting seq {id} holds blocks or computed tokens"));
-                    }
-                    self.waiting.contains(&(seq.key, slot as u32))
-                }
-                Status::Swapped => {
-                    if !seq.block_table.is_empty()
-                        || seq.swap_table.len() < seq.num_computed.div_ceil(bs)
-                    {
-                        return Err(format!("swapped seq {id} has a bad block table"));
-                    }
-                    self.swapped.contains(&(seq.key, slot as u32))
-                }
-            };
-            if !in_queue {
-                return Err(format!("seq {id} ({:?}) is not in its queue", seq.status));
-            }
-            if seq.status != Status::Swapped && !seq.swap_table.is_empty() {
-                return Err(format!("seq {id} holds swap blocks while {:?}", seq.status));
-            }
-            // Cached blocks a sequence reads hold exactly its tokens (prefix hits included).
-            for (i, &b) in seq
-                .block_table
-                .iter()
-                .enumerate()
-                .take(seq.num_computed / bs)
+            tally.refs[b as usize] += 1;
+        }
+        for &s in &seq.swap_table {
+            tally.swap_refs[s as usize] += 1;
+        }
+        if seq.row.is_some() != (seq.status == Status::Running) {
+            return Err(format!(
+                "seq {id} ({:?}) has block-table row {:?}",
+                seq.status, seq.row
+            ));
+        }
+        if seq.last_block != seq.block_table.last().copied().unwrap_or(0) {
+            return Err(format!(
+                "seq {id}: last_block {} is not its last block",
+                seq.last_block
+            ));
+        }
+        if !self.in_its_queue(slot, seq, tally)? {
+            return Err(format!("seq {id} ({:?}) is not in its queue", seq.status));
+        }
+        if seq.status != Status::Swapped && !seq.swap_table.is_empty() {
+            return Err(format!("seq {id} holds swap blocks while {:?}", seq.status));
+        }
+        // Cached blocks a sequence reads hold exactly its tokens (prefix hits included).
+        for (i, &b) in seq
+            .block_table
+            .iter()
+            .enumerate()
+            .take(seq.num_computed / bs)
+        {
+            let b = BlockId(b);
+            if self.pool.is_cached(b)
+                && self.pool.cache().tokens_of(b) != &seq.tokens[i * bs..(i + 1) * bs]
             {
-                let b = BlockId(b);
-                if self.pool.is_cached(b)
-                    && self.pool.cache().tokens_of(b) != &seq.tokens[i * bs..(i + 1) * bs]
-                {
-                    return Err(format!(
-                        "seq {id} block {i} (pool block {}) caches other tokens",
-                        b.0
-                    ));
-                }
-            }
-            match self.ids.get(&id) {
-                Some(r) if r.slot as usize == slot && !r.child => {}
-                _ => return Err(format!("seq {id} is not mapped to slot {slot}")),
-            }
-            for &(c, _) in &seq.children {
-                match self.ids.get(&c) {
-                    Some(r) if r.slot as usize == slot && r.child => {}
-                    _ => return Err(format!("child {c} of seq {id} is not mapped")),
-                }
+                return Err(format!(
+                    "seq {id} block {i} (pool block {}) caches other tokens",
+                    b.0
+                ));
             }
         }
-        for (b, (&want, got)) in refs.iter().zip(0..).enumerate() {
+        match self.ids.get(&id) {
+            Some(r) if r.slot as usize == slot && !r.child => {}
+            _ => return Err(format!("seq {id} is not mapped to slot {slot}")),
+        }
+        for &(c, _) in &seq.children {
+            match self.ids.get(&c) {
+                Some(r) if r.slot as usize == slot && r.child => {}
+                _ => return Err(format!("child {c} of seq {id} is not mapped")),
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `seq` is in the queue of its status (its blocks checked against the status).
+    fn in_its_queue(
+        &self,
+        slot: usize,
+        seq: &Seq,
+        tally: &mut Tally,
+    ) -> std::result::Result<bool, String> {
+        let (id, bs) = (seq.seq_id, self.cfg.block_size);
+        Ok(match seq.status {
+            Status::Running => {
+                tally.running += 1;
+                tally.width += seq.width();
+                if seq.block_table.len() < seq.num_computed.div_ceil(bs) {
+                    return Err(format!(
+                        "running seq {id}: {} blocks cannot hold {} computed tokens",
+                        seq.block_table.len(),
+                        seq.num_computed
+                    ));
+                }
+                self.running.contains(&(slot as u32))
+            }
+            Status::Waiting => {
+                if !seq.block_table.is_empty() || seq.num_computed != 0 {
+                    return Err(format!("waiting seq {id} holds blocks or computed tokens"));
+                }
+                self.waiting.contains(&(seq.key, slot as u32))
+            }
+            Status::Swapped => {
+                if !seq.block_table.is_empty()
+                    || seq.swap_table.len() < seq.num_computed.div_ceil(bs)
+                {
+                    return Err(format!("swapped seq {id} has a bad block table"));
+                }
+                self.swapped.contains(&(seq.key, slot as u32))
+            }
+        })
+    }
+
+    fn check_ref_counts(&self, tally: &Tally) -> std::result::Result<(), String> {
+        for (b, (&want, got)) in tally.refs.iter().zip(0..).enumerate() {
             let have = self.pool.ref_count(BlockId(got));
             if want != have {
                 return Err(format!(
@@ -116,7 +141,7 @@ impl Scheduler {
                 ));
             }
         }
-        for (s, &want) in swap_refs.iter().enumerate() {
+        for (s, &want) in tally.swap_refs.iter().enumerate() {
             let have = self.swap.ref_count(s as u32);
             if want != have {
                 return Err(format!(
@@ -124,17 +149,24 @@ impl Scheduler {
                 ));
             }
         }
-        if running != self.running.len() || width != self.num_running_seqs {
+        Ok(())
+    }
+
+    fn check_queues(&self, tally: &Tally) -> std::result::Result<(), String> {
+        if tally.running != self.running.len() || tally.width != self.num_running_seqs {
             return Err(format!(
-                "running list has {} entries / {} seqs counted, found {running} / {width}",
+                "running list has {} entries / {} seqs counted, found {} / {}",
                 self.running.len(),
-                self.num_running_seqs
+                self.num_running_seqs,
+                tally.running,
+                tally.width
             ));
         }
-        if ids != self.ids.len() {
+        if tally.ids != self.ids.len() {
             return Err(format!(
-                "id map has {} entries, live sequences {ids}",
-                self.ids.len()
+                "id map has {} entries, live sequences {}",
+                self.ids.len(),
+                tally.ids
             ));
         }
         let keys: Vec<_> = self
@@ -153,6 +185,16 @@ impl Scheduler {
         }
         Ok(())
     }
+}
+
+/// What the per-sequence checks count, compared with the pools and queues afterwards.
+#[derive(Default)]
+struct Tally {
+    refs: Vec<u32>,
+    swap_refs: Vec<u32>,
+    running: usize,
+    width: usize,
+    ids: usize,
 }
 
 #[cfg(test)]

@@ -7,9 +7,7 @@
 
 use std::collections::HashMap;
 
-use crate::block_pool::BlockPool;
 use crate::prefix_cache::{block_hash, root_hash, IdentityHasher};
-use crate::Scheduler;
 
 /// The chained hashes of the full blocks of `tokens`, exactly as the scheduler computes them
 /// (`block_hash(parent, block)`, the first block's parent `root_hash(extra_key)`).
@@ -145,45 +143,6 @@ impl KvEvents {
             }
         }
         net
-    }
-}
-
-impl BlockPool {
-    /// Starts (an empty log) or stops recording prefix-cache events.
-    pub fn set_kv_events(&mut self, on: bool) {
-        if !on {
-            self.events = None;
-        } else if self.events.is_none() {
-            self.events = Some(Box::new(KvEvents::new(self.block_size())));
-        }
-    }
-
-    pub fn kv_events_enabled(&self) -> bool {
-        self.events.is_some()
-    }
-
-    /// The events recorded since the last call (none when recording is off).
-    pub fn take_kv_events(&mut self) -> KvEvents {
-        match self.events.as_deref_mut() {
-            Some(ev) => ev.take(),
-            None => KvEvents::new(self.block_size()),
-        }
-    }
-}
-
-impl Scheduler {
-    /// Starts or stops recording prefix-cache events (off by default).
-    pub fn set_kv_events(&mut self, on: bool) {
-        self.pool.set_kv_events(on);
-    }
-
-    pub fn kv_events_enabled(&self) -> bool {
-        self.pool.kv_events_enabled()
-    }
-
-    /// The prefix-cache events since the last call, in order; the engine drains them once per step.
-    pub fn take_kv_events(&mut self) -> KvEvents {
-        self.pool.take_kv_events()
     }
 }
 

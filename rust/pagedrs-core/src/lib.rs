@@ -16,6 +16,7 @@ pub mod kv_groups;
 pub mod paged_group;
 pub mod plan;
 pub mod prefix_cache;
+mod queries;
 pub mod request;
 mod resize;
 mod schedule;

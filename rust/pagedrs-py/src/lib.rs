@@ -7,6 +7,7 @@ mod errors;
 mod plan;
 mod prefix;
 mod scheduler;
+mod shared;
 mod types;
 
 /// Kernel sources (and the header they include, by file name) embedded at build time, so a wheel

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use pagedrs_core::StepPlan;
 
 use crate::errors::to_py;
-use crate::scheduler::PyScheduler;
+use crate::shared::SharedScheduler;
 
 enum Arr<T> {
     Raw(Vec<T>),
@@ -79,7 +79,7 @@ pub struct PyStepPlan {
     max_blocks: usize,
     /// The scheduler whose persistent table `block_tables` is gathered from; None for a plan
     /// received over the step wire (its dense tables came with it).
-    sched: Option<Py<PyScheduler>>,
+    sched: Option<SharedScheduler>,
     logits_indices: Arr<i64>,
     sampled_seq_ids: Arr<i64>,
     num_draft_tokens: Arr<i32>,
@@ -111,11 +111,11 @@ pub struct PyStepPlan {
 }
 
 impl PyStepPlan {
-    pub fn new(p: StepPlan, sched: Py<PyScheduler>) -> Self {
+    pub fn new(p: StepPlan, sched: SharedScheduler) -> Self {
         Self::build(p, Some(sched))
     }
 
-    fn build(p: StepPlan, sched: Option<Py<PyScheduler>>) -> Self {
+    fn build(p: StepPlan, sched: Option<SharedScheduler>) -> Self {
         Self {
             step_id: p.step_id,
             num_reqs: p.req_ids.len(),
@@ -217,7 +217,6 @@ impl PyStepPlan {
                 }
             };
             sched
-                .get()
                 .detached(py, |s| s.padded_block_tables(step, rows, max_blocks))?
                 .map_err(to_py)?
         };

@@ -1,40 +1,32 @@
 //! `Scheduler`: argument conversion and delegation to `pagedrs_core::Scheduler`.
 
-use std::sync::{Mutex, TryLockError};
-
 use numpy::ndarray::ArrayView2;
 use numpy::{IntoPyArray, PyArray2, PyReadonlyArray1};
 use pyo3::prelude::*;
 
 use pagedrs_core::{Config, NewRequest, Scheduler, SpecProposer};
 
-use crate::errors::{invalid, poisoned, to_py};
+use crate::errors::{invalid, to_py};
 use crate::plan::PyStepPlan;
 use crate::prefix::PyKVEvents;
+use crate::shared::SharedScheduler;
 use crate::types::{PyFinishReason, PySchedulerStats};
 
 /// Continuous-batching scheduler over a paged KV-cache block pool. Thread-safe: calls from other
 /// threads wait (with the GIL released) while `schedule()` / `update()` run.
 #[pyclass(module = "pagedrs._core", name = "Scheduler", frozen)]
 pub struct PyScheduler {
-    inner: Mutex<Scheduler>,
+    inner: SharedScheduler,
 }
 
 impl PyScheduler {
-    /// Runs `f` on the scheduler; waits for the lock without holding the GIL. A scheduler whose lock
-    /// was poisoned (a panic inside an earlier call) is never used again: SchedulerPoisonedError.
+    /// Runs `f` on the scheduler (see [`SharedScheduler::with`]).
     pub(crate) fn with<R: Send>(
         &self,
         py: Python<'_>,
         f: impl FnOnce(&mut Scheduler) -> R + Send,
     ) -> PyResult<R> {
-        match self.inner.try_lock() {
-            Ok(mut g) => Ok(f(&mut g)),
-            Err(TryLockError::Poisoned(_)) => Err(poisoned()),
-            Err(TryLockError::WouldBlock) => py
-                .detach(|| self.inner.lock().map(|mut g| f(&mut g)).map_err(|_| ()))
-                .map_err(|()| poisoned()),
-        }
+        self.inner.with(py, f)
     }
 
     /// Always releases the GIL: for work that grows with the batch.
@@ -43,8 +35,7 @@ impl PyScheduler {
         py: Python<'_>,
         f: impl FnOnce(&mut Scheduler) -> R + Send,
     ) -> PyResult<R> {
-        py.detach(|| self.inner.lock().map(|mut g| f(&mut g)).map_err(|_| ()))
-            .map_err(|()| poisoned())
+        self.inner.detached(py, f)
     }
 }
 
@@ -135,7 +126,7 @@ impl PyScheduler {
         };
         let inner = Scheduler::new(cfg).map_err(to_py)?;
         Ok(Self {
-            inner: Mutex::new(inner),
+            inner: SharedScheduler::new(inner),
         })
     }
 
@@ -179,7 +170,7 @@ impl PyScheduler {
             .get()
             .detached(slf.py(), |s| s.schedule())?
             .map_err(to_py)?;
-        Ok(PyStepPlan::new(plan, slf.clone().unbind()))
+        Ok(PyStepPlan::new(plan, slf.get().inner.clone()))
     }
 
     /// Zero-copy read-only view of the persistent block table, int32 [max_num_seqs, width].
