@@ -122,6 +122,7 @@ class AsyncLLMEngine:
         self._cores.make_router(routing, ready.block_size, session_affinity, router_tuning)
         self.router = self._cores.router
         self._streams: dict[str, RequestStream[Any]] = {}
+        self._stepped_at: dict[int, float] = {}  # replica -> when its last step message arrived
         self._num_inflight = 0
         self._draining = False
         self._closing = False
@@ -194,6 +195,23 @@ class AsyncLLMEngine:
     @property
     def is_healthy(self) -> bool:
         return self.dead_error is None and self.is_running and not self._draining
+
+    def stalled(self, timeout: float) -> list[tuple[int, float, int]]:
+        """(replica, seconds without a step, requests in flight) of each core that holds requests but has
+        sent no step message for more than `timeout` seconds, counted from its last step message or from
+        when its oldest request in flight was handed to it, whichever is later: a core that stopped
+        stepping (a deadlock, a stuck grammar, a paused process) while its process is alive. A core
+        steps, and sends a message, after every step; an idle core holds no requests."""
+        now = time.monotonic()
+        oldest: dict[int, float] = {}
+        count: dict[int, int] = {}
+        for rid, replica in self._cores.owner.items():
+            stream = self._streams.get(rid)
+            if stream is not None:
+                count[replica] = count.get(replica, 0) + 1
+                oldest[replica] = min(oldest.get(replica, now), stream.submitted_at)
+        since = {r: now - max(t, self._stepped_at.get(r, 0.0)) for r, t in oldest.items()}
+        return [(r, s, count[r]) for r, s in sorted(since.items()) if s > timeout]
 
     @property
     def num_restarts(self) -> int:
@@ -406,6 +424,7 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------ outputs
     def _on_outputs(self, replica: int, msg: EngineCoreOutputs, received_at: float) -> None:
+        self._stepped_at[replica] = time.monotonic()
         try:
             self._process(replica, msg)
         except Exception as exc:  # a frontend bug fails these requests, not the loop

@@ -78,6 +78,11 @@ class ServerArgs:
         config_default(ObservabilityConfig, "stats_log_interval"),
         "seconds between engine stats lines (0: off)",
     )
+    engine_stall_timeout: float = flag_field(
+        20.0,
+        "seconds an engine core with requests in flight may go without finishing a step before /health "
+        "answers 503 and the log names it (0: never)",
+    )
     max_engine_restarts: int = flag_field(
         3, "times the engine core process is restarted after it dies (then /health stays 503)"
     )
@@ -138,6 +143,8 @@ class ServerArgs:
 
     def error(self, enable_lora: bool) -> str | None:
         """What is wrong with this combination of flags (vLLM rejects the same ones), or None."""
+        if not self.engine_stall_timeout >= 0:
+            return f"--engine-stall-timeout must be >= 0, got {self.engine_stall_timeout}"
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             return "--enable-auto-tool-choice requires --tool-call-parser to be set"
         if self.lora_modules and not enable_lora:

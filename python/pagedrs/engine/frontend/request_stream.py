@@ -3,6 +3,8 @@ merged for a slow reader) and the errors a request or the engine may end with.""
 
 from __future__ import annotations
 
+import time
+
 import asyncio
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -80,6 +82,7 @@ class RequestStream(Generic[OutT]):
     def __init__(self, request_id: str, engine: _Aborter, kind: RequestOutputKind) -> None:
         self.request_id = request_id
         self.finished = False
+        self.submitted_at = time.monotonic()  # when the frontend handed it to a core (stall checks)
         self._engine = engine
         self._kind = kind
         self._pending: OutT | None = None

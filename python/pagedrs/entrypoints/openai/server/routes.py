@@ -3,6 +3,8 @@ API's routes are in its folder (``chat/routes.py``, ...), the admin and LoRA rou
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
@@ -13,6 +15,7 @@ from pagedrs.entrypoints.openai.server.metrics import CONTENT_TYPE
 from pagedrs.entrypoints.openai.server.state import ServerDep
 
 router = APIRouter()
+logger = logging.getLogger("pagedrs.server")
 
 
 class VersionResponse(ResponseBody):
@@ -22,6 +25,13 @@ class VersionResponse(ResponseBody):
 @router.get("/health", responses={503: {"model": ErrorResponse}})
 async def health(server: ServerDep) -> Response:
     engine = server.engine
+    stalled = engine.stalled(server.args.engine_stall_timeout) if server.args.engine_stall_timeout else []
+    if stalled and engine.is_healthy:
+        replica, seconds, inflight = stalled[0]
+        core = "the engine core" if engine.num_replicas == 1 else f"engine core {replica}"
+        message = f"{core} has not finished a step for {seconds:.0f} s with {inflight} requests in flight"
+        logger.warning("health: %s", message)
+        return unavailable(message.capitalize() + ".").response()
     if engine.is_healthy:
         if engine.num_replicas == 1:
             return Response(status_code=200)
