@@ -15,7 +15,13 @@ import pytest
 
 from pagedrs.models.cpu_decode import CpuDecodeStep
 from pagedrs.models.layer_desc import AddResidual, Attend, HeadNorm, ModelDesc, Rope
-from tests.distributed.helpers_tp import check_forced, run_workload, run_workload_logprobs, tp_engine
+from tests.distributed.helpers_tp import (
+    ENGINE_FOR,
+    check_forced,
+    run_workload,
+    run_workload_logprobs,
+    tp_engine,
+)
 from tests.helpers import make_tiny_llama, make_tiny_model
 from tests.models.helpers_configs import longrope_overrides, phi3_config
 from tests.models.helpers_families import gemma2_config, gemma3_config, qwen3_config, smollm3_config
@@ -69,20 +75,21 @@ def test_fast_step_replays_each_family_as_the_modules(
 ) -> None:
     path = FAMILIES[family](tmp_path)
     calls = _spy(monkeypatch)
-    fast = tp_engine(path, 1, quantization="q8_0")
+    kw = {"quantization": "q8_0", **ENGINE_FOR.get(family, {})}  # a pool that forces preemption
+    fast = tp_engine(path, 1, **kw)
     step = fast.runner.model.model.cpu_decode
     assert isinstance(step, CpuDecodeStep), "a model quantized at load on one CPU rank takes the fast step"
     _check_description(family, step.desc)
     ids, spy = run_workload(fast)
     check_forced(fast, spy)
     assert calls[0] > 0 and calls[1] > 0, calls  # decode steps taken, prefill steps declined
-    got = run_workload_logprobs(tp_engine(path, 1, quantization="q8_0"))
+    got = run_workload_logprobs(tp_engine(path, 1, **kw))
 
     monkeypatch.setenv("PAGEDRS_CPU_DECODE", "0")
-    slow = tp_engine(path, 1, quantization="q8_0")
+    slow = tp_engine(path, 1, **kw)
     assert slow.runner.model.model.cpu_decode is None
     taken = calls[0]
     want_ids, _ = run_workload(slow)
     assert calls[0] == taken  # off: never called
     assert ids == want_ids
-    assert got == run_workload_logprobs(tp_engine(path, 1, quantization="q8_0"))
+    assert got == run_workload_logprobs(tp_engine(path, 1, **kw))
