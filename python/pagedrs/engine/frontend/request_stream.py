@@ -3,9 +3,8 @@ merged for a slow reader) and the errors a request or the engine may end with.""
 
 from __future__ import annotations
 
-import time
-
 import asyncio
+import time
 from typing import Any, Generic, Protocol, TypeVar
 
 from pagedrs.engine.frontend.output_processor import RequestObserver
