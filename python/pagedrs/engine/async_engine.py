@@ -123,6 +123,9 @@ class AsyncLLMEngine:
         self.router = self._cores.router
         self._streams: dict[str, RequestStream[Any]] = {}
         self._stepped_at: dict[int, float] = {}  # replica -> when its last step message arrived
+        # Seconds a core with requests may go without a step before it is killed and restarted as a dead
+        # one (0: never; the server sets it from --engine-stall-restart-timeout).
+        self.stall_restart_timeout = 0.0
         self._num_inflight = 0
         self._draining = False
         self._closing = False
@@ -213,6 +216,21 @@ class AsyncLLMEngine:
         since = {r: now - max(t, self._stepped_at.get(r, 0.0)) for r, t in oldest.items()}
         return [(r, s, count[r]) for r, s in sorted(since.items()) if s > timeout]
 
+    def _stall_reason(self, replica: int) -> str | None:
+        """Why core `replica` is to be killed and restarted (None: it steps, or stall restarts are off)."""
+        if self.stall_restart_timeout <= 0:
+            return None
+        for index, seconds, inflight in self.stalled(self.stall_restart_timeout):
+            if index == replica:
+                core = "the engine core" if self.num_replicas == 1 else f"engine core {replica}"
+                return f"{core} stalled: no step for {seconds:.0f} s with {inflight} requests in flight"
+        return None
+
+    @property
+    def num_stall_restarts(self) -> int:
+        """Cores killed (to be restarted) because they stopped stepping with requests in flight."""
+        return sum(r.num_stall_kills for r in self._cores.replicas)
+
     @property
     def num_restarts(self) -> int:
         return sum(r.num_restarts for r in self._cores.replicas)
@@ -263,7 +281,9 @@ class AsyncLLMEngine:
         self._started = True
         for r in self._cores.replicas:
             r.connect()
-            watch = self._cores.watch(r, self._fail_requests, self._restarted, lambda: self._closing)
+            watch = self._cores.watch(
+                r, self._fail_requests, self._restarted, lambda: self._closing, self._stall_reason
+            )
             self._tasks.append(asyncio.create_task(watch, name=f"pagedrs-core-monitor-{r.index}"))
 
     def begin_drain(self) -> None:

@@ -83,6 +83,11 @@ class ServerArgs:
         "seconds an engine core with requests in flight may go without finishing a step before /health "
         "answers 503 and the log names it (0: never)",
     )
+    engine_stall_restart_timeout: float = flag_field(
+        120.0,
+        "seconds an engine core process with requests in flight may go without finishing a step before "
+        "it is killed and restarted as a dead one (its requests fail with a clear error; 0: never)",
+    )
     max_engine_restarts: int = flag_field(
         3, "times the engine core process is restarted after it dies (then /health stays 503)"
     )
@@ -145,6 +150,8 @@ class ServerArgs:
         """What is wrong with this combination of flags (vLLM rejects the same ones), or None."""
         if not self.engine_stall_timeout >= 0:
             return f"--engine-stall-timeout must be >= 0, got {self.engine_stall_timeout}"
+        if not self.engine_stall_restart_timeout >= 0:
+            return f"--engine-stall-restart-timeout must be >= 0, got {self.engine_stall_restart_timeout}"
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             return "--enable-auto-tool-choice requires --tool-call-parser to be set"
         if self.lora_modules and not enable_lora:

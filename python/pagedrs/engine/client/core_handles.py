@@ -52,6 +52,9 @@ class CoreHandle(Protocol):
     def alive(self) -> bool: ...
     def exit_description(self) -> str: ...
     def stop(self, timeout: float) -> None: ...
+    def kill(self) -> bool:
+        """Kills a core that is alive but stuck (True), or says it cannot (False: not its process)."""
+        ...
 
 
 def _addresses(ipc_dir: str, gen: int, num_clients: int) -> tuple[str, list[str]]:
@@ -105,6 +108,16 @@ class ProcessCore:
             return f"engine core (pid {self.proc.pid}) is running"
         how = f"killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
         return f"engine core process (pid {self.proc.pid}) {how}"
+
+    def kill(self) -> bool:
+        """SIGKILL (a stopped or deadlocked process cannot shut down by itself) and reaps it."""
+        if self.proc is None:
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        return True
 
     def stop(self, timeout: float) -> None:
         """Asks the core to shut down and waits; terminates, then kills, one that does not exit."""
@@ -161,6 +174,9 @@ class ThreadCore:
         if self.error is not None:
             return f"engine core thread failed: {self.error!r}"
         return "engine core thread stopped"
+
+    def kill(self) -> bool:
+        return False  # a thread of this process cannot be killed
 
     def stop(self, timeout: float) -> None:
         self.proc.stop()
@@ -262,6 +278,9 @@ class RemoteCore:
 
     def stop(self, timeout: float) -> None:
         return None
+
+    def kill(self) -> bool:
+        return False  # the supervisor process owns the core
 
 
 def wait_ready(handle: CoreHandle, timeout: float, client_index: int = 0) -> Ready:

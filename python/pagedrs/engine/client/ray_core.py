@@ -167,6 +167,16 @@ class RayCore:
             return f"{where} died: {type(exc).__name__}: {_first_line(exc)}"
         return f"{where} exited with code {code}"
 
+    def kill(self) -> bool:
+        """Kills the core's actor (a stuck core cannot shut down by itself); `alive()` then says so."""
+        if self._actor is None:
+            return False
+        with contextlib.suppress(Exception):  # already gone
+            self._ray.kill(self._actor, no_restart=True)
+        with contextlib.suppress(Exception):  # the run ends with the actor's death
+            self._ray.wait([self._run_ref], timeout=10)
+        return True
+
     def stop(self, timeout: float) -> None:
         """Asks the core to shut down and waits up to `timeout`; then kills the actor (its rank actors die
         with it) and removes its placement group, whatever state it was in."""

@@ -111,6 +111,9 @@ class CoreReplica:
         self.num_restarts = 0
         self.dead: BaseException | None = None  # set while the core is down
         self.restarting = False
+        self.killed_for: str | None = None  # why the watch killed the live core (it was stuck)
+        self.num_stall_kills = 0
+        self.unkillable_logged = False
         self.stats: EngineStats | None = None
         self.ready: Ready | None = None
         self.handle: CoreHandle | None = None
@@ -171,6 +174,19 @@ class CoreReplica:
         if self.handle is not None:
             self.handle.stop(timeout)
         self.disconnect()
+
+    def kill(self, why: str) -> bool:
+        """Kills a stuck core so it is restarted as a dead one (False, logged once: it cannot be, as a
+        core in a thread of this process or one a supervisor process owns)."""
+        if self.handle is None or not self.handle.kill():
+            if not self.unkillable_logged:
+                logger.error("%s; it cannot be restarted from here (not a process of this server)", why)
+                self.unkillable_logged = True
+            return False
+        logger.error("%s: killed, to be restarted", why)
+        self.killed_for = f"{why} (killed)"
+        self.num_stall_kills += 1
+        return True
 
 
 class ReplicaSet:
@@ -332,15 +348,23 @@ class ReplicaSet:
         fail: Callable[[set[str], BaseException], None],
         restarted: Callable[[], None],
         closing: Callable[[], bool],
+        stall: Callable[[int], str | None] = lambda index: None,
     ) -> None:
         """Watches one core: when it dies, `fail`s its requests in flight, keeps the router off it, and
-        restarts it (at most `max_restarts` times), calling `restarted()` when it serves again."""
+        restarts it (at most `max_restarts` times), calling `restarted()` when it serves again. A core
+        alive but stuck (`stall(index)` says why, None while it steps) is killed and treated as dead."""
         while not closing():
             await asyncio.sleep(_MONITOR_INTERVAL_S)
             handle = replica.handle
-            if closing() or handle is None or handle.alive() or replica.dead is not None:
+            if closing() or handle is None or replica.dead is not None:
                 continue
-            why = handle.exit_description()
+            stuck = stall(replica.index) if handle.alive() else None
+            if stuck is not None and not replica.kill(stuck):
+                continue
+            if handle.alive():
+                continue
+            why = replica.killed_for or handle.exit_description()
+            replica.killed_for = None
             if self.router is not None:
                 why = f"data-parallel replica {replica.index}: {why}"
                 self.router.set_available(replica.index, False)

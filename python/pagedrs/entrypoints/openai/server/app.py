@@ -35,6 +35,7 @@ from pagedrs.entrypoints.openai.models import routes as models_routes
 from pagedrs.entrypoints.openai.models.serving import ServingModels
 from pagedrs.entrypoints.openai.responses import routes as responses_routes
 from pagedrs.entrypoints.openai.server import liquid_routes, lora_routes, routes
+from pagedrs.entrypoints.openai.server.liveness import LivenessCollector
 from pagedrs.entrypoints.openai.server.metrics import ServerMetrics
 from pagedrs.entrypoints.openai.server.middleware import ServerMiddleware
 from pagedrs.entrypoints.openai.server.openapi import PagedrsAPI
@@ -99,6 +100,8 @@ def make_state(engine: AsyncLLMEngine, args: ServerArgs) -> ServerState:
         get_replica_stats=engine.get_replica_stats if dp else None,
     )
     engine.set_observer(metrics)
+    metrics.add_collector(LivenessCollector(engine, names[0], per_engine=dp))
+    engine.stall_restart_timeout = args.engine_stall_restart_timeout
     models = ServingModels(engine, names)
     completions = OpenAIServingCompletion(engine, names, models=models)
     parsing = OutputParsing.from_args(args)

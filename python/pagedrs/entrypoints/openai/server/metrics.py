@@ -210,6 +210,8 @@ NO_VLLM_NAME: dict[str, str] = {
     "pagedrs:output_send_seconds": "vLLM has no output-send time histogram",
     "pagedrs:frontend_step_seconds": "vLLM has no frontend per-step time histogram",
     "pagedrs:step_batch_size": "vLLM's iteration_tokens_total counts tokens per step, not sequences",
+    "pagedrs:engine_core_stalled_seconds": "vLLM does not watch its core for stalls",
+    "pagedrs:engine_core_stall_restarts": "vLLM does not restart a stalled core",
 }
 # Served only with data parallelism (vLLM's balancer does not count its choices): requests per replica.
 DP_ONLY_FAMILIES = ("pagedrs:dp_routed_requests",)
@@ -333,6 +335,12 @@ class ServerMetrics:
             if self.routed is not None:
                 self.routed.labels(model_name, str(engine))
         self.registry.register(self._engine_collector)
+        self._scrape_collectors: list[Collector] = [self._engine_collector]
+
+    def add_collector(self, collector: Collector) -> None:
+        """Another collector read at scrape time (also in the multi-process exposition)."""
+        self.registry.register(collector)
+        self._scrape_collectors.append(collector)
 
     def _labels(self, engine: int | None) -> tuple[str, ...]:
         if not self.num_engines:
@@ -379,6 +387,7 @@ class ServerMetrics:
 
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
-            registry.register(self._engine_collector)
+            for collector in self._scrape_collectors:
+                registry.register(collector)
             return exposition(registry)
         return exposition(self.registry)
