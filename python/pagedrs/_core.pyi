@@ -76,8 +76,8 @@ def moe_experts(
     gate_up_bias float32 [E, 2I] / down_bias [E, H]: the experts' biases (added after each projection);
     swiglu (alpha, limit): gpt-oss's clamped SwiGLU, (up + 1) * g * sigmoid(alpha * g) with g = min(gate,
     limit) and up clamped to +-limit, instead of silu(gate) * up. gate_up_packed / down_packed: that GGUF
-    weight in the 8-row interleaved layout (``quant_pack_x8`` of it as [E * rows, row_bytes]; Q4_0, Q4_1 or
-    Q8_0, rows a multiple of 8), on the dense packed kernels.
+    weight in the 8-row interleaved layout (``quant_pack_x8`` of it as [E * rows, row_bytes]; a type it
+    takes, rows a multiple of 8), on the dense packed kernels.
     ValueError naming the array or the id on a bad argument."""
 
 def quant_matmul(
@@ -99,8 +99,9 @@ def quant_matmul(
     [M, ldo]. ValueError on a bad shape or type."""
 
 def quant_pack_x8(weight: npt.NDArray[np.uint8], ggml_type: int) -> npt.NDArray[np.uint8]:
-    """W (uint8 [N, row_bytes] of Q4_0, Q4_1 or Q8_0 blocks, N a multiple of 8) repacked 8 rows at a time for
-    ``quant_matmul(..., packed=True)``: a new array of the same shape. ValueError otherwise."""
+    """W (uint8 [N, row_bytes] of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks, N a multiple of 8)
+    repacked 8 rows at a time for ``quant_matmul(..., packed=True)``: a new array of the same shape.
+    ValueError otherwise."""
 
 def quant_get_rows(
     weight: npt.NDArray[np.uint8],

@@ -45,7 +45,7 @@ pub enum ExpertWeights<'a> {
     /// GGUF blocks, each matrix row `qt.row_bytes(cols)` bytes.
     Quant(QuantType, &'a [u8]),
     /// The same blocks with each matrix in the 8-row interleaved layout (`quant::x8::pack` of the
-    /// stacked `[E * rows, row_bytes]`; Q4_0, Q4_1 or Q8_0, rows a multiple of 8).
+    /// stacked `[E * rows, row_bytes]`; a type `x8::packs`, rows a multiple of 8).
     QuantX8(QuantType, &'a [u8]),
 }
 

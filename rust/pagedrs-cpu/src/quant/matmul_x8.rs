@@ -82,8 +82,11 @@ pub(crate) fn x8_group_rows(
             i += r;
         }
     }
+    // The NEON kernels take Q4_0 / Q4_1 / Q8_0; the other layouts run the portable kernel there.
     #[cfg(target_arch = "aarch64")]
-    if matches!(isa, Isa::Neon | Isa::NeonDot) {
+    if matches!(isa, Isa::Neon | Isa::NeonDot)
+        && matches!(qt, QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0)
+    {
         // 4 activation rows share each block's loads, then the 1-3 left in one group.
         while i < m {
             let r = (m - i).min(4);
@@ -122,6 +125,11 @@ unsafe fn x8_rows<const R: usize>(
 ) {
     let rows: [ActRow<'_>; R] = std::array::from_fn(|r| acts.row(i + r));
     let acc = match (vnni, qt) {
+        (_, QuantType::Q5_0) => avx2::x8_group_q5::<R, false>(w, nb, &rows),
+        (_, QuantType::Q5_1) => avx2::x8_group_q5::<R, true>(w, nb, &rows),
+        (_, QuantType::Q4_K) => avx2::x8_group_k45::<R, false>(w, nb, &rows),
+        (_, QuantType::Q5_K) => avx2::x8_group_k45::<R, true>(w, nb, &rows),
+        (_, QuantType::Q6_K) => avx2::x8_group_q6k::<R>(w, nb, &rows),
         (false, QuantType::Q4_1) => avx2::x8_group::<R, true, false>(w, nb, &rows),
         (false, QuantType::Q4_0) => avx2::x8_group::<R, false, false>(w, nb, &rows),
         (false, _) => avx2::x8_group_q8::<R, false>(w, nb, &rows),

@@ -28,6 +28,7 @@ mod neon;
 mod q8_block;
 mod tile;
 pub mod x8;
+mod x8k;
 
 pub use act::{dot_portable, ActRow, Interleaved, QuantizedActs, RowGroup};
 pub use formats::{dequantize_row, f16_to_f32, QuantType};

@@ -24,9 +24,13 @@
 //! `acc = fma(isum, dw * dx, acc)` then `acc = fma(mw, sx, acc)` with `isum` the exact integer dot
 //! (`mw` = the min for Q4_1, `-8 * dw` for Q4_0; `sx` = the activation block's `d * sum(q)`; Q8_0 has no
 //! second FMA).
+//!
+//! Q5_0, Q5_1 and the K-quants (Q4_K, Q5_K, Q6_K) have x8 layouts too, with their own packed blocks and
+//! arithmetic: `x8k`.
 
 use super::act::ActRow;
 use super::formats::{f16_to_f32, QuantType};
+use super::x8k;
 use crate::KernelError;
 
 /// Rows per interleaved group.
@@ -34,7 +38,7 @@ pub const ROWS: usize = 8;
 
 /// Whether the type has an x8 layout.
 pub fn packs(qt: QuantType) -> bool {
-    matches!(qt, QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0)
+    matches!(qt, QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0) || x8k::packs(qt)
 }
 
 /// Bytes of the f16 fields before the quants in a packed block (8 scales, and 8 mins for Q4_1).
@@ -72,6 +76,11 @@ pub fn pack(qt: QuantType, w: &[u8], n: usize, k: usize) -> Result<Vec<u8>, Kern
     for g in 0..n / ROWS {
         for b in 0..nb {
             let dst = &mut out[(g * nb + b) * ROWS * bb..][..ROWS * bb];
+            if x8k::packs(qt) {
+                let src = std::array::from_fn(|r| &w[(g * ROWS + r) * rb + b * bb..][..bb]);
+                x8k::pack_block(qt, &src, dst);
+                continue;
+            }
             for r in 0..ROWS {
                 let src = &w[(g * ROWS + r) * rb + b * bb..][..bb];
                 for f in 0..fields {
@@ -95,6 +104,10 @@ pub fn unpack_row(qt: QuantType, packed: &[u8], k: usize, row: usize, out: &mut 
     for b in 0..nb {
         let src = &packed[(g * nb + b) * ROWS * bb..][..ROWS * bb];
         let dst = &mut out[b * bb..][..bb];
+        if x8k::packs(qt) {
+            x8k::unpack_block(qt, src, r, dst);
+            continue;
+        }
         for f in 0..fields {
             dst[2 * f..][..2].copy_from_slice(&src[16 * f + 2 * r..][..2]);
         }
@@ -107,6 +120,9 @@ pub fn unpack_row(qt: QuantType, packed: &[u8], k: usize, row: usize, out: &mut 
 /// The 8 outputs of one packed group (`nb` blocks at `w`) for one activation row, in plain Rust with the
 /// SIMD kernels' arithmetic (see the module docs).
 pub fn group_portable(qt: QuantType, w: &[u8], nb: usize, a: ActRow<'_>) -> [f32; ROWS] {
+    if x8k::packs(qt) {
+        return x8k::group_portable(qt, w, nb, a);
+    }
     let (bb, head) = (qt.block_bytes() * ROWS, head_bytes(qt));
     let mut acc = [0.0f32; ROWS];
     for b in 0..nb {

@@ -64,7 +64,7 @@ impl<'py> ExpertArray<'py> {
 /// [T, k]; topk_weights float32 [T, k]; out float32 [T, H]. `isa`: the kernels (`quant_isa()`'s names).
 /// `gate_up_bias` float32 [E, 2I] / `down_bias` [E, H]: the experts' biases; `swiglu` (alpha, limit):
 /// gpt-oss's clamped SwiGLU instead of silu(gate) * up. `gate_up_packed` / `down_packed`: that GGUF
-/// weight in the 8-row interleaved layout (`quant_pack_x8` of [E * rows, row_bytes]; Q4_0, Q4_1, Q8_0,
+/// weight in the 8-row interleaved layout (`quant_pack_x8` of [E * rows, row_bytes]; the types it takes,
 /// rows a multiple of 8).
 #[pyfunction]
 #[pyo3(signature = (x, gate_up, down, topk_ids, topk_weights, out, gate_up_type=None, down_type=None, num_threads=1, isa=None, gate_up_bias=None, down_bias=None, swiglu=None, gate_up_packed=false, down_packed=false))]

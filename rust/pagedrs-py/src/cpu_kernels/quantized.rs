@@ -80,7 +80,7 @@ pub fn quant_matmul(
 
 /// W (uint8 [N, row_bytes], GGUF blocks of `ggml_type`) repacked 8 rows at a time for
 /// `quant_matmul(..., packed=True)`: a new array of the same shape. ValueError unless the type is Q4_0,
-/// Q4_1 or Q8_0 and N a multiple of 8.
+/// Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K and N a multiple of 8.
 #[pyfunction]
 pub fn quant_pack_x8<'py>(
     py: Python<'py>,

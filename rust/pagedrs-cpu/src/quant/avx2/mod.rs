@@ -8,8 +8,8 @@
 //! Every function here is `unsafe`: callers must have checked that the CPU has AVX2, FMA and F16C, and
 //! that `w` points at `nb` whole blocks of the type and every `ActRow` holds the matching sub-blocks.
 //!
-//! The kernels: `per_block` (every type), `block_group` (Q4_0, Q4_1, Q8_0 and MXFP4) and `x8_group` (the
-//! 8-row interleaved layout).
+//! The kernels: `per_block` (every type), `block_group` (Q4_0, Q4_1, Q8_0 and MXFP4), `x8_group` (the
+//! 8-row interleaved layout) and `x8k_group` (its Q5_0 / Q5_1 / K-quant layouts).
 
 use std::arch::x86_64::*;
 
@@ -132,5 +132,7 @@ macro_rules! two_chains {
 mod block_group;
 mod per_block;
 mod x8_group;
+mod x8k_group;
 pub(super) use block_group::group_rows;
 pub(super) use x8_group::{x8_group, x8_group_q8};
+pub(super) use x8k_group::{x8_group_k45, x8_group_q5, x8_group_q6k};

@@ -3,13 +3,22 @@
 use super::helpers::*;
 use crate::quant::*;
 
-const X8_TYPES: [QuantType; 3] = [QuantType::Q4_0, QuantType::Q4_1, QuantType::Q8_0];
+const X8_TYPES: [QuantType; 8] = [
+    QuantType::Q4_0,
+    QuantType::Q4_1,
+    QuantType::Q8_0,
+    QuantType::Q5_0,
+    QuantType::Q5_1,
+    QuantType::Q4_K,
+    QuantType::Q5_K,
+    QuantType::Q6_K,
+];
 
 #[test]
 fn x8_pack_round_trips_and_only_takes_what_it_can_lay_out() {
     let mut rng = Rng(23);
     for qt in X8_TYPES {
-        let (n, k) = (24, 5 * 32);
+        let (n, k) = (24, 3 * 256);
         let w = random_weights(qt, n, k, &mut rng);
         let packed = x8::pack(qt, &w, n, k).unwrap();
         assert_eq!(packed.len(), w.len());
@@ -39,10 +48,10 @@ fn x8_pack_round_trips_and_only_takes_what_it_can_lay_out() {
             n: 12
         })
     );
-    let w = random_weights(QuantType::Q4_K, 8, 256, &mut rng);
+    let w = random_weights(QuantType::MXFP4, 8, 256, &mut rng);
     assert!(matches!(
-        x8::pack(QuantType::Q4_K, &w, 8, 256),
-        Err(KernelError::Packing { qtype: "Q4_K", .. })
+        x8::pack(QuantType::MXFP4, &w, 8, 256),
+        Err(KernelError::Packing { qtype: "MXFP4", .. })
     ));
 }
 
@@ -51,7 +60,7 @@ fn x8_matmul_matches_reference_and_is_the_same_bits_on_every_isa_and_batch() {
     let mut rng = Rng(29);
     for qt in X8_TYPES {
         for &(n, kb) in &[(8, 1), (16, 3), (40, 18), (64, 2)] {
-            let (k, rows) = (kb * 32, 9);
+            let (k, rows) = (kb * qt.block_len(), 9);
             let w = random_weights(qt, n, k, &mut rng);
             let packed = x8::pack(qt, &w, n, k).unwrap();
             let x: Vec<f32> = (0..rows * k).map(|_| 2.0 * rng.uniform()).collect();
