@@ -3,14 +3,16 @@
     taskset -c 0 env OMP_NUM_THREADS=1 python bench/quant_kernel.py [--n 49152] [--k 576]
         [--types Q4_1,Q8_0] [--rows 1,2,4,6,8,16] [--repeats 7] [--threads 1]
     python bench/quant_kernel.py --types Q4_1 --n 3072 --x8      # also the 8-row interleaved layout
+    python bench/quant_kernel.py --types Q4_K,Q6_K,Q5_0 --n 8960 --k 1536 --rows 1,16 --x8 --threads 2
     python bench/quant_kernel.py --types Q4_1,Q8_0 --x8-only --isas avx2,avx512-vnni --threads 2
 
 
 The weight is random bytes with sane f16 scales (the kernels' cost does not depend on the values); x is
 random float32. Prints the best-of-repeats and the median time per call, and the best time per activation
 row, for each (type, M). The default shape is SmolLM2-135M's tied embedding / LM head (49152 x 576).
-With --x8, Q4_0 / Q4_1 also run in the layout the loader repacks them into (`_core.quant_pack_x8`), the
-two layouts' calls alternating within each repeat (same machine load), with the ratio file / x8.
+With --x8, the types with an x8 layout (all but MXFP4) also run in the layout the loader repacks them into
+(`_core.quant_pack_x8`), the two layouts' calls alternating within each repeat (same machine load), with
+the ratio file / x8.
 With --isas A,B each layout also runs on both kernel sets (`_core.quant_isa()` names), alternating
 the same way, with the ratio A / B (they give the same bits; this is only their speed).
 """
@@ -55,8 +57,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,6,8,16")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--x8", action="store_true", help="also time the x8 layout of Q4_0 / Q4_1")
-    ap.add_argument("--x8-only", action="store_true", help="only the x8 layout (Q4_0 / Q4_1 / Q8_0)")
+    ap.add_argument("--x8", action="store_true", help="also time the x8 layout")
+    ap.add_argument("--x8-only", action="store_true", help="only the x8 layout")
     ap.add_argument("--isas", default=None, help="two kernel sets to compare, e.g. avx2,avx512-vnni")
     args = ap.parse_args()
     isas = args.isas.split(",") if args.isas else [None]
@@ -69,7 +71,7 @@ def main() -> None:
         qid = TYPES[name][0]
         w = weight(name, args.n, args.k, rng)
         layouts = [] if args.x8_only else [("file", w, False)]
-        if (args.x8 or args.x8_only) and name in ("Q4_0", "Q4_1", "Q8_0"):
+        if args.x8 or args.x8_only:
             layouts.append(("x8", _core.quant_pack_x8(w, qid), True))
         runs = [
             (f"{lay}" + (f"/{isa}" if isa else ""), data, packed, isa)

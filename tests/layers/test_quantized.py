@@ -213,12 +213,15 @@ def test_each_row_is_bit_identical_whatever_the_batch(qtype):
     assert torch.equal(QuantizedWeight([w]).matmul(x), full)  # the warm pool's threads too
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+_X8 = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", _X8, ids=lambda t: t.name)
 def test_x8_layout_multiplies_and_dequantizes_as_the_file_layout(qtype):
-    """Q4_0 / Q4_1 / Q8_0 weights with a multiple of 8 rows are repacked 8 rows at a time at load (on AVX2):
-    same products within the kernels' bound, same dequantized rows, each row's bits independent of the
-    batch."""
-    n, k = 40, 3 * 32
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights with a multiple of 8 rows are
+    repacked 8 rows at a time at load (on AVX2): same products within the kernels' bound, same dequantized
+    rows, each row's bits independent of the batch."""
+    n, k = 40, 3 * (256 if qtype.name.endswith("_K") else 32)
     w = random_weight(qtype, n, k, seed=7)
     packed = _core.quant_pack_x8(w.data, int(qtype))
     assert packed.shape == w.data.shape and not np.array_equal(packed, w.data)
@@ -242,18 +245,16 @@ def test_x8_layout_multiplies_and_dequantizes_as_the_file_layout(qtype):
     torch.testing.assert_close(qw.dequantized(), dense, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 def test_every_kernel_set_gives_the_same_bits(qtype):
     """`isa=` picks the kernels (on x86-64 AVX-512 VNNI's `vpdpbusd` in the x8 layout, AVX2's `maddubs`;
     ones this CPU lacks give way to the nearest below): in the x8 layout every kernel set gives the same
     bits at 1-9 rows; in the file layout AVX-512 VNNI and AVX2 (the same kernels there) do, and the
     others sum in another order (within the error bound); an unknown name is a ValueError."""
-    n, k = 24, 8 * 32 if qtype != Q.Q4_K else 256
+    n, k = 24, 256
     w = random_weight(qtype, n, k, seed=3)
     x = (torch.randn(9, k, generator=torch.Generator().manual_seed(3)) * 4).numpy()
-    layouts = [(w.data, False)]
-    if qtype != Q.Q4_K:
-        layouts.append((_core.quant_pack_x8(w.data, int(qtype)), True))
+    layouts = [(w.data, False), (_core.quant_pack_x8(w.data, int(qtype)), True)]
     bound = error_bound(torch.from_numpy(x), dequantized(w)).numpy()
     ref = _FAMILY[-2] if len(_FAMILY) > 1 else "portable"  # the base SIMD set
     for data, packed in layouts:
@@ -297,8 +298,8 @@ def test_the_cpu_isa_variable_caps_the_kernels():
 def test_x8_layout_refuses_what_it_cannot_lay_out():
     with pytest.raises(ValueError, match="multiple of 8"):
         _core.quant_pack_x8(random_weight(Q.Q4_1, 12, 32).data, int(Q.Q4_1))
-    with pytest.raises(ValueError, match="Q6_K"):
-        _core.quant_pack_x8(random_weight(Q.Q6_K, 8, 256).data, int(Q.Q6_K))
+    with pytest.raises(ValueError, match="MXFP4"):
+        _core.quant_pack_x8(random_weight(Q.MXFP4, 8, 256).data, int(Q.MXFP4))
     w = random_weight(Q.Q4_0, 8, 64)
     out = np.empty((1, 16), dtype=np.float32)
     with pytest.raises(ValueError, match="multiple of 8"):
