@@ -207,15 +207,15 @@ def test_packed_quantized_experts_equal_the_unpacked_ones(qtype: str) -> None:
     want = run(*plain)
     for g, d in ((packed[0], packed[1]), (packed[0], plain[1]), (plain[0], packed[1])):
         np.testing.assert_allclose(run(g, d), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    with pytest.raises(ValueError, match="Q4_K"):
+    with pytest.raises(ValueError, match="MXFP4"):
         _core.moe_experts(
             np.zeros((tokens, 256), np.float32),
-            np.zeros((experts, 2 * inter, 144), np.uint8),  # 256-wide Q4_K rows
+            np.zeros((experts, 2 * inter, 136), np.uint8),  # 256-wide MXFP4 rows
             np.zeros((experts, 256, inter), np.float32),
             ids.numpy(),
             w.numpy(),
             np.zeros((tokens, 256), np.float32),
-            gate_up_type=int(gguf.GGMLQuantizationType.Q4_K),
+            gate_up_type=int(gguf.GGMLQuantizationType.MXFP4),
             gate_up_packed=True,
         )
 
