@@ -218,9 +218,9 @@ _X8 = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 @pytest.mark.parametrize("qtype", _X8, ids=lambda t: t.name)
 def test_x8_layout_multiplies_and_dequantizes_as_the_file_layout(qtype):
-    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights with a multiple of 8 rows are
-    repacked 8 rows at a time at load (on AVX2): same products within the kernels' bound, same dequantized
-    rows, each row's bits independent of the batch."""
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K weights with a multiple of 8 rows are repacked 8
+    rows at a time at load (on AVX2), and Q6_K can be: same products within the kernels' bound, same
+    dequantized rows, each row's bits independent of the batch."""
     n, k = 40, 3 * (256 if qtype.name.endswith("_K") else 32)
     w = random_weight(qtype, n, k, seed=7)
     packed = _core.quant_pack_x8(w.data, int(qtype))
@@ -239,7 +239,8 @@ def test_x8_layout_multiplies_and_dequantizes_as_the_file_layout(qtype):
     _core.quant_get_rows(packed, int(qtype), ids, rows, packed=True)
     torch.testing.assert_close(torch.from_numpy(rows), dense[ids], rtol=1e-6, atol=1e-7)
     qw = QuantizedWeight([w])
-    assert qw.runs[0].packed == (_core.quant_isa() in X8_ISAS)
+    # Q6_K has the layout but stays in the file's at load (its x8 kernel is slower at one row)
+    assert qw.runs[0].packed == (_core.quant_isa() in X8_ISAS and qtype != Q.Q6_K)
     if qw.runs[0].packed:
         assert torch.equal(qw.matmul(x), full)
     torch.testing.assert_close(qw.dequantized(), dense, rtol=1e-6, atol=1e-7)

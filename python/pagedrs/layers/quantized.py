@@ -36,9 +36,13 @@ class _Run:
 # Types the kernels repack 8 rows at a time at load (their fastest layout on AVX2: the default model's
 # batch-1 matmuls 17.9 -> 13.3 ms a step with 1 thread, 10.3 -> 8.1 ms with 2, on the CI machine; its
 # Q8_0 output head, 49152 x 576, 2 threads: 0.70 -> 0.56 ms at 1 row, 2.2 -> 1.3 ms at 5, 6.4 -> 4.6 ms
-# at 16). The types of a Q4_K_M file (Q4_K, Q5_K, Q6_K, Q5_0, and Q5_1) too: `bench/quant_kernel.py --x8`.
-# gguf.GGMLQuantizationType.Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
-_X8_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
+# at 16). The 4- and 5-bit types of a Q4_K_M file too (Q4_K, Q5_K, Q5_0; and Q5_1): a 8960 x 1536 matmul,
+# 2 threads, file vs x8 layout, best of 7 on the loaded CI machine: Q4_K 0.63 vs 0.61 ms at 1 row, 26.9 vs
+# 11.3 ms at 16; Q5_0 1.44 vs 0.95, 30.0 vs 11.1; Q5_K 1.11 vs 1.07, 28.7 vs 15.2 (`bench/quant_kernel.py
+# --x8`). Q6_K has an x8 layout too but stays in the file's: its x8 kernel is slower at 1 row (1 thread,
+# 1.22 vs 1.62 ms), faster from 4 (2.56 vs 2.12 ms; 29.4 vs 17.0 ms at 16), and decode steps run at 1.
+# gguf.GGMLQuantizationType.Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K
+_X8_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13})
 # The kernel sets (`_core.quant_isa()`) that take that layout: AVX2, and AVX2 with AVX-512 VNNI.
 X8_ISAS = frozenset({"avx2", "avx512-vnni"})
 
