@@ -48,6 +48,13 @@ def gemma4_config(**overrides: Any) -> transformers.Gemma4TextConfig:
     return transformers.Gemma4TextConfig(**{**kwargs, **overrides})
 
 
+def gemma4_multimodal_config(**text_overrides: Any) -> transformers.Gemma4Config:
+    """Gemma4ForConditionalGeneration around `gemma4_config` (no vision or audio tower): the layout of the
+    released checkpoints, the text model's tensors under `model.language_model.`."""
+    text = gemma4_config(**text_overrides)
+    return transformers.Gemma4Config(text_config=text.to_dict(), vision_config=None, audio_config=None)
+
+
 def make_gemma4_model(path: Path, config: transformers.PretrainedConfig) -> Path:
     """`make_tiny_model` with every `layer_scalar` set to a random value in [0.5, 1.5]."""
     folder = make_tiny_model(path, config)

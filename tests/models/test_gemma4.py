@@ -5,23 +5,31 @@ with chunked prefill, prefix hits and preemption, and the KV pool holding no byt
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-from pagedrs.models.gemma4 import Gemma4ForCausalLM, kv_sharing
+from pagedrs.loader import load_model
+from pagedrs.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration, kv_sharing
 from pagedrs.runner.kv_cache import KVCachePool, block_bytes, model_block_bytes
 from pagedrs.runner.kv_groups import max_live_blocks
 from tests.engine.conftest import greedy, make_engine
 from tests.models.helpers_families import WINDOW, assert_engine_greedy_matches_hf, hf_reference
-from tests.models.helpers_gemma4 import gemma4_config, make_gemma4_model
+from tests.models.helpers_gemma4 import gemma4_config, gemma4_multimodal_config, make_gemma4_model
 from tests.models.helpers_hf import assert_load_errors, assert_matches_hf, random_prompts
 
 
 @pytest.fixture(scope="module")
 def gemma4(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_gemma4_model(tmp_path_factory.mktemp("gemma4") / "m", gemma4_config())
+
+
+@pytest.fixture(scope="module")
+def gemma4_mm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_gemma4_model(tmp_path_factory.mktemp("gemma4mm") / "m", gemma4_multimodal_config())
 
 
 def test_gemma4_logits_match_hf(gemma4: Path) -> None:
@@ -32,6 +40,24 @@ def test_gemma4_logits_match_hf(gemma4: Path) -> None:
 
 def test_gemma4_engine_greedy_matches_hf(gemma4: Path) -> None:
     assert_engine_greedy_matches_hf(gemma4, hf_reference(gemma4))
+
+
+def test_gemma4_conditional_generation_text_matches_hf(gemma4_mm: Path) -> None:
+    """The text part of Gemma4ForConditionalGeneration (`text_config`, tensors under
+    `model.language_model.`): logits and greedy ids equal HF's multimodal class on text; the towers' tensors
+    are not read."""
+    assert json.loads((gemma4_mm / "config.json").read_text())["architectures"] == [
+        "Gemma4ForConditionalGeneration"
+    ]
+    assert_matches_hf(gemma4_mm, random_prompts([20, 11]), chunk=5)
+    assert_engine_greedy_matches_hf(gemma4_mm, hf_reference(gemma4_mm))
+    file = gemma4_mm / "model.safetensors"
+    state = load_file(str(file))
+    state["model.vision_tower.encoder.layers.0.mlp.up_proj.linear.weight"] = torch.ones(2, 2)
+    state["model.embed_audio.embedding_projection.weight"] = torch.ones(2, 2)
+    save_file(state, str(file), metadata={"format": "pt"})
+    model = load_model(str(gemma4_mm), dtype="float32").model
+    assert isinstance(model, Gemma4ForConditionalGeneration) and model.final_logit_softcapping == 8.0
 
 
 def test_gemma4_window_layers_keep_only_live_blocks_past_the_window(gemma4: Path) -> None:
