@@ -48,6 +48,19 @@ def gemma4_config(**overrides: Any) -> transformers.Gemma4TextConfig:
     return transformers.Gemma4TextConfig(**{**kwargs, **overrides})
 
 
+def gemma4_moe_config(**overrides: Any) -> transformers.Gemma4TextConfig:
+    """`gemma4_config` with the MoE block (4 experts, top 2, beside the dense MLP) and without per-layer
+    input embeddings, as the 26B-A4B checkpoint."""
+    kwargs: dict[str, Any] = dict(
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        hidden_size_per_layer_input=0,
+    )
+    return gemma4_config(**{**kwargs, **overrides})
+
+
 def gemma4_multimodal_config(**text_overrides: Any) -> transformers.Gemma4Config:
     """Gemma4ForConditionalGeneration around `gemma4_config` (no vision or audio tower): the layout of the
     released checkpoints, the text model's tensors under `model.language_model.`."""

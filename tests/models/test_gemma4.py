@@ -12,13 +12,19 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pagedrs.layers.attention import ForwardContext
 from pagedrs.loader import load_model
 from pagedrs.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration, kv_sharing
 from pagedrs.runner.kv_cache import KVCachePool, block_bytes, model_block_bytes
 from pagedrs.runner.kv_groups import max_live_blocks
 from tests.engine.conftest import greedy, make_engine
 from tests.models.helpers_families import WINDOW, assert_engine_greedy_matches_hf, hf_reference
-from tests.models.helpers_gemma4 import gemma4_config, gemma4_multimodal_config, make_gemma4_model
+from tests.models.helpers_gemma4 import (
+    gemma4_config,
+    gemma4_moe_config,
+    gemma4_multimodal_config,
+    make_gemma4_model,
+)
 from tests.models.helpers_hf import assert_load_errors, assert_matches_hf, random_prompts
 
 
@@ -58,6 +64,30 @@ def test_gemma4_conditional_generation_text_matches_hf(gemma4_mm: Path) -> None:
     save_file(state, str(file), metadata={"format": "pt"})
     model = load_model(str(gemma4_mm), dtype="float32").model
     assert isinstance(model, Gemma4ForConditionalGeneration) and model.final_logit_softcapping == 8.0
+
+
+@pytest.fixture(scope="module")
+def gemma4_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_gemma4_model(tmp_path_factory.mktemp("gemma4moe") / "m", gemma4_moe_config())
+
+
+def test_gemma4_moe_matches_hf(gemma4_moe: Path) -> None:
+    """The MoE block beside the dense MLP, with no per-layer input embeddings: logits (every expert routed
+    to) and greedy ids equal HF's."""
+    prompts = random_prompts([20, 10, 17])
+    model = load_model(str(gemma4_moe), dtype="float32").model
+    routed: set[int] = set()
+    hooks = [
+        layer.router.register_forward_hook(lambda _m, _i, out: routed.update(out[1].flatten().tolist()))
+        for layer in model.model.layers
+    ]
+    for p in prompts:
+        model(torch.tensor(p), torch.arange(len(p)), ForwardContext(None, []))
+    for h in hooks:
+        h.remove()
+    assert routed == {0, 1, 2, 3}
+    assert_matches_hf(gemma4_moe, prompts, chunk=5)
+    assert_engine_greedy_matches_hf(gemma4_moe, hf_reference(gemma4_moe))
 
 
 def test_gemma4_window_layers_keep_only_live_blocks_past_the_window(gemma4: Path) -> None:

@@ -15,7 +15,7 @@ layers by `layer_types`, optional final logit soft cap) with Gemma 4's changes:
   `kv_cache_shapes` entry has no KV head, so the pool gives it no byte). With `use_double_wide_mlp` their
   MLP is twice as wide.
 - Each layer's output is multiplied by a learned scalar (`layer_scalar`).
-- The MoE variant (`enable_moe_block`) adds routed experts beside the dense MLP (`Gemma4MoeBlock`).
+- The MoE variant (`enable_moe_block`) adds routed experts beside the dense MLP (`gemma4_moe`).
 
 Parameter names are HF's (separate q/k/v projections) except gate/up fused into `gate_up_proj`. The decoder
 stack runs its modules: it has no layer description, so the quantized CPU decode step does not replay it.
@@ -43,6 +43,7 @@ from pagedrs.layers.linear import (
 )
 from pagedrs.layers.rotary import RotaryEmbedding, get_rope
 from pagedrs.models.gemma import _RopeView
+from pagedrs.models.gemma4_moe import Gemma4Experts, Gemma4Router
 from pagedrs.models.interface import CausalLM
 from pagedrs.models.llama import _layer_windows
 from pagedrs.models.utils import StackedParam, load_weights_into
@@ -203,9 +204,13 @@ class Gemma4DecoderLayer(torch.nn.Module):
         self.pre_feedforward_layernorm = Gemma4RMSNorm(hidden, eps, **kw)
         self.post_feedforward_layernorm = Gemma4RMSNorm(hidden, eps, **kw)
         self.layer_scalar = torch.nn.Parameter(torch.ones(1, dtype=dtype, device=device), requires_grad=False)
-        self.moe: torch.nn.Module | None = None
+        self.router: Gemma4Router | None = None
+        self.experts: Gemma4Experts | None = None
         if getattr(config, "enable_moe_block", False):
-            raise ValueError("Gemma 4's MoE variant (enable_moe_block) is not supported yet")
+            self.router, self.experts = Gemma4Router(config, **kw), Gemma4Experts(config, **kw)
+            self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps, **kw)
+            self.post_feedforward_layernorm_1 = Gemma4RMSNorm(hidden, eps, **kw)
+            self.post_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps, **kw)
         ple = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
         self.per_layer_input_gate = self.per_layer_projection = self.post_per_layer_input_norm = None
         if ple:
@@ -225,8 +230,10 @@ class Gemma4DecoderLayer(torch.nn.Module):
         h = self.self_attn(positions, self.input_layernorm(x), shared, ctx)
         x = x + self.post_attention_layernorm(h)
         h = self.mlp(self.pre_feedforward_layernorm(x))
-        if self.moe is not None:
-            h = self.moe(x, h)
+        if self.router is not None and self.experts is not None:  # experts beside the dense MLP
+            weights, ids = self.router(x)
+            routed = self.experts(self.pre_feedforward_layernorm_2(x), weights, ids)
+            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
         x = x + self.post_feedforward_layernorm(h)
         if self.per_layer_input_gate is not None:
             assert per_layer_input is not None
