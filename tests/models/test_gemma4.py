@@ -17,7 +17,7 @@ from pagedrs.loader import load_model
 from pagedrs.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration, kv_sharing
 from pagedrs.runner.kv_cache import KVCachePool, block_bytes, model_block_bytes
 from pagedrs.runner.kv_groups import max_live_blocks
-from tests.engine.conftest import greedy, make_engine
+from tests.engine.conftest import PlanSpy, assert_pool_free, greedy, make_engine, run_all
 from tests.models.helpers_families import WINDOW, assert_engine_greedy_matches_hf, hf_reference
 from tests.models.helpers_gemma4 import (
     gemma4_config,
@@ -108,6 +108,26 @@ def test_gemma4_window_layers_keep_only_live_blocks_past_the_window(gemma4: Path
         used.append(n - free)
     assert out is not None and list(out.outputs[0].token_ids) == hf_reference(gemma4)(prompt, 40)
     assert max(used) <= max_live_blocks(WINDOW, 4, 8) < (30 + 40) // 4, used
+
+
+def test_gemma4_swap_preemption_matches_hf(gemma4: Path) -> None:
+    """Preemption by swap (swap space given: every layer keeps its blocks in one pool): the swap pool has
+    each layer's shape, none for shared-KV layers, and the ids are HF's."""
+    engine = make_engine(
+        gemma4, dtype="float32", block_size=4, num_kv_blocks=14, max_num_batched_tokens=8, swap_space=0.002
+    )
+    pool = engine.engine_core.executor.runner.kv_pool
+    assert [int(kv.shape[3]) for kv in pool.swap_caches] == [2, 2, 1, 2, 0, 0]
+    spy = PlanSpy().attach(engine)
+    prompts = random_prompts([19, 21, 12], seed=4)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, greedy(10))
+    outs = run_all(engine)
+    ref = hf_reference(gemma4)
+    for i, p in enumerate(prompts):
+        assert outs[str(i)].outputs[0].token_ids == ref(p, 10), i
+    assert spy.swap_outs > 0 and spy.swap_ins > 0
+    assert_pool_free(engine)
 
 
 def test_gemma4_layers() -> None:
