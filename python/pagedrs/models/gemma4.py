@@ -167,7 +167,7 @@ class Gemma4Attention(torch.nn.Module):
 
 
 class Gemma4MLP(torch.nn.Module):
-    """down(act(gate(x)) * up(x)); `width` times the config's intermediate size (2: double-wide)."""
+    """down(act(gate(x)) * up(x)) over `inter` intermediate units (twice the config's on double-wide layers)."""
 
     def __init__(
         self, config: PretrainedConfig, inter: int, *, dtype: torch.dtype, device: torch.device

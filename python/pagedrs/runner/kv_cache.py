@@ -158,9 +158,9 @@ class KVCachePool:
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
-        self.layer_shapes = layer_shapes or [(num_kv_heads, head_size)] * num_layers
-        if len(self.layer_shapes) != num_layers:
-            raise ValueError(f"{len(self.layer_shapes)} layer shapes for {num_layers} layers")
+        if layer_shapes is not None and len(layer_shapes) != num_layers:
+            raise ValueError(f"{len(layer_shapes)} layer shapes for {num_layers} layers")
+        self._layer_shapes = layer_shapes
         self.bytes_per_block = sum(block_bytes(1, block_size, h, d, dtype) for h, d in self.layer_shapes)
         # The full-attention pool's size: with every layer in a group of its own, no tensor has it.
         self._num_blocks = num_blocks
@@ -202,6 +202,14 @@ class KVCachePool:
             layer_blocks=layer_blocks,
             layer_shapes=_layer_shapes(model) if getattr(model, "kv_cache_shapes", None) else None,
         )
+
+    @property
+    def layer_shapes(self) -> list[tuple[int, int]]:
+        """(KV heads, head size) per layer: the model's own, else `num_kv_heads` x `head_size` for every
+        layer (liquid scaling changes `num_kv_heads` of a rebound pool)."""
+        if self._layer_shapes is not None:
+            return self._layer_shapes
+        return [(self.num_kv_heads, self.head_size)] * self.num_layers
 
     def _alloc(self, n: int, device: torch.device, layer: int, pin: bool = False) -> Tensor:
         num_kv_heads, head_size = self.layer_shapes[layer]
