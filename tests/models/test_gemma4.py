@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
 from pagedrs.layers.attention import ForwardContext
 from pagedrs.loader import load_model
@@ -151,6 +152,23 @@ def test_gemma4_layers() -> None:
     expected = torch.cat([1.0 / 1e6 ** (torch.arange(0, 8, 2).float() / 32), torch.zeros(12)])
     torch.testing.assert_close(full.inv_freq, expected)
     torch.testing.assert_close(local.inv_freq, 1.0 / 1e4 ** (torch.arange(0, 16, 2).float() / 16))
+    hf_rope = Gemma4TextRotaryEmbedding(config)
+    torch.testing.assert_close(full.inv_freq, hf_rope.full_attention_inv_freq)
+    torch.testing.assert_close(local.inv_freq, hf_rope.sliding_attention_inv_freq)
+
+
+def test_gemma4_kv_sharing_needs_an_owner_of_each_type() -> None:
+    config = gemma4_config(num_kv_shared_layers=2)
+    config.layer_types = [
+        "sliding_attention",
+        "sliding_attention",
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+        "full_attention",
+    ]
+    with pytest.raises(ValueError, match="layer 4 .full_attention. shares KV but no earlier layer"):
+        kv_sharing(config)
 
 
 def test_gemma4_pool_holds_no_bytes_for_shared_kv_layers() -> None:
