@@ -16,10 +16,10 @@ class PagedHarness:
         self.model = model
         self.block_size = block_size
         dtype = next(model.parameters()).dtype
-        self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, model.num_kv_heads, model.head_size, dtype=dtype)
-            for _ in range(model.num_layers)
-        ]
+        shapes = getattr(model, "kv_cache_shapes", None) or [(model.num_kv_heads, model.head_size)] * int(
+            model.num_layers
+        )
+        self.kv_caches = [torch.zeros(2, num_blocks, block_size, h, d, dtype=dtype) for h, d in shapes]
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
         self.tables: dict[int, list[int]] = {}

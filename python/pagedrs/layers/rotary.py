@@ -3,7 +3,9 @@ Llama family) or GPT-J style (interleaved pairs).
 
 Scalings: default, linear, dynamic (NTK, recomputed past max_position_embeddings like HF), llama3
 (Llama 3.1), yarn (HF's _compute_yarn_parameters: gpt-oss, Qwen long context) and longrope (Phi-3 128k: short factors while a request fits in the original context, long
-factors once it grows past it; cos/sin multiplied by the attention factor).
+factors once it grows past it; cos/sin multiplied by the attention factor) and proportional (Gemma 4's
+global layers: the first `partial_rotary_factor` of the frequencies of the whole head rotate, the others
+are zero, as HF's _compute_proportional_rope_parameters).
 
 cos/sin are cached in float32 per position and indexed by `positions`, so a step costs one gather. With
 kernels on (KernelLayer), one launch of cuda/layer_ops.cu rotates q and k in place, reading the same cache.
@@ -97,6 +99,16 @@ def _yarn_inv_freq(
     return inv_freq, float(attention)
 
 
+def _proportional_inv_freq(base: float, head_size: int, p: dict[str, Any]) -> Tensor:
+    """HF's proportional RoPE: `partial_rotary_factor` of the head's frequency pairs over the whole head's
+    exponents, zeros for the rest (those dims are not rotated), all divided by `factor`; rotary_dim is the
+    head size."""
+    angles = int(float(p.get("partial_rotary_factor", 1.0)) * head_size // 2)
+    exponent = torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_size
+    inv_freq = torch.cat([1.0 / (base**exponent), torch.zeros(head_size // 2 - angles)])
+    return inv_freq / float(p.get("factor", 1.0))
+
+
 def _cos_sin(inv_freq: Tensor, num_positions: int, scaling: float = 1.0) -> Tensor:
     """[num_positions, rotary_dim] float32: cos in the first half of the last dim, sin in the second."""
     t = torch.arange(num_positions, dtype=torch.float32)
@@ -180,6 +192,8 @@ class RotaryEmbedding(KernelLayer):
             long = torch.tensor(params["long_factor"], dtype=torch.float32)
             inv_freq = 1.0 / (short * base**exponent)
             long_cache = _cos_sin(1.0 / (long * base**exponent), max(max_position, orig + 1), scaling)
+        elif self.rope_type == "proportional":
+            inv_freq = _proportional_inv_freq(base, head_size, params)
         elif self.rope_type == "dynamic":
             self.base = base
             self.factor = float(params["factor"])
@@ -300,6 +314,8 @@ def get_rope(
     """A RotaryEmbedding for an HF config (any of the supported rope types; GPT-J layout on request)."""
     params = rope_parameters(config)
     rotary_dim = int(head_size * float(params.get("partial_rotary_factor", 1.0)))
+    if params["rope_type"] == "proportional":  # the factor picks the rotated frequencies, not the dims
+        rotary_dim = head_size
     if max_position is None:
         max_position = int(getattr(config, "max_position_embeddings", 2048))
     return RotaryEmbedding(

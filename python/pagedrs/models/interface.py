@@ -24,6 +24,9 @@ class CausalLM(torch.nn.Module):
     num_kv_heads: int  # on this rank
     head_size: int
     max_position: int
+    # Per layer (KV heads on this rank, head size) where the layers differ (Gemma 4); 0 heads: the layer
+    # reads another layer's KV and owns none. None: every layer has num_kv_heads x head_size.
+    kv_cache_shapes: list[tuple[int, int]] | None = None
 
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
         raise NotImplementedError

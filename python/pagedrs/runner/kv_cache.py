@@ -1,7 +1,9 @@
 """The paged KV pool on the model's device and the swap pool in CPU memory.
 
 Per layer one tensor ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (index 0 = K, 1 = V); the swap
-pool has the same shape with its own block count (pinned on CUDA). The scheduler owns which block is whose;
+pool has the same shape with its own block count (pinned on CUDA). A model whose layers differ in KV heads
+or head size (`CausalLM.kv_cache_shapes`: Gemma 4's global layers) gets each layer's own shape; a layer that
+reads another layer's KV (shared KV) has a tensor with no KV head, which holds no byte. The scheduler owns which block is whose;
 this module only moves bytes as a step plan asks: block moves (pool compaction), swap out, swap in,
 copy-on-write copies, grow and shrink.
 """
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = [
     "KVCachePool",
     "block_bytes",
+    "layer_block_bytes",
     "model_block_bytes",
     "kv_budget_bytes",
     "num_blocks_for_bytes",
@@ -46,7 +49,21 @@ def block_bytes(
 
 def model_block_bytes(model: Any, block_size: int, dtype: torch.dtype) -> int:
     """`block_bytes` of `model`'s layers on this rank."""
-    return block_bytes(model.num_layers, block_size, model.num_kv_heads, model.head_size, dtype)
+    return sum(layer_block_bytes(model, block_size, dtype))
+
+
+def _layer_shapes(model: Any) -> list[tuple[int, int]]:
+    """(KV heads, head size) of each of `model`'s layers on this rank: its `kv_cache_shapes` when the layers
+    differ, else the same for every layer."""
+    shapes = getattr(model, "kv_cache_shapes", None)
+    if shapes is not None:
+        return [(int(h), int(d)) for h, d in shapes]
+    return [(int(model.num_kv_heads), int(model.head_size))] * int(model.num_layers)
+
+
+def layer_block_bytes(model: Any, block_size: int, dtype: torch.dtype) -> list[int]:
+    """Per layer of `model` (on this rank), the bytes one block takes, K and V (0: a layer owning no KV)."""
+    return [block_bytes(1, block_size, h, d, dtype) for h, d in _layer_shapes(model)]
 
 
 def num_blocks_for_bytes(num_bytes: float, per_block: int) -> int:
@@ -130,25 +147,31 @@ class KVCachePool:
         device: torch.device,
         num_swap_blocks: int = 0,
         layer_blocks: dict[int, int] | None = None,
+        layer_shapes: list[tuple[int, int]] | None = None,
     ) -> None:
-        """`layer_blocks`: layers whose KV-cache group has a pool of its own (`kv_groups`), and its size."""
+        """`layer_blocks`: layers whose KV-cache group has a pool of its own (`kv_groups`), and its size.
+        `layer_shapes`: (KV heads, head size) per layer where the layers differ (else `num_kv_heads`,
+        `head_size` for all)."""
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
-        self.bytes_per_block = block_bytes(num_layers, block_size, num_kv_heads, head_size, dtype)
+        if layer_shapes is not None and len(layer_shapes) != num_layers:
+            raise ValueError(f"{len(layer_shapes)} layer shapes for {num_layers} layers")
+        self._layer_shapes = layer_shapes
+        self.bytes_per_block = sum(block_bytes(1, block_size, h, d, dtype) for h, d in self.layer_shapes)
         # The full-attention pool's size: with every layer in a group of its own, no tensor has it.
         self._num_blocks = num_blocks
         self.group_layers = frozenset(layer_blocks or {})
         # Zero-filled: padded reads of a block table must never see NaN garbage (NaN * 0 is NaN).
         self.kv_caches: list[Tensor] = [
-            self._alloc((layer_blocks or {}).get(i, num_blocks), device) for i in range(num_layers)
+            self._alloc((layer_blocks or {}).get(i, num_blocks), device, i) for i in range(num_layers)
         ]
         pin = device.type == "cuda"
         self.swap_caches: list[Tensor] = (
-            [self._alloc(num_swap_blocks, torch.device("cpu"), pin=pin) for _ in range(num_layers)]
+            [self._alloc(num_swap_blocks, torch.device("cpu"), i, pin=pin) for i in range(num_layers)]
             if num_swap_blocks
             else []
         )
@@ -177,10 +200,20 @@ class KVCachePool:
             device=device,
             num_swap_blocks=num_swap_blocks,
             layer_blocks=layer_blocks,
+            layer_shapes=_layer_shapes(model) if getattr(model, "kv_cache_shapes", None) else None,
         )
 
-    def _alloc(self, n: int, device: torch.device, pin: bool = False) -> Tensor:
-        shape = (2, n, self.block_size, self.num_kv_heads, self.head_size)
+    @property
+    def layer_shapes(self) -> list[tuple[int, int]]:
+        """(KV heads, head size) per layer: the model's own, else `num_kv_heads` x `head_size` for every
+        layer (liquid scaling changes `num_kv_heads` of a rebound pool)."""
+        if self._layer_shapes is not None:
+            return self._layer_shapes
+        return [(self.num_kv_heads, self.head_size)] * self.num_layers
+
+    def _alloc(self, n: int, device: torch.device, layer: int, pin: bool = False) -> Tensor:
+        num_kv_heads, head_size = self.layer_shapes[layer]
+        shape = (2, n, self.block_size, num_kv_heads, head_size)
         t = torch.zeros(shape, dtype=self.dtype, device=device)
         return t.pin_memory() if pin else t
 
@@ -202,8 +235,8 @@ class KVCachePool:
             raise RuntimeError("the KV pool cannot be resized with KV-cache groups of their own")
         if num_blocks > cur:
             new = []
-            for kv in self.kv_caches:
-                t = self._alloc(num_blocks, self.device)
+            for i, kv in enumerate(self.kv_caches):
+                t = self._alloc(num_blocks, self.device, i)
                 t[:, :cur].copy_(kv)
                 new.append(t)
         else:

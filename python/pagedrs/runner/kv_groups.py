@@ -21,6 +21,7 @@ import torch
 from pagedrs._core import StepPlan
 from pagedrs.config import as_bytes
 from pagedrs.layers.attention import AttentionMetadata
+from pagedrs.runner.kv_cache import layer_block_bytes
 
 __all__ = [
     "WindowGroup",
@@ -166,7 +167,9 @@ def plan_window_pools(runner: Any, num_blocks: int, num_swap: int) -> tuple[int,
         return num_blocks, ()
     per_block = runner.bytes_per_block
     num_layers = int(runner.model.num_layers)
-    group_bytes = [per_block * len(g.layers) // num_layers for g in groups]
+    # each group's share of a block: its layers' bytes (a layer reading another's KV owns none)
+    weights = layer_block_bytes(runner.model, runner.block_size, runner.kv_dtype)
+    group_bytes = [per_block * sum(weights[i] for i in g.layers) // sum(weights) for g in groups]
     step = cfg.scheduler.max_num_batched_tokens + (spec.num_speculative_tokens if spec is not None else 0)
     lives = [max_live_blocks(g.window, runner.block_size, step) for g in groups]
     all_windowed = sum(len(g.layers) for g in groups) == num_layers

@@ -196,6 +196,9 @@ class Attention(torch.nn.Module):
     `scale` multiplies q.k (head_size**-0.5, or Gemma's query_pre_attn_scalar**-0.5); `logits_soft_cap`
     caps the scaled scores as Gemma 2 does; `sinks` (True) gives the layer a learned logit per head
     (`self.sinks` [num_heads], loaded by the model) that joins every softmax's denominator, as gpt-oss.
+    `kv_layer` (default `layer_idx`): the layer whose cache slice it reads and writes; a layer sharing
+    another's KV (Gemma 4's last layers) names that layer and is given that layer's k/v, so its write
+    stores the values already there.
     A layer the step's backend has no kernel for (see `support.kernel_takes`) runs on the torch
     reference backend instead.
     """
@@ -210,6 +213,7 @@ class Attention(torch.nn.Module):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         sinks: bool = False,
+        kv_layer: int | None = None,
     ) -> None:
         super().__init__()
         if logits_soft_cap is not None and logits_soft_cap <= 0:
@@ -220,6 +224,7 @@ class Attention(torch.nn.Module):
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.layer_idx = layer_idx
+        self.kv_layer = layer_idx if kv_layer is None else kv_layer
         self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
@@ -268,7 +273,7 @@ class Attention(torch.nn.Module):
                 q3,
                 k3,
                 v3,
-                ctx.kv_caches[self.layer_idx],
+                ctx.kv_caches[self.kv_layer],
                 meta,
                 scale=self.scale,
                 sliding_window=self.sliding_window,

@@ -1,0 +1,392 @@
+"""Gemma 4 (text), as HF's Gemma4ForCausalLM computes it, and the text part of Gemma4ForConditionalGeneration.
+
+Gemma 3's sandwich layer (four norms, GeGLU, embeddings scaled by sqrt(hidden_size), sliding and global
+layers by `layer_types`, optional final logit soft cap) with Gemma 4's changes:
+- RMSNorm multiplies by its weight (not 1 + w), in float32; q and k get one over each head, v one without a
+  weight; attention scale 1.
+- Global layers have their own head size (`global_head_dim`) and, with `attention_k_eq_v`, their own KV
+  head count (`num_global_key_value_heads`) and no v projection (v is the raw k, normed): HF resolves both
+  per layer (`per_layer_config`). Their RoPE is proportional (`rope_parameters` per layer type).
+- Per-layer input embeddings (`hidden_size_per_layer_input`): a packed table [vocab, layers * d] plus a
+  projection of the embeddings, mixed into each layer's residual after its MLP through a gate.
+- The last `num_kv_shared_layers` layers compute no KV: each reads the KV of the last earlier layer of its
+  type (HF's `kv_sharing_modes`). Here such a layer's attention reads that layer's cache slice
+  (`Attention.kv_layer`) and is handed that layer's k/v of this step; it owns no cache (its
+  `kv_cache_shapes` entry has no KV head, so the pool gives it no byte). With `use_double_wide_mlp` their
+  MLP is twice as wide.
+- Each layer's output is multiplied by a learned scalar (`layer_scalar`).
+- The MoE variant (`enable_moe_block`) adds routed experts beside the dense MLP (`gemma4_moe`).
+
+Parameter names are HF's (separate q/k/v projections) except gate/up fused into `gate_up_proj`. The decoder
+stack runs its modules: it has no layer description, so the quantized CPU decode step does not replay it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+from transformers import PretrainedConfig
+
+from pagedrs.distributed.group import TPGroup
+from pagedrs.layers.activation import get_act_and_mul_fn
+from pagedrs.layers.attention import Attention, ForwardContext
+from pagedrs.layers.linear import (
+    ColumnParallelLinear,
+    Loaded,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from pagedrs.layers.rotary import RotaryEmbedding, get_rope
+from pagedrs.models.gemma import _RopeView
+from pagedrs.models.gemma4_moe import Gemma4Experts, Gemma4Router
+from pagedrs.models.interface import CausalLM
+from pagedrs.models.llama import _layer_windows
+from pagedrs.models.utils import StackedParam, load_weights_into
+
+__all__ = ["Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Gemma4RMSNorm"]
+
+_FULL, _SLIDING = "full_attention", "sliding_attention"
+SharedKV = dict[str, tuple[Tensor, Tensor]]
+
+
+class Gemma4RMSNorm(torch.nn.Module):
+    """x * (mean(x^2) + eps)^-0.5 * weight in float32, cast back, as HF's Gemma4RMSNorm (no weight:
+    `with_scale=False`)."""
+
+    def __init__(
+        self, dim: int, eps: float, *, with_scale: bool = True, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = (
+            torch.nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+            if with_scale
+            else None
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            out = out * self.weight.float()
+        return out.type_as(x)
+
+
+def kv_sharing(config: PretrainedConfig) -> list[int | None]:
+    """Per layer, the layer whose KV it reads (None: its own), as HF's `kv_sharing_modes`: the last
+    `num_kv_shared_layers` layers each read the last earlier layer of their type."""
+    types = list(config.layer_types)
+    n, shared = len(types), int(getattr(config, "num_kv_shared_layers", 0) or 0)
+    first = n - shared
+    if shared and first <= 0:
+        raise ValueError(f"num_kv_shared_layers={shared} leaves no layer computing KV of {n}")
+    out: list[int | None] = [None] * n
+    for i in range(first, n):
+        owners = [j for j in range(first) if types[j] == types[i]]
+        if not owners:
+            raise ValueError(f"layer {i} ({types[i]}) shares KV but no earlier layer of its type computes it")
+        out[i] = owners[-1]
+    return out
+
+
+def attn_dims(config: PretrainedConfig, layer: int) -> tuple[int, int]:
+    """(head size, KV heads) of one layer: the global layers' own where the config gives them."""
+    per_layer = getattr(config, "per_layer_config", None)
+    if per_layer is not None:  # transformers resolves global_head_dim / num_global_key_value_heads here
+        view = per_layer[layer]
+        return int(view.head_dim), int(view.num_key_value_heads)
+    head, kv = int(config.head_dim), int(config.num_key_value_heads)
+    if config.layer_types[layer] == _FULL:
+        head = int(getattr(config, "global_head_dim", None) or head)
+        gkv = getattr(config, "num_global_key_value_heads", None)
+        if gkv and getattr(config, "attention_k_eq_v", True):
+            kv = int(gkv)
+    return head, kv
+
+
+class Gemma4Attention(torch.nn.Module):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        window: int | None,
+        kv_owner: int | None,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        hidden, heads, eps = config.hidden_size, config.num_attention_heads, config.rms_norm_eps
+        head, kv_heads = attn_dims(config, layer_idx)
+        bias = bool(getattr(config, "attention_bias", False))
+        self.layer_type: str = config.layer_types[layer_idx]
+        self.head_size, self.kv_owner = head, kv_owner
+        # the last layer of its type computing KV before the shared ones: they read its k/v
+        sharing = kv_sharing(config)
+        self.stores_kv = kv_owner is None and layer_idx in sharing
+        kw: dict[str, Any] = dict(dtype=dtype, device=device)
+        self.q_proj = ColumnParallelLinear(hidden, heads * head, bias=bias, **kw)
+        self.q_norm = Gemma4RMSNorm(head, eps, **kw)
+        self.k_proj = self.v_proj = None
+        self.k_norm = self.v_norm = None
+        if kv_owner is None:
+            self.k_proj = ColumnParallelLinear(hidden, kv_heads * head, bias=bias, **kw)
+            k_eq_v = bool(getattr(config, "attention_k_eq_v", False)) and self.layer_type != _SLIDING
+            if not k_eq_v:
+                self.v_proj = ColumnParallelLinear(hidden, kv_heads * head, bias=bias, **kw)
+            self.k_norm = Gemma4RMSNorm(head, eps, **kw)
+            self.v_norm = Gemma4RMSNorm(head, eps, with_scale=False, **kw)
+        self.o_proj = RowParallelLinear(heads * head, hidden, bias=bias, **kw)
+        self.rotary_emb = rotary_emb  # shared by the layers of one type; registered on the model
+        self.attn = Attention(
+            heads, head, kv_heads, layer_idx, scale=1.0, sliding_window=window, kv_layer=kv_owner
+        )
+
+    def forward(self, positions: Tensor, x: Tensor, shared: SharedKV, ctx: ForwardContext) -> Tensor:
+        t, d = x.shape[0], self.head_size
+        q = self.q_norm(self.q_proj(x).view(t, -1, d)).view(t, -1)
+        if self.k_proj is None:
+            k, v = shared[self.layer_type]
+            q, _ = self.rotary_emb(positions, q, q.clone())
+        else:
+            kr = self.k_proj(x)
+            vr = self.v_proj(x) if self.v_proj is not None else kr
+            assert self.k_norm is not None and self.v_norm is not None
+            k = self.k_norm(kr.view(t, -1, d)).view(t, -1)
+            v = self.v_norm(vr.view(t, -1, d)).view(t, -1)
+            q, k = self.rotary_emb(positions, q, k)
+            if self.stores_kv:
+                shared[self.layer_type] = (k, v)
+        return self.o_proj(self.attn(q, k, v, ctx))
+
+
+class Gemma4MLP(torch.nn.Module):
+    """down(act(gate(x)) * up(x)) over `inter` intermediate units (twice the config's on double-wide layers)."""
+
+    def __init__(
+        self, config: PretrainedConfig, inter: int, *, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [inter, inter], bias=False, dtype=dtype, device=device
+        )
+        self.down_proj = RowParallelLinear(inter, hidden, bias=False, dtype=dtype, device=device)
+        self.act_fn = get_act_and_mul_fn(str(config.hidden_activation or "gelu_pytorch_tanh"))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Gemma4DecoderLayer(torch.nn.Module):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        attn: Gemma4Attention,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        kw: dict[str, Any] = dict(dtype=dtype, device=device)
+        self.self_attn = attn
+        wide = bool(getattr(config, "use_double_wide_mlp", False)) and attn.kv_owner is not None
+        self.mlp = Gemma4MLP(config, config.intermediate_size * (2 if wide else 1), **kw)
+        self.input_layernorm = Gemma4RMSNorm(hidden, eps, **kw)
+        self.post_attention_layernorm = Gemma4RMSNorm(hidden, eps, **kw)
+        self.pre_feedforward_layernorm = Gemma4RMSNorm(hidden, eps, **kw)
+        self.post_feedforward_layernorm = Gemma4RMSNorm(hidden, eps, **kw)
+        self.layer_scalar = torch.nn.Parameter(torch.ones(1, dtype=dtype, device=device), requires_grad=False)
+        self.router: Gemma4Router | None = None
+        self.experts: Gemma4Experts | None = None
+        if getattr(config, "enable_moe_block", False):
+            self.router, self.experts = Gemma4Router(config, **kw), Gemma4Experts(config, **kw)
+            self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps, **kw)
+            self.post_feedforward_layernorm_1 = Gemma4RMSNorm(hidden, eps, **kw)
+            self.post_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps, **kw)
+        ple = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
+        self.per_layer_input_gate = self.per_layer_projection = self.post_per_layer_input_norm = None
+        if ple:
+            self.per_layer_act = get_act_and_mul_fn(str(config.hidden_activation or "gelu_pytorch_tanh"))
+            self.per_layer_input_gate = ColumnParallelLinear(hidden, ple, bias=False, **kw)
+            self.per_layer_projection = RowParallelLinear(ple, hidden, bias=False, **kw)
+            self.post_per_layer_input_norm = Gemma4RMSNorm(hidden, eps, **kw)
+
+    def forward(
+        self,
+        positions: Tensor,
+        x: Tensor,
+        per_layer_input: Tensor | None,
+        shared: SharedKV,
+        ctx: ForwardContext,
+    ) -> Tensor:
+        h = self.self_attn(positions, self.input_layernorm(x), shared, ctx)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.router is not None and self.experts is not None:  # experts beside the dense MLP
+            weights, ids = self.router(x)
+            routed = self.experts(self.pre_feedforward_layernorm_2(x), weights, ids)
+            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
+        x = x + self.post_feedforward_layernorm(h)
+        if self.per_layer_input_gate is not None:
+            assert per_layer_input is not None
+            assert self.per_layer_projection is not None and self.post_per_layer_input_norm is not None
+            gate = self.per_layer_input_gate(x)
+            # the gated activation takes [gate | up]: up = the layer's per-layer input
+            h = self.per_layer_act(torch.cat([gate, per_layer_input], dim=-1))
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(h))
+        return x * self.layer_scalar
+
+
+def _rope(config: PretrainedConfig, layer_type: str, head: int, device: torch.device) -> RotaryEmbedding:
+    params = config.rope_parameters
+    view = _RopeView(config, params[layer_type]) if isinstance(params.get(layer_type), dict) else config
+    return get_rope(view, head, device=device)
+
+
+class Gemma4Model(torch.nn.Module):
+    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        hidden, n = config.hidden_size, config.num_hidden_layers
+        kw: dict[str, Any] = dict(dtype=dtype, device=device)
+        types, windows, owners = list(config.layer_types), _layer_windows(config), kv_sharing(config)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, **kw)
+        # HF: float32 scalars cast to the weights' dtype before the multiply
+        self.normalizer: Tensor
+        self.register_buffer("normalizer", torch.tensor(hidden**0.5).to(**kw), persistent=False)
+        self.ple = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
+        if self.ple:
+            vocab_pl = int(getattr(config, "vocab_size_per_layer_input", None) or config.vocab_size)
+            self.embed_tokens_per_layer = VocabParallelEmbedding(vocab_pl, n * self.ple, **kw)
+            self.ple_normalizer: Tensor
+            self.register_buffer("ple_normalizer", torch.tensor(self.ple**0.5).to(**kw), persistent=False)
+            self.per_layer_model_projection = ColumnParallelLinear(hidden, n * self.ple, bias=False, **kw)
+            self.per_layer_projection_norm = Gemma4RMSNorm(self.ple, config.rms_norm_eps, **kw)
+        ropes = {t: _rope(config, t, attn_dims(config, types.index(t))[0], device) for t in set(types)}
+        self.rotary_embs = torch.nn.ModuleDict(ropes)
+        self.layers = torch.nn.ModuleList(
+            Gemma4DecoderLayer(
+                config, Gemma4Attention(config, i, ropes[types[i]], windows[i], owners[i], **kw), **kw
+            )
+            for i in range(n)
+        )
+        self.norm = Gemma4RMSNorm(hidden, config.rms_norm_eps, **kw)
+
+    def per_layer_inputs(self, input_ids: Tensor, embeds: Tensor) -> Tensor | None:
+        """[T, layers, d]: the token's per-layer embedding and the projected embeddings, mixed as HF's
+        get_per_layer_inputs + project_per_layer_inputs."""
+        if not self.ple:
+            return None
+        t = input_ids.shape[0]
+        token = (self.embed_tokens_per_layer(input_ids) * self.ple_normalizer).view(t, -1, self.ple)
+        proj = self.per_layer_model_projection(embeds) * self.embed_tokens.embedding_dim**-0.5
+        proj = self.per_layer_projection_norm(proj.view(t, -1, self.ple))
+        return (proj + token) * 2.0**-0.5
+
+    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
+        x = self.embed_tokens(input_ids) * self.normalizer
+        pli = self.per_layer_inputs(input_ids, x)
+        shared: SharedKV = {}
+        layers = self.layers if ctx.exit_layer is None else self.layers[: ctx.exit_layer]
+        for i, layer in enumerate(layers):
+            x = layer(positions, x, None if pli is None else pli[:, i], shared, ctx)
+        return self.norm(x)
+
+
+class Gemma4ForCausalLM(CausalLM):
+    """Gemma 4 text. Tensor parallelism is not supported (one rank holds every head)."""
+
+    stacked_params = (
+        StackedParam(".gate_proj.", ".gate_up_proj.", 0),
+        StackedParam(".up_proj.", ".gate_up_proj.", 1),
+    )
+    weight_prefix = ""  # Gemma4ForConditionalGeneration: where the text model's tensors sit
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TPGroup | None = None,
+    ) -> None:
+        super().__init__()
+        if tp is not None and tp.size > 1:
+            raise ValueError("Gemma 4 does not support tensor parallelism yet (tensor_parallel_size=1)")
+        device = torch.device(device)
+        self.config = config
+        text = self.text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.dtype = dtype
+        self.model = Gemma4Model(text, dtype=dtype, device=device)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size, dtype=dtype, device=device)
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+        cap = getattr(text, "final_logit_softcapping", None)
+        self.final_logit_softcapping: float | None = float(cap) if cap else None
+        attns = [cast(Gemma4DecoderLayer, layer).self_attn for layer in self.model.layers]
+        self.num_layers: int = text.num_hidden_layers
+        first = attns[0].attn
+        self.num_kv_heads: int = first.num_kv_heads
+        self.head_size: int = first.head_size
+        # per layer (KV heads, head size); a layer reading another's KV owns no head
+        self.kv_cache_shapes: list[tuple[int, int]] | None = [
+            (0 if a.kv_owner is not None else a.attn.num_kv_heads, a.attn.head_size) for a in attns
+        ]
+        windows = [w for w in _layer_windows(text) if w is not None]
+        self.sliding_window: int | None = max(windows) if windows else None
+        self.max_position: int = int(getattr(text, "max_position_embeddings", 8192))
+
+    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden]."""
+        return cast(Tensor, self.model(input_ids, positions, ctx))
+
+    def compute_logits(self, hidden: Tensor) -> Tensor | None:
+        """[N, hidden] -> [N, vocab] float32, capped as ``cap * tanh(logits / cap)`` when the config sets
+        final_logit_softcapping."""
+        logits = self.lm_head.compute_logits(hidden)
+        cap = self.final_logit_softcapping
+        if logits is None or cap is None:
+            return logits
+        return torch.tanh(logits / cap) * cap
+
+    def _text_weights(self, weights: Iterable[tuple[str, Loaded]]) -> Iterator[tuple[str, Loaded]]:
+        """The text model's tensors under HF's causal-LM names; the KV tensors of layers sharing KV (which
+        some checkpoints carry, HF ignores them) dropped."""
+        prefix = self.weight_prefix
+        owners = [cast(Gemma4DecoderLayer, layer).self_attn.kv_owner for layer in self.model.layers]
+        unused = tuple(
+            f"model.layers.{i}.self_attn.{name}."
+            for i, owner in enumerate(owners)
+            if owner is not None
+            for name in ("k_proj", "v_proj", "k_norm", "v_norm")
+        )
+        for name, tensor in weights:
+            if prefix:
+                if name.startswith(prefix):
+                    name = "model." + name[len(prefix) :]
+                elif name != "lm_head.weight":
+                    continue  # the vision and audio towers
+            if not name.startswith(unused):
+                yield name, tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
+        """Load HF-named tensors; every parameter must be covered (ValueError naming what is missing)."""
+        skip: tuple[str, ...] = ("rotary_emb.inv_freq",)
+        if self.tie_word_embeddings:
+            skip = (*skip, "lm_head.weight")
+        load_weights_into(self, self._text_weights(weights), self.stacked_params, skip=skip)
+
+
+class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
+    """The text part of Gemma 4's multimodal checkpoints (`text_config`; tensors under
+    `model.language_model.`); the vision and audio towers are not loaded."""
+
+    weight_prefix = "model.language_model."
