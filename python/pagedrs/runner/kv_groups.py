@@ -30,6 +30,7 @@ __all__ = [
     "plan_window_pools",
     "split_pool",
     "split_pools",
+    "step_tokens",
     "swap_yields_to_window_pool",
     "window_groups_for",
 ]
@@ -65,6 +66,15 @@ def max_live_blocks(window: int, block_size: int, step_tokens: int) -> int:
     """Most window blocks one sequence holds while computing `step_tokens` tokens a step (as the core's
     `sliding_window::max_live_blocks`)."""
     return -(-(window - 1 + step_tokens) // block_size) + 1
+
+
+def step_tokens(cfg: Any) -> int:
+    """The most tokens one sequence computes in a step of engine config `cfg`: the token budget and the
+    draft tokens verified beside it."""
+    spec = cfg.speculative
+    return int(cfg.scheduler.max_num_batched_tokens) + (
+        spec.num_speculative_tokens if spec is not None else 0
+    )
 
 
 def split_pool(
@@ -153,7 +163,6 @@ def plan_window_pools(runner: Any, num_blocks: int, num_swap: int) -> tuple[int,
     groups = window_groups_for(layer_windows(runner.model), cfg.scheduler.max_model_len)
     if not groups:
         return num_blocks, ()
-    spec = cfg.speculative
     reason = _unsupported(runner)
     if reason is None and num_swap > 0:
         reason = (
@@ -167,7 +176,7 @@ def plan_window_pools(runner: Any, num_blocks: int, num_swap: int) -> tuple[int,
     per_block = runner.bytes_per_block
     num_layers = int(runner.model.num_layers)
     group_bytes = [per_block * len(g.layers) // num_layers for g in groups]
-    step = cfg.scheduler.max_num_batched_tokens + (spec.num_speculative_tokens if spec is not None else 0)
+    step = step_tokens(cfg)
     lives = [max_live_blocks(g.window, runner.block_size, step) for g in groups]
     all_windowed = sum(len(g.layers) for g in groups) == num_layers
     full_bytes = 0 if all_windowed else per_block - sum(group_bytes)

@@ -46,6 +46,7 @@ from pagedrs.executor.startup_log import log_kv_cache_size
 from pagedrs.loader import LoadedModel
 from pagedrs.lora.manager import LoRAManager
 from pagedrs.metrics import StatLogger, token_boxes, visualize_batch
+from pagedrs.runner.kv_groups import step_tokens
 from pagedrs.runner.outputs import RunnerOutput
 from pagedrs.spec_decode.policy import can_speculate
 from pagedrs.spec_decode.policy import spec_scheduler_args as _spec_scheduler_args
@@ -95,6 +96,10 @@ class EngineCore(CoreUtilitiesMixin):
         executor.attach_block_table(self.scheduler.block_table_view())
         for group in kv.groups:  # the layers whose blocks live in pools of their own (`runner.kv_groups`)
             self.scheduler.add_window_group(group.window, group.num_blocks)
+        self._kv_spec = kv
+        self._kv_pool_names = self.kv_pool_names(
+            not kv.groups or kv.num_layers > sum(len(g.layers) for g in kv.groups)
+        )
         # Prefix-cache events for routers (`kv_events`): recorded by the scheduler only when consumed.
         medium = "GPU" if self.device.type == "cuda" else "CPU"
         self._kv_events = (
@@ -139,7 +144,15 @@ class EngineCore(CoreUtilitiesMixin):
             logger.info("# GPU blocks: %d, # CPU blocks: %d", num_blocks, num_swap)
         else:
             logger.info("# CPU blocks: %d (device pool), # swap blocks: %d", num_blocks, num_swap)
-        log_kv_cache_size(num_blocks, self.config.cache.block_size, self.max_model_len)
+        kv = self._kv_spec
+        log_kv_cache_size(
+            num_blocks,
+            self.config.cache.block_size,
+            self.max_model_len,
+            kv.groups,
+            kv.num_layers,
+            step_tokens(self.config),
+        )
         logger.info(
             "engine ready: model=%s device=%s tp=%d dtype=%s max_model_len=%d kv blocks=%d x %d tokens "
             "(%.2f GiB per rank), swap blocks=%d",
