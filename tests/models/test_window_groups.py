@@ -139,3 +139,37 @@ def test_the_start_up_concurrency_is_the_tightest_pools(caplog: pytest.LogCaptur
         "GPU KV cache size: 160 tokens",
         "Maximum concurrency for 64 tokens per request: 2.50x",
     ]
+
+
+def test_an_all_windowed_model_swaps_its_window_blocks(mistral: Path) -> None:
+    """Preemption by swap with every layer windowed: the full-attention pool's swap moves no layer's KV (it
+    has none), the window group's own swap pool moves all of it, and the ids stay HF's."""
+    ref = hf_reference(mistral)
+    engine = make_engine(
+        mistral,
+        dtype="float32",
+        block_size=BLOCK,
+        num_kv_blocks=NUM_KV_BLOCKS,
+        max_num_batched_tokens=STEP,
+        swap_space=0.002,
+    )
+    assert engine.get_stats().num_swap_blocks > 0 and engine.scheduler.kv_group_pools() != []
+    executor = engine.engine_core.executor
+    inner, swapped = executor.execute, [0, 0]
+
+    def execute(plan, *args, **kwargs):
+        swapped[0] += len(plan.group_swap_out)
+        swapped[1] += len(plan.group_swap_in)
+        return inner(plan, *args, **kwargs)
+
+    executor.execute = execute
+    prompts = random_prompts([50, 44, 37, 30, 41], seed=4)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, greedy(12))
+    outs = _run(engine, [])
+    for i, p in enumerate(prompts):
+        assert outs[str(i)] == ref(p, 12), i
+    assert swapped[0] > 0 and swapped[1] == swapped[0], swapped
+    stats = engine.get_stats()
+    assert stats.num_free_swap_blocks == stats.num_swap_blocks
+    engine.scheduler.check_invariants()

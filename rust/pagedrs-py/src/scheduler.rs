@@ -272,8 +272,8 @@ impl PyScheduler {
     }
 
     /// Adds the KV-cache group of the layers attending to the last `window` tokens, with its own
-    /// pool of `num_blocks` blocks (before any request, without swap space); returns its index in
-    /// the plan's group arrays.
+    /// pool of `num_blocks` blocks and a swap pool as large as the primary one (before any
+    /// request); returns its index in the plan's group arrays.
     fn add_window_group(&self, py: Python<'_>, window: i64, num_blocks: i64) -> PyResult<usize> {
         let (w, n) = (
             size("window", window, 1)?,
