@@ -466,6 +466,8 @@ class Scheduler:
     def kv_events_enabled(self) -> bool: ...
     def take_kv_events(self) -> KVEvents:
         """The prefix-cache events since the last call, in order (empty when recording is off)."""
+    def take_group_kv_events(self) -> list[KVEvents]:
+        """Each KV-cache group's prefix-cache events since the last call, in group order."""
     def cached_block_hashes(self) -> list[int]:
         """The hashes of the blocks in the prefix cache now, sorted (u64)."""
     def check_invariants(self) -> None: ...

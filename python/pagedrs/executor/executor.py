@@ -66,6 +66,11 @@ class KVCacheSpec:
     groups: tuple[WindowGroup, ...] = ()
     num_layers: int = 0  # the model's attention layers (those of `groups` and the full-attention pool's)
 
+    @property
+    def has_full_layers(self) -> bool:
+        """Whether some layer stores its KV in the full-attention pool (else it is bookkeeping only)."""
+        return not self.groups or self.num_layers > sum(len(g.layers) for g in self.groups)
+
 
 class UniProcExecutor:
     """The model on one device, in this process. The executor interface the engine core sees:

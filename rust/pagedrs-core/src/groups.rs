@@ -11,11 +11,14 @@ use crate::scheduler::Scheduler;
 impl Scheduler {
     /// Adds a KV-cache group beside the primary pool; its index is its place in the plan's group
     /// arrays. Only before any request.
-    pub fn add_kv_group(&mut self, group: Box<dyn KvGroup>) -> Result<usize> {
+    pub fn add_kv_group(&mut self, mut group: Box<dyn KvGroup>) -> Result<usize> {
         if !self.ids.is_empty() {
             return Err(Error::InvalidRequest(
                 "a KV-cache group is added before any request".into(),
             ));
+        }
+        if let Some(p) = group.pool_mut() {
+            p.set_kv_events(self.pool.kv_events_enabled());
         }
         self.kv.push(group);
         Ok(self.kv.len() - 1)

@@ -3,7 +3,8 @@
 //! its `SingleTypeKVCacheManager`s).
 //!
 //! The primary full-attention pool stays in the scheduler: it carries the persistent block table,
-//! pool resize and the chained prefix hashes every group keys its cache by. Each
+//! pool resize and the chained prefix hashes every group keys its cache by (each group's pool
+//! records its own prefix-cache events, [`KvGroups::take_kv_events`]). Each
 //! group here holds the state of some other layers in a pool of its own, with its own
 //! per-sequence tables and its own prefix-cache rule. The scheduler calls the coordinator at each
 //! point where it changes a sequence's primary table, and never learns which kinds exist:
@@ -37,6 +38,7 @@
 //!   reads the owning group's tables).
 
 use crate::block_pool::{BlockPool, CacheItem};
+use crate::kv_events::KvEvents;
 use crate::request::Seq;
 
 /// One kind of layer state: its pool, its per-sequence tables (indexed by sequence slot) and its
@@ -50,6 +52,10 @@ pub trait KvGroup: std::fmt::Debug + Send {
     }
     /// The group's own pool (None for a group that allocates nothing).
     fn pool(&self) -> Option<&BlockPool>;
+    /// The same, to record its prefix-cache events ([`KvGroups::set_kv_events`]).
+    fn pool_mut(&mut self) -> Option<&mut BlockPool> {
+        None
+    }
     /// The longest prefix-cache hit, in blocks, at most `max_blocks`, this group can serve, and
     /// the group's table for it. `chain[i + 1]` is the hash of block `i` (chained from `chain[0]`),
     /// `tokens` the sequence's tokens (at least `max_blocks` full blocks).
@@ -325,6 +331,25 @@ impl KvGroups {
             out.copies.extend(copies);
         }
         out
+    }
+
+    /// Starts (an empty log) or stops recording every group pool's prefix-cache events.
+    pub fn set_kv_events(&mut self, on: bool) {
+        for p in self.groups.iter_mut().filter_map(|g| g.pool_mut()) {
+            p.set_kv_events(on);
+        }
+    }
+
+    /// Each group's prefix-cache events since the last call, in group order (empty for a group
+    /// without a pool, or while recording is off).
+    pub fn take_kv_events(&mut self) -> Vec<KvEvents> {
+        self.groups
+            .iter_mut()
+            .map(|g| {
+                g.pool_mut()
+                    .map_or_else(KvEvents::default, BlockPool::take_kv_events)
+            })
+            .collect()
     }
 
     /// Whether no group holds anything in use.

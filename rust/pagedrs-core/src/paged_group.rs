@@ -164,6 +164,10 @@ impl KvGroup for PagedGroup {
         Some(&self.pool)
     }
 
+    fn pool_mut(&mut self) -> Option<&mut BlockPool> {
+        Some(&mut self.pool)
+    }
+
     fn longest_hit(&self, max_blocks: usize, chain: &[u64], tokens: &[u32]) -> (usize, Vec<u32>) {
         let bs = self.pool.block_size();
         longest_hit(max_blocks, self.span(), bs, |i| {

@@ -356,6 +356,12 @@ impl PyScheduler {
         self.with(py, |s| s.take_kv_events()).map(PyKVEvents::from)
     }
 
+    /// Each KV-cache group's prefix-cache events since the last call, in group order.
+    fn take_group_kv_events(&self, py: Python<'_>) -> PyResult<Vec<PyKVEvents>> {
+        self.with(py, |s| s.take_group_kv_events())
+            .map(|v| v.into_iter().map(PyKVEvents::from).collect())
+    }
+
     /// The hashes of the blocks in the prefix cache now (sorted): what the KV events add up to.
     fn cached_block_hashes(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
         self.with(py, |s| {

@@ -261,3 +261,40 @@ fn swap_moves_the_window_blocks_and_brings_them_back() {
     let st = s.stats();
     assert_eq!(st.num_free_swap_blocks, st.num_swap_blocks);
 }
+
+#[test]
+fn each_window_group_records_its_own_prefix_cache_events() {
+    // Recording turned on after the group was added, and a group added while recording: both log
+    // the blocks their pools cache (a subset of the full-attention pool's, the same hashes), and
+    // nothing is recorded once recording is off.
+    let mut s = sched(64, 16, 8);
+    s.set_kv_events(true);
+    s.add_window_group(16, 24).unwrap();
+    s.add_request(req(1, (1..=41).collect(), 1)).unwrap();
+    drain(&mut s);
+    let full = s.take_kv_events();
+    let groups = s.take_group_kv_events();
+    assert_eq!(groups.len(), 2);
+    let stored = |e: &crate::kv_events::KvEvents| -> Vec<u64> {
+        e.kinds
+            .iter()
+            .zip(&e.hashes)
+            .filter(|(&k, _)| k == crate::kv_events::KvEventKind::Stored)
+            .map(|(_, &h)| h)
+            .collect()
+    };
+    let all = stored(&full);
+    assert_eq!(all.len(), 10);
+    for g in &groups {
+        let own = stored(g);
+        assert!(
+            !own.is_empty() && own.iter().all(|h| all.contains(h)),
+            "{own:?}"
+        );
+        assert_eq!(g.block_size, 4);
+    }
+    s.set_kv_events(false);
+    s.add_request(req(2, (100..=141).collect(), 1)).unwrap();
+    drain(&mut s);
+    assert!(s.take_group_kv_events().iter().all(|e| e.is_empty()));
+}
