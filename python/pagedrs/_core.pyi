@@ -299,6 +299,14 @@ class StepPlan:
     def group_num_copies(self) -> npt.NDArray[np.int32]:
         """int32 [G]: the pairs of each group in `group_copies`."""
     @property
+    def group_swap_out(self) -> npt.NDArray[np.int64]:
+        """int64 [k, 3]: (group, device block, swap block) of every group's blocks to swap out (after
+        `swap_out`)."""
+    @property
+    def group_swap_in(self) -> npt.NDArray[np.int64]:
+        """int64 [k, 3]: (group, swap block, device block) of every group's blocks to swap in (after
+        `swap_in`)."""
+    @property
     def swap_out(self) -> npt.NDArray[np.int64]: ...
     @property
     def swap_in(self) -> npt.NDArray[np.int64]: ...
@@ -438,8 +446,8 @@ class Scheduler:
     def resize(self, num_blocks: int) -> None: ...
     def add_window_group(self, window: int, num_blocks: int) -> int:
         """Adds the KV-cache group of the layers attending to the last `window` tokens, with its own pool of
-        `num_blocks` blocks (before any request, without swap space); returns its index in the plan's group
-        arrays."""
+        `num_blocks` blocks and a swap pool as large as the full-attention pool's (before any request); returns
+        its index in the plan's group arrays."""
     def kv_group_pools(self) -> list[tuple[str, int | None, int, int]]:
         """Per KV-cache group beside the full-attention pool, in group order: (name, window or None,
         num_blocks, num_free_blocks)."""
@@ -459,6 +467,8 @@ class Scheduler:
     def kv_events_enabled(self) -> bool: ...
     def take_kv_events(self) -> KVEvents:
         """The prefix-cache events since the last call, in order (empty when recording is off)."""
+    def take_group_kv_events(self) -> list[KVEvents]:
+        """Each KV-cache group's prefix-cache events since the last call, in group order."""
     def cached_block_hashes(self) -> list[int]:
         """The hashes of the blocks in the prefix cache now, sorted (u64)."""
     def check_invariants(self) -> None: ...

@@ -30,11 +30,17 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -85,6 +91,7 @@ class Subscriber:
         self.replay_endpoint = replay_endpoint
         self.next_seq = 0
         self.cached: dict[int, set[int]] = {}  # data-parallel rank -> cached block hashes
+        self.groups: dict[int | None, set[int]] = {}  # KV-cache group -> its cached block hashes
         self.batches: list[KVEventBatch] = []
         self.replayed = 0  # batches that came from the replay endpoint
         self.topics: set[bytes] = set()
@@ -99,10 +106,18 @@ class Subscriber:
         for ev in batch.events:
             if isinstance(ev, AllBlocksCleared):
                 blocks.clear()
+                self.groups.clear()
             elif isinstance(ev, BlockRemoved):
                 blocks.difference_update(ev.block_hashes)
+                group = self.groups.setdefault(ev.group_idx, set())
+                if ev.group_idx is not None:
+                    assert group.issuperset(ev.block_hashes), (
+                        f"group {ev.group_idx} removes what it never stored"
+                    )
+                group.difference_update(ev.block_hashes)
             else:
                 blocks.update(ev.block_hashes)
+                self.groups.setdefault(ev.group_idx, set()).update(ev.block_hashes)
 
     def replay(self, start: int) -> list[tuple[int, KVEventBatch]]:
         """The buffered batches from `start` on, as the replay endpoint streams them (a DEALER socket:

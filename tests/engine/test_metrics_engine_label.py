@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedrs.engine.core.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from pagedrs.engine.dp.client import sum_stats
 from pagedrs.engine.frontend.output_processor import OutputProcessor
 from pagedrs.entrypoints.openai.server.metrics import ServerMetrics
 from pagedrs.metrics import EngineStats
@@ -72,3 +73,22 @@ def test_server_series_take_the_engine_of_each_call() -> None:
     one = ServerMetrics("m", lambda: EngineStats())  # one engine core: no engine label
     one.on_first_token(0.5, None)
     assert _sample(one, ttft) == 1.0
+
+
+def test_each_kv_cache_group_has_its_usage_gauge() -> None:
+    usage = {"full": 0.25, "window:8": 0.75}
+    m = ServerMetrics("m", lambda: EngineStats(kv_usage=0.75, kv_group_usage=usage))
+    name = "pagedrs:kv_cache_group_usage_perc"
+    assert _sample(m, name, kv_group="full") == 0.25
+    assert _sample(m, name, kv_group="window:8") == 0.75
+    assert _sample(m, "pagedrs:kv_cache_usage_perc") == 0.75  # vLLM's overall figure, unchanged
+    # With data parallelism each replica's pools carry its engine label; the sum is their mean.
+    a = EngineStats(num_blocks=8, kv_usage=0.5, kv_group_usage={"full": 0.5, "window:8": 0.25})
+    b = EngineStats(num_blocks=8, kv_usage=1.0, kv_group_usage={"full": 1.0, "window:8": 0.75})
+    dp = ServerMetrics("m", lambda: sum_stats([a, b]), get_replica_stats=lambda: [a, b])
+    assert _sample(dp, name, engine="1", kv_group="window:8") == 0.75
+    merged = sum_stats([a, b])
+    assert merged is not None and merged.kv_group_usage == {"full": 0.75, "window:8": 0.5}
+    # A snapshot without per-group figures (an older core) serves its overall usage as the full pool's.
+    old = ServerMetrics("m", lambda: EngineStats(kv_usage=0.5))
+    assert _sample(old, name, kv_group="full") == 0.5

@@ -83,7 +83,7 @@ def _float_activations(engine: LLMEngine) -> None:
                 q.dequant_min_rows = 0
 
 
-@pytest.mark.parametrize("swap_space", [None, 0.01])  # the window layers' own pool; swap, no window pool
+@pytest.mark.parametrize("swap_space", [None, 0.01])  # the window layers' own pool, without and with swap
 def test_gpt_oss_fast_path_equals_the_modules_and_hf(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, swap_space: float | None
 ) -> None:
@@ -102,7 +102,7 @@ def test_gpt_oss_fast_path_equals_the_modules_and_hf(
     got = run_workload_logprobs(fast)  # ids and top-5 logprobs
     check_forced(fast, spy)
     assert calls[0] > 0 and calls[1] > 0, calls  # decode steps taken, prefill steps declined
-    assert (calls[2] > 0) == (swap_space is None), calls  # with the window pool: its steps taken too
+    assert calls[2] > 0, calls  # the window pool's steps taken too
     if swap_space is None:
         _check_hf(path, tp_engine(path, 1, **kw), calls)
 

@@ -6,7 +6,6 @@ chunked prefill, prefix hits across the window and preemption; a model without a
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -176,27 +175,57 @@ def test_gemma3_1b_shape_figure() -> None:
     assert min(full // 512, window // live) == 46
 
 
-def test_default_swap_yields_to_the_window_pool(
-    gemma3: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+class _GroupSwaps:
+    """Counts the (group, block, block) swap ops of every plan the engine executes."""
+
+    def __init__(self, engine) -> None:
+        self.out = self.back = 0
+        executor = engine.engine_core.executor
+        inner = executor.execute
+
+        def execute(plan, *args, **kwargs):
+            self.out += len(plan.group_swap_out)
+            self.back += len(plan.group_swap_in)
+            return inner(plan, *args, **kwargs)
+
+        executor.execute = execute
+
+
+def test_preemption_by_swap_moves_the_window_blocks_too(
+    gemma3: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With CUDA's default swap space (faked here: the CPU default is none) a model with a window group gets
-    no swap and its window pool; an explicit swap_space keeps swap and every layer's blocks, and says so."""
+    """With swap space the window group keeps its own pool: a preempted request's live window blocks go to
+    the group's own swap pool beside its full-attention blocks, and come back, and the ids stay HF's. The
+    device's default swap space (CUDA's, faked here: the CPU default is none) keeps the window pool too."""
     import pagedrs.engine.arg_utils as arg_utils
 
-    monkeypatch.setattr(arg_utils, "default_swap_space", lambda device_type: 4.0)
-    with caplog.at_level(logging.INFO, logger="pagedrs"):
-        engine = _engine(gemma3, num_kv_blocks=40)
-    assert engine.engine_core.config.cache.swap_space == 4.0  # the (faked) default, not given
-    assert engine.get_stats().num_swap_blocks == 0
-    assert engine.scheduler.kv_group_pools() != []
-    assert "no swap space by default" in caplog.text
     ref = hf_reference(gemma3)
-    prompt = random_prompts([30], seed=10)[0]
-    engine.add_request("d", prompt, greedy(4))
-    assert _run(engine, [])["d"] == ref(prompt, 4)
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="pagedrs"):
-        engine = make_engine(gemma3, dtype="float32", block_size=BLOCK, num_kv_blocks=40, swap_space=0.001)
+    engine = make_engine(
+        gemma3,
+        dtype="float32",
+        block_size=BLOCK,
+        num_kv_blocks=40,
+        max_num_batched_tokens=STEP,
+        swap_space=0.002,
+    )
     assert engine.get_stats().num_swap_blocks > 0
-    assert engine.scheduler.kv_group_pools() == []
-    assert "not supported with swap space (swap_space=0.001" in caplog.text
+    window, num_window_blocks, _ = _window_pool(engine)
+    assert window == WINDOW and num_window_blocks < 40
+    swaps = _GroupSwaps(engine)
+    prompts = random_prompts([50, 44, 37], seed=6)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, greedy(6))
+    outs = _run(engine, [])
+    for i, p in enumerate(prompts):
+        assert outs[str(i)] == ref(p, 6), i
+    stats = engine.get_stats()
+    assert stats.num_preemptions > 0 and swaps.out > 0 and swaps.back == swaps.out, (stats, vars(swaps))
+    assert stats.num_free_swap_blocks == stats.num_swap_blocks
+    assert_pool_free(engine)
+    _, n, free = _window_pool(engine)
+    assert free == n
+    engine.scheduler.check_invariants()
+    monkeypatch.setattr(arg_utils, "default_swap_space", lambda device_type: 4.0)
+    engine = _engine(gemma3, num_kv_blocks=40)
+    assert engine.engine_core.config.cache.swap_space == 4.0  # the (faked) default, not given
+    assert engine.get_stats().num_swap_blocks > 0 and engine.scheduler.kv_group_pools() != []

@@ -106,3 +106,44 @@ def test_plan_ops_order() -> None:
     plan.num_blocks = 4
     pool.apply_plan_shrink(plan)
     assert pool.num_blocks == 4
+
+
+def test_group_swap_ops_move_only_their_own_layers() -> None:
+    """Layers 1 and 2 in two KV-cache groups of their own (6 and 5 blocks): the full-attention pool's swap
+    pairs move layer 0 only, each group's (group, block, block) triples its own layer, through its own host
+    blocks, and back into other device blocks."""
+    pool = KVCachePool(
+        num_layers=3,
+        num_kv_heads=1,
+        head_size=2,
+        block_size=2,
+        num_blocks=8,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        num_swap_blocks=4,
+        layer_blocks={1: 6, 2: 5},
+        groups=[(1,), (2,)],
+    )
+    for layer, kv in enumerate(pool.kv_caches):
+        for b in range(kv.shape[1]):
+            kv[:, b] = 100 * layer + b
+    triples = lambda *t: np.array(t, dtype=np.int64).reshape(-1, 3)  # noqa: E731
+    plan = SimpleNamespace(
+        num_blocks=8,
+        block_moves=pairs(),
+        swap_out=pairs((7, 0)),
+        swap_in=pairs(),
+        copies=pairs(),
+        group_swap_out=triples((0, 5, 1), (1, 4, 1), (1, 3, 2)),
+        group_swap_in=triples(),
+    )
+    pool.apply_plan_ops(plan)  # type: ignore[arg-type]
+    host = [pool.swap_caches[i][0, :, 0, 0, 0].tolist() for i in range(3)]
+    assert host == [[7, 0, 0, 0], [0, 105, 0, 0], [0, 204, 203, 0]]
+    back = SimpleNamespace(**vars(plan))
+    back.swap_out, back.group_swap_out, back.swap_in = pairs(), triples(), pairs((0, 2))
+    back.group_swap_in = triples((0, 1, 0), (1, 1, 0), (1, 2, 1))
+    pool.apply_plan_ops(back)  # type: ignore[arg-type]
+    assert block_values(pool, 0) == [0, 1, 7, 3, 4, 5, 6, 7]
+    assert block_values(pool, 1) == [105, 101, 102, 103, 104, 105]
+    assert block_values(pool, 2) == [204, 203, 202, 203, 204]

@@ -18,6 +18,7 @@ import pytest
 from pagedrs import LLM, SamplingParams
 from pagedrs.config import SpeculativeConfig
 from pagedrs.engine.arg_utils import EngineArgs
+from pagedrs.runner import kv_groups
 from tests.distributed.helpers_tp import (
     ENGINE,
     ENGINE_FOR,
@@ -77,7 +78,9 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     [NGRAM, SELF_DRAFT, DRAFT_ITSELF, DRAFT_LAZY],
     ids=["ngram", "self_draft", "draft_model", "draft_model_lazy"],
 )
-def test_greedy_ids_equal_without_speculation(model: tuple[Path, dict, Any], method: dict) -> None:
+def test_greedy_ids_equal_without_speculation(
+    model: tuple[Path, dict, Any], method: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """draft_model: the target as its own draft model, whose KV pool follows the target's blocks
     exactly: every draft is accepted (up to float near-ties). draft_model_lazy: the same, paused while
     more than two sequences run, so the draft skips steps and catches its KV up from the backlogs when
@@ -90,10 +93,13 @@ def test_greedy_ids_equal_without_speculation(model: tuple[Path, dict, Any], met
         spec = _draft(folder) if drafting else _spec(method)
     # n-gram speculation keeps a window model's KV-cache group (its smaller pool); with a drafter model
     # every layer keeps all its blocks, which the 20-block pool cannot hold for every request: the ids to
-    # match are those of an engine without the group (swap space keeps every layer's blocks too)
+    # match are those of an engine without the group (its window layers found no group of their own)
     kw = ENGINE_FOR.get(name, {}) if method is NGRAM else {}
     if name in ENGINE_FOR and method is not NGRAM:
-        base = tp_engine(folder, 1, swap_space=0.001)
+        with monkeypatch.context() as m:
+            m.setattr(kv_groups, "window_groups_for", lambda windows, max_model_len: ())
+            base = tp_engine(folder, 1)
+        assert base.scheduler.kv_group_pools() == []
         want, _ = run_workload(base)
         want_echo = _run_echo(base, echo)
     engine = tp_engine(folder, 1, speculative_config=spec, **kw)

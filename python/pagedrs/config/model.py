@@ -115,7 +115,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float | None = None  # None -> up to 4 GiB, no more than max_num_seqs full sequences
     swap_space: float = 0.0  # GiB of CPU memory for preemption by swap
-    # swap_space is the device's default, not given: a sliding-window KV pool takes precedence over it
+    # swap_space is the device's default, not given: a core on another device takes that device's default
     swap_space_is_default: bool = False
     enable_prefix_caching: bool = True
     cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 = fp8_e4m3 | fp8_e5m2

@@ -32,7 +32,7 @@ from pagedrs.executor.step_packet import lora_header, pack_step, shutdown_header
 from pagedrs.layers.sampler import SamplingRow
 from pagedrs.lora.manager import LoRAManager
 from pagedrs.runner.kv_cache import KVCachePool
-from pagedrs.runner.kv_groups import WindowGroup
+from pagedrs.runner.kv_groups import WindowGroup, step_tokens
 from pagedrs.runner.model_runner import ModelRunner
 from pagedrs.runner.outputs import RunnerOutput
 
@@ -64,6 +64,12 @@ class KVCacheSpec:
     dtype: torch.dtype
     bytes_per_block: int  # per rank
     groups: tuple[WindowGroup, ...] = ()
+    num_layers: int = 0  # the model's attention layers (those of `groups` and the full-attention pool's)
+
+    @property
+    def has_full_layers(self) -> bool:
+        """Whether some layer stores its KV in the full-attention pool (else it is bookkeeping only)."""
+        return not self.groups or self.num_layers > sum(len(g.layers) for g in self.groups)
 
 
 class UniProcExecutor:
@@ -81,25 +87,27 @@ class UniProcExecutor:
     def init_kv_cache(self) -> KVCacheSpec:
         """Size and allocate the KV pool (and on CUDA capture the decode graphs)."""
         pool = self._init_pool()
-        if self.runner.kv_groups:
+        spec = KVCacheSpec(
+            pool.num_blocks,
+            pool.num_swap_blocks,
+            pool.dtype,
+            pool.bytes_per_block,
+            self.runner.kv_groups,
+            pool.num_layers,
+        )
+        if spec.groups:
             cfg = self.runner.config
-            spec = cfg.speculative
-            step = cfg.scheduler.max_num_batched_tokens + (
-                spec.num_speculative_tokens if spec is not None else 0
-            )
             logger.info(
                 kv_pools_line(
-                    pool.num_blocks,
-                    self.runner.kv_groups,
-                    pool.num_layers,
+                    spec.num_blocks,
+                    spec.groups,
+                    spec.num_layers,
                     self.runner.block_size,
                     cfg.scheduler.max_model_len,
-                    step,
+                    step_tokens(cfg),
                 )
             )
-        return KVCacheSpec(
-            pool.num_blocks, pool.num_swap_blocks, pool.dtype, pool.bytes_per_block, self.runner.kv_groups
-        )
+        return spec
 
     def _init_pool(self) -> KVCachePool:
         return self.runner.init_kv_cache(self.runner.determine_num_blocks())

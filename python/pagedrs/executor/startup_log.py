@@ -25,6 +25,7 @@ __all__ = [
     "log_dtype_cast",
     "log_kv_cache_size",
     "log_startup",
+    "pool_concurrency",
 ]
 
 logger = logging.getLogger("pagedrs.engine")
@@ -138,14 +139,50 @@ def log_startup(
         )
 
 
-def log_kv_cache_size(num_blocks: int, block_size: int, max_model_len: int) -> None:
+def pool_concurrency(
+    num_blocks: int,
+    groups: Sequence[WindowGroup],
+    num_layers: int,
+    block_size: int,
+    max_model_len: int,
+    step: int,
+) -> list[tuple[str, int, float]]:
+    """Per KV pool that stores some layer's KV: (label, blocks, requests of the full context length it holds
+    at once). The full-attention pool (label `full`, absent when every layer is windowed: it is bookkeeping)
+    holds a request's every block, a window group's pool (`window:W`) only its live window blocks at the
+    largest step, as vLLM's `SlidingWindowSpec.max_memory_usage_bytes`."""
+    per_request = math.ceil(max_model_len / block_size)
+    out = []
+    if num_layers > sum(len(g.layers) for g in groups):
+        out.append(("full", num_blocks, num_blocks / per_request))
+    for g in groups:
+        need = min(per_request, max_live_blocks(g.window, block_size, step))
+        out.append((f"window:{g.window}", g.num_blocks, g.num_blocks / need))
+    return out
+
+
+def log_kv_cache_size(
+    num_blocks: int,
+    block_size: int,
+    max_model_len: int,
+    groups: Sequence[WindowGroup] = (),
+    num_layers: int = 0,
+    step: int = 0,
+) -> None:
     """vLLM's KV cache lines: the pool's size in tokens and how many requests of the full context length
-    it holds at once (labelled "GPU" on every device, as vLLM prints it)."""
-    tokens = num_blocks * block_size
-    per_request = math.ceil(max_model_len / block_size) * block_size
+    it holds at once (labelled "GPU" on every device, as vLLM prints it). With KV-cache groups
+    (`groups` of a model of `num_layers` layers, `step` tokens at the largest step) the concurrency is the
+    tightest pool's, and the size the full-attention pool's tokens (with every layer windowed, the
+    smallest window pool's)."""
+    # Without groups every layer is in the full-attention pool, however many layers there are.
+    layers = num_layers if groups else max(num_layers, 1)
+    pools = pool_concurrency(num_blocks, groups, layers, block_size, max_model_len, step)
+    tokens = (pools[0][1] if pools[0][0] == "full" else min(n for _, n, _ in pools)) * block_size
     logger.info("GPU KV cache size: %s tokens", f"{tokens:,}")
     logger.info(
-        "Maximum concurrency for %s tokens per request: %.2fx", f"{max_model_len:,}", tokens / per_request
+        "Maximum concurrency for %s tokens per request: %.2fx",
+        f"{max_model_len:,}",
+        min(fits for _, _, fits in pools),
     )
 
 
@@ -160,19 +197,15 @@ def kv_pools_line(
     """One line naming each KV pool's size (the full-attention pool and every window group's) and the
     requests of the full context length they hold at once: the least over the pools, a window group's
     request holding only its live window blocks (a pool of no layer is bookkeeping and holds nothing)."""
-    per_request = math.ceil(max_model_len / block_size)
+    pools = pool_concurrency(num_blocks, groups, num_layers, block_size, max_model_len, step)
     full_layers = num_layers - sum(len(g.layers) for g in groups)
-    parts, fits = [], []
+    parts = []
     if full_layers:
         parts.append(f"full attention {num_blocks:,} blocks ({full_layers} layers)")
-        fits.append(num_blocks / per_request)
     else:
         parts.append("full attention: no layer (its pool is bookkeeping only)")
-    for g in groups:
-        need = min(per_request, max_live_blocks(g.window, block_size, step))
-        parts.append(f"window {g.window} {g.num_blocks:,} blocks ({len(g.layers)} layers)")
-        fits.append(g.num_blocks / need)
+    parts += [f"window {g.window} {g.num_blocks:,} blocks ({len(g.layers)} layers)" for g in groups]
     return (
         f"KV cache pools: {'; '.join(parts)}; maximum concurrency for {max_model_len:,} tokens per request "
-        f"over every pool: {min(fits):.2f}x"
+        f"over every pool: {min(fits for _, _, fits in pools):.2f}x"
     )

@@ -11,7 +11,7 @@ copy-on-write copies, grow and shrink.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -147,11 +147,20 @@ class KVCachePool:
         device: torch.device,
         num_swap_blocks: int = 0,
         layer_blocks: dict[int, int] | None = None,
+<<<<<<< HEAD
         layer_shapes: list[tuple[int, int]] | None = None,
     ) -> None:
         """`layer_blocks`: layers whose KV-cache group has a pool of its own (`kv_groups`), and its size.
         `layer_shapes`: (KV heads, head size) per layer where the layers differ (else `num_kv_heads`,
         `head_size` for all)."""
+=======
+        groups: Sequence[Sequence[int]] = (),
+    ) -> None:
+        """`layer_blocks`: layers whose KV-cache group has a pool of its own (`kv_groups`), and its size;
+        `groups`: the layers of each such group, in the plan's group order (their swap ops name the group).
+        Every layer has `num_swap_blocks` host blocks: the full-attention pool's swap ids index those of its
+        layers, each group's own swap ids those of the group's layers."""
+>>>>>>> groups2
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -165,6 +174,7 @@ class KVCachePool:
         # The full-attention pool's size: with every layer in a group of its own, no tensor has it.
         self._num_blocks = num_blocks
         self.group_layers = frozenset(layer_blocks or {})
+        self.groups = tuple(tuple(g) for g in groups)
         # Zero-filled: padded reads of a block table must never see NaN garbage (NaN * 0 is NaN).
         self.kv_caches: list[Tensor] = [
             self._alloc((layer_blocks or {}).get(i, num_blocks), device, i) for i in range(num_layers)
@@ -188,6 +198,7 @@ class KVCachePool:
         device: torch.device,
         num_swap_blocks: int = 0,
         layer_blocks: dict[int, int] | None = None,
+        groups: Sequence[Sequence[int]] = (),
     ) -> KVCachePool:
         """The pool of `model`'s layers (its `num_layers`, `num_kv_heads`, `head_size` on this rank)."""
         return cls(
@@ -200,7 +211,11 @@ class KVCachePool:
             device=device,
             num_swap_blocks=num_swap_blocks,
             layer_blocks=layer_blocks,
+<<<<<<< HEAD
             layer_shapes=_layer_shapes(model) if getattr(model, "kv_cache_shapes", None) else None,
+=======
+            groups=groups,
+>>>>>>> groups2
         )
 
     @property
@@ -257,25 +272,41 @@ class KVCachePool:
             if i not in self.group_layers:
                 kv[:, dst] = kv[:, src]
 
-    def swap_out(self, pairs: np.ndarray) -> None:
-        """(device_block, swap_block) pairs: device -> CPU swap pool."""
+    def swap_out(self, pairs: np.ndarray, layers: Iterable[int] | None = None) -> None:
+        """(device_block, swap_block) pairs: device -> CPU swap pool, of `layers` (default: the full-attention
+        pool's)."""
         if len(pairs) == 0:
             return
         self._check_swap(len(pairs))
         src, dst = _pairs(pairs, self.device)
         dst_cpu = dst.cpu()
-        for kv, swap in zip(map(as_bytes, self.kv_caches), map(as_bytes, self.swap_caches), strict=True):
+        for i in self._swap_layers(layers):
+            swap, kv = as_bytes(self.swap_caches[i]), as_bytes(self.kv_caches[i])
             swap[:, dst_cpu] = kv[:, src].to("cpu")
 
-    def swap_in(self, pairs: np.ndarray) -> None:
-        """(swap_block, device_block) pairs: CPU swap pool -> device."""
+    def swap_in(self, pairs: np.ndarray, layers: Iterable[int] | None = None) -> None:
+        """(swap_block, device_block) pairs: CPU swap pool -> device, of `layers` (default: the full-attention
+        pool's)."""
         if len(pairs) == 0:
             return
         self._check_swap(len(pairs))
         src, dst = _pairs(pairs, torch.device("cpu"))
         dst_dev = dst.to(self.device)
-        for kv, swap in zip(map(as_bytes, self.kv_caches), map(as_bytes, self.swap_caches), strict=True):
+        for i in self._swap_layers(layers):
+            kv, swap = as_bytes(self.kv_caches[i]), as_bytes(self.swap_caches[i])
             kv[:, dst_dev] = swap[:, src].to(self.device, non_blocking=True)
+
+    def _swap_layers(self, layers: Iterable[int] | None) -> Iterable[int]:
+        if layers is not None:
+            return layers
+        return (i for i in range(self.num_layers) if i not in self.group_layers)
+
+    def swap_groups(self, triples: np.ndarray, *, out: bool) -> None:
+        """(group, block, block) triples of the KV-cache groups' swap ops: device -> host (`out`) or back,
+        each group's pairs on its own layers."""
+        for g, layers in enumerate(self.groups):
+            pairs = triples[triples[:, 0] == g, 1:] if len(triples) else triples
+            (self.swap_out if out else self.swap_in)(pairs, layers)
 
     def _check_swap(self, n: int) -> None:
         if not self.swap_caches:
@@ -288,7 +319,11 @@ class KVCachePool:
             self.resize(num_blocks)
         self.move_blocks(plan.block_moves)
         self.swap_out(plan.swap_out)
+        if self.groups:
+            self.swap_groups(plan.group_swap_out, out=True)
         self.swap_in(plan.swap_in)
+        if self.groups:
+            self.swap_groups(plan.group_swap_in, out=False)
         self.copy_blocks(plan.copies)
 
     def apply_plan_shrink(self, plan: StepPlan) -> None:

@@ -4,7 +4,8 @@ A layer that attends only to the last ``window`` tokens never reads a block once
 of the window; the scheduler (Rust core, ``kv_groups``: one manager per group behind one trait) frees those
 blocks mid-request and caps prefix hits to what each group's pool still holds, as vLLM V1's hybrid allocator
 and llama.cpp's SWA cache do, and every step plan carries each group's slot mapping, block tables and
-copy-on-write pairs. Here: which layers form which group, how one KV budget is split between the
+copy-on-write pairs, and the swap ops of its blocks (each group has a swap pool of its own, in its layers' part
+of the host swap space). Here: which layers form which group, how one KV budget is split between the
 full-attention pool and the window pools so that the memory goes where it is used, and each group's
 attention metadata from a plan. A model whose every layer is windowed (Mistral with a window shorter than
 the context) keeps its full-attention pool as bookkeeping only: no layer stores KV in it.
@@ -31,7 +32,7 @@ __all__ = [
     "plan_window_pools",
     "split_pool",
     "split_pools",
-    "swap_yields_to_window_pool",
+    "step_tokens",
     "window_groups_for",
 ]
 
@@ -66,6 +67,15 @@ def max_live_blocks(window: int, block_size: int, step_tokens: int) -> int:
     """Most window blocks one sequence holds while computing `step_tokens` tokens a step (as the core's
     `sliding_window::max_live_blocks`)."""
     return -(-(window - 1 + step_tokens) // block_size) + 1
+
+
+def step_tokens(cfg: Any) -> int:
+    """The most tokens one sequence computes in a step of engine config `cfg`: the token budget and the
+    draft tokens verified beside it."""
+    spec = cfg.speculative
+    return int(cfg.scheduler.max_num_batched_tokens) + (
+        spec.num_speculative_tokens if spec is not None else 0
+    )
 
 
 def split_pool(
@@ -117,7 +127,7 @@ def split_pools(
 
 
 def _unsupported(runner: Any) -> str | None:
-    """Why `runner` cannot keep its window group in a pool of its own, swap space aside (None: it can)."""
+    """Why `runner` cannot keep its window group in a pool of its own (None: it can)."""
     cfg = runner.config
     spec = cfg.speculative
     if cfg.parallel.liquid_gpu_range is not None:
@@ -127,39 +137,17 @@ def _unsupported(runner: Any) -> str | None:
     return None
 
 
-def swap_yields_to_window_pool(runner: Any) -> bool:
-    """True when `runner`'s swap space is the device's default (not given) and its model has window groups
-    that can have their own pools: the window pools take the place of the swap pool (no swap blocks)."""
-    cfg = runner.config
-    if not cfg.cache.swap_space_is_default or cfg.cache.swap_space <= 0:
-        return False
-    groups = window_groups_for(layer_windows(runner.model), cfg.scheduler.max_model_len)
-    if not groups or _unsupported(runner) is not None:
-        return False
-    logger.info(
-        "no swap space by default: sliding-window layers keep their blocks in pools of their own, which "
-        "swap does not support (an explicit swap_space > 0 keeps swap, and every layer keeps its blocks)"
-    )
-    return True
-
-
-def plan_window_pools(runner: Any, num_blocks: int, num_swap: int) -> tuple[int, tuple[WindowGroup, ...]]:
+def plan_window_pools(runner: Any, num_blocks: int) -> tuple[int, tuple[WindowGroup, ...]]:
     """The full-attention pool's blocks and the window groups of `runner`'s model, out of the budget of
     `num_blocks` blocks over all layers. No group (every layer keeps all its blocks, as before) for a model
-    without a window shorter than the context, and where groups are not supported: swap space, a liquid
-    device range, a drafter that runs sub-steps of its own (speculation other than n-gram), and a budget too
+    without a window shorter than the context, and where groups are not supported: a liquid device range, a drafter that runs sub-steps of its own (speculation other than n-gram), and a budget too
     small for the pools' minimum (one sequence's live window blocks at the largest step). With every layer
     windowed the full-attention pool stores nothing; it is sized so that it never limits admission."""
     cfg = runner.config
     groups = window_groups_for(layer_windows(runner.model), cfg.scheduler.max_model_len)
     if not groups:
         return num_blocks, ()
-    spec = cfg.speculative
     reason = _unsupported(runner)
-    if reason is None and num_swap > 0:
-        reason = (
-            f"swap space (swap_space={cfg.cache.swap_space} GiB; 0 gives the window layers their own pool)"
-        )
     if reason is not None:
         logger.info(
             "sliding-window layers keep all their blocks: their own pool is not supported with %s", reason
@@ -170,7 +158,7 @@ def plan_window_pools(runner: Any, num_blocks: int, num_swap: int) -> tuple[int,
     # each group's share of a block: its layers' bytes (a layer reading another's KV owns none)
     weights = layer_block_bytes(runner.model, runner.block_size, runner.kv_dtype)
     group_bytes = [per_block * sum(weights[i] for i in g.layers) // sum(weights) for g in groups]
-    step = cfg.scheduler.max_num_batched_tokens + (spec.num_speculative_tokens if spec is not None else 0)
+    step = step_tokens(cfg)
     lives = [max_live_blocks(g.window, runner.block_size, step) for g in groups]
     all_windowed = sum(len(g.layers) for g in groups) == num_layers
     full_bytes = 0 if all_windowed else per_block - sum(group_bytes)

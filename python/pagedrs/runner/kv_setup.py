@@ -24,7 +24,7 @@ from pagedrs.runner.kv_cache import (
     num_blocks_for_bytes,
     profile_num_gpu_blocks,
 )
-from pagedrs.runner.kv_groups import WindowGroup, plan_window_pools, swap_yields_to_window_pool
+from pagedrs.runner.kv_groups import WindowGroup, plan_window_pools
 from pagedrs.runner.step_buffers import StepBuffers
 from pagedrs.spec_decode import Drafter
 
@@ -91,8 +91,6 @@ class KVSetupMixin:
         return num
 
     def determine_num_swap_blocks(self) -> int:
-        if swap_yields_to_window_pool(self):
-            return 0
         return num_blocks_for_bytes(self.config.cache.swap_space * _GiB, self.bytes_per_block)
 
     def _new_pool(self, num_blocks: int, num_swap: int, groups: tuple[WindowGroup, ...] = ()) -> KVCachePool:
@@ -104,12 +102,13 @@ class KVSetupMixin:
             device=self.device,
             num_swap_blocks=num_swap,
             layer_blocks={i: g.num_blocks for g in groups for i in g.layers},
+            groups=[g.layers for g in groups],
         )
 
     def init_kv_cache(self, num_blocks: int, num_swap_blocks: int | None = None) -> KVCachePool:
         """Allocate the KV pool, then (CUDA) capture every decode graph, before any request runs."""
         num_swap = self.determine_num_swap_blocks() if num_swap_blocks is None else num_swap_blocks
-        num_blocks, self.kv_groups = plan_window_pools(self, num_blocks, num_swap)
+        num_blocks, self.kv_groups = plan_window_pools(self, num_blocks)
         self.kv_pool = self._new_pool(num_blocks, num_swap, self.kv_groups)
         if self.drafter is not None:
             self.drafter.init_kv_cache(num_blocks, num_swap)

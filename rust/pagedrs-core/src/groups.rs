@@ -10,27 +10,23 @@ use crate::scheduler::Scheduler;
 
 impl Scheduler {
     /// Adds a KV-cache group beside the primary pool; its index is its place in the plan's group
-    /// arrays. Only before any request, without swap space (swap moves the primary pool only).
-    pub fn add_kv_group(&mut self, group: Box<dyn KvGroup>) -> Result<usize> {
+    /// arrays. Only before any request.
+    pub fn add_kv_group(&mut self, mut group: Box<dyn KvGroup>) -> Result<usize> {
         if !self.ids.is_empty() {
             return Err(Error::InvalidRequest(
                 "a KV-cache group is added before any request".into(),
             ));
         }
-        if self.cfg.num_swap_blocks > 0 {
-            return Err(Error::InvalidRequest(format!(
-                "swap space ({} blocks) is not supported with KV-cache groups beside the \
-                 full-attention pool (group {}); set it to 0",
-                self.cfg.num_swap_blocks,
-                group.name()
-            )));
+        if let Some(p) = group.pool_mut() {
+            p.set_kv_events(self.pool.kv_events_enabled());
         }
         self.kv.push(group);
         Ok(self.kv.len() - 1)
     }
 
     /// Adds the group of the layers attending to the last `window` tokens, with its own pool of
-    /// `num_blocks` blocks, which must hold one sequence's live blocks at the largest step.
+    /// `num_blocks` blocks, which must hold one sequence's live blocks at the largest step, and a
+    /// swap pool of its own as large as the primary one (its layers' part of the swap space).
     pub fn add_window_group(&mut self, window: usize, num_blocks: usize) -> Result<usize> {
         let step = self.cfg.max_num_batched_tokens + self.cfg.num_speculative_tokens;
         let g = PagedGroup::sliding_window(
@@ -39,7 +35,8 @@ impl Scheduler {
             self.cfg.block_size,
             self.cfg.max_model_len,
             step,
-        )?;
+        )?
+        .with_swap(self.cfg.num_swap_blocks);
         self.add_kv_group(Box::new(g))
     }
 

@@ -3,7 +3,8 @@
 //! its `SingleTypeKVCacheManager`s).
 //!
 //! The primary full-attention pool stays in the scheduler: it carries the persistent block table,
-//! swap, pool resize, KV events and the chained prefix hashes every group keys its cache by. Each
+//! pool resize and the chained prefix hashes every group keys its cache by (each group's pool
+//! records its own prefix-cache events, [`KvGroups::take_kv_events`]). Each
 //! group here holds the state of some other layers in a pool of its own, with its own
 //! per-sequence tables and its own prefix-cache rule. The scheduler calls the coordinator at each
 //! point where it changes a sequence's primary table, and never learns which kinds exist:
@@ -15,7 +16,8 @@
 //! | the plan                               | `plan_tables` (each group's `plan_row`s)  |
 //! | `update()`                             | `cache` newly full blocks, `release` at the committed position |
 //! | speculative rollback                   | `truncate`                                |
-//! | finish, abort, preemption              | `free`                                    |
+//! | finish, abort, recompute preemption    | `free`                                    |
+//! | swap preemption, swap back in          | `can_swap_out`, `swap_out`; `fits_swap_in`, `swap_in` |
 //! | `n > 1` fork                           | `fork`                                    |
 //!
 //! A request's prefix hit is the longest prefix every group can serve: the primary pool's hit,
@@ -36,6 +38,7 @@
 //!   reads the owning group's tables).
 
 use crate::block_pool::{BlockPool, CacheItem};
+use crate::kv_events::KvEvents;
 use crate::request::Seq;
 
 /// One kind of layer state: its pool, its per-sequence tables (indexed by sequence slot) and its
@@ -49,6 +52,10 @@ pub trait KvGroup: std::fmt::Debug + Send {
     }
     /// The group's own pool (None for a group that allocates nothing).
     fn pool(&self) -> Option<&BlockPool>;
+    /// The same, to record its prefix-cache events ([`KvGroups::set_kv_events`]).
+    fn pool_mut(&mut self) -> Option<&mut BlockPool> {
+        None
+    }
     /// The longest prefix-cache hit, in blocks, at most `max_blocks`, this group can serve, and
     /// the group's table for it. `chain[i + 1]` is the hash of block `i` (chained from `chain[0]`),
     /// `tokens` the sequence's tokens (at least `max_blocks` full blocks).
@@ -85,6 +92,22 @@ pub trait KvGroup: std::fmt::Debug + Send {
         slot_mapping: &mut Vec<i64>,
         tables: &mut Vec<i32>,
     );
+    /// Whether the group's swap pool can take what `slot` holds (false: a preempted sequence is
+    /// recomputed instead of swapped, as by default: a group swaps only if it implements it).
+    fn can_swap_out(&self, _slot: u32) -> bool {
+        false
+    }
+    /// Moves what `slot` holds to the group's swap pool (checked with `can_swap_out`), appending
+    /// (device, swap) pairs; entries the group no longer held stay empty.
+    fn swap_out(&mut self, _slot: u32, _pairs: &mut Vec<i64>) {}
+    /// Free blocks that bringing `slot` back from the swap pool and growing it to `num_tokens`
+    /// tokens takes.
+    fn swap_in_cost(&self, _slot: u32, _num_tokens: usize) -> usize {
+        0
+    }
+    /// Brings `slot` back from the swap pool (checked with `swap_in_cost`), appending (swap,
+    /// device) pairs, and grows it to `num_tokens` tokens.
+    fn swap_in(&mut self, _slot: u32, _num_tokens: usize, _pairs: &mut Vec<i64>) {}
     /// Copy pairs (src, dst), flattened, to apply to the group's blocks before the next forward;
     /// handed over once.
     fn take_copies(&mut self) -> Vec<i64>;
@@ -252,6 +275,38 @@ impl KvGroups {
         }
     }
 
+    /// Whether every group can swap `slot` out.
+    pub fn can_swap_out(&self, slot: u32) -> bool {
+        self.groups.iter().all(|g| g.can_swap_out(slot))
+    }
+
+    /// Swaps `slot` out of every group, appending (group, device block, swap block) triples.
+    pub fn swap_out(&mut self, slot: u32, triples: &mut Vec<i64>) {
+        for (i, g) in self.groups.iter_mut().enumerate() {
+            let mut pairs = Vec::new();
+            g.swap_out(slot, &mut pairs);
+            triples.extend(pairs.chunks(2).flat_map(|p| [i as i64, p[0], p[1]]));
+        }
+    }
+
+    /// Whether every group has the free blocks to swap `slot` in and grow it to `num_tokens`.
+    pub fn fits_swap_in(&self, slot: u32, num_tokens: usize) -> bool {
+        self.groups.iter().all(|g| {
+            let free = g.pool().map_or(usize::MAX, BlockPool::num_free);
+            g.swap_in_cost(slot, num_tokens) <= free
+        })
+    }
+
+    /// Swaps `slot` into every group, grown to `num_tokens` tokens, appending (group, swap block,
+    /// device block) triples.
+    pub fn swap_in(&mut self, slot: u32, num_tokens: usize, triples: &mut Vec<i64>) {
+        for (i, g) in self.groups.iter_mut().enumerate() {
+            let mut pairs = Vec::new();
+            g.swap_in(slot, num_tokens, &mut pairs);
+            triples.extend(pairs.chunks(2).flat_map(|p| [i as i64, p[0], p[1]]));
+        }
+    }
+
     /// Every group's tables and slot mapping of a plan whose batch rows are `rows` (slot, first
     /// position, end position), each group's `[T]` slots then `[B, max_blocks]` tables, and each
     /// group's copy-on-write pairs (handed over once).
@@ -276,6 +331,25 @@ impl KvGroups {
             out.copies.extend(copies);
         }
         out
+    }
+
+    /// Starts (an empty log) or stops recording every group pool's prefix-cache events.
+    pub fn set_kv_events(&mut self, on: bool) {
+        for p in self.groups.iter_mut().filter_map(|g| g.pool_mut()) {
+            p.set_kv_events(on);
+        }
+    }
+
+    /// Each group's prefix-cache events since the last call, in group order (empty for a group
+    /// without a pool, or while recording is off).
+    pub fn take_kv_events(&mut self) -> Vec<KvEvents> {
+        self.groups
+            .iter_mut()
+            .map(|g| {
+                g.pool_mut()
+                    .map_or_else(KvEvents::default, BlockPool::take_kv_events)
+            })
+            .collect()
     }
 
     /// Whether no group holds anything in use.

@@ -12,6 +12,7 @@ use crate::kv_groups::KvGroup;
 use crate::prefix_cache::{block_hash, root_hash};
 use crate::request::{Seq, Status};
 use crate::sliding_window::{longest_hit, max_live_blocks, SlidingTable, NULL_BLOCK};
+use crate::swap_pool::SwapPool;
 use crate::BlockId;
 
 #[derive(Debug)]
@@ -23,6 +24,10 @@ pub struct PagedGroup {
     tables: Vec<SlidingTable>,
     /// Copy-on-write pairs (src, dst) not yet handed to a plan, flattened.
     pending_copies: Vec<i64>,
+    /// The host blocks of swapped-out sequences (the group's layers' own part of the swap space).
+    swap: SwapPool,
+    /// Indexed by sequence slot: a swapped-out sequence's table, its live entries swap blocks.
+    swapped: Vec<SlidingTable>,
 }
 
 impl PagedGroup {
@@ -61,7 +66,15 @@ impl PagedGroup {
             pool: BlockPool::new(num_blocks, block_size),
             tables: Vec::new(),
             pending_copies: Vec::new(),
+            swap: SwapPool::new(0),
+            swapped: Vec::new(),
         }
+    }
+
+    /// The group with a swap pool of `num_blocks` host blocks (0: preemption recomputes).
+    pub fn with_swap(mut self, num_blocks: usize) -> Self {
+        self.swap = SwapPool::new(num_blocks);
+        self
     }
 
     /// The window as the table helpers take it (full attention: one that never ends).
@@ -149,6 +162,10 @@ impl KvGroup for PagedGroup {
 
     fn pool(&self) -> Option<&BlockPool> {
         Some(&self.pool)
+    }
+
+    fn pool_mut(&mut self) -> Option<&mut BlockPool> {
+        Some(&mut self.pool)
     }
 
     fn longest_hit(&self, max_blocks: usize, chain: &[u64], tokens: &[u32]) -> (usize, Vec<u32>) {
@@ -247,6 +264,12 @@ impl KvGroup for PagedGroup {
         if let Some(t) = self.tables.get_mut(slot as usize) {
             t.free_all(&mut self.pool);
         }
+        if let Some(t) = self.swapped.get_mut(slot as usize) {
+            for &s in t.live() {
+                self.swap.free(s);
+            }
+            *t = SlidingTable::default();
+        }
     }
 
     fn plan_row(
@@ -280,6 +303,59 @@ impl KvGroup for PagedGroup {
         self.table(slot).to_vec()
     }
 
+    fn can_swap_out(&self, slot: u32) -> bool {
+        let live = self.tables.get(slot as usize).map_or(0, |t| t.live().len());
+        self.swap.num_free() >= live
+    }
+
+    fn swap_out(&mut self, slot: u32, pairs: &mut Vec<i64>) {
+        let mut t = std::mem::take(self.table_mut(slot));
+        let (pool, swap) = (&mut self.pool, &mut self.swap);
+        t.remap(|b| {
+            let s = swap
+                .allocate()
+                .expect("swap blocks checked before swapping out");
+            pool.free(BlockId(b));
+            pairs.extend([i64::from(b), i64::from(s)]);
+            s
+        });
+        if self.swapped.len() <= slot as usize {
+            self.swapped
+                .resize_with(slot as usize + 1, SlidingTable::default);
+        }
+        self.swapped[slot as usize] = t;
+    }
+
+    fn swap_in_cost(&self, slot: u32, num_tokens: usize) -> usize {
+        let (len, live) = self
+            .swapped
+            .get(slot as usize)
+            .map_or((0, 0), |t| (t.blocks().len(), t.live().len()));
+        live + num_tokens
+            .div_ceil(self.pool.block_size())
+            .saturating_sub(len)
+    }
+
+    fn swap_in(&mut self, slot: u32, num_tokens: usize, pairs: &mut Vec<i64>) {
+        let mut t = self
+            .swapped
+            .get_mut(slot as usize)
+            .map(std::mem::take)
+            .unwrap_or_default();
+        let (pool, swap) = (&mut self.pool, &mut self.swap);
+        t.remap(|s| {
+            let d = pool
+                .allocate()
+                .expect("group blocks checked before swapping in");
+            swap.free(s);
+            pairs.extend([i64::from(s), i64::from(d.0)]);
+            d.0
+        });
+        let grown = t.grow(&mut self.pool, num_tokens);
+        assert!(grown, "group blocks checked before swapping in");
+        *self.table_mut(slot) = t;
+    }
+
     fn take_copies(&mut self) -> Vec<i64> {
         std::mem::take(&mut self.pending_copies)
     }
@@ -311,6 +387,35 @@ impl KvGroup for PagedGroup {
         if self.pending_copies.len() % 2 != 0 {
             return Err("an odd number of copy-on-write ids".into());
         }
-        Ok(())
+        self.check_swapped(seqs)
+    }
+}
+
+impl PagedGroup {
+    /// Only swapped-out sequences hold swap blocks, each one reference, and hold no device block.
+    fn check_swapped(&self, seqs: &[Seq]) -> std::result::Result<(), String> {
+        self.swap.check()?;
+        let mut refs = vec![0u32; self.swap.num_blocks()];
+        for (slot, t) in self.swapped.iter().enumerate() {
+            if t.blocks().is_empty() {
+                continue;
+            }
+            let seq = seqs
+                .get(slot)
+                .filter(|s| s.alive && s.status == Status::Swapped);
+            if seq.is_none() {
+                return Err(format!("slot {slot} not swapped out holds swap blocks"));
+            }
+            if !self.table(slot as u32).is_empty() {
+                return Err(format!("slot {slot} swapped out holds device blocks"));
+            }
+            for &s in t.live() {
+                refs[s as usize] += 1;
+            }
+        }
+        match (0..refs.len()).find(|&s| self.swap.ref_count(s as u32) != refs[s]) {
+            Some(s) => Err(format!("swap block {s} has {} holders", refs[s])),
+            None => Ok(()),
+        }
     }
 }

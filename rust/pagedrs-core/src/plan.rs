@@ -10,6 +10,9 @@ pub struct PlanOps {
     pub swap_in: Vec<i64>,
     pub copies: Vec<i64>,
     pub preempted: Vec<i64>,
+    /// `(group, device, swap)` and `(group, swap, device)` triples of the KV-cache groups.
+    pub group_swap_out: Vec<i64>,
+    pub group_swap_in: Vec<i64>,
 }
 
 /// One step. Row `b` of the batch is sequence `req_ids[b]`; tokens are flattened over rows.
@@ -59,6 +62,10 @@ pub struct StepPlan {
     pub group_copies: Vec<i64>,
     /// `[G]`: copy-on-write pairs of each group (its length is the number of groups).
     pub group_num_copies: Vec<i32>,
+    /// `[k, 3]` triples, flattened: (group, device block, swap block) to copy to the host before
+    /// the forward, after `swap_out`, and (group, swap block, device block) back, after `swap_in`.
+    pub group_swap_out: Vec<i64>,
+    pub group_swap_in: Vec<i64>,
     /// Pool size after this plan.
     pub num_blocks: usize,
     pub num_prefill_tokens: usize,
@@ -251,6 +258,8 @@ impl Scheduler {
             group_block_tables: Vec::new(),
             group_copies: Vec::new(),
             group_num_copies: Vec::new(),
+            group_swap_out: ops.group_swap_out,
+            group_swap_in: ops.group_swap_in,
             num_blocks: self.pool.num_blocks(),
             num_prefill_tokens: 0,
             num_decode_tokens: 0,

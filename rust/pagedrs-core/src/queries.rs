@@ -128,6 +128,7 @@ impl Scheduler {
     /// Starts or stops recording prefix-cache events (off by default).
     pub fn set_kv_events(&mut self, on: bool) {
         self.pool.set_kv_events(on);
+        self.kv.set_kv_events(on);
     }
 
     pub fn kv_events_enabled(&self) -> bool {
@@ -137,5 +138,10 @@ impl Scheduler {
     /// The prefix-cache events since the last call, in order; the engine drains them once per step.
     pub fn take_kv_events(&mut self) -> KvEvents {
         self.pool.take_kv_events()
+    }
+
+    /// Each KV-cache group's prefix-cache events since the last call, in group order.
+    pub fn take_group_kv_events(&mut self) -> Vec<KvEvents> {
+        self.kv.take_kv_events()
     }
 }

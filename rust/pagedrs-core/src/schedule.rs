@@ -187,9 +187,10 @@ impl Scheduler {
         if let Some(row) = seq.row.take() {
             self.tables.release(row);
         }
-        self.kv.free(slot);
         let n = seq.block_table.len();
-        if self.swap.num_blocks() > 0 && n > 0 && self.swap.num_free() >= n {
+        let swap = self.swap.num_blocks() > 0 && n > 0 && self.swap.num_free() >= n;
+        if swap && self.kv.can_swap_out(slot) {
+            self.kv.swap_out(slot, &mut ops.group_swap_out);
             for &b in &seq.block_table {
                 let s = self.swap.allocate().expect("checked free swap blocks");
                 seq.swap_table.push(s);
@@ -200,6 +201,7 @@ impl Scheduler {
             seq.status = Status::Swapped;
             self.swapped.insert((seq.key, slot));
         } else {
+            self.kv.free(slot);
             self.pool.free_table(&seq.block_table);
             seq.block_table.clear();
             seq.num_computed = 0;
@@ -267,10 +269,13 @@ impl Scheduler {
             return Admit::No;
         };
         let total = (nc + num_new).div_ceil(bs).max(seq.swap_table.len());
-        if self.pool.num_free() < total + self.admission_watermark() {
+        if self.pool.num_free() < total + self.admission_watermark()
+            || !self.kv.fits_swap_in(slot, nc + num_new)
+        {
             return Admit::No;
         }
         self.swapped.pop_first();
+        self.kv.swap_in(slot, nc + num_new, &mut ops.group_swap_in);
         let seq = &mut self.seqs[slot as usize];
         for &s in &seq.swap_table {
             let d = self.pool.allocate().expect("checked free blocks");

@@ -173,6 +173,19 @@ impl SlidingTable {
         }
     }
 
+    /// The entries this table holds (past the dead prefix).
+    pub fn live(&self) -> &[u32] {
+        &self.blocks[self.num_dead..]
+    }
+
+    /// Points every live entry at `f(entry)`, latest first, keeping the dead prefix (a swap out to
+    /// the host's blocks, or back in to the device's).
+    pub fn remap(&mut self, mut f: impl FnMut(u32) -> u32) {
+        for b in self.blocks[self.num_dead..].iter_mut().rev() {
+            *b = f(*b);
+        }
+    }
+
     /// A copy sharing every live block (a fork of `n > 1` siblings).
     pub fn fork(&self, pool: &mut BlockPool) -> Self {
         for &b in &self.blocks[self.num_dead..] {

@@ -15,7 +15,7 @@ use crate::plan::StepPlan;
 pub const OP_EXECUTE: i64 = 1;
 
 const NUM_SCALARS: usize = 6; // step_id, num_blocks, num_prefill, num_decode, num_tokens, max_blocks
-const NUM_ARRAYS: usize = 26; // the plan's 24 arrays, block tables, extra logits rows
+const NUM_ARRAYS: usize = 28; // the plan's 26 arrays, block tables, extra logits rows
 
 /// Length of the header of every message on the step channel.
 pub const WIRE_HEADER_LEN: usize = 2 + NUM_SCALARS + NUM_ARRAYS;
@@ -56,13 +56,19 @@ fn check_groups(p: &StepPlan) -> Result<()> {
         || p.group_block_tables.len() != g * p.num_reqs() * p.max_blocks
         || p.group_num_copies.iter().any(|&c| c < 0)
         || pairs * 2 != p.group_copies.len() as i64
+        || [&p.group_swap_out, &p.group_swap_in]
+            .iter()
+            .any(|t| t.len() % 3 != 0 || t.chunks(3).any(|c| c[0] < 0 || c[0] as usize >= g))
     {
         return Err(Error::InvalidRequest(format!(
-            "step wire: group arrays ({} slots, {} table entries, {} copy ids) do not fit {g} \
-             groups of {} tokens, {} rows x {} blocks and {pairs} copy pairs",
+            "step wire: group arrays ({} slots, {} table entries, {} copy ids, {} + {} swap ids) \
+             do not fit {g} groups of {} tokens, {} rows x {} blocks, {pairs} copy pairs and swap \
+             triples (group, block, block)",
             p.group_slot_mapping.len(),
             p.group_block_tables.len(),
             p.group_copies.len(),
+            p.group_swap_out.len(),
+            p.group_swap_in.len(),
             p.positions.len(),
             p.num_reqs(),
             p.max_blocks
@@ -121,6 +127,8 @@ impl StepPlan {
         push(&mut i32s(&self.group_block_tables));
         push(&mut self.group_copies.iter().copied());
         push(&mut i32s(&self.group_num_copies));
+        push(&mut self.group_swap_out.iter().copied());
+        push(&mut self.group_swap_in.iter().copied());
         push(&mut i32s(block_tables));
         push(&mut extra_logits_indices.iter().copied());
         debug_assert_eq!(lens.len(), NUM_ARRAYS);
@@ -180,13 +188,15 @@ impl StepPlan {
             group_block_tables: narrow("group_block_tables", parts[21])?,
             group_copies: parts[22].to_vec(),
             group_num_copies: narrow("group_num_copies", parts[23])?,
+            group_swap_out: parts[24].to_vec(),
+            group_swap_in: parts[25].to_vec(),
             num_blocks: count("num_blocks", s[1])?,
             num_prefill_tokens: count("num_prefill_tokens", s[2])?,
             num_decode_tokens: count("num_decode_tokens", s[3])?,
             num_tokens: count("num_tokens", s[4])?,
         };
         check_groups(&plan)?;
-        let block_tables = narrow("block_tables", parts[24])?;
+        let block_tables = narrow("block_tables", parts[26])?;
         if block_tables.len() != plan.num_reqs() * plan.max_blocks {
             return Err(Error::InvalidRequest(format!(
                 "step wire: {} block-table entries for {} requests x {} blocks",
@@ -198,7 +208,7 @@ impl StepPlan {
         Ok(WirePlan {
             plan,
             block_tables,
-            extra_logits_indices: parts[25].to_vec(),
+            extra_logits_indices: parts[27].to_vec(),
         })
     }
 }
@@ -235,6 +245,8 @@ mod tests {
             group_block_tables: vec![1, 0, 2, 3],
             group_copies: vec![6, 7],
             group_num_copies: vec![1],
+            group_swap_out: vec![0, 3, 1],
+            group_swap_in: vec![0, 2, 8, 0, 4, 9],
             num_blocks: 40,
             num_prefill_tokens: 2,
             num_decode_tokens: 1,
@@ -272,5 +284,14 @@ mod tests {
         odd.group_num_copies = vec![2];
         let (h4, p4) = odd.to_wire(&[1, 0, 2, 3], &[]);
         assert!(StepPlan::from_wire(&h4, &p4).is_err());
+        // A swap triple short of one id, and one naming a group the plan does not have.
+        let mut cut = plan.clone();
+        cut.group_swap_in.pop();
+        let (h5, p5) = cut.to_wire(&[1, 0, 2, 3], &[]);
+        assert!(StepPlan::from_wire(&h5, &p5).is_err());
+        let mut stray = plan.clone();
+        stray.group_swap_out[0] = 1;
+        let (h6, p6) = stray.to_wire(&[1, 0, 2, 3], &[]);
+        assert!(StepPlan::from_wire(&h6, &p6).is_err());
     }
 }

@@ -96,6 +96,8 @@ pub struct PyStepPlan {
     group_block_tables: Arr<i32>,
     group_copies: Arr<i64>,
     group_num_copies: Arr<i32>,
+    group_swap_out: Arr<i64>,
+    group_swap_in: Arr<i64>,
     #[pyo3(get)]
     num_groups: usize,
     #[pyo3(get)]
@@ -149,6 +151,8 @@ impl PyStepPlan {
             group_block_tables: Arr::Raw(p.group_block_tables),
             group_copies: Arr::Raw(p.group_copies),
             group_num_copies: Arr::Raw(p.group_num_copies),
+            group_swap_out: Arr::Raw(p.group_swap_out),
+            group_swap_in: Arr::Raw(p.group_swap_in),
             num_blocks: p.num_blocks,
             num_prefill_tokens: p.num_prefill_tokens,
             num_decode_tokens: p.num_decode_tokens,
@@ -297,6 +301,16 @@ impl PyStepPlan {
     fn group_num_copies(&mut self, py: Python<'_>) -> Py<PyAny> {
         self.group_num_copies.get(py, 0)
     }
+    /// int64 [k, 3]: (group, device block, swap block) of every group's blocks to swap out.
+    #[getter]
+    fn group_swap_out(&mut self, py: Python<'_>) -> Py<PyAny> {
+        self.group_swap_out.get(py, 3)
+    }
+    /// int64 [k, 3]: (group, swap block, device block) of every group's blocks to swap in.
+    #[getter]
+    fn group_swap_in(&mut self, py: Python<'_>) -> Py<PyAny> {
+        self.group_swap_in.get(py, 3)
+    }
 
     /// `(header, payload)`: this plan, its dense block tables and `extra_logits_indices` as two
     /// int64 arrays for the tensor-parallel step broadcast (`StepPlan.from_wire` reads them).
@@ -339,6 +353,8 @@ impl PyStepPlan {
             group_block_tables: self.group_block_tables.to_vec(py)?,
             group_copies: self.group_copies.to_vec(py)?,
             group_num_copies: self.group_num_copies.to_vec(py)?,
+            group_swap_out: self.group_swap_out.to_vec(py)?,
+            group_swap_in: self.group_swap_in.to_vec(py)?,
             num_blocks: self.num_blocks,
             num_prefill_tokens: self.num_prefill_tokens,
             num_decode_tokens: self.num_decode_tokens,

@@ -272,8 +272,8 @@ impl PyScheduler {
     }
 
     /// Adds the KV-cache group of the layers attending to the last `window` tokens, with its own
-    /// pool of `num_blocks` blocks (before any request, without swap space); returns its index in
-    /// the plan's group arrays.
+    /// pool of `num_blocks` blocks and a swap pool as large as the primary one (before any
+    /// request); returns its index in the plan's group arrays.
     fn add_window_group(&self, py: Python<'_>, window: i64, num_blocks: i64) -> PyResult<usize> {
         let (w, n) = (
             size("window", window, 1)?,
@@ -354,6 +354,12 @@ impl PyScheduler {
     /// The prefix-cache events since the last call, in order (empty when recording is off).
     fn take_kv_events(&self, py: Python<'_>) -> PyResult<PyKVEvents> {
         self.with(py, |s| s.take_kv_events()).map(PyKVEvents::from)
+    }
+
+    /// Each KV-cache group's prefix-cache events since the last call, in group order.
+    fn take_group_kv_events(&self, py: Python<'_>) -> PyResult<Vec<PyKVEvents>> {
+        self.with(py, |s| s.take_group_kv_events())
+            .map(|v| v.into_iter().map(PyKVEvents::from).collect())
     }
 
     /// The hashes of the blocks in the prefix cache now (sorted): what the KV events add up to.

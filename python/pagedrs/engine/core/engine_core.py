@@ -46,6 +46,7 @@ from pagedrs.executor.startup_log import log_kv_cache_size
 from pagedrs.loader import LoadedModel
 from pagedrs.lora.manager import LoRAManager
 from pagedrs.metrics import StatLogger, token_boxes, visualize_batch
+from pagedrs.runner.kv_groups import step_tokens
 from pagedrs.runner.outputs import RunnerOutput
 from pagedrs.spec_decode.policy import can_speculate
 from pagedrs.spec_decode.policy import spec_scheduler_args as _spec_scheduler_args
@@ -95,11 +96,10 @@ class EngineCore(CoreUtilitiesMixin):
         executor.attach_block_table(self.scheduler.block_table_view())
         for group in kv.groups:  # the layers whose blocks live in pools of their own (`runner.kv_groups`)
             self.scheduler.add_window_group(group.window, group.num_blocks)
+        self._kv_spec = kv
+        self._kv_pool_names = self.kv_pool_names(kv.has_full_layers)
         # Prefix-cache events for routers (`kv_events`): recorded by the scheduler only when consumed.
-        medium = "GPU" if self.device.type == "cuda" else "CPU"
-        self._kv_events = (
-            KVEventsTap(config.kv_events, self.scheduler, medium) if config.kv_events.records else None
-        )
+        self._kv_events = KVEventsTap.open(config.kv_events, self.scheduler, self.device, self._kv_pool_names)
         # LoRA deltas hook into the model's linear layers, eager steps (`lora_config`); under tensor
         # parallelism the other ranks follow the slots through the executor's step channel.
         self.lora: LoRAManager | None = None
@@ -139,7 +139,10 @@ class EngineCore(CoreUtilitiesMixin):
             logger.info("# GPU blocks: %d, # CPU blocks: %d", num_blocks, num_swap)
         else:
             logger.info("# CPU blocks: %d (device pool), # swap blocks: %d", num_blocks, num_swap)
-        log_kv_cache_size(num_blocks, self.config.cache.block_size, self.max_model_len)
+        kv, block_size = self._kv_spec, self.config.cache.block_size
+        log_kv_cache_size(
+            num_blocks, block_size, self.max_model_len, kv.groups, kv.num_layers, step_tokens(self.config)
+        )
         logger.info(
             "engine ready: model=%s device=%s tp=%d dtype=%s max_model_len=%d kv blocks=%d x %d tokens "
             "(%.2f GiB per rank), swap blocks=%d",

@@ -23,7 +23,9 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -40,9 +42,11 @@ __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "EventGroup",
     "KVEventBatch",
     "KVEventsTap",
     "ZmqEventPublisher",
+    "event_groups",
     "offset_endpoint_port",
     "to_vllm_events",
 ]
@@ -64,11 +68,19 @@ class BlockStored(_KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    # vLLM's later fields, in its order (omitted at their defaults): the KV-cache group the blocks are in,
+    # with its kind and window, set where the model has groups of its own (sliding-window pools).
+    lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(_KVCacheEvent):
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(_KVCacheEvent):
@@ -76,6 +88,7 @@ class AllBlocksCleared(_KVCacheEvent):
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+_Parts = Sequence[tuple["EventGroup | None", _core.KVEvents]]  # one step's events of each published pool
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -84,10 +97,40 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
-def to_vllm_events(ev: _core.KVEvents, lora_ids: dict[int, int], medium: str) -> list[KVEvent]:
+@dataclass(frozen=True)
+class EventGroup:
+    """A KV pool whose events are published, as vLLM names its KV-cache group: its index among the
+    published pools, its spec's kind (`full_attention`, `sliding_window`) and window."""
+
+    group_idx: int
+    kind: str
+    window: int | None = None
+
+
+def event_groups(pool_labels: list[str]) -> list[EventGroup]:
+    """The published pools of a model whose KV pools are `pool_labels` (the engine core's: `full` for the
+    full-attention pool when some layer stores KV in it, then `window:W` per group), in that order; none
+    for a model with only the full-attention pool (its events carry no group, as before)."""
+    if pool_labels == ["full"]:
+        return []
+    out = []
+    for i, label in enumerate(pool_labels):
+        kind, _, window = label.partition(":")
+        out.append(
+            EventGroup(i, "full_attention" if kind == "full" else "sliding_window", int(window or 0) or None)
+        )
+    return out
+
+
+def to_vllm_events(
+    ev: _core.KVEvents, lora_ids: dict[int, int], medium: str, group: EventGroup | None = None
+) -> list[KVEvent]:
     """The scheduler's events as vLLM's, in order: consecutive blocks of one chain in one BlockStored
     (its parent the first block's parent, None at the start of a prompt), consecutive evictions in one
-    BlockRemoved. `lora_ids`: extra key -> LoRA adapter id."""
+    BlockRemoved. `lora_ids`: extra key -> LoRA adapter id; `group`: the KV-cache group of the pool the
+    events are from (None: the model's only pool)."""
+    idx = group.group_idx if group is not None else None
+    spec = (group.kind, group.window) if group is not None else (None, None)
     kinds, hashes = ev.kinds.tolist(), ev.hashes.tolist()
     parents, keys, tokens = ev.parents.tolist(), ev.extra_keys.tolist(), ev.tokens.tolist()
     out: list[KVEvent] = []
@@ -106,12 +149,13 @@ def to_vllm_events(ev: _core.KVEvents, lora_ids: dict[int, int], medium: str) ->
             if root is None:
                 root = roots[key] = _core.prefix_root_hash(key)
             first = None if parent == root else parent
-            out.append(BlockStored([h], first, toks, ev.block_size, lora_ids.get(key), medium))
+            lora = lora_ids.get(key)
+            out.append(BlockStored([h], first, toks, ev.block_size, lora, medium, None, None, idx, *spec))
         elif kind == REMOVED:
             if isinstance(last, BlockRemoved):
                 last.block_hashes.append(h)
             else:
-                out.append(BlockRemoved([h], medium))
+                out.append(BlockRemoved([h], medium, idx))
         else:
             out.append(AllBlocksCleared())
     return out
@@ -153,9 +197,7 @@ class ZmqEventPublisher:
         self._hwm = config.hwm
         self._topic = config.topic.encode()
         self._lora_ids, self._medium = lora_ids, medium
-        self._queue: queue.Queue[tuple[int, float, _core.KVEvents] | None] = queue.Queue(
-            config.max_queue_size
-        )
+        self._queue: queue.Queue[tuple[int, float, _Parts] | None] = queue.Queue(config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._seq = itertools.count()
         self.num_dropped = 0
@@ -170,11 +212,13 @@ class ZmqEventPublisher:
                 f"kv_events_config: cannot open {self.endpoint!r}: {self._error}"
             ) from self._error
 
-    def publish(self, events: _core.KVEvents) -> None:
-        """Queue one step's events (never blocks; a full queue drops them, leaving a sequence gap)."""
+    def publish(self, events: _core.KVEvents | _Parts) -> None:
+        """Queue one step's events (never blocks; a full queue drops them, leaving a sequence gap): the
+        model's only pool's, or each published pool's with its KV-cache group."""
         seq = next(self._seq)
+        parts: _Parts = [(None, events)] if isinstance(events, _core.KVEvents) else events
         try:
-            self._queue.put_nowait((seq, time.time(), events))
+            self._queue.put_nowait((seq, time.time(), parts))
         except queue.Full:
             self.num_dropped += 1
             logger.warning("KV-event queue full: batch %d dropped (%d so far)", seq, self.num_dropped)
@@ -226,9 +270,10 @@ class ZmqEventPublisher:
                     continue
                 if item is None:
                     break
-                seq, ts, events = item
+                seq, ts, parts = item
                 try:
-                    batch = KVEventBatch(ts, to_vllm_events(events, self._lora_ids, self._medium), self._rank)
+                    out = [e for g, ev in parts for e in to_vllm_events(ev, self._lora_ids, self._medium, g)]
+                    batch = KVEventBatch(ts, out, self._rank)
                     payload = encoder.encode(batch)
                     pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
                     self._buffer.append((seq, payload))
@@ -256,12 +301,32 @@ class KVEventsTap:
     """The core's side: turns on the scheduler's event recording, drains it once per step into the step
     message's net change (when `step_events`) and the ZeroMQ publisher (when publishing)."""
 
-    def __init__(self, config: KVEventsConfig, scheduler: _core.Scheduler, medium: str) -> None:
+    def __init__(
+        self,
+        config: KVEventsConfig,
+        scheduler: _core.Scheduler,
+        medium: str,
+        pool_labels: list[str] | None = None,
+    ) -> None:
+        """`pool_labels`: the model's KV pools (`event_groups`); by default its only pool, the full-attention
+        one. Each published pool's events go out with its KV-cache group; the step message's net change is
+        the full-attention pool's (its hashes are every pool's keys)."""
         self.config = config
         self._scheduler = scheduler
+        self._groups = event_groups(pool_labels or ["full"])
         self._lora_ids: dict[int, int] = {}  # extra key -> LoRA adapter id, for BlockStored.lora_id
         self.publisher = ZmqEventPublisher(config, self._lora_ids, medium) if config.publishes else None
         scheduler.set_kv_events(True)
+
+    @classmethod
+    def open(
+        cls, config: KVEventsConfig, scheduler: _core.Scheduler, device: Any, pool_labels: list[str]
+    ) -> KVEventsTap | None:
+        """The tap of an engine core on `device` (medium GPU on CUDA, else CPU), None when nothing
+        consumes the events."""
+        if not config.records:
+            return None
+        return cls(config, scheduler, "GPU" if device.type == "cuda" else "CPU", pool_labels)
 
     def note_lora(self, lora: LoRARequest | None) -> None:
         """A request with this adapter was added: its blocks' extra key maps to its id."""
@@ -272,9 +337,11 @@ class KVEventsTap:
         """Drain the events since the last step: publish them, and return their net change for the step
         message (None when nothing changed or the message does not carry it)."""
         events = self._scheduler.take_kv_events()
+        if self._groups:
+            self._publish_groups(events)
         if not len(events):
             return None
-        if self.publisher is not None:
+        if self.publisher is not None and not self._groups:
             self.publisher.publish(events)
         if not self.config.step_events:
             return None
@@ -282,6 +349,15 @@ class KVEventsTap:
         if not (stored or removed or cleared):
             return None
         return KVCacheEvents(stored=stored, removed=removed, cleared=cleared)
+
+    def _publish_groups(self, full: _core.KVEvents) -> None:
+        """Publish every published pool's events (the full-attention pool's only when it stores KV)."""
+        pools = (
+            [full] if self._groups[0].kind == "full_attention" else []
+        ) + self._scheduler.take_group_kv_events()
+        parts = [(g, ev) for g, ev in zip(self._groups, pools, strict=True) if len(ev)]
+        if parts and self.publisher is not None:
+            self.publisher.publish(parts)
 
     def close(self) -> None:
         if self.publisher is not None:

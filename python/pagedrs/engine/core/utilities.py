@@ -44,6 +44,19 @@ class CoreUtilitiesMixin:
     _last_step_time: float
     _last_batch: int
     _waiting_prompt_tokens: Callable[[], int]
+    _kv_pool_names: list[str]  # `kv_pool_names`: the labels of `kv_pool_usage`
+
+    def kv_pool_names(self, has_full_layers: bool) -> list[str]:
+        """The label of each KV pool that stores some layer's KV, in the order of `kv_pool_usage`: `full`,
+        the full-attention pool (unless every layer is windowed: then it is bookkeeping), then every
+        KV-cache group's name (`window:W`)."""
+        return (["full"] if has_full_layers else []) + [g[0] for g in self.scheduler.kv_group_pools()]
+
+    def kv_pool_usage(self, s: Any) -> dict[str, float]:
+        """Each KV pool's usage (0..1) of scheduler stats `s`, by its label (`kv_pool_names`)."""
+        full = 1.0 - s.num_free_blocks / s.num_blocks if s.num_blocks else 0.0
+        usage = ([full] if self._kv_pool_names[:1] == ["full"] else []) + list(s.group_kv_usage)
+        return dict(zip(self._kv_pool_names, (float(u) for u in usage), strict=True))
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler.stats()
@@ -68,6 +81,7 @@ class CoreUtilitiesMixin:
             spec_num_draft_tokens=int(s.spec_num_draft_tokens),
             spec_num_accepted_tokens=int(s.spec_num_accepted_tokens),
             spec_num_pauses=int(s.spec_num_pauses),
+            kv_group_usage=self.kv_pool_usage(s),
         )
 
     def resize(self, num_blocks: int) -> int:

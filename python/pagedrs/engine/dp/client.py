@@ -84,6 +84,11 @@ def sum_stats(stats: Sequence[EngineStats | None]) -> EngineStats | None:
     out = EngineStats(**{k: sum(getattr(s, k) for s in known) for k in _SUMMED})
     used = sum(s.kv_usage * s.num_blocks for s in known)
     out.kv_usage = used / out.num_blocks if out.num_blocks else max(s.kv_usage for s in known)
+    # Replicas have the same pools: a pool's usage over all replicas is the mean of theirs.
+    names = dict.fromkeys(k for s in known for k in s.kv_group_usage)
+    for name in names:
+        values = [s.kv_group_usage[name] for s in known if name in s.kv_group_usage]
+        out.kv_group_usage[name] = sum(values) / len(values)
     out.step_time_s = max(s.step_time_s for s in known)
     out.send_time_s = max(s.send_time_s for s in known)
     return out

@@ -4,12 +4,17 @@ use crate::sliding_window::{max_live_blocks, NULL_BLOCK};
 use crate::{Config, NewRequest, Scheduler};
 
 fn sched(num_blocks: usize, window_blocks: usize, budget: usize) -> Scheduler {
+    sched_swap(num_blocks, window_blocks, budget, 0)
+}
+
+fn sched_swap(num_blocks: usize, window_blocks: usize, budget: usize, swap: usize) -> Scheduler {
     let mut s = Scheduler::new(Config {
         num_blocks,
         block_size: 4,
         max_model_len: 256,
         max_num_batched_tokens: budget,
         watermark: 0.0,
+        num_swap_blocks: swap,
         ..Config::default()
     })
     .unwrap();
@@ -58,13 +63,6 @@ fn drain(s: &mut Scheduler) -> usize {
 
 #[test]
 fn refuses_what_it_does_not_support() {
-    let mut s = Scheduler::new(Config {
-        num_swap_blocks: 4,
-        ..Config::default()
-    })
-    .unwrap();
-    let e = s.add_window_group(64, 1024).unwrap_err().to_string();
-    assert!(e.contains("swap space"), "{e}");
     let mut s = sched(64, 16, 8);
     assert!(s.resize(32).unwrap_err().to_string().contains("window"));
     let mut s = Scheduler::new(Config::default()).unwrap();
@@ -141,10 +139,17 @@ fn random_workloads_keep_every_group_consistent() {
         rng ^= rng << 17;
         rng % n
     };
-    let (mut preempted, mut hits, mut copies) = (0, 0, 0);
+    let (mut preempted, mut hits, mut copies, mut swaps) = (0, 0, 0, [0, 0]);
     for round in 0..30 {
         let window_blocks = 8 + next(16) as usize;
-        let mut s = sched(24 + next(40) as usize, window_blocks, 4 + next(12) as usize);
+        // Every third round swaps on preemption where the swap pools have room.
+        let swap = if round % 3 == 2 {
+            8 + next(40) as usize
+        } else {
+            0
+        };
+        let (blocks, budget) = (24 + next(40) as usize, 4 + next(12) as usize);
+        let mut s = sched_swap(blocks, window_blocks, budget, swap);
         if round % 2 == 1 {
             // A second window size: one group each, the hit the longest both serve.
             s.add_window_group(16, window_blocks + 8).unwrap();
@@ -169,6 +174,8 @@ fn random_workloads_keep_every_group_consistent() {
             let p = s.schedule().unwrap();
             s.check_invariants().unwrap();
             copies += p.group_copies.len();
+            swaps[0] += p.group_swap_out.len() / 3;
+            swaps[1] += p.group_swap_in.len() / 3;
             let sampled: Vec<i64> = (0..p.sampled_seq_ids.len())
                 .map(|_| 1 + next(3) as i64)
                 .collect();
@@ -186,12 +193,108 @@ fn random_workloads_keep_every_group_consistent() {
         preempted += st.num_preemptions;
         hits += st.prefix_cache_hits;
         assert_eq!(st.num_free_blocks, st.num_blocks, "round {round}");
+        assert_eq!(st.num_free_swap_blocks, st.num_swap_blocks, "round {round}");
         for g in s.kv_group_stats() {
             assert_eq!(g.num_free_blocks, g.num_blocks, "round {round}: {}", g.name);
         }
     }
     assert!(
-        preempted > 0 && hits > 0 && copies > 0,
-        "{preempted} preemptions, {hits} hit tokens, {copies} copy-on-write ids"
+        preempted > 0 && hits > 0 && copies > 0 && swaps[0] > 0 && swaps[1] > 0,
+        "{preempted} preemptions, {hits} hit tokens, {copies} copy-on-write ids, {swaps:?} \
+         group blocks swapped out and in"
     );
+}
+
+#[test]
+fn swap_moves_the_window_blocks_and_brings_them_back() {
+    // Two 40-token prompts decoding in a full pool of 24 blocks: the second is preempted and
+    // swapped, its window group's live blocks with it (its dead entries stay empty), then swapped
+    // back into fresh blocks at the same entries.
+    let mut s = sched_swap(24, 16, 8, 32);
+    s.add_request(req(1, (1..=40).collect(), 40)).unwrap();
+    s.add_request(req(2, (101..=140).collect(), 40)).unwrap();
+    let (mut before, mut out, mut back) = (Vec::new(), Vec::new(), false);
+    let mut step = 0i64;
+    while s.has_unfinished() {
+        if s.stats().num_swapped == 0 {
+            before = s.group_blocks_of(0, 2).unwrap_or_default();
+        }
+        let p = s.schedule().unwrap();
+        s.check_invariants().unwrap();
+        if !p.group_swap_out.is_empty() {
+            out = p.group_swap_out.clone();
+            let live: Vec<i64> = before
+                .iter()
+                .filter(|&&b| b != NULL_BLOCK)
+                .map(|&b| i64::from(b))
+                .collect();
+            let moved: Vec<i64> = out.chunks(3).map(|t| t[1]).collect();
+            assert_eq!(moved.iter().rev().copied().collect::<Vec<_>>(), live);
+            assert!(out.chunks(3).all(|t| t[0] == 0));
+            assert!(s.group_blocks_of(0, 2).unwrap().is_empty());
+        }
+        if !p.group_swap_in.is_empty() {
+            back = true;
+            let swapped: Vec<i64> = out.chunks(3).map(|t| t[2]).collect();
+            let got: Vec<i64> = p.group_swap_in.chunks(3).map(|t| t[1]).collect();
+            assert_eq!(got, swapped);
+            let t = s.group_blocks_of(0, 2).unwrap();
+            let dead = before.iter().take_while(|&&b| b == NULL_BLOCK).count();
+            assert!(t[..dead].iter().all(|&b| b == NULL_BLOCK), "{t:?}");
+            let placed: Vec<i64> = p.group_swap_in.chunks(3).map(|t| t[2]).collect();
+            let live: Vec<i64> = t[dead..before.len()]
+                .iter()
+                .map(|&b| i64::from(b))
+                .collect();
+            assert_eq!(placed.iter().rev().copied().collect::<Vec<_>>(), live);
+        }
+        let sampled = vec![7; p.sampled_seq_ids.len()];
+        s.update(p.step_id, &sampled).unwrap();
+        s.check_invariants().unwrap();
+        step += 1;
+    }
+    assert!(
+        !out.is_empty() && back,
+        "the second request was swapped out and back"
+    );
+    assert!(step > 40);
+    let st = s.stats();
+    assert_eq!(st.num_free_swap_blocks, st.num_swap_blocks);
+}
+
+#[test]
+fn each_window_group_records_its_own_prefix_cache_events() {
+    // Recording turned on after the group was added, and a group added while recording: both log
+    // the blocks their pools cache (a subset of the full-attention pool's, the same hashes), and
+    // nothing is recorded once recording is off.
+    let mut s = sched(64, 16, 8);
+    s.set_kv_events(true);
+    s.add_window_group(16, 24).unwrap();
+    s.add_request(req(1, (1..=41).collect(), 1)).unwrap();
+    drain(&mut s);
+    let full = s.take_kv_events();
+    let groups = s.take_group_kv_events();
+    assert_eq!(groups.len(), 2);
+    let stored = |e: &crate::kv_events::KvEvents| -> Vec<u64> {
+        e.kinds
+            .iter()
+            .zip(&e.hashes)
+            .filter(|(&k, _)| k == crate::kv_events::KvEventKind::Stored)
+            .map(|(_, &h)| h)
+            .collect()
+    };
+    let all = stored(&full);
+    assert_eq!(all.len(), 10);
+    for g in &groups {
+        let own = stored(g);
+        assert!(
+            !own.is_empty() && own.iter().all(|h| all.contains(h)),
+            "{own:?}"
+        );
+        assert_eq!(g.block_size, 4);
+    }
+    s.set_kv_events(false);
+    s.add_request(req(2, (100..=141).collect(), 1)).unwrap();
+    drain(&mut s);
+    assert!(s.take_group_kv_events().iter().all(|e| e.is_empty()));
 }

@@ -149,6 +149,7 @@ class _EngineStatsCollector(Collector):
         yield g("pagedrs:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting")
         yield g("pagedrs:num_requests_swapped", "Requests swapped out to CPU.", "num_swapped")
         yield g("pagedrs:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", "kv_usage")
+        yield self._group_usage(rows, labels)
         yield c(
             "pagedrs:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
@@ -175,6 +176,23 @@ class _EngineStatsCollector(Collector):
             "Engine-wide pauses of speculation measured slower than decoding without it.",
             "spec_num_pauses",
         )
+
+    @staticmethod
+    def _group_usage(rows: list[tuple[list[str], Any]], labels: list[str]) -> GaugeMetricFamily:
+        """Each KV pool's usage by KV-cache group (label `kv_group`: `full`, `window:W`); a snapshot
+        without the per-group figures serves its overall usage as the `full` pool's."""
+        m = GaugeMetricFamily(
+            "pagedrs:kv_cache_group_usage_perc",
+            "Fraction of each KV-cache group's blocks in use (0..1).",
+            labels=[*labels, "kv_group"],
+        )
+        for values, s in rows:
+            if s is None:
+                continue
+            usage = getattr(s, "kv_group_usage", None) or {"full": float(s.kv_usage or 0)}
+            for name, u in usage.items():
+                m.add_metric([*values, name], float(u))
+        return m
 
 
 # pagedrs family -> the names vLLM V1 serves it under (vllm/v1/metrics/loggers.py; counters get their
@@ -205,6 +223,7 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
 # The pagedrs families vLLM has no series for, and why (the twin test checks this list is complete).
 NO_VLLM_NAME: dict[str, str] = {
     "pagedrs:spec_decode_num_pauses": "vLLM never pauses speculation",
+    "pagedrs:kv_cache_group_usage_perc": "vLLM serves one usage over its KV-cache groups' shared pool",
     "pagedrs:http_requests": "vLLM counts HTTP requests with prometheus-fastapi-instrumentator, unprefixed",
     "pagedrs:engine_step_seconds": "vLLM has no per-step time histogram",
     "pagedrs:output_send_seconds": "vLLM has no output-send time histogram",
