@@ -64,6 +64,7 @@ class KVCacheSpec:
     dtype: torch.dtype
     bytes_per_block: int  # per rank
     groups: tuple[WindowGroup, ...] = ()
+    num_tier_blocks: int = 0  # the host KV tier's blocks (`kv_offloading_size`), on every rank
 
 
 class UniProcExecutor:
@@ -97,9 +98,32 @@ class UniProcExecutor:
                     step,
                 )
             )
+        self._log_tier(pool)
         return KVCacheSpec(
-            pool.num_blocks, pool.num_swap_blocks, pool.dtype, pool.bytes_per_block, self.runner.kv_groups
+            pool.num_blocks,
+            pool.num_swap_blocks,
+            pool.dtype,
+            pool.bytes_per_block,
+            self.runner.kv_groups,
+            pool.num_tier_blocks,
         )
+
+    def _log_tier(self, pool: KVCachePool) -> None:
+        size = self.runner.config.cache.kv_offloading_size
+        if pool.num_tier_blocks:
+            logger.info(
+                "host KV tier: %d blocks of %d tokens (%.2f GiB per rank, kv_offloading_size=%g GiB)",
+                pool.num_tier_blocks,
+                pool.block_size,
+                pool.num_tier_blocks * pool.bytes_per_block / (1 << 30),
+                size,
+            )
+        elif size:
+            logger.warning(
+                "kv_offloading_size=%g GiB gives no host KV tier: it needs prefix caching, a pool without "
+                "KV-cache groups of their own and no drafter KV, and at least one block",
+                size,
+            )
 
     def _init_pool(self) -> KVCachePool:
         return self.runner.init_kv_cache(self.runner.determine_num_blocks())

@@ -15,7 +15,7 @@ use crate::plan::StepPlan;
 pub const OP_EXECUTE: i64 = 1;
 
 const NUM_SCALARS: usize = 6; // step_id, num_blocks, num_prefill, num_decode, num_tokens, max_blocks
-const NUM_ARRAYS: usize = 26; // the plan's 24 arrays, block tables, extra logits rows
+const NUM_ARRAYS: usize = 28; // the plan's 26 arrays, block tables, extra logits rows
 
 /// Length of the header of every message on the step channel.
 pub const WIRE_HEADER_LEN: usize = 2 + NUM_SCALARS + NUM_ARRAYS;
@@ -121,6 +121,8 @@ impl StepPlan {
         push(&mut i32s(&self.group_block_tables));
         push(&mut self.group_copies.iter().copied());
         push(&mut i32s(&self.group_num_copies));
+        push(&mut self.tier_store.iter().copied());
+        push(&mut self.tier_load.iter().copied());
         push(&mut i32s(block_tables));
         push(&mut extra_logits_indices.iter().copied());
         debug_assert_eq!(lens.len(), NUM_ARRAYS);
@@ -180,13 +182,15 @@ impl StepPlan {
             group_block_tables: narrow("group_block_tables", parts[21])?,
             group_copies: parts[22].to_vec(),
             group_num_copies: narrow("group_num_copies", parts[23])?,
+            tier_store: parts[24].to_vec(),
+            tier_load: parts[25].to_vec(),
             num_blocks: count("num_blocks", s[1])?,
             num_prefill_tokens: count("num_prefill_tokens", s[2])?,
             num_decode_tokens: count("num_decode_tokens", s[3])?,
             num_tokens: count("num_tokens", s[4])?,
         };
         check_groups(&plan)?;
-        let block_tables = narrow("block_tables", parts[24])?;
+        let block_tables = narrow("block_tables", parts[26])?;
         if block_tables.len() != plan.num_reqs() * plan.max_blocks {
             return Err(Error::InvalidRequest(format!(
                 "step wire: {} block-table entries for {} requests x {} blocks",
@@ -198,7 +202,7 @@ impl StepPlan {
         Ok(WirePlan {
             plan,
             block_tables,
-            extra_logits_indices: parts[25].to_vec(),
+            extra_logits_indices: parts[27].to_vec(),
         })
     }
 }
@@ -235,6 +239,8 @@ mod tests {
             group_block_tables: vec![1, 0, 2, 3],
             group_copies: vec![6, 7],
             group_num_copies: vec![1],
+            tier_store: vec![3, 0],
+            tier_load: vec![1, 6, 2, 7],
             num_blocks: 40,
             num_prefill_tokens: 2,
             num_decode_tokens: 1,

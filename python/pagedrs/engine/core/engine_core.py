@@ -89,6 +89,7 @@ class EngineCore(CoreUtilitiesMixin):
             enable_prefix_caching=config.cache.enable_prefix_caching,
             enable_chunked_prefill=sched.enable_chunked_prefill,
             num_swap_blocks=kv.num_swap_blocks,
+            num_tier_blocks=kv.num_tier_blocks,
             vocab_size=self.vocab_size or None,
             **_spec_scheduler_args(config),
         )
