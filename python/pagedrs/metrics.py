@@ -54,6 +54,20 @@ class EngineStats(msgspec.Struct, array_like=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_pauses: int = 0  # engine-wide pauses: speculation measured slower than plain decoding
+    # The host KV tier (`kv_offloading_size`): its blocks and those in use, prompt tokens looked up in it
+    # after the device pool's prefix hit ended and found there (vLLM's external prefix cache), bytes
+    # copied in and out (per rank, cumulative) and blocks dropped to make room.
+    kv_offload_blocks: int = 0
+    kv_offload_used_blocks: int = 0
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_offload_bytes_stored: int = 0
+    kv_offload_bytes_loaded: int = 0
+    kv_offload_evicted_blocks: int = 0
+
+    @property
+    def kv_offload_usage(self) -> float:
+        return self.kv_offload_used_blocks / self.kv_offload_blocks if self.kv_offload_blocks else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -48,6 +48,25 @@ def test_a_returning_session_is_served_from_the_tier(
     assert spy.plans[0].num_computed == [96]
     assert out.outputs[0].token_ids == hf_refs[arch](back, 8)
     assert stats.num_used_tier_blocks <= stats.num_tier_blocks
+    check_tier_metrics(engine)
+
+
+def check_tier_metrics(engine: LLMEngine) -> None:
+    """The engine's stats and Prometheus families after the return above: 6 blocks (96 tokens) loaded."""
+    from pagedrs.entrypoints.openai.server.metrics import _EngineStatsCollector
+
+    es = engine.get_stats()
+    per_block = engine.engine_core.executor.runner.kv_pool.bytes_per_block
+    assert es.external_prefix_cache_hits == 96
+    assert es.external_prefix_cache_queries >= 96
+    assert es.kv_offload_bytes_loaded == 6 * per_block
+    # Every full block cached once was stored once: the three prompts' blocks, and the return's new ones.
+    assert es.kv_offload_bytes_stored == es.kv_offload_used_blocks * per_block
+    assert 0 < es.kv_offload_usage < 1
+    samples = {m.name: m.samples[0].value for m in _EngineStatsCollector(engine.get_stats, "tiny").collect()}
+    assert samples["pagedrs:external_prefix_cache_hits"] == 96
+    assert samples["pagedrs:kv_offload_bytes_loaded"] == 6 * per_block
+    assert samples["pagedrs:kv_offload_usage_perc"] == es.kv_offload_usage
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -79,6 +79,7 @@ class EngineCore(CoreUtilitiesMixin):
         self.eos_token_ids = loaded.eos_token_ids
         self.executor = executor
         kv = executor.init_kv_cache()
+        self._kv_block_bytes = kv.bytes_per_block
         sched = config.scheduler
         self.scheduler = _core.Scheduler(
             num_blocks=kv.num_blocks,
