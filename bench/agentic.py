@@ -10,6 +10,10 @@ output throughput with the tier over without it. Prints one JSON line.
 
 from __future__ import annotations
 
+# pagedrs before torch: importing it shortens libgomp's idle spin, which torch's import fixes for good
+import pagedrs  # noqa: F401
+
+# isort: split
 import argparse
 import json
 import random
