@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 import torch
-from _common import add_commit_arg, git_info, json_safe, machine_info, write_json
+from _common import add_commit_arg, command_line, git_info, json_safe, machine_info, write_json
 
 from pagedrs import EngineArgs, LLMEngine, SamplingParams
 
@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "no_hit_tok_s": tput,
         "no_hit_throughput_ratio": tput["host_tier"] / tput["no_tier"],
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "commit")},
+        "command": command_line(),
         "git": git_info(args.commit),
         "machine": machine_info(),
     }
