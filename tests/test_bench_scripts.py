@@ -450,3 +450,27 @@ def test_dp_routing_rounds_report_medians(monkeypatch: pytest.MonkeyPatch) -> No
     assert g["multi_tenant_ttft_p90_cache_over_rr"] == pytest.approx(500 / 1400)
     one = d.merge_rounds(runs[:2])  # one round: the runs as they are
     assert one[0]["ttft_ms_by_request"] == [1.0] and "ttft_p90_ms_rounds" not in one[0]
+
+
+def test_agentic_quick(tmp_path: Path) -> None:
+    """bench/agentic.py --quick on a tiny random Llama: sessions come back after others evicted their
+    blocks; with the host tier their prefixes are loaded, not recomputed."""
+    model = make_tiny_llama(tmp_path / "m")
+    out = tmp_path / "agentic.json"
+    proc = _run(
+        "agentic.py",
+        *("--model", str(model), "--quick", "--vocab", "200", "--threads", "1", "--json", str(out)),
+        *("--commit", "deadbeef"),
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    d = json.loads(out.read_text())
+    assert (
+        d["commit"] == "deadbeef" and json.loads(proc.stdout.strip().splitlines()[-1])["bench"] == "agentic"
+    )
+    tier, none = d["runs"]["host_tier"], d["runs"]["no_tier"]
+    assert tier["returning_turns"] == none["returning_turns"] == 3
+    assert tier["tier_hit_tokens"] > 0 and none["tier_hit_tokens"] == 0
+    assert tier["cached_fraction"] > none["cached_fraction"]
+    assert d["no_hit_throughput_ratio"] > 0

@@ -223,12 +223,29 @@ class SchedulerStats:
     @property
     def spec_num_pauses(self) -> int:
         """Engine-wide pauses of speculation measured slower than plain decoding (`spec_adaptive`)."""
+    @property
+    def num_tier_blocks(self) -> int:
+        """The host KV tier's blocks (0: no tier), and those holding a block."""
+    @property
+    def num_used_tier_blocks(self) -> int: ...
+    @property
+    def tier_queried_blocks(self) -> int:
+        """Blocks looked up in the tier after the pool's prefix hit ended, and those found."""
+    @property
+    def tier_hit_blocks(self) -> int: ...
+    @property
+    def tier_stored_blocks(self) -> int:
+        """Blocks copied into the tier, out of it (into the pool), and dropped to make room."""
+    @property
+    def tier_loaded_blocks(self) -> int: ...
+    @property
+    def tier_evicted_blocks(self) -> int: ...
 
 class StepPlan:
     """One scheduler step. Every array is a numpy array owned by the plan.
 
-    Runner order of block ops: grow the pool if num_blocks > current; block_moves; swap_out;
-    swap_in; copies; forward; shrink the pool if num_blocks < current.
+    Runner order of block ops: grow the pool if num_blocks > current; tier_store; block_moves;
+    swap_out; swap_in; tier_load; copies; forward; shrink the pool if num_blocks < current.
     """
 
     @property
@@ -317,6 +334,12 @@ class StepPlan:
     @property
     def preempted(self) -> npt.NDArray[np.int64]: ...
     @property
+    def tier_store(self) -> npt.NDArray[np.int64]:
+        """int64 [k, 2]: (device block, tier slot) pairs to copy into the host KV tier first."""
+    @property
+    def tier_load(self) -> npt.NDArray[np.int64]:
+        """int64 [k, 2]: (tier slot, device block) pairs to copy from the host KV tier."""
+    @property
     def num_blocks(self) -> int: ...
     @property
     def num_prefill_tokens(self) -> int: ...
@@ -394,8 +417,10 @@ class Scheduler:
         prompt_lookup_max: int = 3,
         spec_disable_batch_size: int | None = None,
         spec_adaptive: bool = True,
+        num_tier_blocks: int = 0,
     ) -> None:
-        """`num_speculative_tokens` > 0 turns on speculative decoding for requests added with
+        """`num_tier_blocks`: the host KV tier's blocks (its index; the runner holds the bytes).
+        `num_speculative_tokens` > 0 turns on speculative decoding for requests added with
         `speculate=True`: `spec_method="ngram"` proposes drafts here by prompt lookup
         (`prompt_lookup_min/max`), `"runner"` (or None) reserves lookahead slots for the runner's
         drafter. Speculation pauses while more than `spec_disable_batch_size` sequences run;

@@ -57,6 +57,20 @@ class EngineStats(msgspec.Struct, array_like=True):
     # Each KV pool's usage (0..1) by KV-cache group: `full` (the full-attention pool, unless every layer
     # is windowed) and `window:W` per sliding-window group; `kv_usage` is the fullest's.
     kv_group_usage: dict[str, float] = msgspec.field(default_factory=dict)
+    # The host KV tier (`kv_offloading_size`): its blocks and those in use, prompt tokens looked up in it
+    # after the device pool's prefix hit ended and found there (vLLM's external prefix cache), bytes
+    # copied in and out (per rank, cumulative) and blocks dropped to make room.
+    kv_offload_blocks: int = 0
+    kv_offload_used_blocks: int = 0
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_offload_bytes_stored: int = 0
+    kv_offload_bytes_loaded: int = 0
+    kv_offload_evicted_blocks: int = 0
+
+    @property
+    def kv_offload_usage(self) -> float:
+        return self.kv_offload_used_blocks / self.kv_offload_blocks if self.kv_offload_blocks else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

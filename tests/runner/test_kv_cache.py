@@ -97,7 +97,13 @@ def test_plan_ops_order() -> None:
     pool = make_pool()
     empty = np.zeros((0, 2), dtype=np.int64)
     plan = SimpleNamespace(
-        num_blocks=10, block_moves=pairs((7, 0)), swap_out=pairs((0, 1)), swap_in=empty, copies=pairs((0, 9))
+        num_blocks=10,
+        block_moves=pairs((7, 0)),
+        swap_out=pairs((0, 1)),
+        swap_in=empty,
+        copies=pairs((0, 9)),
+        tier_store=empty,
+        tier_load=empty,
     )
     pool.apply_plan_ops(plan)  # grow, then move 7->0, then swap out 0 (now 7), then copy 0->9
     assert pool.num_blocks == 10
@@ -136,6 +142,8 @@ def test_group_swap_ops_move_only_their_own_layers() -> None:
         copies=pairs(),
         group_swap_out=triples((0, 5, 1), (1, 4, 1), (1, 3, 2)),
         group_swap_in=triples(),
+        tier_store=pairs(),
+        tier_load=pairs(),
     )
     pool.apply_plan_ops(plan)  # type: ignore[arg-type]
     host = [pool.swap_caches[i][0, :, 0, 0, 0].tolist() for i in range(3)]
@@ -147,3 +155,39 @@ def test_group_swap_ops_move_only_their_own_layers() -> None:
     assert block_values(pool, 0) == [0, 1, 7, 3, 4, 5, 6, 7]
     assert block_values(pool, 1) == [105, 101, 102, 103, 104, 105]
     assert block_values(pool, 2) == [204, 203, 202, 203, 204]
+
+
+def test_host_tier_stores_before_moves_and_loads_after_swap_in() -> None:
+    pool = make_pool()
+    pool.tier = None
+    with_tier = KVCachePool(
+        num_layers=2,
+        num_kv_heads=2,
+        head_size=4,
+        block_size=4,
+        num_blocks=8,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        num_tier_blocks=3,
+    )
+    assert with_tier.num_tier_blocks == 3 and pool.num_tier_blocks == 0
+    for layer, kv in enumerate(with_tier.kv_caches):
+        for b in range(8):
+            kv[:, b] = 100 * layer + b
+    empty = np.zeros((0, 2), dtype=np.int64)
+    plan = SimpleNamespace(
+        num_blocks=8,
+        tier_store=pairs((0, 2), (5, 1)),  # read before the move writes block 0
+        block_moves=pairs((7, 0)),
+        swap_out=empty,
+        swap_in=empty,
+        tier_load=pairs((2, 3), (1, 4)),  # block 0's old bytes into 3, block 5's into 4
+        copies=empty,
+    )
+    with_tier.apply_plan_ops(plan)
+    assert block_values(with_tier) == [7, 1, 2, 0, 5, 5, 6, 7]
+    assert block_values(with_tier, 1)[3:5] == [100, 105]
+    assert with_tier.tier is not None
+    assert with_tier.tier.blocks_stored == 2 and with_tier.tier.blocks_loaded == 2
+    with pytest.raises(RuntimeError, match="host KV tier"):
+        pool.apply_plan_ops(plan)

@@ -119,6 +119,9 @@ class CacheConfig:
     swap_space_is_default: bool = False
     enable_prefix_caching: bool = True
     cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 = fp8_e4m3 | fp8_e5m2
+    # The host KV tier (vLLM's KV offloading): GiB of CPU memory over all tensor-parallel ranks; 0: none.
+    kv_offloading_size: float = 0.0
+    kv_offloading_backend: str = "native"
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -143,6 +146,10 @@ class CacheConfig:
             _require(_is_number(g) and g > 0, "cpu_kv_cache_gb", g, "must be > 0")
         s = self.swap_space
         _require(_is_number(s) and s >= 0, "swap_space", s, "must be >= 0 (GiB)")
+        o = self.kv_offloading_size
+        _require(_is_number(o) and o >= 0, "kv_offloading_size", o, "must be >= 0 (GiB)")
+        b = self.kv_offloading_backend
+        _require(b == "native", "kv_offloading_backend", b, "must be 'native' (the host KV tier)")
         _require(
             isinstance(self.enable_prefix_caching, bool),
             "enable_prefix_caching",

@@ -69,6 +69,12 @@ class EngineArgs:
     swap_space: float | None = flag_field(  # GiB per rank; None: `default_swap_space(device)`
         None, "CPU swap space for preempted requests in GiB per rank (default: 4 on CUDA, 0 on CPU)"
     )
+    kv_offloading_size: float | None = flag_field(
+        None, "GiB of CPU memory for the host KV tier (blocks evicted from the KV cache), over all TP ranks"
+    )
+    kv_offloading_backend: str = flag_field(
+        config_default(CacheConfig, "kv_offloading_backend"), "the KV offloading backend", choices=["native"]
+    )
     max_model_len: int | None = flag_field(
         config_default(ModelConfig, "max_model_len"), "context length (default: the model's)"
     )
@@ -358,6 +364,8 @@ class EngineArgs:
             swap_space_is_default=self.swap_space is None,
             enable_prefix_caching=self.enable_prefix_caching,
             cache_dtype=self.kv_cache_dtype,
+            kv_offloading_size=self.kv_offloading_size or 0.0,
+            kv_offloading_backend=self.kv_offloading_backend,
         )
         device = DeviceConfig(
             device=resolve_device(self.device),

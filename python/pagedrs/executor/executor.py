@@ -70,6 +70,7 @@ class KVCacheSpec:
     def has_full_layers(self) -> bool:
         """Whether some layer stores its KV in the full-attention pool (else it is bookkeeping only)."""
         return not self.groups or self.num_layers > sum(len(g.layers) for g in self.groups)
+    num_tier_blocks: int = 0  # the host KV tier's blocks (`kv_offloading_size`), on every rank
 
 
 class UniProcExecutor:
@@ -94,6 +95,7 @@ class UniProcExecutor:
             pool.bytes_per_block,
             self.runner.kv_groups,
             pool.num_layers,
+            pool.num_tier_blocks,
         )
         if spec.groups:
             cfg = self.runner.config
@@ -107,7 +109,25 @@ class UniProcExecutor:
                     step_tokens(cfg),
                 )
             )
+        self._log_tier(pool)
         return spec
+
+    def _log_tier(self, pool: KVCachePool) -> None:
+        size = self.runner.config.cache.kv_offloading_size
+        if pool.num_tier_blocks:
+            logger.info(
+                "host KV tier: %d blocks of %d tokens (%.2f GiB per rank, kv_offloading_size=%g GiB)",
+                pool.num_tier_blocks,
+                pool.block_size,
+                pool.num_tier_blocks * pool.bytes_per_block / (1 << 30),
+                size,
+            )
+        elif size:
+            logger.warning(
+                "kv_offloading_size=%g GiB gives no host KV tier: it needs prefix caching, a pool without "
+                "KV-cache groups of their own and no drafter KV, and at least one block",
+                size,
+            )
 
     def _init_pool(self) -> KVCachePool:
         return self.runner.init_kv_cache(self.runner.determine_num_blocks())

@@ -1,11 +1,12 @@
-"""The paged KV pool on the model's device and the swap pool in CPU memory.
+"""The paged KV pool on the model's device, the swap pool and the host KV tier in CPU memory.
 
 Per layer one tensor ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (index 0 = K, 1 = V); the swap
-pool has the same shape with its own block count (pinned on CUDA). A model whose layers differ in KV heads
-or head size (`CausalLM.kv_cache_shapes`: Gemma 4's global layers) gets each layer's own shape; a layer that
-reads another layer's KV (shared KV) has a tensor with no KV head, which holds no byte. The scheduler owns which block is whose;
-this module only moves bytes as a step plan asks: block moves (pool compaction), swap out, swap in,
-copy-on-write copies, grow and shrink.
+pool and the host tier (``kv_offloading_size``) have the same shape with their own block counts (pinned on
+CUDA). A model whose layers differ in KV heads or head size (`CausalLM.kv_cache_shapes`: Gemma 4's global
+layers) gets each layer's own shape; a layer that reads another layer's KV (shared KV) has a tensor with no
+KV head, which holds no byte. The scheduler owns which block is whose; this module only moves bytes as a
+step plan asks: tier stores, block moves (pool compaction), swap out, swap in, tier loads, copy-on-write
+copies, grow and shrink.
 """
 
 from __future__ import annotations
@@ -147,20 +148,16 @@ class KVCachePool:
         device: torch.device,
         num_swap_blocks: int = 0,
         layer_blocks: dict[int, int] | None = None,
-<<<<<<< HEAD
         layer_shapes: list[tuple[int, int]] | None = None,
-    ) -> None:
-        """`layer_blocks`: layers whose KV-cache group has a pool of its own (`kv_groups`), and its size.
-        `layer_shapes`: (KV heads, head size) per layer where the layers differ (else `num_kv_heads`,
-        `head_size` for all)."""
-=======
         groups: Sequence[Sequence[int]] = (),
+        num_tier_blocks: int = 0,
     ) -> None:
         """`layer_blocks`: layers whose KV-cache group has a pool of its own (`kv_groups`), and its size;
         `groups`: the layers of each such group, in the plan's group order (their swap ops name the group).
         Every layer has `num_swap_blocks` host blocks: the full-attention pool's swap ids index those of its
-        layers, each group's own swap ids those of the group's layers."""
->>>>>>> groups2
+        layers, each group's own swap ids those of the group's layers. `layer_shapes`: (KV heads, head
+        size) per layer where the layers differ (else `num_kv_heads`, `head_size` for all).
+        `num_tier_blocks`: the host KV tier's blocks per layer."""
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -186,6 +183,13 @@ class KVCachePool:
             else []
         )
         self.num_swap_blocks = num_swap_blocks
+        self.tier = (
+            HostTierCaches(
+                [self._alloc(num_tier_blocks, torch.device("cpu"), i, pin=pin) for i in range(num_layers)]
+            )
+            if num_tier_blocks
+            else None
+        )
 
     @classmethod
     def for_model(
@@ -199,6 +203,7 @@ class KVCachePool:
         num_swap_blocks: int = 0,
         layer_blocks: dict[int, int] | None = None,
         groups: Sequence[Sequence[int]] = (),
+        num_tier_blocks: int = 0,
     ) -> KVCachePool:
         """The pool of `model`'s layers (its `num_layers`, `num_kv_heads`, `head_size` on this rank)."""
         return cls(
@@ -211,11 +216,9 @@ class KVCachePool:
             device=device,
             num_swap_blocks=num_swap_blocks,
             layer_blocks=layer_blocks,
-<<<<<<< HEAD
             layer_shapes=_layer_shapes(model) if getattr(model, "kv_cache_shapes", None) else None,
-=======
             groups=groups,
->>>>>>> groups2
+            num_tier_blocks=num_tier_blocks,
         )
 
     @property
@@ -236,11 +239,16 @@ class KVCachePool:
         return block_bytes(self.num_layers, self.block_size, num_kv_heads, self.head_size, self.dtype)
 
     @property
+    def num_tier_blocks(self) -> int:
+        return self.tier.num_blocks if self.tier is not None else 0
+
+    @property
     def num_blocks(self) -> int:
         """The full-attention pool's blocks (sliding-window layers may have pools of their own)."""
         return self._num_blocks
 
-    # Block ops, in the runner's order: grow, moves, swap out, swap in, copies, (forward), shrink.
+    # Block ops, in the runner's order: grow, tier stores, moves, swap out, swap in, tier loads, copies,
+    # (forward), shrink.
     def resize(self, num_blocks: int) -> None:
         """Grow (new blocks zeroed) or shrink (blocks past num_blocks dropped; the plan moved any in use)."""
         cur = self.num_blocks
@@ -317,6 +325,9 @@ class KVCachePool:
         num_blocks = int(plan.num_blocks)
         if num_blocks > self.num_blocks:
             self.resize(num_blocks)
+        # Stores read blocks as the last step left them: before anything in this plan writes the pool.
+        if self.tier is not None:
+            self.tier.store(self.kv_caches, plan.tier_store, self.device)
         self.move_blocks(plan.block_moves)
         self.swap_out(plan.swap_out)
         if self.groups:
@@ -324,9 +335,44 @@ class KVCachePool:
         self.swap_in(plan.swap_in)
         if self.groups:
             self.swap_groups(plan.group_swap_in, out=False)
+        if self.tier is not None:
+            self.tier.load(self.kv_caches, plan.tier_load, self.device)
+        elif len(plan.tier_load):
+            raise RuntimeError("the plan loads blocks from a host KV tier this pool does not have")
         self.copy_blocks(plan.copies)
 
     def apply_plan_shrink(self, plan: StepPlan) -> None:
         num_blocks = int(plan.num_blocks)
         if num_blocks < self.num_blocks:
             self.resize(num_blocks)
+
+
+class HostTierCaches:
+    """The host KV tier's bytes on this rank (as vLLM's CPU offloading worker): one CPU tensor per layer,
+    shaped as the device pool's, and the counts of blocks moved. Slots belong to the scheduler's tier index."""
+
+    def __init__(self, caches: list[Tensor]) -> None:
+        self.caches = caches
+        self.num_blocks = int(caches[0].shape[1])
+        self.blocks_stored = 0
+        self.blocks_loaded = 0
+
+    def store(self, kv_caches: list[Tensor], pairs: np.ndarray, device: torch.device) -> None:
+        """(device block, slot) pairs: device pool -> tier, in order (a later pair may reuse a slot)."""
+        if len(pairs) == 0:
+            return
+        src, dst = _pairs(pairs, device)
+        dst_cpu = dst.cpu()
+        for kv, host in zip(map(as_bytes, kv_caches), map(as_bytes, self.caches), strict=True):
+            host[:, dst_cpu] = kv[:, src].to("cpu")
+        self.blocks_stored += len(pairs)
+
+    def load(self, kv_caches: list[Tensor], pairs: np.ndarray, device: torch.device) -> None:
+        """(slot, device block) pairs: tier -> device pool."""
+        if len(pairs) == 0:
+            return
+        src, dst = _pairs(pairs, torch.device("cpu"))
+        dst_dev = dst.to(device)
+        for kv, host in zip(map(as_bytes, kv_caches), map(as_bytes, self.caches), strict=True):
+            kv[:, dst_dev] = host[:, src].to(device, non_blocking=True)
+        self.blocks_loaded += len(pairs)

@@ -93,7 +93,26 @@ class KVSetupMixin:
     def determine_num_swap_blocks(self) -> int:
         return num_blocks_for_bytes(self.config.cache.swap_space * _GiB, self.bytes_per_block)
 
-    def _new_pool(self, num_blocks: int, num_swap: int, groups: tuple[WindowGroup, ...] = ()) -> KVCachePool:
+    def determine_num_tier_blocks(self) -> int:
+        """Blocks of the host KV tier on this rank: `kv_offloading_size` GiB shared out over the tensor-parallel
+        ranks (as vLLM's), in this rank's blocks. 0 without prefix caching, or where the tier would not hold
+        every layer's KV of a block: KV-cache groups with pools of their own, a drafter's KV, liquid ranks."""
+        cfg = self.config
+        size = cfg.cache.kv_offloading_size
+        if (
+            not size
+            or not cfg.cache.enable_prefix_caching
+            or self.kv_groups
+            or (self.drafter is not None and self.drafter.kv_bytes_per_block)
+            or cfg.parallel.liquid_gpu_range is not None
+        ):
+            return 0
+        own = model_block_bytes(self.model, self.block_size, self.kv_dtype)
+        return num_blocks_for_bytes(size * _GiB / self.tp.size, own)
+
+    def _new_pool(
+        self, num_blocks: int, num_swap: int, groups: tuple[WindowGroup, ...] = (), num_tier: int = 0
+    ) -> KVCachePool:
         return KVCachePool.for_model(
             self.model,
             block_size=self.block_size,
@@ -103,13 +122,14 @@ class KVSetupMixin:
             num_swap_blocks=num_swap,
             layer_blocks={i: g.num_blocks for g in groups for i in g.layers},
             groups=[g.layers for g in groups],
+            num_tier_blocks=num_tier,
         )
 
     def init_kv_cache(self, num_blocks: int, num_swap_blocks: int | None = None) -> KVCachePool:
         """Allocate the KV pool, then (CUDA) capture every decode graph, before any request runs."""
         num_swap = self.determine_num_swap_blocks() if num_swap_blocks is None else num_swap_blocks
         num_blocks, self.kv_groups = plan_window_pools(self, num_blocks)
-        self.kv_pool = self._new_pool(num_blocks, num_swap, self.kv_groups)
+        self.kv_pool = self._new_pool(num_blocks, num_swap, self.kv_groups, self.determine_num_tier_blocks())
         if self.drafter is not None:
             self.drafter.init_kv_cache(num_blocks, num_swap)
         self.capture_model()

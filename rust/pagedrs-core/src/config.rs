@@ -12,6 +12,8 @@ pub struct Config {
     pub enable_prefix_caching: bool,
     pub enable_chunked_prefill: bool,
     pub num_swap_blocks: usize,
+    /// Blocks of the host KV tier (`kv_tier`): full blocks kept outside the device pool; 0: none.
+    pub num_tier_blocks: usize,
     /// Fraction of the pool kept free when admitting new work, in [0, 1).
     pub watermark: f64,
     /// When set, token ids must be below it.
@@ -51,6 +53,7 @@ impl Default for Config {
             enable_prefix_caching: true,
             enable_chunked_prefill: true,
             num_swap_blocks: 0,
+            num_tier_blocks: 0,
             watermark: 0.01,
             vocab_size: None,
             num_speculative_tokens: 0,
@@ -107,6 +110,7 @@ impl Config {
         for (name, v) in [
             ("num_blocks", self.num_blocks),
             ("num_swap_blocks", self.num_swap_blocks),
+            ("num_tier_blocks", self.num_tier_blocks),
             ("max_model_len", self.max_model_len),
         ] {
             if v >= limit {

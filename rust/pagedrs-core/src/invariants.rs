@@ -14,6 +14,7 @@ impl Scheduler {
     fn check(&self) -> std::result::Result<(), String> {
         self.pool.check()?;
         self.swap.check()?;
+        self.tier.check()?;
         self.tables.check(&self.seqs)?;
         self.kv.check(&self.seqs)?;
         let mut tally = Tally {

@@ -13,6 +13,7 @@ mod groups;
 mod invariants;
 pub mod kv_events;
 pub mod kv_groups;
+pub mod kv_tier;
 pub mod paged_group;
 pub mod plan;
 pub mod prefix_cache;
@@ -25,6 +26,7 @@ pub mod sliding_window;
 pub mod spec;
 pub mod spec_governor;
 pub mod swap_pool;
+mod tier_admit;
 mod update;
 pub mod wire;
 

@@ -13,10 +13,12 @@ pub struct PlanOps {
     /// `(group, device, swap)` and `(group, swap, device)` triples of the KV-cache groups.
     pub group_swap_out: Vec<i64>,
     pub group_swap_in: Vec<i64>,
+    pub tier_load: Vec<i64>,
 }
 
 /// One step. Row `b` of the batch is sequence `req_ids[b]`; tokens are flattened over rows.
-/// Runner order: grow the pool, `block_moves`, `swap_out`, `swap_in`, `copies`, forward, shrink.
+/// Runner order: grow the pool, `tier_store`, `block_moves`, `swap_out`, `swap_in`, `tier_load`,
+/// `copies`, forward, shrink.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct StepPlan {
     pub step_id: u64,
@@ -52,6 +54,10 @@ pub struct StepPlan {
     pub copies: Vec<i64>,
     pub block_moves: Vec<i64>,
     pub preempted: Vec<i64>,
+    /// Host KV tier pairs (`kv_tier`): (device block, tier slot) full blocks to copy out before
+    /// anything else writes the pool, and (tier slot, device block) blocks to copy in.
+    pub tier_store: Vec<i64>,
+    pub tier_load: Vec<i64>,
     /// Every KV-cache group's slot mapping, `[G, T]` flattened (group order: `Scheduler::kv_groups`).
     pub group_slot_mapping: Vec<i64>,
     /// Every KV-cache group's block tables, `[G, B, max_blocks]` flattened, padded with 0 (as are
@@ -254,6 +260,8 @@ impl Scheduler {
             copies: ops.copies,
             block_moves: std::mem::take(&mut self.pending_moves),
             preempted: ops.preempted,
+            tier_store: std::mem::take(&mut self.pending_tier_stores),
+            tier_load: ops.tier_load,
             group_slot_mapping: Vec::new(),
             group_block_tables: Vec::new(),
             group_copies: Vec::new(),

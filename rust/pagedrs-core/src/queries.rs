@@ -95,6 +95,8 @@ impl Scheduler {
         if !self.kv.is_idle() || !self.pool.reset_prefix_cache() {
             return false;
         }
+        self.tier.clear();
+        self.pending_tier_stores.clear();
         self.kv.reset_prefix_cache()
     }
 
@@ -118,6 +120,9 @@ impl Scheduler {
             prefix_cache_queries: self.prefix_queries,
             prefix_cache_hits: self.prefix_hits,
             num_preemptions: self.num_preemptions,
+            num_tier_blocks: self.tier.num_slots(),
+            num_used_tier_blocks: self.tier.len(),
+            tier: self.tier.counters,
             spec_num_drafts: self.spec_counts[0],
             spec_num_draft_tokens: self.spec_counts[1],
             spec_num_accepted_tokens: self.spec_counts[2],

@@ -45,7 +45,7 @@ impl Scheduler {
                     let Some(&(_, slot)) = self.waiting.first() else {
                         break;
                     };
-                    match self.try_admit(slot, &mut sched, &mut budget) {
+                    match self.try_admit(slot, &mut sched, &mut budget, &mut ops) {
                         Admit::Yes => {}
                         Admit::No => break,
                         Admit::Dropped => continue,
@@ -306,7 +306,13 @@ impl Scheduler {
         }
     }
 
-    fn try_admit(&mut self, slot: u32, sched: &mut Vec<(u32, usize)>, budget: &mut usize) -> Admit {
+    fn try_admit(
+        &mut self,
+        slot: u32,
+        sched: &mut Vec<(u32, usize)>,
+        budget: &mut usize,
+        ops: &mut PlanOps,
+    ) -> Admit {
         let bs = self.cfg.block_size;
         let capacity = self.pool.num_blocks() * bs;
         let seq = &self.seqs[slot as usize];
@@ -331,8 +337,13 @@ impl Scheduler {
         if lookup && !self.kv.is_empty() {
             (group_hits, last_hash) = self.groups_cap_hit(slot, &mut hits);
         }
+        let tier = if lookup {
+            self.find_tier_prefix(slot, hits.len(), last_hash)
+        } else {
+            Default::default()
+        };
         let seq = &self.seqs[slot as usize];
-        let nc = hits.len() * bs;
+        let nc = (hits.len() + tier.slots.len()) * bs;
         let Some(num_new) = self.chunk(seq.num_tokens() - nc, *budget) else {
             self.hit_scratch = hits;
             return Admit::No;
@@ -351,7 +362,7 @@ impl Scheduler {
         self.waiting.pop_first();
         if lookup {
             self.prefix_queries += seq.num_tokens() as u64;
-            self.prefix_hits += nc as u64;
+            self.prefix_hits += (hits.len() * bs) as u64;
         }
         let seq = &mut self.seqs[slot as usize];
         for &b in &hits {
@@ -364,7 +375,9 @@ impl Scheduler {
         }
         seq.sync_last_block();
         seq.num_computed = nc;
+        // Blocks loaded from the tier are cached by the next update(), as computed ones.
         seq.num_cached_blocks = hits.len();
+        self.load_from_tier(slot, hits.len(), &tier, ops);
         self.kv.admit(slot, group_hits, nc + num_new);
         let seq = &mut self.seqs[slot as usize];
         seq.last_hash = last_hash;

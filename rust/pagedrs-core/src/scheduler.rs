@@ -37,6 +37,10 @@ pub struct Stats {
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,
     pub num_preemptions: u64,
+    /// The host KV tier's slots, those in use, and its counters (`kv_tier`).
+    pub num_tier_blocks: usize,
+    pub num_used_tier_blocks: usize,
+    pub tier: crate::kv_tier::TierCounters,
     /// Speculative decoding: verification rows (sequences that speculated, summed over steps), draft
     /// tokens proposed, and draft tokens accepted.
     pub spec_num_drafts: u64,
@@ -51,6 +55,9 @@ pub struct Scheduler {
     pub(crate) cfg: Config,
     pub(crate) pool: BlockPool,
     pub(crate) swap: SwapPool,
+    /// The host KV tier's index (`kv_tier`), and the store pairs the next plan carries.
+    pub(crate) tier: crate::kv_tier::HostTier,
+    pub(crate) pending_tier_stores: Vec<i64>,
     /// Persistent block table: one row per running sequence (`Seq::row`).
     pub(crate) tables: BlockTable,
     pub(crate) seqs: Vec<Seq>,
@@ -96,6 +103,8 @@ impl Scheduler {
         Ok(Self {
             pool: BlockPool::new(cfg.num_blocks, cfg.block_size),
             swap: SwapPool::new(cfg.num_swap_blocks),
+            tier: crate::kv_tier::HostTier::new(cfg.num_tier_blocks, cfg.block_size),
+            pending_tier_stores: Vec::new(),
             // Rows belong to running sequences only, and those never exceed max_num_seqs
             // (children not yet forked included), so this size is final.
             tables: BlockTable::new(cfg.max_num_seqs, cfg.max_model_len.div_ceil(cfg.block_size)),

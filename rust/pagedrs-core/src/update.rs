@@ -179,6 +179,7 @@ impl Scheduler {
                 let i = it.idx as usize * bs;
                 &seqs[it.slot as usize].tokens[i..i + bs]
             });
+            self.offer_to_tier(&items);
         }
         self.cache_scratch = items;
     }

@@ -15,7 +15,7 @@ use crate::plan::StepPlan;
 pub const OP_EXECUTE: i64 = 1;
 
 const NUM_SCALARS: usize = 6; // step_id, num_blocks, num_prefill, num_decode, num_tokens, max_blocks
-const NUM_ARRAYS: usize = 28; // the plan's 26 arrays, block tables, extra logits rows
+const NUM_ARRAYS: usize = 30; // the plan's 28 arrays, block tables, extra logits rows
 
 /// Length of the header of every message on the step channel.
 pub const WIRE_HEADER_LEN: usize = 2 + NUM_SCALARS + NUM_ARRAYS;
@@ -129,6 +129,8 @@ impl StepPlan {
         push(&mut i32s(&self.group_num_copies));
         push(&mut self.group_swap_out.iter().copied());
         push(&mut self.group_swap_in.iter().copied());
+        push(&mut self.tier_store.iter().copied());
+        push(&mut self.tier_load.iter().copied());
         push(&mut i32s(block_tables));
         push(&mut extra_logits_indices.iter().copied());
         debug_assert_eq!(lens.len(), NUM_ARRAYS);
@@ -190,13 +192,15 @@ impl StepPlan {
             group_num_copies: narrow("group_num_copies", parts[23])?,
             group_swap_out: parts[24].to_vec(),
             group_swap_in: parts[25].to_vec(),
+            tier_store: parts[26].to_vec(),
+            tier_load: parts[27].to_vec(),
             num_blocks: count("num_blocks", s[1])?,
             num_prefill_tokens: count("num_prefill_tokens", s[2])?,
             num_decode_tokens: count("num_decode_tokens", s[3])?,
             num_tokens: count("num_tokens", s[4])?,
         };
         check_groups(&plan)?;
-        let block_tables = narrow("block_tables", parts[26])?;
+        let block_tables = narrow("block_tables", parts[28])?;
         if block_tables.len() != plan.num_reqs() * plan.max_blocks {
             return Err(Error::InvalidRequest(format!(
                 "step wire: {} block-table entries for {} requests x {} blocks",
@@ -208,7 +212,7 @@ impl StepPlan {
         Ok(WirePlan {
             plan,
             block_tables,
-            extra_logits_indices: parts[27].to_vec(),
+            extra_logits_indices: parts[29].to_vec(),
         })
     }
 }
@@ -247,6 +251,8 @@ mod tests {
             group_num_copies: vec![1],
             group_swap_out: vec![0, 3, 1],
             group_swap_in: vec![0, 2, 8, 0, 4, 9],
+            tier_store: vec![3, 0],
+            tier_load: vec![1, 6, 2, 7],
             num_blocks: 40,
             num_prefill_tokens: 2,
             num_decode_tokens: 1,

@@ -62,6 +62,7 @@ fn config_with(pool: std::ops::Range<usize>) -> impl Strategy<Value = Config> {
             any::<bool>(),
             prop::sample::select(vec![0usize, 0, 4, 24]),
             prop::sample::select(vec![0.0, 0.05, 0.2]),
+            prop::sample::select(vec![0usize, 0, 3, 16]),
         ),
         (
             prop::sample::select(vec![0usize, 0, 1, 3, 5]),
@@ -77,7 +78,7 @@ fn config_with(pool: std::ops::Range<usize>) -> impl Strategy<Value = Config> {
         .prop_map(
             |(
                 (num_blocks, block_size, budget, max_num_seqs, max_model_len),
-                (caching, chunked, swap, watermark),
+                (caching, chunked, swap, watermark, tier),
                 (spec, proposer, disable, adaptive),
             )| Config {
                 num_blocks,
@@ -88,6 +89,7 @@ fn config_with(pool: std::ops::Range<usize>) -> impl Strategy<Value = Config> {
                 enable_prefix_caching: caching,
                 enable_chunked_prefill: chunked,
                 num_swap_blocks: swap,
+                num_tier_blocks: tier,
                 watermark,
                 vocab_size: None,
                 num_speculative_tokens: spec.min(budget - 1),
@@ -197,6 +199,7 @@ fn random_runs_cover_preemption_swap_cow_hits_and_moves() {
     let (mut preempt, mut swaps, mut copies, mut hits, mut moves, mut steps, mut rows) =
         (0, 0, 0, 0u64, 0, 0, 0);
     let (mut drafts, mut accepted, mut rolled_back) = (0u64, 0u64, 0usize);
+    let mut tier_loads = 0;
     for _ in 0..300 {
         let (cfg, ops, seed) = strategy.new_tree(&mut runner).unwrap().current();
         let sim = run(cfg, ops, seed);
@@ -210,7 +213,10 @@ fn random_runs_cover_preemption_swap_cow_hits_and_moves() {
         drafts += sim.s.stats().spec_num_draft_tokens;
         accepted += sim.s.stats().spec_num_accepted_tokens;
         rolled_back += sim.rollbacks_seen;
+        tier_loads += sim.tier_loads_seen;
     }
+    eprintln!("blocks loaded from the host tier {tier_loads}");
+    assert!(tier_loads > 20);
     eprintln!("draft tokens {drafts} accepted {accepted} rows rolled back {rolled_back}");
     assert!(drafts > 500 && accepted > 100 && accepted < drafts && rolled_back > 100);
     eprintln!("steps {steps} preemptions {preempt} swap-outs {swaps} copies {copies} hit tokens {hits} block moves {moves} changed rows {rows}");

@@ -58,7 +58,7 @@ impl<T: numpy::Element + Clone> Arr<T> {
 }
 
 /// One scheduler step as numpy arrays. Block ops run in this order before the forward:
-/// grow pool, block_moves, swap_out, swap_in, copies; shrink after it.
+/// grow pool, tier_store, block_moves, swap_out, swap_in, tier_load, copies; shrink after it.
 #[pyclass(module = "pagedrs._core", name = "StepPlan")]
 pub struct PyStepPlan {
     #[pyo3(get)]
@@ -92,6 +92,8 @@ pub struct PyStepPlan {
     copies: Arr<i64>,
     block_moves: Arr<i64>,
     preempted: Arr<i64>,
+    tier_store: Arr<i64>,
+    tier_load: Arr<i64>,
     group_slot_mapping: Arr<i64>,
     group_block_tables: Arr<i32>,
     group_copies: Arr<i64>,
@@ -146,6 +148,8 @@ impl PyStepPlan {
             copies: Arr::Raw(p.copies),
             block_moves: Arr::Raw(p.block_moves),
             preempted: Arr::Raw(p.preempted),
+            tier_store: Arr::Raw(p.tier_store),
+            tier_load: Arr::Raw(p.tier_load),
             num_groups: p.group_num_copies.len(),
             group_slot_mapping: Arr::Raw(p.group_slot_mapping),
             group_block_tables: Arr::Raw(p.group_block_tables),
@@ -278,6 +282,16 @@ impl PyStepPlan {
     fn preempted(&mut self, py: Python<'_>) -> Py<PyAny> {
         self.preempted.get(py, 0)
     }
+    /// int64 [k, 2]: (device block, tier slot) pairs to copy into the host KV tier first.
+    #[getter]
+    fn tier_store(&mut self, py: Python<'_>) -> Py<PyAny> {
+        self.tier_store.get(py, 2)
+    }
+    /// int64 [k, 2]: (tier slot, device block) pairs to copy from the host KV tier.
+    #[getter]
+    fn tier_load(&mut self, py: Python<'_>) -> Py<PyAny> {
+        self.tier_load.get(py, 2)
+    }
     /// int64 [G, T]: each KV-cache group's slot of every token.
     #[getter]
     fn group_slot_mapping(&mut self, py: Python<'_>) -> Py<PyAny> {
@@ -349,6 +363,8 @@ impl PyStepPlan {
             copies: self.copies.to_vec(py)?,
             block_moves: self.block_moves.to_vec(py)?,
             preempted: self.preempted.to_vec(py)?,
+            tier_store: self.tier_store.to_vec(py)?,
+            tier_load: self.tier_load.to_vec(py)?,
             group_slot_mapping: self.group_slot_mapping.to_vec(py)?,
             group_block_tables: self.group_block_tables.to_vec(py)?,
             group_copies: self.group_copies.to_vec(py)?,

@@ -74,7 +74,7 @@ impl PyScheduler {
                         max_model_len=2048, enable_prefix_caching=true, enable_chunked_prefill=true,
                         num_swap_blocks=0, watermark=0.01, vocab_size=None, num_speculative_tokens=0,
                         spec_method=None, prompt_lookup_min=1, prompt_lookup_max=3,
-                        spec_disable_batch_size=None, spec_adaptive=true))]
+                        spec_disable_batch_size=None, spec_adaptive=true, num_tier_blocks=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
@@ -93,6 +93,7 @@ impl PyScheduler {
         prompt_lookup_max: i64,
         spec_disable_batch_size: Option<i64>,
         spec_adaptive: bool,
+        num_tier_blocks: i64,
     ) -> PyResult<Self> {
         let spec_proposer = match spec_method {
             Some("ngram") => SpecProposer::Ngram {
@@ -115,6 +116,7 @@ impl PyScheduler {
             enable_prefix_caching,
             enable_chunked_prefill,
             num_swap_blocks: size("num_swap_blocks", num_swap_blocks, 0)?,
+            num_tier_blocks: size("num_tier_blocks", num_tier_blocks, 0)?,
             watermark,
             vocab_size: vocab_size.map(|v| size("vocab_size", v, 1)).transpose()?,
             num_speculative_tokens: size("num_speculative_tokens", num_speculative_tokens, 0)?,

@@ -65,6 +65,13 @@ pub struct PySchedulerStats {
     spec_num_draft_tokens: u64,
     spec_num_accepted_tokens: u64,
     spec_num_pauses: u64,
+    num_tier_blocks: usize,
+    num_used_tier_blocks: usize,
+    tier_queried_blocks: u64,
+    tier_hit_blocks: u64,
+    tier_stored_blocks: u64,
+    tier_loaded_blocks: u64,
+    tier_evicted_blocks: u64,
 }
 
 impl From<Stats> for PySchedulerStats {
@@ -86,6 +93,13 @@ impl From<Stats> for PySchedulerStats {
             spec_num_draft_tokens: s.spec_num_draft_tokens,
             spec_num_accepted_tokens: s.spec_num_accepted_tokens,
             spec_num_pauses: s.spec_num_pauses,
+            num_tier_blocks: s.num_tier_blocks,
+            num_used_tier_blocks: s.num_used_tier_blocks,
+            tier_queried_blocks: s.tier.queried_blocks,
+            tier_hit_blocks: s.tier.hit_blocks,
+            tier_stored_blocks: s.tier.stored_blocks,
+            tier_loaded_blocks: s.tier.loaded_blocks,
+            tier_evicted_blocks: s.tier.evicted_blocks,
         }
     }
 }

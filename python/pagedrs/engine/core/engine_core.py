@@ -80,6 +80,7 @@ class EngineCore(CoreUtilitiesMixin):
         self.eos_token_ids = loaded.eos_token_ids
         self.executor = executor
         kv = executor.init_kv_cache()
+        self._kv_block_bytes = kv.bytes_per_block
         sched = config.scheduler
         self.scheduler = _core.Scheduler(
             num_blocks=kv.num_blocks,
@@ -90,6 +91,7 @@ class EngineCore(CoreUtilitiesMixin):
             enable_prefix_caching=config.cache.enable_prefix_caching,
             enable_chunked_prefill=sched.enable_chunked_prefill,
             num_swap_blocks=kv.num_swap_blocks,
+            num_tier_blocks=kv.num_tier_blocks,
             vocab_size=self.vocab_size or None,
             **_spec_scheduler_args(config),
         )

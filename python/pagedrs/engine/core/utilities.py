@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagedrs import _core
+from pagedrs.config import EngineConfig
 from pagedrs.engine.core.lora_queue import LoRAQueue
 from pagedrs.executor.liquid.control import LiquidControl
 from pagedrs.metrics import EngineStats
@@ -36,6 +37,8 @@ class CoreUtilitiesMixin:
     )
 
     scheduler: _core.Scheduler
+    _kv_block_bytes: int  # one block's bytes on one rank (the host tier's unit of transfer)
+    config: EngineConfig
     liquid_control: LiquidControl | None
     _loras: LoRAQueue
     _prompt_tokens_total: int
@@ -82,6 +85,7 @@ class CoreUtilitiesMixin:
             spec_num_accepted_tokens=int(s.spec_num_accepted_tokens),
             spec_num_pauses=int(s.spec_num_pauses),
             kv_group_usage=self.kv_pool_usage(s),
+            **tier_stats(s, self.config.cache.block_size, self._kv_block_bytes),
         )
 
     def resize(self, num_blocks: int) -> int:
@@ -131,3 +135,16 @@ class CoreUtilitiesMixin:
         if method not in self.UTILITY_METHODS:
             raise ValueError(f"unknown utility method {method!r}; one of {sorted(self.UTILITY_METHODS)}")
         return getattr(self, method)(*args)
+
+
+def tier_stats(s: _core.SchedulerStats, block_size: int, block_bytes: int) -> dict[str, int]:
+    """The host KV tier's `EngineStats` fields from the scheduler's block counts."""
+    return {
+        "kv_offload_blocks": int(s.num_tier_blocks),
+        "kv_offload_used_blocks": int(s.num_used_tier_blocks),
+        "external_prefix_cache_queries": int(s.tier_queried_blocks) * block_size,
+        "external_prefix_cache_hits": int(s.tier_hit_blocks) * block_size,
+        "kv_offload_bytes_stored": int(s.tier_stored_blocks) * block_bytes,
+        "kv_offload_bytes_loaded": int(s.tier_loaded_blocks) * block_bytes,
+        "kv_offload_evicted_blocks": int(s.tier_evicted_blocks),
+    }

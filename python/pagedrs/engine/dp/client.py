@@ -70,6 +70,13 @@ _SUMMED = (
     "spec_num_draft_tokens",
     "spec_num_accepted_tokens",
     "spec_num_pauses",
+    "kv_offload_blocks",
+    "kv_offload_used_blocks",
+    "external_prefix_cache_queries",
+    "external_prefix_cache_hits",
+    "kv_offload_bytes_stored",
+    "kv_offload_bytes_loaded",
+    "kv_offload_evicted_blocks",
 )
 
 

@@ -48,6 +48,9 @@ pub struct Sim {
     pub cfg: Config,
     pub mem: Vec<u64>,
     pub swap_mem: Vec<u64>,
+    /// The host KV tier's slots, as the runner holds them.
+    pub tier_mem: Vec<u64>,
+    pub tier_loads_seen: usize,
     pub live: BTreeMap<i64, Mirror>,
     pub next_id: i64,
     pub rng: Rng,
@@ -81,6 +84,8 @@ impl Sim {
             rollbacks_seen: 0,
             mem: vec![0; cfg.num_blocks * cfg.block_size],
             swap_mem: vec![0; cfg.num_swap_blocks * cfg.block_size],
+            tier_mem: vec![0; cfg.num_tier_blocks * cfg.block_size],
+            tier_loads_seen: 0,
             s,
             cfg,
             live: BTreeMap::new(),
@@ -412,6 +417,13 @@ impl Sim {
         if nb * bs > self.mem.len() {
             self.mem.resize(nb * bs, 0);
         }
+        // Tier stores read the pool before anything in this plan writes it.
+        for m in p.tier_store.chunks_exact(2) {
+            let (d, s) = (m[0] as usize, m[1] as usize);
+            for o in 0..bs {
+                self.tier_mem[s * bs + o] = self.mem[d * bs + o];
+            }
+        }
         // Moves run as one gather-then-scatter: sources read the pool as the last plan left it.
         let mut move_dsts = HashSet::new();
         let snapshot: Vec<Vec<u64>> = p
@@ -445,6 +457,14 @@ impl Sim {
             assert!(d < nb);
             for o in 0..bs {
                 self.mem[d * bs + o] = self.swap_mem[s * bs + o];
+            }
+        }
+        self.tier_loads_seen += p.tier_load.len() / 2;
+        for m in p.tier_load.chunks_exact(2) {
+            let (s, d) = (m[0] as usize, m[1] as usize);
+            assert!(d < nb);
+            for o in 0..bs {
+                self.mem[d * bs + o] = self.tier_mem[s * bs + o];
             }
         }
         // Copies run in parallel on a GPU: no destination may be a source or repeat.

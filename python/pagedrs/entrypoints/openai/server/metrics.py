@@ -176,6 +176,41 @@ class _EngineStatsCollector(Collector):
             "Engine-wide pauses of speculation measured slower than decoding without it.",
             "spec_num_pauses",
         )
+        yield from self._tier_families(g, c)
+
+    @staticmethod
+    def _tier_families(g: Any, c: Any) -> Iterator[Any]:
+        """The host KV tier (`kv_offloading_size`): vLLM's external prefix-cache counters and the tier's own."""
+        yield c(
+            "pagedrs:external_prefix_cache_queries",
+            "Prompt tokens looked up in the host KV tier.",
+            "external_prefix_cache_queries",
+        )
+        yield c(
+            "pagedrs:external_prefix_cache_hits",
+            "Prompt tokens loaded from the host KV tier.",
+            "external_prefix_cache_hits",
+        )
+        yield g(
+            "pagedrs:kv_offload_usage_perc",
+            "Fraction of host KV tier blocks in use (0..1).",
+            "kv_offload_usage",
+        )
+        yield c(
+            "pagedrs:kv_offload_bytes_stored",
+            "Bytes copied into the host KV tier (per rank).",
+            "kv_offload_bytes_stored",
+        )
+        yield c(
+            "pagedrs:kv_offload_bytes_loaded",
+            "Bytes copied from the host KV tier (per rank).",
+            "kv_offload_bytes_loaded",
+        )
+        yield c(
+            "pagedrs:kv_offload_evicted_blocks",
+            "Host KV tier blocks dropped to make room.",
+            "kv_offload_evicted_blocks",
+        )
 
     @staticmethod
     def _group_usage(rows: list[tuple[list[str], Any]], labels: list[str]) -> GaugeMetricFamily:
@@ -206,6 +241,8 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "pagedrs:kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     "pagedrs:prefix_cache_queries": ("vllm:prefix_cache_queries",),
     "pagedrs:prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "pagedrs:external_prefix_cache_queries": ("vllm:external_prefix_cache_queries",),
+    "pagedrs:external_prefix_cache_hits": ("vllm:external_prefix_cache_hits",),
     "pagedrs:prompt_tokens": ("vllm:prompt_tokens",),
     "pagedrs:generation_tokens": ("vllm:generation_tokens",),
     "pagedrs:num_preemptions": ("vllm:num_preemptions",),

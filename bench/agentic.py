@@ -1,0 +1,155 @@
+"""Agentic multi-turn sessions with and without the host KV tier (`kv_offloading_size`).
+
+Sessions take turns in round robin: each turn's prompt is the session's whole history (its earlier prompts
+and answers) plus new tokens, so contexts grow, and the device pool (`--num-kv-blocks`) holds only a few
+sessions: by the time a session comes back, other sessions have evicted its blocks. Reported per
+configuration: TTFT p50/p90 of returning turns (turn >= 2) and the fraction of their prompt tokens served
+from a cache (`num_cached_tokens`); then the cost of the tier with nothing to hit (every prompt new):
+output throughput with the tier over without it. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+# pagedrs before torch: importing it shortens libgomp's idle spin, which torch's import fixes for good
+import pagedrs  # noqa: F401
+
+# isort: split
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+from _common import add_commit_arg, command_line, git_info, json_safe, machine_info, write_json
+
+from pagedrs import EngineArgs, LLMEngine, SamplingParams
+
+
+def make_engine(args: argparse.Namespace, tier_gib: float) -> LLMEngine:
+    return LLMEngine.from_engine_args(
+        EngineArgs(
+            model=args.model,
+            device="cpu",
+            dtype="float32",
+            num_kv_blocks=args.num_kv_blocks,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_offloading_size=tier_gib,
+            disable_log_stats=True,
+            seed=0,
+        )
+    )
+
+
+def run_request(engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int) -> tuple[float, Any]:
+    """(seconds to the first token, final output) of one request run alone."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    engine.add_request(rid, prompt, params)
+    ttft = None
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if ttft is None and out.outputs and out.outputs[0].token_ids:
+                ttft = time.perf_counter() - start
+            if out.finished:
+                final = out
+    assert ttft is not None and final is not None
+    return ttft, final
+
+
+def sessions_run(args: argparse.Namespace, tier_gib: float, vocab: int) -> dict[str, Any]:
+    rng = random.Random(0)
+    engine = make_engine(args, tier_gib)
+    history = [[rng.randrange(vocab) for _ in range(args.first_len)] for _ in range(args.sessions)]
+    ttfts: list[float] = []
+    cached: list[float] = []
+    for turn in range(args.turns):
+        for s in range(args.sessions):
+            prompt = history[s]
+            ttft, out = run_request(engine, f"s{s}t{turn}", prompt, args.output_len)
+            if turn > 0:
+                ttfts.append(ttft)
+                cached.append((out.num_cached_tokens or 0) / len(prompt))
+            history[s] = prompt + list(out.outputs[0].token_ids)
+            history[s] += [rng.randrange(vocab) for _ in range(args.turn_len)]
+    stats = engine.get_stats()
+    engine.shutdown()
+    q = statistics.quantiles(ttfts, n=10) if len(ttfts) > 1 else ttfts * 9
+    return {
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_p90_s": q[8],
+        "cached_fraction": statistics.fmean(cached),
+        "returning_turns": len(ttfts),
+        "tier_hit_tokens": stats.external_prefix_cache_hits,
+        "tier_bytes_loaded": stats.kv_offload_bytes_loaded,
+    }
+
+
+def no_hit_run(args: argparse.Namespace, tier_gib: float, vocab: int) -> float:
+    """Output tokens per second over new prompts only (nothing to hit), after one warm-up request."""
+    rng = random.Random(1)
+    engine = make_engine(args, tier_gib)
+    run_request(engine, "warm", [rng.randrange(vocab) for _ in range(16)], 2)
+    prompts = [[rng.randrange(vocab) for _ in range(args.first_len)] for _ in range(args.no_hit_prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    elapsed = time.perf_counter() - start
+    engine.shutdown()
+    return len(prompts) * args.output_len / elapsed
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model path or name (default: the embedded default model)")
+    p.add_argument("--sessions", type=int, default=6)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--first-len", type=int, default=384, help="tokens of a session's first prompt")
+    p.add_argument("--turn-len", type=int, default=32, help="new tokens a later turn adds")
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=96, help="the device pool: a few sessions' worth")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--tier-gib", type=float, default=0.5, help="kv_offloading_size of the tier runs")
+    p.add_argument("--no-hit-prompts", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=1000, help="prompt ids are drawn below this")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--quick", action="store_true", help="a few short turns (a smoke test, not figures)")
+    p.add_argument("--json", default=None, help="write the figures here")
+    add_commit_arg(p)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.sessions, args.turns, args.first_len, args.turn_len = 3, 2, 48, 8
+        args.output_len, args.num_kv_blocks, args.no_hit_prompts = 2, 8, 2
+    torch.set_num_threads(args.threads)
+    vocab = args.vocab
+    runs = {
+        name: sessions_run(args, gib, vocab) for name, gib in (("no_tier", 0.0), ("host_tier", args.tier_gib))
+    }
+    tput = {
+        name: no_hit_run(args, gib, vocab) for name, gib in (("no_tier", 0.0), ("host_tier", args.tier_gib))
+    }
+    result = {
+        "bench": "agentic",
+        "runs": runs,
+        "ttft_p50_ratio": runs["host_tier"]["ttft_p50_s"] / runs["no_tier"]["ttft_p50_s"],
+        "no_hit_tok_s": tput,
+        "no_hit_throughput_ratio": tput["host_tier"] / tput["no_tier"],
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "commit")},
+        "command": command_line(),
+        "git": git_info(args.commit),
+        "machine": machine_info(),
+    }
+    result["commit"] = result["git"]["commit"]
+    print(json.dumps(json_safe(result)))
+    if args.json:
+        write_json(args.json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

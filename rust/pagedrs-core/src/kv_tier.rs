@@ -1,0 +1,245 @@
+//! The scheduler side of an external KV tier (as vLLM's KV connector's scheduler half): an index of
+//! the full blocks a second pool outside the device holds (host memory), keyed by the prefix cache's
+//! chained block hashes, with least-recently-used eviction over a fixed number of slots.
+//!
+//! Each slot keeps the block's full record (hash, parent hash, tokens), so a lookup is exact: a hit
+//! can never serve another prompt's KV. The bytes live with the runner (one host tensor per rank);
+//! the scheduler only hands it `(device block, slot)` store pairs and `(slot, device block)` load
+//! pairs through the step plan.
+
+use crate::prefix_cache::IdentityHasher;
+use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
+
+type IdMap = HashMap<u64, u32, BuildHasherDefault<IdentityHasher>>;
+
+/// Record header: hash (2 u32), parent hash (2 u32), then the block's tokens.
+const HEADER: usize = 4;
+const NIL: u32 = u32::MAX;
+
+/// Cumulative counters of one tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TierCounters {
+    /// Blocks looked up after the device pool's prefix hit ended, and blocks found.
+    pub queried_blocks: u64,
+    pub hit_blocks: u64,
+    /// Blocks copied into the tier and out of it (into device blocks).
+    pub stored_blocks: u64,
+    pub loaded_blocks: u64,
+    /// Entries dropped to make room.
+    pub evicted_blocks: u64,
+}
+
+/// The index of a tier of `num_slots` blocks.
+#[derive(Debug, Clone)]
+pub struct HostTier {
+    block_size: usize,
+    map: IdMap,
+    records: Vec<u32>,
+    // LRU list over occupied slots: head = least recently used. INVARIANT: a slot is in the list
+    // iff its hash is in `map`; otherwise it is on `free`.
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    head: u32,
+    tail: u32,
+    free: Vec<u32>,
+    pub counters: TierCounters,
+}
+
+fn join(lo: u32, hi: u32) -> u64 {
+    u64::from(lo) | (u64::from(hi) << 32)
+}
+
+impl HostTier {
+    pub fn new(num_slots: usize, block_size: usize) -> Self {
+        Self {
+            block_size,
+            map: IdMap::default(),
+            records: vec![0; num_slots * (HEADER + block_size)],
+            prev: vec![NIL; num_slots],
+            next: vec![NIL; num_slots],
+            head: NIL,
+            tail: NIL,
+            free: (0..num_slots as u32).rev().collect(),
+            counters: TierCounters::default(),
+        }
+    }
+
+    pub fn num_slots(&self) -> usize {
+        self.prev.len()
+    }
+
+    /// Slots holding a block.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    fn record(&self, s: u32) -> &[u32] {
+        let stride = HEADER + self.block_size;
+        &self.records[s as usize * stride..(s as usize + 1) * stride]
+    }
+
+    fn unlink(&mut self, s: u32) {
+        let (p, n) = (self.prev[s as usize], self.next[s as usize]);
+        if p == NIL {
+            self.head = n;
+        } else {
+            self.next[p as usize] = n;
+        }
+        if n == NIL {
+            self.tail = p;
+        } else {
+            self.prev[n as usize] = p;
+        }
+        self.prev[s as usize] = NIL;
+        self.next[s as usize] = NIL;
+    }
+
+    fn push_back(&mut self, s: u32) {
+        self.prev[s as usize] = self.tail;
+        self.next[s as usize] = NIL;
+        if self.tail == NIL {
+            self.head = s;
+        } else {
+            self.next[self.tail as usize] = s;
+        }
+        self.tail = s;
+    }
+
+    /// Marks `s` most recently used.
+    fn touch(&mut self, s: u32) {
+        self.unlink(s);
+        self.push_back(s);
+    }
+
+    /// The slot holding `hash`, only if its parent hash and tokens match exactly; a hit becomes the
+    /// most recently used entry.
+    pub fn lookup(&mut self, hash: u64, parent: u64, tokens: &[u32]) -> Option<u32> {
+        let &s = self.map.get(&hash)?;
+        let r = self.record(s);
+        let exact = join(r[2], r[3]) == parent && &r[HEADER..] == tokens;
+        if exact {
+            self.touch(s);
+        }
+        exact.then_some(s)
+    }
+
+    /// A slot for a new full block, or None when `hash` is already held (then marked recently used).
+    /// When every slot is taken, the least recently used entry is dropped for it.
+    pub fn store(&mut self, hash: u64, parent: u64, tokens: &[u32]) -> Option<u32> {
+        debug_assert_eq!(tokens.len(), self.block_size);
+        if let Some(&s) = self.map.get(&hash) {
+            self.touch(s);
+            return None;
+        }
+        let s = match self.free.pop() {
+            Some(s) => s,
+            None => {
+                let victim = self.head;
+                if victim == NIL {
+                    return None; // no slots at all
+                }
+                self.unlink(victim);
+                let old = join(self.record(victim)[0], self.record(victim)[1]);
+                self.map.remove(&old);
+                self.counters.evicted_blocks += 1;
+                victim
+            }
+        };
+        let stride = HEADER + self.block_size;
+        let r = &mut self.records[s as usize * stride..(s as usize + 1) * stride];
+        r[..HEADER].copy_from_slice(&[
+            hash as u32,
+            (hash >> 32) as u32,
+            parent as u32,
+            (parent >> 32) as u32,
+        ]);
+        r[HEADER..].copy_from_slice(tokens);
+        self.map.insert(hash, s);
+        self.push_back(s);
+        self.counters.stored_blocks += 1;
+        Some(s)
+    }
+
+    /// Slots from least to most recently used.
+    pub fn lru_order(&self) -> Vec<u32> {
+        let mut out = Vec::with_capacity(self.len());
+        let mut s = self.head;
+        while s != NIL {
+            out.push(s);
+            s = self.next[s as usize];
+        }
+        out
+    }
+
+    /// Drops every entry (the device pool's prefix cache was reset: cached KV may be stale).
+    pub fn clear(&mut self) {
+        self.map.clear();
+        self.prev.fill(NIL);
+        self.next.fill(NIL);
+        (self.head, self.tail) = (NIL, NIL);
+        self.free = (0..self.num_slots() as u32).rev().collect();
+    }
+
+    pub fn check(&self) -> Result<(), String> {
+        let order = self.lru_order();
+        if order.len() != self.map.len() || order.len() + self.free.len() != self.num_slots() {
+            return Err(format!(
+                "tier: {} listed, {} indexed, {} free of {} slots",
+                order.len(),
+                self.map.len(),
+                self.free.len(),
+                self.num_slots()
+            ));
+        }
+        for &s in &order {
+            let r = self.record(s);
+            if self.map.get(&join(r[0], r[1])) != Some(&s) {
+                return Err(format!("tier slot {s} is listed but not indexed"));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lookup_is_exact_and_eviction_is_least_recently_used() {
+        let mut t = HostTier::new(2, 2);
+        let a = t.store(10, 1, &[1, 2]).unwrap();
+        let b = t.store(20, 10, &[3, 4]).unwrap();
+        assert_ne!(a, b);
+        assert_eq!(t.store(10, 1, &[1, 2]), None); // held: touched, not stored again
+        assert_eq!(t.lookup(20, 10, &[3, 4]), Some(b));
+        assert_eq!(t.lookup(20, 10, &[3, 5]), None); // same hash, other tokens: never a hit
+        assert_eq!(t.lookup(20, 11, &[3, 4]), None);
+        assert_eq!(t.lru_order(), vec![a, b]);
+        // Full: the least recently used entry (10) makes room.
+        let c = t.store(30, 20, &[5, 6]).unwrap();
+        assert_eq!(c, a);
+        assert_eq!(t.lookup(10, 1, &[1, 2]), None);
+        assert_eq!(t.lookup(30, 20, &[5, 6]), Some(a));
+        assert_eq!(t.counters.evicted_blocks, 1);
+        assert_eq!(t.counters.stored_blocks, 3);
+        assert_eq!(t.len(), 2);
+        t.check().unwrap();
+        t.clear();
+        assert!(t.is_empty());
+        t.check().unwrap();
+    }
+
+    #[test]
+    fn a_tier_without_slots_stores_nothing() {
+        let mut t = HostTier::new(0, 4);
+        assert_eq!(t.store(1, 2, &[0; 4]), None);
+        assert_eq!(t.lookup(1, 2, &[0; 4]), None);
+        t.check().unwrap();
+    }
+}

@@ -1,0 +1,177 @@
+//! The scheduler's use of the host KV tier (`kv_tier`): an admission continues its device-pool
+//! prefix hit in the tier (those blocks get fresh device blocks and load pairs), and every block the
+//! prefix cache newly caches is stored in the tier once (as vLLM's OffloadingConnector stores blocks
+//! as they complete).
+
+use crate::block_pool::CacheItem;
+use crate::plan::PlanOps;
+use crate::prefix_cache::block_hash;
+use crate::scheduler::Scheduler;
+
+/// The tier's part of one admission: its slots, in chain order, and the blocks looked up.
+#[derive(Debug, Default)]
+pub(crate) struct TierHit {
+    pub slots: Vec<u32>,
+    pub queried: usize,
+}
+
+impl Scheduler {
+    /// Tier slots holding the sequence's full blocks `first..`, following the chain from `parent`
+    /// (the device pool's last hit), never the block holding its last token. Empty when there is no
+    /// tier, or the sequence has KV-cache groups the tier does not hold.
+    pub(crate) fn find_tier_prefix(&mut self, slot: u32, first: usize, parent: u64) -> TierHit {
+        let mut hit = TierHit::default();
+        if self.tier.num_slots() == 0 || !self.kv.is_empty() || self.tier.is_empty() {
+            return hit;
+        }
+        let bs = self.cfg.block_size;
+        let seq = &self.seqs[slot as usize];
+        let max_blocks = (seq.num_tokens() - 1) / bs;
+        let mut parent = parent;
+        for i in first..max_blocks {
+            hit.queried += 1;
+            let tokens = &seq.tokens[i * bs..(i + 1) * bs];
+            let h = block_hash(parent, tokens);
+            match self.tier.lookup(h, parent, tokens) {
+                Some(s) => hit.slots.push(s),
+                None => break,
+            }
+            parent = h;
+        }
+        hit
+    }
+
+    /// Load pairs for an admitted sequence: its blocks `first..first + hit.slots.len()` (fresh
+    /// device blocks) are filled from the tier before the forward.
+    pub(crate) fn load_from_tier(
+        &mut self,
+        slot: u32,
+        first: usize,
+        hit: &TierHit,
+        ops: &mut PlanOps,
+    ) {
+        let table = &self.seqs[slot as usize].block_table;
+        for (i, &s) in hit.slots.iter().enumerate() {
+            ops.tier_load
+                .extend([i64::from(s), i64::from(table[first + i])]);
+        }
+        let c = &mut self.tier.counters;
+        c.queried_blocks += hit.queried as u64;
+        c.hit_blocks += hit.slots.len() as u64;
+        c.loaded_blocks += hit.slots.len() as u64;
+    }
+
+    /// Store pairs for blocks the prefix cache just cached, each block the tier does not hold yet.
+    pub(crate) fn offer_to_tier(&mut self, items: &[CacheItem]) {
+        if self.tier.num_slots() == 0 || !self.kv.is_empty() {
+            return;
+        }
+        let bs = self.cfg.block_size;
+        for it in items {
+            let i = it.idx as usize * bs;
+            let tokens = &self.seqs[it.slot as usize].tokens[i..i + bs];
+            if let Some(s) = self.tier.store(it.hash, it.parent, tokens) {
+                // Stores run before the next plan's block moves: a block a resize since the last
+                // plan moved is still at its source then.
+                let b = i64::from(it.block.0);
+                let src = self
+                    .pending_moves
+                    .chunks_exact(2)
+                    .find(|m| m[1] == b)
+                    .map_or(b, |m| m[0]);
+                // One store per slot in a plan: an earlier one to a slot reused since is void.
+                let slot = i64::from(s);
+                if self
+                    .pending_tier_stores
+                    .chunks_exact(2)
+                    .any(|m| m[1] == slot)
+                {
+                    let old = std::mem::take(&mut self.pending_tier_stores);
+                    self.pending_tier_stores
+                        .extend(old.chunks_exact(2).filter(|m| m[1] != slot).flatten());
+                }
+                self.pending_tier_stores.extend([src, slot]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{Config, NewRequest, Scheduler};
+
+    fn sched(num_blocks: usize, num_tier_blocks: usize) -> Scheduler {
+        Scheduler::new(Config {
+            num_blocks,
+            block_size: 4,
+            watermark: 0.0,
+            num_tier_blocks,
+            ..Config::default()
+        })
+        .unwrap()
+    }
+
+    fn run(s: &mut Scheduler, id: i64, prompt: Vec<i64>) -> crate::StepPlan {
+        let req = NewRequest {
+            seq_ids: vec![id],
+            prompt_token_ids: prompt,
+            max_tokens: 1,
+            ..Default::default()
+        };
+        s.add_request(req).unwrap();
+        let p = s.schedule().unwrap();
+        s.update(p.step_id, &vec![0; p.sampled_seq_ids.len()])
+            .unwrap();
+        s.check_invariants().unwrap();
+        p
+    }
+
+    #[test]
+    fn a_prefix_evicted_from_the_pool_is_loaded_from_the_tier() {
+        let mut s = sched(4, 8);
+        let first: Vec<i64> = (1..=9).collect();
+        let p = run(&mut s, 1, first.clone());
+        assert!(p.tier_store.is_empty()); // stores ride on the plan after the blocks are cached
+        assert_eq!(s.stats().num_used_tier_blocks, 2);
+        // Another prompt takes the whole pool: the cached blocks are evicted (and stored now).
+        let p = run(&mut s, 2, (100..113).collect());
+        assert_eq!(p.tier_store.len(), 4);
+        assert!(p.tier_load.is_empty());
+        assert_eq!(s.pool().cache().len(), 3); // the second prompt's full blocks only
+                                               // The first prompt returns, longer: its two full blocks come back from the tier.
+        let mut back = first.clone();
+        back.extend([10, 11, 12]);
+        let p = run(&mut s, 3, back.clone());
+        assert_eq!(p.tier_load.len(), 4);
+        assert_eq!(p.num_computed_tokens, vec![8]);
+        assert_eq!(p.input_ids, back[8..].to_vec());
+        let st = s.stats();
+        // The second prompt's first block was looked up too (a miss).
+        assert_eq!((st.tier.queried_blocks, st.tier.hit_blocks), (1 + 2, 2));
+        assert_eq!(st.tier.loaded_blocks, 2);
+        // 2 + 3 blocks before; the loaded blocks, cached again, are not stored twice: one new one.
+        assert_eq!(st.tier.stored_blocks, 2 + 3 + 1);
+    }
+
+    #[test]
+    fn without_a_tier_or_prefix_caching_nothing_moves() {
+        let mut s = sched(4, 0);
+        run(&mut s, 1, (1..=9).collect());
+        let p = run(&mut s, 2, (100..113).collect());
+        assert!(p.tier_store.is_empty());
+        let p = run(&mut s, 3, (1..=12).collect());
+        assert!(p.tier_load.is_empty());
+        assert_eq!(p.num_computed_tokens, vec![0]);
+    }
+
+    #[test]
+    fn a_full_tier_drops_its_least_recently_used_block() {
+        let mut s = sched(8, 2);
+        run(&mut s, 1, (1..=9).collect()); // blocks [1..4], [5..8]
+        run(&mut s, 2, (100..109).collect()); // two more: the first prompt's blocks make room
+        let st = s.stats();
+        assert_eq!((st.num_used_tier_blocks, st.tier.evicted_blocks), (2, 2));
+        s.reset_prefix_cache();
+        assert_eq!(s.stats().num_used_tier_blocks, 0);
+    }
+}
