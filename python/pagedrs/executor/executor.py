@@ -64,6 +64,8 @@ class KVCacheSpec:
     dtype: torch.dtype
     bytes_per_block: int  # per rank
     groups: tuple[WindowGroup, ...] = ()
+    # State slots of the linear-attention layers' recurrent group (0: none), added after `groups`.
+    recurrent_slots: int = 0
 
 
 class UniProcExecutor:
@@ -98,7 +100,12 @@ class UniProcExecutor:
                 )
             )
         return KVCacheSpec(
-            pool.num_blocks, pool.num_swap_blocks, pool.dtype, pool.bytes_per_block, self.runner.kv_groups
+            pool.num_blocks,
+            pool.num_swap_blocks,
+            pool.dtype,
+            pool.bytes_per_block,
+            self.runner.kv_groups,
+            self.runner.recurrent.num_slots if self.runner.recurrent is not None else 0,
         )
 
     def _init_pool(self) -> KVCachePool:

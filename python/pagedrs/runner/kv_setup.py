@@ -25,6 +25,7 @@ from pagedrs.runner.kv_cache import (
     profile_num_gpu_blocks,
 )
 from pagedrs.runner.kv_groups import WindowGroup, plan_window_pools, swap_yields_to_window_pool
+from pagedrs.runner.recurrent import RecurrentState, has_recurrent_state
 from pagedrs.runner.step_buffers import StepBuffers
 from pagedrs.spec_decode import Drafter
 
@@ -52,6 +53,7 @@ class KVSetupMixin:
     cuda_graphs: Any
     _graphs_failed: bool
     kv_groups: tuple[WindowGroup, ...]
+    recurrent: RecurrentState | None
     drafter: Drafter | None
 
     @property
@@ -93,6 +95,8 @@ class KVSetupMixin:
     def determine_num_swap_blocks(self) -> int:
         if swap_yields_to_window_pool(self):
             return 0
+        if has_recurrent_state(self.model) and self.config.cache.swap_space_is_default:
+            return 0  # the recurrent group does not swap: a preempted sequence recomputes
         return num_blocks_for_bytes(self.config.cache.swap_space * _GiB, self.bytes_per_block)
 
     def _new_pool(self, num_blocks: int, num_swap: int, groups: tuple[WindowGroup, ...] = ()) -> KVCachePool:
@@ -111,6 +115,8 @@ class KVSetupMixin:
         num_swap = self.determine_num_swap_blocks() if num_swap_blocks is None else num_swap_blocks
         num_blocks, self.kv_groups = plan_window_pools(self, num_blocks, num_swap)
         self.kv_pool = self._new_pool(num_blocks, num_swap, self.kv_groups)
+        if has_recurrent_state(self.model):  # one state slot per running sequence
+            self.recurrent = RecurrentState(self.model, self.config.scheduler.max_num_seqs, self.device)
         if self.drafter is not None:
             self.drafter.init_kv_cache(num_blocks, num_swap)
         self.capture_model()
@@ -130,6 +136,7 @@ class KVSetupMixin:
             and self.backend.name == "cupy"
             and not self._graphs_failed
             and not self.kv_groups  # the groups' tables are per plan, not in the graphs
+            and self.recurrent is None  # the state slots are per plan, and the layers loop over rows
             and not routes_to_reference(self.model, self.backend)  # the reference plans on the host
         )
 
