@@ -22,6 +22,7 @@ from tests.models.helpers_families import hf_reference
 from tests.models.helpers_hf import ATOL, random_prompts
 from tests.models.helpers_qwen3_5 import (
     assert_hybrid_greedy_matches_hf,
+    assert_second_turn_resumes_from_snapshot,
     qwen3_5_config,
     qwen3_5_moe_config,
 )
@@ -37,6 +38,8 @@ def test_qwen3_5_logits_match_hf(qwen3_5: Path) -> None:
     model = load_model(str(qwen3_5), dtype="float32").model
     assert isinstance(model, Qwen3_5ForCausalLM)
     assert model.num_layers == 1  # paged KV for the one full-attention layer only
+    # per slot: 3 linear layers x (conv 64 channels x 3 + state 4 heads x 8 x 8) float32
+    assert model.recurrent_shape.bytes_per_slot == 3 * (64 * 3 + 4 * 8 * 8) * 4 == 5376
     for seq in random_prompts([20, 70]):  # 70: more than one chunk of the delta rule
         ids = torch.tensor(seq)
         with torch.no_grad():
@@ -84,6 +87,10 @@ def test_qwen3_5_engine_greedy_matches_hf(qwen3_5: Path) -> None:
     assert_hybrid_greedy_matches_hf(qwen3_5, hf_reference(qwen3_5))
 
 
+def test_qwen3_5_second_turn_resumes_from_the_last_shared_block_boundary(qwen3_5: Path) -> None:
+    assert_second_turn_resumes_from_snapshot(qwen3_5, hf_reference(qwen3_5))
+
+
 def test_qwen3_5_fork_copies_state_and_children_are_independent(qwen3_5: Path) -> None:
     """`n = 3` sampled children fork from the parent's state after its last prompt chunk: each child's
     logprob of every token it sampled equals HF's log-softmax over the prompt and that child's own tokens
@@ -118,7 +125,9 @@ def test_qwen3_5_moe_logits_and_engine_greedy_match_hf(qwen3_5_moe: Path) -> Non
         ref = hf(ids[None]).logits[0].float()
         got = model.compute_logits(model(ids, torch.arange(len(ids)), ForwardContext(None, [])))
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
-    assert_hybrid_greedy_matches_hf(qwen3_5_moe, hf_reference(qwen3_5_moe))
+    ref = hf_reference(qwen3_5_moe)
+    assert_hybrid_greedy_matches_hf(qwen3_5_moe, ref)
+    assert_second_turn_resumes_from_snapshot(qwen3_5_moe, ref)
 
 
 def test_qwen3_5_conditional_generation_checkpoint_runs_its_text_part(tmp_path: Path) -> None:

@@ -66,6 +66,7 @@ class KVCacheSpec:
     groups: tuple[WindowGroup, ...] = ()
     # State slots of the linear-attention layers' recurrent group (0: none), added after `groups`.
     recurrent_slots: int = 0
+    recurrent_snapshots: int = 0  # and its snapshot slots for prefix caching
 
 
 class UniProcExecutor:
@@ -106,6 +107,7 @@ class UniProcExecutor:
             pool.bytes_per_block,
             self.runner.kv_groups,
             self.runner.recurrent.num_slots if self.runner.recurrent is not None else 0,
+            self.runner.recurrent.num_snapshots if self.runner.recurrent is not None else 0,
         )
 
     def _init_pool(self) -> KVCachePool:

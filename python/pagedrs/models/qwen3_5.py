@@ -162,13 +162,19 @@ class GatedDeltaNet(torch.nn.Module):
                 raise ValueError("a linear-attention layer's step needs its state slots (`runner.recurrent`)")
             outs = []
             qsl = meta.query_start_loc_cpu
-            for r, (slot, fresh) in enumerate(zip(rec.slots, rec.fresh, strict=True)):
+            for r, (slot, snaps) in enumerate(zip(rec.slots, rec.snapshots, strict=True)):
                 lo, hi = int(qsl[r]), int(qsl[r + 1])
                 conv, ssm = rec.conv[self.index, slot], rec.ssm[self.index, slot]
-                if fresh:
-                    conv.zero_()
-                    ssm.zero_()
-                outs.append(self._row(qkv[lo:hi], a[lo:hi], b[lo:hi], conv, ssm))
+                # computed in pieces that end at the block boundaries whose state is snapshotted
+                base = lo
+                for i, snap in [*snaps, (hi - base - 1, -1)]:
+                    end = base + i + 1
+                    if end > lo:
+                        outs.append(self._row(qkv[lo:end], a[lo:end], b[lo:end], conv, ssm))
+                        lo = end
+                    if snap >= 0:
+                        rec.conv[self.index, snap] = conv
+                        rec.ssm[self.index, snap] = ssm
             core = torch.cat(outs)
         t = x.shape[0]
         core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))

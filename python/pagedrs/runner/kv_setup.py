@@ -115,8 +115,12 @@ class KVSetupMixin:
         num_swap = self.determine_num_swap_blocks() if num_swap_blocks is None else num_swap_blocks
         num_blocks, self.kv_groups = plan_window_pools(self, num_blocks, num_swap)
         self.kv_pool = self._new_pool(num_blocks, num_swap, self.kv_groups)
-        if has_recurrent_state(self.model):  # one state slot per running sequence
-            self.recurrent = RecurrentState(self.model, self.config.scheduler.max_num_seqs, self.device)
+        if has_recurrent_state(
+            self.model
+        ):  # a state slot per running sequence, and snapshots (`runner.recurrent`)
+            seqs = self.config.scheduler.max_num_seqs
+            snapshots = seqs if self.config.cache.enable_prefix_caching else 0
+            self.recurrent = RecurrentState(self.model, seqs, snapshots, self.device)
         if self.drafter is not None:
             self.drafter.init_kv_cache(num_blocks, num_swap)
         self.capture_model()

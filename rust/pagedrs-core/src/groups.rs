@@ -44,9 +44,10 @@ impl Scheduler {
         self.add_kv_group(Box::new(g))
     }
 
-    /// Adds the recurrent-state group of the linear-attention layers, with `num_slots` state slots
-    /// (at least `max_num_seqs`: every running sequence holds one, a forked child included).
-    pub fn add_recurrent_group(&mut self, num_slots: usize) -> Result<usize> {
+    /// Adds the recurrent-state group of the linear-attention layers, with `num_slots` live state
+    /// slots (at least `max_num_seqs`: every running sequence holds one, a forked child included)
+    /// and `num_snapshots` snapshot slots for prefix caching (0: none).
+    pub fn add_recurrent_group(&mut self, num_slots: usize, num_snapshots: usize) -> Result<usize> {
         if num_slots < self.cfg.max_num_seqs {
             return Err(Error::InvalidRequest(format!(
                 "{num_slots} recurrent state slots cannot hold max_num_seqs={} sequences",
@@ -60,7 +61,11 @@ impl Scheduler {
                     .into(),
             ));
         }
-        self.add_kv_group(Box::new(RecurrentGroup::new(num_slots)))
+        self.add_kv_group(Box::new(RecurrentGroup::new(
+            num_slots,
+            num_snapshots,
+            self.cfg.block_size,
+        )))
     }
 
     /// Every group's pool usage, in group order.

@@ -96,7 +96,7 @@ class EngineCore(CoreUtilitiesMixin):
         for group in kv.groups:  # the layers whose blocks live in pools of their own (`runner.kv_groups`)
             self.scheduler.add_window_group(group.window, group.num_blocks)
         if kv.recurrent_slots:  # the linear-attention layers' state slots (`runner.recurrent`)
-            self.scheduler.add_recurrent_group(kv.recurrent_slots)
+            self.scheduler.add_recurrent_group(kv.recurrent_slots, kv.recurrent_snapshots)
         # Prefix-cache events for routers (`kv_events`): recorded by the scheduler only when consumed.
         medium = "GPU" if self.device.type == "cuda" else "CPU"
         self._kv_events = (
