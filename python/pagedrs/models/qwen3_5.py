@@ -13,7 +13,7 @@ The recurrent state (conv window and delta-rule state of every linear-attention 
 sequence (`pagedrs.runner.recurrent`); the step's metadata says each row's slot and whether it starts at
 position 0 (a zeroed state). Only the full-attention layers have paged KV: `num_layers` counts those, and
 their `Attention.layer_idx` is their index among them. The model runs on its torch modules (no fast CPU decode
-step), one tensor-parallel rank.
+step); under tensor parallelism each rank holds its share of the heads of every layer and of the state.
 """
 
 from __future__ import annotations
@@ -30,11 +30,14 @@ from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.attention import Attention, ForwardContext
 from pagedrs.layers.delta_rule import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule
 from pagedrs.layers.linear import (
+    ColumnParallelLinear,
     Loaded,
     ParallelLMHead,
     ReplicatedLinear,
+    RowParallelLinear,
     VocabParallelEmbedding,
 )
+from pagedrs.layers.linear_form import copy_checked, no_shard
 from pagedrs.layers.rotary import get_rope
 from pagedrs.models.interface import CausalLM
 from pagedrs.models.utils import load_weights_into
@@ -52,15 +55,17 @@ def linear_layers(config: PretrainedConfig) -> list[int]:
 
 
 class RecurrentShape:
-    """The per-sequence state of a model's linear-attention layers: each layer's conv window [conv_dim,
-    kernel - 1] and delta-rule state [value heads, key head dim, value head dim], float32."""
+    """The per-sequence state of a model's linear-attention layers on one of `tp_size` ranks (each holds its
+    share of the heads): each layer's conv window [conv_dim, kernel - 1] and delta-rule state [value heads, key
+    head dim, value head dim], float32."""
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp_size: int = 1) -> None:
         self.num_layers = len(linear_layers(config))
-        key_dim = config.linear_key_head_dim * config.linear_num_key_heads
-        value_dim = config.linear_value_head_dim * config.linear_num_value_heads
+        key_dim = config.linear_key_head_dim * config.linear_num_key_heads // tp_size
+        num_v = config.linear_num_value_heads // tp_size
+        value_dim = config.linear_value_head_dim * num_v
         self.conv = (key_dim * 2 + value_dim, config.linear_conv_kernel_dim - 1)
-        self.ssm = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+        self.ssm = (num_v, config.linear_key_head_dim, config.linear_value_head_dim)
 
     @property
     def bytes_per_slot(self) -> int:
@@ -109,29 +114,58 @@ class _ConvWeight(torch.nn.Module):
         )
 
 
+def _split_loader(sizes: list[int], tp: TPGroup) -> Any:
+    """Loads this rank's share of each of the pieces (`sizes` rows each, stacked along dim 0) of a tensor."""
+
+    def load(param: Tensor, loaded: Loaded, shard_id: object = None) -> None:
+        no_shard(shard_id, "a head-split parameter")
+        if loaded.shape[0] != sum(sizes):
+            raise ValueError(f"shape mismatch: expected dim 0 of {sum(sizes)}, got {tuple(loaded.shape)}")
+        src = dst = 0
+        for n in sizes:
+            local = n // tp.size
+            copy_checked(param.narrow(0, dst, local), loaded.narrow(0, src + tp.position * local, local))
+            src, dst = src + n, dst + local
+
+    return load
+
+
+def _split_param(shape: tuple[int, ...], pieces: list[int], tp: TPGroup, fill: float, **kw: Any) -> Any:
+    """A parameter holding this rank's share of `pieces` (rows of the full tensor) along dim 0."""
+    p = torch.nn.Parameter(torch.full(shape, fill, **kw), requires_grad=False)
+    p.weight_loader = _split_loader(pieces, tp)  # type: ignore[attr-defined]
+    return p
+
+
 class GatedDeltaNet(torch.nn.Module):
     def __init__(
-        self, config: PretrainedConfig, index: int, *, dtype: torch.dtype, device: torch.device
+        self, config: PretrainedConfig, index: int, *, tp: TPGroup, dtype: torch.dtype, device: torch.device
     ) -> None:
-        """`index`: the layer's place among the linear-attention layers (its row of the state tensors)."""
+        """`index`: the layer's place among the linear-attention layers (its row of the state tensors). Under
+        tensor parallelism each rank holds its share of the key and value heads (and of the conv channels)."""
         super().__init__()
         hidden = config.hidden_size
         self.index = index
-        self.num_v_heads = config.linear_num_value_heads
+        self.num_v_heads = config.linear_num_value_heads // tp.size
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
-        self.key_dim = self.head_k_dim * config.linear_num_key_heads
-        self.value_dim = self.head_v_dim * self.num_v_heads
+        full_key = self.head_k_dim * config.linear_num_key_heads
+        full_value = self.head_v_dim * config.linear_num_value_heads
+        self.key_dim, self.value_dim = full_key // tp.size, full_value // tp.size
         conv_dim = self.key_dim * 2 + self.value_dim
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
+        pieces = [full_key, full_key, full_value]
         self.in_proj_qkv = ReplicatedLinear(hidden, conv_dim, **kw)
-        self.in_proj_z = ReplicatedLinear(hidden, self.value_dim, **kw)
-        self.in_proj_b = ReplicatedLinear(hidden, self.num_v_heads, **kw)
-        self.in_proj_a = ReplicatedLinear(hidden, self.num_v_heads, **kw)
+        self.in_proj_qkv.weight.weight_loader = _split_loader(pieces, tp)  # type: ignore[attr-defined]
+        self.in_proj_z = ColumnParallelLinear(hidden, full_value, tp=tp, **kw)
+        self.in_proj_b = ColumnParallelLinear(hidden, config.linear_num_value_heads, tp=tp, **kw)
+        self.in_proj_a = ColumnParallelLinear(hidden, config.linear_num_value_heads, tp=tp, **kw)
         self.conv1d = _ConvWeight(conv_dim, config.linear_conv_kernel_dim, **kw)
-        self.dt_bias = torch.nn.Parameter(torch.ones(self.num_v_heads, **kw), requires_grad=False)
-        self.A_log = torch.nn.Parameter(torch.zeros(self.num_v_heads, **kw), requires_grad=False)
+        self.conv1d.weight.weight_loader = _split_loader(pieces, tp)  # type: ignore[attr-defined]
+        nv = [config.linear_num_value_heads]
+        self.dt_bias = _split_param((self.num_v_heads,), nv, tp, 1.0, **kw)
+        self.A_log = _split_param((self.num_v_heads,), nv, tp, 0.0, **kw)
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, **kw)
-        self.out_proj = ReplicatedLinear(self.value_dim, hidden, **kw)
+        self.out_proj = RowParallelLinear(full_value, hidden, tp=tp, **kw)
 
     def _row(self, qkv: Tensor, a: Tensor, b: Tensor, conv: Tensor | None, ssm: Tensor | None) -> Tensor:
         """One sequence's tokens [L, ...] from its state (None: zero; updated in place) -> [L, value_dim]."""
@@ -183,20 +217,31 @@ class GatedDeltaNet(torch.nn.Module):
 
 class GatedAttention(torch.nn.Module):
     def __init__(
-        self, config: PretrainedConfig, index: int, rotary: Any, *, dtype: torch.dtype, device: torch.device
+        self,
+        config: PretrainedConfig,
+        index: int,
+        rotary: Any,
+        *,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
-        """`index`: the layer's place among the full-attention layers (its KV cache)."""
+        """`index`: the layer's place among the full-attention layers (its KV cache). Under tensor parallelism
+        each rank holds its share of the query heads (each with its gate) and of the KV heads."""
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_size = int(getattr(config, "head_dim", None) or hidden // self.num_heads)
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if kv_heads % tp.size:
+            raise ValueError(f"{kv_heads} KV heads cannot be split over {tp.size} tensor-parallel ranks")
+        self.num_heads, self.num_kv_heads = heads // tp.size, kv_heads // tp.size
+        self.head_size = int(getattr(config, "head_dim", None) or hidden // heads)
         bias = bool(getattr(config, "attention_bias", False))
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         hs = self.head_size
-        self.q_proj = ReplicatedLinear(hidden, self.num_heads * hs * 2, bias, **kw)
-        self.k_proj = ReplicatedLinear(hidden, self.num_kv_heads * hs, bias, **kw)
-        self.v_proj = ReplicatedLinear(hidden, self.num_kv_heads * hs, bias, **kw)
-        self.o_proj = ReplicatedLinear(self.num_heads * hs, hidden, bias, **kw)
+        self.q_proj = ColumnParallelLinear(hidden, heads * hs * 2, bias, tp=tp, **kw)
+        self.k_proj = ColumnParallelLinear(hidden, kv_heads * hs, bias, tp=tp, **kw)
+        self.v_proj = ColumnParallelLinear(hidden, kv_heads * hs, bias, tp=tp, **kw)
+        self.o_proj = RowParallelLinear(heads * hs, hidden, bias, tp=tp, **kw)
         self.q_norm = ZeroCenteredRMSNorm(hs, config.rms_norm_eps, **kw)
         self.k_norm = ZeroCenteredRMSNorm(hs, config.rms_norm_eps, **kw)
         self.rotary_emb = rotary  # shared; registered on the model
@@ -214,12 +259,15 @@ class GatedAttention(torch.nn.Module):
 
 
 class Qwen3_5MLP(torch.nn.Module):
-    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: PretrainedConfig, *, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
-        self.gate_proj = ReplicatedLinear(hidden, inter, dtype=dtype, device=device)
-        self.up_proj = ReplicatedLinear(hidden, inter, dtype=dtype, device=device)
-        self.down_proj = ReplicatedLinear(inter, hidden, dtype=dtype, device=device)
+        kw: dict[str, Any] = {"tp": tp, "dtype": dtype, "device": device}
+        self.gate_proj = ColumnParallelLinear(hidden, inter, **kw)
+        self.up_proj = ColumnParallelLinear(hidden, inter, **kw)
+        self.down_proj = RowParallelLinear(inter, hidden, **kw)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -266,9 +314,10 @@ class Qwen3_5Model(torch.nn.Module):
         for i, kind in enumerate(config.layer_types):
             mixer: torch.nn.Module
             if kind == "linear_attention":
-                mixer, num_linear = GatedDeltaNet(config, num_linear, **kw), num_linear + 1
+                mixer, num_linear = GatedDeltaNet(config, num_linear, tp=tp, **kw), num_linear + 1
             else:
-                mixer, num_full = GatedAttention(config, num_full, self.rotary_emb, **kw), num_full + 1
+                mixer = GatedAttention(config, num_full, self.rotary_emb, tp=tp, **kw)
+                num_full += 1
             layers.append(Qwen3_5DecoderLayer(config, mixer, make_mlp(i)))
         self.layers = torch.nn.ModuleList(layers)
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
@@ -309,12 +358,10 @@ class Qwen3_5ForCausalLM(CausalLM):
         super().__init__()
         device = torch.device(device)
         tp = tp or TPGroup()
-        if tp.size > 1:
-            raise ValueError(f"{type(self).__name__} runs on one tensor-parallel rank (got {tp.size})")
         self.config = config
         self.dtype = dtype
         self.model = Qwen3_5Model(
-            config, self.make_mlp(config, dtype, device), tp=tp, dtype=dtype, device=device
+            config, self.make_mlp(config, tp, dtype, device), tp=tp, dtype=dtype, device=device
         )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(
@@ -330,11 +377,13 @@ class Qwen3_5ForCausalLM(CausalLM):
         self.head_size = full[0].head_size
         self.sliding_window: int | None = None
         self.max_position = int(getattr(config, "max_position_embeddings", 2048))
-        self.recurrent_shape = RecurrentShape(config)
+        self.recurrent_shape = RecurrentShape(config, tp.size)
 
-    def make_mlp(self, config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> Any:
+    def make_mlp(
+        self, config: PretrainedConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> Any:
         """Builds layer i's MLP (dense here; the MoE variant overrides it)."""
-        return lambda i: Qwen3_5MLP(config, dtype=dtype, device=device)
+        return lambda i: Qwen3_5MLP(config, tp=tp, dtype=dtype, device=device)
 
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
         return self.model(input_ids, positions, ctx)

@@ -27,7 +27,9 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
         StackedParam(".shared_expert.up_proj.", ".shared_expert.gate_up_proj.", 1),
     )
 
-    def make_mlp(self, config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> Any:
+    def make_mlp(
+        self, config: PretrainedConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> Any:
         routing = RoutingConfig(
             num_experts=int(config.num_experts),
             top_k=int(config.num_experts_per_tok),
@@ -42,7 +44,7 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
                 config.hidden_size,
                 int(config.moe_intermediate_size),
                 routing,
-                tp=TPGroup(),
+                tp=tp,
                 dtype=dtype,
                 device=device,
             )

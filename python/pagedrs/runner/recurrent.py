@@ -71,7 +71,8 @@ class RecurrentState:
         slots: list[int] = []
         snapshots: list[list[tuple[int, int]]] = []
         for r, computed in enumerate(plan.num_computed_tokens):
-            live, restore = int(tables[r, 0]), int(tables[r, 1]) - 1
+            live = int(tables[r, 0])
+            restore = int(tables[r, 1]) - 1 if tables.shape[1] > 1 else -1
             slots.append(live)
             if int(computed) == 0:
                 self.conv[:, live].zero_()

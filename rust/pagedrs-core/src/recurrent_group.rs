@@ -222,9 +222,14 @@ impl KvGroup for RecurrentGroup {
         let num_live = self.live.num_blocks() as i64;
         let at = tables.len();
         tables.resize(at + max_blocks, 0);
-        assert!(max_blocks >= 2, "a recurrent row needs two table entries");
-        tables[at] = s as i32;
-        if let Some(r) = self.restore.get(slot as usize).copied().flatten() {
+        if max_blocks > 0 {
+            tables[at] = s as i32;
+        }
+        // A hit needs a full block before the last token, so a one-block context never restores.
+        if let (Some(r), true) = (
+            self.restore.get(slot as usize).copied().flatten(),
+            max_blocks > 1,
+        ) {
             tables[at + 1] = (num_live + i64::from(r) + 1) as i32;
         }
         let pending = self.pending.get(slot as usize);
