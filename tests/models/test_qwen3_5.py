@@ -158,3 +158,22 @@ def test_qwen3_5_conditional_generation_checkpoint_runs_its_text_part(tmp_path: 
     outs = run_all(engine)
     for i, prompt in enumerate(prompts):
         assert outs[str(i)].outputs[0].token_ids == ref(prompt, 8)
+
+
+def test_qwen3_5_snapshot_is_not_served_once_its_kv_blocks_are_evicted(qwen3_5: Path) -> None:
+    """After an unrelated request evicted most of the first turn's KV blocks from a 14-block pool (tail
+    first), the second turn's hit shrinks to the KV blocks still cached (a snapshot is served only where its
+    KV blocks are too), and the second turn gives HF's ids."""
+    ref = hf_reference(qwen3_5)
+    engine = make_engine(qwen3_5, dtype="float32", block_size=4, num_kv_blocks=14, max_num_batched_tokens=8)
+    prompt = random_prompts([13], seed=6)[0]
+    engine.add_request("t1", prompt, greedy(10))
+    out = list(run_all(engine)["t1"].outputs[0].token_ids)
+    other = random_prompts([40], seed=9)[0]
+    engine.add_request("other", other, greedy(10))
+    assert list(run_all(engine)["other"].outputs[0].token_ids) == ref(other, 10)
+    second = prompt + out + [5, 6, 7, 8, 9]
+    engine.add_request("t2", second, greedy(6))
+    turn = run_all(engine)["t2"]
+    assert turn.num_cached_tokens % 4 == 0 and turn.num_cached_tokens < 20, turn.num_cached_tokens
+    assert list(turn.outputs[0].token_ids) == ref(second, 6)
