@@ -473,6 +473,11 @@ class Scheduler:
         """Adds the KV-cache group of the layers attending to the last `window` tokens, with its own pool of
         `num_blocks` blocks and a swap pool as large as the full-attention pool's (before any request); returns
         its index in the plan's group arrays."""
+    def add_recurrent_group(self, num_slots: int, num_snapshots: int = 0) -> int:
+        """Adds the recurrent-state group of the linear-attention layers with `num_slots` live state
+        slots (at least max_num_seqs) and `num_snapshots` snapshot slots for prefix caching (0:
+        none), before any request, without swap space (a preempted sequence recomputes its state);
+        returns its index in the plan's group arrays."""
     def kv_group_pools(self) -> list[tuple[str, int | None, int, int]]:
         """Per KV-cache group beside the full-attention pool, in group order: (name, window or None,
         num_blocks, num_free_blocks)."""

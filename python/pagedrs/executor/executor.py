@@ -65,12 +65,15 @@ class KVCacheSpec:
     bytes_per_block: int  # per rank
     groups: tuple[WindowGroup, ...] = ()
     num_layers: int = 0  # the model's attention layers (those of `groups` and the full-attention pool's)
+    num_tier_blocks: int = 0  # the host KV tier's blocks (`kv_offloading_size`), on every rank
+    # State slots of the linear-attention layers' recurrent group (0: none), added after `groups`.
+    recurrent_slots: int = 0
+    recurrent_snapshots: int = 0  # and its snapshot slots for prefix caching
 
     @property
     def has_full_layers(self) -> bool:
         """Whether some layer stores its KV in the full-attention pool (else it is bookkeeping only)."""
         return not self.groups or self.num_layers > sum(len(g.layers) for g in self.groups)
-    num_tier_blocks: int = 0  # the host KV tier's blocks (`kv_offloading_size`), on every rank
 
 
 class UniProcExecutor:
@@ -96,6 +99,8 @@ class UniProcExecutor:
             self.runner.kv_groups,
             pool.num_layers,
             pool.num_tier_blocks,
+            self.runner.recurrent.num_slots if self.runner.recurrent is not None else 0,
+            self.runner.recurrent.num_snapshots if self.runner.recurrent is not None else 0,
         )
         if spec.groups:
             cfg = self.runner.config

@@ -34,6 +34,7 @@ from pagedrs.loader.safetensors import TensorSlice
 from pagedrs.loader.tokenizer import tokenizer_from
 from pagedrs.models.interface import CausalLM
 from pagedrs.models.prepare import PrepareOptions, prepare_for_device
+from pagedrs.models.registry import text_part
 from pagedrs.quantization.checkpoint import quantized_checkpoint
 from pagedrs.quantization.config import QuantConfig, detect_quantization
 
@@ -84,7 +85,9 @@ def load_hf_config(model: str | None, opts: LoadOptions | None = None) -> transf
     """The HF config of `model` (folder, GGUF file or None) with `opts.overrides` applied, no weights."""
     opts = opts or LoadOptions()
     folder = model_folder(resolve_model_path(model, opts.revision, opts.download_dir, opts=opts))
-    config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=opts.trust_remote_code)
+    config = text_part(
+        transformers.AutoConfig.from_pretrained(folder, trust_remote_code=opts.trust_remote_code)
+    )
     apply_overrides(config, opts.overrides)
     return config
 
@@ -127,7 +130,9 @@ def load_model(
     path = resolve_model_path(model, opts.revision, opts.download_dir, opts=opts)
     folder = model_folder(path)
     device = torch.device(device)
-    config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=opts.trust_remote_code)
+    config = text_part(
+        transformers.AutoConfig.from_pretrained(folder, trust_remote_code=opts.trust_remote_code)
+    )
     cap = apply_overrides(config, opts.overrides)
     model_cls = get_model_class(config)
     torch_dtype = resolve_dtype(dtype, config, device)

@@ -8,7 +8,7 @@ from transformers import PretrainedConfig
 
 from pagedrs.models.interface import CausalLM
 
-__all__ = ["MODEL_REGISTRY", "get_model_class", "supported_architectures"]
+__all__ = ["MODEL_REGISTRY", "get_model_class", "supported_architectures", "text_part"]
 
 # architecture name -> (module under pagedrs.models, class name)
 MODEL_REGISTRY: dict[str, tuple[str, str]] = {
@@ -28,6 +28,8 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("qwen_moe", "Qwen3MoeForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
+    "Qwen3_5ForCausalLM": ("qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
 }
 
 # config.model_type -> architecture, for configs that name no architectures (e.g. built in code)
@@ -47,7 +49,28 @@ MODEL_TYPES: dict[str, str] = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
+
+
+# Multimodal checkpoints whose text model pagedrs runs (config.text_config): architecture -> the text model's.
+TEXT_PARTS: dict[str, str] = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+
+
+def text_part(config: PretrainedConfig) -> PretrainedConfig:
+    """The config pagedrs builds a model from: for a multimodal checkpoint of `TEXT_PARTS`, its text config
+    (naming the text architecture, with the checkpoint's `tie_word_embeddings`); else `config` itself."""
+    text = getattr(config, "text_config", None)
+    for arch in getattr(config, "architectures", None) or []:
+        if arch in TEXT_PARTS and text is not None:
+            text.architectures = [TEXT_PARTS[arch]]
+            text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+            return text
+    return config
 
 
 def supported_architectures() -> list[str]:

@@ -25,6 +25,7 @@ from pagedrs.runner.kv_cache import (
     profile_num_gpu_blocks,
 )
 from pagedrs.runner.kv_groups import WindowGroup, plan_window_pools
+from pagedrs.runner.recurrent import RecurrentState, has_recurrent_state
 from pagedrs.runner.step_buffers import StepBuffers
 from pagedrs.spec_decode import Drafter
 
@@ -52,6 +53,7 @@ class KVSetupMixin:
     cuda_graphs: Any
     _graphs_failed: bool
     kv_groups: tuple[WindowGroup, ...]
+    recurrent: RecurrentState | None
     drafter: Drafter | None
 
     @property
@@ -91,18 +93,22 @@ class KVSetupMixin:
         return num
 
     def determine_num_swap_blocks(self) -> int:
+        if has_recurrent_state(self.model) and self.config.cache.swap_space_is_default:
+            return 0  # the recurrent group does not swap: a preempted sequence recomputes
         return num_blocks_for_bytes(self.config.cache.swap_space * _GiB, self.bytes_per_block)
 
     def determine_num_tier_blocks(self) -> int:
         """Blocks of the host KV tier on this rank: `kv_offloading_size` GiB shared out over the tensor-parallel
         ranks (as vLLM's), in this rank's blocks. 0 without prefix caching, or where the tier would not hold
-        every layer's KV of a block: KV-cache groups with pools of their own, a drafter's KV, liquid ranks."""
+        every layer's state of a block: KV-cache groups with pools of their own (or recurrent state), a
+        drafter's KV, liquid ranks."""
         cfg = self.config
         size = cfg.cache.kv_offloading_size
         if (
             not size
             or not cfg.cache.enable_prefix_caching
             or self.kv_groups
+            or has_recurrent_state(self.model)
             or (self.drafter is not None and self.drafter.kv_bytes_per_block)
             or cfg.parallel.liquid_gpu_range is not None
         ):
@@ -130,6 +136,12 @@ class KVSetupMixin:
         num_swap = self.determine_num_swap_blocks() if num_swap_blocks is None else num_swap_blocks
         num_blocks, self.kv_groups = plan_window_pools(self, num_blocks)
         self.kv_pool = self._new_pool(num_blocks, num_swap, self.kv_groups, self.determine_num_tier_blocks())
+        if has_recurrent_state(
+            self.model
+        ):  # a state slot per running sequence, and snapshots (`runner.recurrent`)
+            seqs = self.config.scheduler.max_num_seqs
+            snapshots = seqs if self.config.cache.enable_prefix_caching else 0
+            self.recurrent = RecurrentState(self.model, seqs, snapshots, self.device)
         if self.drafter is not None:
             self.drafter.init_kv_cache(num_blocks, num_swap)
         self.capture_model()
@@ -149,6 +161,7 @@ class KVSetupMixin:
             and self.backend.name == "cupy"
             and not self._graphs_failed
             and not self.kv_groups  # the groups' tables are per plan, not in the graphs
+            and self.recurrent is None  # the state slots are per plan, and the layers loop over rows
             and not routes_to_reference(self.model, self.backend)  # the reference plans on the host
         )
 

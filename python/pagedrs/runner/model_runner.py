@@ -31,6 +31,7 @@ from pagedrs.runner.kv_cache import KVCachePool, model_block_bytes
 from pagedrs.runner.kv_groups import WindowGroup, group_metadata
 from pagedrs.runner.kv_setup import KVSetupMixin
 from pagedrs.runner.outputs import Forward, RunnerOutput
+from pagedrs.runner.recurrent import RecurrentState
 from pagedrs.runner.sample_step import SampleStepMixin
 from pagedrs.runner.sampling_state import SamplingState
 from pagedrs.runner.step_buffers import StepBuffers, StepInputs
@@ -107,6 +108,8 @@ class ModelRunner(KVSetupMixin, SampleStepMixin):
         self._graphs_failed = False  # a capture failed once: this model runs eagerly
         # The sliding-window layers' own pools (`kv_groups`), in the order of the plan's group arrays.
         self.kv_groups: tuple[WindowGroup, ...] = ()
+        # The linear-attention layers' state slots (`runner.recurrent`), the KV-cache group after the window groups.
+        self.recurrent: RecurrentState | None = None
         # The scheduler's persistent block table (read-only numpy view) and, off the CPU, its device
         # mirror. INVARIANT: after each plan's changed rows are copied, the mirror equals the view.
         self._bt_view: np.ndarray | None = None
@@ -202,6 +205,8 @@ class ModelRunner(KVSetupMixin, SampleStepMixin):
             meta.groups = {
                 g.window: group_metadata(meta, plan, i, g, caches) for i, g in enumerate(self.kv_groups)
             }
+        if self.recurrent is not None:
+            meta.recurrent = self.recurrent.rows(plan, len(self.kv_groups))
         return meta
 
     @torch.inference_mode()
@@ -291,6 +296,8 @@ class ModelRunner(KVSetupMixin, SampleStepMixin):
                         meta = self._attn_metadata(plan, inputs, max_query_len, max_seq_len)
                     ctx = ForwardContext(attn_metadata=meta, kv_caches=pool.kv_caches, backend=self.backend)
                     hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+                    if self.recurrent is not None:  # a fork copies the state its step computed
+                        self.recurrent.apply_copies(plan, len(self.kv_groups))
                 self.last_hidden = hidden  # the final hidden states, for embedding requests (rank 0 reads)
                 if inputs.logits_indices is not None:
                     rows = (

@@ -5,6 +5,7 @@ use crate::error::{Error, Result};
 use crate::kv_groups::{GroupStats, KvGroup};
 use crate::paged_group::PagedGroup;
 use crate::prefix_cache::{block_hash, root_hash};
+use crate::recurrent_group::RecurrentGroup;
 use crate::request::Status;
 use crate::scheduler::Scheduler;
 
@@ -38,6 +39,30 @@ impl Scheduler {
         )?
         .with_swap(self.cfg.num_swap_blocks);
         self.add_kv_group(Box::new(g))
+    }
+
+    /// Adds the recurrent-state group of the linear-attention layers, with `num_slots` live state
+    /// slots (at least `max_num_seqs`: every running sequence holds one, a forked child included)
+    /// and `num_snapshots` snapshot slots for prefix caching (0: none).
+    pub fn add_recurrent_group(&mut self, num_slots: usize, num_snapshots: usize) -> Result<usize> {
+        if num_slots < self.cfg.max_num_seqs {
+            return Err(Error::InvalidRequest(format!(
+                "{num_slots} recurrent state slots cannot hold max_num_seqs={} sequences",
+                self.cfg.max_num_seqs
+            )));
+        }
+        if self.cfg.num_speculative_tokens > 0 {
+            return Err(Error::InvalidRequest(
+                "speculative decoding is not supported with recurrent state (a rejected draft \
+                 cannot be taken back out of the state)"
+                    .into(),
+            ));
+        }
+        self.add_kv_group(Box::new(RecurrentGroup::new(
+            num_slots,
+            num_snapshots,
+            self.cfg.block_size,
+        )))
     }
 
     /// Every group's pool usage, in group order.

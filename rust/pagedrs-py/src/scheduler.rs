@@ -284,6 +284,23 @@ impl PyScheduler {
         self.with(py, |s| s.add_window_group(w, n))?.map_err(to_py)
     }
 
+    /// Adds the recurrent-state group of the linear-attention layers with `num_slots` live state
+    /// slots (at least max_num_seqs) and `num_snapshots` snapshot slots for prefix caching (0:
+    /// none), before any request, without swap space; returns its index in the plan's group
+    /// arrays.
+    #[pyo3(signature = (num_slots, num_snapshots = 0))]
+    fn add_recurrent_group(
+        &self,
+        py: Python<'_>,
+        num_slots: i64,
+        num_snapshots: i64,
+    ) -> PyResult<usize> {
+        let n = size("num_slots", num_slots, 1)?;
+        let k = size("num_snapshots", num_snapshots, 0)?;
+        self.with(py, |s| s.add_recurrent_group(n, k))?
+            .map_err(to_py)
+    }
+
     /// Per KV-cache group beside the full-attention pool, in group order: (name, window or None,
     /// num_blocks, num_free_blocks).
     #[allow(clippy::type_complexity)]

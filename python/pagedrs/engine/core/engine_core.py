@@ -98,6 +98,8 @@ class EngineCore(CoreUtilitiesMixin):
         executor.attach_block_table(self.scheduler.block_table_view())
         for group in kv.groups:  # the layers whose blocks live in pools of their own (`runner.kv_groups`)
             self.scheduler.add_window_group(group.window, group.num_blocks)
+        if kv.recurrent_slots:  # the linear-attention layers' state slots (`runner.recurrent`)
+            self.scheduler.add_recurrent_group(kv.recurrent_slots, kv.recurrent_snapshots)
         self._kv_spec = kv
         self._kv_pool_names = self.kv_pool_names(kv.has_full_layers)
         # Prefix-cache events for routers (`kv_events`): recorded by the scheduler only when consumed.

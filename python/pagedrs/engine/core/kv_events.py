@@ -100,7 +100,8 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 @dataclass(frozen=True)
 class EventGroup:
     """A KV pool whose events are published, as vLLM names its KV-cache group: its index among the
-    published pools, its spec's kind (`full_attention`, `sliding_window`) and window."""
+    published pools, its spec's kind (`full_attention`, `sliding_window`, `mamba` for recurrent state)
+    and window."""
 
     group_idx: int
     kind: str
@@ -116,9 +117,9 @@ def event_groups(pool_labels: list[str]) -> list[EventGroup]:
     out = []
     for i, label in enumerate(pool_labels):
         kind, _, window = label.partition(":")
-        out.append(
-            EventGroup(i, "full_attention" if kind == "full" else "sliding_window", int(window or 0) or None)
-        )
+        # vLLM's spec kinds; its name for a recurrent-state (linear-attention) group is "mamba"
+        spec = {"full": "full_attention", "window": "sliding_window", "recurrent": "mamba"}.get(kind, kind)
+        out.append(EventGroup(i, spec, int(window or 0) or None))
     return out
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -54,6 +54,8 @@ class AttentionMetadata:
     # a key read and write through that metadata's slot mapping and block tables instead (`runner.kv_groups`).
     groups: dict[int, AttentionMetadata] = field(default_factory=dict, repr=False, compare=False)
     group_window: int | None = None
+    # The linear-attention layers' recurrent state of this step (`pagedrs.runner.recurrent.RecurrentRows`).
+    recurrent: Any = field(default=None, repr=False, compare=False)
 
     def for_window(self, window: int | None) -> AttentionMetadata:
         """The metadata of the layers with this sliding window: their group's, else this one."""
