@@ -33,8 +33,8 @@ use super::formats::{f16_to_f32, QuantType};
 use super::x8k;
 use crate::KernelError;
 
-/// Rows per interleaved group.
-pub const ROWS: usize = 8;
+/// Rows per interleaved group (the K-quant layouts' module owns the figure; every x8 layout shares it).
+pub use super::x8k::ROWS;
 
 /// Whether the type has an x8 layout.
 pub fn packs(qt: QuantType) -> bool {

@@ -25,7 +25,9 @@
 
 use super::act::ActRow;
 use super::formats::{f16_to_f32, scale_min_k4, QuantType};
-use super::x8::ROWS;
+
+/// Rows per interleaved group, for these layouts and the Q4_0 / Q4_1 / Q8_0 ones (`x8::ROWS`).
+pub const ROWS: usize = 8;
 
 /// Whether the type's x8 layout is one of these.
 pub(super) fn packs(qt: QuantType) -> bool {
