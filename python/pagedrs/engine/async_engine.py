@@ -227,9 +227,9 @@ class AsyncLLMEngine:
         return None
 
     @property
-    def num_stall_restarts(self) -> int:
-        """Cores killed (to be restarted) because they stopped stepping with requests in flight."""
-        return sum(r.num_stall_kills for r in self._cores.replicas)
+    def stall_restarts(self) -> list[int]:
+        """Per core: times it was killed (to be restarted) for not stepping with requests in flight."""
+        return [r.num_stall_kills for r in self._cores.replicas]
 
     @property
     def num_restarts(self) -> int:

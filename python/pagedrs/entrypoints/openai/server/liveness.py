@@ -14,7 +14,7 @@ __all__ = ["LivenessCollector"]
 
 
 class LivenessCollector(Collector):
-    """`engine`: the AsyncLLMEngine (its `stalled`, `num_replicas` and `num_stall_restarts`); with data
+    """`engine`: the AsyncLLMEngine (its `stalled`, `num_replicas` and `stall_restarts`); with data
     parallelism (`per_engine`) each core is a sample with vLLM's ``engine`` label."""
 
     def __init__(self, engine: Any, model_name: str, *, per_engine: bool) -> None:
@@ -30,16 +30,18 @@ class LivenessCollector(Collector):
             "Seconds an engine core holding requests has gone without finishing a step (0: stepping or idle).",
             labels=labels,
         )
-        if self._per_engine:
-            for index in range(self._engine.num_replicas):
-                gauge.add_metric([self._model, str(index)], stalled.get(index, 0.0))
-        else:
-            gauge.add_metric([self._model], max(stalled.values(), default=0.0))
-        yield gauge
         restarts = CounterMetricFamily(
             "pagedrs:engine_core_stall_restarts",
             "Engine cores killed and restarted because they stopped stepping with requests in flight.",
-            labels=["model_name"],
+            labels=labels,
         )
-        restarts.add_metric([self._model], float(self._engine.num_stall_restarts))
+        kills = self._engine.stall_restarts
+        if self._per_engine:
+            for index in range(self._engine.num_replicas):
+                gauge.add_metric([self._model, str(index)], stalled.get(index, 0.0))
+                restarts.add_metric([self._model, str(index)], float(kills[index]))
+        else:
+            gauge.add_metric([self._model], max(stalled.values(), default=0.0))
+            restarts.add_metric([self._model], float(sum(kills)))
+        yield gauge
         yield restarts

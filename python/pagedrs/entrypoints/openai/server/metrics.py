@@ -268,6 +268,10 @@ NO_VLLM_NAME: dict[str, str] = {
     "pagedrs:step_batch_size": "vLLM's iteration_tokens_total counts tokens per step, not sequences",
     "pagedrs:engine_core_stalled_seconds": "vLLM does not watch its core for stalls",
     "pagedrs:engine_core_stall_restarts": "vLLM does not restart a stalled core",
+    "pagedrs:kv_offload_usage_perc": "vLLM reports its offloading connector through KV-connector stats",
+    "pagedrs:kv_offload_bytes_stored": "vLLM reports its offloading connector through KV-connector stats",
+    "pagedrs:kv_offload_bytes_loaded": "vLLM reports its offloading connector through KV-connector stats",
+    "pagedrs:kv_offload_evicted_blocks": "vLLM reports its offloading connector through KV-connector stats",
 }
 # Served only with data parallelism (vLLM's balancer does not count its choices): requests per replica.
 DP_ONLY_FAMILIES = ("pagedrs:dp_routed_requests",)
