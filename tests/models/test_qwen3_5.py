@@ -11,7 +11,14 @@ import torch
 import transformers
 
 from pagedrs.layers.attention import ForwardContext
-from pagedrs.layers.delta_rule import CHUNK, causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from pagedrs.layers.delta_rule import (
+    CHUNK,
+    causal_conv1d,
+    causal_conv1d_update,
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_states,
+    recurrent_gated_delta_rule,
+)
 from pagedrs.loader import load_model
 from pagedrs.models.qwen3_5 import Qwen3_5ForCausalLM
 from pagedrs.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
@@ -71,6 +78,20 @@ def test_delta_rule_chunked_equals_recurrent_and_carries_state() -> None:
     b_out, b_s = chunk_gated_delta_rule(*(x[:, cut:] for x in (q, k, v, g, beta)), a_s)
     torch.testing.assert_close(torch.cat([a_out, b_out], 1), out_c, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(b_s, s_c, atol=1e-4, rtol=1e-4)
+    # The states taken inside the chunks (at block boundaries) equal the recurrent form stopped there.
+    capture = [0, 15, CHUNK - 1, CHUNK + 3]
+    _, _, states = chunk_gated_delta_rule_states(q, k, v, g, beta, init, capture)
+    for t, got in zip(capture, states, strict=True):
+        want = recurrent_gated_delta_rule(*(x[:, : t + 1] for x in (q, k, v, g, beta)), init)[1]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # The one-token update runs a batch of sequences at once, each from its own state, as each alone.
+    qb, kb, vb, gb, bb = (torch.cat([x[:, :1], x[:, 5:6], x[:, 9:10]]) for x in (q, k, v, g, beta))
+    inits = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(2))
+    out_b, s_b = recurrent_gated_delta_rule(qb, kb, vb, gb, bb, inits)
+    for r in range(3):
+        one = recurrent_gated_delta_rule(*(x[r : r + 1] for x in (qb, kb, vb, gb, bb)), inits[r : r + 1])
+        torch.testing.assert_close(out_b[r : r + 1], one[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(s_b[r : r + 1], one[1], atol=1e-5, rtol=1e-5)
 
 
 def test_causal_conv1d_state_carries_across_calls() -> None:
@@ -81,6 +102,10 @@ def test_causal_conv1d_state_carries_across_calls() -> None:
     parts = [causal_conv1d(x[:2], w, state), causal_conv1d(x[2:3], w, state), causal_conv1d(x[3:], w, state)]
     torch.testing.assert_close(torch.cat(parts), whole)
     torch.testing.assert_close(state, x[-3:].t())
+    # The one-token form over a batch of windows: row r steps x[r + 3] after its window x[r : r + 3].
+    windows = torch.stack([x[r : r + 3].t() for r in range(6)])
+    torch.testing.assert_close(causal_conv1d_update(x[3:], w, windows), whole[3:])
+    torch.testing.assert_close(windows, torch.stack([x[r + 1 : r + 4].t() for r in range(6)]))
 
 
 def test_qwen3_5_engine_greedy_matches_hf(qwen3_5: Path) -> None:

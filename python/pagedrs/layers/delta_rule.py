@@ -10,11 +10,19 @@ recurrent form steps one token at a time for decode.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["causal_conv1d", "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
+__all__ = [
+    "causal_conv1d",
+    "causal_conv1d_update",
+    "chunk_gated_delta_rule",
+    "chunk_gated_delta_rule_states",
+    "recurrent_gated_delta_rule",
+]
 
 CHUNK = 64
 
@@ -30,6 +38,14 @@ def causal_conv1d(x: Tensor, weight: Tensor, state: Tensor | None) -> Tensor:
         state.copy_(xs[:, -(k - 1) :])
     out = F.conv1d(xs[None], weight[:, None, :].to(x.dtype), groups=c)[0]  # [C, L]
     return F.silu(out.t())
+
+
+def causal_conv1d_update(x: Tensor, weight: Tensor, state: Tensor) -> Tensor:
+    """One token per sequence: x [B, C] after each sequence's window `state` [B, C, K - 1] through the conv1d
+    (weight [C, K]) then SiLU -> [B, C]; `state` is updated in place to the last K - 1 inputs."""
+    window = torch.cat([state.to(x.dtype), x[..., None]], dim=-1)  # [B, C, K]
+    state.copy_(window[..., 1:])
+    return F.silu((window * weight.to(x.dtype)).sum(-1))
 
 
 def _l2norm(x: Tensor) -> Tensor:
@@ -53,7 +69,7 @@ def recurrent_gated_delta_rule(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None
 ) -> tuple[Tensor, Tensor]:
     """q/k [B, L, Hk, Dk], v [B, L, Hv, Dv], g/beta [B, L, Hv]; state [B, Hv, Dk, Dv] (None: zeros) ->
-    (out [B, L, Hv, Dv], final state), token by token."""
+    (out [B, L, Hv, Dv], final state), token by token, all B sequences at once (a decode step's rows)."""
     dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     b, h, n, dk = k.shape
@@ -62,13 +78,14 @@ def recurrent_gated_delta_rule(
         if state is None
         else state.float()
     )
-    out = torch.zeros_like(v)
+    out = torch.empty_like(v)
+    decay = g.exp()
     for i in range(n):
-        s = s * g[:, :, i].exp()[..., None, None]
-        kt = k[:, :, i]
-        delta = (v[:, :, i] - (s * kt[..., None]).sum(-2)) * beta[:, :, i, None]
-        s = s + kt[..., None] * delta[..., None, :]
-        out[:, :, i] = (s * q[:, :, i, :, None]).sum(-2)
+        s = s * decay[:, :, i, None, None]
+        kt = k[:, :, i, None, :]  # [B, H, 1, Dk]
+        delta = (v[:, :, i, None] - kt @ s) * beta[:, :, i, None, None]  # [B, H, 1, Dv]
+        s = s + kt.transpose(-1, -2) @ delta
+        out[:, :, i] = (q[:, :, i, None, :] @ s)[:, :, 0]
     return out.transpose(1, 2).contiguous().to(dtype), s
 
 
@@ -76,6 +93,16 @@ def chunk_gated_delta_rule(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None
 ) -> tuple[Tensor, Tensor]:
     """As `recurrent_gated_delta_rule`, in chunks of `CHUNK` tokens (the WY form of the delta rule)."""
+    out, s, _ = chunk_gated_delta_rule_states(q, k, v, g, beta, state, ())
+    return out, s
+
+
+def chunk_gated_delta_rule_states(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None, capture: Sequence[int]
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """As `chunk_gated_delta_rule`, also returning the state right after each token index in `capture`
+    (ascending), taken inside the chunk that holds it: the chunk's start state decayed to that token plus the
+    decayed updates of the chunk's tokens up to it (one product per captured token, no re-chunking)."""
     dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     b, h, n, dk = k.shape
@@ -95,13 +122,21 @@ def chunk_gated_delta_rule(
     u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
     s = torch.zeros(b, h, dk, dv, dtype=torch.float32, device=v.device) if state is None else state.float()
-    out = torch.zeros_like(u)
+    out = torch.empty_like(u)
     q = q * cum.exp()[..., None]
-    k = k * (cum[..., -1:] - cum).exp()[..., None]
+    k_end = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]
+    wanted: dict[int, list[int]] = {}
+    for t in capture:
+        wanted.setdefault(t // CHUNK, []).append(t % CHUNK)
+    states: list[Tensor] = []
     for i in range(c):
         v_new = u[:, :, i] - w[:, :, i] @ s
         out[:, :, i] = q[:, :, i] @ s + intra[:, :, i] @ v_new
-        s = s * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+        for j in wanted.get(i, []):
+            to_j = (cum[:, :, i, j, None] - cum[:, :, i, : j + 1]).exp()[..., None]  # [B, H, j + 1, 1]
+            upd = (k[:, :, i, : j + 1] * to_j).transpose(-1, -2) @ v_new[:, :, : j + 1]
+            states.append(s * cum[:, :, i, j].exp()[..., None, None] + upd)
+        s = s * chunk_decay[:, :, i] + k_end[:, :, i].transpose(-1, -2) @ v_new
     out = out.reshape(b, h, -1, dv)[:, :, :n]
-    return out.transpose(1, 2).contiguous().to(dtype), s
+    return out.transpose(1, 2).contiguous().to(dtype), s, states

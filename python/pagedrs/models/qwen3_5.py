@@ -19,8 +19,9 @@ step); under tensor parallelism each rank holds its share of the heads of every 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -28,7 +29,12 @@ from transformers import PretrainedConfig
 
 from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.attention import Attention, ForwardContext
-from pagedrs.layers.delta_rule import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from pagedrs.layers.delta_rule import (
+    causal_conv1d,
+    causal_conv1d_update,
+    chunk_gated_delta_rule_states,
+    recurrent_gated_delta_rule,
+)
 from pagedrs.layers.linear import (
     ColumnParallelLinear,
     Loaded,
@@ -41,6 +47,9 @@ from pagedrs.layers.linear_form import copy_checked, no_shard
 from pagedrs.layers.rotary import get_rope
 from pagedrs.models.interface import CausalLM
 from pagedrs.models.utils import load_weights_into
+
+if TYPE_CHECKING:
+    from pagedrs.runner.recurrent import RecurrentRows
 
 __all__ = ["Qwen3_5ForCausalLM", "RecurrentShape", "linear_layers", "text_weights"]
 
@@ -167,49 +176,92 @@ class GatedDeltaNet(torch.nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, **kw)
         self.out_proj = RowParallelLinear(full_value, hidden, tp=tp, **kw)
 
-    def _row(self, qkv: Tensor, a: Tensor, b: Tensor, conv: Tensor | None, ssm: Tensor | None) -> Tensor:
-        """One sequence's tokens [L, ...] from its state (None: zero; updated in place) -> [L, value_dim]."""
-        n = qkv.shape[0]
-        mixed = causal_conv1d(qkv, self.conv1d.weight[:, 0], conv)
+    def _gates(self, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+        """The tokens' (g, beta) [T, value heads]: the log decay and the write strength."""
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), b.sigmoid()
+
+    def _heads(self, mixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The conv's output [B, L, conv_dim] -> q, k [B, L, key heads, Dk], v [B, L, value heads, Dv]."""
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(1, n, -1, self.head_k_dim)
-        k = k.reshape(1, n, -1, self.head_k_dim)
-        v = v.reshape(1, n, -1, self.head_v_dim)
-        beta = b.sigmoid()[None]
-        g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias))[None]
+        bl = mixed.shape[:2]
+        return (
+            q.reshape(*bl, -1, self.head_k_dim),
+            k.reshape(*bl, -1, self.head_k_dim),
+            v.reshape(*bl, -1, self.head_v_dim),
+        )
+
+    def _row(
+        self, qkv: Tensor, a: Tensor, b: Tensor, conv: Tensor | None, ssm: Tensor | None, capture: list[int]
+    ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        """One sequence's tokens [L, ...] from its state (None: zero; updated in place) by the chunked rule ->
+        ([L, value_dim], the (conv window, state) right after each token index in `capture`)."""
+        n, channels = qkv.shape
+        kk = self.conv1d.weight.shape[-1] - 1
+        if (
+            capture
+        ):  # the conv's inputs with the kk before the row: the window after token i is [i + 1, i + kk]
+            prev = torch.zeros(channels, kk, dtype=qkv.dtype, device=qkv.device) if conv is None else conv
+            inputs = torch.cat([prev.to(qkv.dtype), qkv.t()], dim=-1)
+            windows = [inputs[:, i + 1 : i + 1 + kk].float() for i in capture]
+        mixed = causal_conv1d(qkv, self.conv1d.weight[:, 0], conv)
+        q, k, v = self._heads(mixed[None])
+        g, beta = self._gates(a, b)
         init = None if ssm is None else ssm[None]
-        rule = recurrent_gated_delta_rule if n == 1 and init is not None else chunk_gated_delta_rule
-        out, state = rule(q, k, v, g, beta, init)
+        out, state, states = chunk_gated_delta_rule_states(q, k, v, g[None], beta[None], init, capture)
         if ssm is not None:
             ssm.copy_(state[0])
-        return out[0].reshape(n, self.value_dim)
+        if not capture:
+            windows = []
+        return out[0].reshape(n, self.value_dim), [(w, s[0]) for w, s in zip(windows, states, strict=True)]
+
+    def _decode(self, qkv: Tensor, a: Tensor, b: Tensor, conv: Tensor, ssm: Tensor, idx: Tensor) -> Tensor:
+        """One token of each of B sequences [B, ...], all at once, from their slots `idx` of the layer's `conv`
+        and `ssm` (gathered, stepped, scattered back) -> [B, value_dim]."""
+        window, state = conv.index_select(0, idx), ssm.index_select(0, idx)
+        mixed = causal_conv1d_update(qkv, self.conv1d.weight[:, 0], window)
+        q, k, v = self._heads(mixed[:, None])
+        g, beta = self._gates(a, b)
+        out, state = recurrent_gated_delta_rule(q, k, v, g[:, None], beta[:, None], state)
+        conv.index_copy_(0, idx, window)
+        ssm.index_copy_(0, idx, state)
+        return out.reshape(-1, self.value_dim)
+
+    def _rows(self, qkv: Tensor, a: Tensor, b: Tensor, rec: RecurrentRows, qsl: Any) -> Tensor:
+        """A step's rows from their state slots: the one-token rows (decodes) in one batched update, each longer
+        row by the chunked rule, taking the states its snapshots name (block boundaries) inside the chunks."""
+        conv, ssm = rec.conv[self.index], rec.ssm[self.index]
+        starts = np.asarray(qsl, dtype=np.int64)
+        lens = np.diff(starts)
+        core = qkv.new_empty(qkv.shape[0], self.value_dim)
+        single = np.flatnonzero(lens == 1)
+        if single.size:
+            tok = torch.from_numpy(starts[single]).to(qkv.device)
+            idx = torch.tensor([rec.slots[r] for r in single.tolist()], device=conv.device)
+            core[tok] = self._decode(qkv[tok], a[tok], b[tok], conv, ssm, idx)
+        for r in np.flatnonzero(lens != 1).tolist():
+            lo, hi, slot, snaps = int(starts[r]), int(starts[r + 1]), rec.slots[r], rec.snapshots[r]
+            out, states = self._row(
+                qkv[lo:hi], a[lo:hi], b[lo:hi], conv[slot], ssm[slot], [i for i, _ in snaps]
+            )
+            core[lo:hi] = out
+            for (_, snap), (window, state) in zip(snaps, states, strict=True):
+                conv[snap], ssm[snap] = window, state
+        for r in single.tolist():  # a decode that completes a block: its state after the step
+            for _, snap in rec.snapshots[r]:
+                conv[snap], ssm[snap] = conv[rec.slots[r]], ssm[rec.slots[r]]
+        return core
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
         a, b = self.in_proj_a(x), self.in_proj_b(x)
         meta = ctx.attn_metadata
         if meta is None:  # no cache (profiling): the whole input is one sequence from a zero state
-            core = self._row(qkv, a, b, None, None)
+            core = self._row(qkv, a, b, None, None, [])[0]
         else:
             rec = meta.recurrent
             if rec is None:
                 raise ValueError("a linear-attention layer's step needs its state slots (`runner.recurrent`)")
-            outs = []
-            qsl = meta.query_start_loc_cpu
-            for r, (slot, snaps) in enumerate(zip(rec.slots, rec.snapshots, strict=True)):
-                lo, hi = int(qsl[r]), int(qsl[r + 1])
-                conv, ssm = rec.conv[self.index, slot], rec.ssm[self.index, slot]
-                # computed in pieces that end at the block boundaries whose state is snapshotted
-                base = lo
-                for i, snap in [*snaps, (hi - base - 1, -1)]:
-                    end = base + i + 1
-                    if end > lo:
-                        outs.append(self._row(qkv[lo:end], a[lo:end], b[lo:end], conv, ssm))
-                        lo = end
-                    if snap >= 0:
-                        rec.conv[self.index, snap] = conv
-                        rec.ssm[self.index, snap] = ssm
-            core = torch.cat(outs)
+            core = self._rows(qkv, a, b, rec, meta.query_start_loc_cpu)
         t = x.shape[0]
         core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(core.reshape(t, self.value_dim))
