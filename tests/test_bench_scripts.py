@@ -474,3 +474,32 @@ def test_agentic_quick(tmp_path: Path) -> None:
     assert tier["tier_hit_tokens"] > 0 and none["tier_hit_tokens"] == 0
     assert tier["cached_fraction"] > none["cached_fraction"]
     assert d["no_hit_throughput_ratio"] > 0
+
+
+def test_hybrid_prefix_quick(tmp_path: Path) -> None:
+    """bench/hybrid_prefix.py --quick on its tiny random Qwen3.5: the second turn of each session is served
+    from the first turn's KV blocks and state snapshot up to the last block boundary the first turn computed,
+    and the snapshot costs the state of the three linear-attention layers."""
+    out = tmp_path / "hybrid.json"
+    proc = _run(
+        "hybrid_prefix.py",
+        *("--quick", "--threads", "1", "--json", str(out), "--commit", "deadbeef"),
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    d = json.loads(out.read_text())
+    assert d["commit"] == "deadbeef"
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["bench"] == "hybrid_prefix"
+    turn = d["config"]["turn_len"]
+    assert sorted(int(n) for n in d["sessions"]) == [48, 80]
+    for n, s in d["sessions"].items():
+        # the first turn computed its prompt and all but its last output token
+        assert s["prompt_tokens"] == int(n) and s["cached_tokens"] == (int(n) - turn - 1) // 16 * 16, s
+        assert s["ttft_cached_s"] > 0 and s["ttft_cold_s"] > 0 and s["ttft_ratio"] > 0
+        assert 0 < s["decode_linear_layers_ms"] < s["decode_step_ms"]
+    mem = d["memory"]
+    # 3 linear layers x (conv 192 channels x 3 + state 1 head x 64 x 64) float32, one per 16-token block
+    assert mem["snapshot_bytes"] == 3 * (192 * 3 + 64 * 64) * 4
+    assert mem["snapshot_bytes_per_1k_tokens"] == mem["snapshot_bytes"] * 1000 / 16
+    assert mem["full_attention_kv_bytes_per_1k_tokens"] == 2 * 64 * 4 * 1000
