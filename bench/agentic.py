@@ -5,7 +5,9 @@ and answers) plus new tokens, so contexts grow, and the device pool (`--num-kv-b
 sessions: by the time a session comes back, other sessions have evicted its blocks. Reported per
 configuration: TTFT p50/p90 of returning turns (turn >= 2) and the fraction of their prompt tokens served
 from a cache (`num_cached_tokens`); then the cost of the tier with nothing to hit (every prompt new):
-output throughput with the tier over without it. Prints one JSON line.
+output throughput with the tier over without it. With `--disk-gib`, a third configuration adds the disk tier
+behind the host tier (`kv_offloading_disk_path`, a fresh temporary folder per engine): its no-hit ratio is
+the cost of writing every stored block to disk. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import json
 import random
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -27,7 +30,7 @@ from _common import add_commit_arg, command_line, git_info, json_safe, machine_i
 from pagedrs import EngineArgs, LLMEngine, SamplingParams
 
 
-def make_engine(args: argparse.Namespace, tier_gib: float) -> LLMEngine:
+def make_engine(args: argparse.Namespace, tier_gib: float, disk: str | None = None) -> LLMEngine:
     return LLMEngine.from_engine_args(
         EngineArgs(
             model=args.model,
@@ -36,6 +39,8 @@ def make_engine(args: argparse.Namespace, tier_gib: float) -> LLMEngine:
             num_kv_blocks=args.num_kv_blocks,
             max_num_batched_tokens=args.max_num_batched_tokens,
             kv_offloading_size=tier_gib,
+            kv_offloading_disk_path=disk,
+            kv_offloading_disk_size=args.disk_gib if disk else None,
             disable_log_stats=True,
             seed=0,
         )
@@ -59,9 +64,9 @@ def run_request(engine: LLMEngine, rid: str, prompt: list[int], max_tokens: int)
     return ttft, final
 
 
-def sessions_run(args: argparse.Namespace, tier_gib: float, vocab: int) -> dict[str, Any]:
+def sessions_run(args: argparse.Namespace, tier_gib: float, vocab: int, disk: str | None) -> dict[str, Any]:
     rng = random.Random(0)
-    engine = make_engine(args, tier_gib)
+    engine = make_engine(args, tier_gib, disk)
     history = [[rng.randrange(vocab) for _ in range(args.first_len)] for _ in range(args.sessions)]
     ttfts: list[float] = []
     cached: list[float] = []
@@ -87,10 +92,10 @@ def sessions_run(args: argparse.Namespace, tier_gib: float, vocab: int) -> dict[
     }
 
 
-def no_hit_run(args: argparse.Namespace, tier_gib: float, vocab: int) -> float:
+def no_hit_run(args: argparse.Namespace, tier_gib: float, vocab: int, disk: str | None) -> float:
     """Output tokens per second over new prompts only (nothing to hit), after one warm-up request."""
     rng = random.Random(1)
-    engine = make_engine(args, tier_gib)
+    engine = make_engine(args, tier_gib, disk)
     run_request(engine, "warm", [rng.randrange(vocab) for _ in range(16)], 2)
     prompts = [[rng.randrange(vocab) for _ in range(args.first_len)] for _ in range(args.no_hit_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -115,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-kv-blocks", type=int, default=96, help="the device pool: a few sessions' worth")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--tier-gib", type=float, default=0.5, help="kv_offloading_size of the tier runs")
+    p.add_argument("--disk-gib", type=float, default=0.0, help="> 0: also runs with a disk tier this big")
     p.add_argument("--no-hit-prompts", type=int, default=8)
     p.add_argument("--vocab", type=int, default=1000, help="prompt ids are drawn below this")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
@@ -127,18 +133,22 @@ def main(argv: list[str] | None = None) -> int:
         args.output_len, args.num_kv_blocks, args.no_hit_prompts = 2, 8, 2
     torch.set_num_threads(args.threads)
     vocab = args.vocab
-    runs = {
-        name: sessions_run(args, gib, vocab) for name, gib in (("no_tier", 0.0), ("host_tier", args.tier_gib))
-    }
-    tput = {
-        name: no_hit_run(args, gib, vocab) for name, gib in (("no_tier", 0.0), ("host_tier", args.tier_gib))
-    }
+    configs = [("no_tier", 0.0, False), ("host_tier", args.tier_gib, False)]
+    if args.disk_gib > 0:
+        configs.append(("disk_tier", args.tier_gib, True))
+    runs: dict[str, Any] = {}
+    tput: dict[str, float] = {}
+    for name, gib, disk in configs:
+        with tempfile.TemporaryDirectory(prefix="pagedrs-kv-") as folder:
+            runs[name] = sessions_run(args, gib, vocab, folder + "/s" if disk else None)
+            tput[name] = no_hit_run(args, gib, vocab, folder + "/n" if disk else None)
     result = {
         "bench": "agentic",
         "runs": runs,
         "ttft_p50_ratio": runs["host_tier"]["ttft_p50_s"] / runs["no_tier"]["ttft_p50_s"],
         "no_hit_tok_s": tput,
         "no_hit_throughput_ratio": tput["host_tier"] / tput["no_tier"],
+        "no_hit_disk_throughput_ratio": tput["disk_tier"] / tput["no_tier"] if "disk_tier" in tput else None,
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "commit")},
         "command": command_line(),
         "git": git_info(args.commit),

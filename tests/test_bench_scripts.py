@@ -460,7 +460,7 @@ def test_agentic_quick(tmp_path: Path) -> None:
     proc = _run(
         "agentic.py",
         *("--model", str(model), "--quick", "--vocab", "200", "--threads", "1", "--json", str(out)),
-        *("--commit", "deadbeef"),
+        *("--commit", "deadbeef", "--disk-gib", "0.01"),
         cwd=tmp_path,
         timeout=300,
     )
@@ -474,6 +474,8 @@ def test_agentic_quick(tmp_path: Path) -> None:
     assert tier["tier_hit_tokens"] > 0 and none["tier_hit_tokens"] == 0
     assert tier["cached_fraction"] > none["cached_fraction"]
     assert d["no_hit_throughput_ratio"] > 0
+    disk = d["runs"]["disk_tier"]  # the disk tier behind the host tier: the same hits, files written too
+    assert disk["tier_hit_tokens"] == tier["tier_hit_tokens"] and d["no_hit_disk_throughput_ratio"] > 0
 
 
 def test_hybrid_prefix_quick(tmp_path: Path) -> None:

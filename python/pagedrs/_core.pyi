@@ -483,6 +483,13 @@ class Scheduler:
         num_blocks, num_free_blocks)."""
     def group_blocks_of(self, group: int, seq_id: int) -> list[int]:
         """Group `group`'s block ids for a live seq id (-1 where it holds nothing any more)."""
+    def tier_missing_chain(self, seq_id: int) -> list[tuple[int, int, int]]:
+        """(hash, parent hash, block index) of a live seq id's full blocks from the first one neither the
+        prefix cache nor the host KV tier holds (for a disk tier behind the host tier)."""
+    def tier_insert(self, hash: int, parent: int, tokens: list[int]) -> int | None:
+        """The host KV tier slot for a block read from outside the device pool (None: held, or no slot)."""
+    def tier_record(self, slot: int) -> tuple[int, int, list[int]] | None:
+        """The (hash, parent hash, tokens) a host KV tier slot holds (None: a free slot)."""
     def reset_prefix_cache(self) -> bool: ...
     def has_unfinished(self) -> bool: ...
     def num_unfinished(self) -> int: ...

@@ -122,6 +122,10 @@ class CacheConfig:
     # The host KV tier (vLLM's KV offloading): GiB of CPU memory over all tensor-parallel ranks; 0: none.
     kv_offloading_size: float = 0.0
     kv_offloading_backend: str = "native"
+    # The disk tier behind it: a folder of block files (one per block hash and model) and its bound in GiB.
+    kv_offloading_blocks: int | None = None  # the host tier in blocks instead (vLLM's num_cpu_blocks)
+    kv_offloading_disk_path: str | None = None
+    kv_offloading_disk_size: float = 0.0
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -150,6 +154,18 @@ class CacheConfig:
         _require(_is_number(o) and o >= 0, "kv_offloading_size", o, "must be >= 0 (GiB)")
         b = self.kv_offloading_backend
         _require(b == "native", "kv_offloading_backend", b, "must be 'native' (the host KV tier)")
+        n = self.kv_offloading_blocks
+        _require(n is None or (_is_int(n) and n > 0), "kv_offloading_blocks", n, "must be an int > 0")
+        d = self.kv_offloading_disk_size
+        _require(_is_number(d) and d >= 0, "kv_offloading_disk_size", d, "must be >= 0 (GiB)")
+        if self.kv_offloading_disk_path is not None:
+            _require(
+                d > 0 and (o > 0 or n is not None),
+                "kv_offloading_disk_path",
+                self.kv_offloading_disk_path,
+                "needs kv_offloading_disk_size > 0 and kv_offloading_size > 0 (disk blocks are read "
+                "into the host tier)",
+            )
         _require(
             isinstance(self.enable_prefix_caching, bool),
             "enable_prefix_caching",

@@ -27,6 +27,7 @@ from pagedrs.config import (
 from pagedrs.config.checks import json_object
 from pagedrs.engine.arg_checks import LOAD_FORMATS, check_compat
 from pagedrs.engine.arg_fields import add_field_flags, config_default, flag_field
+from pagedrs.engine.kv_transfer import offloading_from_transfer_config
 
 if TYPE_CHECKING:
     from pagedrs.launch_config import LaunchConfig
@@ -74,6 +75,15 @@ class EngineArgs:
     )
     kv_offloading_backend: str = flag_field(
         config_default(CacheConfig, "kv_offloading_backend"), "the KV offloading backend", choices=["native"]
+    )
+    kv_offloading_disk_path: str | None = flag_field(
+        None, "folder of the disk KV tier behind the host tier (block files, kept over restarts)"
+    )
+    kv_offloading_disk_size: float | None = flag_field(None, "GiB the disk KV tier's folder may hold")
+    kv_transfer_config: str | dict | None = flag_field(
+        None,
+        "vLLM's KV connector config, JSON: its OffloadingConnector maps onto the host KV tier",
+        parse=json.loads,
     )
     max_model_len: int | None = flag_field(
         config_default(ModelConfig, "max_model_len"), "context length (default: the model's)"
@@ -355,6 +365,13 @@ class EngineArgs:
             normalize=self.normalize,
         )
         device_type = resolve_device(self.device).type
+        offload_size, offload_blocks = self.kv_offloading_size or 0.0, None
+        if self.kv_transfer_config is not None:
+            if self.kv_offloading_size:
+                raise ValueError("give kv_offloading_size or kv_transfer_config, not both")
+            offload_size, offload_blocks = offloading_from_transfer_config(
+                self.kv_transfer_config, self.block_size
+            )
         cache = CacheConfig(
             block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks,
@@ -364,8 +381,11 @@ class EngineArgs:
             swap_space_is_default=self.swap_space is None,
             enable_prefix_caching=self.enable_prefix_caching,
             cache_dtype=self.kv_cache_dtype,
-            kv_offloading_size=self.kv_offloading_size or 0.0,
+            kv_offloading_size=offload_size,
+            kv_offloading_blocks=offload_blocks,
             kv_offloading_backend=self.kv_offloading_backend,
+            kv_offloading_disk_path=self.kv_offloading_disk_path,
+            kv_offloading_disk_size=self.kv_offloading_disk_size or 0.0,
         )
         device = DeviceConfig(
             device=resolve_device(self.device),

@@ -32,6 +32,7 @@ from pagedrs.executor.step_packet import lora_header, pack_step, shutdown_header
 from pagedrs.layers.sampler import SamplingRow
 from pagedrs.lora.manager import LoRAManager
 from pagedrs.runner.kv_cache import KVCachePool
+from pagedrs.runner.kv_disk import DiskTierLink
 from pagedrs.runner.kv_groups import WindowGroup, step_tokens
 from pagedrs.runner.model_runner import ModelRunner
 from pagedrs.runner.outputs import RunnerOutput
@@ -83,6 +84,7 @@ class UniProcExecutor:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.driver_worker: ModelRunner | None = runner  # vLLM's name (vLLM 0.4's notebook deletes it)
+        self.disk_tier: DiskTierLink | None = None  # the disk KV tier behind the host tier (`kv_disk`)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -153,13 +155,20 @@ class UniProcExecutor:
         prompt_logprobs: dict[int, tuple[int, Sequence[int]]] | None = None,
         token_bitmask: Any = None,
     ) -> RunnerOutput:
-        return self.runner.execute(plan, rows, prompt_logprobs, token_bitmask)
+        out = self.runner.execute(plan, rows, prompt_logprobs, token_bitmask)
+        if self.disk_tier is not None:  # the plan's tier stores are in their host slots now
+            self.disk_tier.stored(plan)
+        return out
 
     def check_health(self) -> None:
         """Raise ExecutorDeadError if a step can no longer run."""
 
     def shutdown(self) -> None:
-        """Stop any ranks, then free the model, the KV pool and the graphs (device memory)."""
+        """Stop any ranks, then free the model, the KV pool and the graphs (device memory); the disk KV
+        tier's queued blocks are written first."""
+        if self.disk_tier is not None:
+            self.disk_tier.close()
+            self.disk_tier = None
         self._stop_ranks()
         self.runner.release()
 

@@ -105,7 +105,7 @@ class KVSetupMixin:
         cfg = self.config
         size = cfg.cache.kv_offloading_size
         if (
-            not size
+            not (size or cfg.cache.kv_offloading_blocks)
             or not cfg.cache.enable_prefix_caching
             or self.kv_groups
             or has_recurrent_state(self.model)
@@ -113,6 +113,8 @@ class KVSetupMixin:
             or cfg.parallel.liquid_gpu_range is not None
         ):
             return 0
+        if cfg.cache.kv_offloading_blocks:  # each rank holds its shard of every block
+            return cfg.cache.kv_offloading_blocks
         own = model_block_bytes(self.model, self.block_size, self.kv_dtype)
         return num_blocks_for_bytes(size * _GiB / self.tp.size, own)
 

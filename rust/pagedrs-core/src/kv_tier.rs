@@ -131,6 +131,14 @@ impl HostTier {
     /// A slot for a new full block, or None when `hash` is already held (then marked recently used).
     /// When every slot is taken, the least recently used entry is dropped for it.
     pub fn store(&mut self, hash: u64, parent: u64, tokens: &[u32]) -> Option<u32> {
+        let s = self.insert(hash, parent, tokens)?;
+        self.counters.stored_blocks += 1;
+        Some(s)
+    }
+
+    /// As `store`, for a block whose bytes come from outside the device pool (a disk tier behind
+    /// this one): not counted as stored.
+    pub fn insert(&mut self, hash: u64, parent: u64, tokens: &[u32]) -> Option<u32> {
         debug_assert_eq!(tokens.len(), self.block_size);
         if let Some(&s) = self.map.get(&hash) {
             self.touch(s);
@@ -161,8 +169,25 @@ impl HostTier {
         r[HEADER..].copy_from_slice(tokens);
         self.map.insert(hash, s);
         self.push_back(s);
-        self.counters.stored_blocks += 1;
         Some(s)
+    }
+
+    /// Whether the tier holds exactly this block (no change to the eviction order).
+    pub fn holds(&self, hash: u64, parent: u64, tokens: &[u32]) -> bool {
+        self.map.get(&hash).is_some_and(|&s| {
+            let r = self.record(s);
+            join(r[2], r[3]) == parent && &r[HEADER..] == tokens
+        })
+    }
+
+    /// The record (hash, parent hash, tokens) of an occupied slot.
+    pub fn record_of(&self, s: u32) -> Option<(u64, u64, Vec<u32>)> {
+        if s as usize >= self.num_slots() {
+            return None;
+        }
+        let r = self.record(s);
+        let hash = join(r[0], r[1]);
+        (self.map.get(&hash) == Some(&s)).then(|| (hash, join(r[2], r[3]), r[HEADER..].to_vec()))
     }
 
     /// Slots from least to most recently used.
@@ -229,8 +254,15 @@ mod tests {
         assert_eq!(t.counters.evicted_blocks, 1);
         assert_eq!(t.counters.stored_blocks, 3);
         assert_eq!(t.len(), 2);
+        assert!(t.holds(30, 20, &[5, 6]) && !t.holds(30, 20, &[5, 7]));
+        assert_eq!(t.record_of(a), Some((30, 20, vec![5, 6])));
+        // An inserted block (read from a disk tier) takes the LRU slot but is not counted stored.
+        assert_eq!(t.insert(40, 30, &[7, 8]), Some(b));
+        assert_eq!(t.counters.stored_blocks, 3);
+        assert_eq!(t.record_of(b), Some((40, 30, vec![7, 8])));
         t.check().unwrap();
         t.clear();
+        assert_eq!(t.record_of(a), None);
         assert!(t.is_empty());
         t.check().unwrap();
     }

@@ -4,8 +4,9 @@
 //! as they complete).
 
 use crate::block_pool::CacheItem;
+use crate::error::{Error, Result};
 use crate::plan::PlanOps;
-use crate::prefix_cache::block_hash;
+use crate::prefix_cache::{block_hash, root_hash};
 use crate::scheduler::Scheduler;
 
 /// The tier's part of one admission: its slots, in chain order, and the blocks looked up.
@@ -79,20 +80,70 @@ impl Scheduler {
                     .chunks_exact(2)
                     .find(|m| m[1] == b)
                     .map_or(b, |m| m[0]);
-                // One store per slot in a plan: an earlier one to a slot reused since is void.
-                let slot = i64::from(s);
-                if self
-                    .pending_tier_stores
-                    .chunks_exact(2)
-                    .any(|m| m[1] == slot)
-                {
-                    let old = std::mem::take(&mut self.pending_tier_stores);
-                    self.pending_tier_stores
-                        .extend(old.chunks_exact(2).filter(|m| m[1] != slot).flatten());
-                }
-                self.pending_tier_stores.extend([src, slot]);
+                self.void_pending_store(s);
+                self.pending_tier_stores.extend([src, i64::from(s)]);
             }
         }
+    }
+
+    /// One store per slot in a plan: an earlier one to a slot reused since is void.
+    fn void_pending_store(&mut self, s: u32) {
+        let slot = i64::from(s);
+        if self
+            .pending_tier_stores
+            .chunks_exact(2)
+            .any(|m| m[1] == slot)
+        {
+            let old = std::mem::take(&mut self.pending_tier_stores);
+            self.pending_tier_stores
+                .extend(old.chunks_exact(2).filter(|m| m[1] != slot).flatten());
+        }
+    }
+
+    /// The scheduler side of an external tier behind the host tier (a disk tier): the live
+    /// sequence's full blocks that neither the device pool's prefix cache nor the host tier holds,
+    /// as (hash, parent hash, block index) from the first one missing in both, never the block
+    /// holding its last token. Empty without a host tier.
+    pub fn tier_missing_chain(&self, seq_id: i64) -> Result<Vec<(u64, u64, usize)>> {
+        let r = self
+            .ids
+            .get(&seq_id)
+            .ok_or(Error::UnknownSeqId { seq_id })?;
+        let mut out = Vec::new();
+        if self.tier.num_slots() == 0 || !self.kv.is_empty() || !self.cfg.enable_prefix_caching {
+            return Ok(out);
+        }
+        let bs = self.cfg.block_size;
+        let seq = &self.seqs[r.slot as usize];
+        let mut parent = root_hash(seq.extra_key);
+        for i in 0..(seq.num_tokens() - 1) / bs {
+            let tokens = &seq.tokens[i * bs..(i + 1) * bs];
+            let h = block_hash(parent, tokens);
+            let held =
+                self.pool.lookup(h, parent, tokens).is_some() || self.tier.holds(h, parent, tokens);
+            if !(held && out.is_empty()) {
+                out.push((h, parent, i));
+            }
+            parent = h;
+        }
+        Ok(out)
+    }
+
+    /// Puts a block whose bytes the runner read from outside (a disk tier) into the host tier: its
+    /// slot, or None when the tier holds it already or has no slot. The runner writes the slot's
+    /// bytes before the next plan; a store the next plan carried to that slot is void.
+    pub fn tier_insert(&mut self, hash: u64, parent: u64, tokens: &[u32]) -> Option<u32> {
+        if tokens.len() != self.cfg.block_size || block_hash(parent, tokens) != hash {
+            return None;
+        }
+        let s = self.tier.insert(hash, parent, tokens)?;
+        self.void_pending_store(s);
+        Some(s)
+    }
+
+    /// The record (hash, parent hash, tokens) a host tier slot holds.
+    pub fn tier_record(&self, slot: u32) -> Option<(u64, u64, Vec<u32>)> {
+        self.tier.record_of(slot)
     }
 }
 
@@ -151,6 +202,33 @@ mod tests {
         assert_eq!(st.tier.loaded_blocks, 2);
         // 2 + 3 blocks before; the loaded blocks, cached again, are not stored twice: one new one.
         assert_eq!(st.tier.stored_blocks, 2 + 3 + 1);
+    }
+
+    #[test]
+    fn blocks_read_from_outside_are_inserted_and_found_at_admission() {
+        let mut s = sched(8, 8);
+        let prompt: Vec<i64> = (1..=13).collect();
+        let req = NewRequest {
+            seq_ids: vec![7],
+            prompt_token_ids: prompt.clone(),
+            max_tokens: 1,
+            ..Default::default()
+        };
+        s.add_request(req).unwrap();
+        let chain = s.tier_missing_chain(7).unwrap();
+        assert_eq!(chain.iter().map(|c| c.2).collect::<Vec<_>>(), vec![0, 1, 2]);
+        let toks = |i: usize| -> Vec<u32> { (i * 4 + 1..=i * 4 + 4).map(|t| t as u32).collect() };
+        assert_eq!(s.tier_insert(chain[0].0, chain[0].1, &toks(1)), None); // not its hash
+        for &(h, p, i) in &chain[..2] {
+            let slot = s.tier_insert(h, p, &toks(i)).unwrap();
+            assert_eq!(s.tier_record(slot), Some((h, p, toks(i))));
+        }
+        // The first two blocks are held now: the chain starts at the third.
+        assert_eq!(s.tier_missing_chain(7).unwrap()[0].2, 2);
+        let p = s.schedule().unwrap();
+        assert_eq!(p.tier_load.len(), 4);
+        assert_eq!(p.num_computed_tokens, vec![8]);
+        assert_eq!(s.stats().tier.stored_blocks, 0);
     }
 
     #[test]

@@ -327,6 +327,29 @@ impl PyScheduler {
             .collect())
     }
 
+    /// (hash, parent hash, block index) of a live seq id's full blocks from the first one neither
+    /// the prefix cache nor the host KV tier holds (for a disk tier behind the host tier).
+    fn tier_missing_chain(&self, py: Python<'_>, seq_id: i64) -> PyResult<Vec<(u64, u64, usize)>> {
+        self.with(py, |s| s.tier_missing_chain(seq_id))?
+            .map_err(to_py)
+    }
+
+    /// The host KV tier slot for a block read from outside the device pool (None: held, or no slot).
+    fn tier_insert(
+        &self,
+        py: Python<'_>,
+        hash: u64,
+        parent: u64,
+        tokens: Vec<u32>,
+    ) -> PyResult<Option<u32>> {
+        self.with(py, |s| s.tier_insert(hash, parent, &tokens))
+    }
+
+    /// The (hash, parent hash, tokens) a host KV tier slot holds (None: a free slot).
+    fn tier_record(&self, py: Python<'_>, slot: u32) -> PyResult<Option<(u64, u64, Vec<u32>)>> {
+        self.with(py, |s| s.tier_record(slot))
+    }
+
     fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<bool> {
         self.with(py, |s| s.reset_prefix_cache())
     }

@@ -46,6 +46,7 @@ from pagedrs.executor.startup_log import log_kv_cache_size
 from pagedrs.loader import LoadedModel
 from pagedrs.lora.manager import LoRAManager
 from pagedrs.metrics import StatLogger, token_boxes, visualize_batch
+from pagedrs.runner.kv_disk import DiskTierLink
 from pagedrs.runner.kv_groups import step_tokens
 from pagedrs.runner.outputs import RunnerOutput
 from pagedrs.spec_decode.policy import can_speculate
@@ -104,6 +105,7 @@ class EngineCore(CoreUtilitiesMixin):
         self._kv_pool_names = self.kv_pool_names(kv.has_full_layers)
         # Prefix-cache events for routers (`kv_events`): recorded by the scheduler only when consumed.
         self._kv_events = KVEventsTap.open(config.kv_events, self.scheduler, self.device, self._kv_pool_names)
+        self._disk = DiskTierLink.open(config, loaded.model_path, executor, self.scheduler)  # `kv_disk`
         # LoRA deltas hook into the model's linear layers, eager steps (`lora_config`); under tensor
         # parallelism the other ranks follow the slots through the executor's step channel.
         self.lora: LoRAManager | None = None
@@ -117,8 +119,7 @@ class EngineCore(CoreUtilitiesMixin):
         if isinstance(executor, LiquidExecutor):
             self.liquid_control = LiquidControl(executor, self.scheduler, config.parallel, self._keep_step)
         self._requests: dict[str, CoreRequest] = {}
-        # Requests not yet scheduled, and those still collecting prompt logprobs: a steady decode step
-        # loops over neither (no per-request Python when both are empty).
+        # Requests not yet scheduled, and those still collecting prompt logprobs (a decode step loops over neither)
         self._unscheduled: set[str] = set()
         self._wanting_prompt_logprobs: set[str] = set()
         self._num_pooling = 0  # embedding requests in flight
@@ -177,8 +178,7 @@ class EngineCore(CoreUtilitiesMixin):
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers and free the model and the KV pool (device memory); the core
-        takes no more steps."""
+        """Stop the tensor-parallel workers, free the model and the KV pool; the core takes no more steps."""
         self.executor.shutdown()
         if self._kv_events is not None:
             self._kv_events.close()
@@ -268,6 +268,8 @@ class EngineCore(CoreUtilitiesMixin):
         except BaseException:
             self._loras.release(req.request_id)
             raise
+        if self._disk is not None:  # the disk tier's blocks of this prompt into the host tier first
+            self._disk.promote(seq_ids[0], prompt)
         for s in seqs:
             self._seqs[s.seq_id] = s
             if compiled is not None:
