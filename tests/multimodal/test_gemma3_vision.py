@@ -17,8 +17,9 @@ import transformers
 from pagedrs import SamplingParams
 from pagedrs.engine.frontend.input_processor import InputError
 from pagedrs.engine.llm_engine import LLMEngine
+from pagedrs.multimodal.inputs import chat_prompt
 from tests.engine.conftest import PlanSpy, assert_pool_free, make_engine, run_all
-from tests.multimodal.helpers_vision import IMAGE_TOKENS, make_gemma3_vision, random_image
+from tests.multimodal.helpers_vision import IMAGE_TOKENS, data_url, make_gemma3_vision, random_image
 
 MAX_TOKENS = 6
 BUDGET = 8  # tokens a step: every prompt is prefilled in chunks
@@ -135,3 +136,37 @@ def test_bad_image_inputs(engine: LLMEngine) -> None:
             engine.add_request("bad", prompt, _params())
     engine.add_request("ok", {"prompt": PROMPTS[0][0], "multi_modal_data": {"image": IMG_A}}, _params())
     assert run_all(engine)["ok"].outputs[0].token_ids
+
+
+def test_chat_image_parts(engine: LLMEngine, folder: Path) -> None:
+    """A chat with an image_url data URL renders through the processor's template and gives HF's ids;
+    a bad URL is an InputError naming it."""
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "look "},
+                {"type": "image_url", "image_url": {"url": data_url(IMG_B)}},
+                {"type": "text", "text": " here"},
+            ],
+        }
+    ]
+    mm = engine.input_processor.mm_processor
+    prompt = chat_prompt(mm, messages)
+    proc = transformers.AutoProcessor.from_pretrained(str(folder))
+    inputs = proc(text=prompt["prompt"], images=[IMG_B], add_special_tokens=False, return_tensors="pt")
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32)
+    with torch.no_grad():
+        ref = model.eval().generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    engine.add_request("chat", prompt, _params())
+    out = run_all(engine)["chat"]
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert list(out.outputs[0].token_ids) == ref[0, inputs["input_ids"].shape[1] :].tolist()
+    bad = [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}]}
+    ]
+    with pytest.raises(InputError, match="base64"):
+        chat_prompt(mm, bad)
+    local = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/hosts"}}]}]
+    with pytest.raises(InputError, match="allowed-local-media-path"):
+        chat_prompt(mm, local)

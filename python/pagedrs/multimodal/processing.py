@@ -76,7 +76,12 @@ class MultiModalProcessor:
         return key, tensors
 
     def process(
-        self, text: str, images: Sequence[Any], kwargs: dict[str, Any] | None = None
+        self,
+        text: str,
+        images: Sequence[Any],
+        kwargs: dict[str, Any] | None = None,
+        *,
+        add_special_tokens: bool = True,
     ) -> tuple[list[int], list[MultiModalItem]]:
         """(token ids, items) for `text` with one `image_token` per image; ValueError on a count mismatch
         or an image that cannot be processed."""
@@ -99,7 +104,7 @@ class MultiModalProcessor:
         expanded = pieces[0]
         for i, piece in enumerate(pieces[1:]):
             expanded += self.processor.replace_image_token(merged, i) + piece
-        ids = list(self.tokenizer(expanded)["input_ids"])
+        ids = list(self.tokenizer(expanded, add_special_tokens=add_special_tokens)["input_ids"])
         return ids, self._items(ids, per_image)
 
     def _items(
