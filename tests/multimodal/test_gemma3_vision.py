@@ -15,7 +15,8 @@ import torch
 import transformers
 
 from pagedrs import SamplingParams
-from pagedrs.engine.frontend.input_processor import InputError
+from pagedrs.engine.arg_utils import EngineArgs
+from pagedrs.engine.frontend.input_processor import InputError, InputProcessor
 from pagedrs.engine.llm_engine import LLMEngine
 from pagedrs.multimodal.inputs import chat_prompt
 from tests.engine.conftest import PlanSpy, assert_pool_free, make_engine, run_all
@@ -136,6 +137,36 @@ def test_bad_image_inputs(engine: LLMEngine) -> None:
             engine.add_request("bad", prompt, _params())
     engine.add_request("ok", {"prompt": PROMPTS[0][0], "multi_modal_data": {"image": IMG_A}}, _params())
     assert run_all(engine)["ok"].outputs[0].token_ids
+
+
+def test_limit_and_local_media_flags(engine: LLMEngine, folder: Path, tmp_path: Path) -> None:
+    """--limit-mm-per-prompt bounds the images of a prompt; --allowed-local-media-path admits file URLs
+    under it and nothing outside."""
+    model_cfg = EngineArgs(
+        model=str(folder), limit_mm_per_prompt='{"image": 1}', allowed_local_media_path=str(tmp_path)
+    ).early_configs()[0]
+    assert model_cfg.limit_mm_per_prompt == {"image": 1}
+    proc = InputProcessor(
+        engine.tokenizer,
+        max_model_len=128,
+        vocab_size=320,
+        max_logprobs=5,
+        mm_processor=engine.input_processor.mm_processor,
+        limit_mm_per_prompt=model_cfg.limit_mm_per_prompt,
+    )
+    two = {"prompt": PROMPTS[1][0], "multi_modal_data": {"image": PROMPTS[1][1]}}
+    with pytest.raises(InputError, match="at most 1"):
+        proc.process("r", two, _params())
+    _, req = proc.process("r", {"prompt": PROMPTS[0][0], "multi_modal_data": {"image": IMG_A}}, _params())
+    assert [it.length for it in req.mm_items] == [IMAGE_TOKENS]
+    IMG_A.save(tmp_path / "a.png")
+    msg = [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"file://{tmp_path}/a.png"}}]}
+    ]
+    mm = engine.input_processor.mm_processor
+    assert chat_prompt(mm, msg, allowed_local_media_path=str(tmp_path))["multi_modal_data"]["image"]
+    with pytest.raises(InputError, match="outside the allowed"):
+        chat_prompt(mm, msg, allowed_local_media_path=str(tmp_path / "sub"))
 
 
 def test_chat_image_parts(engine: LLMEngine, folder: Path) -> None:

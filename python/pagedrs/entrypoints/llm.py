@@ -206,7 +206,16 @@ class LLM:
             if has_images(conv):  # rendered by the processor's template; images processed with the prompt
                 mm = self.llm_engine.input_processor.mm_processor
                 kw = chat_template_kwargs or {}
-                prompts.append(chat_prompt(mm, conv, add_generation_prompt=add_generation_prompt, **kw))
+                local = self.llm_engine.config.model.allowed_local_media_path
+                prompts.append(
+                    chat_prompt(
+                        mm,
+                        conv,
+                        add_generation_prompt=add_generation_prompt,
+                        allowed_local_media_path=local,
+                        **kw,
+                    )
+                )
                 continue
             ids = self.llm_engine.apply_chat_template(
                 conv,

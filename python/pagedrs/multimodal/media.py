@@ -60,7 +60,7 @@ def _http(url: str) -> bytes:
         raise ValueError(f"the image URL cannot be fetched: {type(exc).__name__}") from None
 
 
-def fetch_image(url: str, *, allowed_local_media_path: str | None = None) -> Any:
+def fetch_image(url: Any, *, allowed_local_media_path: str | None = None) -> Any:
     """A PIL image from a data:, http(s):// or file:// URL."""
     if not isinstance(url, str) or not url:
         raise ValueError("image_url.url must be a non-empty string")
