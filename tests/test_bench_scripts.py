@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.helpers import make_tiny_llama
+from tests.multimodal.helpers_vision import make_gemma3_vision
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 SCRIPTS = sorted(BENCH.glob("*.py"))
@@ -505,3 +506,25 @@ def test_hybrid_prefix_quick(tmp_path: Path) -> None:
     assert mem["snapshot_bytes"] == 3 * (192 * 3 + 64 * 64) * 4
     assert mem["snapshot_bytes_per_1k_tokens"] == mem["snapshot_bytes"] * 1000 / 16
     assert mem["full_attention_kv_bytes_per_1k_tokens"] == 2 * 64 * 4 * 1000
+
+
+def test_vision_quick(tmp_path: Path) -> None:
+    """bench/vision.py --quick on a tiny random Gemma 3 with images: the repeated batch runs no encoder (its
+    images are in cached prefix blocks or the encoder cache) and its prompts hit the prefix cache. The
+    script runs the installed pagedrs."""
+    model = make_gemma3_vision(tmp_path / "m")
+    out = tmp_path / "vision.json"
+    proc = _run(
+        "vision.py",
+        *("--model", str(model), "--quick", "--sizes", "40x30,20x50", "--dtype", "float32"),
+        *("--json", str(out), "--commit", "deadbeef"),
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    d = json.loads(out.read_text())
+    assert d["commit"] == "deadbeef" and json.loads(proc.stdout.strip().splitlines()[-1])["bench"] == "vision"
+    for row in d["rows"]:
+        cold, repeat = row["cold"], row["repeat"]
+        assert cold["encoder_runs"] == 2 * row["images_per_request"] and repeat["encoder_runs"] == 0
+        assert repeat["cached_prompt_tokens"] > cold["cached_prompt_tokens"]

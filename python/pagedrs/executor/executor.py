@@ -31,6 +31,8 @@ from pagedrs.executor.startup_log import kv_pools_line
 from pagedrs.executor.step_packet import lora_header, pack_step, shutdown_header
 from pagedrs.layers.sampler import SamplingRow
 from pagedrs.lora.manager import LoRAManager
+from pagedrs.multimodal import MultiModalItem
+from pagedrs.multimodal.mrope import MRopeTable
 from pagedrs.runner.kv_cache import KVCachePool
 from pagedrs.runner.kv_disk import DiskTierLink
 from pagedrs.runner.kv_groups import WindowGroup, step_tokens
@@ -160,6 +162,16 @@ class UniProcExecutor:
             self.disk_tier.stored(plan)
         return out
 
+    def add_mm_request(
+        self, seq_ids: Sequence[int], items: list[MultiModalItem], mrope: MRopeTable | None = None
+    ) -> None:
+        """A request's images (and M-RoPE table), for the runner's encoder side (`runner.mm_step`);
+        ValueError where they cannot run."""
+        self.runner.add_mm_request(seq_ids, items, mrope)
+
+    def drop_mm_request(self, seq_ids: Sequence[int]) -> None:
+        self.runner.drop_mm_request(seq_ids)
+
     def check_health(self) -> None:
         """Raise ExecutorDeadError if a step can no longer run."""
 
@@ -221,6 +233,11 @@ class TPExecutor(UniProcExecutor):
         self.bcast.broadcast_cpu(header)
         if payload.numel():
             self.bcast.broadcast_cpu(payload)
+
+    def add_mm_request(
+        self, seq_ids: Sequence[int], items: list[MultiModalItem], mrope: MRopeTable | None = None
+    ) -> None:
+        raise ValueError("images are not supported under tensor parallelism yet (tensor_parallel_size 1)")
 
     def execute(
         self,
