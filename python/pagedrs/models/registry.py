@@ -30,6 +30,8 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
     "Qwen3_5ForCausalLM": ("qwen3_5", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLForConditionalGeneration"),
 }
 
 # config.model_type -> architecture, for configs that name no architectures (e.g. built in code)
@@ -51,6 +53,8 @@ MODEL_TYPES: dict[str, str] = {
     "gpt_oss": "GptOssForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
 }
 
 

@@ -1,0 +1,158 @@
+"""Qwen2.5-VL (HF's Qwen2_5_VLForConditionalGeneration): the Qwen2 text decoder (q/k/v biases) with
+blocked M-RoPE (`mrope_section`), and its window-attention vision transformer (models.vision.qwen2_5).
+
+What a multimodal model gives the runner (shared with Qwen3-VL, which builds on this class):
+- `embed_multimodal(items)`: per image item (the processor's `pixel_values`, `image_grid_thw`) its
+  encoder rows [placeholder tokens, D] (D = hidden, or hidden * (1 + DeepStack layers) for Qwen3-VL);
+- `forward(input_ids, positions, ctx, mm)`: `mm.embeds` [N, D] replace the token embeddings of the rows
+  `mm.mask` [T] marks (the first `hidden` columns; Qwen3-VL adds the next slices to those rows after its
+  first decoder layers), as HF's `masked_scatter` of the image features;
+- `get_mrope_input_positions(prompt_token_ids, mm_items, hf_config)`: HF's `get_rope_index` for one prompt
+  ([3, L] positions, and the delta decode positions add). `positions` may be [3, T] or [T] (text only).
+
+Tensors load from both checkpoint layouts: `model.language_model.*` / `model.visual.*` (transformers 5)
+and `model.*` / `visual.*` (the released checkpoints).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+from transformers import PretrainedConfig
+
+from pagedrs.distributed.group import TPGroup
+from pagedrs.layers.attention import ForwardContext
+from pagedrs.layers.linear import Loaded
+from pagedrs.layers.mrope import get_mrope, mrope_positions
+from pagedrs.models.layer_desc import DescribedModel, TorchState, run_ops
+from pagedrs.models.llama import LlamaForCausalLM, LlamaModel, _head_size
+from pagedrs.models.utils import load_weights_into
+from pagedrs.models.vision import Qwen2_5VisionTransformer
+
+__all__ = ["MultiModalRows", "Qwen2_5_VLForConditionalGeneration", "multimodal_forward"]
+
+
+class MultiModalRows(Protocol):
+    """A step's encoder rows (pagedrs.multimodal's MultiModalBatch): `embeds` [N, D] for the rows `mask`
+    [T] marks, in order."""
+
+    embeds: Tensor
+    mask: Tensor
+
+
+def multimodal_forward(
+    model: DescribedModel,
+    input_ids: Tensor,
+    positions: Tensor,
+    ctx: ForwardContext,
+    mm: MultiModalRows | None,
+    deepstack_layers: int = 0,
+) -> Tensor:
+    """The decoder stack's description run with the encoder rows scattered into the embeddings and
+    (DeepStack) the next `hidden`-wide slices added to those rows' hidden states after each of the first
+    `deepstack_layers` layers, as HF's Qwen3-VL `_deepstack_process`."""
+    desc = model.desc
+    x = desc.embed(input_ids)
+    width = x.shape[-1]
+    embeds = mask = None
+    if mm is not None and mm.embeds.shape[0]:
+        mask = mm.mask.to(x.device)
+        embeds = mm.embeds.to(device=x.device, dtype=x.dtype)
+        x = x.clone()
+        x[mask] = embeds[:, :width]
+    s = TorchState(positions, ctx, None, x)
+    layers = desc.layers if ctx.exit_layer is None else desc.layers[: ctx.exit_layer]
+    for i, layer in enumerate(layers):
+        run_ops(layer, s)
+        if embeds is not None and i < deepstack_layers and embeds.shape[1] >= width * (i + 2):
+            assert s.residual is not None
+            h = s.residual + s.x  # the layer's output, as HF's decoder layer returns it
+            h[mask] = h[mask] + embeds[:, width * (i + 1) : width * (i + 2)]
+            s.x, s.residual = h, None  # the next pre-norm takes h as its residual
+    desc.final.run(s)
+    return s.x
+
+
+def _grid(data: dict[str, Tensor]) -> list[int]:
+    grid = data.get("image_grid_thw")
+    if grid is None:
+        raise ValueError("an image item needs its image_grid_thw")
+    return [int(v) for v in grid.reshape(-1)[:3].tolist()]
+
+
+class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
+    supports_multimodal = True
+    uses_mrope = True
+    mrope_interleaved = False  # blocked sections, as HF's Qwen2_5_VLRotaryEmbedding
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TPGroup | None = None,
+    ) -> None:
+        text = copy.deepcopy(config.text_config)
+        text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        super().__init__(text, dtype=dtype, device=device, tp=tp)
+        self.text_config = text
+        self.config = config
+        self.visual = self.make_visual(config.vision_config).to(device=device, dtype=dtype)
+
+    def make_visual(self, vision_config: Any) -> torch.nn.Module:
+        return Qwen2_5VisionTransformer(vision_config)
+
+    def make_model(
+        self, config: PretrainedConfig, *, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> LlamaModel:
+        rope = get_mrope(config, _head_size(config), interleaved=self.mrope_interleaved, device=device)
+        return LlamaModel(config, qk_norm=self.qk_norm, tp=tp, dtype=dtype, device=device, rotary_emb=rope)
+
+    @property
+    def deepstack_layers(self) -> int:
+        return 0
+
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext, mm: MultiModalRows | None = None
+    ) -> Tensor:
+        """input_ids [T], positions [3, T] (or [T]: text only) -> hidden states [T, hidden]."""
+        return multimodal_forward(self.model, input_ids, positions, ctx, mm, self.deepstack_layers)
+
+    def embed_multimodal(self, items: list[dict[str, Tensor]]) -> list[Tensor]:
+        """Per image item its encoder rows [t * h * w / merge^2, D], the tower run once over all items."""
+        if not items:
+            return []
+        device = next(self.visual.parameters()).device
+        pixels = torch.cat([item["pixel_values"] for item in items]).to(device)
+        grids = torch.tensor([_grid(item) for item in items])
+        rows = self.visual(pixels, grids)
+        merge = int(self.config.vision_config.spatial_merge_size)
+        sizes = (grids.prod(-1) // (merge * merge)).tolist()
+        return list(torch.split(rows, sizes))
+
+    @staticmethod
+    def get_mrope_input_positions(
+        prompt_token_ids: Sequence[int], mm_items: Sequence[Any], hf_config: PretrainedConfig
+    ) -> tuple[Tensor, int]:
+        """HF's `get_rope_index` for one prompt; `mm_items` carry `offset` (their first placeholder token)
+        and `data["image_grid_thw"]`."""
+        merge = int(hf_config.vision_config.spatial_merge_size)
+        images = [(int(item.offset), _grid(item.data)) for item in mm_items]
+        return mrope_positions(len(prompt_token_ids), images, merge)
+
+    def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
+        """HF-named tensors of either layout; the vision tower's load as they are (no fused shards)."""
+        skip: tuple[str, ...] = ("rotary_emb.inv_freq",)
+        if self.tie_word_embeddings:
+            skip = (*skip, "lm_head.weight")
+        renames = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+        def vision(name: str) -> tuple[str, object] | None:
+            return (name, None) if name.startswith("visual.") else None
+
+        load_weights_into(self, weights, self.stacked_params, skip=skip, renames=renames, name_map=vision)
