@@ -54,6 +54,7 @@ from pagedrs.models.layer_desc import (
 )
 from pagedrs.models.llama import LlamaForCausalLM, _head_size, _layer_windows
 from pagedrs.models.utils import load_weights_into
+from pagedrs.multimodal import MultiModalBatch
 
 __all__ = ["Gemma2ForCausalLM", "Gemma3ForCausalLM"]
 
@@ -302,9 +303,16 @@ class Gemma2ForCausalLM(CausalLM):
         self.sliding_window: int | None = max(windows) if windows else None
         self.max_position: int = int(getattr(config, "max_position_embeddings", 8192))
 
-    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
-        """input_ids, positions [T] -> hidden states [T, hidden]."""
-        return self.model(input_ids, positions, ctx)
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext, mm: MultiModalBatch | None = None
+    ) -> Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden]. `mm`: encoder rows scattered into the
+        scaled embeddings at `mm.mask` (as HF's masked_scatter after the embedding scale)."""
+        if mm is None:
+            return self.model(input_ids, positions, ctx)
+        x = self.model.embed(input_ids)
+        x[mm.mask] = mm.embeds[:, : x.shape[-1]].to(x.dtype)
+        return self.model(input_ids, positions, ctx, inputs_embeds=x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor | None:
         """[N, hidden] -> [N, vocab] float32, capped as ``cap * tanh(logits / cap)`` when the config sets

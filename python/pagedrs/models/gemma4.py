@@ -47,6 +47,7 @@ from pagedrs.models.gemma4_moe import Gemma4Experts, Gemma4Router
 from pagedrs.models.interface import CausalLM
 from pagedrs.models.llama import _layer_windows
 from pagedrs.models.utils import StackedParam, load_weights_into
+from pagedrs.multimodal import MultiModalBatch
 
 __all__ = ["Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Gemma4RMSNorm"]
 
@@ -344,7 +345,9 @@ class Gemma4ForCausalLM(CausalLM):
         self.sliding_window: int | None = max(windows) if windows else None
         self.max_position: int = int(getattr(text, "max_position_embeddings", 8192))
 
-    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext, mm: MultiModalBatch | None = None
+    ) -> Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden]."""
         return cast(Tensor, self.model(input_ids, positions, ctx))
 

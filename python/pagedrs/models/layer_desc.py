@@ -223,9 +223,12 @@ class DescribedModel(torch.nn.Module):
             self._desc = self.describe()
         return self._desc
 
-    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
-        """input_ids, positions [T] -> hidden states [T, hidden] after the final norm."""
-        if self.cpu_decode is not None:
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext, inputs_embeds: Tensor | None = None
+    ) -> Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden] after the final norm. `inputs_embeds`: the
+        embeddings to run instead of `embed(input_ids)` (a multimodal step's, images scattered in)."""
+        if self.cpu_decode is not None and inputs_embeds is None:
             fast = self.cpu_decode.forward(input_ids, positions, ctx)
             if fast is not None:
                 return fast
@@ -233,7 +236,8 @@ class DescribedModel(torch.nn.Module):
         seq_lens = None
         if ctx.attn_metadata is not None and desc.long_rope:
             seq_lens = token_seq_lens(ctx.attn_metadata)
-        s = TorchState(positions, ctx, seq_lens, desc.embed(input_ids))
+        x = desc.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        s = TorchState(positions, ctx, seq_lens, x)
         for layer in desc.layers if ctx.exit_layer is None else desc.layers[: ctx.exit_layer]:
             run_ops(layer, s)
         desc.final.run(s)

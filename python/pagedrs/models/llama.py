@@ -46,6 +46,7 @@ from pagedrs.models.layer_desc import (
     run_ops,
 )
 from pagedrs.models.utils import StackedParam, load_weights_into
+from pagedrs.multimodal import MultiModalBatch
 
 __all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 
@@ -288,7 +289,9 @@ class LlamaForCausalLM(CausalLM):
         """The decoder stack; architectures on this layout with other blocks override it."""
         return LlamaModel(config, qk_norm=self.qk_norm, tp=tp, dtype=dtype, device=device)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext, mm: MultiModalBatch | None = None
+    ) -> Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden]."""
         return self.model(input_ids, positions, ctx)
 

@@ -31,6 +31,7 @@ from pagedrs.layers.linear import (
 from pagedrs.layers.norm import LayerNorm
 from pagedrs.models.interface import CausalLM
 from pagedrs.models.utils import StackedParam, load_weights_into, mha_head_size
+from pagedrs.multimodal import MultiModalBatch
 
 __all__ = ["OPTForCausalLM"]
 
@@ -191,7 +192,9 @@ class OPTForCausalLM(CausalLM):
         self.sliding_window: int | None = None
         self.max_position: int = int(config.max_position_embeddings)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext, mm: MultiModalBatch | None = None
+    ) -> Tensor:
         """input_ids, positions [T] -> hidden states [T, word_embed_proj_dim]."""
         return self.model.decoder(input_ids, positions, ctx)
 

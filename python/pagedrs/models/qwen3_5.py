@@ -41,6 +41,7 @@ from pagedrs.layers.linear_form import copy_checked, no_shard
 from pagedrs.layers.rotary import get_rope
 from pagedrs.models.interface import CausalLM
 from pagedrs.models.utils import load_weights_into
+from pagedrs.multimodal import MultiModalBatch
 
 __all__ = ["Qwen3_5ForCausalLM", "RecurrentShape", "linear_layers", "text_weights"]
 
@@ -385,7 +386,10 @@ class Qwen3_5ForCausalLM(CausalLM):
         """Builds layer i's MLP (dense here; the MoE variant overrides it)."""
         return lambda i: Qwen3_5MLP(config, tp=tp, dtype=dtype, device=device)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext, mm: MultiModalBatch | None = None
+    ) -> Tensor:
+        """`mm`: unused (this family takes no images)."""
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: Tensor) -> Tensor | None:

@@ -15,6 +15,7 @@ import msgspec
 
 from pagedrs.lora_request import LoRARequest
 from pagedrs.metrics import EngineStats
+from pagedrs.multimodal import MultiModalItem
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import SamplingParams
 
@@ -59,6 +60,10 @@ class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True):
     client_index: int = 0
     pooling: PoolingParams | None = None  # an embedding request: pool the prompt's hidden states
     lora_request: LoRARequest | None = None  # the adapter this request runs with (None: the base model)
+    mm_items: list[MultiModalItem] = []  # the request's images, in prompt order (`pagedrs.multimodal`)
+    # M-RoPE models: the prompt's [3, L] positions (row-major, flattened) and the decode offset
+    mrope_positions: list[int] | None = None
+    mrope_delta: int = 0
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

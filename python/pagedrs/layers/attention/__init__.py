@@ -56,6 +56,9 @@ class AttentionMetadata:
     group_window: int | None = None
     # The linear-attention layers' recurrent state of this step (`pagedrs.runner.recurrent.RecurrentRows`).
     recurrent: Any = field(default=None, repr=False, compare=False)
+    # [T] int64 on device, or None: each query's exclusive key-position limit where it is not position + 1
+    # (a model's bidirectional image tokens see their whole image: `CausalLM.mm_bidirectional`).
+    key_limits: Tensor | None = field(default=None, repr=False, compare=False)
 
     def for_window(self, window: int | None) -> AttentionMetadata:
         """The metadata of the layers with this sliding window: their group's, else this one."""
