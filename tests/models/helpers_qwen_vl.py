@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 import transformers
 
+from pagedrs.multimodal import MultiModalBatch, MultiModalItem, item_tensors, tensor_bytes
 from tests.helpers import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 from tests.models.paged_harness import PagedHarness
 
@@ -122,7 +122,7 @@ def process(imgs: list[np.ndarray]) -> list[dict[str, torch.Tensor]]:
 @dataclass
 class VLPrompt:
     ids: list[int]
-    items: list[Any]  # SimpleNamespace(offset, length, data) per image, as MultiModalItem
+    items: list[MultiModalItem]
     pixel_values: torch.Tensor
     grid: torch.Tensor
 
@@ -134,7 +134,8 @@ def build_prompt(texts: list[list[int]], data: list[dict[str, torch.Tensor]]) ->
     for text, d in zip(texts[1:], data, strict=True):
         n = int(d["image_grid_thw"].prod()) // 4
         ids.append(START_ID)
-        items.append(SimpleNamespace(offset=len(ids), length=n, data=d, modality="image"))
+        data_bytes = {name: tensor_bytes(t) for name, t in d.items()}
+        items.append(MultiModalItem("image", f"{len(items):032x}", len(ids), n, data_bytes))
         ids += [IMAGE_ID] * n + [END_ID] + list(text)
     return VLPrompt(
         ids,
@@ -196,7 +197,7 @@ class _StepFeeder(torch.nn.Module):
                 if bool(((p >= item.offset) & (p < item.offset + item.length)).any()):
                     key = (rid, item.offset)
                     self.item_steps[key] = self.item_steps.get(key, 0) + 1
-        mm = SimpleNamespace(embeds=torch.cat(embeds), mask=torch.cat(masks))
+        mm = MultiModalBatch(embeds=torch.cat(embeds), mask=torch.cat(masks))
         self.image_rows_seen += int(mm.mask.sum())
         return self.model(ids, torch.cat(all_pos, dim=1), ctx, mm)
 
@@ -212,7 +213,10 @@ def paged_logits(
     with torch.no_grad():
         feeder = _StepFeeder(
             model,
-            {rid: (p, model.embed_multimodal([i.data for i in p.items])) for rid, (p, _) in reqs.items()},
+            {
+                rid: (p, model.embed_multimodal([item_tensors(i) for i in p.items]))
+                for rid, (p, _) in reqs.items()
+            },
         )
     harness = PagedHarness(feeder, num_blocks=96, block_size=4)
     seqs = {rid: p.ids + list(extra) for rid, (p, extra) in reqs.items()}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,16 +32,9 @@ from pagedrs.models.layer_desc import DescribedModel, TorchState, run_ops
 from pagedrs.models.llama import LlamaForCausalLM, LlamaModel, _head_size
 from pagedrs.models.utils import load_weights_into
 from pagedrs.models.vision import Qwen2_5VisionTransformer
+from pagedrs.multimodal import MultiModalBatch, MultiModalItem, item_tensors
 
-__all__ = ["MultiModalRows", "Qwen2_5_VLForConditionalGeneration", "multimodal_forward"]
-
-
-class MultiModalRows(Protocol):
-    """A step's encoder rows (pagedrs.multimodal's MultiModalBatch): `embeds` [N, D] for the rows `mask`
-    [T] marks, in order."""
-
-    embeds: Tensor
-    mask: Tensor
+__all__ = ["Qwen2_5_VLForConditionalGeneration", "multimodal_forward"]
 
 
 def multimodal_forward(
@@ -49,7 +42,7 @@ def multimodal_forward(
     input_ids: Tensor,
     positions: Tensor,
     ctx: ForwardContext,
-    mm: MultiModalRows | None,
+    mm: MultiModalBatch | None,
     deepstack_layers: int = 0,
 ) -> Tensor:
     """The decoder stack's description run with the encoder rows scattered into the embeddings and
@@ -78,6 +71,7 @@ def multimodal_forward(
 
 
 def _grid(data: dict[str, Tensor]) -> list[int]:
+    """An image item's (t, h, w) patch grid."""
     grid = data.get("image_grid_thw")
     if grid is None:
         raise ValueError("an image item needs its image_grid_thw")
@@ -118,7 +112,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         return 0
 
     def forward(
-        self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext, mm: MultiModalRows | None = None
+        self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext, mm: MultiModalBatch | None = None
     ) -> Tensor:
         """input_ids [T], positions [3, T] (or [T]: text only) -> hidden states [T, hidden]."""
         return multimodal_forward(self.model, input_ids, positions, ctx, mm, self.deepstack_layers)
@@ -137,12 +131,12 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
 
     @staticmethod
     def get_mrope_input_positions(
-        prompt_token_ids: Sequence[int], mm_items: Sequence[Any], hf_config: PretrainedConfig
+        prompt_token_ids: Sequence[int], mm_items: Sequence[MultiModalItem], hf_config: PretrainedConfig
     ) -> tuple[Tensor, int]:
-        """HF's `get_rope_index` for one prompt; `mm_items` carry `offset` (their first placeholder token)
-        and `data["image_grid_thw"]`."""
+        """HF's `get_rope_index` for one prompt: each item's grid (its `image_grid_thw`) placed at its
+        `offset` (the first placeholder token)."""
         merge = int(hf_config.vision_config.spatial_merge_size)
-        images = [(int(item.offset), _grid(item.data)) for item in mm_items]
+        images = [(int(item.offset), _grid(item_tensors(item))) for item in mm_items]
         return mrope_positions(len(prompt_token_ids), images, merge)
 
     def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
