@@ -38,7 +38,8 @@ def _text(**extra: Any) -> dict[str, Any]:
     )
 
 
-def _ids() -> dict[str, Any]:
+def vl_ids() -> dict[str, Any]:
+    """The image and video token ids of the tiny configs (inside the 320-token vocabulary)."""
     return dict(
         image_token_id=IMAGE_ID,
         vision_start_token_id=START_ID,
@@ -61,7 +62,7 @@ def qwen2_5_vl_config() -> transformers.Qwen2_5_VLConfig:
         spatial_merge_size=2,
     )
     text = _text(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-    return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **_ids())
+    return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **vl_ids())
 
 
 def qwen3_vl_config() -> transformers.Qwen3VLConfig:
@@ -85,18 +86,13 @@ def qwen3_vl_config() -> transformers.Qwen3VLConfig:
         "mrope_interleaved": True,
     }
     text = _text(head_dim=16, rope_parameters=rope)
-    return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **_ids())
+    return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **vl_ids())
 
 
 def make_vl_model(path: Path, config: transformers.PretrainedConfig, seed: int = 0) -> Path:
     """A random HF model of `config` saved in `path` (weights N(0, 0.2), norms around 1)."""
     torch.manual_seed(seed)
-    cls = (
-        transformers.Qwen3VLForConditionalGeneration
-        if config.model_type == "qwen3_vl"
-        else transformers.Qwen2_5_VLForConditionalGeneration
-    )
-    model = cls(config).eval()
+    model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(0.0, 0.2 if p.dim() > 1 else 0.1)

@@ -60,6 +60,8 @@ def test_axis_maps_follow_hf_layouts() -> None:
     assert mrope_axis_map([2, 3, 3], interleaved=False).tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
     # HF's Qwen3-VL: pair j from h when j % 3 == 1 and j < 9, from w when j % 3 == 2 and j < 9
     assert mrope_axis_map([2, 3, 3], interleaved=True).tolist() == [0, 1, 2, 0, 1, 2, 0, 1]
+    # interleaved sections clip to the pairs there are (HF's strided slices): Qwen3.5's default [11, 11, 10]
+    assert mrope_axis_map([11, 11, 10], interleaved=True, pairs=5).tolist() == [0, 1, 2, 0, 1]
     with pytest.raises(ValueError, match="sum"):
         MRotaryEmbedding(16, 16, 64, {"rope_type": "default"}, mrope_section=[2, 2, 2], interleaved=False)
 

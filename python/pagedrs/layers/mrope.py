@@ -30,10 +30,14 @@ from pagedrs.layers.rotary import RotaryEmbedding, _rotate, rope_parameters
 __all__ = ["MRotaryEmbedding", "get_mrope", "mrope_axis_map", "mrope_positions"]
 
 
-def mrope_axis_map(section: Sequence[int], interleaved: bool) -> Tensor:
-    """Per rotary frequency pair, the axis (0 t, 1 h, 2 w) whose position gives its angle."""
-    pairs = sum(section)
+def mrope_axis_map(section: Sequence[int], interleaved: bool, pairs: int | None = None) -> Tensor:
+    """Per rotary frequency pair (`pairs` of them, default sum(section)), the axis (0 t, 1 h, 2 w) whose
+    position gives its angle. Blocked sections must cover the pairs exactly; interleaved ones are clipped
+    to them, as HF's strided slices are."""
+    pairs = sum(section) if pairs is None else pairs
     if not interleaved:
+        if sum(section) != pairs:
+            raise ValueError(f"mrope_section {list(section)} must sum to rotary_dim / 2 = {pairs}")
         return torch.cat([torch.full((n,), axis, dtype=torch.int64) for axis, n in enumerate(section)])
     axis = torch.zeros(pairs, dtype=torch.int64)
     axis[1 : 3 * section[1] : 3] = 1
@@ -56,17 +60,15 @@ class MRotaryEmbedding(RotaryEmbedding):
         device: torch.device | str = "cpu",
     ) -> None:
         super().__init__(head_size, rotary_dim, max_position, params, device=device)
-        if sum(mrope_section) != rotary_dim // 2:
-            raise ValueError(
-                f"mrope_section {list(mrope_section)} must sum to rotary_dim / 2 = {rotary_dim // 2}"
-            )
         if self.long_cos_sin_cache is not None or self.rope_type == "dynamic":
             raise ValueError(f"M-RoPE with rope_type {self.rope_type!r} is not supported")
         self.mrope_section = list(mrope_section)
         self.interleaved = interleaved
         self.axis_map: Tensor
         self.register_buffer(
-            "axis_map", mrope_axis_map(mrope_section, interleaved).to(device), persistent=False
+            "axis_map",
+            mrope_axis_map(mrope_section, interleaved, rotary_dim // 2).to(device),
+            persistent=False,
         )
 
     def token_cos_sin(self, positions: Tensor) -> Tensor:
@@ -101,14 +103,18 @@ class MRotaryEmbedding(RotaryEmbedding):
 
 
 def get_mrope(
-    config: Any, head_size: int, *, interleaved: bool, device: torch.device | str = "cpu"
+    config: Any,
+    head_size: int,
+    *,
+    interleaved: bool,
+    default_section: Sequence[int],
+    device: torch.device | str = "cpu",
 ) -> MRotaryEmbedding:
-    """The M-RoPE of a Qwen VL text config (`rope_parameters["mrope_section"]`); `interleaved` is the
-    family's layout (HF's Qwen3-VL rotary interleaves whatever `mrope_interleaved` says)."""
+    """The M-RoPE of a Qwen VL text config (`rope_parameters["mrope_section"]`, else the family's
+    `default_section` as HF's rotary falls back on); `interleaved` is the family's layout (HF's Qwen3-VL
+    rotary interleaves whatever `mrope_interleaved` says)."""
     params = rope_parameters(config)
-    section = params.get("mrope_section")
-    if not section:
-        raise ValueError("an M-RoPE model's rope_parameters must name mrope_section")
+    section = params.get("mrope_section") or list(default_section)
     if params["rope_type"] == "mrope":  # HF's older name for the default frequencies
         params["rope_type"] = "default"
     rotary_dim = int(head_size * float(params.get("partial_rotary_factor", 1.0)))

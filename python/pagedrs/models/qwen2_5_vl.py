@@ -34,7 +34,7 @@ from pagedrs.models.utils import load_weights_into
 from pagedrs.models.vision import Qwen2_5VisionTransformer
 from pagedrs.multimodal import MultiModalBatch, MultiModalItem, item_tensors
 
-__all__ = ["Qwen2_5_VLForConditionalGeneration", "multimodal_forward"]
+__all__ = ["Qwen2_5_VLForConditionalGeneration", "QwenVisionParts", "multimodal_forward", "scatter_rows"]
 
 
 def multimodal_forward(
@@ -55,8 +55,7 @@ def multimodal_forward(
     if mm is not None and mm.embeds.shape[0]:
         mask = mm.mask.to(x.device)
         embeds = mm.embeds.to(device=x.device, dtype=x.dtype)
-        x = x.clone()
-        x[mask] = embeds[:, :width]
+        x = scatter_rows(x, mm)
     s = TorchState(positions, ctx, None, x)
     layers = desc.layers if ctx.exit_layer is None else desc.layers[: ctx.exit_layer]
     for i, layer in enumerate(layers):
@@ -78,44 +77,23 @@ def _grid(data: dict[str, Tensor]) -> list[int]:
     return [int(v) for v in grid.reshape(-1)[:3].tolist()]
 
 
-class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
+def scatter_rows(x: Tensor, mm: MultiModalBatch | None) -> Tensor:
+    """The embeddings with `mm`'s encoder rows (their first `hidden` columns) in the rows it marks."""
+    if mm is None or not mm.embeds.shape[0]:
+        return x
+    x = x.clone()
+    x[mm.mask.to(x.device)] = mm.embeds[:, : x.shape[-1]].to(device=x.device, dtype=x.dtype)
+    return x
+
+
+class QwenVisionParts:
+    """What the Qwen VL families share around their towers: encoding a step's images and the prompt's
+    M-RoPE positions."""
+
     supports_multimodal = True
     uses_mrope = True
-    mrope_interleaved = False  # blocked sections, as HF's Qwen2_5_VLRotaryEmbedding
-
-    def __init__(
-        self,
-        config: PretrainedConfig,
-        *,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        tp: TPGroup | None = None,
-    ) -> None:
-        text = copy.deepcopy(config.text_config)
-        text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        super().__init__(text, dtype=dtype, device=device, tp=tp)
-        self.text_config = text
-        self.config = config
-        self.visual = self.make_visual(config.vision_config).to(device=device, dtype=dtype)
-
-    def make_visual(self, vision_config: Any) -> torch.nn.Module:
-        return Qwen2_5VisionTransformer(vision_config)
-
-    def make_model(
-        self, config: PretrainedConfig, *, tp: TPGroup, dtype: torch.dtype, device: torch.device
-    ) -> LlamaModel:
-        rope = get_mrope(config, _head_size(config), interleaved=self.mrope_interleaved, device=device)
-        return LlamaModel(config, qk_norm=self.qk_norm, tp=tp, dtype=dtype, device=device, rotary_emb=rope)
-
-    @property
-    def deepstack_layers(self) -> int:
-        return 0
-
-    def forward(
-        self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext, mm: MultiModalBatch | None = None
-    ) -> Tensor:
-        """input_ids [T], positions [3, T] (or [T]: text only) -> hidden states [T, hidden]."""
-        return multimodal_forward(self.model, input_ids, positions, ctx, mm, self.deepstack_layers)
+    config: Any
+    visual: torch.nn.Module
 
     def embed_multimodal(self, items: list[dict[str, Tensor]]) -> list[Tensor]:
         """Per image item its encoder rows [t * h * w / merge^2, D], the tower run once over all items."""
@@ -138,6 +116,51 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         merge = int(hf_config.vision_config.spatial_merge_size)
         images = [(int(item.offset), _grid(item_tensors(item))) for item in mm_items]
         return mrope_positions(len(prompt_token_ids), images, merge)
+
+
+class Qwen2_5_VLForConditionalGeneration(QwenVisionParts, LlamaForCausalLM):
+    mrope_interleaved = False  # blocked sections, as HF's Qwen2_5_VLRotaryEmbedding
+    default_mrope_section = (16, 24, 24)  # HF's when the config names none
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TPGroup | None = None,
+    ) -> None:
+        text = copy.deepcopy(config.text_config)
+        text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        super().__init__(text, dtype=dtype, device=device, tp=tp)
+        self.text_config = text
+        self.config = config
+        self.visual = self.make_visual(config.vision_config).to(device=device, dtype=dtype)
+
+    def make_visual(self, vision_config: Any) -> torch.nn.Module:
+        return Qwen2_5VisionTransformer(vision_config)
+
+    def make_model(
+        self, config: PretrainedConfig, *, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> LlamaModel:
+        rope = get_mrope(
+            config,
+            _head_size(config),
+            interleaved=self.mrope_interleaved,
+            default_section=self.default_mrope_section,
+            device=device,
+        )
+        return LlamaModel(config, qk_norm=self.qk_norm, tp=tp, dtype=dtype, device=device, rotary_emb=rope)
+
+    @property
+    def deepstack_layers(self) -> int:
+        return 0
+
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext, mm: MultiModalBatch | None = None
+    ) -> Tensor:
+        """input_ids [T], positions [3, T] (or [T]: text only) -> hidden states [T, hidden]."""
+        return multimodal_forward(self.model, input_ids, positions, ctx, mm, self.deepstack_layers)
 
     def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
         """HF-named tensors of either layout; the vision tower's load as they are (no fused shards)."""

@@ -32,6 +32,8 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "Qwen3_5MoeForCausalLM": ("qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    "Qwen3_5ForConditionalGeneration": ("qwen3_vl", "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_vl", "Qwen3_5MoeForConditionalGeneration"),
 }
 
 # config.model_type -> architecture, for configs that name no architectures (e.g. built in code)
@@ -55,14 +57,14 @@ MODEL_TYPES: dict[str, str] = {
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
 
 
 # Multimodal checkpoints whose text model pagedrs runs (config.text_config): architecture -> the text model's.
-TEXT_PARTS: dict[str, str] = {
-    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
-    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
-}
+# (None at present: the multimodal checkpoints pagedrs knows load with their vision towers.)
+TEXT_PARTS: dict[str, str] = {}
 
 
 def text_part(config: PretrainedConfig) -> PretrainedConfig:
