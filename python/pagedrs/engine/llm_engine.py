@@ -22,6 +22,7 @@ from pagedrs.loader import LoadedModel
 from pagedrs.lora_request import LoRARequest
 from pagedrs.metrics import EngineStats
 from pagedrs.models.interface import CausalLM
+from pagedrs.multimodal.processing import mm_processor_for
 from pagedrs.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.runner.model_runner import ModelRunner
@@ -61,6 +62,7 @@ class LLMEngine:
             max_logprobs=core.max_logprobs,
             embedding_size=core.embedding_size,
             task=model_cfg.task,
+            mm_processor=mm_processor_for(loaded),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 

@@ -13,7 +13,7 @@ import torch
 
 from pagedrs import __version__
 from pagedrs.config import EngineConfig
-from pagedrs.runner.kv_groups import WindowGroup, max_live_blocks
+from pagedrs.runner.kv_groups import WindowGroup, max_live_blocks, step_tokens
 
 if TYPE_CHECKING:
     from pagedrs.launch_config import LaunchConfig
@@ -208,4 +208,31 @@ def kv_pools_line(
     return (
         f"KV cache pools: {'; '.join(parts)}; maximum concurrency for {max_model_len:,} tokens per request "
         f"over every pool: {min(fits for _, _, fits in pools):.2f}x"
+    )
+
+
+def log_engine_ready(core: Any, kv: Any) -> None:
+    """The engine core's start lines (`EngineCore`, with its KV spec `kv`), on the engine's logger."""
+    log = logging.getLogger("pagedrs.engine")
+    num_blocks, num_swap = kv.num_blocks, kv.num_swap_blocks
+    if core.device.type == "cuda":
+        log.info("# GPU blocks: %d, # CPU blocks: %d", num_blocks, num_swap)
+    else:
+        log.info("# CPU blocks: %d (device pool), # swap blocks: %d", num_blocks, num_swap)
+    block_size = core.config.cache.block_size
+    log_kv_cache_size(
+        num_blocks, block_size, core.max_model_len, kv.groups, kv.num_layers, step_tokens(core.config)
+    )
+    log.info(
+        "engine ready: model=%s device=%s tp=%d dtype=%s max_model_len=%d kv blocks=%d x %d tokens "
+        "(%.2f GiB per rank), swap blocks=%d",
+        core.model_name,
+        core.device,
+        core.executor.tensor_parallel_size,
+        kv.dtype,
+        core.max_model_len,
+        num_blocks,
+        block_size,
+        num_blocks * kv.bytes_per_block / (1 << 30),
+        num_swap,
     )

@@ -18,6 +18,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("gemma3_mm", "Gemma3ForConditionalGeneration"),
     "Gemma4ForCausalLM": ("gemma4", "Gemma4ForCausalLM"),
     "Gemma4ForConditionalGeneration": ("gemma4", "Gemma4ForConditionalGeneration"),
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
@@ -44,6 +45,7 @@ MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
     "gemma4_text": "Gemma4ForCausalLM",
     "gemma4": "Gemma4ForConditionalGeneration",
     "gpt2": "GPT2LMHeadModel",
@@ -67,14 +69,33 @@ MODEL_TYPES: dict[str, str] = {
 TEXT_PARTS: dict[str, str] = {}
 
 
+# Multimodal checkpoints pagedrs runs with their vision tower: architecture -> the top-level config fields
+# carried over onto the text config the model is built from (`text_part`).
+VISION_PARTS: dict[str, tuple[str, ...]] = {
+    "Gemma3ForConditionalGeneration": (
+        "vision_config",
+        "mm_tokens_per_image",
+        "image_token_id",
+        "boi_token_id",
+        "eoi_token_id",
+    ),
+}
+
+
 def text_part(config: PretrainedConfig) -> PretrainedConfig:
     """The config pagedrs builds a model from: for a multimodal checkpoint of `TEXT_PARTS`, its text config
-    (naming the text architecture, with the checkpoint's `tie_word_embeddings`); else `config` itself."""
+    (naming the text architecture, with the checkpoint's `tie_word_embeddings`); for one of `VISION_PARTS`,
+    its text config naming the multimodal architecture, with the vision fields copied onto it (every
+    reader of vocab_size, layers and heads sees the text model's); else `config` itself."""
     text = getattr(config, "text_config", None)
     for arch in getattr(config, "architectures", None) or []:
-        if arch in TEXT_PARTS and text is not None:
-            text.architectures = [TEXT_PARTS[arch]]
+        if text is None or text is config:
+            break
+        if arch in TEXT_PARTS or arch in VISION_PARTS:
+            text.architectures = [TEXT_PARTS.get(arch, arch)]
             text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+            for name in VISION_PARTS.get(arch, ()):
+                setattr(text, name, getattr(config, name))
             return text
     return config
 

@@ -116,7 +116,7 @@ def scheduler_token_ids(prompt: Sequence[int], items: Sequence[MultiModalItem], 
     ids = list(prompt)
     vocab = max(int(vocab_size), 1)
     for it in items:
-        digest = bytes.fromhex(it.hash)
+        digest = hashlib.blake2b(it.hash.encode(), digest_size=16).digest()
         keys = [int.from_bytes(digest[i : i + 4], "little") % vocab for i in range(0, 16, 4)]
         for j in range(it.length):
             ids[it.offset + j] = keys[j % len(keys)]

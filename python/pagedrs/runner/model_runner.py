@@ -27,9 +27,11 @@ from pagedrs.layers.attention import AttentionMetadata, ForwardContext, get_atte
 from pagedrs.layers.sampler import Sampler, SamplingRow
 from pagedrs.models.interface import CausalLM
 from pagedrs.models.prepare import prepare_for_device, runner_options
+from pagedrs.multimodal.encoder_cache import EncoderCache
 from pagedrs.runner.kv_cache import KVCachePool, model_block_bytes
 from pagedrs.runner.kv_groups import WindowGroup, group_metadata
 from pagedrs.runner.kv_setup import KVSetupMixin
+from pagedrs.runner.mm_step import MultiModalStepMixin
 from pagedrs.runner.outputs import Forward, RunnerOutput
 from pagedrs.runner.recurrent import RecurrentState
 from pagedrs.runner.sample_step import SampleStepMixin
@@ -55,7 +57,7 @@ def check_batch_invariant(model: torch.nn.Module, kv_dtype: torch.dtype) -> None
         )
 
 
-class ModelRunner(KVSetupMixin, SampleStepMixin):
+class ModelRunner(KVSetupMixin, SampleStepMixin, MultiModalStepMixin):
     """Owns the model, the KV pool, the attention backend and the sampler for one device."""
 
     def __init__(
@@ -124,6 +126,8 @@ class ModelRunner(KVSetupMixin, SampleStepMixin):
         # a sequence that samples (temperature > 0) from its own distribution under the same parameters.
         self.step_rows: Sequence[SamplingRow] | None = None
         self.drafter: Drafter | None = build_drafter(self._drafter_context(draft_model))
+        # A multimodal model's items and encoder outputs (`multimodal.encoder_cache`); None for text models.
+        self.encoder_cache: EncoderCache | None = EncoderCache() if model.supports_multimodal else None
 
     def _drafter_context(self, draft_model: CausalLM | None) -> DrafterContext:
         """What a drafter may use of this runner; its buffers and pools come from the factories."""
@@ -269,7 +273,8 @@ class ModelRunner(KVSetupMixin, SampleStepMixin):
             max_query_len = int(plan.num_scheduled_tokens.max()) if num_reqs else 0
             max_seq_len = int(seq_lens.max()) if num_reqs else 0
             graph = None
-            if num_tokens == num_reqs and self.cuda_graphs is not None:  # one token a row: may replay
+            mm = self._mm_step(plan) if self.encoder_cache is not None and num_tokens > 0 else None
+            if num_tokens == num_reqs and self.cuda_graphs is not None and mm is None:  # may replay
                 graph = self.cuda_graphs.lookup(num_reqs, max_query_len, max_seq_len, pool.kv_caches)
             inputs = self.step_buffers.pack(
                 plan,
@@ -295,7 +300,10 @@ class ModelRunner(KVSetupMixin, SampleStepMixin):
                     if meta is None:
                         meta = self._attn_metadata(plan, inputs, max_query_len, max_seq_len)
                     ctx = ForwardContext(attn_metadata=meta, kv_caches=pool.kv_caches, backend=self.backend)
-                    hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+                    if mm is not None:
+                        hidden = self._forward_mm(inputs, ctx, mm)
+                    else:
+                        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
                     if self.recurrent is not None:  # a fork copies the state its step computed
                         self.recurrent.apply_copies(plan, len(self.kv_groups))
                 self.last_hidden = hidden  # the final hidden states, for embedding requests (rank 0 reads)

@@ -4,6 +4,7 @@
 //! the runner executes it; [`Scheduler::update`] appends the sampled tokens, applies the stop
 //! checks, frees finished sequences and caches newly full blocks.
 
+pub mod atomic_spans;
 pub mod block_pool;
 pub mod block_table;
 pub mod config;

@@ -97,7 +97,11 @@ impl Scheduler {
                 self.finish_unfittable(slot);
                 continue;
             }
-            let mut num_new = remaining.min(*budget);
+            let mut num_new = self.spans.cut(seq.seq_id, nc, remaining.min(*budget));
+            if num_new == 0 {
+                i += 1; // its next chunk takes a span whole: a later step with more budget
+                continue;
+            }
             if spec && remaining == 1 && *budget > 1 {
                 num_new += self.propose(slot, *budget - 1);
             }
@@ -236,14 +240,16 @@ impl Scheduler {
     }
 
     /// How many tokens a sequence about to (re)start may schedule, None if it must wait.
-    fn chunk(&self, remaining: usize, budget: usize) -> Option<usize> {
-        if remaining <= budget {
-            Some(remaining)
+    /// The chunk never ends inside one of the sequence's atomic spans.
+    fn chunk(&self, seq_id: i64, nc: usize, remaining: usize, budget: usize) -> Option<usize> {
+        let n = if remaining <= budget {
+            remaining
         } else if self.cfg.enable_chunked_prefill || remaining > self.cfg.max_num_batched_tokens {
-            Some(budget)
+            budget
         } else {
-            None
-        }
+            return None;
+        };
+        Some(self.spans.cut(seq_id, nc, n)).filter(|&n| n > 0)
     }
 
     fn try_swap_in(
@@ -265,7 +271,7 @@ impl Scheduler {
             self.finish_unfittable(slot);
             return Admit::Dropped;
         }
-        let Some(num_new) = self.chunk(seq.num_tokens() - nc, *budget) else {
+        let Some(num_new) = self.chunk(seq.seq_id, nc, seq.num_tokens() - nc, *budget) else {
             return Admit::No;
         };
         let total = (nc + num_new).div_ceil(bs).max(seq.swap_table.len());
@@ -344,7 +350,7 @@ impl Scheduler {
         };
         let seq = &self.seqs[slot as usize];
         let nc = (hits.len() + tier.slots.len()) * bs;
-        let Some(num_new) = self.chunk(seq.num_tokens() - nc, *budget) else {
+        let Some(num_new) = self.chunk(seq.seq_id, nc, seq.num_tokens() - nc, *budget) else {
             self.hit_scratch = hits;
             return Admit::No;
         };

@@ -63,6 +63,8 @@ pub struct Scheduler {
     pub(crate) seqs: Vec<Seq>,
     pub(crate) free_slots: Vec<u32>,
     pub(crate) ids: HashMap<i64, SeqRef>,
+    /// Prompt ranges a prefill chunk takes whole (`atomic_spans`), by sequence id.
+    pub(crate) spans: crate::atomic_spans::AtomicSpans,
     // INVARIANT: sorted by key; victims of preemption are taken from the end.
     pub(crate) running: Vec<u32>,
     pub(crate) waiting: BTreeSet<(SeqKey, u32)>,
@@ -113,6 +115,7 @@ impl Scheduler {
             seqs: Vec::new(),
             free_slots: Vec::new(),
             ids: HashMap::new(),
+            spans: Default::default(),
             running: Vec::new(),
             waiting: BTreeSet::new(),
             swapped: BTreeSet::new(),
@@ -252,6 +255,12 @@ impl Scheduler {
     }
 
     /// Aborts sequences in any state, freeing everything they hold. Unknown ids are ignored.
+    /// Prompt ranges `(start, end)` of `seq_id` that a prefill chunk must take whole (a
+    /// bidirectional multimodal item): a chunk never ends strictly inside one.
+    pub fn set_atomic_spans(&mut self, seq_id: i64, spans: Vec<(usize, usize)>) {
+        self.spans.set(seq_id, spans);
+    }
+
     pub fn abort(&mut self, seq_ids: &[i64]) {
         if !self.pending_finished.is_empty() {
             self.pending_finished
@@ -330,6 +339,7 @@ impl Scheduler {
         seq.swap_table.clear();
         seq.alive = false;
         seq.gen = seq.gen.wrapping_add(1);
+        self.spans.remove(seq.seq_id);
         if self
             .ids
             .get(&seq.seq_id)

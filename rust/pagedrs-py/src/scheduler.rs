@@ -167,6 +167,11 @@ impl PyScheduler {
         self.with(py, |s| s.add_request(req))?.map_err(to_py)
     }
 
+    /// Prompt ranges (start, end) of `seq_id` a prefill chunk takes whole (never ends inside one).
+    fn set_atomic_spans(&self, py: Python<'_>, seq_id: i64, spans: Vec<(usize, usize)>) -> PyResult<()> {
+        self.with(py, |s| s.set_atomic_spans(seq_id, spans))
+    }
+
     fn schedule(slf: &Bound<'_, Self>) -> PyResult<PyStepPlan> {
         let plan = slf
             .get()

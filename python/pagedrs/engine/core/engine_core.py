@@ -42,11 +42,11 @@ from pagedrs.executor import ExecutorDeadError, UniProcExecutor
 from pagedrs.executor.build import load_engine
 from pagedrs.executor.liquid.control import LiquidControl
 from pagedrs.executor.liquid.executor import LiquidExecutor
-from pagedrs.executor.startup_log import log_kv_cache_size
+from pagedrs.executor.startup_log import log_engine_ready
 from pagedrs.loader import LoadedModel
 from pagedrs.lora.manager import LoRAManager
 from pagedrs.metrics import StatLogger, token_boxes, visualize_batch
-from pagedrs.runner.kv_groups import step_tokens
+from pagedrs.multimodal.admission import ImageAdmission
 from pagedrs.runner.outputs import RunnerOutput
 from pagedrs.spec_decode.policy import can_speculate
 from pagedrs.spec_decode.policy import spec_scheduler_args as _spec_scheduler_args
@@ -113,6 +113,8 @@ class EngineCore(CoreUtilitiesMixin):
             executor.attach_lora(self.lora)
         self._loras = LoRAQueue(self.lora)
         self._shut_down = False
+        atomic = bool(getattr(loaded.model, "mm_bidirectional", False))
+        self._images = ImageAdmission(executor, self.scheduler, self.vocab_size, atomic=atomic)
         self.liquid_control: LiquidControl | None = None
         if isinstance(executor, LiquidExecutor):
             self.liquid_control = LiquidControl(executor, self.scheduler, config.parallel, self._keep_step)
@@ -136,30 +138,7 @@ class EngineCore(CoreUtilitiesMixin):
         self._last_batch = 0
         obs = config.observability
         self.stat_logger = StatLogger(obs.stats_log_interval) if obs.log_stats else None
-        self._log_start(kv.num_blocks, kv.num_swap_blocks, kv.dtype, kv.bytes_per_block)
-
-    def _log_start(self, num_blocks: int, num_swap: int, kv_dtype: Any, bytes_per_block: int) -> None:
-        if self.device.type == "cuda":
-            logger.info("# GPU blocks: %d, # CPU blocks: %d", num_blocks, num_swap)
-        else:
-            logger.info("# CPU blocks: %d (device pool), # swap blocks: %d", num_blocks, num_swap)
-        kv, block_size = self._kv_spec, self.config.cache.block_size
-        log_kv_cache_size(
-            num_blocks, block_size, self.max_model_len, kv.groups, kv.num_layers, step_tokens(self.config)
-        )
-        logger.info(
-            "engine ready: model=%s device=%s tp=%d dtype=%s max_model_len=%d kv blocks=%d x %d tokens "
-            "(%.2f GiB per rank), swap blocks=%d",
-            self.model_name,
-            self.device,
-            self.executor.tensor_parallel_size,
-            kv_dtype,
-            self.max_model_len,
-            num_blocks,
-            self.config.cache.block_size,
-            num_blocks * bytes_per_block / (1 << 30),
-            num_swap,
-        )
+        log_engine_ready(self, kv)
 
     @classmethod
     def from_config(cls, launch: LaunchConfig) -> tuple[EngineCore, LoadedModel]:
@@ -248,9 +227,10 @@ class EngineCore(CoreUtilitiesMixin):
         if self._kv_events is not None:
             self._kv_events.note_lora(lora)
         try:
+            sched_ids = self._images.admit(seq_ids, prompt, req.mm_items) if req.mm_items else prompt
             self.scheduler.add_request(
                 seq_ids,
-                np.asarray(prompt, dtype=np.int64),
+                np.asarray(sched_ids, dtype=np.int64),
                 max_tokens=req.max_tokens,
                 min_tokens=params.min_tokens,
                 eos_token_ids=self.eos_token_ids,
@@ -267,13 +247,15 @@ class EngineCore(CoreUtilitiesMixin):
             )  # raises InvalidRequestError (a ValueError) before any state changes here
         except BaseException:
             self._loras.release(req.request_id)
+            if req.mm_items:
+                self._images.release(seq_ids)
             raise
         for s in seqs:
             self._seqs[s.seq_id] = s
             if compiled is not None:
                 s.matcher = StructuredOutputManager.matcher(compiled)
         self._requests[req.request_id] = CoreRequest(
-            req.request_id, seqs, params.prompt_logprobs, req.pooling
+            req.request_id, seqs, params.prompt_logprobs, req.pooling, has_images=bool(req.mm_items)
         )
         self._unscheduled.add(req.request_id)
         if params.prompt_logprobs is not None:
@@ -320,6 +302,8 @@ class EngineCore(CoreUtilitiesMixin):
         self._wanting_prompt_logprobs.discard(request_id)
         if req is not None and req.pooling is not None:
             self._num_pooling -= 1
+        if req is not None and req.has_images:
+            self._images.release([s.seq_id for s in req.seqs])
         if req is not None and req.seqs[0].matcher is not None:
             self._num_structured -= 1
         return req

@@ -84,6 +84,7 @@ class CoreRequest:
         "pooling",
         "pool_acc",
         "pool_n",
+        "has_images",
     )
 
     def __init__(
@@ -92,8 +93,11 @@ class CoreRequest:
         seqs: list[CoreSeq],
         prompt_logprobs: int | None,
         pooling: PoolingParams | None = None,
+        *,
+        has_images: bool = False,
     ) -> None:
         self.request_id = request_id
+        self.has_images = has_images  # the runner holds its images until the request is dropped
         self.seqs = seqs
         self.prompt_logprobs = prompt_logprobs  # top-k wanted, until the prompt is done
         self.unscheduled = True

@@ -11,6 +11,9 @@ import numpy as np
 
 from pagedrs.engine.core.messages import EngineCoreRequest
 from pagedrs.lora_request import LoRARequest
+from pagedrs.multimodal import MultiModalItem
+from pagedrs.multimodal.inputs import multimodal_prompt
+from pagedrs.multimodal.processing import MultiModalProcessor
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import SamplingParams
 
@@ -39,6 +42,8 @@ class InputProcessor:
         strict: bool = False,
         embedding_size: int = 0,
         task: str = "auto",
+        mm_processor: MultiModalProcessor | None = None,
+        limit_mm_per_prompt: dict[str, int] | None = None,
     ) -> None:
         """`strict` (the server, as OpenAI does): reject prompt + max_tokens > max_model_len and stop token
         ids or logit_bias keys outside the vocabulary. Otherwise (offline, as vLLM) such a request stops at
@@ -50,6 +55,8 @@ class InputProcessor:
         self.max_logprobs = max_logprobs
         self.embedding_size = embedding_size
         self.task = task
+        self.mm_processor = mm_processor  # None: the model takes no images
+        self.limit_mm_per_prompt = limit_mm_per_prompt or {}
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, checked token ids)."""
@@ -166,7 +173,12 @@ class InputProcessor:
             self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         if params.logit_bias and self.strict:
             self.check_token_ids(list(params.logit_bias), "logit_bias")
-        text, ids = self.tokenize(prompt)
+        items: list[MultiModalItem] = []
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            text, ids, items = multimodal_prompt(self.mm_processor, prompt, self.limit_mm_per_prompt)
+            self.check_token_ids(ids, "prompt")
+        else:
+            text, ids = self.tokenize(prompt)
         max_tokens = self.resolve_max_tokens(len(ids), params.max_tokens)
         if params.min_tokens > max_tokens:
             raise InputError(
@@ -181,6 +193,7 @@ class InputProcessor:
             priority=int(priority),
             client_index=client_index,
             lora_request=lora_request,
+            mm_items=items,
         )
 
     def process_pooling(

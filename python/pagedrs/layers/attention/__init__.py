@@ -59,6 +59,9 @@ class AttentionMetadata:
     # [T] int64 on device, or None: each query's exclusive key-position limit where it is not position + 1
     # (a model's bidirectional image tokens see their whole image: `CausalLM.mm_bidirectional`).
     key_limits: Tensor | None = field(default=None, repr=False, compare=False)
+    key_limit_reqs: Sequence[int] = field(
+        default=(), repr=False, compare=False
+    )  # the rows key_limits changes
 
     def for_window(self, window: int | None) -> AttentionMetadata:
         """The metadata of the layers with this sliding window: their group's, else this one."""

@@ -172,6 +172,8 @@ def step_plan(meta: AttentionMetadata, *, every_token: bool = False) -> _StepPla
     as_decodes = (q_lens == 1) | ((q_lens > 1) & (q_lens <= DECODE_LIKE_MAX_QUERY) & (seq_lens > q_lens))
     if every_token:
         as_decodes = q_lens > 0
+    if meta.key_limits is not None and len(meta.key_limit_reqs):  # a bidirectional chunk needs its mask
+        as_decodes[np.asarray(meta.key_limit_reqs, dtype=np.int64)] = False
     device = meta.block_tables.device
     plan = _StepPlan([], [])
     dec = np.nonzero(as_decodes)[0]
@@ -287,8 +289,9 @@ class TorchAttentionBackend:
                     kb, vb = to_cache_dtype(kb, kv_cache.dtype), to_cache_dtype(vb, kv_cache.dtype)
             else:
                 kb, vb = gather_kv(kv_cache, meta.block_tables[b], seq_len)
+            limits = meta.key_limits[start:end] if meta.key_limits is not None else None
             out[start:end] = self._prefill(
-                q[start:end], kb, vb, seq_len, scale, sliding_window, logits_soft_cap, sinks
+                q[start:end], kb, vb, seq_len, scale, sliding_window, logits_soft_cap, sinks, limits
             )
         return out
 
@@ -349,14 +352,27 @@ class TorchAttentionBackend:
         sliding_window: int | None,
         logits_soft_cap: float | None = None,
         sinks: Tensor | None = None,
+        key_limits: Tensor | None = None,
     ) -> Tensor:
-        """One request: q [Q,H,D] at positions seq_len-Q.., k/v [L,KVH,D] at positions 0..L-1."""
+        """One request: q [Q,H,D] at positions seq_len-Q.., k/v [L,KVH,D] at positions 0..L-1.
+        `key_limits` [Q]: each query's exclusive key limit (a bidirectional image's end) instead of its
+        position + 1; the sliding window still bounds the keys behind it."""
         q_len = q.shape[0]
         k = k.to(q.dtype)
         v = v.to(q.dtype)
         gqa = q.shape[1] != k.shape[1]
         qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        if logits_soft_cap is not None or sinks is not None:
+        if key_limits is not None:
+            k_pos = torch.arange(seq_len, device=q.device)
+            q_pos = k_pos[seq_len - q_len :]
+            mask = k_pos[None, :] < key_limits[:, None]
+            if sliding_window is not None:
+                mask &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+            if logits_soft_cap is not None or sinks is not None:
+                o = soft_capped_attention(qh, kh, vh, mask, scale, logits_soft_cap, sinks)
+            else:
+                o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        elif logits_soft_cap is not None or sinks is not None:
             k_pos = torch.arange(seq_len, device=q.device)
             mask = _window_mask(k_pos[seq_len - q_len :], k_pos, sliding_window)
             o = soft_capped_attention(qh, kh, vh, mask, scale, logits_soft_cap, sinks)

@@ -1,0 +1,49 @@
+"""A prompt dict with `multi_modal_data` (vLLM's offline form: `{"prompt": str, "multi_modal_data":
+{"image": image | [images]}, "mm_processor_kwargs": {...}}`) checked and processed into token ids and
+items. Every bad input is an `InputError` naming the problem (the server's 400)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pagedrs.multimodal import MultiModalItem
+from pagedrs.multimodal.processing import MultiModalProcessor
+
+__all__ = ["multimodal_prompt"]
+
+DEFAULT_IMAGE_LIMIT = 16  # images a prompt may carry unless --limit-mm-per-prompt says otherwise
+
+
+def multimodal_prompt(
+    processor: MultiModalProcessor | None, prompt: Mapping[str, Any], limits: Mapping[str, int]
+) -> tuple[str, list[int], list[MultiModalItem]]:
+    """(prompt text, token ids, items); InputError on a model without images, an unknown modality, more
+    images than the limit, or an image that cannot be decoded or processed."""
+    from pagedrs.engine.frontend.input_processor import InputError
+
+    if processor is None:
+        raise InputError("this model takes no images (multi_modal_data given)", "multi_modal_data")
+    data = prompt["multi_modal_data"]
+    if not isinstance(data, Mapping):
+        raise InputError("multi_modal_data must be a dict such as {'image': image}", "multi_modal_data")
+    unknown = sorted(set(data) - {"image"})
+    if unknown:
+        raise InputError(f"unsupported modalities {unknown}: this model takes 'image'", "multi_modal_data")
+    images = data.get("image")
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    limit = int(limits.get("image", DEFAULT_IMAGE_LIMIT))
+    if len(images) > limit:
+        raise InputError(
+            f"the prompt has {len(images)} images; at most {limit} are allowed (--limit-mm-per-prompt)",
+            "multi_modal_data",
+        )
+    text = prompt.get("prompt")
+    if not isinstance(text, str):
+        raise InputError("a prompt with multi_modal_data needs 'prompt' as a str", "prompt")
+    kwargs = prompt.get("mm_processor_kwargs") or {}
+    try:
+        ids, items = processor.process(text, images, kwargs)
+    except ValueError as exc:
+        raise InputError(str(exc), "multi_modal_data") from None
+    return text, ids, items

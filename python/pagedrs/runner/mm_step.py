@@ -1,0 +1,68 @@
+"""The model runner's image side of a step (a mixin of `ModelRunner`): the encoder rows of the step's
+scheduled image tokens (`multimodal.encoder_cache`), the bidirectional key limits of a model whose image
+tokens see their whole image, and the forward with both."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from pagedrs._core import StepPlan
+from pagedrs.layers.attention import ForwardContext
+from pagedrs.multimodal import MultiModalItem
+from pagedrs.multimodal.encoder_cache import EncoderCache, MultiModalStep
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedrs.models.interface import CausalLM
+    from pagedrs.runner.step_buffers import StepInputs
+
+__all__ = ["MultiModalStepMixin"]
+
+
+class MultiModalStepMixin:
+    model: CausalLM
+    device: torch.device
+    encoder_cache: EncoderCache | None
+
+    def add_mm_request(self, seq_ids: Sequence[int], items: list[MultiModalItem]) -> None:
+        """The sequences `seq_ids` (a request's samples) carry `items` until `drop_mm_request`."""
+        if self.encoder_cache is None:
+            raise ValueError(f"{type(self.model).__name__} takes no images")
+        self.encoder_cache.add(seq_ids, items)
+
+    def drop_mm_request(self, seq_ids: Sequence[int]) -> None:
+        if self.encoder_cache is not None:
+            self.encoder_cache.drop(seq_ids)
+
+    def _mm_step(self, plan: StepPlan) -> MultiModalStep | None:
+        cache = self.encoder_cache
+        assert cache is not None
+        return cache.step(
+            plan.req_ids,
+            plan.num_computed_tokens,
+            plan.num_scheduled_tokens,
+            plan.query_start_loc,
+            plan.positions,
+            self.model.embed_multimodal,
+            self.device,
+            bidirectional=self.model.mm_bidirectional,
+        )
+
+    def _forward_mm(self, inputs: StepInputs, ctx: ForwardContext, mm: MultiModalStep) -> Tensor:
+        """The forward of a step with image rows; a bidirectional model's attention metadata (and its
+        window groups') takes the step's key limits."""
+        meta = ctx.attn_metadata
+        if mm.key_limits is not None and meta is not None:
+            if getattr(ctx.backend, "name", "torch") != "torch":
+                raise NotImplementedError(
+                    f"{type(self.model).__name__}: bidirectional image attention runs on the torch "
+                    "attention backend only (attention_backend='torch')"
+                )
+            for m in (meta, *meta.groups.values()):
+                m.key_limits = mm.key_limits
+                m.key_limit_reqs = mm.key_limit_reqs
+        return self.model(inputs.input_ids, inputs.positions, ctx, mm=mm.batch)
