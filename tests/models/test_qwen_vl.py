@@ -14,10 +14,12 @@ import pytest
 import torch
 import transformers
 
+from pagedrs.layers.attention import ForwardContext
 from pagedrs.layers.mrope import MRotaryEmbedding, mrope_axis_map
 from pagedrs.loader import load_model
 from pagedrs.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from pagedrs.models.qwen3_vl import Qwen3VLForConditionalGeneration
+from pagedrs.multimodal import MultiModalBatch, item_tensors
 from tests.engine.conftest import HFReference, greedy, make_engine, random_prompts, run_all
 from tests.models.helpers_qwen_vl import (
     IMAGE_ID,
@@ -136,6 +138,10 @@ def test_logits_equal_hf_with_images_chunked_and_decoded(family: Family) -> None
     for rid, prompt in ((0, one), (1, two)):
         torch.testing.assert_close(got[rid], hf_logits(hf, prompt, extra[rid]), atol=ATOL, rtol=0)
     assert feeder.image_rows_seen == sum(i.length for p in (one, two) for i in p.items)
+    rows = torch.cat(model.embed_multimodal([item_tensors(i) for i in one.items]))
+    mm = MultiModalBatch(embeds=rows, mask=torch.tensor(one.ids) == IMAGE_ID)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"\[3, T\]"):  # 1-D positions: not silently wrong
+        model(torch.tensor(one.ids), torch.arange(len(one.ids)), ForwardContext(None, []), mm)
     assert len(feeder.item_steps) == 3 and all(n > 1 for n in feeder.item_steps.values()), feeder.item_steps
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 
@@ -73,3 +74,5 @@ def test_qwen3_5_images_equal_hf(tmp_path: Path) -> None:
             hidden = model(ids[0], pos, ForwardContext(None, []), mm)
             got = model.compute_logits(hidden)
         torch.testing.assert_close(got, hf_logits(hf, prompt), atol=ATOL, rtol=0)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"\[3, T\]"):  # 1-D positions: not silently wrong
+        model(ids[0], torch.arange(len(prompt.ids)), ForwardContext(None, []), mm)

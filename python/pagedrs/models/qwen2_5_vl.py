@@ -10,6 +10,8 @@ What a multimodal model gives the runner (shared with Qwen3-VL, which builds on 
 - `get_mrope_input_positions(prompt_token_ids, mm_items, hf_config)`: HF's `get_rope_index` for one prompt
   ([3, L] positions, and the delta decode positions add). `positions` may be [3, T] or [T] (text only).
 
+The config is the checkpoint's (text_config, vision_config) or, as the loader gives it
+(`registry.VISION_PARTS`), its text config carrying `vision_config` and the image token ids.
 Tensors load from both checkpoint layouts: `model.language_model.*` / `model.visual.*` (transformers 5)
 and `model.*` / `visual.*` (the released checkpoints).
 """
@@ -55,7 +57,7 @@ def multimodal_forward(
     if mm is not None and mm.embeds.shape[0]:
         mask = mm.mask.to(x.device)
         embeds = mm.embeds.to(device=x.device, dtype=x.dtype)
-        x = scatter_rows(x, mm)
+        x = scatter_rows(x, mm, positions)
     s = TorchState(positions, ctx, None, x)
     layers = desc.layers if ctx.exit_layer is None else desc.layers[: ctx.exit_layer]
     for i, layer in enumerate(layers):
@@ -77,10 +79,13 @@ def _grid(data: dict[str, Tensor]) -> list[int]:
     return [int(v) for v in grid.reshape(-1)[:3].tolist()]
 
 
-def scatter_rows(x: Tensor, mm: MultiModalBatch | None) -> Tensor:
-    """The embeddings with `mm`'s encoder rows (their first `hidden` columns) in the rows it marks."""
+def scatter_rows(x: Tensor, mm: MultiModalBatch | None, positions: Tensor) -> Tensor:
+    """The embeddings with `mm`'s encoder rows (their first `hidden` columns) in the rows it marks.
+    ValueError for image rows at [T] positions: an image's tokens need their M-RoPE rows ([3, T])."""
     if mm is None or not mm.embeds.shape[0]:
         return x
+    if positions.dim() != 2:
+        raise ValueError("image tokens need M-RoPE positions [3, T] (get_mrope_input_positions), got [T]")
     x = x.clone()
     x[mm.mask.to(x.device)] = mm.embeds[:, : x.shape[-1]].to(device=x.device, dtype=x.dtype)
     return x
@@ -130,7 +135,7 @@ class Qwen2_5_VLForConditionalGeneration(QwenVisionParts, LlamaForCausalLM):
         device: torch.device | str,
         tp: TPGroup | None = None,
     ) -> None:
-        text = copy.deepcopy(config.text_config)
+        text = copy.deepcopy(config.get_text_config())
         text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         super().__init__(text, dtype=dtype, device=device, tp=tp)
         self.text_config = text

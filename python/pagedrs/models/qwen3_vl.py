@@ -63,7 +63,7 @@ def _qwen3_5_vl(base: type[Qwen3_5ForCausalLM]) -> Any:
             device: torch.device | str,
             tp: TPGroup | None = None,
         ) -> None:
-            text = copy.deepcopy(config.text_config)
+            text = copy.deepcopy(config.get_text_config())
             text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
             super().__init__(text, dtype=dtype, device=device, tp=tp)
             self.text_config = text
@@ -80,7 +80,7 @@ def _qwen3_5_vl(base: type[Qwen3_5ForCausalLM]) -> Any:
             self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext, mm: MultiModalBatch | None = None
         ) -> Tensor:
             """input_ids [T], positions [3, T] (or [T]: text only) -> hidden states [T, hidden]."""
-            x = scatter_rows(self.model.embed_tokens(input_ids), mm)
+            x = scatter_rows(self.model.embed_tokens(input_ids), mm, positions)
             layers = self.model.layers if ctx.exit_layer is None else self.model.layers[: ctx.exit_layer]
             for layer in layers:
                 x = layer(positions, x, ctx)

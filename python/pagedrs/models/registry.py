@@ -79,6 +79,15 @@ VISION_PARTS: dict[str, tuple[str, ...]] = {
         "boi_token_id",
         "eoi_token_id",
     ),
+    **dict.fromkeys(
+        (
+            "Qwen2_5_VLForConditionalGeneration",
+            "Qwen3VLForConditionalGeneration",
+            "Qwen3_5ForConditionalGeneration",
+            "Qwen3_5MoeForConditionalGeneration",
+        ),
+        ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"),
+    ),
 }
 
 
