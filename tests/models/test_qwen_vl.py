@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+from pagedrs.engine.frontend.input_processor import InputError
 from pagedrs.layers.attention import ForwardContext
 from pagedrs.layers.mrope import MRotaryEmbedding, mrope_axis_map
 from pagedrs.loader import load_model
@@ -146,8 +147,8 @@ def test_logits_equal_hf_with_images_chunked_and_decoded(family: Family) -> None
 
 
 def test_text_only_engine_greedy_equals_hf(family: Family) -> None:
-    """A text-only prompt through the VL checkpoint in the engine ([T] positions: plain RoPE) gives HF's
-    greedy ids, with chunked prefill."""
+    """Text-only prompts through the VL checkpoint in the engine ([T] positions: plain RoPE) give HF's
+    greedy ids, with chunked prefill; without a processor config in the folder images are refused."""
     family.hf.generation_config.eos_token_id = None
     ref = HFReference(family.hf)
     engine = make_engine(
@@ -159,3 +160,6 @@ def test_text_only_engine_greedy_equals_hf(family: Family) -> None:
     outs = run_all(engine)
     for i, prompt in enumerate(prompts):
         assert outs[str(i)].outputs[0].token_ids == ref(prompt, 8)
+    # the folder has no processor config: text prompts are served, images refused at the door
+    with pytest.raises(InputError, match="takes no images"):
+        engine.add_request("img", {"prompt": "x", "multi_modal_data": {"image": images()[0]}}, greedy(2))
