@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.helpers import make_tiny_llama
+from tests.multimodal.helpers_vision import make_gemma3_vision
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 SCRIPTS = sorted(BENCH.glob("*.py"))
@@ -474,3 +475,25 @@ def test_agentic_quick(tmp_path: Path) -> None:
     assert tier["tier_hit_tokens"] > 0 and none["tier_hit_tokens"] == 0
     assert tier["cached_fraction"] > none["cached_fraction"]
     assert d["no_hit_throughput_ratio"] > 0
+
+
+def test_vision_quick(tmp_path: Path) -> None:
+    """bench/vision.py --quick on a tiny random Gemma 3 with images: the repeated batch runs no encoder (its
+    images are in cached prefix blocks or the encoder cache) and its prompts hit the prefix cache. The
+    script runs the installed pagedrs."""
+    model = make_gemma3_vision(tmp_path / "m")
+    out = tmp_path / "vision.json"
+    proc = _run(
+        "vision.py",
+        *("--model", str(model), "--quick", "--sizes", "40x30,20x50", "--dtype", "float32"),
+        *("--json", str(out), "--commit", "deadbeef"),
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    d = json.loads(out.read_text())
+    assert d["commit"] == "deadbeef" and json.loads(proc.stdout.strip().splitlines()[-1])["bench"] == "vision"
+    for row in d["rows"]:
+        cold, repeat = row["cold"], row["repeat"]
+        assert cold["encoder_runs"] == 2 * row["images_per_request"] and repeat["encoder_runs"] == 0
+        assert repeat["cached_prompt_tokens"] > cold["cached_prompt_tokens"]

@@ -441,6 +441,8 @@ class Scheduler:
         skip_prefix_cache: bool = False,
         speculate: bool = False,
     ) -> None: ...
+    def set_atomic_spans(self, seq_id: int, spans: Sequence[tuple[int, int]]) -> None:
+        """Prompt ranges (start, end) of `seq_id` a prefill chunk takes whole (never ends inside one)."""
     def schedule(self) -> StepPlan: ...
     def block_table_view(self) -> npt.NDArray[np.int32]:
         """Zero-copy, read-only view of the persistent block table: int32 [max_num_seqs, width],

@@ -3,7 +3,10 @@ image tokens, image processor and processor config), and images of several sizes
 
 from __future__ import annotations
 
+import base64
+import io
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -12,9 +15,15 @@ import transformers
 from tests.helpers import make_tokenizer
 from tests.models.helpers_families import gemma3_config
 
-__all__ = ["IMAGE_TOKENS", "make_gemma3_vision", "random_image"]
+__all__ = ["CHAT_TEMPLATE", "IMAGE_TOKENS", "data_url", "make_gemma3_vision", "random_image"]
 
 IMAGE_TOKENS = 4  # mm_tokens_per_image of the tiny checkpoints
+# The processor's chat template: text parts as they are, an image part as Gemma 3's image token.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<start_of_image>{% else %}{{ p['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 def random_image(height: int, width: int, seed: int) -> object:
@@ -70,7 +79,17 @@ def make_gemma3_vision(path: Path, *, seed: int = 0) -> Path:
     model.eval().save_pretrained(str(path))
     image_processor = transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
     processor = transformers.Gemma3Processor(
-        image_processor=image_processor, tokenizer=tok, image_seq_length=IMAGE_TOKENS
+        image_processor=image_processor,
+        tokenizer=tok,
+        image_seq_length=IMAGE_TOKENS,
+        chat_template=CHAT_TEMPLATE,
     )
     processor.save_pretrained(str(path))
     return path
+
+
+def data_url(image: Any) -> str:
+    """A PNG data URL of a PIL image."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()

@@ -15,10 +15,12 @@ import torch
 import transformers
 
 from pagedrs import SamplingParams
-from pagedrs.engine.frontend.input_processor import InputError
+from pagedrs.engine.arg_utils import EngineArgs
+from pagedrs.engine.frontend.input_processor import InputError, InputProcessor
 from pagedrs.engine.llm_engine import LLMEngine
+from pagedrs.multimodal.inputs import chat_prompt
 from tests.engine.conftest import PlanSpy, assert_pool_free, make_engine, run_all
-from tests.multimodal.helpers_vision import IMAGE_TOKENS, make_gemma3_vision, random_image
+from tests.multimodal.helpers_vision import IMAGE_TOKENS, data_url, make_gemma3_vision, random_image
 
 MAX_TOKENS = 6
 BUDGET = 8  # tokens a step: every prompt is prefilled in chunks
@@ -135,3 +137,67 @@ def test_bad_image_inputs(engine: LLMEngine) -> None:
             engine.add_request("bad", prompt, _params())
     engine.add_request("ok", {"prompt": PROMPTS[0][0], "multi_modal_data": {"image": IMG_A}}, _params())
     assert run_all(engine)["ok"].outputs[0].token_ids
+
+
+def test_limit_and_local_media_flags(engine: LLMEngine, folder: Path, tmp_path: Path) -> None:
+    """--limit-mm-per-prompt bounds the images of a prompt; --allowed-local-media-path admits file URLs
+    under it and nothing outside."""
+    model_cfg = EngineArgs(
+        model=str(folder), limit_mm_per_prompt='{"image": 1}', allowed_local_media_path=str(tmp_path)
+    ).early_configs()[0]
+    assert model_cfg.limit_mm_per_prompt == {"image": 1}
+    proc = InputProcessor(
+        engine.tokenizer,
+        max_model_len=128,
+        vocab_size=320,
+        max_logprobs=5,
+        mm_processor=engine.input_processor.mm_processor,
+        limit_mm_per_prompt=model_cfg.limit_mm_per_prompt,
+    )
+    two = {"prompt": PROMPTS[1][0], "multi_modal_data": {"image": PROMPTS[1][1]}}
+    with pytest.raises(InputError, match="at most 1"):
+        proc.process("r", two, _params())
+    _, req = proc.process("r", {"prompt": PROMPTS[0][0], "multi_modal_data": {"image": IMG_A}}, _params())
+    assert [it.length for it in req.mm_items] == [IMAGE_TOKENS]
+    IMG_A.save(tmp_path / "a.png")
+    msg = [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"file://{tmp_path}/a.png"}}]}
+    ]
+    mm = engine.input_processor.mm_processor
+    assert chat_prompt(mm, msg, allowed_local_media_path=str(tmp_path))["multi_modal_data"]["image"]
+    with pytest.raises(InputError, match="outside the allowed"):
+        chat_prompt(mm, msg, allowed_local_media_path=str(tmp_path / "sub"))
+
+
+def test_chat_image_parts(engine: LLMEngine, folder: Path) -> None:
+    """A chat with an image_url data URL renders through the processor's template and gives HF's ids;
+    a bad URL is an InputError naming it."""
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "look "},
+                {"type": "image_url", "image_url": {"url": data_url(IMG_B)}},
+                {"type": "text", "text": " here"},
+            ],
+        }
+    ]
+    mm = engine.input_processor.mm_processor
+    prompt = chat_prompt(mm, messages)
+    proc = transformers.AutoProcessor.from_pretrained(str(folder))
+    inputs = proc(text=prompt["prompt"], images=[IMG_B], add_special_tokens=False, return_tensors="pt")
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32)
+    with torch.no_grad():
+        ref = model.eval().generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    engine.add_request("chat", prompt, _params())
+    out = run_all(engine)["chat"]
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert list(out.outputs[0].token_ids) == ref[0, inputs["input_ids"].shape[1] :].tolist()
+    bad = [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}]}
+    ]
+    with pytest.raises(InputError, match="base64"):
+        chat_prompt(mm, bad)
+    local = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/hosts"}}]}]
+    with pytest.raises(InputError, match="allowed-local-media-path"):
+        chat_prompt(mm, local)

@@ -12,6 +12,7 @@ from pagedrs import _core
 from pagedrs.engine.core.messages import EngineCoreRequest, input_decoder
 from pagedrs.multimodal import MultiModalItem, item_tensors, scheduler_token_ids, tensor_bytes
 from pagedrs.multimodal.encoder_cache import EncoderCache
+from pagedrs.multimodal.mrope import mrope_table, step_mrope_positions
 from pagedrs.sampling_params import SamplingParams
 
 
@@ -129,3 +130,13 @@ def test_scheduler_never_ends_a_chunk_inside_a_span() -> None:
     s.update(plan, np.zeros(len(plan.logits_indices), dtype=np.int64))
     plan = s.schedule()
     assert plan.num_scheduled_tokens.tolist() == [8]  # [6, 14) takes the span whole
+
+
+def test_mrope_step_positions() -> None:
+    """Prompt rows from the request's table, later rows p + delta in all three; a request without a table
+    takes p in all three."""
+    table = mrope_table([0, 1, 1, 1, 3] + [0, 1, 1, 2, 3] + [0, 1, 2, 1, 3], delta=-1)
+    # seq 5 (table, prompt of 5) computes positions 3..6; seq 6 (no table) decodes position 9
+    pos = np.array([3, 4, 5, 6, 9])
+    out = step_mrope_positions(pos, np.array([0, 4, 5]), np.array([5, 6]), {5: table})
+    assert out.tolist() == [[1, 3, 4, 5, 9], [2, 3, 4, 5, 9], [1, 3, 4, 5, 9]]

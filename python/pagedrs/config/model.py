@@ -51,6 +51,10 @@ class ModelConfig:
     task: str = "auto"  # generate | embed | auto (both)
     pooling_type: str = "last"  # the default pooling of embedding requests
     normalize: bool = True  # L2-normalize embeddings by default
+    # Images: the most of each modality one prompt may carry ({"image": 16} unless given), and the folder
+    # whose files chat `image_url` parts may name (None: no local files).
+    limit_mm_per_prompt: dict[str, int] | None = None
+    allowed_local_media_path: str | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -61,6 +65,14 @@ class ModelConfig:
             "tokenizer",
             self.tokenizer,
             "must be a str or None",
+        )
+        limits = self.limit_mm_per_prompt
+        _require(
+            limits is None
+            or (isinstance(limits, dict) and all(_is_int(v) and v >= 0 for v in limits.values())),
+            "limit_mm_per_prompt",
+            limits,
+            'must be a dict such as {"image": 4}',
         )
         if not isinstance(self.dtype, torch.dtype):
             _require(self.dtype in _DTYPES, "dtype", self.dtype, f"must be one of {', '.join(_DTYPES)}")

@@ -103,6 +103,14 @@ class EngineArgs:
     seed: int = flag_field(config_default(ModelConfig, "seed"), "random seed")
     num_threads: int | None = flag_field(config_default(DeviceConfig, "num_threads"))
     max_logprobs: int = flag_field(20)
+    limit_mm_per_prompt: dict | str | None = flag_field(
+        None,
+        "JSON: the most images one prompt may carry, e.g. '{\"image\": 4}' (default 16)",
+        parse=json.loads,
+    )
+    allowed_local_media_path: str | None = flag_field(
+        None, "folder whose files chat image_url parts may name as file:// URLs (default: none)"
+    )
     disable_log_stats: bool = flag_field(
         not config_default(ObservabilityConfig, "log_stats"), "no periodic stats line"
     )
@@ -353,6 +361,8 @@ class EngineArgs:
             task=self.task,
             pooling_type=self.pooling_type or "last",
             normalize=self.normalize,
+            limit_mm_per_prompt=json_object(self.limit_mm_per_prompt, "limit_mm_per_prompt"),
+            allowed_local_media_path=self.allowed_local_media_path,
         )
         device_type = resolve_device(self.device).type
         cache = CacheConfig(

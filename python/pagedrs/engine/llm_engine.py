@@ -63,6 +63,7 @@ class LLMEngine:
             embedding_size=core.embedding_size,
             task=model_cfg.task,
             mm_processor=mm_processor_for(loaded),
+            limit_mm_per_prompt=model_cfg.limit_mm_per_prompt,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 from pagedrs.lora_request import LoRARequest
+from pagedrs.multimodal.inputs import chat_prompt, has_images
 from pagedrs.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -202,6 +203,20 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts: list[PromptInput] = []
         for conv in conversations:
+            if has_images(conv):  # rendered by the processor's template; images processed with the prompt
+                mm = self.llm_engine.input_processor.mm_processor
+                kw = chat_template_kwargs or {}
+                local = self.llm_engine.config.model.allowed_local_media_path
+                prompts.append(
+                    chat_prompt(
+                        mm,
+                        conv,
+                        add_generation_prompt=add_generation_prompt,
+                        allowed_local_media_path=local,
+                        **kw,
+                    )
+                )
+                continue
             ids = self.llm_engine.apply_chat_template(
                 conv,
                 add_generation_prompt=add_generation_prompt,

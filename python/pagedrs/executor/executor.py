@@ -32,6 +32,7 @@ from pagedrs.executor.step_packet import lora_header, pack_step, shutdown_header
 from pagedrs.layers.sampler import SamplingRow
 from pagedrs.lora.manager import LoRAManager
 from pagedrs.multimodal import MultiModalItem
+from pagedrs.multimodal.mrope import MRopeTable
 from pagedrs.runner.kv_cache import KVCachePool
 from pagedrs.runner.kv_groups import WindowGroup, step_tokens
 from pagedrs.runner.model_runner import ModelRunner
@@ -156,10 +157,12 @@ class UniProcExecutor:
     ) -> RunnerOutput:
         return self.runner.execute(plan, rows, prompt_logprobs, token_bitmask)
 
-    def add_mm_request(self, seq_ids: Sequence[int], items: list[MultiModalItem]) -> None:
-        """A request's images, for the runner's encoder side (`runner.mm_step`); ValueError where they
-        cannot run."""
-        self.runner.add_mm_request(seq_ids, items)
+    def add_mm_request(
+        self, seq_ids: Sequence[int], items: list[MultiModalItem], mrope: MRopeTable | None = None
+    ) -> None:
+        """A request's images (and M-RoPE table), for the runner's encoder side (`runner.mm_step`);
+        ValueError where they cannot run."""
+        self.runner.add_mm_request(seq_ids, items, mrope)
 
     def drop_mm_request(self, seq_ids: Sequence[int]) -> None:
         self.runner.drop_mm_request(seq_ids)
@@ -222,7 +225,9 @@ class TPExecutor(UniProcExecutor):
         if payload.numel():
             self.bcast.broadcast_cpu(payload)
 
-    def add_mm_request(self, seq_ids: Sequence[int], items: list[MultiModalItem]) -> None:
+    def add_mm_request(
+        self, seq_ids: Sequence[int], items: list[MultiModalItem], mrope: MRopeTable | None = None
+    ) -> None:
         raise ValueError("images are not supported under tensor parallelism yet (tensor_parallel_size 1)")
 
     def execute(

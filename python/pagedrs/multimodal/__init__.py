@@ -22,6 +22,19 @@ The contract every vision family builds to:
   `get_mrope_input_positions(prompt_token_ids, mm_items, hf_config) -> (Tensor [3, L], delta)`; the frontend
   computes it once per request (`EngineCoreRequest.mrope_positions`, `mrope_delta`) and the runner passes
   `positions` as [3, T] (prompt rows from the table, decode rows `pos + delta` in all three).
+- Where the pieces live: `multimodal.processing` (the HF processor: each image processed alone through
+  `processor.image_processor(images=[img])`, cached by hash; the prompt expanded by
+  `processor.replace_image_token(merged image inputs, i)`; one item per placeholder run, holding that
+  image's tensors whole, or one crop's pixel_values per run for Gemma 3's pan-and-scan),
+  `multimodal.inputs` (the `multi_modal_data` prompt and chat image parts), `multimodal.media` (URLs),
+  `multimodal.admission` (the core), `multimodal.encoder_cache` + `runner.mm_step` (the runner),
+  `multimodal.mrope` (the [3, T] step positions). A vision checkpoint's architecture goes in
+  `models.registry.VISION_PARTS` with the top-level config fields its model reads: the model is built
+  from the text config with those fields copied onto it (that config is also the `hf_config` given to
+  `get_mrope_input_positions`).
+- Beyond the first draft of this contract: `mm_bidirectional`, `AttentionMetadata.key_limits` /
+  `key_limit_reqs`, the Rust `Scheduler.set_atomic_spans` (rebuild the extension: `cargo build --release
+  -p pagedrs-py`), and `EngineCoreRequest.mrope_positions` (flattened row-major [3, L]) / `mrope_delta`.
 - Prefix caching (SGLang's way, no change to the Rust hashing): the scheduler sees each item's placeholder
   ids replaced by ids derived from its hash (`scheduler_token_ids`), so the same image hits, another image
   never does, and text before the image still shares. The runner never embeds those ids (the placeholder

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedrs.multimodal import MultiModalItem, atomic_spans, scheduler_token_ids
+from pagedrs.multimodal.mrope import mrope_table
 
 __all__ = ["ImageAdmission"]
 
@@ -19,9 +20,17 @@ class ImageAdmission:
         self.vocab_size = vocab_size
         self.atomic = atomic  # the model's image tokens attend both ways (`CausalLM.mm_bidirectional`)
 
-    def admit(self, seq_ids: Sequence[int], prompt: Sequence[int], items: list[MultiModalItem]) -> list[int]:
-        """Register the items (ValueError where the model takes none); the ids the scheduler gets."""
-        self.executor.add_mm_request(seq_ids, items)
+    def admit(
+        self,
+        seq_ids: Sequence[int],
+        prompt: Sequence[int],
+        items: list[MultiModalItem],
+        mrope: tuple[list[int], int] | None = None,
+    ) -> list[int]:
+        """Register the items and the M-RoPE table `(flat [3, L] positions, delta)` if any (ValueError
+        where the model takes no images); the ids the scheduler gets."""
+        table = mrope_table(*mrope) if mrope is not None else None
+        self.executor.add_mm_request(seq_ids, items, table)
         if self.atomic:
             for sid in seq_ids:
                 self.scheduler.set_atomic_spans(sid, atomic_spans(items))

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from pagedrs.multimodal import MultiModalBatch, MultiModalItem, item_tensors
+from pagedrs.multimodal.mrope import MRopeTable
 
 __all__ = ["EncoderCache", "MultiModalStep", "StepSlice"]
 
@@ -49,17 +50,24 @@ class EncoderCache:
         self.outputs: OrderedDict[str, Tensor] = OrderedDict()
         self.num_rows = 0
         self.requests: dict[int, list[MultiModalItem]] = {}
+        self.mrope: dict[int, MRopeTable] = {}  # M-RoPE models: each sequence's prompt position table
         self.hits = 0  # items a step needed whose output was cached
         self.runs = 0  # items the encoder ran for
         self.split_slices = 0  # slices of an item that a prefill chunk boundary cut (part of the item)
 
-    def add(self, seq_ids: Sequence[int], items: list[MultiModalItem]) -> None:
+    def add(
+        self, seq_ids: Sequence[int], items: list[MultiModalItem], mrope: MRopeTable | None = None
+    ) -> None:
         for sid in seq_ids:
-            self.requests[int(sid)] = items
+            if items:
+                self.requests[int(sid)] = items
+            if mrope is not None:
+                self.mrope[int(sid)] = mrope
 
     def drop(self, seq_ids: Sequence[int]) -> None:
         for sid in seq_ids:
             self.requests.pop(int(sid), None)
+            self.mrope.pop(int(sid), None)
 
     def slices(
         self, req_ids: np.ndarray, computed: np.ndarray, scheduled: np.ndarray, qsl: np.ndarray

@@ -43,7 +43,44 @@ def multimodal_prompt(
         raise InputError("a prompt with multi_modal_data needs 'prompt' as a str", "prompt")
     kwargs = prompt.get("mm_processor_kwargs") or {}
     try:
-        ids, items = processor.process(text, images, kwargs)
+        ids, items = processor.process(
+            text, images, kwargs, add_special_tokens=bool(prompt.get("add_special_tokens", True))
+        )
     except ValueError as exc:
         raise InputError(str(exc), "multi_modal_data") from None
     return text, ids, items
+
+
+def has_images(messages: list[dict[str, Any]]) -> bool:
+    """Whether a conversation has an image part."""
+    return any(
+        isinstance(p, dict) and p.get("type") in ("image_url", "image_pil", "input_image")
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for p in m["content"]
+    )
+
+
+def chat_prompt(
+    processor: MultiModalProcessor | None,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    allowed_local_media_path: str | None = None,
+    **template_kwargs: Any,
+) -> dict[str, Any]:
+    """A conversation with image parts as a `multi_modal_data` prompt, rendered by the processor's chat
+    template (its text already carries the special tokens)."""
+    from pagedrs.engine.frontend.input_processor import InputError
+    from pagedrs.multimodal.media import chat_images
+
+    if processor is None:
+        raise InputError("this model takes no images (an image part was given)", "messages")
+    try:
+        rendered, images = chat_images(messages, allowed_local_media_path=allowed_local_media_path)
+    except ValueError as exc:
+        raise InputError(str(exc), "messages") from None
+    text = processor.processor.apply_chat_template(
+        rendered, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+    )
+    return {"prompt": text, "multi_modal_data": {"image": images}, "add_special_tokens": False}

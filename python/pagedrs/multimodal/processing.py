@@ -19,7 +19,7 @@ import torch
 
 from pagedrs.multimodal import MultiModalItem, image_hash, tensor_bytes
 
-__all__ = ["MultiModalProcessor", "load_image", "mm_processor_for"]
+__all__ = ["MultiModalProcessor", "load_image", "mm_processor_for", "mrope_of"]
 
 
 def load_image(data: Any) -> Any:
@@ -42,7 +42,18 @@ def load_image(data: Any) -> Any:
 class MultiModalProcessor:
     """The model's HF processor plus the per-image cache (`cache_size` images)."""
 
-    def __init__(self, processor: Any, image_token_id: int, *, cache_size: int = 256) -> None:
+    def __init__(
+        self,
+        processor: Any,
+        image_token_id: int,
+        *,
+        cache_size: int = 256,
+        model_cls: Any = None,
+        hf_config: Any = None,
+    ) -> None:
+        # An M-RoPE model's class (its static `get_mrope_input_positions`) and config; None otherwise.
+        self.mrope_cls = model_cls if getattr(model_cls, "uses_mrope", False) else None
+        self.hf_config = hf_config
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.image_token_id = int(image_token_id)
@@ -57,7 +68,7 @@ class MultiModalProcessor:
         import transformers
 
         processor = transformers.AutoProcessor.from_pretrained(folder)
-        return cls(processor, int(hf_config.image_token_id), **kwargs)
+        return cls(processor, int(hf_config.image_token_id), hf_config=hf_config, **kwargs)
 
     def _image_inputs(self, img: Any, kwargs: dict[str, Any]) -> tuple[str, dict[str, torch.Tensor]]:
         rgb = img.convert("RGB") if img.mode != "RGB" else img
@@ -76,7 +87,12 @@ class MultiModalProcessor:
         return key, tensors
 
     def process(
-        self, text: str, images: Sequence[Any], kwargs: dict[str, Any] | None = None
+        self,
+        text: str,
+        images: Sequence[Any],
+        kwargs: dict[str, Any] | None = None,
+        *,
+        add_special_tokens: bool = True,
     ) -> tuple[list[int], list[MultiModalItem]]:
         """(token ids, items) for `text` with one `image_token` per image; ValueError on a count mismatch
         or an image that cannot be processed."""
@@ -99,7 +115,7 @@ class MultiModalProcessor:
         expanded = pieces[0]
         for i, piece in enumerate(pieces[1:]):
             expanded += self.processor.replace_image_token(merged, i) + piece
-        ids = list(self.tokenizer(expanded)["input_ids"])
+        ids = list(self.tokenizer(expanded, add_special_tokens=add_special_tokens)["input_ids"])
         return ids, self._items(ids, per_image)
 
     def _items(
@@ -152,4 +168,14 @@ def mm_processor_for(loaded: Any) -> MultiModalProcessor | None:
         (Path(folder) / name).exists() for name in ("preprocessor_config.json", "processor_config.json")
     ):
         return None
-    return MultiModalProcessor.from_pretrained(folder, loaded.hf_config)
+    return MultiModalProcessor.from_pretrained(folder, loaded.hf_config, model_cls=type(loaded.model))
+
+
+def mrope_of(
+    processor: MultiModalProcessor, ids: list[int], items: list[MultiModalItem]
+) -> tuple[list[int], int] | None:
+    """An M-RoPE model's prompt positions (flattened [3, L]) and decode delta, computed once per request."""
+    if processor.mrope_cls is None:
+        return None
+    table, delta = processor.mrope_cls.get_mrope_input_positions(ids, items, processor.hf_config)
+    return [int(v) for v in table.reshape(-1).tolist()], int(delta)

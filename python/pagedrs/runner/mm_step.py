@@ -7,16 +7,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 
 from pagedrs._core import StepPlan
 from pagedrs.layers.attention import ForwardContext
 from pagedrs.multimodal import MultiModalItem
 from pagedrs.multimodal.encoder_cache import EncoderCache, MultiModalStep
+from pagedrs.multimodal.mrope import MRopeTable, step_mrope_positions
 
 if TYPE_CHECKING:
-    import torch
-
     from pagedrs.models.interface import CausalLM
     from pagedrs.runner.step_buffers import StepInputs
 
@@ -28,11 +28,22 @@ class MultiModalStepMixin:
     device: torch.device
     encoder_cache: EncoderCache | None
 
-    def add_mm_request(self, seq_ids: Sequence[int], items: list[MultiModalItem]) -> None:
-        """The sequences `seq_ids` (a request's samples) carry `items` until `drop_mm_request`."""
+    def add_mm_request(
+        self, seq_ids: Sequence[int], items: list[MultiModalItem], mrope: MRopeTable | None = None
+    ) -> None:
+        """The sequences `seq_ids` (a request's samples) carry `items` (and an M-RoPE model's position
+        table) until `drop_mm_request`."""
         if self.encoder_cache is None:
             raise ValueError(f"{type(self.model).__name__} takes no images")
-        self.encoder_cache.add(seq_ids, items)
+        self.encoder_cache.add(seq_ids, items, mrope)
+
+    def step_positions(self, plan: StepPlan, positions: Tensor) -> Tensor:
+        """The positions the model takes: [3, T] for an M-RoPE model (`multimodal.mrope`), else as given."""
+        if not self.model.uses_mrope:
+            return positions
+        tables = self.encoder_cache.mrope if self.encoder_cache is not None else {}
+        rows = step_mrope_positions(plan.positions, plan.query_start_loc, plan.req_ids, tables)
+        return torch.from_numpy(rows).to(positions.device)
 
     def drop_mm_request(self, seq_ids: Sequence[int]) -> None:
         if self.encoder_cache is not None:
@@ -52,7 +63,9 @@ class MultiModalStepMixin:
             bidirectional=self.model.mm_bidirectional,
         )
 
-    def _forward_mm(self, inputs: StepInputs, ctx: ForwardContext, mm: MultiModalStep) -> Tensor:
+    def _forward_mm(
+        self, inputs: StepInputs, positions: Tensor, ctx: ForwardContext, mm: MultiModalStep
+    ) -> Tensor:
         """The forward of a step with image rows; a bidirectional model's attention metadata (and its
         window groups') takes the step's key limits."""
         meta = ctx.attn_metadata
@@ -65,4 +78,4 @@ class MultiModalStepMixin:
             for m in (meta, *meta.groups.values()):
                 m.key_limits = mm.key_limits
                 m.key_limit_reqs = mm.key_limit_reqs
-        return self.model(inputs.input_ids, inputs.positions, ctx, mm=mm.batch)
+        return self.model(inputs.input_ids, positions, ctx, mm=mm.batch)

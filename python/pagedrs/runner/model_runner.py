@@ -274,7 +274,12 @@ class ModelRunner(KVSetupMixin, SampleStepMixin, MultiModalStepMixin):
             max_seq_len = int(seq_lens.max()) if num_reqs else 0
             graph = None
             mm = self._mm_step(plan) if self.encoder_cache is not None and num_tokens > 0 else None
-            if num_tokens == num_reqs and self.cuda_graphs is not None and mm is None:  # may replay
+            if (
+                num_tokens == num_reqs
+                and self.cuda_graphs is not None
+                and mm is None
+                and not self.model.uses_mrope
+            ):
                 graph = self.cuda_graphs.lookup(num_reqs, max_query_len, max_seq_len, pool.kv_caches)
             inputs = self.step_buffers.pack(
                 plan,
@@ -300,10 +305,11 @@ class ModelRunner(KVSetupMixin, SampleStepMixin, MultiModalStepMixin):
                     if meta is None:
                         meta = self._attn_metadata(plan, inputs, max_query_len, max_seq_len)
                     ctx = ForwardContext(attn_metadata=meta, kv_caches=pool.kv_caches, backend=self.backend)
+                    positions = self.step_positions(plan, inputs.positions)
                     if mm is not None:
-                        hidden = self._forward_mm(inputs, ctx, mm)
+                        hidden = self._forward_mm(inputs, positions, ctx, mm)
                     else:
-                        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+                        hidden = self.model(inputs.input_ids, positions, ctx)
                     if self.recurrent is not None:  # a fork copies the state its step computed
                         self.recurrent.apply_copies(plan, len(self.kv_groups))
                 self.last_hidden = hidden  # the final hidden states, for embedding requests (rank 0 reads)

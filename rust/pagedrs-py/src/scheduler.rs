@@ -168,7 +168,12 @@ impl PyScheduler {
     }
 
     /// Prompt ranges (start, end) of `seq_id` a prefill chunk takes whole (never ends inside one).
-    fn set_atomic_spans(&self, py: Python<'_>, seq_id: i64, spans: Vec<(usize, usize)>) -> PyResult<()> {
+    fn set_atomic_spans(
+        &self,
+        py: Python<'_>,
+        seq_id: i64,
+        spans: Vec<(usize, usize)>,
+    ) -> PyResult<()> {
         self.with(py, |s| s.set_atomic_spans(seq_id, spans))
     }
 

@@ -227,7 +227,8 @@ class EngineCore(CoreUtilitiesMixin):
         if self._kv_events is not None:
             self._kv_events.note_lora(lora)
         try:
-            sched_ids = self._images.admit(seq_ids, prompt, req.mm_items) if req.mm_items else prompt
+            mrope = (req.mrope_positions, req.mrope_delta) if req.mrope_positions is not None else None
+            sched_ids = self._images.admit(seq_ids, prompt, req.mm_items, mrope) if req.mm_items else prompt
             self.scheduler.add_request(
                 seq_ids,
                 np.asarray(sched_ids, dtype=np.int64),

@@ -13,7 +13,7 @@ from pagedrs.engine.core.messages import EngineCoreRequest
 from pagedrs.lora_request import LoRARequest
 from pagedrs.multimodal import MultiModalItem
 from pagedrs.multimodal.inputs import multimodal_prompt
-from pagedrs.multimodal.processing import MultiModalProcessor
+from pagedrs.multimodal.processing import MultiModalProcessor, mrope_of
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import SamplingParams
 
@@ -174,9 +174,12 @@ class InputProcessor:
         if params.logit_bias and self.strict:
             self.check_token_ids(list(params.logit_bias), "logit_bias")
         items: list[MultiModalItem] = []
+        text: str | None
+        mrope = None
         if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
             text, ids, items = multimodal_prompt(self.mm_processor, prompt, self.limit_mm_per_prompt)
             self.check_token_ids(ids, "prompt")
+            mrope = mrope_of(self.mm_processor, ids, items) if self.mm_processor is not None else None
         else:
             text, ids = self.tokenize(prompt)
         max_tokens = self.resolve_max_tokens(len(ids), params.max_tokens)
@@ -194,6 +197,8 @@ class InputProcessor:
             client_index=client_index,
             lora_request=lora_request,
             mm_items=items,
+            mrope_positions=mrope[0] if mrope is not None else None,
+            mrope_delta=mrope[1] if mrope is not None else 0,
         )
 
     def process_pooling(
