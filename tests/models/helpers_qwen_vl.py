@@ -17,7 +17,7 @@ from pagedrs.multimodal import MultiModalBatch, MultiModalItem, item_tensors, te
 from tests.helpers import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 from tests.models.paged_harness import PagedHarness
 
-IMAGE_ID, START_ID, END_ID, VIDEO_ID = 300, 301, 302, 303
+IMAGE_ID, START_ID, END_ID, VIDEO_ID = 260, 259, 261, 262  # the ids `vl_tokenizer` gives them
 SIZES = [(56, 56), (84, 112)]  # (height, width) of the test images: 4x4 and 6x8 patches of 14
 
 
@@ -230,3 +230,38 @@ def paged_logits(
             out[rid].append(logits)
             done[rid] += len(step[rid])
     return {rid: torch.cat(v) for rid, v in out.items()}, feeder
+
+
+def vl_tokenizer() -> Any:
+    """The byte-level test tokenizer with Qwen's vision tokens (ids 259-262, as the tiny configs name)."""
+    from tests.helpers import make_tokenizer
+
+    tok = make_tokenizer()
+    tok.add_tokens(
+        ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"], special_tokens=True
+    )
+    assert tok.convert_tokens_to_ids("<|image_pad|>") == IMAGE_ID
+    return tok
+
+
+def vl_processor(model_cls: Any, hf_config: Any) -> Any:
+    """pagedrs's MultiModalProcessor over HF's Qwen2VLImageProcessor and the test tokenizer, expanding
+    each `<|image_pad|>` to one token per merged patch as HF's Qwen2_5_VLProcessor does (that class needs
+    torchvision for its video processor, so it is not built here)."""
+    from types import SimpleNamespace
+
+    from pagedrs.multimodal.processing import MultiModalProcessor
+
+    def replace_image_token(inputs: dict[str, torch.Tensor], i: int) -> str:
+        return "<|image_pad|>" * (int(inputs["image_grid_thw"][i].prod()) // 4)
+
+    image_processor = transformers.Qwen2VLImageProcessor(
+        patch_size=14, merge_size=2, min_pixels=56 * 56, max_pixels=160 * 160
+    )
+    proc = SimpleNamespace(
+        image_processor=image_processor,
+        tokenizer=vl_tokenizer(),
+        image_token="<|image_pad|>",
+        replace_image_token=replace_image_token,
+    )
+    return MultiModalProcessor(proc, IMAGE_ID, model_cls=model_cls, hf_config=hf_config)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from PIL import Image
 
 from pagedrs.engine.frontend.input_processor import InputError
 from pagedrs.layers.attention import ForwardContext
@@ -21,7 +22,7 @@ from pagedrs.loader import load_model
 from pagedrs.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from pagedrs.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from pagedrs.multimodal import MultiModalBatch, item_tensors
-from tests.engine.conftest import HFReference, greedy, make_engine, random_prompts, run_all
+from tests.engine.conftest import HFReference, PlanSpy, greedy, make_engine, random_prompts, run_all
 from tests.models.helpers_qwen_vl import (
     IMAGE_ID,
     build_prompt,
@@ -32,6 +33,8 @@ from tests.models.helpers_qwen_vl import (
     process,
     qwen2_5_vl_config,
     qwen3_vl_config,
+    vl_processor,
+    vl_tokenizer,
 )
 
 ATOL = 1e-4
@@ -163,3 +166,61 @@ def test_text_only_engine_greedy_equals_hf(family: Family) -> None:
     # the folder has no processor config: text prompts are served, images refused at the door
     with pytest.raises(InputError, match="takes no images"):
         engine.add_request("img", {"prompt": "x", "multi_modal_data": {"image": images()[0]}}, greedy(2))
+
+
+def _hf_greedy(hf: Any, text: str, imgs: list[Any], n: int) -> list[int]:
+    """HF's greedy ids for `text` with each `<|image_pad|>` expanded as the processor does, and `imgs`."""
+    data = process(imgs)
+    pieces = text.split("<|image_pad|>")
+    expanded = pieces[0]
+    for d, piece in zip(data, pieces[1:], strict=True):
+        expanded += "<|image_pad|>" * (int(d["image_grid_thw"].prod()) // 4) + piece
+    ids = torch.tensor([vl_tokenizer()(expanded)["input_ids"]])
+    with torch.inference_mode():
+        out = hf.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=torch.cat([d["pixel_values"] for d in data]),
+            image_grid_thw=torch.cat([d["image_grid_thw"] for d in data]),
+            mm_token_type_ids=(ids == IMAGE_ID).int(),
+            do_sample=False,
+            max_new_tokens=n,
+            eos_token_id=[],
+            pad_token_id=0,
+        )
+    return out[0, ids.shape[1] :].tolist()
+
+
+def test_engine_images_greedy_equals_hf(family: Family) -> None:
+    """Prompts with one image and with two images of different sizes through the engine give HF's greedy
+    ids, with a step budget of 8 tokens (images' placeholders split over prefill chunks), requests sharing
+    the first one's image prefix (prefix-cache hits) and a pool too small for the batch (preemption);
+    each checked to have fired."""
+    engine = make_engine(
+        family.folder,
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=10,
+        max_num_batched_tokens=8,
+        enable_prefix_caching=True,
+        skip_tokenizer_init=True,
+    )
+    engine.input_processor.mm_processor = vl_processor(family.cls, engine.hf_config)
+    spy = PlanSpy().attach(engine)
+    img = [Image.fromarray(a) for a in images()]
+    one = "ab<|vision_start|><|image_pad|><|vision_end|>cd"
+    two = "x<|vision_start|><|image_pad|><|vision_end|>y<|vision_start|><|image_pad|><|vision_end|>zz"
+    waves = [
+        [("first", one, [img[0]])],
+        [("hit", one + "ef", [img[0]]), ("two", two, img), ("swapped", "q" + two, [img[1], img[0]])],
+    ]
+    for wave in waves:
+        for rid, text, imgs in wave:
+            engine.add_request(rid, {"prompt": text, "multi_modal_data": {"image": imgs}}, greedy(6))
+        outs = run_all(engine)
+        for rid, text, imgs in wave:
+            assert outs[rid].outputs[0].token_ids == _hf_greedy(family.hf, text, imgs, 6), rid
+    stats = engine.get_stats()
+    assert spy.chunked_prefills > 0
+    assert stats.prefix_cache_hits > 0, stats
+    assert stats.num_preemptions > 0, stats
