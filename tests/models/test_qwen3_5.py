@@ -22,6 +22,7 @@ from pagedrs.layers.delta_rule import (
 from pagedrs.loader import load_model
 from pagedrs.models.qwen3_5 import Qwen3_5ForCausalLM
 from pagedrs.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
+from pagedrs.models.qwen3_vl import Qwen3_5ForConditionalGeneration
 from pagedrs.sampling_params import SamplingParams
 from tests.engine.conftest import HFReference, greedy, make_engine, run_all
 from tests.helpers import load_hf_model, make_tiny_model
@@ -155,9 +156,10 @@ def test_qwen3_5_moe_logits_and_engine_greedy_match_hf(qwen3_5_moe: Path) -> Non
     assert_second_turn_resumes_from_snapshot(qwen3_5_moe, ref)
 
 
-def test_qwen3_5_conditional_generation_checkpoint_runs_its_text_part(tmp_path: Path) -> None:
+def test_qwen3_5_conditional_generation_checkpoint_runs_text_prompts(tmp_path: Path) -> None:
     """A Qwen3_5ForConditionalGeneration folder (vision tower, `model.language_model.` weights): the engine
-    builds the text model from `text_config` and gives HF's greedy ids on text prompts."""
+    builds the text model from `text_config` with the tower beside it and gives HF's greedy ids on text
+    prompts (images: tests/models/test_qwen_vl_qwen3_5.py)."""
     config = transformers.Qwen3_5Config(
         text_config=qwen3_5_config().to_dict(),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64),
@@ -171,8 +173,9 @@ def test_qwen3_5_conditional_generation_checkpoint_runs_its_text_part(tmp_path: 
                 p.add_(1.0)
     hf.save_pretrained(str(tmp_path))
     loaded = load_model(str(tmp_path), dtype="float32", with_tokenizer=False)
+    assert isinstance(loaded.model, Qwen3_5ForConditionalGeneration)
     assert isinstance(loaded.model, Qwen3_5ForCausalLM)
-    assert loaded.hf_config.architectures == ["Qwen3_5ForCausalLM"]
+    assert loaded.hf_config.architectures == ["Qwen3_5ForConditionalGeneration"]
     ref = HFReference(hf)
     engine = make_engine(
         tmp_path, dtype="float32", block_size=4, max_num_batched_tokens=8, skip_tokenizer_init=True

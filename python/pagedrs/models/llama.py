@@ -89,8 +89,9 @@ class LlamaAttention(torch.nn.Module):
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         head_size = _head_size(config)
-        qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
-        o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
+        qwen2 = config.model_type in ("qwen2", "qwen2_5_vl_text")  # q/k/v biases, no o bias
+        qkv_bias = bool(getattr(config, "attention_bias", False)) or qwen2
+        o_bias = bool(getattr(config, "attention_bias", False)) and not qwen2
         self.qkv_proj = QKVParallelLinear(
             hidden, head_size, num_heads, num_kv_heads, bias=qkv_bias, tp=tp, dtype=dtype, device=device
         )
@@ -214,10 +215,12 @@ class LlamaModel(DescribedModel):
         dtype: torch.dtype,
         device: torch.device,
         make_layer: LayerFactory | None = None,
+        rotary_emb: RotaryEmbedding | None = None,
     ) -> None:
-        """`make_layer(layer_idx, rotary_emb, sliding_window)`: builds each decoder layer (default: Llama's)."""
+        """`make_layer(layer_idx, rotary_emb, sliding_window)`: builds each decoder layer (default: Llama's).
+        `rotary_emb`: the rotary every layer shares (default: the config's, `get_rope`)."""
         super().__init__()
-        self.rotary_emb = get_rope(config, _head_size(config), device=device)
+        self.rotary_emb = rotary_emb or get_rope(config, _head_size(config), device=device)
         windows = _layer_windows(config)
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp=tp, dtype=dtype, device=device

@@ -31,6 +31,10 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
     "Qwen3_5ForCausalLM": ("qwen3_5", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    "Qwen3_5ForConditionalGeneration": ("qwen3_vl", "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_vl", "Qwen3_5MoeForConditionalGeneration"),
 }
 
 # config.model_type -> architecture, for configs that name no architectures (e.g. built in code)
@@ -53,14 +57,16 @@ MODEL_TYPES: dict[str, str] = {
     "gpt_oss": "GptOssForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
 
 
 # Multimodal checkpoints whose text model pagedrs runs (config.text_config): architecture -> the text model's.
-TEXT_PARTS: dict[str, str] = {
-    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
-    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
-}
+# (None at present: the multimodal checkpoints pagedrs knows load with their vision towers.)
+TEXT_PARTS: dict[str, str] = {}
 
 
 # Multimodal checkpoints pagedrs runs with their vision tower: architecture -> the top-level config fields
@@ -72,6 +78,15 @@ VISION_PARTS: dict[str, tuple[str, ...]] = {
         "image_token_id",
         "boi_token_id",
         "eoi_token_id",
+    ),
+    **dict.fromkeys(
+        (
+            "Qwen2_5_VLForConditionalGeneration",
+            "Qwen3VLForConditionalGeneration",
+            "Qwen3_5ForConditionalGeneration",
+            "Qwen3_5MoeForConditionalGeneration",
+        ),
+        ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"),
     ),
 }
 

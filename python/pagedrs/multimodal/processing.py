@@ -155,14 +155,20 @@ class MultiModalProcessor:
 
 def mm_processor_for(loaded: Any) -> MultiModalProcessor | None:
     """The image processor of a loaded multimodal model (`LoadedModel`), from its checkpoint folder; None
-    for a model that takes no images."""
+    for a model that takes no images, or a checkpoint folder without a processor config (text prompts
+    only: a request with images is refused)."""
     if not getattr(loaded.model, "supports_multimodal", False):
         return None
+    from pathlib import Path
+
     from pagedrs.loader.paths import model_folder
 
-    return MultiModalProcessor.from_pretrained(
-        model_folder(loaded.model_path), loaded.hf_config, model_cls=type(loaded.model)
-    )
+    folder = model_folder(loaded.model_path)
+    if not any(
+        (Path(folder) / name).exists() for name in ("preprocessor_config.json", "processor_config.json")
+    ):
+        return None
+    return MultiModalProcessor.from_pretrained(folder, loaded.hf_config, model_cls=type(loaded.model))
 
 
 def mrope_of(
