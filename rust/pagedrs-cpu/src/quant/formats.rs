@@ -184,13 +184,26 @@ pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     }
 }
 
-/// The 6-bit scale of 16-weight group `i` (0..16) of a Q3_K block, minus 32 (ggml's `kmask` unpacking
-/// in `dequantize_row_q3_K`): the low 4 bits from bytes 0..8, the high 2 from bytes 8..12.
+/// The 16 6-bit scales of a Q3_K block (one per 16 weights), minus 32, from its 12 scale bytes: unpacked
+/// 4 at a time with ggml's `kmask`s as `dequantize_row_q3_K` does (scale i: the low 4 bits from byte i,
+/// or the high nibble of byte i - 8; the top 2 bits from byte 8 + i % 4 at bit 2 * (i / 4)).
 #[inline(always)]
-pub(crate) fn scale_q3_k(i: usize, sc: &[u8]) -> i8 {
-    let lo = if i < 8 { sc[i] & 0x0f } else { sc[i - 8] >> 4 };
-    let hi = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
-    (lo | (hi << 4)) as i8 - 32
+pub(crate) fn scales_q3_k(sc: &[u8]) -> [i8; 16] {
+    let word =
+        |i: usize| u32::from_le_bytes([sc[4 * i], sc[4 * i + 1], sc[4 * i + 2], sc[4 * i + 3]]);
+    let (a0, a1, tmp) = (word(0), word(1), word(2));
+    let (k1, k2) = (0x0303_0303u32, 0x0f0f_0f0fu32);
+    let aux = [
+        (a0 & k2) | ((tmp & k1) << 4),
+        (a1 & k2) | (((tmp >> 2) & k1) << 4),
+        ((a0 >> 4) & k2) | (((tmp >> 4) & k1) << 4),
+        ((a1 >> 4) & k2) | (((tmp >> 6) & k1) << 4),
+    ];
+    let mut out = [0i8; 16];
+    for (o, b) in out.iter_mut().zip(aux.iter().flat_map(|a| a.to_le_bytes())) {
+        *o = b as i8 - 32;
+    }
+    out
 }
 
 /// The 6-bit scale of sub-block `ib` (0..8) of an IQ4_XS block, minus 32.
@@ -236,8 +249,8 @@ fn decode_low_k(
                 low - 4
             };
         }
-        let s = |g: usize| d * f32::from(scale_q3_k(g, sc));
-        ([s(g0), s(g1)], [0.0; 2])
+        let sc = scales_q3_k(sc);
+        ([d * f32::from(sc[g0]), d * f32::from(sc[g1])], [0.0; 2])
     }
 }
 

@@ -161,39 +161,40 @@ unsafe fn scale_pair(s0: i16, s1: i16) -> __m256i {
     _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0))
 }
 
-/// The 2-bit fields at `shift` of the 32 bytes at `p`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn two_bits(p: *const u8, shift: usize) -> __m256i {
-    let q = _mm256_loadu_si256(p.cast());
-    let q = _mm256_srl_epi16(q, _mm_cvtsi32_si128(shift as i32));
-    _mm256_and_si256(q, _mm256_set1_epi8(3))
-}
-
 /// Q2_K as llama.cpp's `ggml_vec_dot_q2_K_q8_K`, 32 weights at a time: the 2-bit weights (0..3) by the
 /// activations through `maddubs`, `madd` by the 4-bit scales of the two halves; the 4-bit mins by the
 /// activation sums of each half the same way; the two times d and dmin (sub-blocks alternate between the
 /// two chains).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q2_k<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
-    let ones = _mm256_set1_epi8(1);
-    two_chains!(8 * nb, R, |s, acc, _off| {
-        let p = w.add(s / 8 * 84);
-        let (n, j) = (s % 8 / 4, s % 4);
+    let mut acc = [[_mm256_setzero_ps(); R]; 2];
+    let (ones, m3) = (_mm256_set1_epi8(1), _mm256_set1_epi8(3));
+    for b in 0..nb {
+        let p = w.add(b * 84);
         let (d, dmin) = (half(p.add(80)), half(p.add(82)));
-        let q = two_bits(p.add(16 + 32 * n), 2 * j);
-        let (s0, s1) = (*p.add(8 * n + 2 * j), *p.add(8 * n + 2 * j + 1));
-        let scales = scale_pair(i16::from(s0 & 0x0f), i16::from(s1 & 0x0f));
-        let mins = scale_pair(i16::from(s0 >> 4), i16::from(s1 >> 4));
-        for r in 0..R {
-            let x = load_x(&a[r], s);
-            let iq = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), scales);
-            let im = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, x), mins);
-            let ad = *a[r].d.get_unchecked(s);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iq), _mm256_set1_ps(d * ad), acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(im), _mm256_set1_ps(-(dmin * ad)), acc[r]);
+        for n in 0..2 {
+            let mut qs = _mm256_loadu_si256(p.add(16 + 32 * n).cast());
+            for j in 0..4 {
+                let q = _mm256_and_si256(qs, m3);
+                qs = _mm256_srli_epi16(qs, 2);
+                let (s0, s1) = (*p.add(8 * n + 2 * j), *p.add(8 * n + 2 * j + 1));
+                let scales = scale_pair(i16::from(s0 & 0x0f), i16::from(s1 & 0x0f));
+                let mins = scale_pair(i16::from(s0 >> 4), i16::from(s1 >> 4));
+                let s = 8 * b + 4 * n + j;
+                let acc = &mut acc[j & 1];
+                for r in 0..R {
+                    let x = load_x(&a[r], s);
+                    let iq = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), scales);
+                    let im = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, x), mins);
+                    let ad = *a[r].d.get_unchecked(s);
+                    let (mf, df) = (_mm256_set1_ps(-(dmin * ad)), _mm256_set1_ps(d * ad));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(im), mf, acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iq), df, acc[r]);
+                }
+            }
         }
-    })
+    }
+    finish(acc, [[0.0; R]; 2])
 }
 
 /// Q3_K as llama.cpp's `ggml_vec_dot_q3_K_q8_K`, 32 weights at a time: the 2 low bits and the `hmask`
@@ -201,30 +202,40 @@ unsafe fn q2_k<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> 
 /// each `madd` by the signed 6-bit scales of the two halves (sub-blocks alternate between the chains).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q3_k<const R: usize>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
-    let (one, four) = (_mm256_set1_epi8(1), _mm256_set1_epi8(4));
-    two_chains!(8 * nb, R, |s, acc, _off| {
-        let p = w.add(s / 8 * 110);
-        let (n, j) = (s % 8 / 4, s % 4);
+    let mut acc = [[_mm256_setzero_ps(); R]; 2];
+    let (one, four, m3) = (
+        _mm256_set1_epi8(1),
+        _mm256_set1_epi8(4),
+        _mm256_set1_epi8(3),
+    );
+    for b in 0..nb {
+        let p = w.add(b * 110);
         let d = half(p.add(108));
-        let hm = _mm256_loadu_si256(p.cast());
-        let hbit = _mm256_srl_epi16(hm, _mm_cvtsi32_si128((4 * n + j) as i32));
-        let hbit = _mm256_slli_epi16(_mm256_and_si256(hbit, one), 2);
-        let q = _mm256_or_si256(two_bits(p.add(32 + 32 * n), 2 * j), hbit);
-        let sc = std::slice::from_raw_parts(p.add(96), 12);
-        let g = 8 * n + 2 * j;
-        let scales = scale_pair(
-            i16::from(scale_q3_k(g, sc)),
-            i16::from(scale_q3_k(g + 1, sc)),
-        );
-        for r in 0..R {
-            let x = load_x(&a[r], s);
-            let pq = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), scales);
-            let p4 = _mm256_madd_epi16(_mm256_maddubs_epi16(four, x), scales);
-            let i = _mm256_cvtepi32_ps(_mm256_sub_epi32(pq, p4));
-            let scale = _mm256_set1_ps(d * *a[r].d.get_unchecked(s));
-            acc[r] = _mm256_fmadd_ps(i, scale, acc[r]);
+        let sc = scales_q3_k(std::slice::from_raw_parts(p.add(96), 12));
+        let mut hm = _mm256_loadu_si256(p.cast());
+        for n in 0..2 {
+            let mut qs = _mm256_loadu_si256(p.add(32 + 32 * n).cast());
+            for j in 0..4 {
+                let hbit = _mm256_slli_epi16(_mm256_and_si256(hm, one), 2);
+                hm = _mm256_srli_epi16(hm, 1);
+                let q = _mm256_or_si256(_mm256_and_si256(qs, m3), hbit);
+                qs = _mm256_srli_epi16(qs, 2);
+                let g = 8 * n + 2 * j;
+                let scales = scale_pair(i16::from(sc[g]), i16::from(sc[g + 1]));
+                let s = 8 * b + 4 * n + j;
+                let acc = &mut acc[j & 1];
+                for r in 0..R {
+                    let x = load_x(&a[r], s);
+                    let pq = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), scales);
+                    let p4 = _mm256_madd_epi16(_mm256_maddubs_epi16(four, x), scales);
+                    let i = _mm256_cvtepi32_ps(_mm256_sub_epi32(pq, p4));
+                    let scale = _mm256_set1_ps(d * *a[r].d.get_unchecked(s));
+                    acc[r] = _mm256_fmadd_ps(i, scale, acc[r]);
+                }
+            }
         }
-    })
+    }
+    finish(acc, [[0.0; R]; 2])
 }
 
 /// The 8 (scale, min) pairs of a Q4_K / Q5_K block, as floats times d and dmin.

@@ -29,7 +29,7 @@ use std::arch::asm;
 
 use super::act::{ActRow, RowGroup};
 use super::formats::{
-    e8m0_half, scale_iq4_xs, scale_min_k4, scale_q3_k, KVALUES_IQ4NL, KVALUES_MXFP4, SUB,
+    e8m0_half, scale_iq4_xs, scale_min_k4, scales_q3_k, KVALUES_IQ4NL, KVALUES_MXFP4, SUB,
 };
 use super::QuantType;
 

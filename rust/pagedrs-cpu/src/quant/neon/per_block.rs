@@ -265,12 +265,9 @@ unsafe fn q3_k<const R: usize, D: Dot>(w: *const u8, nb: usize, a: &[ActRow<'_>;
             let v = vsubq_u8(low[i], vandq_u8(clear, vdupq_n_u8(4)));
             vreinterpretq_s8_u8(v)
         });
-        let sc = std::slice::from_raw_parts(p.add(96), 12);
+        let sc = scales_q3_k(std::slice::from_raw_parts(p.add(96), 12));
         let g = 8 * n + 2 * j;
-        let scales = (
-            i32::from(scale_q3_k(g, sc)),
-            i32::from(scale_q3_k(g + 1, sc)),
-        );
+        let scales = (i32::from(sc[g]), i32::from(sc[g + 1]));
         acc_halves::<R, D>(q, a, s, scales, half(p.add(108)), None, acc);
     })
 }
