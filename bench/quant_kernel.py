@@ -10,9 +10,9 @@
 The weight is random bytes with sane f16 scales (the kernels' cost does not depend on the values); x is
 random float32. Prints the best-of-repeats and the median time per call, and the best time per activation
 row, for each (type, M). The default shape is SmolLM2-135M's tied embedding / LM head (49152 x 576).
-With --x8, the types with an x8 layout (all but MXFP4) also run in the layout the loader repacks them into
-(`_core.quant_pack_x8`), the two layouts' calls alternating within each repeat (same machine load), with
-the ratio file / x8.
+With --x8, the types with an x8 layout (not Q2_K, Q3_K, IQ4_NL, IQ4_XS) also run in the layout the
+loader repacks them into (`_core.quant_pack_x8`), the two layouts' calls alternating within each repeat
+(same machine load), with the ratio file / x8.
 With --isas A,B each layout also runs on both kernel sets (`_core.quant_isa()` names), alternating
 the same way, with the ratio A / B (they give the same bits; this is only their speed).
 """
@@ -34,10 +34,16 @@ TYPES = {
     "Q5_0": (6, 32, 22, (0,)),
     "Q5_1": (7, 32, 24, (0, 2)),
     "Q8_0": (8, 32, 34, (0,)),
+    "Q2_K": (10, 256, 84, (80, 82)),
+    "Q3_K": (11, 256, 110, (108,)),
     "Q4_K": (12, 256, 144, (0, 2)),
     "Q5_K": (13, 256, 176, (0, 2)),
     "Q6_K": (14, 256, 210, (208,)),
+    "IQ4_NL": (20, 32, 18, (0,)),
+    "IQ4_XS": (23, 256, 136, (0,)),
 }
+# Types with no x8 layout: --x8 times them in the file's only.
+NO_X8 = {"Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"}
 
 
 def weight(name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -71,7 +77,7 @@ def main() -> None:
         qid = TYPES[name][0]
         w = weight(name, args.n, args.k, rng)
         layouts = [] if args.x8_only else [("file", w, False)]
-        if args.x8 or args.x8_only:
+        if (args.x8 or args.x8_only) and name not in NO_X8:
             layouts.append(("x8", _core.quant_pack_x8(w, qid), True))
         runs = [
             (f"{lay}" + (f"/{isa}" if isa else ""), data, packed, isa)

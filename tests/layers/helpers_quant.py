@@ -11,7 +11,21 @@ import torch
 from pagedrs.quantization.gguf_blocks import GGUFWeight
 
 Q = gguf.GGMLQuantizationType
-KERNEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4]
+KERNEL_TYPES = [
+    Q.Q4_0,
+    Q.Q4_1,
+    Q.Q5_0,
+    Q.Q5_1,
+    Q.Q8_0,
+    Q.Q2_K,
+    Q.Q3_K,
+    Q.Q4_K,
+    Q.Q5_K,
+    Q.Q6_K,
+    Q.IQ4_NL,
+    Q.IQ4_XS,
+    Q.MXFP4,
+]
 
 # Byte offsets of the f16 scale / min fields in one block (llama.cpp's block structs).
 _HALF_FIELDS: dict[Q, tuple[int, ...]] = {
@@ -24,6 +38,10 @@ _HALF_FIELDS: dict[Q, tuple[int, ...]] = {
     Q.Q5_K: (0, 2),
     Q.Q6_K: (208,),
     Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.IQ4_NL: (0,),
+    Q.IQ4_XS: (0,),
+    Q.TQ2_0: (64,),
     Q.MXFP4: (),
 }
 

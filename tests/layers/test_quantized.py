@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import platform
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -46,7 +47,7 @@ def test_kernel_types_are_the_gguf_types_with_kernels():
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 3, 4, 9])
 def test_matmul_matches_gguf_dequantize(qtype, m):
-    block = 256 if qtype.name.endswith("_K") else 32
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
     n, k = 37, 3 * block  # odd row count (a thread's share ends mid-way), several blocks per row
     w = random_weight(qtype, n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
@@ -75,13 +76,13 @@ def test_matmul_writes_only_its_columns_and_checks_shapes():
         _core.quant_matmul(x.numpy(), w.data, w.ggml_type, out.numpy(), 6, 1)
     with pytest.raises(ValueError, match="row_bytes"):
         _core.quant_matmul(x[:, :32].contiguous().numpy(), w.data, w.ggml_type, out.numpy(), 0, 1)
-    with pytest.raises(ValueError, match="GGML type 10"):  # Q2_K: no kernel
-        _core.quant_matmul(x.numpy(), w.data, int(Q.Q2_K), out.numpy(), 0, 1)
+    with pytest.raises(ValueError, match="GGML type 35"):  # TQ2_0: no kernel
+        _core.quant_matmul(x.numpy(), w.data, int(Q.TQ2_0), out.numpy(), 0, 1)
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 def test_rows_match_gguf_dequantize(qtype):
-    block = 256 if qtype.name.endswith("_K") else 32
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
     w = random_weight(qtype, 11, 2 * block, seed=3)
     ids = torch.tensor([[10, 0], [3, 3]])
     got = QuantizedWeight([w]).rows(ids)
@@ -144,11 +145,11 @@ def test_row_and_column_layers_and_unsupported_types():
     _load(row, "weight", down)
     assert row.qweight is not None
     assert ((row(x) - x @ dequantized(down).T).abs() <= error_bound(x, dequantized(down))).all()
-    q2k = random_weight(Q.Q2_K, 5, 256, 7)  # no kernel: loaded dequantized
+    tq2 = random_weight(Q.TQ2_0, 5, 256, 7)  # no kernel: loaded dequantized
     col = ColumnParallelLinear(256, 5)
-    _load(col, "weight", q2k)
+    _load(col, "weight", tq2)
     assert col.qweight is None
-    torch.testing.assert_close(col(x), x @ dequantized(q2k).T)
+    torch.testing.assert_close(col(x), x @ dequantized(tq2).T)
 
 
 def test_tied_embedding_and_head_share_the_quantized_table():
@@ -201,7 +202,7 @@ def test_each_row_is_bit_identical_whatever_the_batch(qtype):
     """A row's outputs do not depend on how many rows share the call or where it sits (tiles of several
     rows, tails, threads): a decode step of one sequence and a speculative verification of five, or a
     batch of 13, give that sequence the same bits (greedy speculative decoding relies on it)."""
-    block = 256 if qtype.name.endswith("_K") else 32
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
     n, k = 45, 2 * block
     w = random_weight(qtype, n, k, seed=11)
     x = torch.randn(13, k, generator=torch.Generator().manual_seed(11)) * 2
@@ -218,10 +219,10 @@ _X8 = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 @pytest.mark.parametrize("qtype", _X8, ids=lambda t: t.name)
 def test_x8_layout_multiplies_and_dequantizes_as_the_file_layout(qtype):
-    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K weights with a multiple of 8 rows are repacked 8
-    rows at a time at load (on AVX2), and Q6_K can be: same products within the kernels' bound, same
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights with a multiple of 8 rows are
+    repacked 8 rows at a time at load (on AVX2): same products within the kernels' bound, same
     dequantized rows, each row's bits independent of the batch."""
-    n, k = 40, 3 * (256 if qtype.name.endswith("_K") else 32)
+    n, k = 40, 3 * (gguf.GGML_QUANT_SIZES[qtype][0])
     w = random_weight(qtype, n, k, seed=7)
     packed = _core.quant_pack_x8(w.data, int(qtype))
     assert packed.shape == w.data.shape and not np.array_equal(packed, w.data)
@@ -239,8 +240,7 @@ def test_x8_layout_multiplies_and_dequantizes_as_the_file_layout(qtype):
     _core.quant_get_rows(packed, int(qtype), ids, rows, packed=True)
     torch.testing.assert_close(torch.from_numpy(rows), dense[ids], rtol=1e-6, atol=1e-7)
     qw = QuantizedWeight([w])
-    # Q6_K has the layout but stays in the file's at load (its x8 kernel is slower at one row)
-    assert qw.runs[0].packed == (_core.quant_isa() in X8_ISAS and qtype != Q.Q6_K)
+    assert qw.runs[0].packed == (_core.quant_isa() in X8_ISAS)
     if qw.runs[0].packed:
         assert torch.equal(qw.matmul(x), full)
     torch.testing.assert_close(qw.dequantized(), dense, rtol=1e-6, atol=1e-7)

@@ -55,9 +55,9 @@ def test_quantized_only_for_auto_dtype_on_cpu(tmp_path):
 def test_type_without_kernel_is_dequantized_with_a_log_line(tmp_path, caplog):
     path = tmp_path / "mixed.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
-    q2k = random_blocks(Q.Q2_K, 8, 256, seed=1)
+    tq2 = random_blocks(Q.TQ2_0, 8, 256, seed=1)
     q40 = random_blocks(Q.Q4_0, 8, 256, seed=2)
-    w.add_tensor("blk.0.attn_q.weight", q2k, raw_dtype=Q.Q2_K)
+    w.add_tensor("blk.0.attn_q.weight", tq2, raw_dtype=Q.TQ2_0)
     w.add_tensor("blk.0.ffn_up.weight", q40, raw_dtype=Q.Q4_0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -68,9 +68,9 @@ def test_type_without_kernel_is_dequantized_with_a_log_line(tmp_path, caplog):
     q_proj, up = got["model.layers.0.self_attn.q_proj.weight"], got["model.layers.0.mlp.up_proj.weight"]
     assert isinstance(q_proj, torch.Tensor) and q_proj.shape == (8, 256)
     assert isinstance(up, GGUFWeight) and up.type_name == "Q4_0" and up.shape == (8, 256)
-    assert any("Q2_K" in r.getMessage() and "dequantized" in r.getMessage() for r in caplog.records)
+    assert any("TQ2_0" in r.getMessage() and "dequantized" in r.getMessage() for r in caplog.records)
     # llama.cpp's Q row permutation is undone on the dequantized tensor too
-    raw = torch.from_numpy(gguf.quants.dequantize(q2k, Q.Q2_K).astype(np.float32))
+    raw = torch.from_numpy(gguf.quants.dequantize(tq2, Q.TQ2_0).astype(np.float32))
     order = np.arange(8).reshape(2, 2, 2).swapaxes(2, 1).reshape(8)
     torch.testing.assert_close(q_proj, raw[order])
 

@@ -39,10 +39,14 @@ class _Run:
 # at 16). The 4- and 5-bit types of a Q4_K_M file too (Q4_K, Q5_K, Q5_0; and Q5_1): a 8960 x 1536 matmul,
 # 2 threads, file vs x8 layout, best of 7 on the loaded CI machine: Q4_K 0.63 vs 0.61 ms at 1 row, 26.9 vs
 # 11.3 ms at 16; Q5_0 1.44 vs 0.95, 30.0 vs 11.1; Q5_K 1.11 vs 1.07, 28.7 vs 15.2 (`bench/quant_kernel.py
-# --x8`). Q6_K has an x8 layout too but stays in the file's: its x8 kernel is slower at 1 row (1 thread,
-# 1.22 vs 1.62 ms), faster from 4 (2.56 vs 2.12 ms; 29.4 vs 17.0 ms at 16), and decode steps run at 1.
-# gguf.GGMLQuantizationType.Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K
-_X8_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13})
+# --x8`). Q6_K too: its x8 kernel prefetches the block after next and reads each weight byte once at one
+# activation row; 8960 x 1536, file vs x8 layout, best of 25 on the loaded CI machine, 1 thread: 1.67 vs
+# 1.57 ms at 1 row, 2.02 vs 1.93 at 2, 2.86 vs 2.04 at 4, 23.3 vs 15.6 at 16; 2 threads at 1 row, five
+# runs (best of 15 or 41, a machine loaded by other work): 1.75 vs 2.04, 1.34 vs 1.69, 1.76 vs 1.50, 1.55
+# vs 1.48, 0.83 vs 0.79. Out of cache the x8 kernel was twice the file's before the
+# prefetch; in cache (1024 x 1536) it is 1.44x faster at 1 row.
+# gguf.GGMLQuantizationType.Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
+_X8_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
 # The kernel sets (`_core.quant_isa()`) that take that layout: AVX2, and AVX2 with AVX-512 VNNI.
 X8_ISAS = frozenset({"avx2", "avx512-vnni"})
 

@@ -1,5 +1,5 @@
-//! llama.cpp's GGUF weight block layouts (ggml's `block_q4_0` ... `block_q6_K`, `block_mxfp4`), decoded 32
-//! weights at a time into small integers plus a scale and an offset per 16 weights:
+//! llama.cpp's GGUF weight block layouts (ggml's `block_q4_0` ... `block_q6_K`, `block_mxfp4`,
+//! `block_iq4_nl`, `block_iq4_xs`), decoded 32 weights at a time into small integers plus a scale and an offset per 16 weights:
 //! `weight[i] = scale[i / 16] * vals[i] + offset[i / 16]`.
 //!
 //! This decoding is what the portable dot product and the dequantizer use; the AVX2 kernels read the same
@@ -14,9 +14,15 @@ pub enum QuantType {
     Q5_0,
     Q5_1,
     Q8_0,
+    Q2_K,
+    Q3_K,
     Q4_K,
     Q5_K,
     Q6_K,
+    /// 4-bit codes into the non-linear codebook `KVALUES_IQ4NL`, one f16 scale per 32 weights.
+    IQ4_NL,
+    /// `IQ4_NL`'s codes in blocks of 256 with a 6-bit scale per 32 under one f16 scale.
+    IQ4_XS,
     /// OCP microscaling FP4 as ggml's `block_mxfp4` (gpt-oss's experts): an e8m0 exponent byte, then 16
     /// bytes of e2m1 codes (weight j in the low nibble of byte j, weight j + 16 in the high one).
     MXFP4,
@@ -26,15 +32,19 @@ pub enum QuantType {
 pub const SUB: usize = 32;
 
 impl QuantType {
-    pub const ALL: [QuantType; 9] = [
+    pub const ALL: [QuantType; 13] = [
         QuantType::Q4_0,
         QuantType::Q4_1,
         QuantType::Q5_0,
         QuantType::Q5_1,
         QuantType::Q8_0,
+        QuantType::Q2_K,
+        QuantType::Q3_K,
         QuantType::Q4_K,
         QuantType::Q5_K,
         QuantType::Q6_K,
+        QuantType::IQ4_NL,
+        QuantType::IQ4_XS,
         QuantType::MXFP4,
     ];
 
@@ -50,9 +60,13 @@ impl QuantType {
             QuantType::Q5_0 => 6,
             QuantType::Q5_1 => 7,
             QuantType::Q8_0 => 8,
+            QuantType::Q2_K => 10,
+            QuantType::Q3_K => 11,
             QuantType::Q4_K => 12,
             QuantType::Q5_K => 13,
             QuantType::Q6_K => 14,
+            QuantType::IQ4_NL => 20,
+            QuantType::IQ4_XS => 23,
             QuantType::MXFP4 => 39,
         }
     }
@@ -64,17 +78,26 @@ impl QuantType {
             QuantType::Q5_0 => "Q5_0",
             QuantType::Q5_1 => "Q5_1",
             QuantType::Q8_0 => "Q8_0",
+            QuantType::Q2_K => "Q2_K",
+            QuantType::Q3_K => "Q3_K",
             QuantType::Q4_K => "Q4_K",
             QuantType::Q5_K => "Q5_K",
             QuantType::Q6_K => "Q6_K",
+            QuantType::IQ4_NL => "IQ4_NL",
+            QuantType::IQ4_XS => "IQ4_XS",
             QuantType::MXFP4 => "MXFP4",
         }
     }
 
-    /// Weights per block (32 for the legacy types, 256 for the K-quants).
+    /// Weights per block (32 for the legacy types and IQ4_NL, 256 for the K-quants and IQ4_XS).
     pub fn block_len(self) -> usize {
         match self {
-            QuantType::Q4_K | QuantType::Q5_K | QuantType::Q6_K => 256,
+            QuantType::Q2_K
+            | QuantType::Q3_K
+            | QuantType::Q4_K
+            | QuantType::Q5_K
+            | QuantType::Q6_K
+            | QuantType::IQ4_XS => 256,
             _ => 32,
         }
     }
@@ -87,9 +110,13 @@ impl QuantType {
             QuantType::Q5_0 => 22,
             QuantType::Q5_1 => 24,
             QuantType::Q8_0 => 34,
+            QuantType::Q2_K => 84,
+            QuantType::Q3_K => 110,
             QuantType::Q4_K => 144,
             QuantType::Q5_K => 176,
             QuantType::Q6_K => 210,
+            QuantType::IQ4_NL => 18,
+            QuantType::IQ4_XS => 136,
             QuantType::MXFP4 => 17,
         }
     }
@@ -128,6 +155,11 @@ pub(crate) fn half_at(b: &[u8], off: usize) -> f32 {
 pub(crate) const KVALUES_MXFP4: [i8; 16] =
     [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
+/// The IQ4_NL / IQ4_XS codebook by 4-bit code (ggml's `kvalues_iq4nl`).
+pub(crate) const KVALUES_IQ4NL: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
 /// An e8m0 exponent byte as `2^(e - 127) / 2`, exact (ggml's `GGML_E8M0_TO_FP32_HALF`): `e` 0 and 1
 /// are the subnormals 2^-128 and 2^-127, and 255 is 2^127 (no NaN).
 #[inline(always)]
@@ -150,6 +182,95 @@ pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
             (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
         )
     }
+}
+
+/// The 16 6-bit scales of a Q3_K block (one per 16 weights), minus 32, from its 12 scale bytes: unpacked
+/// 4 at a time with ggml's `kmask`s as `dequantize_row_q3_K` does (scale i: the low 4 bits from byte i,
+/// or the high nibble of byte i - 8; the top 2 bits from byte 8 + i % 4 at bit 2 * (i / 4)).
+#[inline(always)]
+pub(crate) fn scales_q3_k(sc: &[u8]) -> [i8; 16] {
+    let word =
+        |i: usize| u32::from_le_bytes([sc[4 * i], sc[4 * i + 1], sc[4 * i + 2], sc[4 * i + 3]]);
+    let (a0, a1, tmp) = (word(0), word(1), word(2));
+    let (k1, k2) = (0x0303_0303u32, 0x0f0f_0f0fu32);
+    let aux = [
+        (a0 & k2) | ((tmp & k1) << 4),
+        (a1 & k2) | (((tmp >> 2) & k1) << 4),
+        ((a0 >> 4) & k2) | (((tmp >> 4) & k1) << 4),
+        ((a1 >> 4) & k2) | (((tmp >> 6) & k1) << 4),
+    ];
+    let mut out = [0i8; 16];
+    for (o, b) in out.iter_mut().zip(aux.iter().flat_map(|a| a.to_le_bytes())) {
+        *o = b as i8 - 32;
+    }
+    out
+}
+
+/// The 6-bit scale of sub-block `ib` (0..8) of an IQ4_XS block, minus 32.
+#[inline(always)]
+pub(crate) fn scale_iq4_xs(ib: usize, block: &[u8]) -> i8 {
+    let scales_h = u16::from_le_bytes([block[2], block[3]]);
+    let lo = (block[4 + ib / 2] >> (4 * (ib % 2))) & 0x0f;
+    let hi = ((scales_h >> (2 * ib)) & 3) as u8;
+    (lo | (hi << 4)) as i8 - 32
+}
+
+/// Q2_K / Q3_K sub-block `sub`: 32 weights of 2 bits at shift `2 * (sub % 4)` of 32 quant bytes
+/// (`qs[32 * (sub / 4)..]`), 16 weights per scale; Q3_K with a third bit from `hmask` (clear: minus 4).
+fn decode_low_k(
+    qt: QuantType,
+    block: &[u8],
+    sub: usize,
+    vals: &mut [i8; SUB],
+) -> ([f32; 2], [f32; 2]) {
+    let (n, j) = (sub / 4, sub % 4);
+    let (g0, g1) = (8 * n + 2 * j, 8 * n + 2 * j + 1);
+    if qt == QuantType::Q2_K {
+        let (d, dmin) = (half_at(block, 80), half_at(block, 82));
+        let qs = &block[16 + 32 * n..][..32];
+        for (v, &q) in vals.iter_mut().zip(qs) {
+            *v = ((q >> (2 * j)) & 3) as i8;
+        }
+        let (s0, s1) = (block[g0], block[g1]);
+        let scale = [d * f32::from(s0 & 0x0f), d * f32::from(s1 & 0x0f)];
+        (
+            [scale[0], scale[1]],
+            [-(dmin * f32::from(s0 >> 4)), -(dmin * f32::from(s1 >> 4))],
+        )
+    } else {
+        let d = half_at(block, 108);
+        let (hm, qs, sc) = (&block[..32], &block[32 + 32 * n..][..32], &block[96..108]);
+        let bit = 4 * n + j;
+        for (i, v) in vals.iter_mut().enumerate() {
+            let low = ((qs[i] >> (2 * j)) & 3) as i8;
+            *v = if (hm[i] >> bit) & 1 != 0 {
+                low
+            } else {
+                low - 4
+            };
+        }
+        let sc = scales_q3_k(sc);
+        ([d * f32::from(sc[g0]), d * f32::from(sc[g1])], [0.0; 2])
+    }
+}
+
+/// IQ4_NL / IQ4_XS sub-block `sub`: 16 bytes of codes (weight i in the low nibble of byte i, weight
+/// i + 16 in the high one) into `KVALUES_IQ4NL`; returns the sub-block's scale.
+fn decode_iq4(qt: QuantType, block: &[u8], sub: usize, vals: &mut [i8; SUB]) -> f32 {
+    let (qs, scale) = if qt == QuantType::IQ4_NL {
+        (&block[2..18], half_at(block, 0))
+    } else {
+        let ls = scale_iq4_xs(sub, block);
+        (
+            &block[8 + 16 * sub..][..16],
+            half_at(block, 0) * f32::from(ls),
+        )
+    };
+    for i in 0..16 {
+        vals[i] = KVALUES_IQ4NL[usize::from(qs[i] & 0x0f)];
+        vals[i + 16] = KVALUES_IQ4NL[usize::from(qs[i] >> 4)];
+    }
+    scale
 }
 
 /// Decodes sub-block `sub` (32 weights) of `block` into `vals`; returns (scale, offset) per half.
@@ -241,6 +362,8 @@ pub(crate) fn decode_sub(
             let s1 = f32::from(sc[2 * t + 1] as i8);
             ([d * s0, d * s1], [0.0; 2])
         }
+        QuantType::Q2_K | QuantType::Q3_K => decode_low_k(qt, block, sub, vals),
+        QuantType::IQ4_NL | QuantType::IQ4_XS => ([decode_iq4(qt, block, sub, vals); 2], [0.0; 2]),
         QuantType::MXFP4 => {
             for i in 0..16 {
                 let q = block[1 + i];

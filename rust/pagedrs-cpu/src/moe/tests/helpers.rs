@@ -130,6 +130,9 @@ pub(super) fn random_quant(qt: QuantType, rows: usize, cols: usize, rng: &mut Rn
         QuantType::Q4_0 | QuantType::Q5_0 | QuantType::Q8_0 => &[0],
         QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K | QuantType::Q5_K => &[0, 2],
         QuantType::Q6_K => &[208],
+        QuantType::Q2_K => &[80, 82],
+        QuantType::Q3_K => &[108],
+        QuantType::IQ4_NL | QuantType::IQ4_XS => &[0],
         QuantType::MXFP4 => &[],
     };
     for block in w.chunks_exact_mut(qt.block_bytes()) {

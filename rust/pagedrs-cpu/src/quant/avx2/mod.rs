@@ -14,7 +14,9 @@
 use std::arch::x86_64::*;
 
 use super::act::{ActRow, RowGroup};
-use super::formats::{e8m0_half, scale_min_k4, KVALUES_MXFP4};
+use super::formats::{
+    e8m0_half, scale_iq4_xs, scale_min_k4, scales_q3_k, KVALUES_IQ4NL, KVALUES_MXFP4,
+};
 use super::QuantType;
 
 #[inline]

@@ -160,13 +160,19 @@ pub(in crate::quant) unsafe fn x8_group_k45<const R: usize, const Q5: bool>(
 }
 
 /// Q6_K packed groups: the 8 outputs for each of the `R` activation rows. The weights `q - 32` are
-/// signed: `maddubs` of |w| by x with w's sign moved onto x (as Q8_0).
+/// signed: `maddubs` of |w| by x with w's sign moved onto x (as Q8_0). One activation row goes through
+/// `q6k_one_row` (the same sums in the same order, so the same bits).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(in crate::quant) unsafe fn x8_group_q6k<const R: usize>(
     w: *const u8,
     nb: usize,
     a: &[ActRow<'_>; R],
 ) -> [__m256; R] {
+    if R == 1 {
+        let mut acc = [_mm256_setzero_ps(); R];
+        acc[0] = q6k_one_row(w, nb, &a[0]);
+        return acc;
+    }
     let (m4, m3, m32) = (
         _mm256_set1_epi8(0x0f),
         _mm256_set1_epi8(3),
@@ -175,6 +181,7 @@ pub(in crate::quant) unsafe fn x8_group_q6k<const R: usize>(
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..nb {
         let p = w.add(b * 1680);
+        prefetch_after_next(p);
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
         for s8 in 0..8 {
             let (h, t) = (s8 / 4, s8 % 4);
@@ -214,6 +221,91 @@ pub(in crate::quant) unsafe fn x8_group_q6k<const R: usize>(
             for r in 0..R {
                 let dx = _mm256_set1_ps(*a[r].d.get_unchecked(sub));
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(dw, dx), acc[r]);
+            }
+        }
+    }
+    acc
+}
+
+/// The packed Q6_K block after the next one (from block `p`) prefetched into L1: the hardware prefetchers
+/// lose the interleaved streams of its `ql` and `qh` chunks (measured at one activation row, out of
+/// cache: twice the file layout's time without it). Addresses past the weights are harmless (a prefetch
+/// does not fault; the pointer is never read).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn prefetch_after_next(p: *const u8) {
+    let ahead = p.wrapping_add(2 * 1680);
+    for line in (0..1680).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
+    }
+}
+
+/// Q6_K packed groups against one activation row, a half block (4 sub-blocks) at a time: each 32-byte
+/// load of the two `ql` chunks and the `qh` chunk of a half serves its 4 sub-blocks (the 4 weights of
+/// each of the 8 rows in those bytes), so every weight byte is loaded once; the 4 sub-blocks' integer
+/// sums live in 8 registers (too many for more rows).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k_one_row(w: *const u8, nb: usize, a: &ActRow<'_>) -> __m256 {
+    let (m4, m30, m32) = (
+        _mm256_set1_epi8(0x0f),
+        _mm256_set1_epi8(0x30),
+        _mm256_set1_epi8(32),
+    );
+    let mut acc = _mm256_setzero_ps();
+    for b in 0..nb {
+        let p = w.add(b * 1680);
+        prefetch_after_next(p);
+        let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
+        for h in 0..2 {
+            let (qa, qb, qh) = (
+                p.add(144 + 512 * h),
+                p.add(400 + 512 * h),
+                p.add(1168 + 256 * h),
+            );
+            let x0 = 32 * (8 * b + 4 * h);
+            let mut s32 = [_mm256_setzero_si256(); 4];
+            for hh in 0..2 {
+                let mut s = [_mm256_setzero_si256(); 4];
+                for u in 4 * hh..4 * hh + 4 {
+                    let la = _mm256_loadu_si256(qa.add(32 * u).cast());
+                    let lb = _mm256_loadu_si256(qb.add(32 * u).cast());
+                    let hb = _mm256_loadu_si256(qh.add(32 * u).cast());
+                    // quarter t: low nibbles of chunk a / b (t = 0, 1) or high ones (2, 3); bits 2t, 2t + 1
+                    // of qh as bits 4, 5
+                    let q = [
+                        _mm256_or_si256(
+                            _mm256_and_si256(la, m4),
+                            _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(lb, m4),
+                            _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16(la, 4), m4),
+                            _mm256_and_si256(hb, m30),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16(lb, 4), m4),
+                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30),
+                        ),
+                    ];
+                    for t in 0..4 {
+                        let wq = _mm256_sub_epi8(q[t], m32);
+                        let x = _mm256_sign_epi8(bx(a, x0 + 32 * t + 4 * u), wq);
+                        let aw = _mm256_sign_epi8(wq, wq);
+                        s[t] = _mm256_add_epi16(s[t], _mm256_maddubs_epi16(aw, x));
+                    }
+                }
+                for t in 0..4 {
+                    let at = 16 + 8 * (2 * (4 * h + t) + hh);
+                    let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(at).cast()));
+                    s32[t] = _mm256_add_epi32(s32[t], _mm256_madd_epi16(s[t], pair16(sc)));
+                }
+            }
+            for (t, s) in s32.into_iter().enumerate() {
+                let dx = _mm256_set1_ps(*a.d.get_unchecked(8 * b + 4 * h + t));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx), acc);
             }
         }
     }

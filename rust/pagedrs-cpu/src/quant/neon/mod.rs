@@ -28,7 +28,9 @@ use std::arch::aarch64::*;
 use std::arch::asm;
 
 use super::act::{ActRow, RowGroup};
-use super::formats::{e8m0_half, scale_min_k4, KVALUES_MXFP4, SUB};
+use super::formats::{
+    e8m0_half, scale_iq4_xs, scale_min_k4, scales_q3_k, KVALUES_IQ4NL, KVALUES_MXFP4, SUB,
+};
 use super::QuantType;
 
 /// The integer dot of signed bytes, in 4 i32 lanes.

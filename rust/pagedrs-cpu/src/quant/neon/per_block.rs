@@ -40,6 +40,23 @@ unsafe fn rows<const R: usize, D: Dot>(
         QuantType::Q4_K => q4_k::<R, D>(w, nb, g),
         QuantType::Q5_K => q5_k::<R, D>(w, nb, g),
         QuantType::Q6_K => q6_k::<R, D>(w, nb, &g.rows),
+        QuantType::Q2_K => q2_k::<R, D>(w, nb, &g.rows),
+        QuantType::Q3_K => q3_k::<R, D>(w, nb, &g.rows),
+        // the codes looked up in the IQ4_NL codebook (`tbl`) to signed bytes
+        QuantType::IQ4_NL => two_chains!(nb, R, |b, acc, _off| {
+            let p = w.add(b * 18);
+            let table = vld1q_s8(KVALUES_IQ4NL.as_ptr());
+            let q = nibbles(p.add(2)).map(|i| vqtbl1q_s8(table, i));
+            acc_sub::<R, D>(q, a, b, half(p), acc);
+        }),
+        // the same codes, 8 sub-blocks per block with their 6-bit scales (alternating between the chains)
+        QuantType::IQ4_XS => two_chains!(8 * nb, R, |s, acc, _off| {
+            let p = w.add(s / 8 * 136);
+            let table = vld1q_s8(KVALUES_IQ4NL.as_ptr());
+            let ls = scale_iq4_xs(s % 8, std::slice::from_raw_parts(p, 8));
+            let q = nibbles(p.add(8 + 16 * (s % 8))).map(|i| vqtbl1q_s8(table, i));
+            acc_sub::<R, D>(q, a, s, half(p) * f32::from(ls), acc);
+        }),
         // the nibbles looked up in the doubled e2m1 table (`tbl`) to signed bytes, times the halved scale
         QuantType::MXFP4 => two_chains!(nb, R, |b, acc, _off| {
             let p = w.add(b * 17);
@@ -178,6 +195,81 @@ unsafe fn q6_k<const R: usize, D: Dot>(w: *const u8, nb: usize, a: &[ActRow<'_>;
         }
     }
     finish(acc, &Offsets::new())
+}
+
+/// The 2-bit fields at `shift` (0, 2, 4 or 6) of the 32 bytes at `p`.
+#[inline(always)]
+unsafe fn two_bits(p: *const u8, shift: usize) -> [uint8x16_t; 2] {
+    let sh = vdupq_n_s8(-(shift as i8));
+    [0, 16].map(|at| vandq_u8(vshlq_u8(vld1q_u8(p.add(at)), sh), vdupq_n_u8(3)))
+}
+
+/// `acc[r] += (sc0 * (w . x_r)[0..16] + sc1 * (w . x_r)[16..32]) * dw * d_r[sub]`: a sub-block whose two
+/// halves have their own integer scales (exact in i32), plus with `mins` the activation sums of the
+/// halves times `(m0, m1)` and `dmin` (Q2_K's offsets).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)] // the kernel's state, passed whole to keep it in registers
+unsafe fn acc_halves<const R: usize, D: Dot>(
+    q: [int8x16_t; 2],
+    a: &[ActRow<'_>; R],
+    sub: usize,
+    (sc0, sc1): (i32, i32),
+    dw: f32,
+    mins: Option<((i32, i32), f32)>,
+    acc: &mut [float32x4_t; R],
+) {
+    let ones = vdupq_n_s8(1);
+    for r in 0..R {
+        let x = load_x(&a[r], sub);
+        let i0 = D::dot(vdupq_n_s32(0), q[0], x[0]);
+        let i1 = D::dot(vdupq_n_s32(0), q[1], x[1]);
+        let i = vmlaq_n_s32(vmulq_n_s32(i0, sc0), i1, sc1);
+        let ad = *a[r].d.get_unchecked(sub);
+        acc[r] = vfmaq_n_f32(acc[r], vcvtq_f32_s32(i), dw * ad);
+        if let Some(((m0, m1), dmin)) = mins {
+            let x0 = D::dot(vdupq_n_s32(0), ones, x[0]);
+            let x1 = D::dot(vdupq_n_s32(0), ones, x[1]);
+            let m = vmlaq_n_s32(vmulq_n_s32(x0, m0), x1, m1);
+            acc[r] = vfmaq_n_f32(acc[r], vcvtq_f32_s32(m), -(dmin * ad));
+        }
+    }
+}
+
+/// Q2_K: the 2-bit weights (0..3) times the 4-bit scales of each half, minus the 4-bit mins times the
+/// activation sums of each half (sub-blocks alternate between the two chains).
+#[inline(always)]
+unsafe fn q2_k<const R: usize, D: Dot>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
+    two_chains!(8 * nb, R, |s, acc, _off| {
+        let p = w.add(s / 8 * 84);
+        let (n, j) = (s % 8 / 4, s % 4);
+        let q = signed(two_bits(p.add(16 + 32 * n), 2 * j));
+        let (s0, s1) = (*p.add(8 * n + 2 * j), *p.add(8 * n + 2 * j + 1));
+        let sc = (i32::from(s0 & 0x0f), i32::from(s1 & 0x0f));
+        let mins = ((i32::from(s0 >> 4), i32::from(s1 >> 4)), half(p.add(82)));
+        acc_halves::<R, D>(q, a, s, sc, half(p.add(80)), Some(mins), acc);
+    })
+}
+
+/// Q3_K: the 2 low bits, minus 4 where the `hmask` bit is clear (-4..3), times the signed 6-bit scales
+/// of each half (sub-blocks alternate between the two chains).
+#[inline(always)]
+unsafe fn q3_k<const R: usize, D: Dot>(w: *const u8, nb: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
+    two_chains!(8 * nb, R, |s, acc, _off| {
+        let p = w.add(s / 8 * 110);
+        let (n, j) = (s % 8 / 4, s % 4);
+        let low = two_bits(p.add(32 + 32 * n), 2 * j);
+        let bit = vdupq_n_u8(1 << (4 * n + j));
+        let q: [int8x16_t; 2] = std::array::from_fn(|i| {
+            // 0xff where the bit is clear: minus 4 there
+            let clear = vceqq_u8(vandq_u8(vld1q_u8(p.add(16 * i)), bit), vdupq_n_u8(0));
+            let v = vsubq_u8(low[i], vandq_u8(clear, vdupq_n_u8(4)));
+            vreinterpretq_s8_u8(v)
+        });
+        let sc = scales_q3_k(std::slice::from_raw_parts(p.add(96), 12));
+        let g = 8 * n + 2 * j;
+        let scales = (i32::from(sc[g]), i32::from(sc[g + 1]));
+        acc_halves::<R, D>(q, a, s, scales, half(p.add(108)), None, acc);
+    })
 }
 
 /// Dot products of one weight row (`nb` blocks of `qt` at `w`) with each row of `g`, baseline NEON.

@@ -30,8 +30,28 @@ fn type_ids_round_trip() {
     for qt in QuantType::ALL {
         assert_eq!(QuantType::from_ggml_id(qt.ggml_id()), Some(qt));
     }
-    for unsupported in [0, 1, 9, 10, 11, 15, 16, 30] {
+    for unsupported in [0, 1, 9, 15, 16, 21, 22, 30] {
         assert_eq!(QuantType::from_ggml_id(unsupported), None);
+    }
+}
+
+/// Q3_K scale `i` decoded bit by bit from the block's 12 scale bytes, minus 32.
+fn scale_q3_k(i: usize, sc: &[u8]) -> i8 {
+    let lo = if i < 8 { sc[i] & 0x0f } else { sc[i - 8] >> 4 };
+    let hi = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
+    (lo | (hi << 4)) as i8 - 32
+}
+
+#[test]
+fn q3_k_scales_unpack_alike_one_by_one_and_by_kmask() {
+    let mut rng = Rng(5);
+    for _ in 0..64 {
+        let sc: Vec<u8> = (0..12).map(|_| rng.next() as u8).collect();
+        let all = formats::scales_q3_k(&sc);
+        for (i, &s) in all.iter().enumerate() {
+            assert_eq!(s, scale_q3_k(i, &sc), "{sc:?} [{i}]");
+            assert!((-32..32).contains(&s));
+        }
     }
 }
 

@@ -31,6 +31,9 @@ pub(super) fn half_fields(qt: QuantType) -> &'static [usize] {
         QuantType::Q4_0 | QuantType::Q5_0 | QuantType::Q8_0 => &[0],
         QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K | QuantType::Q5_K => &[0, 2],
         QuantType::Q6_K => &[208],
+        QuantType::Q2_K => &[80, 82],
+        QuantType::Q3_K => &[108],
+        QuantType::IQ4_NL | QuantType::IQ4_XS => &[0],
         QuantType::MXFP4 => &[],
     }
 }
@@ -75,6 +78,9 @@ pub(super) fn reference_dequantize(qt: QuantType, row: &[u8], k: usize) -> Vec<f
             QuantType::Q8_0 => reference_q8_0(x, y),
             QuantType::Q4_K | QuantType::Q5_K => reference_q45_k(qt, x, y),
             QuantType::Q6_K => reference_q6_k(x, y),
+            QuantType::Q2_K => reference_q2_k(x, y),
+            QuantType::Q3_K => reference_q3_k(x, y),
+            QuantType::IQ4_NL | QuantType::IQ4_XS => reference_iq4(qt, x, y),
             QuantType::MXFP4 => reference_mxfp4(x, y),
         }
     }
@@ -173,6 +179,85 @@ fn reference_q6_k(x: &[u8], y: &mut [f32]) {
             y[l + 32] = s(is + 2) * q2 as f32;
             y[l + 64] = s(is + 4) * q3 as f32;
             y[l + 96] = s(is + 6) * q4 as f32;
+        }
+    }
+}
+
+/// ggml's `dequantize_row_q2_K`, one block.
+fn reference_q2_k(x: &[u8], y: &mut [f32]) {
+    let (d, min) = (h(x, 80), h(x, 82));
+    let mut is = 0;
+    let mut y = y.iter_mut();
+    for n in 0..2 {
+        let q = &x[16 + 32 * n..];
+        for shift in [0, 2, 4, 6] {
+            for half in 0..2 {
+                let sc = x[is];
+                is += 1;
+                let (dl, ml) = (d * f32::from(sc & 0xf), min * f32::from(sc >> 4));
+                for l in 0..16 {
+                    *y.next().unwrap() = dl * f32::from((q[l + 16 * half] >> shift) & 3) - ml;
+                }
+            }
+        }
+    }
+}
+
+/// ggml's `dequantize_row_q3_K`, one block (its `kmask` scale unpacking, word for word).
+fn reference_q3_k(x: &[u8], y: &mut [f32]) {
+    let (kmask1, kmask2) = (0x0303_0303u32, 0x0f0f_0f0fu32);
+    let d_all = h(x, 108);
+    let (hm, qs) = (&x[..32], &x[32..96]);
+    let mut aux = [0u32; 4];
+    for (i, a) in aux.iter_mut().take(3).enumerate() {
+        *a = u32::from_le_bytes(x[96 + 4 * i..100 + 4 * i].try_into().unwrap());
+    }
+    let tmp = aux[2];
+    aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
+    aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
+    aux[0] = (aux[0] & kmask2) | ((tmp & kmask1) << 4);
+    aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+    let scales: Vec<i8> = aux
+        .iter()
+        .flat_map(|a| a.to_le_bytes())
+        .map(|b| b as i8)
+        .collect();
+    let (mut is, mut m) = (0, 1u8);
+    let mut y = y.iter_mut();
+    for n in 0..2 {
+        let q = &qs[32 * n..];
+        for shift in [0, 2, 4, 6] {
+            for half in 0..2 {
+                let dl = d_all * f32::from(scales[is] - 32);
+                is += 1;
+                for l in 16 * half..16 * half + 16 {
+                    let v = ((q[l] >> shift) & 3) as i8 - if hm[l] & m != 0 { 0 } else { 4 };
+                    *y.next().unwrap() = dl * f32::from(v);
+                }
+            }
+            m <<= 1;
+        }
+    }
+}
+
+/// ggml's `dequantize_row_iq4_nl` / `dequantize_row_iq4_xs`, one block.
+fn reference_iq4(qt: QuantType, x: &[u8], y: &mut [f32]) {
+    const KV: [i8; 16] = [
+        -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+    ];
+    let d = h(x, 0);
+    for (ib, y) in y.chunks_exact_mut(32).enumerate() {
+        let (dl, qs) = if qt == QuantType::IQ4_NL {
+            (d, &x[2..18])
+        } else {
+            let scales_h = u16::from_le_bytes([x[2], x[3]]);
+            let ls = ((x[4 + ib / 2] >> (4 * (ib % 2))) & 0xf) as i32
+                | (((scales_h >> (2 * ib)) & 3) << 4) as i32;
+            (d * (ls - 32) as f32, &x[8 + 16 * ib..24 + 16 * ib])
+        };
+        for j in 0..16 {
+            y[j] = dl * f32::from(KV[usize::from(qs[j] & 0xf)]);
+            y[j + 16] = dl * f32::from(KV[usize::from(qs[j] >> 4)]);
         }
     }
 }
