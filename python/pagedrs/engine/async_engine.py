@@ -42,6 +42,7 @@ from pagedrs.engine.frontend.request_stream import (
 from pagedrs.launch_config import LaunchConfig
 from pagedrs.lora_request import LoRARequest
 from pagedrs.metrics import EngineStats
+from pagedrs.multimodal.processing import image_settings, image_settings_of
 from pagedrs.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import RequestOutputKind, SamplingParams
@@ -59,13 +60,22 @@ __all__ = [
 logger = logging.getLogger("pagedrs.async_engine")
 
 
-def _frontend_tokenizer(config: LaunchConfig) -> Any:
-    """The tokenizer the frontend validates, tokenizes and detokenizes with (None: skip_tokenizer_init)."""
-    if not config.with_tokenizer:
-        return None
+def _frontend(config: LaunchConfig) -> dict[str, Any]:
+    """What a frontend of `config`'s cores is built with: the tokenizer it validates, tokenizes and
+    detokenizes with (None: skip_tokenizer_init), the image settings, the data-parallel routing."""
     from pagedrs.loader import load_tokenizer
 
-    return load_tokenizer(config.model.model, config.model.tokenizer, config.load)
+    dp = config.data_parallel
+    tokenizer = None
+    if config.with_tokenizer:
+        tokenizer = load_tokenizer(config.model.model, config.model.tokenizer, config.load)
+    return {
+        "tokenizer": tokenizer,
+        "inputs": image_settings(config),
+        "routing": dp.routing,
+        "session_affinity": dp.session_affinity,
+        "router_tuning": dp.router_tuning,
+    }
 
 
 class AsyncLLMEngine:
@@ -90,6 +100,7 @@ class AsyncLLMEngine:
         routing: str = "round_robin",
         session_affinity: bool = False,
         router_tuning: dict[str, Any] | None = None,
+        inputs: dict[str, Any] | None = None,
     ) -> None:
         self.observer = observer
         self.max_restarts = max_restarts
@@ -116,6 +127,7 @@ class AsyncLLMEngine:
             strict=True,
             embedding_size=ready.embedding_size,
             task=ready.task,
+            **(inputs if inputs is not None else image_settings_of(engine)),
         )
         self.embedding_size = ready.embedding_size
         self.output_processor = OutputProcessor(tokenizer, observer)
@@ -143,15 +155,7 @@ class AsyncLLMEngine:
     def from_config(cls, config: LaunchConfig, **kwargs: Any) -> AsyncLLMEngine:
         """The core in its own process (`data_parallel.size` of them: each a replica, its own process or Ray
         actor: `factory.core_makers`), loading the model there; the tokenizer is loaded here."""
-        dp = config.data_parallel
-        return cls(
-            tokenizer=_frontend_tokenizer(config),
-            _make_handle=core_makers(config),
-            routing=dp.routing,
-            session_affinity=dp.session_affinity,
-            router_tuning=dp.router_tuning,
-            **kwargs,
-        )
+        return cls(_make_handle=core_makers(config), **_frontend(config), **kwargs)
 
     @classmethod
     def from_supervised_core(
@@ -160,15 +164,12 @@ class AsyncLLMEngine:
         """Client `client_index` of the core (with `data_parallel_size` M, of each of the M cores) that
         this process's parent supervises in `ipc_dir` (`--api-server-count N`): the parent starts and
         restarts the cores; this frontend follows them and routes its requests over all of them."""
-        dp = config.data_parallel
         return cls(
-            tokenizer=_frontend_tokenizer(config),
             client_index=client_index,
             ipc_dir=ipc_dir,
-            _make_handle=[lambda ipc_dir, gen: RemoteCore(ipc_dir, gen, client_index)] * dp.size,
-            routing=dp.routing,
-            session_affinity=dp.session_affinity,
-            router_tuning=dp.router_tuning,
+            _make_handle=[lambda ipc_dir, gen: RemoteCore(ipc_dir, gen, client_index)]
+            * config.data_parallel.size,
+            **_frontend(config),
             **kwargs,
         )
 

@@ -64,6 +64,7 @@ class LLMEngine:
             task=model_cfg.task,
             mm_processor=mm_processor_for(loaded),
             limit_mm_per_prompt=model_cfg.limit_mm_per_prompt,
+            allowed_local_media_path=model_cfg.allowed_local_media_path,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 

@@ -44,6 +44,7 @@ class InputProcessor:
         task: str = "auto",
         mm_processor: MultiModalProcessor | None = None,
         limit_mm_per_prompt: dict[str, int] | None = None,
+        allowed_local_media_path: str | None = None,
     ) -> None:
         """`strict` (the server, as OpenAI does): reject prompt + max_tokens > max_model_len and stop token
         ids or logit_bias keys outside the vocabulary. Otherwise (offline, as vLLM) such a request stops at
@@ -57,6 +58,7 @@ class InputProcessor:
         self.task = task
         self.mm_processor = mm_processor  # None: the model takes no images
         self.limit_mm_per_prompt = limit_mm_per_prompt or {}
+        self.allowed_local_media_path = allowed_local_media_path  # file:// image URLs only under it
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, checked token ids)."""
@@ -176,12 +178,18 @@ class InputProcessor:
         items: list[MultiModalItem] = []
         text: str | None
         mrope = None
-        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
-            text, ids, items = multimodal_prompt(self.mm_processor, prompt, self.limit_mm_per_prompt)
-            self.check_token_ids(ids, "prompt")
-            mrope = mrope_of(self.mm_processor, ids, items) if self.mm_processor is not None else None
+        mm: dict[str, Any] | None = None
+        if isinstance(prompt, dict) and (prompt.get("multi_modal_data") or prompt.get("multi_modal_items")):
+            mm = dict(prompt)
+        if mm is not None and mm.get("multi_modal_data"):
+            text, ids, items = multimodal_prompt(self.mm_processor, mm, self.limit_mm_per_prompt)
+        elif mm is not None:  # processed by the server's chat path (`chat.images`)
+            text, ids, items = None, list(mm["prompt_token_ids"]), list(mm["multi_modal_items"])
         else:
             text, ids = self.tokenize(prompt)
+        if mm is not None:
+            self.check_token_ids(ids, "prompt")
+            mrope = mrope_of(self.mm_processor, ids, items) if self.mm_processor is not None else None
         max_tokens = self.resolve_max_tokens(len(ids), params.max_tokens)
         if params.min_tokens > max_tokens:
             raise InputError(

@@ -55,7 +55,7 @@ class AnthropicServingMessages:
         prep = await self.chat.prepare(req.to_chat())
         message_id = random_id("msg")
         streams = await self.chat.submit_all(
-            message_id, [prep.prompt_ids], prep.params, names=prep.names, lora_request=prep.lora_request
+            message_id, [prep.prompt], prep.params, names=prep.names, lora_request=prep.lora_request
         )
         if req.stream:
             return self._stream(req, message_id, prep, streams[0])

@@ -151,7 +151,7 @@ class OpenAIServing:
     async def submit(
         self,
         request_id: str,
-        prompt_ids: list[int],
+        prompt_ids: list[int] | dict[str, Any],
         params: SamplingParams | PoolingParams,
         names: Mapping[str, str] | None = None,
         lora_request: LoRARequest | None = None,
@@ -170,7 +170,7 @@ class OpenAIServing:
     async def submit_all(
         self,
         base_id: str,
-        prompts: list[list[int]],
+        prompts: Sequence[list[int] | dict[str, Any]],
         params: SamplingParams | PoolingParams,
         prompt_param: str = "prompt",
         names: Mapping[str, str] | None = None,

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -29,9 +29,22 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class ImageURL(OpenAIModel):
+    url: str = Field(..., min_length=1)  # data:, http(s):// or (with --allowed-local-media-path) file://
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(OpenAIModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool result's call
@@ -42,7 +55,18 @@ class ChatMessage(OpenAIModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content)
+
+    def template_content(self) -> str | list[dict[str, Any]]:
+        """The content as the chat template takes it: text, or (a message with images) the parts in order,
+        for the model's processor template."""
+        if not self.has_images():
+            return self.text()
+        assert isinstance(self.content, list)
+        return [p.model_dump(exclude_none=True) for p in self.content]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -66,6 +90,9 @@ class ChatCompletionRequest(SamplingFields):
         """The tool choice: none, auto, required or the named function (400 if tools disagree)."""
         return check_tools(self.tools, self.tool_choice)
 
+    def has_images(self) -> bool:
+        return any(m.has_images() for m in self.messages)
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
@@ -73,7 +100,7 @@ class ChatCompletionRequest(SamplingFields):
         out: list[dict[str, Any]] = []
         for m in self.messages:
             role = "system" if m.role == "developer" else m.role
-            msg: dict[str, Any] = {"role": role, "content": m.text()}
+            msg: dict[str, Any] = {"role": role, "content": m.template_content()}
             if m.tool_calls:
                 msg["tool_calls"] = template_tool_calls(m.tool_calls)
             if m.tool_call_id is not None:

@@ -15,6 +15,7 @@ from typing import Any
 from starlette.requests import Request
 
 from pagedrs.engine.async_engine import AsyncLLMEngine, RequestStream
+from pagedrs.entrypoints.openai.chat.images import render_with_images
 from pagedrs.entrypoints.openai.chat.output import OutputParsing, ReplyPlan
 from pagedrs.entrypoints.openai.chat.protocol import ChatCompletionRequest
 from pagedrs.entrypoints.openai.completions.beam_search import beam_search_outputs, whole_response_stream
@@ -77,6 +78,12 @@ class ChatPrepared:
     # the engine's field names as this endpoint spells them in a 400 (see OpenAIServing.submit)
     names: dict[str, str] = field(default_factory=dict)
     lora_request: LoRARequest | None = None  # the adapter `model` named (None: the base model)
+    engine_prompt: Any = None  # a prompt with images: the ids and the processed images (`chat.images`)
+
+    @property
+    def prompt(self) -> Any:
+        """What the engine is handed: the token ids, or the prompt carrying the images."""
+        return self.engine_prompt if self.engine_prompt is not None else self.prompt_ids
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -126,22 +133,39 @@ class OpenAIServingChat(OpenAIServing):
         model, lora = self.resolve_model(req.model)
         plan = self.parsing.plan(req.tools, req.resolved_tool_choice(), req.parallel_tool_calls)
         messages = plan.chat_messages(req.chat_messages())
-        text, ids = await self.offload(
-            self.render,
-            messages,
-            req.add_generation_prompt,
-            plan.template_tools(),
-            size=sum(len(m.get("content") or "") for m in messages),
-        )
+        engine_prompt = None
+        if req.has_images():
+            inputs = self.engine.input_processor
+            if inputs.mm_processor is None:
+                raise bad_request(
+                    "this model takes no images (an image_url part was given)", param="messages"
+                )
+            if req.use_beam_search:
+                raise bad_request("use_beam_search is not supported with images", param="use_beam_search")
+            text, ids, engine_prompt = await self.offload(
+                render_with_images,
+                inputs,
+                messages,
+                req.add_generation_prompt,
+                plan.template_tools(),
+                size=1 << 20,
+            )
+        else:
+            text, ids = await self.offload(
+                self.render,
+                messages,
+                req.add_generation_prompt,
+                plan.template_tools(),
+                size=sum(len(m.get("content") or "") for m in messages),
+            )
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, req.requested_max_tokens(), num_logprobs, stream=bool(req.stream))
         params.structured_outputs = plan.constraint(params.structured_outputs, text)
         if plan.keeps_special_tokens():
             params.skip_special_tokens = False
-        return ChatPrepared(
-            model, ids, text, params, num_logprobs, plan, {"prompt": "messages", "max_tokens": param}, lora
-        )
+        names = {"prompt": "messages", "max_tokens": param}
+        return ChatPrepared(model, ids, text, params, num_logprobs, plan, names, lora, engine_prompt)
 
     async def create(
         self, req: ChatCompletionRequest, raw_request: Request | None = None
@@ -164,7 +188,7 @@ class OpenAIServingChat(OpenAIServing):
             outputs = await self.until_disconnect(raw_request, work)
         else:
             streams = await self.submit_all(
-                request_id, [prep.prompt_ids], prep.params, names=prep.names, lora_request=prep.lora_request
+                request_id, [prep.prompt], prep.params, names=prep.names, lora_request=prep.lora_request
             )
             if req.stream:
                 return self._stream(req, request_id, prep, streams)

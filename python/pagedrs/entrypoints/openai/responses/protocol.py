@@ -19,6 +19,7 @@ class ResponsesModel(BaseModel):
 class ContentPart(ResponsesModel):
     type: str
     text: str | None = None
+    image_url: str | None = None  # an input_image part: a data:, http(s):// or file:// URL
 
 
 class MessageItem(ResponsesModel):
@@ -33,12 +34,33 @@ class MessageItem(ResponsesModel):
             return self.content
         out = []
         for i, part in enumerate(self.content):
+            if part.type == "input_image":
+                continue  # images go to the model as chat image parts (`chat_content`)
             if part.type not in ("input_text", "output_text", "text") or part.text is None:
                 raise bad_request(
                     f"content parts of type {part.type!r} are not supported", param=f"{where}.content[{i}]"
                 )
             out.append(part.text)
         return "".join(out)
+
+    def chat_content(self, where: str) -> str | list[dict[str, Any]]:
+        """The content as a chat message's: text, or (with `input_image` parts) text and image_url parts
+        in order."""
+        if isinstance(self.content, str) or all(p.type != "input_image" for p in self.content):
+            return self.text(where)
+        self.text(where)  # the other parts' checks
+        parts: list[dict[str, Any]] = []
+        for i, part in enumerate(self.content):
+            if part.type != "input_image":
+                parts.append({"type": "text", "text": part.text})
+            elif not part.image_url:
+                raise bad_request(
+                    "an input_image part needs image_url (file_id is not supported)",
+                    param=f"{where}.content[{i}].image_url",
+                )
+            else:
+                parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+        return parts
 
 
 class FunctionCallItem(ResponsesModel):
@@ -237,7 +259,7 @@ def to_chat_messages(
         out.append({"role": "system", "content": instructions})
     for i, item in enumerate(items):
         if isinstance(item, MessageItem):
-            out.append({"role": item.role, "content": item.text(f"input[{i}]")})
+            out.append({"role": item.role, "content": item.chat_content(f"input[{i}]")})
         elif isinstance(item, FunctionCallItem):
             call = {
                 "id": item.call_id,

@@ -68,7 +68,7 @@ class OpenAIServingResponses:
         response = self._response(req, prep.model)
         # submitted before anything is stored, so a refused request is a 400 even in the background
         streams = await self.chat.submit_all(
-            response["id"], [prep.prompt_ids], prep.params, names=prep.names, lora_request=prep.lora_request
+            response["id"], [prep.prompt], prep.params, names=prep.names, lora_request=prep.lora_request
         )
         if req.background:
             response["status"] = "queued"
