@@ -142,3 +142,20 @@ def test_text_model_refuses_an_image(tmp_path: Path) -> None:
                 ],
                 max_tokens=2,
             )
+
+
+def test_server_process_reads_the_processor(engine: LLMEngine, tmp_path: Path) -> None:
+    """A server process (which loads no weights) builds its image processor from the checkpoint folder's
+    config alone; a text-only folder gets none."""
+    from pagedrs.engine.arg_utils import EngineArgs
+    from pagedrs.multimodal.processing import image_settings
+    from tests.helpers import make_tiny_llama
+
+    args = EngineArgs(
+        model=engine.model_path, limit_mm_per_prompt='{"image": 3}', allowed_local_media_path="/d"
+    )
+    got = image_settings(args.launch_config())
+    assert got["mm_processor"] is not None and got["limit_mm_per_prompt"] == {"image": 3}
+    assert got["allowed_local_media_path"] == "/d"
+    text_only = EngineArgs(model=str(make_tiny_llama(tmp_path / "llama")), device="cpu").launch_config()
+    assert image_settings(text_only)["mm_processor"] is None
