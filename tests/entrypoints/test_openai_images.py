@@ -148,7 +148,7 @@ def test_server_process_reads_the_processor(engine: LLMEngine, tmp_path: Path) -
     """A server process (which loads no weights) builds its image processor from the checkpoint folder's
     config alone; a text-only folder gets none."""
     from pagedrs.engine.arg_utils import EngineArgs
-    from pagedrs.multimodal.processing import image_settings
+    from pagedrs.engine.frontend.image_inputs import image_settings
     from tests.helpers import make_tiny_llama
 
     args = EngineArgs(

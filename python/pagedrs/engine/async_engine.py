@@ -29,6 +29,7 @@ from pagedrs.engine.client.core_handles import CoreHandle, EngineStartupError, R
 from pagedrs.engine.core.messages import AbortRequests, EngineCoreOutputs
 from pagedrs.engine.dp.client import NoReplicaAvailable, ReplicaSet, sum_stats
 from pagedrs.engine.factory import core_makers
+from pagedrs.engine.frontend.image_inputs import image_settings, image_settings_of
 from pagedrs.engine.frontend.input_processor import InputError, InputProcessor
 from pagedrs.engine.frontend.output_processor import OutputProcessor
 from pagedrs.engine.frontend.request_stream import (
@@ -42,7 +43,6 @@ from pagedrs.engine.frontend.request_stream import (
 from pagedrs.launch_config import LaunchConfig
 from pagedrs.lora_request import LoRARequest
 from pagedrs.metrics import EngineStats
-from pagedrs.multimodal.processing import image_settings, image_settings_of
 from pagedrs.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.sampling_params import RequestOutputKind, SamplingParams

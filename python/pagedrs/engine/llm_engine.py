@@ -13,6 +13,7 @@ from pagedrs.config import EngineConfig
 from pagedrs.engine.arg_utils import EngineArgs
 from pagedrs.engine.core.engine_core import EngineCore
 from pagedrs.engine.core.messages import EngineCoreOutputs
+from pagedrs.engine.frontend.image_inputs import mm_processor_for
 from pagedrs.engine.frontend.input_processor import InputProcessor, PromptType, chat_template_ids
 from pagedrs.engine.frontend.output_processor import OutputProcessor
 from pagedrs.executor import UniProcExecutor
@@ -22,7 +23,6 @@ from pagedrs.loader import LoadedModel
 from pagedrs.lora_request import LoRARequest
 from pagedrs.metrics import EngineStats
 from pagedrs.models.interface import CausalLM
-from pagedrs.multimodal.processing import mm_processor_for
 from pagedrs.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedrs.pooling_params import PoolingParams
 from pagedrs.runner.model_runner import ModelRunner

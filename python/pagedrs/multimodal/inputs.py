@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pagedrs.errors import InputError
 from pagedrs.multimodal import MultiModalItem
 from pagedrs.multimodal.processing import MultiModalProcessor
 
@@ -20,7 +21,6 @@ def multimodal_prompt(
 ) -> tuple[str, list[int], list[MultiModalItem]]:
     """(prompt text, token ids, items); InputError on a model without images, an unknown modality, more
     images than the limit, or an image that cannot be decoded or processed."""
-    from pagedrs.engine.frontend.input_processor import InputError
 
     if processor is None:
         raise InputError("this model takes no images (multi_modal_data given)", "multi_modal_data")
@@ -71,7 +71,6 @@ def chat_prompt(
 ) -> dict[str, Any]:
     """A conversation with image parts as a `multi_modal_data` prompt, rendered by the processor's chat
     template (its text already carries the special tokens)."""
-    from pagedrs.engine.frontend.input_processor import InputError
     from pagedrs.multimodal.media import chat_images
 
     if processor is None:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from pagedrs.engine.core.messages import EngineCoreRequest
+from pagedrs.errors import InputError
 from pagedrs.lora_request import LoRARequest
 from pagedrs.multimodal import MultiModalItem
 from pagedrs.multimodal.inputs import multimodal_prompt
@@ -20,15 +21,6 @@ from pagedrs.sampling_params import SamplingParams
 __all__ = ["InputError", "InputProcessor", "PromptType", "chat_template_ids"]
 
 PromptType = str | list[int] | dict[str, Any]
-
-
-class InputError(ValueError):
-    """A bad request: `param` names the field (OpenAI's error shape), `code` is OpenAI's code if any."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
 
 
 class InputProcessor:
