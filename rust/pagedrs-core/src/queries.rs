@@ -134,6 +134,7 @@ impl Scheduler {
     pub fn set_kv_events(&mut self, on: bool) {
         self.pool.set_kv_events(on);
         self.kv.set_kv_events(on);
+        self.tier.set_kv_events(on);
     }
 
     pub fn kv_events_enabled(&self) -> bool {
@@ -146,6 +147,12 @@ impl Scheduler {
     }
 
     /// Each KV-cache group's prefix-cache events since the last call, in group order.
+    /// The host KV tier's events since the last call: blocks stored into it, evicted from it (as
+    /// vLLM's CPU offloading tier's, medium "CPU"); empty without a tier or with events off.
+    pub fn take_tier_kv_events(&mut self) -> KvEvents {
+        self.tier.take_kv_events()
+    }
+
     pub fn take_group_kv_events(&mut self) -> Vec<KvEvents> {
         self.kv.take_kv_events()
     }

@@ -71,7 +71,10 @@ impl Scheduler {
         for it in items {
             let i = it.idx as usize * bs;
             let tokens = &self.seqs[it.slot as usize].tokens[i..i + bs];
-            if let Some(s) = self.tier.store(it.hash, it.parent, tokens) {
+            if let Some(s) = self
+                .tier
+                .store_keyed(it.hash, it.parent, it.extra_key, tokens)
+            {
                 // Stores run before the next plan's block moves: a block a resize since the last
                 // plan moved is still at its source then.
                 let b = i64::from(it.block.0);
