@@ -95,8 +95,7 @@ impl Scheduler {
         if !self.kv.is_idle() || !self.pool.reset_prefix_cache() {
             return false;
         }
-        self.tier.clear();
-        self.pending_tier_stores.clear();
+        self.tier.on_cleared();
         self.kv.reset_prefix_cache()
     }
 
@@ -122,7 +121,7 @@ impl Scheduler {
             num_preemptions: self.num_preemptions,
             num_tier_blocks: self.tier.num_slots(),
             num_used_tier_blocks: self.tier.len(),
-            tier: self.tier.counters,
+            tier: *self.tier.counters(),
             spec_num_drafts: self.spec_counts[0],
             spec_num_draft_tokens: self.spec_counts[1],
             spec_num_accepted_tokens: self.spec_counts[2],
