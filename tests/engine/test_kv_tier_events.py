@@ -1,12 +1,14 @@
 """The KV tiers' events: blocks entering and leaving the host tier go out as vLLM's BlockStored /
 BlockRemoved with medium "CPU" (its least-recently-used eviction a removal), the disk tier's files with
-medium "DISK", beside the device pool's unchanged events; the step message carries each tier's net change."""
+medium "DISK", beside the device pool's unchanged events; the step message carries each tier's net change,
+and the data-parallel router routes a prompt to the replica whose host tier holds it."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from pagedrs import _core
@@ -14,7 +16,9 @@ from pagedrs.config import KVEventsConfig
 from pagedrs.engine.core.kv_events import BlockRemoved as KVRemoved
 from pagedrs.engine.core.kv_events import BlockStored as KVStored
 from pagedrs.engine.core.kv_events import KVEventsTap, disk_events
+from pagedrs.engine.core.messages import KVCacheEvents
 from pagedrs.engine.core.prefix_hashes import request_block_hashes
+from pagedrs.engine.dp.router import DPRouter
 from pagedrs.runner.kv_disk import DiskKVTier
 from tests.engine.helpers_kv_events import BlockRemoved, BlockStored, Subscriber, free_tcp_ports
 
@@ -121,3 +125,34 @@ def test_disk_tier_files_are_published_with_medium_disk(tmp_path: Path) -> None:
 
 def _payload() -> np.ndarray:
     return np.zeros(100, dtype=np.uint8)
+
+
+def test_a_replica_holding_a_prompt_only_in_its_host_tier_is_routed_to() -> None:
+    # Replica 0's core ran the prompt, then another prompt evicted it from the device pool: only its host
+    # tier holds it. Its step messages (through msgpack, as the data-parallel client gets them) reach the
+    # router, which sends the prompt back there rather than to the empty replica 1.
+    s = _core.Scheduler(num_blocks=4, block_size=BS, watermark=0.0, num_tier_blocks=8)
+    tap = KVEventsTap(KVEventsConfig(step_events=True), s, "GPU")
+    router = DPRouter(2, block_size=BS, optimistic=False)
+    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(KVCacheEvents)
+    prompt, other = list(range(1, 10)), list(range(100, 113))
+    try:
+        for rid, p in ((1, prompt), (2, other)):
+            _run(s, rid, p)
+            msg = tap.take_step()
+            assert msg is not None
+            router.apply_events(0, dec.decode(enc.encode(msg)))
+        hashes = request_block_hashes(prompt, BS)
+        assert not set(hashes) & set(s.cached_block_hashes())  # not on the device any more
+        assert router.snapshot()[0].num_tier_blocks == {"CPU": 5}
+        assert router.tier_hit(0, hashes) == 2 * 0.5
+        assert router.route("r", hashes, len(prompt)) == 0
+        # Against a replica 32 load tokens lighter (a penalty of 3.2 tokens): the tier hit (2 blocks of 4 at
+        # half weight, 4 tokens) still wins; at weight 0 it is a miss and the lighter replica wins.
+        for weight, want in ((0.5, 0), (0.0, 1)):
+            r = DPRouter(2, block_size=BS, optimistic=False, load_penalty=0.1, host_tier_hit_weight=weight)
+            r.apply_events(0, KVCacheEvents(tier_stored={"CPU": hashes}))
+            assert r.route("busy", [], 0) == 0
+            assert r.route("r", hashes, len(prompt)) == want, weight
+    finally:
+        tap.close()
