@@ -506,6 +506,9 @@ class Scheduler:
     def kv_events_enabled(self) -> bool: ...
     def take_kv_events(self) -> KVEvents:
         """The prefix-cache events since the last call, in order (empty when recording is off)."""
+    def take_tier_kv_events(self) -> KVEvents:
+        """The host KV tier's events since the last call: blocks stored into it and evicted from it
+        (published with medium "CPU"); empty without a tier or when recording is off."""
     def take_group_kv_events(self) -> list[KVEvents]:
         """Each KV-cache group's prefix-cache events since the last call, in group order."""
     def cached_block_hashes(self) -> list[int]:

@@ -39,6 +39,8 @@ def test_policies_named() -> None:
         ((2,), {"block_size": BS, "request_tokens": -1}, "request_tokens"),
         ((2,), {"block_size": BS, "optimistic": "yes"}, "optimistic"),
         ((2,), {"block_size": BS, "loadpenalty": 1}, "loadpenalty"),
+        ((2,), {"block_size": BS, "host_tier_hit_weight": 1.5}, "host_tier_hit_weight"),
+        ((2,), {"block_size": BS, "disk_tier_hit_weight": -0.1}, "disk_tier_hit_weight"),
     ],
 )
 def test_bad_construction_names_value(args: tuple, kwargs: dict, named: str) -> None:
@@ -274,6 +276,55 @@ def test_events_cleared_then_removed_then_stored() -> None:
     router.apply_events(1, KVCacheEvents(stored=[6]))
     assert router.route("d", [5, 6, 7], 48) == 1
     assert router.snapshot()[1].hit_blocks_expected == 3 + 1 + 3
+
+
+def tier(
+    router: DPRouter, replica: int, medium: str, hashes: list[int], removed: tuple[int, ...] = ()
+) -> None:
+    router.apply_events(
+        replica, KVCacheEvents(tier_stored={medium: hashes}, tier_removed={medium: list(removed)})
+    )
+
+
+def test_a_tier_hit_is_cheaper_than_a_miss_and_dearer_than_a_device_hit() -> None:
+    router = DPRouter(4, block_size=BS, optimistic=False)
+    prompt = blocks(3, 6)
+    for r in range(4):
+        store(router, r, prompt[:2])
+    store(router, 0, prompt[2:4])  # the device pool holds 4 blocks
+    tier(router, 1, "CPU", prompt[2:4])  # 2 + 2 in host memory
+    tier(router, 2, "DISK", prompt[2:4])  # 2 + 2 on disk
+    # replica 3: 2 blocks, then a host tier block that does not continue the prefix (no hit)
+    tier(router, 3, "CPU", prompt[3:6])
+    assert [router.tier_hit(r, prompt) for r in range(4)] == [0.0, 1.0, 0.5, 0.0]
+    assert router.snapshot()[1].num_tier_blocks == {"CPU": 2}
+    assert router.route("a", prompt, 6 * BS) == 0  # the device hit wins
+    router.set_available(0, False)
+    assert router.route("b", prompt, 6 * BS) == 1  # host tier over disk; replica 3's run is broken
+    router.finish("b")
+    tier(router, 1, "CPU", [], removed=(prompt[3],))  # evicted from the host tier: one block left
+    assert router.tier_hit(1, prompt) == 0.5
+    # A block in both tiers counts at the host tier's weight; a run may pass from one tier to the other.
+    tier(router, 2, "CPU", prompt[3:5])
+    assert router.tier_hit(2, prompt) == 0.25 + 0.5 + 0.5  # disk, both (host), host
+
+
+def test_tier_weights_and_the_tiers_after_a_clear_or_a_restart() -> None:
+    router = DPRouter(2, block_size=BS, optimistic=False, host_tier_hit_weight=0.0, disk_tier_hit_weight=1.0)
+    prompt = blocks(5, 4)
+    tier(router, 0, "CPU", prompt)
+    assert router.tier_hit(0, prompt) == 0.0
+    assert router.route("a", prompt, 4 * BS) == 0  # a weight of 0: a miss; tie -> lowest index
+    router.finish("a")
+    tier(router, 1, "DISK", prompt)
+    assert router.route("b", prompt, 4 * BS) == 1  # a weight of 1: as good as a device hit
+    router.finish("b")
+    tier(router, 0, "DISK", prompt[:1])
+    router.apply_events(0, KVCacheEvents(cleared=True))  # the host tier is emptied; files stay
+    assert router.snapshot()[0].num_tier_blocks == {"DISK": 1}
+    router.set_available(1, False)
+    router.set_available(1, True)  # back empty
+    assert router.snapshot()[1].num_tier_blocks == {} and router.tier_hit(1, prompt) == 0.0
 
 
 def test_optimistic_entries_keep_a_burst_together() -> None:

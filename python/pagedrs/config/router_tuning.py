@@ -18,6 +18,10 @@ DEFAULT_TUNING: dict[str, Any] = {
     "balance_abs_tokens": 1024,
     "optimistic": True,  # count a routed prompt's blocks as cached on its replica at once
     "max_sticky_keys": 65536,  # sticky keys remembered (least recently used dropped first)
+    # What a prompt block held only in a replica's KV tier is worth, as a fraction of a block its device
+    # pool holds (a miss: 0): loading it costs a copy from host memory, or a file read and that copy.
+    "host_tier_hit_weight": 0.5,
+    "disk_tier_hit_weight": 0.25,
 }
 
 
@@ -33,6 +37,8 @@ def check_tuning(tuning: dict[str, Any]) -> dict[str, Any]:
         ("balance_abs_tokens", lambda v: v >= 0, ">= 0"),
         ("request_tokens", lambda v: v >= 0, ">= 0"),
         ("max_sticky_keys", lambda v: isinstance(v, int) and v >= 1, "an int >= 1"),
+        ("host_tier_hit_weight", lambda v: 0 <= v <= 1, "in [0, 1]"),
+        ("disk_tier_hit_weight", lambda v: 0 <= v <= 1, "in [0, 1]"),
     )
     for name, ok, what in checks:
         v = t[name]

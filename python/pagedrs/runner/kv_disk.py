@@ -14,6 +14,10 @@ tier slot, and only then does the scheduler's host tier hold the block; a missin
 file ends the chain there (a miss, never a wrong answer), and a bad file is deleted. The admission then
 loads those blocks as any host tier hit. Reads are synchronous (a disk hit costs its file reads at
 `add_request`); writes are off the step.
+
+With `record_events` on, the tier logs the blocks it comes to hold (a file written) and drops (evicted over
+the bound, or deleted as bad), in order, for the engine's KV events (medium "DISK"); the blocks found at
+start-up are not announced.
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ class DiskKVTier:
         self._index: OrderedDict[int, int] = OrderedDict()  # hash -> file bytes, least recently used first
         self.used_bytes = 0
         self.blocks_written = self.blocks_read = self.blocks_rejected = self.blocks_evicted = 0
+        # ("stored", hash, parent, tokens) / ("removed", hash) since the last take_events; None: not kept
+        self._events: list[tuple[Any, ...]] | None = None
         files = []
         for p in self.folder.glob("*.kv"):
             try:
@@ -104,6 +110,20 @@ class DiskKVTier:
         """Held block hashes, least recently used first."""
         with self._lock:
             return list(self._index)
+
+    def record_events(self, on: bool = True) -> None:
+        """Start (with an empty log) or stop logging the blocks this tier comes to hold and drops."""
+        with self._lock:
+            self._events = [] if on else None
+
+    def take_events(self) -> list[tuple[Any, ...]]:
+        """The logged changes since the last call, in order: ``("stored", hash, parent, tokens)`` for a
+        block file written, ``("removed", hash)`` for one deleted."""
+        with self._lock:
+            if not self._events:
+                return []
+            out, self._events = self._events, []
+            return out
 
     def put(self, block_hash: int, parent: int, tokens: Sequence[int], payload: np.ndarray) -> None:
         """Queue one block's file (`payload`: its bytes, a uint8 array this tier now owns)."""
@@ -150,6 +170,8 @@ class DiskKVTier:
             self.used_bytes += size - self._index.pop(block_hash, 0)
             self._index[block_hash] = size
             self.blocks_written += 1
+            if self._events is not None:
+                self._events.append(("stored", block_hash, parent, tokens))
             self._evict_over_bound()
 
     def _evict_over_bound(self) -> None:
@@ -158,6 +180,8 @@ class DiskKVTier:
             self.used_bytes -= size
             self.blocks_evicted += 1
             self.path_of(h).unlink(missing_ok=True)
+            if self._events is not None:
+                self._events.append(("removed", h))
 
     def _drop(self, block_hash: int) -> None:
         with self._lock:
@@ -165,6 +189,8 @@ class DiskKVTier:
             if size is not None:
                 self.used_bytes -= size
                 self.path_of(block_hash).unlink(missing_ok=True)
+                if self._events is not None:
+                    self._events.append(("removed", block_hash))
 
     def get(self, block_hash: int, parent: int, tokens: Sequence[int], nbytes: int) -> np.ndarray | None:
         """The block's `nbytes` bytes, only if its file is whole and is exactly this block of this model;

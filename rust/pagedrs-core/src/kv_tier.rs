@@ -6,7 +6,13 @@
 //! can never serve another prompt's KV. The bytes live with the runner (one host tensor per rank);
 //! the scheduler only hands it `(device block, slot)` store pairs and `(slot, device block)` load
 //! pairs through the step plan.
+//!
+//! With events on ([`HostTier::set_kv_events`]) the tier logs the blocks entering it (Stored) and
+//! leaving it (Removed: least-recently-used eviction, and every held block when it is cleared), as
+//! the device pool logs its prefix cache; the engine publishes them with medium "CPU", as vLLM's
+//! CPU offloading tier does.
 
+use crate::kv_events::KvEvents;
 use crate::prefix_cache::IdentityHasher;
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
@@ -44,6 +50,8 @@ pub struct HostTier {
     tail: u32,
     free: Vec<u32>,
     pub counters: TierCounters,
+    /// Blocks entering and leaving the tier since the engine last drained them; None: not recorded.
+    events: Option<Box<KvEvents>>,
 }
 
 fn join(lo: u32, hi: u32) -> u64 {
@@ -62,7 +70,20 @@ impl HostTier {
             tail: NIL,
             free: (0..num_slots as u32).rev().collect(),
             counters: TierCounters::default(),
+            events: None,
         }
+    }
+
+    /// Turns the tier's event log on (empty) or off.
+    pub fn set_kv_events(&mut self, on: bool) {
+        self.events = on.then(|| Box::new(KvEvents::new(self.block_size)));
+    }
+
+    /// The tier's events since the last call (empty when not recorded).
+    pub fn take_kv_events(&mut self) -> KvEvents {
+        self.events
+            .as_deref_mut()
+            .map_or_else(|| KvEvents::new(self.block_size), KvEvents::take)
     }
 
     pub fn num_slots(&self) -> usize {
@@ -131,14 +152,35 @@ impl HostTier {
     /// A slot for a new full block, or None when `hash` is already held (then marked recently used).
     /// When every slot is taken, the least recently used entry is dropped for it.
     pub fn store(&mut self, hash: u64, parent: u64, tokens: &[u32]) -> Option<u32> {
-        let s = self.insert(hash, parent, tokens)?;
+        self.store_keyed(hash, parent, 0, tokens)
+    }
+
+    /// As `store`, its Stored event carrying the block's chain `extra_key` (its LoRA / salt key).
+    pub fn store_keyed(
+        &mut self,
+        hash: u64,
+        parent: u64,
+        extra_key: u64,
+        tokens: &[u32],
+    ) -> Option<u32> {
+        let s = self.insert_keyed(hash, parent, extra_key, tokens)?;
         self.counters.stored_blocks += 1;
         Some(s)
     }
 
     /// As `store`, for a block whose bytes come from outside the device pool (a disk tier behind
-    /// this one): not counted as stored.
+    /// this one): not counted as stored. Its Stored event has extra key 0 (the key is not known).
     pub fn insert(&mut self, hash: u64, parent: u64, tokens: &[u32]) -> Option<u32> {
+        self.insert_keyed(hash, parent, 0, tokens)
+    }
+
+    fn insert_keyed(
+        &mut self,
+        hash: u64,
+        parent: u64,
+        extra_key: u64,
+        tokens: &[u32],
+    ) -> Option<u32> {
         debug_assert_eq!(tokens.len(), self.block_size);
         if let Some(&s) = self.map.get(&hash) {
             self.touch(s);
@@ -155,6 +197,9 @@ impl HostTier {
                 let old = join(self.record(victim)[0], self.record(victim)[1]);
                 self.map.remove(&old);
                 self.counters.evicted_blocks += 1;
+                if let Some(ev) = self.events.as_deref_mut() {
+                    ev.removed(old);
+                }
                 victim
             }
         };
@@ -169,6 +214,9 @@ impl HostTier {
         r[HEADER..].copy_from_slice(tokens);
         self.map.insert(hash, s);
         self.push_back(s);
+        if let Some(ev) = self.events.as_deref_mut() {
+            ev.stored(hash, parent, extra_key, tokens);
+        }
         Some(s)
     }
 
@@ -203,6 +251,15 @@ impl HostTier {
 
     /// Drops every entry (the device pool's prefix cache was reset: cached KV may be stale).
     pub fn clear(&mut self) {
+        if self.events.is_some() {
+            let held: Vec<u64> = self
+                .lru_order()
+                .iter()
+                .map(|&s| join(self.record(s)[0], self.record(s)[1]))
+                .collect();
+            let ev = self.events.as_deref_mut().expect("checked");
+            held.into_iter().for_each(|h| ev.removed(h));
+        }
         self.map.clear();
         self.prev.fill(NIL);
         self.next.fill(NIL);
@@ -265,6 +322,29 @@ mod tests {
         assert_eq!(t.record_of(a), None);
         assert!(t.is_empty());
         t.check().unwrap();
+    }
+
+    #[test]
+    fn events_log_blocks_entering_and_leaving() {
+        use crate::kv_events::KvEventKind::{Removed, Stored};
+        let mut t = HostTier::new(2, 2);
+        t.store(10, 1, &[1, 2]); // not recorded
+        t.set_kv_events(true);
+        t.store_keyed(20, 10, 7, &[3, 4]);
+        assert_eq!(t.store(20, 10, &[3, 4]), None); // held: no event
+        t.insert(30, 20, &[5, 6]); // evicts 10
+        let e = t.take_kv_events();
+        assert_eq!(e.kinds, vec![Stored, Removed, Stored]);
+        assert_eq!(e.hashes, vec![20, 10, 30]);
+        assert_eq!((e.parents[0], e.extra_keys[0]), (10, 7));
+        assert_eq!(e.tokens, vec![3, 4, 5, 6]);
+        assert!(t.take_kv_events().is_empty());
+        t.clear();
+        let e = t.take_kv_events();
+        assert_eq!((e.kinds, e.hashes), (vec![Removed, Removed], vec![20, 30]));
+        t.set_kv_events(false);
+        t.store(40, 1, &[1, 1]);
+        assert!(t.take_kv_events().is_empty());
     }
 
     #[test]

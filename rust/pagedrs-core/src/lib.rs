@@ -12,6 +12,7 @@ pub mod error;
 pub mod free_queue;
 mod groups;
 mod invariants;
+pub mod kv_connector;
 pub mod kv_events;
 pub mod kv_groups;
 pub mod kv_tier;

@@ -260,7 +260,7 @@ impl Scheduler {
             copies: ops.copies,
             block_moves: std::mem::take(&mut self.pending_moves),
             preempted: ops.preempted,
-            tier_store: std::mem::take(&mut self.pending_tier_stores),
+            tier_store: self.tier.take_transfers(),
             tier_load: ops.tier_load,
             group_slot_mapping: Vec::new(),
             group_block_tables: Vec::new(),

@@ -95,8 +95,7 @@ impl Scheduler {
         if !self.kv.is_idle() || !self.pool.reset_prefix_cache() {
             return false;
         }
-        self.tier.clear();
-        self.pending_tier_stores.clear();
+        self.tier.on_cleared();
         self.kv.reset_prefix_cache()
     }
 
@@ -122,7 +121,7 @@ impl Scheduler {
             num_preemptions: self.num_preemptions,
             num_tier_blocks: self.tier.num_slots(),
             num_used_tier_blocks: self.tier.len(),
-            tier: self.tier.counters,
+            tier: *self.tier.counters(),
             spec_num_drafts: self.spec_counts[0],
             spec_num_draft_tokens: self.spec_counts[1],
             spec_num_accepted_tokens: self.spec_counts[2],
@@ -134,6 +133,7 @@ impl Scheduler {
     pub fn set_kv_events(&mut self, on: bool) {
         self.pool.set_kv_events(on);
         self.kv.set_kv_events(on);
+        self.tier.set_kv_events(on);
     }
 
     pub fn kv_events_enabled(&self) -> bool {
@@ -146,6 +146,12 @@ impl Scheduler {
     }
 
     /// Each KV-cache group's prefix-cache events since the last call, in group order.
+    /// The host KV tier's events since the last call: blocks stored into it, evicted from it (as
+    /// vLLM's CPU offloading tier's, medium "CPU"); empty without a tier or with events off.
+    pub fn take_tier_kv_events(&mut self) -> KvEvents {
+        self.tier.take_kv_events()
+    }
+
     pub fn take_group_kv_events(&mut self) -> Vec<KvEvents> {
         self.kv.take_kv_events()
     }

@@ -55,9 +55,9 @@ pub struct Scheduler {
     pub(crate) cfg: Config,
     pub(crate) pool: BlockPool,
     pub(crate) swap: SwapPool,
-    /// The host KV tier's index (`kv_tier`), and the store pairs the next plan carries.
-    pub(crate) tier: crate::kv_tier::HostTier,
-    pub(crate) pending_tier_stores: Vec<i64>,
+    /// The external KV tier behind the device pool, through the connector interface
+    /// (`kv_connector`; the host KV tier): it keeps the store transfers the next plan carries.
+    pub(crate) tier: Box<dyn crate::kv_connector::KvConnector>,
     /// Persistent block table: one row per running sequence (`Seq::row`).
     pub(crate) tables: BlockTable,
     pub(crate) seqs: Vec<Seq>,
@@ -105,8 +105,10 @@ impl Scheduler {
         Ok(Self {
             pool: BlockPool::new(cfg.num_blocks, cfg.block_size),
             swap: SwapPool::new(cfg.num_swap_blocks),
-            tier: crate::kv_tier::HostTier::new(cfg.num_tier_blocks, cfg.block_size),
-            pending_tier_stores: Vec::new(),
+            tier: Box::new(crate::kv_connector::HostTierConnector::new(
+                cfg.num_tier_blocks,
+                cfg.block_size,
+            )),
             // Rows belong to running sequences only, and those never exceed max_num_seqs
             // (children not yet forked included), so this size is final.
             tables: BlockTable::new(cfg.max_num_seqs, cfg.max_model_len.div_ceil(cfg.block_size)),

@@ -1,7 +1,7 @@
-//! The scheduler's use of the host KV tier (`kv_tier`): an admission continues its device-pool
-//! prefix hit in the tier (those blocks get fresh device blocks and load pairs), and every block the
-//! prefix cache newly caches is stored in the tier once (as vLLM's OffloadingConnector stores blocks
-//! as they complete).
+//! The scheduler's use of the external KV tier, only through its connector (`kv_connector`; the
+//! host KV tier): an admission continues its device-pool prefix hit in the tier (those blocks get
+//! fresh device blocks and load pairs), and every block the prefix cache newly caches is offered to
+//! the tier once (as vLLM's OffloadingConnector stores blocks as they complete).
 
 use crate::block_pool::CacheItem;
 use crate::error::{Error, Result};
@@ -56,10 +56,7 @@ impl Scheduler {
             ops.tier_load
                 .extend([i64::from(s), i64::from(table[first + i])]);
         }
-        let c = &mut self.tier.counters;
-        c.queried_blocks += hit.queried as u64;
-        c.hit_blocks += hit.slots.len() as u64;
-        c.loaded_blocks += hit.slots.len() as u64;
+        self.tier.on_loaded(hit.queried, hit.slots.len());
     }
 
     /// Store pairs for blocks the prefix cache just cached, each block the tier does not hold yet.
@@ -71,32 +68,16 @@ impl Scheduler {
         for it in items {
             let i = it.idx as usize * bs;
             let tokens = &self.seqs[it.slot as usize].tokens[i..i + bs];
-            if let Some(s) = self.tier.store(it.hash, it.parent, tokens) {
-                // Stores run before the next plan's block moves: a block a resize since the last
-                // plan moved is still at its source then.
-                let b = i64::from(it.block.0);
-                let src = self
-                    .pending_moves
-                    .chunks_exact(2)
-                    .find(|m| m[1] == b)
-                    .map_or(b, |m| m[0]);
-                self.void_pending_store(s);
-                self.pending_tier_stores.extend([src, i64::from(s)]);
-            }
-        }
-    }
-
-    /// One store per slot in a plan: an earlier one to a slot reused since is void.
-    fn void_pending_store(&mut self, s: u32) {
-        let slot = i64::from(s);
-        if self
-            .pending_tier_stores
-            .chunks_exact(2)
-            .any(|m| m[1] == slot)
-        {
-            let old = std::mem::take(&mut self.pending_tier_stores);
-            self.pending_tier_stores
-                .extend(old.chunks_exact(2).filter(|m| m[1] != slot).flatten());
+            // Stores run before the next plan's block moves: a block a resize since the last plan
+            // moved is still at its source then.
+            let b = i64::from(it.block.0);
+            let src = self
+                .pending_moves
+                .chunks_exact(2)
+                .find(|m| m[1] == b)
+                .map_or(b, |m| m[0]);
+            self.tier
+                .on_stored(it.hash, it.parent, it.extra_key, tokens, src);
         }
     }
 
@@ -136,9 +117,7 @@ impl Scheduler {
         if tokens.len() != self.cfg.block_size || block_hash(parent, tokens) != hash {
             return None;
         }
-        let s = self.tier.insert(hash, parent, tokens)?;
-        self.void_pending_store(s);
-        Some(s)
+        self.tier.insert_external(hash, parent, tokens)
     }
 
     /// The record (hash, parent hash, tokens) a host tier slot holds.

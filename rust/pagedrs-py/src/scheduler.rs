@@ -408,6 +408,13 @@ impl PyScheduler {
         self.with(py, |s| s.take_kv_events()).map(PyKVEvents::from)
     }
 
+    /// The host KV tier's events since the last call: blocks stored into it and evicted from it
+    /// (published with medium "CPU"); empty without a tier or when recording is off.
+    fn take_tier_kv_events(&self, py: Python<'_>) -> PyResult<PyKVEvents> {
+        self.with(py, |s| s.take_tier_kv_events())
+            .map(PyKVEvents::from)
+    }
+
     /// Each KV-cache group's prefix-cache events since the last call, in group order.
     fn take_group_kv_events(&self, py: Python<'_>) -> PyResult<Vec<PyKVEvents>> {
         self.with(py, |s| s.take_group_kv_events())

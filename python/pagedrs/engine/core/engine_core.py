@@ -106,6 +106,8 @@ class EngineCore(CoreUtilitiesMixin):
         # Prefix-cache events for routers (`kv_events`): recorded by the scheduler only when consumed.
         self._kv_events = KVEventsTap.open(config.kv_events, self.scheduler, self.device, self._kv_pool_names)
         self._disk = DiskTierLink.open(config, loaded.model_path, executor, self.scheduler)  # `kv_disk`
+        if self._kv_events is not None and self._disk is not None:
+            self._kv_events.attach_disk(self._disk.disk)
         # LoRA deltas hook into the model's linear layers, eager steps (`lora_config`); under tensor
         # parallelism the other ranks follow the slots through the executor's step channel.
         self.lora: LoRAManager | None = None

@@ -46,7 +46,9 @@ __all__ = [
     "KVEventBatch",
     "KVEventsTap",
     "ZmqEventPublisher",
+    "disk_events",
     "event_groups",
+    "net_of_log",
     "offset_endpoint_port",
     "to_vllm_events",
 ]
@@ -88,7 +90,12 @@ class AllBlocksCleared(_KVCacheEvent):
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-_Parts = Sequence[tuple["EventGroup | None", _core.KVEvents]]  # one step's events of each published pool
+# One step's events of each published pool, with its medium (None: the device pool's), as the scheduler
+# recorded them or (a disk tier's) as vLLM's events already.
+_Part = tuple["EventGroup | None", "_core.KVEvents | list[KVEvent]", "str | None"]
+_Parts = Sequence[_Part]
+
+HOST_TIER_MEDIUM, DISK_TIER_MEDIUM = "CPU", "DISK"  # vLLM's mediums of its CPU offloading tier, and disk
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -162,6 +169,42 @@ def to_vllm_events(
     return out
 
 
+def disk_events(log: list[tuple[Any, ...]]) -> list[KVEvent]:
+    """A disk tier's log (`DiskKVTier.take_events`) as vLLM's events with medium "DISK", in order:
+    consecutive files of one chain in one BlockStored, consecutive deletions in one BlockRemoved. A
+    block's chain key is not on disk: a block whose parent is the no-adapter root has no parent hash."""
+    root = _core.prefix_root_hash(0)
+    out: list[KVEvent] = []
+    for entry in log:
+        last = out[-1] if out else None
+        if entry[0] == "stored":
+            _, h, parent, tokens = entry
+            if isinstance(last, BlockStored) and last.block_hashes[-1] == parent:
+                last.block_hashes.append(h)
+                last.token_ids.extend(tokens)
+                continue
+            first = None if parent == root else parent
+            out.append(BlockStored([h], first, list(tokens), len(tokens), None, DISK_TIER_MEDIUM))
+        elif isinstance(last, BlockRemoved):
+            last.block_hashes.append(entry[1])
+        else:
+            out.append(BlockRemoved([entry[1]], DISK_TIER_MEDIUM))
+    return out
+
+
+def net_of_log(log: list[tuple[Any, ...]]) -> tuple[list[int], list[int]]:
+    """The net change (stored, removed) of a disk tier's log: a block stored and deleted again is neither;
+    a block's first entry says whether it was held before (a deletion: it was)."""
+    state: dict[int, tuple[bool, bool]] = {}  # hash -> (held before, held after), in first-touch order
+    for entry in log:
+        now = entry[0] == "stored"
+        before = state[entry[1]][0] if entry[1] in state else not now
+        state[entry[1]] = (before, now)
+    stored = [h for h, (b, a) in state.items() if a and not b]
+    removed = [h for h, (b, a) in state.items() if b and not a]
+    return stored, removed
+
+
 def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
     """The endpoint of data-parallel rank `data_parallel_rank`, as vLLM: a tcp port plus the rank, an
     inproc name with ``_dp<rank>``; unchanged for rank 0."""
@@ -217,7 +260,7 @@ class ZmqEventPublisher:
         """Queue one step's events (never blocks; a full queue drops them, leaving a sequence gap): the
         model's only pool's, or each published pool's with its KV-cache group."""
         seq = next(self._seq)
-        parts: _Parts = [(None, events)] if isinstance(events, _core.KVEvents) else events
+        parts: _Parts = [(None, events, None)] if isinstance(events, _core.KVEvents) else events
         try:
             self._queue.put_nowait((seq, time.time(), parts))
         except queue.Full:
@@ -273,7 +316,7 @@ class ZmqEventPublisher:
                     break
                 seq, ts, parts = item
                 try:
-                    out = [e for g, ev in parts for e in to_vllm_events(ev, self._lora_ids, self._medium, g)]
+                    out = [e for part in parts for e in self._events_of(part)]
                     batch = KVEventBatch(ts, out, self._rank)
                     payload = encoder.encode(batch)
                     pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
@@ -284,6 +327,12 @@ class ZmqEventPublisher:
             pub.close(linger=100)
             if replay is not None:
                 replay.close(linger=0)
+
+    def _events_of(self, part: _Part) -> list[KVEvent]:
+        group, ev, medium = part
+        if isinstance(ev, list):
+            return ev
+        return to_vllm_events(ev, self._lora_ids, medium or self._medium, group)
 
     def _serve_replay(self, replay: zmq.Socket) -> None:
         frames = replay.recv_multipart()
@@ -317,6 +366,7 @@ class KVEventsTap:
         self._groups = event_groups(pool_labels or ["full"])
         self._lora_ids: dict[int, int] = {}  # extra key -> LoRA adapter id, for BlockStored.lora_id
         self.publisher = ZmqEventPublisher(config, self._lora_ids, medium) if config.publishes else None
+        self._disk: Any = None  # the disk tier, once attached
         scheduler.set_kv_events(True)
 
     @classmethod
@@ -334,31 +384,50 @@ class KVEventsTap:
         if lora is not None and self.publisher is not None:
             self._lora_ids.setdefault(_core.prefix_extra_key(lora_salt_of(lora)), lora.lora_int_id)
 
+    def attach_disk(self, disk: Any) -> None:
+        """Publish the disk tier's (`runner.kv_disk.DiskKVTier`) block files too, with medium "DISK"."""
+        self._disk = disk
+        disk.record_events(True)
+
     def take_step(self) -> KVCacheEvents | None:
-        """Drain the events since the last step: publish them, and return their net change for the step
-        message (None when nothing changed or the message does not carry it)."""
+        """Drain the events since the last step, the device pool's and the tiers': publish them, and return
+        their net change for the step message (None when nothing changed or the message does not carry it)."""
         events = self._scheduler.take_kv_events()
-        if self._groups:
-            self._publish_groups(events)
-        if not len(events):
-            return None
-        if self.publisher is not None and not self._groups:
-            self.publisher.publish(events)
+        tiers = self._take_tiers()
+        parts: list[_Part] = self._group_parts(events) if self._groups else []
+        if not self._groups and len(events):
+            parts.append((None, events, None))
+        parts += [(None, ev, medium) for medium, ev, _ in tiers]
+        if parts and self.publisher is not None:
+            self.publisher.publish(parts)
         if not self.config.step_events:
             return None
-        stored, removed, cleared = events.net()
-        if not (stored or removed or cleared):
+        stored, removed, cleared = events.net() if len(events) else ([], [], False)
+        tier_stored = {m: net[0] for m, _, net in tiers if net[0]}
+        tier_removed = {m: net[1] for m, _, net in tiers if net[1]}
+        if not (stored or removed or cleared or tier_stored or tier_removed):
             return None
-        return KVCacheEvents(stored=stored, removed=removed, cleared=cleared)
+        return KVCacheEvents(stored, removed, cleared, tier_stored, tier_removed)
 
-    def _publish_groups(self, full: _core.KVEvents) -> None:
-        """Publish every published pool's events (the full-attention pool's only when it stores KV)."""
+    def _take_tiers(self) -> list[tuple[str, _core.KVEvents | list[KVEvent], tuple[list[int], list[int]]]]:
+        """The host tier's and the disk tier's events since the last step, each with its medium and net
+        change (stored, removed); none for a tier without events."""
+        out: list[tuple[str, _core.KVEvents | list[KVEvent], tuple[list[int], list[int]]]] = []
+        host = self._scheduler.take_tier_kv_events()
+        if len(host):
+            stored, removed, _ = host.net()  # the tier logs its clear as removals
+            out.append((HOST_TIER_MEDIUM, host, (stored, removed)))
+        log = self._disk.take_events() if self._disk is not None else []
+        if log:
+            out.append((DISK_TIER_MEDIUM, disk_events(log), net_of_log(log)))
+        return out
+
+    def _group_parts(self, full: _core.KVEvents) -> list[_Part]:
+        """Every published pool's events (the full-attention pool's only when it stores KV)."""
         pools = (
             [full] if self._groups[0].kind == "full_attention" else []
         ) + self._scheduler.take_group_kv_events()
-        parts = [(g, ev) for g, ev in zip(self._groups, pools, strict=True) if len(ev)]
-        if parts and self.publisher is not None:
-            self.publisher.publish(parts)
+        return [(g, ev, None) for g, ev in zip(self._groups, pools, strict=True) if len(ev)]
 
     def close(self) -> None:
         if self.publisher is not None:

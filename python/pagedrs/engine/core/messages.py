@@ -130,11 +130,15 @@ class KVCacheEvents(msgspec.Struct, array_like=True, omit_defaults=True):
     """One step's net change to the core's prefix cache, as block hashes (the scheduler's chained
     hashes, see `pagedrs.engine.core.prefix_hashes`). Applied in this order, `cleared` (empty the set),
     then `removed`, then `stored`, to the set after the previous step, it gives the set of cached
-    block hashes after this step."""
+    block hashes after this step. `tier_stored` / `tier_removed`: the same net change of the KV tiers behind
+    the device pool, per medium (`CPU` the host tier, `DISK` the disk tier); a tier is not cleared by
+    `cleared` (the host tier logs its own clear as removals)."""
 
     stored: list[int] = []
     removed: list[int] = []
     cleared: bool = False
+    tier_stored: dict[str, list[int]] = {}
+    tier_removed: dict[str, list[int]] = {}
 
 
 class ClientLoad(msgspec.Struct, array_like=True):

@@ -17,7 +17,11 @@ will cost.
   holds, times the block size) minus ``load_penalty`` times the replica's load. A replica whose load
   exceeds the least loaded one's by more than ``balance_abs_tokens`` and by more than ``balance_ratio``
   times gets no new work, whatever its cache (SGLang's gateway balances its cache-aware policy on the same
-  two thresholds). Ties go to the least loaded replica, then to the lowest index.
+  two thresholds). Ties go to the least loaded replica, then to the lowest index. Past a replica's cached
+  prefix, the prompt's next blocks that its KV tiers hold (its host tier, medium ``CPU``, and disk tier,
+  ``DISK``, from the tier net changes in its step messages) count as partial hits, up to the first block
+  held nowhere there: each ``host_tier_hit_weight`` (or ``disk_tier_hit_weight``) of a cached block, as
+  loading a block from host memory or disk is cheaper than computing it and dearer than a device hit.
 * ``least_loaded``: the least load (then fewest requests, then the lowest index).
 * ``round_robin``: the next replica that is up.
 
@@ -72,6 +76,7 @@ class ReplicaState:
     hit_blocks_expected: int  # sum of the cached prefix blocks of the requests routed here
     finished: int  # requests finished or aborted here
     generated_tokens: int  # output tokens of the finished ones
+    num_tier_blocks: dict[str, int] = field(default_factory=dict)  # medium -> blocks its KV tier holds
 
 
 @dataclass(slots=True)
@@ -86,6 +91,7 @@ class _InFlight:
 class _Replica:
     up: bool = True
     cached: set[int] = field(default_factory=set)  # exact: from the core's events
+    tiers: dict[str, set[int]] = field(default_factory=dict)  # medium -> block hashes its KV tier holds
     prefilling: dict[int, list[str]] = field(default_factory=dict)  # marker hash -> requests awaiting it
     load: int = 0  # of the requests in flight
     num_requests: int = 0
@@ -125,6 +131,10 @@ class DPRouter:
         self._abs = float(t["balance_abs_tokens"])
         self._optimistic: bool = t["optimistic"]
         self._max_sticky: int = t["max_sticky_keys"]
+        self._tier_weights = {
+            "CPU": float(t["host_tier_hit_weight"]),
+            "DISK": float(t["disk_tier_hit_weight"]),
+        }
         self._replicas = [_Replica() for _ in range(num_replicas)]
         # _index: block hash -> packed int, so that a route reads one entry per block and a claim writes
         # one. Bits [0, n): replicas holding the block (the walk's mask); bits [n, 2n): replicas whose core
@@ -159,7 +169,7 @@ class DPRouter:
             key = sticky_key if self.sticky else None
             r = self._sticky_choice(key)
             if r is None:
-                r = self._choose(matched)
+                r = self._choose(matched, block_hashes)
                 if key is not None:
                     self._remember_sticky(key, r)
             self._admit(request_id, r, block_hashes, num_tokens, matched[r])
@@ -196,7 +206,7 @@ class DPRouter:
         margin = max(self._abs, (self._ratio - 1.0) * least)
         return [i for i in up if self._replicas[i].load - least <= margin]
 
-    def _choose(self, matched: list[int]) -> int:
+    def _choose(self, matched: list[int], block_hashes: Sequence[int]) -> int:
         reps = self._replicas
         if self.policy == "round_robin":
             n = self.num_replicas
@@ -210,7 +220,30 @@ class DPRouter:
         if self.policy == "least_loaded":
             return min(up, key=lambda i: (reps[i].load, reps[i].num_requests, i))
         bs, lam = self.block_size, self._penalty
-        return max(self._eligible(), key=lambda i: (matched[i] * bs - lam * reps[i].load, -reps[i].load, -i))
+        eligible = self._eligible()
+        hit = {i: matched[i] + self._tier_hit(i, block_hashes, matched[i]) for i in eligible}
+        return max(eligible, key=lambda i: (hit[i] * bs - lam * reps[i].load, -reps[i].load, -i))
+
+    def tier_hit(self, replica: int, block_hashes: Sequence[int]) -> float:
+        """The prompt's blocks replica `replica`'s KV tiers hold past its cached prefix, each weighted by
+        its tier's weight (what the `cache` policy adds to the cached prefix blocks)."""
+        self._check_replica(replica)
+        with self._lock:
+            return self._tier_hit(replica, block_hashes, self._match(block_hashes)[replica])
+
+    def _tier_hit(self, r: int, block_hashes: Sequence[int], start: int) -> float:
+        tiers = [
+            (held, self._tier_weights.get(m, 0.0)) for m, held in self._replicas[r].tiers.items() if held
+        ]
+        if not tiers:
+            return 0.0
+        total = 0.0
+        for h in block_hashes[start:]:
+            w = max((weight for held, weight in tiers if h in held), default=None)
+            if w is None:
+                break
+            total += w
+        return total
 
     def _sticky_choice(self, key: str | None) -> int | None:
         if key is None:
@@ -305,6 +338,11 @@ class DPRouter:
                 return
             if events.cleared:
                 self._forget(replica)
+                rep.tiers.pop("CPU", None)  # the host tier is emptied with the cache; disk files stay
+            for medium, hashes in events.tier_removed.items():
+                rep.tiers.get(medium, set()).difference_update(hashes)
+            for medium, hashes in events.tier_stored.items():
+                rep.tiers.setdefault(medium, set()).update(hashes)
             everything = self._all_bits(replica)
             for h in events.removed:
                 rep.cached.discard(h)
@@ -331,6 +369,7 @@ class DPRouter:
             if not rep.up:
                 return
             self._forget(replica)
+            rep.tiers.clear()
             rep.up = False
             self._up_mask &= ~bit
             for rid in [rid for rid, req in self._requests.items() if req.replica == replica]:
@@ -352,6 +391,7 @@ class DPRouter:
                     load_tokens=rep.load,
                     num_cached_blocks=len(rep.cached),
                     num_optimistic_blocks=self._num_optimistic(i),
+                    num_tier_blocks={m: len(held) for m, held in rep.tiers.items() if held},
                     routed=rep.routed,
                     hit_blocks_expected=rep.hit_blocks,
                     finished=rep.finished,
