@@ -243,8 +243,12 @@ def test_unfinished_background_responses_fail_after_a_restart(tmp_path: Path) ->
         ({"input": []}, "input"),
         ({"input": "hi", "temperature": 3}, "temperature"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
-        (
+        (  # an image to a model that takes none
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
             "input[0].content[0]",
         ),
         ({"input": "hi", "background": True, "store": False}, "background"),

@@ -21,7 +21,7 @@ from pagedrs.engine.async_engine import RequestStream
 from pagedrs.entrypoints.openai.chat.protocol import ChatCompletionRequest
 from pagedrs.entrypoints.openai.chat.serving import ChatPrepared, OpenAIServingChat
 from pagedrs.entrypoints.openai.error_mapping import to_api_error
-from pagedrs.entrypoints.openai.errors import bad_request, from_validation_error, not_found
+from pagedrs.entrypoints.openai.errors import APIError, bad_request, from_validation_error, not_found
 from pagedrs.entrypoints.openai.logprobs import TokenText, chat_logprobs
 from pagedrs.entrypoints.openai.protocol import parse_request
 from pagedrs.entrypoints.openai.responses.items import OutputItems, StreamEvent, item_id, output_as_input
@@ -104,7 +104,12 @@ class OpenAIServingResponses:
             ChatCompletionRequest, req.chat_fields(to_chat_messages(req.instructions, items))
         )
         chat_req.check()
-        prep = await self.chat.prepare(chat_req)
+        try:
+            prep = await self.chat.prepare(chat_req)
+        except APIError as exc:  # the chat path names the conversation `messages`; here it is `input`
+            if exc.param == "messages":
+                exc.param = "input"
+            raise
         prep.names = {"prompt": "input", "max_tokens": "max_output_tokens"}
         return prep
 
