@@ -100,6 +100,13 @@ class QwenVisionParts:
     config: Any
     visual: torch.nn.Module
 
+    @staticmethod
+    def vl_text_config(config: PretrainedConfig) -> PretrainedConfig:
+        """The text decoder's config (a copy) with the checkpoint's `tie_word_embeddings`."""
+        text = copy.deepcopy(config.get_text_config())
+        text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        return text
+
     def embed_multimodal(self, items: list[dict[str, Tensor]]) -> list[Tensor]:
         """Per image item its encoder rows [t * h * w / merge^2, D], the tower run once over all items."""
         if not items:
@@ -135,8 +142,7 @@ class Qwen2_5_VLForConditionalGeneration(QwenVisionParts, LlamaForCausalLM):
         device: torch.device | str,
         tp: TPGroup | None = None,
     ) -> None:
-        text = copy.deepcopy(config.get_text_config())
-        text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        text = self.vl_text_config(config)
         super().__init__(text, dtype=dtype, device=device, tp=tp)
         self.text_config = text
         self.config = config

@@ -11,7 +11,6 @@ are built here too."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -63,8 +62,7 @@ def _qwen3_5_vl(base: type[Qwen3_5ForCausalLM]) -> Any:
             device: torch.device | str,
             tp: TPGroup | None = None,
         ) -> None:
-            text = copy.deepcopy(config.get_text_config())
-            text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+            text = self.vl_text_config(config)
             super().__init__(text, dtype=dtype, device=device, tp=tp)
             self.text_config = text
             self.config = config
