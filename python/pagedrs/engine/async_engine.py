@@ -66,11 +66,9 @@ def _frontend(config: LaunchConfig) -> dict[str, Any]:
     from pagedrs.loader import load_tokenizer
 
     dp = config.data_parallel
-    tokenizer = None
-    if config.with_tokenizer:
-        tokenizer = load_tokenizer(config.model.model, config.model.tokenizer, config.load)
-    return {
-        "tokenizer": tokenizer,
+    model, tok, load = config.model.model, config.model.tokenizer, config.load
+    return {  # the tokenizer loads while the cores load the model
+        "load_tokenizer": (lambda: load_tokenizer(model, tok, load)) if config.with_tokenizer else None,
         "inputs": image_settings(config),
         "routing": dp.routing,
         "session_affinity": dp.session_affinity,
@@ -101,6 +99,7 @@ class AsyncLLMEngine:
         session_affinity: bool = False,
         router_tuning: dict[str, Any] | None = None,
         inputs: dict[str, Any] | None = None,
+        load_tokenizer: Callable[[], Any] | None = None,
     ) -> None:
         self.observer = observer
         self.max_restarts = max_restarts
@@ -112,9 +111,9 @@ class AsyncLLMEngine:
             tokenizer = tokenizer if tokenizer is not None else engine.get_tokenizer()
             _make_handle = lambda ipc_dir, gen: ThreadCore(core, ipc_dir, gen)  # noqa: E731
         makers = [_make_handle] if callable(_make_handle) else list(_make_handle)
-        self.tokenizer = tokenizer
         self._cores = ReplicaSet(makers, self._ipc_dir, client_index, self._on_outputs, max_restarts)
-        self._cores.start_all()  # raises EngineStartupError
+        self._cores.start_all(load_tokenizer)  # raises EngineStartupError
+        self.tokenizer = tokenizer = self._cores.tokenizer if load_tokenizer is not None else tokenizer
         ready = self.ready
         self.model_name = ready.model_name
         self.max_model_len = ready.max_model_len

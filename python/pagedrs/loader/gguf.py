@@ -39,6 +39,7 @@ from pagedrs.loader.gguf_moe import (
     is_stacked_experts,
     split_dense,
 )
+from pagedrs.loader.gguf_reader import open_gguf
 
 if TYPE_CHECKING:
     import torch
@@ -130,9 +131,7 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def _open(gguf_path: Path) -> tuple[GGUFReader, str]:
     """(GGUFReader, architecture); ValueError for an architecture pagedrs has no model for."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(gguf_path))
+    reader = open_gguf(gguf_path)
     field = reader.get_field("general.architecture")
     if field is None:
         raise ValueError(f"{gguf_path}: no general.architecture in the GGUF metadata")
@@ -259,9 +258,7 @@ def _apply_metadata(config: Any, gguf_path: Path, arch: str) -> None:
     """Settings llama.cpp's converter writes that transformers' GGUF config reader leaves at their defaults:
     the head size (`attention.key_length`, Qwen3 and Gemma), Gemma 2's soft caps, and Gemma 3's linear
     RoPE scaling of the global layers (the 4B+ checkpoints)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(gguf_path))
+    reader = open_gguf(gguf_path)
     head_dim = _field(reader, f"{arch}.attention.key_length")
     if head_dim is not None:
         config.head_dim = int(head_dim)

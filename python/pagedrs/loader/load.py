@@ -28,6 +28,7 @@ from pagedrs.loader.checkpoint import checkpoint_weights
 from pagedrs.loader.dtype import resolve_dtype
 from pagedrs.loader.gguf import iter_gguf_weights
 from pagedrs.loader.gguf_moe import has_q8_0_experts, q8_0_experts_only
+from pagedrs.loader.gguf_reader import open_gguf
 from pagedrs.loader.options import LoadOptions, apply_overrides, init_dummy_weights
 from pagedrs.loader.paths import gguf_file, model_folder, resolve_model_path
 from pagedrs.loader.safetensors import TensorSlice
@@ -104,9 +105,7 @@ def keeps_q8_0_experts(gguf_path: Path, device: torch.device, load_format: str) 
     other tensor then loads dequantized, as from the cache folder)."""
     if device.type != "cuda" or load_format not in ("auto", "gguf"):
         return False
-    import gguf
-
-    return has_q8_0_experts(gguf.GGUFReader(str(gguf_path)))
+    return has_q8_0_experts(open_gguf(gguf_path))
 
 
 def load_model(

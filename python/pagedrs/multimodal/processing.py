@@ -69,9 +69,9 @@ class MultiModalProcessor:
 
     @classmethod
     def from_pretrained(cls, folder: str, hf_config: Any, **kwargs: Any) -> MultiModalProcessor:
-        import transformers
+        from pagedrs.multimodal.hf_processor import load_hf_processor
 
-        processor = transformers.AutoProcessor.from_pretrained(folder)
+        processor = load_hf_processor(folder, hf_config)
         return cls(processor, int(hf_config.image_token_id), hf_config=hf_config, **kwargs)
 
     def _image_inputs(self, img: Any, kwargs: dict[str, Any]) -> tuple[str, dict[str, torch.Tensor]]:

@@ -230,19 +230,23 @@ class ReplicaSet:
         self.router: FrontendRouter | None = None
         self.routing = "round_robin"
         self.owner: dict[str, int] = {}  # request id -> its replica
+        self.tokenizer: Any = None  # what start_all's load_tokenizer gave
 
     # ---- start and stop ----------------------------------------------------------------------------
-    def start_all(self) -> None:
-        """Starts every core and waits for their Ready (the models load in parallel); a failure stops them
-        all and raises EngineStartupError."""
+    def start_all(self, load_tokenizer: Callable[[], Any] | None = None) -> None:
+        """Starts every core and waits for their Ready (the models load in parallel, and `load_tokenizer`'s
+        result, kept as `self.tokenizer`, loads here meanwhile); a failure stops them all and raises
+        EngineStartupError (or the tokenizer's error)."""
         reps = self.replicas
-        if len(reps) == 1:
-            self._start(reps[0])
-            return
         try:
             for r in reps:  # from this thread: its core processes live as long as it does
-                os.makedirs(r.ipc_dir, mode=0o700, exist_ok=True)
+                if len(reps) > 1:
+                    os.makedirs(r.ipc_dir, mode=0o700, exist_ok=True)
                 r.launch()
+            self.tokenizer = load_tokenizer() if load_tokenizer is not None else None
+            if len(reps) == 1:
+                self._wait(reps[0])
+                return
             with ThreadPoolExecutor(len(reps)) as pool:
                 errors = [f.exception() for f in [pool.submit(self._wait, r) for r in reps]]
         except BaseException:
