@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from pagedrs.runner.kv_cache import KVCachePool, block_bytes
+from pagedrs.runner.kv_cache import KVCachePool, block_bytes, cpu_zeros
 
 
 def make_pool(num_blocks: int = 8, num_swap_blocks: int = 4) -> KVCachePool:
@@ -191,3 +192,24 @@ def test_host_tier_stores_before_moves_and_loads_after_swap_in() -> None:
     assert with_tier.tier.blocks_stored == 2 and with_tier.tier.blocks_loaded == 2
     with pytest.raises(RuntimeError, match="host KV tier"):
         pool.apply_plan_ops(plan)
+
+
+def _rss_bytes() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident size from /proc")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_pool_pages_are_mapped_at_first_touch(dtype: torch.dtype) -> None:
+    """A CPU KV pool's memory is zeros that cost nothing until written: 768 MiB allocated leaves the resident
+    size nearly unchanged, reads as zeros, and a written block holds what was written."""
+    before = _rss_bytes()
+    pool = cpu_zeros((2, 6144, 16, 4, 1024 // torch.empty((), dtype=dtype).element_size()), dtype)
+    assert pool.numel() * pool.element_size() == 768 << 20 and pool.dtype == dtype
+    assert _rss_bytes() - before < 64 << 20
+    assert not pool[:, ::97].any()
+    pool[1, 5] = 1.5
+    assert (
+        float(pool[1, 5].sum()) == 1.5 * pool[1, 5].numel() and not pool[1, 6].any() and not pool[0, 5].any()
+    )
+    assert _rss_bytes() - before < 128 << 20

@@ -133,6 +133,15 @@ def _pairs(pairs: np.ndarray, device: torch.device) -> tuple[Tensor, Tensor]:
     return t[:, 0].to(device), t[:, 1].to(device)
 
 
+def cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A CPU tensor of zeros whose pages the OS maps at first touch (numpy allocates zeros with calloc,
+    which takes fresh zero pages for a large block instead of writing them): a multi-GiB KV pool is ready
+    at once and costs memory only for the blocks that get used, where `torch.zeros` writes every byte
+    at start-up."""
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class KVCachePool:
     """Device KV blocks (one tensor per layer) and optional CPU swap blocks."""
 
@@ -232,6 +241,8 @@ class KVCachePool:
     def _alloc(self, n: int, device: torch.device, layer: int, pin: bool = False) -> Tensor:
         num_kv_heads, head_size = self.layer_shapes[layer]
         shape = (2, n, self.block_size, num_kv_heads, head_size)
+        if device.type == "cpu" and not pin:
+            return cpu_zeros(shape, self.dtype)
         t = torch.zeros(shape, dtype=self.dtype, device=device)
         return t.pin_memory() if pin else t
 
