@@ -18,7 +18,6 @@ import pytest
 from pagedrs import LLM, SamplingParams
 from pagedrs.config import SpeculativeConfig
 from pagedrs.engine.arg_utils import EngineArgs
-from pagedrs.runner import kv_groups
 from tests.distributed.helpers_tp import (
     ENGINE,
     ENGINE_FOR,
@@ -78,9 +77,7 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     [NGRAM, SELF_DRAFT, DRAFT_ITSELF, DRAFT_LAZY],
     ids=["ngram", "self_draft", "draft_model", "draft_model_lazy"],
 )
-def test_greedy_ids_equal_without_speculation(
-    model: tuple[Path, dict, Any], method: dict, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_greedy_ids_equal_without_speculation(model: tuple[Path, dict, Any], method: dict) -> None:
     """draft_model: the target as its own draft model, whose KV pool follows the target's blocks
     exactly: every draft is accepted (up to float near-ties). draft_model_lazy: the same, paused while
     more than two sequences run, so the draft skips steps and catches its KV up from the backlogs when
@@ -91,18 +88,13 @@ def test_greedy_ids_equal_without_speculation(
         spec = {**_draft(folder), "disable_by_batch_size": 2}
     else:
         spec = _draft(folder) if drafting else _spec(method)
-    # n-gram speculation keeps a window model's KV-cache group (its smaller pool); with a drafter model
-    # every layer keeps all its blocks, which the 20-block pool cannot hold for every request: the ids to
-    # match are those of an engine without the group (its window layers found no group of their own)
-    kw = ENGINE_FOR.get(name, {}) if method is NGRAM else {}
-    if name in ENGINE_FOR and method is not NGRAM:
-        with monkeypatch.context() as m:
-            m.setattr(kv_groups, "window_groups_for", lambda windows, max_model_len: ())
-            base = tp_engine(folder, 1)
-        assert base.scheduler.kv_group_pools() == []
-        want, _ = run_workload(base)
-        want_echo = _run_echo(base, echo)
+    # Every method keeps a window model's KV-cache group (its smaller pool). A draft model's own pool holds
+    # every block of its layers (the full-attention tables): with the target's layers all windowed, the
+    # blocks of the default budget (20) are shared out between it and the window pool.
+    kw = ENGINE_FOR.get(name, {}) if method is NGRAM or method is SELF_DRAFT else {}
     engine = tp_engine(folder, 1, speculative_config=spec, **kw)
+    if name in ENGINE_FOR:
+        assert [g[:2] for g in engine.scheduler.kv_group_pools()] == [("window:6", 6)]
     got, spy = run_workload(engine)
     check_forced(engine, spy)
     assert got == want
@@ -363,9 +355,9 @@ def test_a_smaller_draft_model(llama: Path, tmp_path: Path) -> None:
     built: list[list[Any]] = []  # per step: the plans the runner built attention metadata for
     inner_meta, inner_execute = runner._attn_metadata, runner.execute_model
 
-    def attn_metadata(plan: Any, *args: Any) -> Any:
+    def attn_metadata(plan: Any, *args: Any, **kwargs: Any) -> Any:
         built[-1].append(plan)
-        return inner_meta(plan, *args)
+        return inner_meta(plan, *args, **kwargs)
 
     def execute_model(plan: Any, *args: Any, **kwargs: Any) -> Any:
         built.append([])

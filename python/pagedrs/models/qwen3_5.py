@@ -19,7 +19,7 @@ step); under tensor parallelism each rank holds its share of the heads of every 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ from torch import Tensor
 from transformers import PretrainedConfig
 
 from pagedrs.distributed.group import TPGroup
-from pagedrs.layers.attention import Attention, ForwardContext
+from pagedrs.layers.attention import Attention, ForwardContext, RecurrentRows
 from pagedrs.layers.delta_rule import (
     causal_conv1d,
     causal_conv1d_update,
@@ -48,9 +48,6 @@ from pagedrs.layers.rotary import get_rope
 from pagedrs.models.interface import CausalLM
 from pagedrs.models.utils import load_weights_into
 from pagedrs.multimodal import MultiModalBatch
-
-if TYPE_CHECKING:
-    from pagedrs.runner.recurrent import RecurrentRows
 
 __all__ = ["Qwen3_5ForCausalLM", "RecurrentShape", "linear_layers", "text_weights"]
 

@@ -128,21 +128,19 @@ def split_pools(
 
 def _unsupported(runner: Any) -> str | None:
     """Why `runner` cannot keep its window group in a pool of its own (None: it can)."""
-    cfg = runner.config
-    spec = cfg.speculative
-    if cfg.parallel.liquid_gpu_range is not None:
+    if runner.config.parallel.liquid_gpu_range is not None:
         return "a liquid device range"
-    if spec is not None and spec.method != "ngram":
-        return "a drafter model"
     return None
 
 
 def plan_window_pools(runner: Any, num_blocks: int) -> tuple[int, tuple[WindowGroup, ...]]:
     """The full-attention pool's blocks and the window groups of `runner`'s model, out of the budget of
     `num_blocks` blocks over all layers. No group (every layer keeps all its blocks, as before) for a model
-    without a window shorter than the context, and where groups are not supported: a liquid device range, a drafter that runs sub-steps of its own (speculation other than n-gram), and a budget too
-    small for the pools' minimum (one sequence's live window blocks at the largest step). With every layer
-    windowed the full-attention pool stores nothing; it is sized so that it never limits admission."""
+    without a window shorter than the context, and where groups are not supported: a liquid device range, and
+    a budget too small for the pools' minimum (one sequence's live window blocks at the largest step). A draft
+    model's own pool (every one of its layers, through the full-attention tables) is part of the
+    full-attention pool's block. With every layer windowed and no draft pool the full-attention pool stores
+    nothing; it is sized so that it never limits admission."""
     cfg = runner.config
     groups = window_groups_for(layer_windows(runner.model), cfg.scheduler.max_model_len)
     if not groups:
@@ -154,17 +152,19 @@ def plan_window_pools(runner: Any, num_blocks: int) -> tuple[int, tuple[WindowGr
         )
         return num_blocks, ()
     per_block = runner.bytes_per_block
+    draft_bytes = runner.drafter.kv_bytes_per_block if runner.drafter is not None else 0
     num_layers = int(runner.model.num_layers)
     # each group's share of a block: its layers' bytes (a layer reading another's KV owns none)
     weights = layer_block_bytes(runner.model, runner.block_size, runner.kv_dtype)
-    group_bytes = [per_block * sum(weights[i] for i in g.layers) // sum(weights) for g in groups]
+    target_bytes = per_block - draft_bytes
+    group_bytes = [target_bytes * sum(weights[i] for i in g.layers) // sum(weights) for g in groups]
     step = step_tokens(cfg)
     lives = [max_live_blocks(g.window, runner.block_size, step) for g in groups]
     all_windowed = sum(len(g.layers) for g in groups) == num_layers
-    full_bytes = 0 if all_windowed else per_block - sum(group_bytes)
+    full_bytes = draft_bytes if all_windowed else per_block - sum(group_bytes)
     # An explicit num_kv_blocks fixes the full-attention pool; with no full-attention layer it is the
-    # budget in blocks of every layer, as the default's.
-    explicit = cfg.cache.num_kv_blocks is not None and full_bytes > 0
+    # budget in blocks of every layer (a draft pool's included), as the default's.
+    explicit = cfg.cache.num_kv_blocks is not None and not all_windowed
     full, sizes = split_pools(
         float("inf") if explicit else num_blocks * per_block,
         full_block_bytes=full_bytes,

@@ -179,7 +179,7 @@ class ModelRunner(KVSetupMixin, SampleStepMixin, MultiModalStepMixin):
 
     # ---- one step ----------------------------------------------------------------------------------
     def _attn_metadata(
-        self, plan: StepPlan, inputs: StepInputs, max_query_len: int, max_seq_len: int
+        self, plan: StepPlan, inputs: StepInputs, max_query_len: int, max_seq_len: int, *, groups: bool = True
     ) -> AttentionMetadata:
         if inputs.block_tables is not None:
             block_tables = inputs.block_tables
@@ -199,7 +199,7 @@ class ModelRunner(KVSetupMixin, SampleStepMixin, MultiModalStepMixin):
             block_size=self.block_size,
             num_decode_tokens=int(plan.num_decode_tokens),
         )
-        if self.kv_groups and self.kv_pool is not None:
+        if groups and self.kv_groups and self.kv_pool is not None:
             if plan.num_groups != len(self.kv_groups):
                 raise RuntimeError(
                     f"step {plan.step_id} carries {plan.num_groups} KV-cache groups' tables, "

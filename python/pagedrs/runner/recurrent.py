@@ -20,32 +20,20 @@ snapshots in all; these slots are allocated beside the KV pool, not taken out of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from pagedrs._core import StepPlan
+from pagedrs.layers.attention import RecurrentRows
 
-__all__ = ["RecurrentRows", "RecurrentState", "has_recurrent_state"]
+__all__ = ["RecurrentState", "has_recurrent_state"]
 
 
 def has_recurrent_state(model: Any) -> bool:
     """Whether `model` has linear-attention layers with per-sequence recurrent state."""
     return bool(getattr(model, "has_recurrent_state", False))
-
-
-@dataclass
-class RecurrentRows:
-    """One step's view of the state: each batch row's slot, and whether it starts from a zeroed state."""
-
-    conv: Tensor  # [linear layers, slots, conv_dim, kernel - 1]
-    ssm: Tensor  # [linear layers, slots, value heads, key head dim, value head dim]
-    slots: list[int]
-    # per row: (index of a token in the row, snapshot slot) to copy the state to once that token is computed
-    snapshots: list[list[tuple[int, int]]]
 
 
 class RecurrentState:

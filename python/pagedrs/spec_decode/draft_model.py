@@ -29,6 +29,7 @@ shares carry the draft's KV too.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -261,7 +262,9 @@ class DraftModelDrafter:
             return None
         kv = self.pool.kv_caches
         if fill.all() and not fed:  # the step as the target runs it: share its metadata
-            ctx = ForwardContext(attn_metadata=step.attn_metadata, kv_caches=kv, backend=self.context.backend)
+            # without the target's KV-cache groups: the draft's own pool holds every block of every layer
+            meta = replace(step.attn_metadata, groups={}) if step.attn_metadata.groups else step.attn_metadata
+            ctx = ForwardContext(attn_metadata=meta, kv_caches=kv, backend=self.context.backend)
             hidden = self.model(main.input_ids, main.positions, ctx)
             return hidden[torch.as_tensor(first, device=hidden.device)] if len(first) else None
         rows = np.nonzero(fill)[0]

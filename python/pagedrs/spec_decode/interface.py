@@ -88,8 +88,11 @@ class MetadataBuilder(Protocol):
     """The runner's attention-metadata builder: for a `StepPlan`, or any plan-shaped sub-step over some of
     its rows, packed into `inputs`."""
 
-    def __call__(self, plan: Any, inputs: Any, max_query_len: int, max_seq_len: int) -> AttentionMetadata:
-        """`inputs`: what the runner's buffers packed `plan` into."""
+    def __call__(
+        self, plan: Any, inputs: Any, max_query_len: int, max_seq_len: int, *, groups: bool = True
+    ) -> AttentionMetadata:
+        """`inputs`: what the runner's buffers packed `plan` into. `groups`: with the metadata of the
+        plan's KV-cache groups (False: every layer reads the full-attention tables)."""
         ...
 
 

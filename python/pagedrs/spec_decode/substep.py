@@ -37,6 +37,22 @@ class _SubStep:
     num_scheduled_tokens: np.ndarray  # int32 [A]
     num_tokens: int
     num_decode_tokens: int
+    # The target's KV-cache groups (window pools) at these tokens and rows: [G, T] and [G, A, M]; their
+    # copy-on-write pairs were applied by the step's own metadata, none here.
+    group_slot_mapping: np.ndarray | None = None
+    group_block_tables: np.ndarray | None = None
+
+    @property
+    def num_groups(self) -> int:
+        return 0 if self.group_slot_mapping is None else len(self.group_slot_mapping)
+
+    @property
+    def group_num_copies(self) -> np.ndarray:
+        return np.zeros(self.num_groups, dtype=np.int64)
+
+    @property
+    def group_copies(self) -> np.ndarray:
+        return np.zeros((0, 2), dtype=np.int64)
 
 
 def speculating_rows(plan: StepPlan, spec: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -61,9 +77,11 @@ def substep_forward(
 ) -> torch.Tensor:
     """One decode-shaped forward of `model` (default the target) over batch rows `rows` of the step:
     row i feeds `input_ids[i]` at the position and KV slot of the plan's token `tok[i]`, attending to
-    its sequence up to there in `kv_caches`. The final hidden states, one row each."""
+    its sequence up to there in `kv_caches`. The final hidden states, one row each. The target's window
+    layers read and write their KV-cache groups' slots of those tokens; a draft model's own pool has none."""
     plan = step.plan
     positions = plan.positions[tok].astype(np.int64)
+    group_slots = plan.group_slot_mapping[:, tok] if model is None and plan.num_groups else None
     return varlen_forward(
         context,
         step,
@@ -76,6 +94,7 @@ def substep_forward(
         kv_caches=kv_caches,
         model=model,
         exit_layer=exit_layer,
+        group_slots=group_slots,
     )
 
 
@@ -92,11 +111,14 @@ def varlen_forward(
     kv_caches: list[torch.Tensor],
     model: torch.nn.Module | None = None,
     exit_layer: int | None = None,
+    group_slots: np.ndarray | None = None,
 ) -> torch.Tensor:
     """One forward of `model` (default the target) over batch rows `rows` of the step with queries of
     their own: row i feeds the next `query_lens[i]` of `input_ids` (int64, flattened) at `positions`
     (consecutive, ending the row's context) and KV `slot_mapping`, through the row's block table into
-    `kv_caches`. The final hidden states, one per token."""
+    `kv_caches`. `group_slots` [G, T]: the target's KV-cache groups' slots of those tokens, read through
+    the rows' group block tables (None: every layer through the full-attention tables, as a draft
+    model's own pool holds them). The final hidden states, one per token."""
     plan = step.plan
     n = len(rows)
     mirror = step.mirror_rows
@@ -119,9 +141,13 @@ def varlen_forward(
         num_scheduled_tokens=query_lens.astype(np.int32),
         num_tokens=num_tokens,
         num_decode_tokens=num_tokens if decode else 0,
+        group_slot_mapping=group_slots,
+        group_block_tables=None if group_slots is None else plan.group_block_tables[:, rows],
     )
     inputs = buffers.pack(sub, mirror_rows=mirror)  # a StepPlan's fields
-    meta = step.build_attn_metadata(sub, inputs, int(query_lens.max()), int(seq_lens.max()))
+    meta = step.build_attn_metadata(
+        sub, inputs, int(query_lens.max()), int(seq_lens.max()), groups=group_slots is not None
+    )
     ctx = ForwardContext(
         attn_metadata=meta, kv_caches=kv_caches, backend=context.backend, exit_layer=exit_layer
     )

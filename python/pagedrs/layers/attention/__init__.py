@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -21,12 +21,24 @@ __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "ForwardContext",
+    "RecurrentRows",
     "causal_attention",
     "get_attention_backend",
     "sink_softmax",
     "soft_capped_attention",
     "token_seq_lens",
 ]
+
+
+@dataclass
+class RecurrentRows:
+    """One step's view of the state: each batch row's slot, and whether it starts from a zeroed state."""
+
+    conv: Tensor  # [linear layers, slots, conv_dim, kernel - 1]
+    ssm: Tensor  # [linear layers, slots, value heads, key head dim, value head dim]
+    slots: list[int]
+    # per row: (index of a token in the row, snapshot slot) to copy the state to once that token is computed
+    snapshots: list[list[tuple[int, int]]]
 
 
 @dataclass
@@ -54,8 +66,8 @@ class AttentionMetadata:
     # a key read and write through that metadata's slot mapping and block tables instead (`runner.kv_groups`).
     groups: dict[int, AttentionMetadata] = field(default_factory=dict, repr=False, compare=False)
     group_window: int | None = None
-    # The linear-attention layers' recurrent state of this step (`pagedrs.runner.recurrent.RecurrentRows`).
-    recurrent: Any = field(default=None, repr=False, compare=False)
+    # The linear-attention layers' recurrent state of this step (`runner.recurrent` fills it).
+    recurrent: RecurrentRows | None = field(default=None, repr=False, compare=False)
     # [T] int64 on device, or None: each query's exclusive key-position limit where it is not position + 1
     # (a model's bidirectional image tokens see their whole image: `CausalLM.mm_bidirectional`).
     key_limits: Tensor | None = field(default=None, repr=False, compare=False)
