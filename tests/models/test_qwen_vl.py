@@ -26,6 +26,7 @@ from tests.engine.conftest import HFReference, PlanSpy, greedy, make_engine, ran
 from tests.models.helpers_qwen_vl import (
     IMAGE_ID,
     build_prompt,
+    hf_greedy,
     hf_logits,
     images,
     make_vl_model,
@@ -34,7 +35,6 @@ from tests.models.helpers_qwen_vl import (
     qwen2_5_vl_config,
     qwen3_vl_config,
     vl_processor,
-    vl_tokenizer,
 )
 
 ATOL = 1e-4
@@ -168,29 +168,6 @@ def test_text_only_engine_greedy_equals_hf(family: Family) -> None:
         engine.add_request("img", {"prompt": "x", "multi_modal_data": {"image": images()[0]}}, greedy(2))
 
 
-def _hf_greedy(hf: Any, text: str, imgs: list[Any], n: int) -> list[int]:
-    """HF's greedy ids for `text` with each `<|image_pad|>` expanded as the processor does, and `imgs`."""
-    data = process(imgs)
-    pieces = text.split("<|image_pad|>")
-    expanded = pieces[0]
-    for d, piece in zip(data, pieces[1:], strict=True):
-        expanded += "<|image_pad|>" * (int(d["image_grid_thw"].prod()) // 4) + piece
-    ids = torch.tensor([vl_tokenizer()(expanded)["input_ids"]])
-    with torch.inference_mode():
-        out = hf.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            pixel_values=torch.cat([d["pixel_values"] for d in data]),
-            image_grid_thw=torch.cat([d["image_grid_thw"] for d in data]),
-            mm_token_type_ids=(ids == IMAGE_ID).int(),
-            do_sample=False,
-            max_new_tokens=n,
-            eos_token_id=[],
-            pad_token_id=0,
-        )
-    return out[0, ids.shape[1] :].tolist()
-
-
 def test_engine_images_greedy_equals_hf(family: Family) -> None:
     """Prompts with one image and with two images of different sizes through the engine give HF's greedy
     ids, with a step budget of 8 tokens (images' placeholders split over prefill chunks), requests sharing
@@ -219,7 +196,7 @@ def test_engine_images_greedy_equals_hf(family: Family) -> None:
             engine.add_request(rid, {"prompt": text, "multi_modal_data": {"image": imgs}}, greedy(6))
         outs = run_all(engine)
         for rid, text, imgs in wave:
-            assert outs[rid].outputs[0].token_ids == _hf_greedy(family.hf, text, imgs, 6), rid
+            assert outs[rid].outputs[0].token_ids == hf_greedy(family.hf, text, imgs, 6), rid
     stats = engine.get_stats()
     assert spy.chunked_prefills > 0
     assert stats.prefix_cache_hits > 0, stats
