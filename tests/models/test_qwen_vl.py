@@ -2,7 +2,8 @@
 HF transformers, float32, on tiny random checkpoints: M-RoPE positions equal HF's `get_rope_index`, each
 vision tower equals HF's `get_image_features`, logits equal HF's with one and two images of different
 sizes through the paged cache with chunked prefill splitting images' placeholder tokens and decodes after
-(positions + delta), and text-only prompts through the engine give HF's greedy ids."""
+(positions + delta), text-only prompts through the engine give HF's greedy ids, and a step's image-encoder
+budget spreads images over steps without changing them."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 import transformers
 from PIL import Image
 
+from pagedrs.config import SchedulerConfig
 from pagedrs.engine.frontend.input_processor import InputError
 from pagedrs.layers.attention import ForwardContext
 from pagedrs.layers.mrope import MRotaryEmbedding, mrope_axis_map
@@ -22,9 +24,18 @@ from pagedrs.loader import load_model
 from pagedrs.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from pagedrs.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from pagedrs.multimodal import MultiModalBatch, item_tensors
-from tests.engine.conftest import HFReference, PlanSpy, greedy, make_engine, random_prompts, run_all
+from tests.engine.conftest import (
+    HFReference,
+    PlanSpy,
+    assert_pool_free,
+    greedy,
+    make_engine,
+    random_prompts,
+    run_all,
+)
 from tests.models.helpers_qwen_vl import (
     IMAGE_ID,
+    SIZES,
     build_prompt,
     hf_greedy,
     hf_logits,
@@ -201,3 +212,49 @@ def test_engine_images_greedy_equals_hf(family: Family) -> None:
     assert spy.chunked_prefills > 0
     assert stats.prefix_cache_hits > 0, stats
     assert stats.num_preemptions > 0, stats
+
+
+def test_encoder_budget_spreads_images_over_steps(family: Family) -> None:
+    """The image-encoder budget of a step (`max_num_encoder_input_tokens`, as vLLM's scheduler): no step
+    reaches more encoder rows than the budget (a prompt whose next image does not fit stops at its start and
+    takes it in a later step), greedy ids stay HF's, and an image larger than the whole budget is a
+    ValueError naming the value."""
+    budget = 12
+    engine = make_engine(
+        family.folder,
+        dtype="float32",
+        block_size=4,
+        max_num_batched_tokens=64,  # every prompt fits one step: only the encoder budget splits them
+        max_num_encoder_input_tokens=budget,
+        skip_tokenizer_init=True,
+    )
+    engine.input_processor.mm_processor = vl_processor(family.cls, engine.hf_config)
+    model = engine.runner.model
+    rows_per_step: list[int] = []
+    embed = model.embed_multimodal
+
+    def counting_embed(items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        out = embed(items)
+        rows_per_step.append(sum(o.shape[0] for o in out))
+        return out
+
+    model.embed_multimodal = counting_embed
+    img = [Image.fromarray(a) for a in images()]  # 4 and 12 encoder rows
+    other = Image.fromarray(images(SIZES[:1], seed=1)[0])  # 4 rows (not img[0]: its output would be shared)
+    one = "ab<|vision_start|><|image_pad|><|vision_end|>cd"
+    two = "x<|vision_start|><|image_pad|><|vision_end|>y<|vision_start|><|image_pad|><|vision_end|>zz"
+    reqs = [("two", two, img), ("one", one, [other])]
+    for rid, text, imgs in reqs:
+        engine.add_request(rid, {"prompt": text, "multi_modal_data": {"image": imgs}}, greedy(4))
+    outs = run_all(engine)
+    for rid, text, imgs in reqs:
+        assert outs[rid].outputs[0].token_ids == hf_greedy(family.hf, text, imgs, 4), rid
+    # step 1: "two" up to its 12-row image (4 rows), "one" (4 rows); step 2: the 12-row image
+    assert rows_per_step == [8, 12], rows_per_step
+    assert_pool_free(engine)
+    big = Image.fromarray(images([(112, 112)])[0])  # 8x8 patches: 16 encoder rows
+    with pytest.raises(ValueError, match=f"16 encoder tokens .*max_num_encoder_input_tokens={budget}"):
+        engine.add_request("big", {"prompt": one, "multi_modal_data": {"image": [big]}}, greedy(2))
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="max_num_encoder_input_tokens"):
+        SchedulerConfig(max_model_len=64, max_num_encoder_input_tokens=0)
