@@ -253,8 +253,9 @@ def test_encoder_budget_spreads_images_over_steps(family: Family) -> None:
     assert rows_per_step == [8, 12], rows_per_step
     assert_pool_free(engine)
     big = Image.fromarray(images([(112, 112)])[0])  # 8x8 patches: 16 encoder rows
-    with pytest.raises(ValueError, match=f"16 encoder tokens .*max_num_encoder_input_tokens={budget}"):
+    with pytest.raises(InputError, match=f"16 encoder tokens .*max_num_encoder_input_tokens={budget}") as err:
         engine.add_request("big", {"prompt": one, "multi_modal_data": {"image": [big]}}, greedy(2))
+    assert err.value.param == "multi_modal_data"  # refused at the door, a ValueError
     assert not engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="max_num_encoder_input_tokens"):
         SchedulerConfig(max_model_len=64, max_num_encoder_input_tokens=0)

@@ -12,7 +12,18 @@ from typing import Any
 from pagedrs.multimodal import MultiModalItem, atomic_spans, scheduler_token_ids
 from pagedrs.multimodal.mrope import mrope_table
 
-__all__ = ["ImageAdmission"]
+__all__ = ["ImageAdmission", "check_encoder_budget"]
+
+
+def check_encoder_budget(lengths: list[int], budget: int | None) -> None:
+    """ValueError for an image whose encoder rows exceed the whole per-step budget (it could never be
+    scheduled), naming the value."""
+    for n in lengths:
+        if budget is not None and n > budget:
+            raise ValueError(
+                f"an image of {n} encoder tokens does not fit max_num_encoder_input_tokens={budget}: "
+                "raise it or send a smaller image"
+            )
 
 
 class ImageAdmission:
@@ -44,12 +55,7 @@ class ImageAdmission:
         where the model takes no images, or for an item larger than the encoder budget); the ids the
         scheduler gets."""
         budget = self.encoder_budget
-        for it in items:
-            if budget is not None and it.length > budget:
-                raise ValueError(
-                    f"an image of {it.length} encoder tokens does not fit max_num_encoder_input_tokens="
-                    f"{budget}: raise it or send a smaller image"
-                )
+        check_encoder_budget([it.length for it in items], budget)
         table = mrope_table(*mrope) if mrope is not None else None
         self.executor.add_mm_request(seq_ids, items, table)
         if self.atomic:
