@@ -443,6 +443,10 @@ class Scheduler:
     ) -> None: ...
     def set_atomic_spans(self, seq_id: int, spans: Sequence[tuple[int, int]]) -> None:
         """Prompt ranges (start, end) of `seq_id` a prefill chunk takes whole (never ends inside one)."""
+    def set_encoder_budget(self, max_num_encoder_input_tokens: int) -> None:
+        """The encoder rows (image tokens) one step may reach first (`max_num_encoder_input_tokens`)."""
+    def set_encoder_spans(self, seq_id: int, spans: Sequence[tuple[int, int]]) -> None:
+        """Image spans (start, end) of `seq_id`, charged to the step whose chunk reaches each first."""
     def schedule(self) -> StepPlan: ...
     def block_table_view(self) -> npt.NDArray[np.int32]:
         """Zero-copy, read-only view of the persistent block table: int32 [max_num_seqs, width],

@@ -59,6 +59,7 @@ class LaunchConfig:
     # Data parallelism: the replicas, their routing, and which replica this config's core is.
     data_parallel: DataParallelConfig = DataParallelConfig()
     max_logprobs: int = 20  # the most logprobs a request may ask for
+    max_num_encoder_input_tokens: int | None = None  # the image-encoder budget of a step, as given
     device_name: str = "auto"  # the device as given ("auto" is settled where the core runs: `on_device`)
 
     def resolve(self, model_max_len: int) -> EngineConfig:
@@ -77,6 +78,7 @@ class LaunchConfig:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
         )
         return EngineConfig(
             model=self.model,

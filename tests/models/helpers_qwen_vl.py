@@ -154,6 +154,29 @@ def hf_logits(hf: Any, prompt: VLPrompt, extra: list[int] = ()) -> torch.Tensor:
     return out.logits[0].float()
 
 
+def hf_greedy(hf: Any, text: str, imgs: list[Any], n: int) -> list[int]:
+    """HF's greedy ids for `text` with each `<|image_pad|>` expanded as the processor does, and `imgs`."""
+    data = process(imgs)
+    pieces = text.split("<|image_pad|>")
+    expanded = pieces[0]
+    for d, piece in zip(data, pieces[1:], strict=True):
+        expanded += "<|image_pad|>" * (int(d["image_grid_thw"].prod()) // 4) + piece
+    ids = torch.tensor([vl_tokenizer()(expanded)["input_ids"]])
+    with torch.inference_mode():
+        out = hf.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=torch.cat([d["pixel_values"] for d in data]),
+            image_grid_thw=torch.cat([d["image_grid_thw"] for d in data]),
+            mm_token_type_ids=(ids == IMAGE_ID).int(),
+            do_sample=False,
+            max_new_tokens=n,
+            eos_token_id=[],
+            pad_token_id=0,
+        )
+    return out[0, ids.shape[1] :].tolist()
+
+
 class _StepFeeder(torch.nn.Module):
     """Stands in for the runner between PagedHarness and the model: per step, each request's [3, T]
     positions (its prompt's table, then pos + delta) and the encoder rows of its scheduled placeholders."""

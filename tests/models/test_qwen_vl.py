@@ -2,7 +2,8 @@
 HF transformers, float32, on tiny random checkpoints: M-RoPE positions equal HF's `get_rope_index`, each
 vision tower equals HF's `get_image_features`, logits equal HF's with one and two images of different
 sizes through the paged cache with chunked prefill splitting images' placeholder tokens and decodes after
-(positions + delta), and text-only prompts through the engine give HF's greedy ids."""
+(positions + delta), text-only prompts through the engine give HF's greedy ids, and a step's image-encoder
+budget spreads images over steps without changing them."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 import transformers
 from PIL import Image
 
+from pagedrs.config import SchedulerConfig
 from pagedrs.engine.frontend.input_processor import InputError
 from pagedrs.layers.attention import ForwardContext
 from pagedrs.layers.mrope import MRotaryEmbedding, mrope_axis_map
@@ -22,10 +24,20 @@ from pagedrs.loader import load_model
 from pagedrs.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from pagedrs.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from pagedrs.multimodal import MultiModalBatch, item_tensors
-from tests.engine.conftest import HFReference, PlanSpy, greedy, make_engine, random_prompts, run_all
+from tests.engine.conftest import (
+    HFReference,
+    PlanSpy,
+    assert_pool_free,
+    greedy,
+    make_engine,
+    random_prompts,
+    run_all,
+)
 from tests.models.helpers_qwen_vl import (
     IMAGE_ID,
+    SIZES,
     build_prompt,
+    hf_greedy,
     hf_logits,
     images,
     make_vl_model,
@@ -34,7 +46,6 @@ from tests.models.helpers_qwen_vl import (
     qwen2_5_vl_config,
     qwen3_vl_config,
     vl_processor,
-    vl_tokenizer,
 )
 
 ATOL = 1e-4
@@ -168,29 +179,6 @@ def test_text_only_engine_greedy_equals_hf(family: Family) -> None:
         engine.add_request("img", {"prompt": "x", "multi_modal_data": {"image": images()[0]}}, greedy(2))
 
 
-def _hf_greedy(hf: Any, text: str, imgs: list[Any], n: int) -> list[int]:
-    """HF's greedy ids for `text` with each `<|image_pad|>` expanded as the processor does, and `imgs`."""
-    data = process(imgs)
-    pieces = text.split("<|image_pad|>")
-    expanded = pieces[0]
-    for d, piece in zip(data, pieces[1:], strict=True):
-        expanded += "<|image_pad|>" * (int(d["image_grid_thw"].prod()) // 4) + piece
-    ids = torch.tensor([vl_tokenizer()(expanded)["input_ids"]])
-    with torch.inference_mode():
-        out = hf.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            pixel_values=torch.cat([d["pixel_values"] for d in data]),
-            image_grid_thw=torch.cat([d["image_grid_thw"] for d in data]),
-            mm_token_type_ids=(ids == IMAGE_ID).int(),
-            do_sample=False,
-            max_new_tokens=n,
-            eos_token_id=[],
-            pad_token_id=0,
-        )
-    return out[0, ids.shape[1] :].tolist()
-
-
 def test_engine_images_greedy_equals_hf(family: Family) -> None:
     """Prompts with one image and with two images of different sizes through the engine give HF's greedy
     ids, with a step budget of 8 tokens (images' placeholders split over prefill chunks), requests sharing
@@ -219,8 +207,55 @@ def test_engine_images_greedy_equals_hf(family: Family) -> None:
             engine.add_request(rid, {"prompt": text, "multi_modal_data": {"image": imgs}}, greedy(6))
         outs = run_all(engine)
         for rid, text, imgs in wave:
-            assert outs[rid].outputs[0].token_ids == _hf_greedy(family.hf, text, imgs, 6), rid
+            assert outs[rid].outputs[0].token_ids == hf_greedy(family.hf, text, imgs, 6), rid
     stats = engine.get_stats()
     assert spy.chunked_prefills > 0
     assert stats.prefix_cache_hits > 0, stats
     assert stats.num_preemptions > 0, stats
+
+
+def test_encoder_budget_spreads_images_over_steps(family: Family) -> None:
+    """The image-encoder budget of a step (`max_num_encoder_input_tokens`, as vLLM's scheduler): no step
+    reaches more encoder rows than the budget (a prompt whose next image does not fit stops at its start and
+    takes it in a later step), greedy ids stay HF's, and an image larger than the whole budget is a
+    ValueError naming the value."""
+    budget = 12
+    engine = make_engine(
+        family.folder,
+        dtype="float32",
+        block_size=4,
+        max_num_batched_tokens=64,  # every prompt fits one step: only the encoder budget splits them
+        max_num_encoder_input_tokens=budget,
+        skip_tokenizer_init=True,
+    )
+    engine.input_processor.mm_processor = vl_processor(family.cls, engine.hf_config)
+    model = engine.runner.model
+    rows_per_step: list[int] = []
+    embed = model.embed_multimodal
+
+    def counting_embed(items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        out = embed(items)
+        rows_per_step.append(sum(o.shape[0] for o in out))
+        return out
+
+    model.embed_multimodal = counting_embed
+    img = [Image.fromarray(a) for a in images()]  # 4 and 12 encoder rows
+    other = Image.fromarray(images(SIZES[:1], seed=1)[0])  # 4 rows (not img[0]: its output would be shared)
+    one = "ab<|vision_start|><|image_pad|><|vision_end|>cd"
+    two = "x<|vision_start|><|image_pad|><|vision_end|>y<|vision_start|><|image_pad|><|vision_end|>zz"
+    reqs = [("two", two, img), ("one", one, [other])]
+    for rid, text, imgs in reqs:
+        engine.add_request(rid, {"prompt": text, "multi_modal_data": {"image": imgs}}, greedy(4))
+    outs = run_all(engine)
+    for rid, text, imgs in reqs:
+        assert outs[rid].outputs[0].token_ids == hf_greedy(family.hf, text, imgs, 4), rid
+    # step 1: "two" up to its 12-row image (4 rows), "one" (4 rows); step 2: the 12-row image
+    assert rows_per_step == [8, 12], rows_per_step
+    assert_pool_free(engine)
+    big = Image.fromarray(images([(112, 112)])[0])  # 8x8 patches: 16 encoder rows
+    with pytest.raises(InputError, match=f"16 encoder tokens .*max_num_encoder_input_tokens={budget}") as err:
+        engine.add_request("big", {"prompt": one, "multi_modal_data": {"image": [big]}}, greedy(2))
+    assert err.value.param == "multi_modal_data"  # refused at the door, a ValueError
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="max_num_encoder_input_tokens"):
+        SchedulerConfig(max_model_len=64, max_num_encoder_input_tokens=0)

@@ -194,8 +194,18 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # Image-encoder rows a step may reach (vLLM's SchedulerConfig.max_num_encoder_input_tokens); None: no
+    # budget beyond the images the step's token budget reaches.
+    max_num_encoder_input_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        _require(
+            self.max_num_encoder_input_tokens is None
+            or (_is_int(self.max_num_encoder_input_tokens) and self.max_num_encoder_input_tokens >= 1),
+            "max_num_encoder_input_tokens",
+            self.max_num_encoder_input_tokens,
+            "must be None or an int >= 1",
+        )
         _require(
             _is_int(self.max_model_len) and self.max_model_len >= 2,
             "max_model_len",

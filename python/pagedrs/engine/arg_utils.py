@@ -92,6 +92,11 @@ class EngineArgs:
         config_default(SchedulerConfig, "max_num_seqs"), "most requests in a batch"
     )
     max_num_batched_tokens: int | None = flag_field(None, "token budget of a step")
+    max_num_encoder_input_tokens: int | None = flag_field(
+        None,
+        "image-encoder rows (image tokens) a step may reach; a larger image is refused "
+        "(default: the images the step's token budget reaches)",
+    )
     enable_prefix_caching: bool = flag_field(
         config_default(CacheConfig, "enable_prefix_caching"),
         "reuse cached prefixes",
@@ -418,6 +423,7 @@ class EngineArgs:
             if self.max_num_batched_tokens is None
             else self.max_num_batched_tokens,
             enable_chunked_prefill=True,
+            max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
         )
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
@@ -481,6 +487,7 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
             load=self.load_options(),
             with_tokenizer=not self.skip_tokenizer_init,
             enforce_eager=self.enforce_eager,

@@ -65,6 +65,7 @@ class LLMEngine:
             mm_processor=mm_processor_for(loaded),
             limit_mm_per_prompt=model_cfg.limit_mm_per_prompt,
             allowed_local_media_path=model_cfg.allowed_local_media_path,
+            max_num_encoder_input_tokens=core.config.scheduler.max_num_encoder_input_tokens,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 

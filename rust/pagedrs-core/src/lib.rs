@@ -8,6 +8,7 @@ pub mod atomic_spans;
 pub mod block_pool;
 pub mod block_table;
 pub mod config;
+pub mod encoder_budget;
 pub mod error;
 pub mod free_queue;
 mod groups;

@@ -27,6 +27,7 @@ impl Scheduler {
         let mut sched = std::mem::take(&mut self.sched);
         sched.clear();
         let mut budget = self.cfg.max_num_batched_tokens;
+        self.encoder.start_step();
 
         self.schedule_running(&mut sched, &mut budget, &mut ops);
         if ops.preempted.is_empty() {
@@ -97,7 +98,7 @@ impl Scheduler {
                 self.finish_unfittable(slot);
                 continue;
             }
-            let mut num_new = self.spans.cut(seq.seq_id, nc, remaining.min(*budget));
+            let mut num_new = self.cut_chunk(seq.seq_id, nc, remaining.min(*budget));
             if num_new == 0 {
                 i += 1; // its next chunk takes a span whole: a later step with more budget
                 continue;
@@ -126,6 +127,8 @@ impl Scheduler {
                 }
             };
             if scheduled {
+                self.encoder
+                    .charge(self.seqs[slot as usize].seq_id, nc, num_new);
                 sched.push((slot, num_new));
                 *budget -= num_new;
                 i += 1;
@@ -209,6 +212,7 @@ impl Scheduler {
             self.pool.free_table(&seq.block_table);
             seq.block_table.clear();
             seq.num_computed = 0;
+            self.encoder.restart(seq.seq_id);
             seq.num_cached_blocks = 0;
             seq.status = Status::Waiting;
             self.waiting.insert((seq.key, slot));
@@ -249,7 +253,7 @@ impl Scheduler {
         } else {
             return None;
         };
-        Some(self.spans.cut(seq_id, nc, n)).filter(|&n| n > 0)
+        Some(self.cut_chunk(seq_id, nc, n)).filter(|&n| n > 0)
     }
 
     fn try_swap_in(
@@ -298,6 +302,8 @@ impl Scheduler {
         seq.status = Status::Running;
         self.num_running_seqs += seq.width();
         self.insert_running(slot);
+        self.encoder
+            .charge(self.seqs[slot as usize].seq_id, nc, num_new);
         sched.push((slot, num_new));
         *budget -= num_new;
         Admit::Yes
@@ -394,6 +400,8 @@ impl Scheduler {
         seq.status = Status::Running;
         self.num_running_seqs += seq.width();
         self.insert_running(slot);
+        self.encoder
+            .charge(self.seqs[slot as usize].seq_id, nc, num_new);
         sched.push((slot, num_new));
         *budget -= num_new;
         self.hit_scratch = hits;

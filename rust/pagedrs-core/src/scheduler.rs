@@ -65,6 +65,8 @@ pub struct Scheduler {
     pub(crate) ids: HashMap<i64, SeqRef>,
     /// Prompt ranges a prefill chunk takes whole (`atomic_spans`), by sequence id.
     pub(crate) spans: crate::atomic_spans::AtomicSpans,
+    /// Image spans and the per-step encoder budget (`encoder_budget`), by sequence id.
+    pub(crate) encoder: crate::encoder_budget::EncoderBudget,
     // INVARIANT: sorted by key; victims of preemption are taken from the end.
     pub(crate) running: Vec<u32>,
     pub(crate) waiting: BTreeSet<(SeqKey, u32)>,
@@ -118,6 +120,7 @@ impl Scheduler {
             free_slots: Vec::new(),
             ids: HashMap::new(),
             spans: Default::default(),
+            encoder: Default::default(),
             running: Vec::new(),
             waiting: BTreeSet::new(),
             swapped: BTreeSet::new(),
@@ -263,6 +266,23 @@ impl Scheduler {
         self.spans.set(seq_id, spans);
     }
 
+    /// The encoder rows a step may reach (vLLM's `max_num_encoder_input_tokens`); unlimited until set.
+    pub fn set_encoder_budget(&mut self, max_num_encoder_input_tokens: usize) {
+        self.encoder.set_limit(max_num_encoder_input_tokens);
+    }
+
+    /// Image spans `(start, end)` of `seq_id`, each charged to the encoder budget of the step whose
+    /// chunk reaches it first.
+    pub fn set_encoder_spans(&mut self, seq_id: i64, spans: Vec<(usize, usize)>) {
+        self.encoder.set(seq_id, spans);
+    }
+
+    /// `num_new` tokens from `nc` cut to the step's encoder budget, then off the atomic spans.
+    pub(crate) fn cut_chunk(&self, seq_id: i64, nc: usize, num_new: usize) -> usize {
+        self.spans
+            .cut(seq_id, nc, self.encoder.cut(seq_id, nc, num_new))
+    }
+
     pub fn abort(&mut self, seq_ids: &[i64]) {
         if !self.pending_finished.is_empty() {
             self.pending_finished
@@ -342,6 +362,7 @@ impl Scheduler {
         seq.alive = false;
         seq.gen = seq.gen.wrapping_add(1);
         self.spans.remove(seq.seq_id);
+        self.encoder.remove(seq.seq_id);
         if self
             .ids
             .get(&seq.seq_id)

@@ -177,6 +177,25 @@ impl PyScheduler {
         self.with(py, |s| s.set_atomic_spans(seq_id, spans))
     }
 
+    /// The encoder rows (image tokens) one step may reach first (`max_num_encoder_input_tokens`).
+    fn set_encoder_budget(
+        &self,
+        py: Python<'_>,
+        max_num_encoder_input_tokens: usize,
+    ) -> PyResult<()> {
+        self.with(py, |s| s.set_encoder_budget(max_num_encoder_input_tokens))
+    }
+
+    /// Image spans (start, end) of `seq_id`, charged to the step whose chunk reaches each first.
+    fn set_encoder_spans(
+        &self,
+        py: Python<'_>,
+        seq_id: i64,
+        spans: Vec<(usize, usize)>,
+    ) -> PyResult<()> {
+        self.with(py, |s| s.set_encoder_spans(seq_id, spans))
+    }
+
     fn schedule(slf: &Bound<'_, Self>) -> PyResult<PyStepPlan> {
         let plan = slf
             .get()

@@ -118,7 +118,13 @@ class EngineCore(CoreUtilitiesMixin):
         self._loras = LoRAQueue(self.lora)
         self._shut_down = False
         atomic = bool(getattr(loaded.model, "mm_bidirectional", False))
-        self._images = ImageAdmission(executor, self.scheduler, self.vocab_size, atomic=atomic)
+        self._images = ImageAdmission(
+            executor,
+            self.scheduler,
+            self.vocab_size,
+            atomic=atomic,
+            encoder_budget=sched.max_num_encoder_input_tokens,
+        )
         self.liquid_control: LiquidControl | None = None
         if isinstance(executor, LiquidExecutor):
             self.liquid_control = LiquidControl(executor, self.scheduler, config.parallel, self._keep_step)

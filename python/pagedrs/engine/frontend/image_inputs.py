@@ -68,6 +68,7 @@ def image_settings(config: Any) -> dict[str, Any]:
         "mm_processor": frontend_mm_processor(model.model, config.load.trust_remote_code),
         "limit_mm_per_prompt": model.limit_mm_per_prompt,
         "allowed_local_media_path": model.allowed_local_media_path,
+        "max_num_encoder_input_tokens": config.max_num_encoder_input_tokens,
     }
 
 
@@ -79,4 +80,5 @@ def image_settings_of(engine: Any) -> dict[str, Any]:
         "mm_processor": getattr(proc, "mm_processor", None),
         "limit_mm_per_prompt": getattr(proc, "limit_mm_per_prompt", None),
         "allowed_local_media_path": getattr(proc, "allowed_local_media_path", None),
+        "max_num_encoder_input_tokens": getattr(proc, "max_num_encoder_input_tokens", None),
     }

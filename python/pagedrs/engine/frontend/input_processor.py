@@ -13,6 +13,7 @@ from pagedrs.engine.core.messages import EngineCoreRequest
 from pagedrs.errors import InputError
 from pagedrs.lora_request import LoRARequest
 from pagedrs.multimodal import MultiModalItem
+from pagedrs.multimodal.admission import check_encoder_budget
 from pagedrs.multimodal.inputs import multimodal_prompt
 from pagedrs.multimodal.processing import MultiModalProcessor, mrope_of
 from pagedrs.pooling_params import PoolingParams
@@ -37,6 +38,7 @@ class InputProcessor:
         mm_processor: MultiModalProcessor | None = None,
         limit_mm_per_prompt: dict[str, int] | None = None,
         allowed_local_media_path: str | None = None,
+        max_num_encoder_input_tokens: int | None = None,
     ) -> None:
         """`strict` (the server, as OpenAI does): reject prompt + max_tokens > max_model_len and stop token
         ids or logit_bias keys outside the vocabulary. Otherwise (offline, as vLLM) such a request stops at
@@ -51,6 +53,7 @@ class InputProcessor:
         self.mm_processor = mm_processor  # None: the model takes no images
         self.limit_mm_per_prompt = limit_mm_per_prompt or {}
         self.allowed_local_media_path = allowed_local_media_path  # file:// image URLs only under it
+        self.max_num_encoder_input_tokens = max_num_encoder_input_tokens  # a step's encoder budget
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, checked token ids)."""
@@ -182,6 +185,10 @@ class InputProcessor:
         if mm is not None:
             self.check_token_ids(ids, "prompt")
             mrope = mrope_of(self.mm_processor, ids, items) if self.mm_processor is not None else None
+            try:
+                check_encoder_budget([it.length for it in items], self.max_num_encoder_input_tokens)
+            except ValueError as e:
+                raise InputError(str(e), "multi_modal_data") from None
         max_tokens = self.resolve_max_tokens(len(ids), params.max_tokens)
         if params.min_tokens > max_tokens:
             raise InputError(
