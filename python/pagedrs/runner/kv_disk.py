@@ -17,7 +17,8 @@ loads those blocks as any host tier hit. Reads are synchronous (a disk hit costs
 
 With `record_events` on, the tier logs the blocks it comes to hold (a file written) and drops (evicted over
 the bound, or deleted as bad), in order, for the engine's KV events (medium "DISK"); the blocks found at
-start-up are not announced.
+start-up are announced from their files' headers (`held_records`). The disk tier runs with one rank
+(`EngineConfig` refuses it under tensor parallelism).
 """
 
 from __future__ import annotations
@@ -116,6 +117,24 @@ class DiskKVTier:
         """Start (with an empty log) or stop logging the blocks this tier comes to hold and drops."""
         with self._lock:
             self._events = [] if on else None
+
+    def held_records(self) -> list[tuple[Any, ...]]:
+        """``("stored", hash, parent, tokens)`` of every block held now, least recently used first, from
+        the files' headers (a file whose header is not this tier's block is left out: a read rejects it)."""
+        out = []
+        for h in self.hashes():
+            try:
+                with open(self.path_of(h), "rb") as f:
+                    head = f.read(_HEAD.size)
+                    magic, key, fh, parent, ntok, _, _ = _HEAD.unpack(head)
+                    if (magic, key, fh) != (_MAGIC, self.key, h):
+                        continue
+                    tokens = np.frombuffer(f.read(4 * ntok), dtype="<u4").tolist()
+            except (OSError, struct.error, ValueError):
+                continue
+            if len(tokens) == ntok:
+                out.append(("stored", h, parent, tokens))
+        return out
 
     def take_events(self) -> list[tuple[Any, ...]]:
         """The logged changes since the last call, in order: ``("stored", hash, parent, tokens)`` for a
@@ -249,9 +268,6 @@ class DiskTierLink:
         runner = getattr(executor, "runner", None)
         pool = getattr(runner, "kv_pool", None)
         if not cache.kv_offloading_disk_path or runner is None or pool is None or pool.tier is None:
-            return None
-        if executor.tensor_parallel_size != 1:
-            logger.warning("kv_offloading_disk_path: the disk KV tier runs on one rank only; it is off")
             return None
         model_dtype = next(runner.model.parameters()).dtype
         key = model_key(model_path, model_dtype, pool.dtype, pool.block_size, pool.layer_shapes)
