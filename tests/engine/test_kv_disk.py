@@ -142,6 +142,15 @@ def test_disk_path_needs_a_host_tier() -> None:
         CacheConfig(kv_offloading_disk_size=-1.0)
 
 
+def test_disk_tier_is_refused_under_tensor_parallelism() -> None:
+    from pagedrs.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=None, tensor_parallel_size=2, kv_offloading_size=0.01)
+    args.kv_offloading_disk_path, args.kv_offloading_disk_size = "/tmp/never-made", 0.1
+    with pytest.raises(ValueError, match=r"kv_offloading_disk_path: .*tensor_parallel_size=1 only \(got 2\)"):
+        args.create_engine_config(1024)
+
+
 def test_vllm_offloading_connector_config_maps_onto_the_host_tier() -> None:
     import json
 

@@ -96,6 +96,11 @@ def test_tier_hits_under_preemption_and_chunked_prefill(
     assert stats.num_preemptions > 0 and spy.preemptions > 0
     assert spy.chunked_prefills > 0
     assert stats.tier_loaded_blocks > 0, stats
+    tier = engine.engine_core.executor.runner.kv_pool.tier
+    assert tier.background  # the ids above came with the stores on the tier's worker thread
+    tier.flush()
+    # every store a plan carried was copied (the last blocks cached ride on a plan yet to come)
+    assert 0 < tier.blocks_stored <= stats.tier_stored_blocks
 
 
 def test_without_prefix_caching_there_is_no_tier(tiny_models: dict[str, Path]) -> None:

@@ -123,6 +123,52 @@ def test_disk_tier_files_are_published_with_medium_disk(tmp_path: Path) -> None:
         disk.close()
 
 
+def test_blocks_on_disk_at_start_up_are_announced(tmp_path: Path) -> None:
+    key = "cd" * 32
+    disk = DiskKVTier(tmp_path, key, 10_000)
+    prompt = list(range(1, 17))
+    hashes = request_block_hashes(prompt, BS)
+    parent = _core.prefix_root_hash(0)
+    for i, h in enumerate(hashes):
+        disk.put(h, parent, prompt[i * BS : (i + 1) * BS], _payload())
+        parent = h
+    disk.close()
+    (disk.folder / f"{123:016x}.kv").write_bytes(b"garbage")  # no block of this tier: not announced
+    again = DiskKVTier(tmp_path, key, 10_000)  # a restart
+    assert len(again) == 5
+    port = free_tcp_ports(2)
+    cfg = KVEventsConfig(
+        enable_kv_cache_events=True,
+        endpoint=f"tcp://127.0.0.1:{port}",
+        replay_endpoint=f"tcp://*:{port + 1}",
+        step_events=True,
+    )
+    tap = KVEventsTap(cfg, _core.Scheduler(num_blocks=4, block_size=BS), "GPU")
+    sub = Subscriber(None, f"tcp://127.0.0.1:{port + 1}")
+    try:
+        tap.attach_disk(again)  # published at once, before any step
+        _replay_all(sub, 1)
+        events = [e for batch in sub.batches for e in batch.events]
+        assert all(isinstance(e, BlockStored) and e.medium == "DISK" for e in events)
+        got = {}  # hash -> (parent hash, tokens), from the announced chains
+        for e in events:
+            parent = e.parent_block_hash
+            for j, h in enumerate(e.block_hashes):
+                got[h] = (parent, e.token_ids[j * BS : (j + 1) * BS])
+                parent = h
+        assert got == {
+            h: (hashes[i - 1] if i else None, prompt[i * BS : (i + 1) * BS]) for i, h in enumerate(hashes)
+        }
+        msg = tap.take_step()  # the first step message carries them for the data-parallel router
+        assert msg is not None and sorted(msg.tier_stored["DISK"]) == sorted(hashes)
+        assert tap.take_step() is None
+        _replay_all(sub, 1)  # nothing published twice
+    finally:
+        sub.close()
+        tap.close()
+        again.close()
+
+
 def _payload() -> np.ndarray:
     return np.zeros(100, dtype=np.uint8)
 

@@ -183,6 +183,7 @@ def test_host_tier_stores_before_moves_and_loads_after_swap_in() -> None:
         swap_out=empty,
         swap_in=empty,
         tier_load=pairs((2, 3), (1, 4)),  # block 0's old bytes into 3, block 5's into 4
+        slot_mapping=np.zeros(0, dtype=np.int64),
         copies=empty,
     )
     with_tier.apply_plan_ops(plan)

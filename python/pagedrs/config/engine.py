@@ -27,3 +27,11 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     kv_events: KVEventsConfig = KVEventsConfig()  # prefix-cache events: off
     data_parallel: DataParallelConfig = DataParallelConfig()  # one replica
+
+    def __post_init__(self) -> None:
+        tp = self.parallel.tensor_parallel_size
+        if self.cache.kv_offloading_disk_path is not None and tp > 1:
+            raise ValueError(
+                f"kv_offloading_disk_path: the disk KV tier runs with tensor_parallel_size=1 only (got {tp}); "
+                "drop it (the host KV tier, kv_offloading_size, runs on every rank) or serve with one rank"
+            )

@@ -21,11 +21,13 @@ from torch import Tensor
 
 from pagedrs.config import as_bytes
 from pagedrs.models.interface import CausalLM
+from pagedrs.runner.host_tier import HostTierCaches
 
 if TYPE_CHECKING:
     from pagedrs._core import StepPlan
 
 __all__ = [
+    "HostTierCaches",
     "KVCachePool",
     "block_bytes",
     "layer_block_bytes",
@@ -140,6 +142,17 @@ def cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     at start-up."""
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
+def written_blocks(plan: StepPlan, block_size: int) -> np.ndarray:
+    """The full-attention pool's blocks a plan writes: its forward's slots, and the destinations of its block
+    moves, swap-ins, tier loads and copy-on-write copies."""
+    slots = np.asarray(plan.slot_mapping)
+    parts = [slots[slots >= 0] // block_size]
+    for pairs in (plan.block_moves, plan.swap_in, plan.tier_load, plan.copies):
+        if len(pairs):
+            parts.append(np.asarray(pairs)[:, 1])
+    return np.concatenate(parts)
 
 
 class KVCachePool:
@@ -336,9 +349,11 @@ class KVCachePool:
         num_blocks = int(plan.num_blocks)
         if num_blocks > self.num_blocks:
             self.resize(num_blocks)
-        # Stores read blocks as the last step left them: before anything in this plan writes the pool.
+        # Stores read blocks as the last step left them; they run off the step, and nothing in this plan
+        # writes a block one of them still reads.
         if self.tier is not None:
             self.tier.store(self.kv_caches, plan.tier_store, self.device)
+            self.tier.wait_blocks(written_blocks(plan, self.block_size))
         self.move_blocks(plan.block_moves)
         self.swap_out(plan.swap_out)
         if self.groups:
@@ -356,34 +371,3 @@ class KVCachePool:
         num_blocks = int(plan.num_blocks)
         if num_blocks < self.num_blocks:
             self.resize(num_blocks)
-
-
-class HostTierCaches:
-    """The host KV tier's bytes on this rank (as vLLM's CPU offloading worker): one CPU tensor per layer,
-    shaped as the device pool's, and the counts of blocks moved. Slots belong to the scheduler's tier index."""
-
-    def __init__(self, caches: list[Tensor]) -> None:
-        self.caches = caches
-        self.num_blocks = int(caches[0].shape[1])
-        self.blocks_stored = 0
-        self.blocks_loaded = 0
-
-    def store(self, kv_caches: list[Tensor], pairs: np.ndarray, device: torch.device) -> None:
-        """(device block, slot) pairs: device pool -> tier, in order (a later pair may reuse a slot)."""
-        if len(pairs) == 0:
-            return
-        src, dst = _pairs(pairs, device)
-        dst_cpu = dst.cpu()
-        for kv, host in zip(map(as_bytes, kv_caches), map(as_bytes, self.caches), strict=True):
-            host[:, dst_cpu] = kv[:, src].to("cpu")
-        self.blocks_stored += len(pairs)
-
-    def load(self, kv_caches: list[Tensor], pairs: np.ndarray, device: torch.device) -> None:
-        """(slot, device block) pairs: tier -> device pool."""
-        if len(pairs) == 0:
-            return
-        src, dst = _pairs(pairs, torch.device("cpu"))
-        dst_dev = dst.to(device)
-        for kv, host in zip(map(as_bytes, kv_caches), map(as_bytes, self.caches), strict=True):
-            kv[:, dst_dev] = host[:, src].to(device, non_blocking=True)
-        self.blocks_loaded += len(pairs)

@@ -17,7 +17,8 @@ loads those blocks as any host tier hit. Reads are synchronous (a disk hit costs
 
 With `record_events` on, the tier logs the blocks it comes to hold (a file written) and drops (evicted over
 the bound, or deleted as bad), in order, for the engine's KV events (medium "DISK"); the blocks found at
-start-up are not announced.
+start-up are announced from their files' headers (`held_records`). The disk tier runs with one rank
+(`EngineConfig` refuses it under tensor parallelism).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
+
+from pagedrs.runner.host_tier import HostTierCaches
 
 __all__ = ["DiskKVTier", "DiskTierLink", "model_key"]
 
@@ -115,6 +117,24 @@ class DiskKVTier:
         """Start (with an empty log) or stop logging the blocks this tier comes to hold and drops."""
         with self._lock:
             self._events = [] if on else None
+
+    def held_records(self) -> list[tuple[Any, ...]]:
+        """``("stored", hash, parent, tokens)`` of every block held now, least recently used first, from
+        the files' headers (a file whose header is not this tier's block is left out: a read rejects it)."""
+        out = []
+        for h in self.hashes():
+            try:
+                with open(self.path_of(h), "rb") as f:
+                    head = f.read(_HEAD.size)
+                    magic, key, fh, parent, ntok, _, _ = _HEAD.unpack(head)
+                    if (magic, key, fh) != (_MAGIC, self.key, h):
+                        continue
+                    tokens = np.frombuffer(f.read(4 * ntok), dtype="<u4").tolist()
+            except (OSError, struct.error, ValueError):
+                continue
+            if len(tokens) == ntok:
+                out.append(("stored", h, parent, tokens))
+        return out
 
     def take_events(self) -> list[tuple[Any, ...]]:
         """The logged changes since the last call, in order: ``("stored", hash, parent, tokens)`` for a
@@ -231,14 +251,15 @@ class DiskTierLink:
     host tier stores go to disk, and a new request's blocks held on disk come back into host tier slots."""
 
     def __init__(
-        self, disk: DiskKVTier, scheduler: Any, caches: list[Tensor], device: torch.device, block_size: int
+        self, disk: DiskKVTier, scheduler: Any, tier: HostTierCaches, device: torch.device, block_size: int
     ) -> None:
         self.disk = disk
         self.scheduler = scheduler
-        self.caches = caches
+        self.tier = tier
+        self.caches = tier.caches
         self.device = device
         self.block_size = block_size
-        self.slot_bytes = sum(c[:, 0].numel() * c.element_size() for c in caches)
+        self.slot_bytes = sum(c[:, 0].numel() * c.element_size() for c in tier.caches)
 
     @classmethod
     def open(cls, config: Any, model_path: str, executor: Any, scheduler: Any) -> DiskTierLink | None:
@@ -248,14 +269,11 @@ class DiskTierLink:
         pool = getattr(runner, "kv_pool", None)
         if not cache.kv_offloading_disk_path or runner is None or pool is None or pool.tier is None:
             return None
-        if executor.tensor_parallel_size != 1:
-            logger.warning("kv_offloading_disk_path: the disk KV tier runs on one rank only; it is off")
-            return None
         model_dtype = next(runner.model.parameters()).dtype
         key = model_key(model_path, model_dtype, pool.dtype, pool.block_size, pool.layer_shapes)
         disk = DiskKVTier(cache.kv_offloading_disk_path, key, int(cache.kv_offloading_disk_size * _GiB))
         logger.info("disk KV tier: %d blocks found in %s", len(disk), disk.folder)
-        link = cls(disk, scheduler, pool.tier.caches, pool.device, pool.block_size)
+        link = cls(disk, scheduler, pool.tier, pool.device, pool.block_size)
         executor.disk_tier = link
         return link
 
@@ -274,12 +292,18 @@ class DiskTierLink:
             o += n
 
     def stored(self, plan: Any) -> None:
-        """After a plan ran (its tier stores are in their host slots), before the scheduler's update (the
-        slots' records are still the plan's): each stored block's file is queued."""
-        for slot in plan.tier_store[:, 1].tolist() if len(plan.tier_store) else ():
-            rec = self.scheduler.tier_record(int(slot))
-            if rec is not None:
-                self.disk.put(rec[0], rec[1], rec[2], self._slot_bytes(int(slot)))
+        """After a plan ran, before the scheduler's update (the slots' records are still the plan's): each
+        stored block's file is queued once its store into the host slot is done (on the tier's worker)."""
+        if not len(plan.tier_store):
+            return
+        recs = [(int(s), self.scheduler.tier_record(int(s))) for s in plan.tier_store[:, 1].tolist()]
+        recs = [(s, r) for s, r in recs if r is not None]
+        if recs:
+            self.tier.after(lambda: self._put(recs))
+
+    def _put(self, recs: list[tuple[int, Any]]) -> None:
+        for slot, (h, parent, tokens) in recs:
+            self.disk.put(h, parent, tokens, self._slot_bytes(slot))
 
     def promote(self, seq_id: int, prompt: Sequence[int]) -> int:
         """Reads the request's blocks the disk holds (from the first block neither the device pool nor the
@@ -288,6 +312,7 @@ class DiskTierLink:
         if not chain or not len(self.disk):
             return 0
         bs, n = self.block_size, 0
+        self.tier.flush()  # no store in flight writes a slot filled here
         synced = False
         for h, parent, i in chain:
             tokens = [int(t) for t in prompt[i * bs : (i + 1) * bs]]
@@ -304,4 +329,5 @@ class DiskTierLink:
         return n
 
     def close(self) -> None:
+        self.tier.flush()  # the files of stores still in flight are queued first
         self.disk.close()

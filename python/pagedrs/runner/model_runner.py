@@ -169,6 +169,8 @@ class ModelRunner(KVSetupMixin, SampleStepMixin, MultiModalStepMixin):
 
     def release(self) -> None:
         """Free the model, the KV pool and the graphs (device memory); the runner takes no more steps."""
+        if self.kv_pool is not None and self.kv_pool.tier is not None:
+            self.kv_pool.tier.close()  # its worker's stores finish first
         self.kv_pool = None
         self.cuda_graphs = None
         self.last_hidden = None

@@ -367,6 +367,7 @@ class KVEventsTap:
         self._lora_ids: dict[int, int] = {}  # extra key -> LoRA adapter id, for BlockStored.lora_id
         self.publisher = ZmqEventPublisher(config, self._lora_ids, medium) if config.publishes else None
         self._disk: Any = None  # the disk tier, once attached
+        self._disk_held: list[tuple[Any, ...]] = []  # its blocks at start-up, for the first step message
         scheduler.set_kv_events(True)
 
     @classmethod
@@ -385,9 +386,14 @@ class KVEventsTap:
             self._lora_ids.setdefault(_core.prefix_extra_key(lora_salt_of(lora)), lora.lora_int_id)
 
     def attach_disk(self, disk: Any) -> None:
-        """Publish the disk tier's (`runner.kv_disk.DiskKVTier`) block files too, with medium "DISK"."""
+        """Publish the disk tier's (`runner.kv_disk.DiskKVTier`) block files too, with medium "DISK", those it
+        holds already first."""
         self._disk = disk
         disk.record_events(True)
+        # The blocks found at start-up: published now, and in the first step's net change.
+        self._disk_held = disk.held_records()
+        if self._disk_held and self.publisher is not None:
+            self.publisher.publish([(None, disk_events(self._disk_held), DISK_TIER_MEDIUM)])
 
     def take_step(self) -> KVCacheEvents | None:
         """Drain the events since the last step, the device pool's and the tiers': publish them, and return
@@ -397,7 +403,7 @@ class KVEventsTap:
         parts: list[_Part] = self._group_parts(events) if self._groups else []
         if not self._groups and len(events):
             parts.append((None, events, None))
-        parts += [(None, ev, medium) for medium, ev, _ in tiers]
+        parts += [(None, ev, medium) for medium, ev, _ in tiers if len(ev)]
         if parts and self.publisher is not None:
             self.publisher.publish(parts)
         if not self.config.step_events:
@@ -418,8 +424,9 @@ class KVEventsTap:
             stored, removed, _ = host.net()  # the tier logs its clear as removals
             out.append((HOST_TIER_MEDIUM, host, (stored, removed)))
         log = self._disk.take_events() if self._disk is not None else []
-        if log:
-            out.append((DISK_TIER_MEDIUM, disk_events(log), net_of_log(log)))
+        held, self._disk_held = self._disk_held, []  # published when attached
+        if log or held:
+            out.append((DISK_TIER_MEDIUM, disk_events(log), net_of_log(held + log)))
         return out
 
     def _group_parts(self, full: _core.KVEvents) -> list[_Part]:
