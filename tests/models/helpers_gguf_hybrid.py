@@ -1,0 +1,161 @@
+"""Tiny Qwen3.5 (`qwen35`, `qwen35moe`) GGUF files written with the `gguf` package the way llama.cpp's
+convert_hf_to_gguf writes them (its Qwen3NextModel / _LinearAttentionVReorderBase / Qwen3_5TextModel
+classes): gguf-py's own tensor-name map, the value heads reordered from grouped to tiled, -exp(A_log),
+dt_bias as ssm_dt.bias, conv1d squeezed, zero-centred norms + 1, the experts stacked per projection, and the
+metadata keys it writes (ssm.*, full_attention_interval, rope.dimension_count / dimension_sections,
+nextn_predict_layers with one extra multi-token-prediction block). Some matrices are written Q8_0 or F16; the
+HF reference model gets the same rounded values, so both sides hold identical weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+
+from tests.models.helpers_gguf_families import _byte_level_vocab
+
+# matrices written in Q8_0 (rows reordered; out_proj's columns moved by whole blocks) and in F16
+Q8_0 = (
+    "layers.0.linear_attn.in_proj_z.weight",
+    "layers.0.linear_attn.out_proj.weight",
+    "layers.3.self_attn.q_proj.weight",
+    "layers.1.mlp.down_proj.weight",
+    "layers.1.mlp.shared_expert.down_proj.weight",
+)
+F16 = ("layers.2.linear_attn.in_proj_qkv.weight", "layers.3.self_attn.o_proj.weight")
+
+
+def _tiled(t: torch.Tensor, dim: int, cfg: Any, head_dim: int) -> torch.Tensor:
+    """llama.cpp's `_reorder_v_heads`: value heads grouped by key head -> tiled, along `dim`."""
+    shape = list(t.shape)
+    r = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    t = t.reshape(*shape[:dim], cfg.linear_num_key_heads, r, head_dim, *shape[dim + 1 :])
+    return t.transpose(dim, dim + 1).reshape(shape)
+
+
+def _reorder(name: str, t: torch.Tensor, cfg: Any) -> torch.Tensor:
+    if ".linear_attn." not in name or cfg.linear_num_key_heads == cfg.linear_num_value_heads:
+        return t
+    qk = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    dv = cfg.linear_value_head_dim
+    if name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
+        return torch.cat([t[:qk], _tiled(t[qk:], 0, cfg, dv)])
+    if name.endswith(".in_proj_z.weight"):
+        return _tiled(t, 0, cfg, dv)
+    if name.endswith((".in_proj_a.weight", ".in_proj_b.weight")):
+        return _tiled(t, 0, cfg, 1)
+    if name.endswith((".A_log", ".dt_bias")):
+        return _tiled(t[:, None], 0, cfg, 1)[:, 0]
+    if name.endswith(".out_proj.weight"):
+        return _tiled(t, 1, cfg, dv)
+    return t
+
+
+def _converted(name: str, t: torch.Tensor, cfg: Any) -> list[tuple[str, torch.Tensor]]:
+    """(HF name as the converter maps it, tensor) after Qwen3NextModel.modify_tensors' transforms."""
+    t = _reorder(name, t, cfg)
+    if name.endswith(".A_log"):
+        return [(name, -torch.exp(t))]
+    if name.endswith(".dt_bias"):
+        return [(name.removesuffix(".dt_bias") + ".dt_proj.bias", t)]
+    if ".conv1d." in name:
+        return [(name, t.squeeze())]
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return [(name, t + 1)]
+    if name.endswith(".mlp.experts.gate_up_proj"):  # [E, 2 * I, H]: gate rows, then up rows
+        half = t.shape[1] // 2
+        base = name.removesuffix("gate_up_proj")
+        return [(base + "gate_proj.weight", t[:, :half]), (base + "up_proj.weight", t[:, half:])]
+    if name.endswith(".mlp.experts.down_proj"):
+        return [(name + ".weight", t)]
+    return [(name, t)]
+
+
+def _round(hf: transformers.PreTrainedModel) -> dict[str, str]:
+    """Gives the HF model's Q8_0 / F16 matrices their rounded values; {HF name: type} of those."""
+    import gguf
+
+    kinds: dict[str, str] = {}
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(Q8_0):
+                q = gguf.quants.quantize(p.numpy(), gguf.GGMLQuantizationType.Q8_0)
+                deq = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)
+                p.copy_(torch.from_numpy(np.ascontiguousarray(deq, dtype=np.float32)))
+                kinds[name] = "Q8_0"
+            elif name.endswith(F16):
+                p.copy_(p.half().float())
+                kinds[name] = "F16"
+    return kinds
+
+
+def _metadata(w: Any, cfg: Any, arch: str, mtp: int) -> None:
+    """The keys TextModel / Qwen2MoeModel / Qwen3NextModel / _Qwen35MRopeMixin / _Qwen35MtpMixin write."""
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_block_count(cfg.num_hidden_layers + mtp)
+    w.add_embedding_length(cfg.hidden_size)
+    if arch == "qwen35":
+        w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    if arch == "qwen35moe":
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    w.add_ssm_state_size(cfg.linear_key_head_dim)
+    w.add_ssm_group_count(cfg.linear_num_key_heads)
+    w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    interval = cfg.layer_types.index("full_attention") + 1
+    w.add_full_attention_interval(interval)
+    w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]))
+    w.add_rope_dimension_sections([11, 11, 10, 0])
+    if mtp:
+        w.add_nextn_predict_layers(mtp)
+
+
+def write_qwen35_gguf(hf: transformers.PreTrainedModel, out: Path, arch: str) -> Path:
+    """The tiny Qwen3.5 model `hf` (`arch` "qwen35" or "qwen35moe") as llama.cpp's converter writes it, with
+    one multi-token-prediction block appended. Rounds `hf`'s Q8_0 / F16 matrices in place first."""
+    import gguf
+
+    cfg = hf.config
+    kinds = _round(hf)
+    names = gguf.get_tensor_name_map(
+        gguf.MODEL_ARCH.QWEN35 if arch == "qwen35" else gguf.MODEL_ARCH.QWEN35MOE, 8
+    )
+    w = gguf.GGUFWriter(str(out), arch)
+    _metadata(w, cfg, arch, mtp=1)
+    _byte_level_vocab(w, cfg.vocab_size)
+    for hf_name, tensor in hf.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        kind = kinds.get(hf_name, "F32")
+        for name, t in _converted(hf_name, tensor.float(), cfg):
+            gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            assert gguf_name is not None, name
+            a = np.ascontiguousarray(t.numpy(), dtype=np.float32)
+            if kind == "Q8_0":
+                q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
+                w.add_tensor(gguf_name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            else:
+                w.add_tensor(gguf_name, a.astype(np.float16) if kind == "F16" else a)
+    mtp = cfg.num_hidden_layers  # the converter's nextn block: never loaded
+    w.add_tensor(
+        f"blk.{mtp}.nextn.eh_proj.weight", np.zeros((cfg.hidden_size, 2 * cfg.hidden_size), np.float32)
+    )
+    w.add_tensor(f"blk.{mtp}.attn_norm.weight", np.ones(cfg.hidden_size, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -1,0 +1,106 @@
+"""Qwen3.5 / Qwen3.6 (`qwen35`, `qwen35moe`) GGUF files as llama.cpp's converter writes them (tests/models/
+helpers_gguf_hybrid.py: its names, value-head reorder, A_log / dt_bias / conv1d / norm transforms, metadata,
+a multi-token-prediction block): with dtype float32 the logits equal HF transformers' on the same (rounded)
+weights and the engine's greedy ids equal HF's with chunked prefill forced; the
+default CPU load keeps the Q8_0 matrices quantized (rows and whole blocks of columns reordered exactly)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from pagedrs.layers.quantized import QuantizedWeight
+from pagedrs.loader import load_model
+from pagedrs.loader.gguf import hf_tensor_name, iter_gguf_weights
+from pagedrs.quantization.gguf_blocks import GGUFWeight
+from tests.engine.conftest import HFReference, PlanSpy, greedy, make_engine, random_prompts, run_all
+from tests.helpers import logits_of
+from tests.models.helpers_gguf_hybrid import Q8_0, write_qwen35_gguf
+from tests.models.helpers_qwen3_5 import qwen3_5_config, qwen3_5_moe_config
+
+IDS = list(range(5, 60, 3))
+# value heads of 32 rows: out_proj's Q8_0 columns move by whole blocks
+CONFIGS = {
+    "qwen35": lambda: qwen3_5_config(linear_value_head_dim=32),
+    "qwen35moe": lambda: qwen3_5_moe_config(linear_value_head_dim=32, shared_expert_intermediate_size=64),
+}
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDRS_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def qwen35_file(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, Path, transformers.PreTrainedModel]:
+    arch = request.param
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(CONFIGS[arch](), dtype=torch.float32).eval()
+    path = write_qwen35_gguf(hf, tmp_path_factory.mktemp(arch) / f"tiny-{arch}.gguf", arch)
+    return arch, path, hf
+
+
+def test_qwen35_float32_logits_and_engine_greedy_match_hf(qwen35_file) -> None:
+    arch, path, hf = qwen35_file
+    loaded = load_model(str(path), dtype="float32")
+    cfg = loaded.model.config
+    assert type(loaded.model).__name__ == type(hf).__name__
+    assert cfg.layer_types == hf.config.layer_types
+    assert cfg.num_hidden_layers == 4  # the multi-token-prediction block is not a layer
+    with torch.no_grad():
+        ref = hf(torch.tensor([IDS])).logits[0]
+    torch.testing.assert_close(logits_of(loaded, IDS), ref, atol=1e-4, rtol=1e-4)
+    # the engine, prompts prefilled in chunks of at most 8 tokens (the recurrent state carried across them)
+    engine = make_engine(path, dtype="float32", block_size=4, max_num_batched_tokens=8)
+    spy = PlanSpy().attach(engine)
+    prompts = random_prompts([13, 6], seed=3)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, greedy(4))
+    outs = run_all(engine)
+    ref = HFReference(hf)
+    for i, prompt in enumerate(prompts):
+        assert outs[str(i)].outputs[0].token_ids == ref(prompt, 4)
+    assert spy.chunked_prefills > 0
+
+
+def test_qwen35_default_load_keeps_q8_0_quantized(qwen35_file) -> None:
+    arch, path, hf = qwen35_file
+    cfg = hf.config
+    kept = {
+        name
+        for name, w in iter_gguf_weights(path, cfg.num_attention_heads, cfg.num_key_value_heads)
+        if isinstance(w, GGUFWeight)
+    }
+    want = {f"model.{n}" for n in Q8_0 if f"model.{n}" in hf.state_dict()}
+    assert kept == want, kept
+    # the reordered blocks are exactly the HF model's rounded weights
+    weights = dict(iter_gguf_weights(path, cfg.num_attention_heads, cfg.num_key_value_heads))
+    for name in want:
+        torch.testing.assert_close(weights[name].materialize(), hf.state_dict()[name], rtol=0, atol=0)
+    loaded = load_model(str(path))
+    quantized = [
+        m for m in loaded.model.modules() if isinstance(getattr(m, "qweight", None), QuantizedWeight)
+    ]
+    assert len(quantized) == len(want)
+    with torch.no_grad():
+        ref = hf(torch.tensor([IDS])).logits[0]
+    got = logits_of(loaded, IDS)
+    assert (got - ref).norm() / ref.norm() < 0.05
+
+
+def test_qwen35_tensor_names() -> None:
+    assert hf_tensor_name("blk.2.ssm_a", "qwen35") == "model.layers.2.linear_attn.A_log"
+    assert hf_tensor_name("blk.2.ssm_dt.bias", "qwen35moe") == "model.layers.2.linear_attn.dt_bias"
+    assert hf_tensor_name("blk.0.attn_gate.weight", "qwen35") == "model.layers.0.linear_attn.in_proj_z.weight"
+    assert hf_tensor_name("blk.3.post_attention_norm.weight", "qwen35") == (
+        "model.layers.3.post_attention_layernorm.weight"
+    )
+    assert hf_tensor_name("blk.1.ffn_gate_inp_shexp.weight", "qwen35moe") == (
+        "model.layers.1.mlp.shared_expert_gate.weight"
+    )
+    assert hf_tensor_name("blk.1.ssm_unknown.weight", "qwen35") is None
