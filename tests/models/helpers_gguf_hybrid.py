@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import transformers
 
-from tests.models.helpers_gguf_families import _byte_level_vocab
+from tests.models.helpers_gguf_families import _byte_level_vocab, _sentencepiece_vocab
 
 # matrices written in Q8_0 (rows reordered; out_proj's columns moved by whole blocks) and in F16
 Q8_0 = (
@@ -74,19 +74,21 @@ def _converted(name: str, t: torch.Tensor, cfg: Any) -> list[tuple[str, torch.Te
     return [(name, t)]
 
 
-def _round(hf: transformers.PreTrainedModel) -> dict[str, str]:
+def _round(
+    hf: transformers.PreTrainedModel, q8_0: tuple[str, ...] = Q8_0, f16: tuple[str, ...] = F16
+) -> dict[str, str]:
     """Gives the HF model's Q8_0 / F16 matrices their rounded values; {HF name: type} of those."""
     import gguf
 
     kinds: dict[str, str] = {}
     with torch.no_grad():
         for name, p in hf.named_parameters():
-            if name.endswith(Q8_0):
+            if name.endswith(q8_0):
                 q = gguf.quants.quantize(p.numpy(), gguf.GGMLQuantizationType.Q8_0)
                 deq = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)
                 p.copy_(torch.from_numpy(np.ascontiguousarray(deq, dtype=np.float32)))
                 kinds[name] = "Q8_0"
-            elif name.endswith(F16):
+            elif name.endswith(f16):
                 p.copy_(p.half().float())
                 kinds[name] = "F16"
     return kinds
@@ -154,6 +156,83 @@ def write_qwen35_gguf(hf: transformers.PreTrainedModel, out: Path, arch: str) ->
         f"blk.{mtp}.nextn.eh_proj.weight", np.zeros((cfg.hidden_size, 2 * cfg.hidden_size), np.float32)
     )
     w.add_tensor(f"blk.{mtp}.attn_norm.weight", np.ones(cfg.hidden_size, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+GEMMA4_Q8_0 = (
+    "layers.0.self_attn.q_proj.weight",
+    "layers.2.self_attn.o_proj.weight",
+    "layers.5.mlp.down_proj.weight",
+)
+GEMMA4_F16 = ("layers.3.self_attn.k_proj.weight",)
+
+
+def _gemma4_metadata(w: Any, cfg: dict[str, Any]) -> None:
+    """The keys TextModel / Gemma3Model / Gemma4Model write, each with its final (overriding) value; `cfg`:
+    the HF config as a dict (the global layers' head size and KV heads under `per_layer_config`)."""
+    layers = cfg["num_hidden_layers"]
+    swa = [t == "sliding_attention" for t in cfg["layer_types"]]
+    glob = cfg["per_layer_config"][str(swa.index(False))]
+    first_shared = layers - cfg["num_kv_shared_layers"]
+    rope = cfg["rope_parameters"]
+    w.add_block_count(layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    n_ff = cfg["intermediate_size"]
+    w.add_feed_forward_length([n_ff if i < first_shared else 2 * n_ff for i in range(layers)])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv([cfg["num_key_value_heads"] if s else glob["num_key_value_heads"] for s in swa])
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_shared_kv_layers(cfg["num_kv_shared_layers"])
+    w.add_embedding_length_per_layer_input(cfg["hidden_size_per_layer_input"])
+    w.add_sliding_window_pattern(swa)
+    w.add_key_length(glob["head_dim"])
+    w.add_value_length(glob["head_dim"])
+    w.add_key_length_swa(cfg["head_dim"])
+    w.add_value_length_swa(cfg["head_dim"])
+    w.add_rope_dimension_count(glob["head_dim"])
+    w.add_rope_dimension_count_swa(cfg["head_dim"])
+
+
+def write_gemma4_gguf(hf: transformers.PreTrainedModel, cfg: Any, out: Path) -> Path:
+    """The tiny Gemma 4 text model `hf` as llama.cpp's Gemma4Model converter writes it: norms as they are,
+    `layer_scalar` as `layer_output_scale.weight`, the global layers' `rope_freqs` (1 for the rotated pairs,
+    1e30 for the others). Rounds `hf`'s Q8_0 / F16 matrices in place first. The vocabulary is a
+    sentencepiece one of type "llama" (the converter writes type "gemma4"). `cfg`: the config `hf` was built
+    from (HF's model makes its own per-layer)."""
+    import gguf
+
+    kinds = _round(hf, GEMMA4_Q8_0, GEMMA4_F16)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, cfg.to_dict()["num_hidden_layers"])
+    w = gguf.GGUFWriter(str(out), "gemma4")
+    d = cfg.to_dict()
+    _gemma4_metadata(w, d)
+    _sentencepiece_vocab(w, d["vocab_size"])
+    full_dim = d["per_layer_config"][str(d["layer_types"].index("full_attention"))]["head_dim"]
+    n_rot = int(full_dim * d["rope_parameters"]["full_attention"]["partial_rotary_factor"] / 2)
+    freqs = [1.0] * n_rot + [1e30] * (full_dim // 2 - n_rot)
+    w.add_tensor("rope_freqs.weight", np.array(freqs, dtype=np.float32))
+    for hf_name, tensor in hf.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.to_dict()["tie_word_embeddings"]:
+            continue
+        name = hf_name + ".weight" if hf_name.endswith("layer_scalar") else hf_name
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        a = np.ascontiguousarray(tensor.float().numpy(), dtype=np.float32)
+        kind = kinds.get(hf_name, "F32")
+        if kind == "Q8_0":
+            q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(gguf_name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(gguf_name, a.astype(np.float16) if kind == "F16" else a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

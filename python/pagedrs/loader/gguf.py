@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pagedrs.loader.gguf_gemma4 import gemma4_config, gemma4_tensor_name
 from pagedrs.loader.gguf_gpt_oss import (
     GPT_OSS_BLOCK_NAMES,
     check_gpt_oss_tensors,
@@ -47,7 +48,14 @@ if TYPE_CHECKING:
 
     from pagedrs.quantization.gguf_blocks import GGUFWeight
 
-__all__ = ["GGUF_ARCHITECTURES", "cache_root", "convert_gguf", "gguf_cache_dir", "iter_gguf_weights"]
+__all__ = [
+    "GGUF_ARCHITECTURES",
+    "cache_root",
+    "convert_gguf",
+    "gguf_cache_dir",
+    "head_counts",
+    "iter_gguf_weights",
+]
 
 logger = logging.getLogger("pagedrs.loader")
 
@@ -62,8 +70,11 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "qwen2moe": ("Qwen2MoeForCausalLM", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", False),
     "gpt-oss": ("GptOssForCausalLM", False),
+    "gemma4": ("Gemma4ForCausalLM", False),
     **{arch: (hf, False) for arch, hf in QWEN35_ARCHS.items()},
 }
+# architectures whose config is read from the metadata here (transformers' GGUF reader has none for them)
+_OWN_CONFIG = {"gpt-oss", "gemma4", *QWEN35_ARCHS}
 # llama.cpp's converter stores Gemma's (1 + w) norm weights with the 1 added: loading subtracts it
 _NORM_PLUS_ONE = {"gemma2", "gemma3"}
 
@@ -119,6 +130,8 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
         return _GLOBAL_NAMES[gguf_name]
     if arch in QWEN35_ARCHS:
         return qwen35_tensor_name(gguf_name)
+    if arch == "gemma4":
+        return gemma4_tensor_name(gguf_name)
     m = _BLOCK_RE.match(gguf_name)
     names = _ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES)
     if m and m.group(2) in names:
@@ -130,6 +143,14 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's `permute` of Q/K rows (interleaved rotary pairs -> HF's rotate-half layout)."""
     dim = w.shape[0] // n_head // 2
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def head_counts(config: Any) -> tuple[int, int]:
+    """(attention heads, KV heads) of `config`, read from its dict: a per-layer config (Gemma 4's) refuses
+    the attribute."""
+    d = config.to_dict()
+    heads = int(d["num_attention_heads"])
+    return heads, int(d.get("num_key_value_heads") or heads)
 
 
 def _open(gguf_path: Path) -> tuple[GGUFReader, str]:
@@ -318,13 +339,13 @@ def convert_gguf(gguf_path: str | Path, root: str | Path | None = None) -> Path:
             config = gpt_oss_config(reader, gguf_path)
         elif arch in QWEN35_ARCHS:  # transformers' GGUF config reader has no Qwen3.5
             config = qwen35_config(reader, arch)
+        elif arch == "gemma4":
+            config = gemma4_config(reader)
         else:
             config = AutoConfig.from_pretrained(folder, gguf_file=fname)
-        num_heads = config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        arch, tensors = _tensors(gguf_path, num_heads, num_kv_heads)
+        arch, tensors = _tensors(gguf_path, *head_counts(config))
         config.architectures = [GGUF_ARCHITECTURES[arch][0]]
-        if arch != "gpt-oss" and arch not in QWEN35_ARCHS:
+        if arch not in _OWN_CONFIG:
             _apply_metadata(config, gguf_path, arch)
             config = apply_moe_metadata(config, reader, arch)
         if "lm_head.weight" not in tensors:
@@ -332,8 +353,7 @@ def convert_gguf(gguf_path: str | Path, root: str | Path | None = None) -> Path:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(str(tmp))
         # AutoTokenizer reads the GGUF config too; the tokenizer itself is read the same way either way
-        own_config = arch == "gpt-oss" or arch in QWEN35_ARCHS
-        tokenizer_cls = PreTrainedTokenizerFast if own_config else AutoTokenizer
+        tokenizer_cls = PreTrainedTokenizerFast if arch in _OWN_CONFIG else AutoTokenizer
         tokenizer_cls.from_pretrained(folder, gguf_file=fname).save_pretrained(str(tmp))
         marker = {"source": str(gguf_path), "architecture": arch, "format_version": _FORMAT_VERSION}
         (tmp / "pagedrs_gguf.json").write_text(json.dumps(marker, indent=2))
