@@ -1,5 +1,5 @@
-"""Tiny Qwen3.5 (`qwen35`, `qwen35moe`) GGUF files written with the `gguf` package the way llama.cpp's
-convert_hf_to_gguf writes them (its Qwen3NextModel / _LinearAttentionVReorderBase / Qwen3_5TextModel
+"""Tiny Qwen3.5 (`qwen35`, `qwen35moe`) and Gemma 4 (`gemma4`, `write_gemma4_gguf`) GGUF files written
+with the `gguf` package the way llama.cpp's convert_hf_to_gguf writes them (its Qwen3NextModel / _LinearAttentionVReorderBase / Qwen3_5TextModel
 classes): gguf-py's own tensor-name map, the value heads reordered from grouped to tiled, -exp(A_log),
 dt_bias as ssm_dt.bias, conv1d squeezed, zero-centred norms + 1, the experts stacked per projection, and the
 metadata keys it writes (ssm.*, full_attention_interval, rope.dimension_count / dimension_sections,
@@ -171,6 +171,20 @@ GEMMA4_Q8_0 = (
 GEMMA4_F16 = ("layers.3.self_attn.k_proj.weight",)
 
 
+class _Gemma4Vocab:
+    """A GGUFWriter whose tokenizer model is "gemma4" (the tiny sentencepiece vocabulary, as Gemma4Model's
+    set_vocab names it)."""
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.writer, name)
+
+    def add_tokenizer_model(self, _model: str) -> None:
+        self.writer.add_tokenizer_model("gemma4")
+
+
 def _gemma4_metadata(w: Any, cfg: dict[str, Any]) -> None:
     """The keys TextModel / Gemma3Model / Gemma4Model write, each with its final (overriding) value; `cfg`:
     the HF config as a dict (the global layers' head size and KV heads under `per_layer_config`)."""
@@ -205,8 +219,8 @@ def _gemma4_metadata(w: Any, cfg: dict[str, Any]) -> None:
 def write_gemma4_gguf(hf: transformers.PreTrainedModel, cfg: Any, out: Path) -> Path:
     """The tiny Gemma 4 text model `hf` as llama.cpp's Gemma4Model converter writes it: norms as they are,
     `layer_scalar` as `layer_output_scale.weight`, the global layers' `rope_freqs` (1 for the rotated pairs,
-    1e30 for the others). Rounds `hf`'s Q8_0 / F16 matrices in place first. The vocabulary is a
-    sentencepiece one of type "llama" (the converter writes type "gemma4"). `cfg`: the config `hf` was built
+    1e30 for the others), a sentencepiece vocabulary of type "gemma4" without a space prefix. Rounds `hf`'s
+    Q8_0 / F16 matrices in place first. `cfg`: the config `hf` was built
     from (HF's model makes its own per-layer)."""
     import gguf
 
@@ -215,7 +229,8 @@ def write_gemma4_gguf(hf: transformers.PreTrainedModel, cfg: Any, out: Path) -> 
     w = gguf.GGUFWriter(str(out), "gemma4")
     d = cfg.to_dict()
     _gemma4_metadata(w, d)
-    _sentencepiece_vocab(w, d["vocab_size"])
+    _sentencepiece_vocab(_Gemma4Vocab(w), d["vocab_size"])
+    w.add_add_space_prefix(False)
     full_dim = d["per_layer_config"][str(d["layer_types"].index("full_attention"))]["head_dim"]
     n_rot = int(full_dim * d["rope_parameters"]["full_attention"]["partial_rotary_factor"] / 2)
     freqs = [1.0] * n_rot + [1e30] * (full_dim // 2 - n_rot)

@@ -1,8 +1,9 @@
-"""Qwen3.5 / Qwen3.6 (`qwen35`, `qwen35moe`) GGUF files as llama.cpp's converter writes them (tests/models/
-helpers_gguf_hybrid.py: its names, value-head reorder, A_log / dt_bias / conv1d / norm transforms, metadata,
-a multi-token-prediction block): with dtype float32 the logits equal HF transformers' on the same (rounded)
-weights and the engine's greedy ids equal HF's with chunked prefill forced; the
-default CPU load keeps the Q8_0 matrices quantized (rows and whole blocks of columns reordered exactly)."""
+"""Qwen3.5 / Qwen3.6 (`qwen35`, `qwen35moe`) and Gemma 4 text (`gemma4`) GGUF files as llama.cpp's converter
+writes them (tests/models/helpers_gguf_hybrid.py: its names, Qwen3.5's value-head reorder and A_log / dt_bias /
+conv1d / norm transforms, a multi-token-prediction block, Gemma 4's per-layer and shared-KV metadata and
+rope_freqs): with dtype float32 the logits equal HF transformers' on the same (rounded) weights and the
+engine's greedy ids equal HF's with chunked prefill forced; the default CPU load keeps the Q8_0 matrices
+quantized, their blocks exactly HF's weights (rows, and whole blocks of columns, reordered)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pagedrs.loader import load_model
 from pagedrs.loader.gguf import hf_tensor_name, iter_gguf_weights
 from pagedrs.quantization.gguf_blocks import GGUFWeight
 from tests.engine.conftest import HFReference, PlanSpy, greedy, make_engine, random_prompts, run_all
-from tests.helpers import logits_of
+from tests.helpers import BOS_ID, logits_of
 from tests.models.helpers_gemma4 import gemma4_config
 from tests.models.helpers_gguf_hybrid import GEMMA4_Q8_0, Q8_0, write_gemma4_gguf, write_qwen35_gguf
 from tests.models.helpers_qwen3_5 import qwen3_5_config, qwen3_5_moe_config
@@ -136,6 +137,8 @@ def test_gemma4_float32_engine_greedy_and_kept_quantized(tmp_path_factory: pytes
     with torch.no_grad():
         ref = hf(torch.tensor([IDS])).logits[0]
     torch.testing.assert_close(logits_of(loaded, IDS), ref, atol=1e-4, rtol=1e-4)
+    ids = loaded.tokenizer("ab cd").input_ids  # the "gemma4" vocabulary: BOS added, as the file asks
+    assert ids[0] == BOS_ID and loaded.tokenizer.decode(ids[1:]) == "ab cd", ids
     engine = make_engine(path, dtype="float32", block_size=4, max_num_batched_tokens=8)
     spy = PlanSpy().attach(engine)
     prompts = random_prompts([13, 6], seed=4)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pagedrs.loader.gguf_gemma4 import gemma4_config, gemma4_tensor_name
+from pagedrs.loader.gguf_gemma4 import gemma4_add_bos, gemma4_config, gemma4_tensor_name
 from pagedrs.loader.gguf_gpt_oss import (
     GPT_OSS_BLOCK_NAMES,
     check_gpt_oss_tensors,
@@ -354,7 +354,10 @@ def convert_gguf(gguf_path: str | Path, root: str | Path | None = None) -> Path:
         config.save_pretrained(str(tmp))
         # AutoTokenizer reads the GGUF config too; the tokenizer itself is read the same way either way
         tokenizer_cls = PreTrainedTokenizerFast if arch in _OWN_CONFIG else AutoTokenizer
-        tokenizer_cls.from_pretrained(folder, gguf_file=fname).save_pretrained(str(tmp))
+        tokenizer = tokenizer_cls.from_pretrained(folder, gguf_file=fname)
+        if arch == "gemma4":
+            gemma4_add_bos(tokenizer, reader)
+        tokenizer.save_pretrained(str(tmp))
         marker = {"source": str(gguf_path), "architecture": arch, "format_version": _FORMAT_VERSION}
         (tmp / "pagedrs_gguf.json").write_text(json.dumps(marker, indent=2))
         try:

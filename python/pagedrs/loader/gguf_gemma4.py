@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import transformers
     from gguf import GGUFReader
 
-__all__ = ["GEMMA4_GLOBAL_NAMES", "gemma4_config", "gemma4_tensor_name"]
+__all__ = ["GEMMA4_GLOBAL_NAMES", "gemma4_add_bos", "gemma4_config", "gemma4_tensor_name"]
 
 GEMMA4_GLOBAL_NAMES = {
     "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
@@ -156,3 +156,20 @@ def gemma4_config(reader: GGUFReader) -> transformers.PretrainedConfig:
     config = transformers.Gemma4TextConfig(**kw)
     config.architectures = ["Gemma4ForCausalLM"]
     return config
+
+
+def gemma4_add_bos(tokenizer: Any, reader: GGUFReader) -> None:
+    """Makes `tokenizer` (transformers' reading of a "gemma4" vocabulary, which adds no BOS) put BOS first
+    when the file asks for it (`tokenizer.ggml.add_bos_token`, as the converter writes for Gemma 4)."""
+    from tokenizers import processors
+
+    bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
+    if not _field(reader, "tokenizer.ggml.add_bos_token") or bos_id is None:
+        return
+    if tokenizer("a").input_ids[:1] == [int(bos_id)]:
+        return
+    bos = tokenizer.convert_ids_to_tokens(int(bos_id))
+    tokenizer.bos_token = bos
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(bos_id))]
+    )
