@@ -214,6 +214,25 @@ def _gemma4_metadata(w: Any, cfg: dict[str, Any]) -> None:
     w.add_value_length_swa(cfg["head_dim"])
     w.add_rope_dimension_count(glob["head_dim"])
     w.add_rope_dimension_count_swa(cfg["head_dim"])
+    if cfg.get("enable_moe_block"):
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["top_k_experts"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+
+
+def _gemma4_name(names: Any, hf_name: str) -> str:
+    """Gemma4Model's filter_tensors / modify_tensors naming: `.weight` added to the layer scalar and the
+    experts, the router's scale and the per-expert scale as `.scale` tensors of ffn_gate_inp / ffn_down_exps."""
+    bid = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
+    if hf_name.endswith("router.scale"):
+        return f"blk.{bid}.ffn_gate_inp.scale"
+    if hf_name.endswith("router.per_expert_scale"):
+        return f"blk.{bid}.ffn_down_exps.scale"
+    if hf_name.endswith("layer_scalar") or ".experts." in hf_name:
+        hf_name += ".weight"
+    name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    assert name is not None, hf_name
+    return name
 
 
 def write_gemma4_gguf(hf: transformers.PreTrainedModel, cfg: Any, out: Path) -> Path:
@@ -238,9 +257,7 @@ def write_gemma4_gguf(hf: transformers.PreTrainedModel, cfg: Any, out: Path) -> 
     for hf_name, tensor in hf.state_dict().items():
         if hf_name == "lm_head.weight" and cfg.to_dict()["tie_word_embeddings"]:
             continue
-        name = hf_name + ".weight" if hf_name.endswith("layer_scalar") else hf_name
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gguf_name is not None, name
+        gguf_name = _gemma4_name(names, hf_name)
         a = np.ascontiguousarray(tensor.float().numpy(), dtype=np.float32)
         kind = kinds.get(hf_name, "F32")
         if kind == "Q8_0":
