@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pagedrs.loader.gguf_gemma4 import gemma4_add_bos, gemma4_config, gemma4_tensor_name
 from pagedrs.loader.gguf_gpt_oss import (
     GPT_OSS_BLOCK_NAMES,
     check_gpt_oss_tensors,
@@ -39,6 +40,7 @@ from pagedrs.loader.gguf_moe import (
     is_stacked_experts,
     split_dense,
 )
+from pagedrs.loader.gguf_qwen35 import QWEN35_ARCHS, Qwen35Layout, qwen35_config, qwen35_tensor_name
 from pagedrs.loader.gguf_reader import open_gguf
 
 if TYPE_CHECKING:
@@ -47,7 +49,14 @@ if TYPE_CHECKING:
 
     from pagedrs.quantization.gguf_blocks import GGUFWeight
 
-__all__ = ["GGUF_ARCHITECTURES", "cache_root", "convert_gguf", "gguf_cache_dir", "iter_gguf_weights"]
+__all__ = [
+    "GGUF_ARCHITECTURES",
+    "cache_root",
+    "convert_gguf",
+    "gguf_cache_dir",
+    "head_counts",
+    "iter_gguf_weights",
+]
 
 logger = logging.getLogger("pagedrs.loader")
 
@@ -62,7 +71,11 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "qwen2moe": ("Qwen2MoeForCausalLM", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", False),
     "gpt-oss": ("GptOssForCausalLM", False),
+    "gemma4": ("Gemma4ForCausalLM", False),
+    **{arch: (hf, False) for arch, hf in QWEN35_ARCHS.items()},
 }
+# architectures whose config is read from the metadata here (transformers' GGUF reader has none for them)
+_OWN_CONFIG = {"gpt-oss", "gemma4", *QWEN35_ARCHS}
 # llama.cpp's converter stores Gemma's (1 + w) norm weights with the 1 added: loading subtracts it
 _NORM_PLUS_ONE = {"gemma2", "gemma3"}
 
@@ -116,6 +129,10 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """HF name of a GGUF tensor of architecture `arch` (None for tensors that have no HF counterpart)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    if arch in QWEN35_ARCHS:
+        return qwen35_tensor_name(gguf_name)
+    if arch == "gemma4":
+        return gemma4_tensor_name(gguf_name)
     m = _BLOCK_RE.match(gguf_name)
     names = _ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES)
     if m and m.group(2) in names:
@@ -127,6 +144,14 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's `permute` of Q/K rows (interleaved rotary pairs -> HF's rotate-half layout)."""
     dim = w.shape[0] // n_head // 2
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def head_counts(config: Any) -> tuple[int, int]:
+    """(attention heads, KV heads) of `config`, read from its dict: a per-layer config (Gemma 4's) refuses
+    the attribute."""
+    d = config.to_dict()
+    heads = int(d["num_attention_heads"])
+    return heads, int(d.get("num_key_value_heads") or heads)
 
 
 def _open(gguf_path: Path) -> tuple[GGUFReader, str]:
@@ -159,15 +184,17 @@ def _tensors(gguf_path: Path, num_heads: int, num_kv_heads: int) -> tuple[str, d
     import torch
 
     reader, arch = _open(gguf_path)
+    layout = _layout(reader, arch)
     tensors: dict[str, torch.Tensor] = {}
-    for name, t in _named(gguf_path, reader, arch):
+    for name, t in _named(gguf_path, reader, arch, layout):
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         heads = _qk_heads(name, arch, num_heads, num_kv_heads)
         if heads is not None:
             w = unpermute_qk(w, heads)
+        w = _unshift_norm(w, name, arch) if layout is None else layout.dense(name, w)
         if not w.flags.writeable or not w.flags.c_contiguous:  # F32/F16 tensors are views of the mmap
             w = np.array(w, dtype=np.float32, order="C")
-        for piece, a in split_dense(name, _unshift_norm(w, name, arch)):
+        for piece, a in split_dense(name, w):
             tensors[piece] = torch.from_numpy(a)
     if arch == "gpt-oss":
         tensors = dict(gpt_oss_weights(tensors.items()))
@@ -182,12 +209,21 @@ def _unshift_norm(w: np.ndarray, name: str, arch: str) -> np.ndarray:
     return w
 
 
-def _named(gguf_path: Path, reader: GGUFReader, arch: str) -> Iterator[tuple[str, ReaderTensor]]:
+def _layout(reader: GGUFReader, arch: str) -> Qwen35Layout | None:
+    """The value-head layout of a Qwen3.5 file (None for the other architectures)."""
+    return Qwen35Layout.from_reader(reader, arch) if arch in QWEN35_ARCHS else None
+
+
+def _named(
+    gguf_path: Path, reader: GGUFReader, arch: str, layout: Qwen35Layout | None = None
+) -> Iterator[tuple[str, ReaderTensor]]:
     """(HF name, ReaderTensor) of every GGUF tensor that has one; ValueError for an unknown tensor (or, for
-    gpt-oss, a missing one)."""
+    gpt-oss, a missing one). A Qwen3.5 file's multi-token-prediction blocks are left out."""
     if arch == "gpt-oss":
         check_gpt_oss_tensors(gguf_path, reader)
     for t in reader.tensors:
+        if layout is not None and not layout.is_model_layer(t.name):
+            continue
         name = hf_tensor_name(t.name, arch)
         if name is None:
             if t.name in _IGNORED:
@@ -216,8 +252,9 @@ def _file_weights(
 
     from pagedrs.quantization.gguf_blocks import GGUFWeight, kernel_types
 
+    layout = _layout(reader, arch)
     dequantized: Counter[str] = Counter()
-    for name, t in _named(path, reader, arch):
+    for name, t in _named(path, reader, arch, layout):
         ggml_type = int(t.tensor_type)
         heads = _qk_heads(name, arch, num_heads, num_kv_heads)
         dense_type = ggml_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
@@ -226,8 +263,10 @@ def _file_weights(
             q = GGUFWeight(ggml_type, (rows, cols), np.asarray(t.data, dtype=np.uint8))
             if heads is not None:
                 q = q.permute_rows(unpermute_qk(np.arange(rows), heads))
-            yield name, q
-            continue
+            kept = q if layout is None else layout.quantized(name, q)
+            if kept is not None:
+                yield name, kept
+                continue
         if len(t.shape) == 3 and ggml_type in kernel_types() and is_stacked_experts(name):
             cols, rows = int(t.shape[0]), int(t.shape[1])
             for piece, data in expert_pieces(name, np.asarray(t.data, dtype=np.uint8)):
@@ -238,7 +277,8 @@ def _file_weights(
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if heads is not None:
             w = unpermute_qk(w, heads)
-        for piece, a in split_dense(name, _unshift_norm(w, name, arch)):
+        w = _unshift_norm(w, name, arch) if layout is None else layout.dense(name, w)
+        for piece, a in split_dense(name, w):
             yield piece, torch.from_numpy(np.array(a, dtype=np.float32, order="C"))
     for type_name, count in sorted(dequantized.items()):
         logger.info(
@@ -291,15 +331,18 @@ def convert_gguf(gguf_path: str | Path, root: str | Path | None = None) -> Path:
     try:
         folder, fname = str(gguf_path.parent), gguf_path.name
         reader, arch = _open(gguf_path)
+        config: Any
         if arch == "gpt-oss":  # transformers' GGUF config reader fails on its rope keys
             config = gpt_oss_config(reader, gguf_path)
+        elif arch in QWEN35_ARCHS:  # transformers' GGUF config reader has no Qwen3.5
+            config = qwen35_config(reader, arch)
+        elif arch == "gemma4":
+            config = gemma4_config(reader)
         else:
             config = AutoConfig.from_pretrained(folder, gguf_file=fname)
-        num_heads = config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        arch, tensors = _tensors(gguf_path, num_heads, num_kv_heads)
+        arch, tensors = _tensors(gguf_path, *head_counts(config))
         config.architectures = [GGUF_ARCHITECTURES[arch][0]]
-        if arch != "gpt-oss":
+        if arch not in _OWN_CONFIG:
             _apply_metadata(config, gguf_path, arch)
             config = apply_moe_metadata(config, reader, arch)
         if "lm_head.weight" not in tensors:
@@ -307,8 +350,11 @@ def convert_gguf(gguf_path: str | Path, root: str | Path | None = None) -> Path:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(str(tmp))
         # AutoTokenizer reads the GGUF config too; the tokenizer itself is read the same way either way
-        tokenizer_cls = PreTrainedTokenizerFast if arch == "gpt-oss" else AutoTokenizer
-        tokenizer_cls.from_pretrained(folder, gguf_file=fname).save_pretrained(str(tmp))
+        tokenizer_cls = PreTrainedTokenizerFast if arch in _OWN_CONFIG else AutoTokenizer
+        tokenizer = tokenizer_cls.from_pretrained(folder, gguf_file=fname)
+        if arch == "gemma4":
+            gemma4_add_bos(tokenizer, reader)
+        tokenizer.save_pretrained(str(tmp))
         marker = {"source": str(gguf_path), "architecture": arch, "format_version": _FORMAT_VERSION}
         (tmp / "pagedrs_gguf.json").write_text(json.dumps(marker, indent=2))
         try:

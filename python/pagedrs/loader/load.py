@@ -26,7 +26,7 @@ from pagedrs.layers.linear import Loaded
 from pagedrs.layers.quantized import QuantizedWeight
 from pagedrs.loader.checkpoint import checkpoint_weights
 from pagedrs.loader.dtype import resolve_dtype
-from pagedrs.loader.gguf import iter_gguf_weights
+from pagedrs.loader.gguf import head_counts, iter_gguf_weights
 from pagedrs.loader.gguf_moe import has_q8_0_experts, q8_0_experts_only
 from pagedrs.loader.gguf_reader import open_gguf
 from pagedrs.loader.options import LoadOptions, apply_overrides, init_dummy_weights
@@ -181,16 +181,14 @@ def _load_weights(
         init_dummy_weights(net, opts.seed)
         return False
     if keeps_quantized(path, dtype, device, opts.load_format):
-        num_heads = int(config.num_attention_heads)
-        num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+        num_heads, num_kv_heads = head_counts(config)
         gguf_path = gguf_file(path)
         assert gguf_path is not None  # keeps_quantized checked it
         net.load_weights(iter_gguf_weights(gguf_path, num_heads, num_kv_heads))  # type: ignore[operator]  # as below
         return True
     gguf_path = gguf_file(path)
     if gguf_path is not None and keeps_q8_0_experts(gguf_path, device, opts.load_format):
-        num_heads = int(config.num_attention_heads)
-        num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+        num_heads, num_kv_heads = head_counts(config)
         net.load_weights(q8_0_experts_only(iter_gguf_weights(gguf_path, num_heads, num_kv_heads)))  # type: ignore[operator]  # as below
         return False
     weights = checkpoint_weights(path, folder, opts.load_format)
