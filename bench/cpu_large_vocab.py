@@ -16,15 +16,18 @@ logit. Engine part (`--engine`, repeatable; "default" is the default model): mea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
 from _common import add_commit_arg, command_line, git_info, low_time, machine_info, write_json
 
 from pagedrs import EngineArgs, LLMEngine, SamplingParams
+from pagedrs.layers import sampler as sampler_mod
 from pagedrs.layers.quantized import QuantizedWeight
-from pagedrs.layers.sampler import Sampler
+from pagedrs.layers.sampler import Sampler, apply_top_k_top_p
 from pagedrs.quantization.gguf_blocks import GGUFWeight
 
 if TYPE_CHECKING:
@@ -48,6 +51,18 @@ def random_table(ggml_type: int, rows: int, cols: int, block: int, size: int, sc
     return GGUFWeight(ggml_type, (rows, cols), data.reshape(rows, -1))
 
 
+@contextlib.contextmanager
+def sorting(on: bool) -> Iterator[None]:
+    """Top-k with top-p through a sort of the whole vocabulary (the path before the windowed one)."""
+    real = sampler_mod._top_k_then_top_p
+    if on:
+        sampler_mod._top_k_then_top_p = lambda *a: None
+    try:
+        yield
+    finally:
+        sampler_mod._top_k_then_top_p = real
+
+
 def batch_figures(w: QuantizedWeight, dense: torch.Tensor, b: int, iters: int) -> dict[str, float]:
     """The head and the greedy sampler at `b` rows (suffix `_b{b}`)."""
     import torch  # after pagedrs, which sets the OpenMP spin count torch's libgomp reads when it loads
@@ -64,6 +79,12 @@ def batch_figures(w: QuantizedWeight, dense: torch.Tensor, b: int, iters: int) -
         "log_softmax_ms": low_time(lambda: logits.log_softmax(-1), iters) * 1e3,
         "argmax_ms": low_time(lambda: logits.argmax(-1), iters) * 1e3,
     }
+    k, p = torch.full((b,), 40), torch.full((b,), 0.95)
+    for name in ("window", "sorted"):
+        with sorting(name == "sorted"):
+            figures[f"top_k_top_p_{name}_ms"] = (
+                low_time(lambda: apply_top_k_top_p(logits.clone(), k, p), iters) * 1e3
+            )
     return {f"{k}_b{b}": v for k, v in figures.items()}
 
 
@@ -86,25 +107,47 @@ def head_figures(iters: int) -> list[dict[str, object]]:
     return out
 
 
+def timed_steps(engine: LLMEngine, steps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
 def engine_figures(model: str, steps: int) -> dict[str, float]:
+    """Greedy decode steps at batch 1 and 16; sampled ones (temperature 0.8, top-k 40, top-p 0.95), the
+    windowed top-p and the sorted one taking turns in blocks of steps / 4."""
     args = EngineArgs(disable_log_stats=True, cpu_kv_cache_gb=0.25)
     if model != "default":
         args = EngineArgs(model=model, disable_log_stats=True, cpu_kv_cache_gb=0.25)
     engine = LLMEngine.from_engine_args(args)
-    figures = {}
+    figures: dict[str, float] = {}
+    sampled = SamplingParams(
+        temperature=0.8, top_k=40, top_p=0.95, seed=0, max_tokens=2 * steps + 10, ignore_eos=True
+    )
     for batch in (1, 16):
-        params = SamplingParams(temperature=0, max_tokens=steps + 10, ignore_eos=True)
-        for i in range(batch):
-            engine.add_request(f"{batch}-{i}", [1, 2, 3, 4 + i, 5, 6, 7, 8], params)
-        for _ in range(5):  # prefill, warm-up
-            engine.step()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        figures[f"ms_per_step_b{batch}"] = (time.perf_counter() - t0) / steps * 1e3
-        engine.abort_request([f"{batch}-{i}" for i in range(batch)])
-        while engine.has_unfinished_requests():
-            engine.step()
+        for kind, params in (
+            ("greedy", SamplingParams(temperature=0, max_tokens=steps + 10, ignore_eos=True)),
+            ("sampled", sampled),
+        ):
+            ids = [f"{kind}-{batch}-{i}" for i in range(batch)]
+            for i, rid in enumerate(ids):
+                engine.add_request(rid, [1, 2, 3, 4 + i, 5, 6, 7, 8], params.clone())
+            for _ in range(5):  # prefill, warm-up
+                engine.step()
+            if kind == "greedy":
+                figures[f"greedy_ms_per_step_b{batch}"] = timed_steps(engine, steps)
+            else:
+                times: dict[str, float] = {"window": 0.0, "sorted": 0.0}
+                for _ in range(4):
+                    for name in times:
+                        with sorting(name == "sorted"):
+                            times[name] += timed_steps(engine, steps // 4) / 4
+                for name, ms in times.items():
+                    figures[f"top_k_top_p_{name}_ms_per_step_b{batch}"] = ms
+            engine.abort_request(ids)
+            while engine.has_unfinished_requests():
+                engine.step()
     print(model, figures, flush=True)
     return figures
 

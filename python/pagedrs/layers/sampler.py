@@ -235,18 +235,21 @@ def _top_k_then_top_p(logits: Tensor, k: Tensor, p: Tensor) -> Tensor | None:
     top = int(k.max()) if len(k) else vocab
     if top >= vocab or int(k.min()) < 1:
         return None
-    vals, idx = logits.topk(top, dim=1)  # descending
+    vals, idx = logits.topk(top + 1, dim=1)  # descending; one past the window tells a tie at the k-th
     if bool(vals.isnan().any()):
         return None
     kth = vals.gather(1, (k - 1).unsqueeze(1))
-    if bool(((logits >= kth).sum(dim=1) > top).any()):
+    if bool((vals[:, top:] >= kth).any()):  # more logits at or above the k-th than the window holds
         return None
+    vals, idx = vals[:, :top], idx[:, :top]
     row = torch.full_like(logits, float("-inf"))
     window = row[:, vocab - top :]
     window.copy_(vals.flip(1))
     window.masked_fill_(window < kth, float("-inf"))
-    probs_sum = row.softmax(dim=-1).cumsum(dim=-1)
-    top_p_mask = probs_sum[:, vocab - top :] <= 1 - p.unsqueeze(1)
+    # the softmax over the whole row (its sum in the sorted path's order); before the window it is 0.0
+    # exactly, so the cumsum (sequential) over the window alone gives the sorted path's values
+    probs_sum = row.softmax(dim=-1)[:, vocab - top :].cumsum(dim=-1)
+    top_p_mask = probs_sum <= 1 - p.unsqueeze(1)
     top_p_mask[:, -1] = False
     cut = top_p_mask[:, :-1] & ~top_p_mask[:, 1:]  # the last position the top-p mask drops
     if bool((cut & (window[:, :-1] == window[:, 1:]) & (window[:, 1:] > float("-inf"))).any()):
