@@ -13,7 +13,9 @@ depend on what else is in the batch.
 A batch of greedy rows without logit processors (bias, min_tokens, penalties) takes the fast path: argmax,
 and the raw logprobs only as far as they are asked for (the sampled token's logprob always, for
 cumulative_logprob; the top-k when `logprobs` is set). Host-known facts (which rows sample at random, the
-largest top-k) travel in the metadata, so sampling never waits for the device.
+largest top-k) travel in the metadata, so sampling never waits for the device. On a CPU, top-k with top-p
+takes each row's k largest logits instead of sorting the vocabulary, with the same bits
+(`_top_k_then_top_p`).
 """
 
 from __future__ import annotations
