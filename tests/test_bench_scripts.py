@@ -528,3 +528,21 @@ def test_vision_quick(tmp_path: Path) -> None:
         cold, repeat = row["cold"], row["repeat"]
         assert cold["encoder_runs"] == 2 * row["images_per_request"] and repeat["encoder_runs"] == 0
         assert repeat["cached_prompt_tokens"] > cold["cached_prompt_tokens"]
+
+
+def test_cpu_large_vocab_times_both_top_p_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head and sampler figures of one small table at 1 and 16 rows; `sorting` forces the sorted top-p
+    path while it is open (and only then)."""
+    from pagedrs.layers import sampler
+
+    bench = _load("cpu_large_vocab", monkeypatch)
+    w = bench.QuantizedWeight([bench.random_table(8, 512, 64, 32, 34, 0)])
+    for b in (1, 16):
+        got = bench.batch_figures(w, w.dequantized(), b, 2)
+        for name in ("head", "float32_head", "greedy_sampler", "top_k_top_p_window", "top_k_top_p_sorted"):
+            assert got[f"{name}_ms_b{b}"] > 0
+        assert 0 < got[f"max_abs_diff_b{b}"] < 0.05 * got[f"max_abs_logit_b{b}"]
+    real = sampler._top_k_then_top_p
+    with bench.sorting(True):
+        assert sampler._top_k_then_top_p is not real
+    assert sampler._top_k_then_top_p is real

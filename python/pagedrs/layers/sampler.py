@@ -13,7 +13,9 @@ depend on what else is in the batch.
 A batch of greedy rows without logit processors (bias, min_tokens, penalties) takes the fast path: argmax,
 and the raw logprobs only as far as they are asked for (the sampled token's logprob always, for
 cumulative_logprob; the top-k when `logprobs` is set). Host-known facts (which rows sample at random, the
-largest top-k) travel in the metadata, so sampling never waits for the device.
+largest top-k) travel in the metadata, so sampling never waits for the device. On a CPU, top-k with top-p
+takes each row's k largest logits instead of sorting the vocabulary, with the same bits
+(`_top_k_then_top_p`).
 """
 
 from __future__ import annotations
@@ -209,6 +211,10 @@ def apply_top_k_top_p(
         kth = logits.topk(top, dim=1).values.gather(1, (k - 1).unsqueeze(1))
         kth.masked_fill_(off.unsqueeze(1), float("-inf"))
         return logits.masked_fill_(logits < kth, float("-inf"))
+    if k is not None and logits.device.type == "cpu":
+        done = _top_k_then_top_p(logits, k, p)
+        if done is not None:
+            return done
     logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
     if k is not None:
         kth = logits_sort.gather(1, (logits_sort.shape[1] - k).clamp(min=0).unsqueeze(1))
@@ -218,6 +224,40 @@ def apply_top_k_top_p(
     top_p_mask[:, -1] = False
     logits_sort.masked_fill_(top_p_mask, float("-inf"))
     return logits.scatter_(dim=-1, index=logits_idx, src=logits_sort)
+
+
+def _top_k_then_top_p(logits: Tensor, k: Tensor, p: Tensor) -> Tensor | None:
+    """`apply_top_k_top_p` with both k and p, bit for bit, from each row's max(k) largest logits instead of
+    a sort of the whole vocabulary (on a CPU: 16 ms of a 150k-vocabulary row). The sorted path's row after
+    the top-k mask is -inf, then the kept logits ascending at its end: that row is built as it is, so its
+    softmax and cumsum (summed in the same order) give the same top-p mask. None (the sorted path then) for
+    a row this cannot reproduce: k at or above the vocabulary, more logits tied at the k-th value than the
+    window holds, a NaN, or equal logits on both sides of the top-p cut (a sort may order ties either way)."""
+    vocab = logits.shape[1]
+    top = int(k.max()) if len(k) else vocab
+    if top >= vocab or int(k.min()) < 1:
+        return None
+    vals, idx = logits.topk(top + 1, dim=1)  # descending; one past the window tells a tie at the k-th
+    if bool(vals.isnan().any()):
+        return None
+    kth = vals.gather(1, (k - 1).unsqueeze(1))
+    if bool((vals[:, top:] >= kth).any()):  # more logits at or above the k-th than the window holds
+        return None
+    vals, idx = vals[:, :top], idx[:, :top]
+    row = torch.full_like(logits, float("-inf"))
+    window = row[:, vocab - top :]
+    window.copy_(vals.flip(1))
+    window.masked_fill_(window < kth, float("-inf"))
+    # the softmax over the whole row (its sum in the sorted path's order); before the window it is 0.0
+    # exactly, so the cumsum (sequential) over the window alone gives the sorted path's values
+    probs_sum = row.softmax(dim=-1)[:, vocab - top :].cumsum(dim=-1)
+    top_p_mask = probs_sum <= 1 - p.unsqueeze(1)
+    top_p_mask[:, -1] = False
+    cut = top_p_mask[:, :-1] & ~top_p_mask[:, 1:]  # the last position the top-p mask drops
+    if bool((cut & (window[:, :-1] == window[:, 1:]) & (window[:, 1:] > float("-inf"))).any()):
+        return None
+    window.masked_fill_(top_p_mask, float("-inf"))
+    return logits.fill_(float("-inf")).scatter_(dim=-1, index=idx.flip(1), src=window)
 
 
 def compute_token_logprobs(logprobs: Tensor, token_ids: Tensor, num_logprobs: int) -> LogprobsTensors:
