@@ -93,9 +93,7 @@ class EngineArgs:
     )
     max_num_batched_tokens: int | None = flag_field(None, "token budget of a step")
     max_num_encoder_input_tokens: int | None = flag_field(
-        None,
-        "image-encoder rows (image tokens) a step may reach; a larger image is refused "
-        "(default: the images the step's token budget reaches)",
+        None, "image-encoder rows a step may reach (default: no limit); a larger image is refused"
     )
     enable_prefix_caching: bool = flag_field(
         config_default(CacheConfig, "enable_prefix_caching"),
@@ -274,8 +272,7 @@ class EngineArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """The engine flags, one per field with help, as vLLM's `EngineArgs.add_cli_args`: the field's
-        name with dashes, its type and default, its help."""
+        """The engine flags (as vLLM's `EngineArgs.add_cli_args`): one per field with help, dashed."""
         add_field_flags(parser.add_argument_group("engine"), cls)
 
     def check_compat(self) -> None:
@@ -284,9 +281,7 @@ class EngineArgs:
 
     def _served_name(self) -> str | None:
         n = self.served_model_name
-        if isinstance(n, (list, tuple)):
-            return str(n[0]) if n else None
-        return n
+        return (str(n[0]) if n else None) if isinstance(n, (list, tuple)) else n
 
     def load_options(self) -> Any:
         """The loader's view of these arguments (`pagedrs.loader.LoadOptions`)."""
@@ -416,12 +411,11 @@ class EngineArgs:
             batch_visualization_style=self.batch_visualization_style,
         )
         # The scheduler limits, checked here too (the model's length limit is applied once it is loaded).
+        budget = self.max_num_batched_tokens
         SchedulerConfig(
             max_model_len=model.max_model_len or 2048,
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=2048
-            if self.max_num_batched_tokens is None
-            else self.max_num_batched_tokens,
+            max_num_batched_tokens=2048 if budget is None else budget,
             enable_chunked_prefill=True,
             max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
         )
