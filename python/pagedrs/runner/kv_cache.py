@@ -141,6 +141,8 @@ def cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     at once and costs memory only for the blocks that get used, where `torch.zeros` writes every byte
     at start-up."""
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:  # a group that owns no blocks (layers that read another layer's KV)
+        return torch.zeros(shape, dtype=dtype)
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
