@@ -42,10 +42,11 @@ def _shadowing_candidates() -> dict[str, Path]:
 
 
 def test_no_bench_or_test_module_shadows_a_library() -> None:
+    libraries = _names_libraries_import()  # once: it reads every installed distribution's file list
     clashes = sorted(
         f"{path.relative_to(ROOT)} would be imported as {name!r}"
         for name, path in _shadowing_candidates().items()
-        if name in _names_libraries_import()
+        if name in libraries
     )
     assert not clashes, "rename these:\n" + "\n".join(clashes)
 
