@@ -112,8 +112,8 @@ class AsyncLLMEngine:
             _make_handle = lambda ipc_dir, gen: ThreadCore(core, ipc_dir, gen)  # noqa: E731
         makers = [_make_handle] if callable(_make_handle) else list(_make_handle)
         self._cores = ReplicaSet(makers, self._ipc_dir, client_index, self._on_outputs, max_restarts)
-        self._cores.start_all(load_tokenizer)  # raises EngineStartupError
-        self.tokenizer = tokenizer = self._cores.tokenizer if load_tokenizer is not None else tokenizer
+        loaded = self._cores.start_all(load_tokenizer)  # raises EngineStartupError
+        self.tokenizer = tokenizer = loaded if load_tokenizer is not None else tokenizer
         ready = self.ready
         self.model_name = ready.model_name
         self.max_model_len = ready.max_model_len

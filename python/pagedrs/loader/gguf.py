@@ -41,6 +41,7 @@ from pagedrs.loader.gguf_moe import (
     split_dense,
 )
 from pagedrs.loader.gguf_qwen35 import QWEN35_ARCHS, Qwen35Layout, qwen35_config, qwen35_tensor_name
+from pagedrs.loader.gguf_reader import field_value as _field
 from pagedrs.loader.gguf_reader import open_gguf
 
 if TYPE_CHECKING:
@@ -289,16 +290,10 @@ def _file_weights(
         )
 
 
-def _field(reader: GGUFReader, key: str) -> Any:
-    field = reader.get_field(key)
-    return None if field is None else field.contents()
-
-
-def _apply_metadata(config: Any, gguf_path: Path, arch: str) -> None:
+def _apply_metadata(config: Any, reader: GGUFReader, arch: str) -> None:
     """Settings llama.cpp's converter writes that transformers' GGUF config reader leaves at their defaults:
     the head size (`attention.key_length`, Qwen3 and Gemma), Gemma 2's soft caps, and Gemma 3's linear
     RoPE scaling of the global layers (the 4B+ checkpoints)."""
-    reader = open_gguf(gguf_path)
     head_dim = _field(reader, f"{arch}.attention.key_length")
     if head_dim is not None:
         config.head_dim = int(head_dim)
@@ -343,7 +338,7 @@ def convert_gguf(gguf_path: str | Path, root: str | Path | None = None) -> Path:
         arch, tensors = _tensors(gguf_path, *head_counts(config))
         config.architectures = [GGUF_ARCHITECTURES[arch][0]]
         if arch not in _OWN_CONFIG:
-            _apply_metadata(config, gguf_path, arch)
+            _apply_metadata(config, reader, arch)
             config = apply_moe_metadata(config, reader, arch)
         if "lm_head.weight" not in tensors:
             config.tie_word_embeddings = True

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pagedrs.loader.gguf_reader import field_value as _field
+
 if TYPE_CHECKING:
     import transformers
     from gguf import GGUFReader
@@ -66,11 +68,6 @@ def gemma4_tensor_name(gguf_name: str) -> str | None:
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK:
         return f"model.layers.{parts[1]}.{_BLOCK[parts[2]]}"
     return None
-
-
-def _field(reader: GGUFReader, key: str) -> Any:
-    field = reader.get_field(key)
-    return None if field is None else field.contents()
 
 
 def _required(reader: GGUFReader, key: str) -> Any:

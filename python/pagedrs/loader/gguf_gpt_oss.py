@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedrs.loader.gguf_reader import field_value as _field
+
 if TYPE_CHECKING:
     import transformers
     from gguf import GGUFReader
@@ -47,11 +49,6 @@ _LAYER_TENSORS = (
     "ffn_gate_inp.bias",
     *(f"ffn_{p}_exps.{k}" for p in ("gate", "up", "down") for k in ("weight", "bias")),
 )
-
-
-def _field(reader: GGUFReader, key: str) -> Any:
-    field = reader.get_field(key)
-    return None if field is None else field.contents()
 
 
 def _required(reader: GGUFReader, key: str, path: Path | str) -> Any:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pagedrs.loader.gguf_reader import field_value as _field
+
 if TYPE_CHECKING:
     from gguf import GGUFReader
 
@@ -53,11 +55,6 @@ def expert_pieces(name: str, stacked: Any) -> list[tuple[str, Any]]:
         raise ValueError(f"{name!r} is not a stacked experts tensor")
     prefix = name[: m.start()]
     return [(f"{prefix}.mlp.experts.{e}.{m.group(1)}_proj.weight", stacked[e]) for e in range(len(stacked))]
-
-
-def _field(reader: GGUFReader, key: str) -> Any:
-    field = reader.get_field(key)
-    return None if field is None else field.contents()
 
 
 def apply_moe_metadata(config: Any, reader: GGUFReader, arch: str) -> Any:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pagedrs.loader.gguf_moe import MOE_BLOCK_NAMES
+from pagedrs.loader.gguf_reader import field_value as _field
 
 if TYPE_CHECKING:
     import transformers
@@ -69,11 +70,6 @@ def qwen35_tensor_name(gguf_name: str) -> str | None:
     if suffix in ("weight", "bias") and base in QWEN35_BLOCK_NAMES:
         return f"model.layers.{parts[1]}.{QWEN35_BLOCK_NAMES[base]}.{suffix}"
     return None
-
-
-def _field(reader: GGUFReader, key: str) -> Any:
-    field = reader.get_field(key)
-    return None if field is None else field.contents()
 
 
 def _required(reader: GGUFReader, arch: str, key: str) -> Any:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-__all__ = ["GGUFField", "GGUFFile", "GGUFTensor", "open_gguf"]
+__all__ = ["GGUFField", "GGUFFile", "GGUFTensor", "field_value", "open_gguf"]
 
 _MAGIC = 0x46554747  # b"GGUF" read little-endian
 _DEFAULT_ALIGNMENT = 32
@@ -178,6 +178,12 @@ class GGUFFile:
 
     def get_field(self, key: str) -> GGUFField | None:
         return self.fields.get(key)
+
+
+def field_value(reader: Any, key: str) -> Any:
+    """The value of metadata key `key` of a `GGUFFile` or `gguf.GGUFReader` (None where the file has none)."""
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
 
 
 def open_gguf(path: str | Path) -> Any:

@@ -230,12 +230,11 @@ class ReplicaSet:
         self.router: FrontendRouter | None = None
         self.routing = "round_robin"
         self.owner: dict[str, int] = {}  # request id -> its replica
-        self.tokenizer: Any = None  # what start_all's load_tokenizer gave
 
     # ---- start and stop ----------------------------------------------------------------------------
-    def start_all(self, load_tokenizer: Callable[[], Any] | None = None) -> None:
-        """Starts every core and waits for their Ready (the models load in parallel, and `load_tokenizer`'s
-        result, kept as `self.tokenizer`, loads here meanwhile); a failure stops them all and raises
+    def start_all(self, load_tokenizer: Callable[[], Any] | None = None) -> Any:
+        """Starts every core and waits for their Ready (the models load in parallel); `load_tokenizer` runs
+        here meanwhile and its result is returned (None without one). A failure stops them all and raises
         EngineStartupError (or the tokenizer's error)."""
         reps = self.replicas
         try:
@@ -243,10 +242,10 @@ class ReplicaSet:
                 if len(reps) > 1:
                     os.makedirs(r.ipc_dir, mode=0o700, exist_ok=True)
                 r.launch()
-            self.tokenizer = load_tokenizer() if load_tokenizer is not None else None
+            tokenizer = load_tokenizer() if load_tokenizer is not None else None
             if len(reps) == 1:
                 self._wait(reps[0])
-                return
+                return tokenizer
             with ThreadPoolExecutor(len(reps)) as pool:
                 errors = [f.exception() for f in [pool.submit(self._wait, r) for r in reps]]
         except BaseException:
@@ -257,6 +256,7 @@ class ReplicaSet:
             self.stop_all(5)
             i, exc = failed[0]
             raise EngineStartupError(f"data-parallel replica {i}: {exc}") from exc
+        return tokenizer
 
     def _start(self, replica: CoreReplica) -> None:
         replica.launch()
