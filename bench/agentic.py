@@ -5,7 +5,8 @@ and answers) plus new tokens, so contexts grow, and the device pool (`--num-kv-b
 sessions: by the time a session comes back, other sessions have evicted its blocks. Reported per
 configuration: TTFT p50/p90 of returning turns (turn >= 2) and the fraction of their prompt tokens served
 from a cache (`num_cached_tokens`); then the cost of the tier with nothing to hit (every prompt new):
-output throughput with the tier over without it. With `--disk-gib`, a third configuration adds the disk tier
+output throughput with the tier over without it, the engines held side by side and measured in
+alternating rounds on the same prompts (the median of the per-round ratios). With `--disk-gib`, a third configuration adds the disk tier
 behind the host tier (`kv_offloading_disk_path`, a fresh temporary folder per engine): its no-hit ratio is
 the cost of writing every stored block to disk. Prints one JSON line.
 """
@@ -92,21 +93,44 @@ def sessions_run(args: argparse.Namespace, tier_gib: float, vocab: int, disk: st
     }
 
 
-def no_hit_run(args: argparse.Namespace, tier_gib: float, vocab: int, disk: str | None) -> float:
-    """Output tokens per second over new prompts only (nothing to hit), after one warm-up request."""
-    rng = random.Random(1)
-    engine = make_engine(args, tier_gib, disk)
-    run_request(engine, "warm", [rng.randrange(vocab) for _ in range(16)], 2)
-    prompts = [[rng.randrange(vocab) for _ in range(args.first_len)] for _ in range(args.no_hit_prompts)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+def no_hit_round(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag: str) -> float:
+    """Output tokens per second over prompts this engine has never seen (nothing to hit)."""
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+        engine.add_request(f"{tag}-{i}", p, params)
     while engine.has_unfinished_requests():
         engine.step()
-    elapsed = time.perf_counter() - start
-    engine.shutdown()
-    return len(prompts) * args.output_len / elapsed
+    return len(prompts) * output_len / (time.perf_counter() - start)
+
+
+def no_hit_runs(
+    args: argparse.Namespace, configs: list[tuple[str, float, bool]], vocab: int, folder: str
+) -> dict[str, list[float]]:
+    """Every configuration's engine held side by side, measured in `--no-hit-rounds` rounds on the same new
+    prompts, the order of the engines alternating from round to round, so a change of the machine's load
+    falls on all of them."""
+    rng = random.Random(1)
+    engines = {
+        name: make_engine(args, gib, f"{folder}/n-{name}" if disk else None) for name, gib, disk in configs
+    }
+    for name, engine in engines.items():
+        run_request(engine, f"warm-{name}", [rng.randrange(vocab) for _ in range(16)], 2)
+    tput: dict[str, list[float]] = {name: [] for name in engines}
+    for r in range(args.no_hit_rounds):
+        prompts = [[rng.randrange(vocab) for _ in range(args.first_len)] for _ in range(args.no_hit_prompts)]
+        for name in list(engines)[:: 1 if r % 2 == 0 else -1]:
+            tput[name].append(no_hit_round(engines[name], prompts, args.output_len, f"r{r}"))
+    for engine in engines.values():
+        engine.shutdown()
+    return tput
+
+
+def _paired_ratio(tput: dict[str, list[float]], name: str) -> float | None:
+    """Median over rounds of this configuration's throughput over the no-tier engine's in the same round."""
+    if name not in tput:
+        return None
+    return statistics.median(a / b for a, b in zip(tput[name], tput["no_tier"], strict=True))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--tier-gib", type=float, default=0.5, help="kv_offloading_size of the tier runs")
     p.add_argument("--disk-gib", type=float, default=0.0, help="> 0: also runs with a disk tier this big")
-    p.add_argument("--no-hit-prompts", type=int, default=8)
+    p.add_argument("--no-hit-prompts", type=int, default=8, help="new prompts per no-hit round")
+    p.add_argument("--no-hit-rounds", type=int, default=5, help="rounds of the engines held side by side")
     p.add_argument("--vocab", type=int, default=1000, help="prompt ids are drawn below this")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--quick", action="store_true", help="a few short turns (a smoke test, not figures)")
@@ -130,25 +155,25 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.sessions, args.turns, args.first_len, args.turn_len = 3, 2, 48, 8
-        args.output_len, args.num_kv_blocks, args.no_hit_prompts = 2, 8, 2
+        args.output_len, args.num_kv_blocks, args.no_hit_prompts, args.no_hit_rounds = 2, 8, 2, 2
     torch.set_num_threads(args.threads)
     vocab = args.vocab
     configs = [("no_tier", 0.0, False), ("host_tier", args.tier_gib, False)]
     if args.disk_gib > 0:
         configs.append(("disk_tier", args.tier_gib, True))
     runs: dict[str, Any] = {}
-    tput: dict[str, float] = {}
-    for name, gib, disk in configs:
-        with tempfile.TemporaryDirectory(prefix="pagedrs-kv-") as folder:
-            runs[name] = sessions_run(args, gib, vocab, folder + "/s" if disk else None)
-            tput[name] = no_hit_run(args, gib, vocab, folder + "/n" if disk else None)
+    with tempfile.TemporaryDirectory(prefix="pagedrs-kv-") as folder:
+        for name, gib, disk in configs:
+            runs[name] = sessions_run(args, gib, vocab, f"{folder}/s-{name}" if disk else None)
+        tput = no_hit_runs(args, configs, vocab, folder)
     result = {
         "bench": "agentic",
         "runs": runs,
         "ttft_p50_ratio": runs["host_tier"]["ttft_p50_s"] / runs["no_tier"]["ttft_p50_s"],
         "no_hit_tok_s": tput,
-        "no_hit_throughput_ratio": tput["host_tier"] / tput["no_tier"],
-        "no_hit_disk_throughput_ratio": tput["disk_tier"] / tput["no_tier"] if "disk_tier" in tput else None,
+        # per round: tier over no tier in the same round; the median of those
+        "no_hit_throughput_ratio": _paired_ratio(tput, "host_tier"),
+        "no_hit_disk_throughput_ratio": _paired_ratio(tput, "disk_tier"),
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "commit")},
         "command": command_line(),
         "git": git_info(args.commit),

@@ -475,6 +475,8 @@ def test_agentic_quick(tmp_path: Path) -> None:
     assert tier["tier_hit_tokens"] > 0 and none["tier_hit_tokens"] == 0
     assert tier["cached_fraction"] > none["cached_fraction"]
     assert d["no_hit_throughput_ratio"] > 0
+    # the engines held side by side, one throughput each per round
+    assert {k: len(v) for k, v in d["no_hit_tok_s"].items()} == {"no_tier": 2, "host_tier": 2, "disk_tier": 2}
     disk = d["runs"]["disk_tier"]  # the disk tier behind the host tier: the same hits, files written too
     assert disk["tier_hit_tokens"] == tier["tier_hit_tokens"] and d["no_hit_disk_throughput_ratio"] > 0
 
