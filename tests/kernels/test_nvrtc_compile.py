@@ -171,6 +171,7 @@ def test_tensor_core_prefill_layer_quant_and_lora_kernels_do_not_spill(
     for source, names in (
         ("quant_ops", _loader.quant_op_names("pagedrs::bf16_t")),
         ("lora_ops", _loader.lora_op_names("pagedrs::bf16_t")),
+        ("delta_rule", _loader.delta_rule_names("pagedrs::bf16_t")),
         # the fused experts' tensor-core GEMMs, alignment and sum (the fp32-FMA fallbacks spill a few bytes)
         ("moe_ops", tuple(n for n in _loader.moe_op_names("pagedrs::bf16_t") if not n.endswith(" false>"))),
     ):

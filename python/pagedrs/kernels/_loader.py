@@ -36,6 +36,7 @@ __all__ = [
     "attention_names",
     "cache_names",
     "compile_check",
+    "delta_rule_names",
     "get_kernel",
     "instantiation_groups",
     "kernel_source",
@@ -49,7 +50,7 @@ __all__ = [
     "vector_width",
 ]
 
-SOURCES = ("cache_kernels", "paged_attention", "layer_ops", "quant_ops", "lora_ops", "moe_ops")
+SOURCES = ("cache_kernels", "paged_attention", "layer_ops", "quant_ops", "lora_ops", "moe_ops", "delta_rule")
 HEADERS = ("common.cuh",)  # included by the sources, inlined by kernel_source
 HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)
 # Head sizes with soft-capping instances (Gemma 2's checkpoints: 256 for 2b and 9b, 128 for 27b); kept
@@ -252,6 +253,12 @@ def lora_op_names(ctype: str) -> tuple[str, ...]:
     return tuple(f"pagedrs::lora_{op}<{ctype}, {vec}>" for op in ("shrink", "expand") for vec in vecs)
 
 
+def delta_rule_names(ctype: str) -> tuple[str, ...]:
+    """Every instantiation of cuda/delta_rule.cu for one dtype (one module): the Gated DeltaNet decode step's
+    conv update and recurrent update."""
+    return (f"pagedrs::gdn_conv_update<{ctype}>", f"pagedrs::gdn_recurrent<{ctype}>")
+
+
 # Fused experts (cuda/moe_ops.cu): weight forms (WF), activations (ACT) and row tiles (BM)
 MOE_WEIGHT_FORMS = {"dense": 0, "q8_0": 1, "fp8": 2}
 MOE_ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "swiglu_oai": 3}
@@ -279,6 +286,7 @@ def instantiation_groups() -> list[tuple[str, tuple[str, ...]]]:
     groups += [("quant_ops", quant_op_names(ctype)) for ctype in CTYPES.values()]
     groups += [("lora_ops", lora_op_names(ctype)) for ctype in CTYPES.values()]
     groups += [("moe_ops", moe_op_names(ctype)) for ctype in CTYPES.values()]
+    groups += [("delta_rule", delta_rule_names(ctype)) for ctype in CTYPES.values()]
     for ctype in CTYPES.values():
         for head_size in HEAD_SIZES:
             for cache_ctype in (None, *CACHE_CTYPES.values()):

@@ -13,7 +13,7 @@ The recurrent state (conv window and delta-rule state of every linear-attention 
 sequence (`pagedrs.runner.recurrent`); the step's metadata says each row's slot and whether it starts at
 position 0 (a zeroed state). Only the full-attention layers have paged KV: `num_layers` counts those, and
 their `Attention.layer_idx` is their index among them. The model runs on its torch modules (no fast CPU decode
-step); under tensor parallelism each rank holds its share of the heads of every layer and of the state.
+step; with the layer kernels on, decode rows of the linear-attention layers take cuda/delta_rule.cu); under tensor parallelism each rank holds its share of the heads of every layer and of the state.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from torch import Tensor
 from transformers import PretrainedConfig
 
 from pagedrs.distributed.group import TPGroup
+from pagedrs.kernels.delta_rule_ops import MAX_KEY_HEAD_DIM, gated_delta_decode
 from pagedrs.layers.attention import Attention, ForwardContext, RecurrentRows
 from pagedrs.layers.delta_rule import (
     causal_conv1d,
@@ -173,6 +174,15 @@ class GatedDeltaNet(torch.nn.Module):
         self.A_log = _split_param((self.num_v_heads,), nv, tp, 0.0, **kw)
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, **kw)
         self.out_proj = RowParallelLinear(full_value, hidden, tp=tp, **kw)
+        self.cuda_kernels = False  # decode steps on cuda/delta_rule.cu (`use_cuda_kernels`)
+
+    def use_cuda_kernels(self, enabled: bool) -> None:
+        """Switched with the layer kernels (`kernel_switch.LayerKernels`): decode rows take the fused CUDA
+        decode step (`kernels.delta_rule_ops`) where it fits the layer."""
+        params = (self.conv1d.weight, self.dt_bias, self.A_log)
+        self.cuda_kernels = (
+            enabled and self.head_k_dim <= MAX_KEY_HEAD_DIM and len({p.dtype for p in params}) == 1
+        )
 
     def _gates(self, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
         """The tokens' (g, beta) [T, value heads]: the log decay and the write strength."""
@@ -214,7 +224,12 @@ class GatedDeltaNet(torch.nn.Module):
 
     def _decode(self, qkv: Tensor, a: Tensor, b: Tensor, conv: Tensor, ssm: Tensor, idx: Tensor) -> Tensor:
         """One token of each of B sequences [B, ...], all at once, from their slots `idx` of the layer's `conv`
-        and `ssm` (gathered, stepped, scattered back) -> [B, value_dim]."""
+        and `ssm` (gathered, stepped, scattered back; in place on the fused CUDA step) -> [B, value_dim]."""
+        if self.cuda_kernels and qkv.dtype == self.dt_bias.dtype:
+            w = self.conv1d.weight[:, 0]
+            k_heads = self.key_dim // self.head_k_dim
+            slots = idx.to(torch.int32)
+            return gated_delta_decode(qkv, a, b, w, self.dt_bias, self.A_log, conv, ssm, slots, k_heads)
         window, state = conv.index_select(0, idx), ssm.index_select(0, idx)
         mixed = causal_conv1d_update(qkv, self.conv1d.weight[:, 0], window)
         q, k, v = self._heads(mixed[:, None])

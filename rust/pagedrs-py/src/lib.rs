@@ -25,6 +25,7 @@ const KERNELS: &[(&str, &str)] = &[
     ("quant_ops", include_str!("../../../cuda/quant_ops.cu")),
     ("lora_ops", include_str!("../../../cuda/lora_ops.cu")),
     ("moe_ops", include_str!("../../../cuda/moe_ops.cu")),
+    ("delta_rule", include_str!("../../../cuda/delta_rule.cu")),
     ("common.cuh", include_str!("../../../cuda/common.cuh")),
 ];
 

@@ -64,6 +64,7 @@ _MAIN = r"""
 #include "quant_ops.cu"
 #include "lora_ops.cu"
 #include "moe_ops.cu"
+#include "delta_rule.cu"
 
 #include <cstdio>
 #include <type_traits>
