@@ -365,6 +365,13 @@ def _compile(op: Op) -> Step:
             return _on_module(op)
 
 
+def _split(unit: object) -> bool:
+    """Whether a module (or the module of a bound method) holds a linear layer split over ranks."""
+    owner = getattr(unit, "__self__", unit)
+    modules = owner.modules() if isinstance(owner, torch.nn.Module) else ()
+    return any(getattr(m, "tp_size", 1) != 1 for m in modules)
+
+
 def _why_not(desc: ModelDesc) -> str | None:
     """Why the description cannot be replayed on the quantized CPU path, or None when it can."""
     for layer in desc.layers:
@@ -376,9 +383,7 @@ def _why_not(desc: ModelDesc) -> str | None:
                     return "a linear layer is not quantized"
             if isinstance(op, Block) and getattr(getattr(op.module, "tp", None), "size", 1) != 1:
                 return "a block is split over tensor-parallel ranks"
-            if isinstance(op, (ProjectQKV, SavedBlock)) and any(
-                getattr(m, "tp_size", 1) != 1 for m in op.module.modules()
-            ):
+            if isinstance(op, (ProjectQKV, SavedBlock)) and _split(op.module):
                 return "a projection is split over tensor-parallel ranks"
     return None
 
