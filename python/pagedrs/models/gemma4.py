@@ -114,6 +114,21 @@ def kv_sharing(config: PretrainedConfig) -> list[int | None]:
     return out
 
 
+def kv_group(tp: TPGroup, kv_heads: int) -> TPGroup:
+    """The split of a layer's KV heads over the ranks: as the query heads' with at least as many KV heads
+    as ranks; with fewer, each KV head replicated on tp / kv ranks, rank r holding the one its query heads
+    read (no collective: the k/v projections are column layers)."""
+    if kv_heads >= tp.size:
+        if kv_heads % tp.size:
+            raise ValueError(f"{kv_heads} KV heads are not divisible by the tensor-parallel size ({tp.size})")
+        return tp
+    if tp.size % kv_heads:
+        raise ValueError(
+            f"the tensor-parallel size ({tp.size}) must be a multiple of the number of KV heads ({kv_heads})"
+        )
+    return TPGroup(tp.position // (tp.size // kv_heads), kv_heads)
+
+
 def attn_dims(config: PretrainedConfig, layer: int) -> tuple[int, int]:
     """(head size, KV heads) of one layer: the global layers' own where the config gives them."""
     per_layer = getattr(config, "per_layer_config", None)
@@ -138,6 +153,7 @@ class Gemma4Attention(torch.nn.Module):
         window: int | None,
         kv_owner: int | None,
         *,
+        tp: TPGroup,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
@@ -151,21 +167,28 @@ class Gemma4Attention(torch.nn.Module):
         sharing = kv_sharing(config)
         self.stores_kv = kv_owner is None and layer_idx in sharing
         kw: dict[str, Any] = dict(dtype=dtype, device=device)
-        self.q_proj = ColumnParallelLinear(hidden, heads * head, bias=bias, **kw)
+        self.q_proj = ColumnParallelLinear(hidden, heads * head, bias=bias, tp=tp, **kw)
         self.q_norm = Gemma4RMSNorm(head, eps, **kw)
         self.k_proj = self.v_proj = None
         self.k_norm = self.v_norm = None
+        kv_tp = kv_group(tp, kv_heads)
         if kv_owner is None:
-            self.k_proj = ColumnParallelLinear(hidden, kv_heads * head, bias=bias, **kw)
+            self.k_proj = ColumnParallelLinear(hidden, kv_heads * head, bias=bias, tp=kv_tp, **kw)
             k_eq_v = bool(getattr(config, "attention_k_eq_v", False)) and self.layer_type != _SLIDING
             if not k_eq_v:
-                self.v_proj = ColumnParallelLinear(hidden, kv_heads * head, bias=bias, **kw)
+                self.v_proj = ColumnParallelLinear(hidden, kv_heads * head, bias=bias, tp=kv_tp, **kw)
             self.k_norm = Gemma4RMSNorm(head, eps, **kw)
             self.v_norm = Gemma4RMSNorm(head, eps, with_scale=False, **kw)
-        self.o_proj = RowParallelLinear(heads * head, hidden, bias=bias, **kw)
+        self.o_proj = RowParallelLinear(heads * head, hidden, bias=bias, tp=tp, **kw)
         self.rotary_emb = rotary_emb  # shared by the layers of one type; registered on the model
         self.attn = Attention(
-            heads, head, kv_heads, layer_idx, scale=1.0, sliding_window=window, kv_layer=kv_owner
+            self.q_proj.output_size_per_partition // head,  # this rank's heads
+            head,
+            kv_heads // kv_tp.size,
+            layer_idx,
+            scale=1.0,
+            sliding_window=window,
+            kv_layer=kv_owner,
         )
 
     def qkv(self, positions: Tensor, x: Tensor, saved: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
@@ -196,14 +219,14 @@ class Gemma4MLP(torch.nn.Module):
     """down(act(gate(x)) * up(x)) over `inter` intermediate units (twice the config's on double-wide layers)."""
 
     def __init__(
-        self, config: PretrainedConfig, inter: int, *, dtype: torch.dtype, device: torch.device
+        self, config: PretrainedConfig, inter: int, *, tp: TPGroup, dtype: torch.dtype, device: torch.device
     ) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden, [inter, inter], bias=False, dtype=dtype, device=device
+            hidden, [inter, inter], bias=False, tp=tp, dtype=dtype, device=device
         )
-        self.down_proj = RowParallelLinear(inter, hidden, bias=False, dtype=dtype, device=device)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=False, tp=tp, dtype=dtype, device=device)
         self.act_fn = get_act_and_mul_fn(str(config.hidden_activation or "gelu_pytorch_tanh"))
 
     def describe(self) -> tuple[Op, ...]:
@@ -219,6 +242,7 @@ class Gemma4DecoderLayer(torch.nn.Module):
         config: PretrainedConfig,
         attn: Gemma4Attention,
         *,
+        tp: TPGroup,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
@@ -228,7 +252,7 @@ class Gemma4DecoderLayer(torch.nn.Module):
         self.layer_idx = attn.attn.layer_idx
         self.self_attn = attn
         wide = bool(getattr(config, "use_double_wide_mlp", False)) and attn.kv_owner is not None
-        self.mlp = Gemma4MLP(config, config.intermediate_size * (2 if wide else 1), **kw)
+        self.mlp = Gemma4MLP(config, config.intermediate_size * (2 if wide else 1), tp=tp, **kw)
         self.input_layernorm = Gemma4RMSNorm(hidden, eps, **kw)
         self.post_attention_layernorm = Gemma4RMSNorm(hidden, eps, **kw)
         self.pre_feedforward_layernorm = Gemma4RMSNorm(hidden, eps, **kw)
@@ -303,19 +327,25 @@ def _rope(config: PretrainedConfig, layer_type: str, head: int, device: torch.de
 
 
 class Gemma4Model(DescribedModel):
-    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    """Under tensor parallelism the attention heads, the MLPs and the embedding tables are split; the
+    per-layer input projections and the MoE router and experts are whole on every rank (each computes
+    them in full)."""
+
+    def __init__(
+        self, config: PretrainedConfig, *, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         hidden, n = config.hidden_size, config.num_hidden_layers
         kw: dict[str, Any] = dict(dtype=dtype, device=device)
         types, windows, owners = list(config.layer_types), _layer_windows(config), kv_sharing(config)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, **kw)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp=tp, **kw)
         # HF: float32 scalars cast to the weights' dtype before the multiply
         self.normalizer: Tensor
         self.register_buffer("normalizer", torch.tensor(hidden**0.5).to(**kw), persistent=False)
         self.ple = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
         if self.ple:
             vocab_pl = int(getattr(config, "vocab_size_per_layer_input", None) or config.vocab_size)
-            self.embed_tokens_per_layer = VocabParallelEmbedding(vocab_pl, n * self.ple, **kw)
+            self.embed_tokens_per_layer = VocabParallelEmbedding(vocab_pl, n * self.ple, tp=tp, **kw)
             self.ple_normalizer: Tensor
             self.register_buffer("ple_normalizer", torch.tensor(self.ple**0.5).to(**kw), persistent=False)
             self.per_layer_model_projection = ColumnParallelLinear(hidden, n * self.ple, bias=False, **kw)
@@ -324,7 +354,10 @@ class Gemma4Model(DescribedModel):
         self.rotary_embs = torch.nn.ModuleDict(ropes)
         self.layers = torch.nn.ModuleList(
             Gemma4DecoderLayer(
-                config, Gemma4Attention(config, i, ropes[types[i]], windows[i], owners[i], **kw), **kw
+                config,
+                Gemma4Attention(config, i, ropes[types[i]], windows[i], owners[i], tp=tp, **kw),
+                tp=tp,
+                **kw,
             )
             for i in range(n)
         )
@@ -354,7 +387,7 @@ class Gemma4Model(DescribedModel):
 
 
 class Gemma4ForCausalLM(CausalLM):
-    """Gemma 4 text. Tensor parallelism is not supported (one rank holds every head)."""
+    """Gemma 4 text (tensor parallelism: `Gemma4Model`)."""
 
     stacked_params = (
         StackedParam(".gate_proj.", ".gate_up_proj.", 0),
@@ -371,15 +404,14 @@ class Gemma4ForCausalLM(CausalLM):
         tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
-        if tp is not None and tp.size > 1:
-            raise ValueError("Gemma 4 does not support tensor parallelism yet (tensor_parallel_size=1)")
         device = torch.device(device)
+        tp = tp or TPGroup()
         self.config = config
         text = self.text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.dtype = dtype
-        self.model = Gemma4Model(text, dtype=dtype, device=device)
+        self.model = Gemma4Model(text, tp=tp, dtype=dtype, device=device)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size, dtype=dtype, device=device)
+        self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size, tp=tp, dtype=dtype, device=device)
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
         cap = getattr(text, "final_logit_softcapping", None)
