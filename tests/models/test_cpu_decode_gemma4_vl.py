@@ -52,7 +52,9 @@ def test_fast_step_replays_the_modules(family: str, tmp_path: Path, monkeypatch:
         _check_gemma4(desc, family == "gemma4-moe")
 
 
-def test_qwen3_vl_decodes_after_images_on_the_fast_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_qwen3_vl_decodes_after_images_on_the_fast_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Image prompts (prefill steps with DeepStack rows on the modules), then decode steps on the fast
     path at the image's M-RoPE offset: ids equal the modules'."""
     folder = make_vl_model(tmp_path / "qwen3vl", qwen3_vl_config())

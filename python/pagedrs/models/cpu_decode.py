@@ -37,8 +37,8 @@ from pagedrs import _core
 from pagedrs.layers.activation import SiluAndMul
 from pagedrs.layers.attention import AttentionMetadata, ForwardContext, token_seq_lens
 from pagedrs.layers.attention.torch_ref import TorchAttentionBackend, cpu_kernel_threads, step_plan
-from pagedrs.layers.mrope import MRotaryEmbedding
 from pagedrs.layers.device_form import DeviceForm, PrepareOptions
+from pagedrs.layers.mrope import MRotaryEmbedding
 from pagedrs.layers.norm import RMSNorm
 from pagedrs.layers.quantized import QuantizedWeight
 from pagedrs.models.layer_desc import (

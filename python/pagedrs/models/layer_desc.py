@@ -185,7 +185,9 @@ class Block:
 
 
 class QKVModule(Protocol):
-    def qkv(self, positions: Tensor, x: Tensor, saved: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]: ...
+    def qkv(
+        self, positions: Tensor, x: Tensor, saved: dict[str, Tensor]
+    ) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
 @dataclass(frozen=True, slots=True)
