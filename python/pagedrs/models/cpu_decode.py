@@ -11,10 +11,12 @@ weights, one rank. Every op of the description is compiled once into a step over
 on these rows (RMSNorm with the residual add fused in, the quantized matmuls, neox rotary in place, the
 K/V store and the paged decode-attention kernel with the layer's scale, window, soft cap and sinks,
 SiLU-and-mul), or, for an op the Rust ops do not cover (Gemma's (1 + w) norms, GeLU-and-mul, a rotary
-embedding other than the cached neox one, a mixture-of-experts block), the op's own `run` on torch views
-of the same arrays. Either way an op computes what its module computes, call for call, so the hidden
-states are bit-identical to the module path's (tests/models/test_cpu_decode*.py); a family variant is a
-different description, not a second forward.
+embedding other than the cached neox one, M-RoPE, a mixture-of-experts block, Gemma 4's q/k/v unit and
+per-layer input), the op's own `run` on torch views of the same arrays, with the forward's saved tensors
+(`ModelDesc.saved`). A layer sharing another's KV (Gemma 4) reads and writes that layer's cache slice.
+Either way an op computes what its module computes, call for call, so the hidden states are bit-identical
+to the module path's (tests/models/test_cpu_decode*.py); a family variant is a different description, not
+a second forward.
 
 A linear module with hooks (LoRA's deltas) is called as the module, hooks and all. Sliding-window layers
 read and write their own KV pool where the runner gives them one (`runner.kv_groups`), as the attention
