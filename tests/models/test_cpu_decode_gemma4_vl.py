@@ -3,13 +3,14 @@ layers' caches, k = v global layers with their own head size and KV heads, propo
 double-wide MLPs; MoE: the experts beside the dense MLP) and on the text decoders of Gemma 3 with images and
 Qwen3-VL (M-RoPE): tiny random models quantized at load take the fast step on their decode steps only, with
 the modules' ids and top-5 logprobs (PAGEDRS_CPU_DECODE=0) under forced preemption, chunked prefill, prefix
-hits and n=2, on prompts longer than the sliding window. Qwen3-VL also with images: decode steps after an
-image take M-RoPE text positions past the image's offset."""
+hits and n=2, on prompts longer than the sliding window. Gemma 3 and Qwen3-VL also with images: the decode
+steps after them take the fast step (Qwen3-VL's at M-RoPE text positions past the images' offset)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from PIL import Image
@@ -22,7 +23,7 @@ from tests.models.helpers_cpu_decode import assert_fast_step_matches_modules, sp
 from tests.models.helpers_families import WINDOW
 from tests.models.helpers_gemma4 import gemma4_config, gemma4_moe_config, make_gemma4_model
 from tests.models.helpers_qwen_vl import images, make_vl_model, qwen3_vl_config, vl_processor
-from tests.multimodal.helpers_vision import make_gemma3_vision
+from tests.multimodal.helpers_vision import make_gemma3_vision, random_image
 
 FAMILIES: dict[str, Callable[[Path], Path]] = {
     "gemma4": lambda d: make_gemma4_model(d / "gemma4", gemma4_config()),
@@ -52,15 +53,33 @@ def test_fast_step_replays_the_modules(family: str, tmp_path: Path, monkeypatch:
         _check_gemma4(desc, family == "gemma4-moe")
 
 
-def test_qwen3_vl_decodes_after_images_on_the_fast_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Image prompts (prefill steps with DeepStack rows on the modules), then decode steps on the fast
-    path at the image's M-RoPE offset: ids equal the modules'."""
-    folder = make_vl_model(tmp_path / "qwen3vl", qwen3_vl_config())
+def _qwen3_vl_images(folder: Path) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
     img = [Image.fromarray(a) for a in images()]
     one = "ab<|vision_start|><|image_pad|><|vision_end|>cd"
     two = "x<|vision_start|><|image_pad|><|vision_end|>y<|vision_start|><|image_pad|><|vision_end|>zz"
+    return {"skip_tokenizer_init": True}, [(one, [img[0]]), (two, img)]
+
+
+def _gemma3_images(folder: Path) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+    a, b = random_image(40, 30, seed=0), random_image(20, 50, seed=1)
+    return {"max_model_len": 128}, [("describe it <start_of_image> now", [a]), ("a <start_of_image> b", [b])]
+
+
+IMAGES: dict[str, Callable[[Path], tuple[dict[str, Any], list[tuple[str, Any]]]]] = {
+    "gemma3-mm": _gemma3_images,
+    "qwen3-vl": _qwen3_vl_images,
+}
+
+
+@pytest.mark.parametrize("family", list(IMAGES))
+def test_decodes_after_images_take_the_fast_step(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Image prompts (prefill chunks with image rows on the modules: Gemma 3's bidirectional image mask,
+    Qwen3-VL's DeepStack), then decode steps on the fast path (Qwen3-VL: M-RoPE text positions past the
+    images' offset): ids equal the modules'."""
+    folder = FAMILIES[family](tmp_path)
+    extra, prompts = IMAGES[family](folder)
 
     def run() -> dict[str, list[int]]:
         engine = make_engine(
@@ -70,19 +89,22 @@ def test_qwen3_vl_decodes_after_images_on_the_fast_step(
             block_size=4,
             num_kv_blocks=16,
             max_num_batched_tokens=8,
-            skip_tokenizer_init=True,
+            **extra,
         )
-        engine.input_processor.mm_processor = vl_processor(Qwen3VLForConditionalGeneration, engine.hf_config)
+        if family == "qwen3-vl":
+            engine.input_processor.mm_processor = vl_processor(
+                Qwen3VLForConditionalGeneration, engine.hf_config
+            )
         spy = PlanSpy().attach(engine)
-        engine.add_request("one", {"prompt": one, "multi_modal_data": {"image": [img[0]]}}, greedy(6))
-        engine.add_request("two", {"prompt": two, "multi_modal_data": {"image": img}}, greedy(6))
+        for i, (text, imgs) in enumerate(prompts):
+            engine.add_request(str(i), {"prompt": text, "multi_modal_data": {"image": imgs}}, greedy(6))
         outs = run_all(engine)
         assert spy.chunked_prefills > 0
         return {rid: list(o.outputs[0].token_ids) for rid, o in outs.items()}
 
     calls = spy_fast_step(monkeypatch)
     fast = run()
-    assert calls[0] > 0, calls  # the decodes (every prefill chunk here carries image rows: the modules)
+    assert calls[0] > 0, calls  # the decodes
     monkeypatch.setenv("PAGEDRS_CPU_DECODE", "0")
     taken = calls[0]
     assert run() == fast
