@@ -11,7 +11,8 @@ import pytest
 
 from pagedrs.models.cpu_decode import CpuDecodeStep
 from pagedrs.models.layer_desc import ModelDesc
-from tests.distributed.helpers_tp import check_forced, run_workload, run_workload_logprobs, tp_engine
+from tests.distributed.helpers_tp import check_forced, run_workload_logprobs, tp_engine
+from tests.engine.conftest import PlanSpy
 
 
 def spy_fast_step(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -37,18 +38,17 @@ def assert_fast_step_matches_modules(path: Path, monkeypatch: pytest.MonkeyPatch
     fast = tp_engine(path, 1, **kw)
     step = fast.runner.model.model.cpu_decode
     assert isinstance(step, CpuDecodeStep), "a model quantized at load on one CPU rank takes the fast step"
-    ids, spy = run_workload(fast)
+    spy = PlanSpy().attach(fast)
+    got = run_workload_logprobs(fast)
     check_forced(fast, spy)
     assert calls[0] > 0 and calls[1] > 0, calls  # decode steps taken, prefill steps declined
-    got = run_workload_logprobs(tp_engine(path, 1, **kw))
 
     monkeypatch.setenv("PAGEDRS_CPU_DECODE", "0")
     slow = tp_engine(path, 1, **kw)
     assert slow.runner.model.model.cpu_decode is None
     taken = calls[0]
-    want_ids, _ = run_workload(slow)
+    want = run_workload_logprobs(slow)
     assert calls[0] == taken  # off: never called
-    assert ids == want_ids
-    assert got == run_workload_logprobs(tp_engine(path, 1, **kw))
+    assert got == want  # ids and top-5 logprobs
     monkeypatch.delenv("PAGEDRS_CPU_DECODE")
     return step.desc

@@ -1,7 +1,7 @@
 """The CPU decode step on Gemma 4 (dense: per-layer input embeddings, shared-KV layers reading earlier
 layers' caches, k = v global layers with their own head size and KV heads, proportional partial RoPE,
-double-wide MLPs; MoE: the experts beside the dense MLP) and on the text decoders of Gemma 3 with images and
-Qwen3-VL (M-RoPE): tiny random models quantized at load take the fast step on their decode steps only, with
+double-wide MLPs; MoE: the experts beside the dense MLP) and on the text decoders of Gemma 3 with images,
+Qwen3-VL and Qwen2.5-VL (M-RoPE): tiny random models quantized at load take the fast step on their decode steps only, with
 the modules' ids and top-5 logprobs (PAGEDRS_CPU_DECODE=0) under forced preemption, chunked prefill, prefix
 hits and n=2, on prompts longer than the sliding window. Gemma 3 and Qwen3-VL also with images: the decode
 steps after them take the fast step (Qwen3-VL's at M-RoPE text positions past the images' offset)."""
@@ -22,7 +22,13 @@ from tests.engine.conftest import PlanSpy, greedy, make_engine, run_all
 from tests.models.helpers_cpu_decode import assert_fast_step_matches_modules, spy_fast_step
 from tests.models.helpers_families import WINDOW
 from tests.models.helpers_gemma4 import gemma4_config, gemma4_moe_config, make_gemma4_model
-from tests.models.helpers_qwen_vl import images, make_vl_model, qwen3_vl_config, vl_processor
+from tests.models.helpers_qwen_vl import (
+    images,
+    make_vl_model,
+    qwen2_5_vl_config,
+    qwen3_vl_config,
+    vl_processor,
+)
 from tests.multimodal.helpers_vision import make_gemma3_vision, random_image
 
 FAMILIES: dict[str, Callable[[Path], Path]] = {
@@ -30,6 +36,7 @@ FAMILIES: dict[str, Callable[[Path], Path]] = {
     "gemma4-moe": lambda d: make_gemma4_model(d / "gemma4moe", gemma4_moe_config()),
     "gemma3-mm": lambda d: make_gemma3_vision(d / "gemma3mm"),
     "qwen3-vl": lambda d: make_vl_model(d / "qwen3vl", qwen3_vl_config()),
+    "qwen2.5-vl": lambda d: make_vl_model(d / "qwen25vl", qwen2_5_vl_config()),
 }
 
 
