@@ -185,9 +185,10 @@ class _Gemma4Vocab:
         self.writer.add_tokenizer_model("gemma4")
 
 
-def _gemma4_metadata(w: Any, cfg: dict[str, Any]) -> None:
+def _gemma4_metadata(w: Any, cfg: dict[str, Any], rope_dims: tuple[int, int] | None = None) -> None:
     """The keys TextModel / Gemma3Model / Gemma4Model write, each with its final (overriding) value; `cfg`:
-    the HF config as a dict (the global layers' head size and KV heads under `per_layer_config`)."""
+    the HF config as a dict (the global layers' head size and KV heads under `per_layer_config`);
+    `rope_dims`: (global, sliding) rotated dims to write instead of the head sizes."""
     layers = cfg["num_hidden_layers"]
     swa = [t == "sliding_attention" for t in cfg["layer_types"]]
     glob = cfg["per_layer_config"][str(swa.index(False))]
@@ -212,8 +213,9 @@ def _gemma4_metadata(w: Any, cfg: dict[str, Any]) -> None:
     w.add_value_length(glob["head_dim"])
     w.add_key_length_swa(cfg["head_dim"])
     w.add_value_length_swa(cfg["head_dim"])
-    w.add_rope_dimension_count(glob["head_dim"])
-    w.add_rope_dimension_count_swa(cfg["head_dim"])
+    n_rot, n_rot_swa = rope_dims or (glob["head_dim"], cfg["head_dim"])
+    w.add_rope_dimension_count(n_rot)
+    w.add_rope_dimension_count_swa(n_rot_swa)
     if cfg.get("enable_moe_block"):
         w.add_expert_count(cfg["num_experts"])
         w.add_expert_used_count(cfg["top_k_experts"])
@@ -235,19 +237,21 @@ def _gemma4_name(names: Any, hf_name: str) -> str:
     return name
 
 
-def write_gemma4_gguf(hf: transformers.PreTrainedModel, cfg: Any, out: Path) -> Path:
+def write_gemma4_gguf(
+    hf: transformers.PreTrainedModel, cfg: Any, out: Path, rope_dims: tuple[int, int] | None = None
+) -> Path:
     """The tiny Gemma 4 text model `hf` as llama.cpp's Gemma4Model converter writes it: norms as they are,
     `layer_scalar` as `layer_output_scale.weight`, the global layers' `rope_freqs` (1 for the rotated pairs,
     1e30 for the others), a sentencepiece vocabulary of type "gemma4" without a space prefix. Rounds `hf`'s
     Q8_0 / F16 matrices in place first. `cfg`: the config `hf` was built
-    from (HF's model makes its own per-layer)."""
+    from (HF's model makes its own per-layer); `rope_dims`: see `_gemma4_metadata`."""
     import gguf
 
     kinds = _round(hf, GEMMA4_Q8_0, GEMMA4_F16)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, cfg.to_dict()["num_hidden_layers"])
     w = gguf.GGUFWriter(str(out), "gemma4")
     d = cfg.to_dict()
-    _gemma4_metadata(w, d)
+    _gemma4_metadata(w, d, rope_dims)
     _sentencepiece_vocab(_Gemma4Vocab(w), d["vocab_size"])
     w.add_add_space_prefix(False)
     full_dim = d["per_layer_config"][str(d["layer_types"].index("full_attention"))]["head_dim"]

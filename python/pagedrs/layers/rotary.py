@@ -101,8 +101,8 @@ def _yarn_inv_freq(
 
 def _proportional_inv_freq(base: float, head_size: int, p: dict[str, Any]) -> Tensor:
     """HF's proportional RoPE: `partial_rotary_factor` of the head's frequency pairs over the whole head's
-    exponents, zeros for the rest (those dims are not rotated), all divided by `factor`; rotary_dim is the
-    head size."""
+    exponents, zeros for the rest (those dims are not rotated), all divided by `factor`; `head_size`: the
+    dims the rotation spans (the head size, or llama.cpp's `n_rot` of them)."""
     angles = int(float(p.get("partial_rotary_factor", 1.0)) * head_size // 2)
     exponent = torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_size
     inv_freq = torch.cat([1.0 / (base**exponent), torch.zeros(head_size // 2 - angles)])
@@ -193,7 +193,7 @@ class RotaryEmbedding(KernelLayer):
             inv_freq = 1.0 / (short * base**exponent)
             long_cache = _cos_sin(1.0 / (long * base**exponent), max(max_position, orig + 1), scaling)
         elif self.rope_type == "proportional":
-            inv_freq = _proportional_inv_freq(base, head_size, params)
+            inv_freq = _proportional_inv_freq(base, rotary_dim, params)
         elif self.rope_type == "dynamic":
             self.base = base
             self.factor = float(params["factor"])
@@ -315,7 +315,8 @@ def get_rope(
     params = rope_parameters(config)
     rotary_dim = int(head_size * float(params.get("partial_rotary_factor", 1.0)))
     if params["rope_type"] == "proportional":  # the factor picks the rotated frequencies, not the dims
-        rotary_dim = head_size
+        # `rotary_dim`: the leading dims the frequencies span (a GGUF's `rope.dimension_count`), else all
+        rotary_dim = int(params.get("rotary_dim", head_size))
     if max_position is None:
         max_position = int(getattr(config, "max_position_embeddings", 2048))
     return RotaryEmbedding(

@@ -8,9 +8,10 @@ and `per_layer_proj_norm`, a layer's `inp_gate` / `proj` / `post_norm`; the MoE 
 per-expert scale `ffn_down_exps.scale`). The config comes from the metadata: local / global head sizes
 (`key_length_swa` / `key_length`), per-layer KV head counts, the sliding pattern (`sliding_window_pattern`),
 `shared_kv_layers`, the per-layer widths of the double-wide MLP (`feed_forward_length` as an array), both
-RoPE bases (`rope.freq_base` / `rope.freq_base_swa`), and the global layers' partial RoPE from the
-`rope_freqs` tensor (1 for the rotated pairs). A global layer without `attn_v` reuses k as v
-(`attention_k_eq_v`)."""
+RoPE bases (`rope.freq_base` / `rope.freq_base_swa`), the dims each layer type rotates
+(`rope.dimension_count` / `rope.dimension_count_swa`: llama.cpp's `n_rot`, the leading dims of a head, with
+frequencies over those dims), and the global layers' partial RoPE from the `rope_freqs` tensor (1 for the
+rotated pairs). A global layer without `attn_v` reuses k as v (`attention_k_eq_v`)."""
 
 from __future__ import annotations
 
@@ -82,12 +83,43 @@ def _per_layer(value: Any, n: int) -> list[int]:
 
 
 def _full_rope_fraction(reader: GGUFReader, head_dim: int) -> float:
-    """The rotated fraction of a global head: `rope_freqs` holds 1 for each rotated pair (1e30 for the
-    others), as the converter writes it for HF's proportional RoPE."""
+    """The rotated fraction of a global head's `head_dim` rotary dims: `rope_freqs` holds 1 for each rotated
+    pair (1e30 for the others), as the converter writes it for HF's proportional RoPE."""
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             return 2 * int(np.count_nonzero(np.asarray(t.data) < 1e29)) / head_dim
     return 1.0
+
+
+def _rope_dims(reader: GGUFReader, key: str, head_dim: int) -> int:
+    """The leading dims of a head that RoPE rotates (`gemma4.<key>`, the head size when absent)."""
+    value = _field(reader, f"gemma4.{key}")
+    n_rot = head_dim if value is None else int(value)
+    if n_rot <= 0 or n_rot % 2 or n_rot > head_dim:
+        raise ValueError(f"gemma4.{key}={n_rot} must be even and in (0, {head_dim}] (the head size)")
+    return n_rot
+
+
+def _rope_parameters(reader: GGUFReader, local_dim: int, global_dim: int) -> dict[str, Any]:
+    """Per layer type, RoPE as llama.cpp applies it: the sliding layers' default RoPE over their first
+    `rope.dimension_count_swa` dims, the global layers' proportional RoPE over their first
+    `rope.dimension_count` dims (`rotary_dim`, only where it is not the whole head)."""
+    local_rot = _rope_dims(reader, "rope.dimension_count_swa", local_dim)
+    global_rot = _rope_dims(reader, "rope.dimension_count", global_dim)
+    sliding: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": float(_field(reader, "gemma4.rope.freq_base_swa") or 10000.0),
+    }
+    if local_rot != local_dim:
+        sliding["partial_rotary_factor"] = local_rot / local_dim
+    full: dict[str, Any] = {
+        "rope_type": "proportional",
+        "partial_rotary_factor": _full_rope_fraction(reader, global_rot),
+        "rope_theta": float(_field(reader, "gemma4.rope.freq_base") or 1_000_000.0),
+    }
+    if global_rot != global_dim:
+        full["rotary_dim"] = global_rot
+    return {"sliding_attention": sliding, "full_attention": full}
 
 
 def gemma4_config(reader: GGUFReader) -> transformers.PretrainedConfig:
@@ -125,17 +157,7 @@ def gemma4_config(reader: GGUFReader) -> transformers.PretrainedConfig:
         final_logit_softcapping=_field(reader, "gemma4.final_logit_softcapping"),
         max_position_embeddings=int(_required(reader, "context_length")),
         rms_norm_eps=float(_required(reader, "attention.layer_norm_rms_epsilon")),
-        rope_parameters={
-            "sliding_attention": {
-                "rope_type": "default",
-                "rope_theta": float(_field(reader, "gemma4.rope.freq_base_swa") or 10000.0),
-            },
-            "full_attention": {
-                "rope_type": "proportional",
-                "partial_rotary_factor": _full_rope_fraction(reader, global_dim),
-                "rope_theta": float(_field(reader, "gemma4.rope.freq_base") or 1_000_000.0),
-            },
-        },
+        rope_parameters=_rope_parameters(reader, local_dim, global_dim),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),

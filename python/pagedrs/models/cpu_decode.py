@@ -11,10 +11,12 @@ weights, one rank. Every op of the description is compiled once into a step over
 on these rows (RMSNorm with the residual add fused in, the quantized matmuls, neox rotary in place, the
 K/V store and the paged decode-attention kernel with the layer's scale, window, soft cap and sinks,
 SiLU-and-mul), or, for an op the Rust ops do not cover (Gemma's (1 + w) norms, GeLU-and-mul, a rotary
-embedding other than the cached neox one, a mixture-of-experts block), the op's own `run` on torch views
-of the same arrays. Either way an op computes what its module computes, call for call, so the hidden
-states are bit-identical to the module path's (tests/models/test_cpu_decode*.py); a family variant is a
-different description, not a second forward.
+embedding other than the cached neox one, M-RoPE, a mixture-of-experts block, Gemma 4's q/k/v unit and
+per-layer input), the op's own `run` on torch views of the same arrays, with the forward's saved tensors
+(`ModelDesc.saved`). A layer sharing another's KV (Gemma 4) reads and writes that layer's cache slice.
+Either way an op computes what its module computes, call for call, so the hidden states are bit-identical
+to the module path's (tests/models/test_cpu_decode*.py); a family variant is a different description, not
+a second forward.
 
 A linear module with hooks (LoRA's deltas) is called as the module, hooks and all. Sliding-window layers
 read and write their own KV pool where the runner gives them one (`runner.kv_groups`), as the attention
@@ -38,6 +40,7 @@ from pagedrs.layers.activation import SiluAndMul
 from pagedrs.layers.attention import AttentionMetadata, ForwardContext, token_seq_lens
 from pagedrs.layers.attention.torch_ref import TorchAttentionBackend, cpu_kernel_threads, step_plan
 from pagedrs.layers.device_form import DeviceForm, PrepareOptions
+from pagedrs.layers.mrope import MRotaryEmbedding
 from pagedrs.layers.norm import RMSNorm
 from pagedrs.layers.quantized import QuantizedWeight
 from pagedrs.models.layer_desc import (
@@ -51,9 +54,11 @@ from pagedrs.models.layer_desc import (
     ModelDesc,
     Norm,
     Op,
+    ProjectQKV,
     QKVProj,
     Residual,
     Rope,
+    SavedBlock,
     TorchState,
 )
 
@@ -96,6 +101,7 @@ class _Replay:
         "positions",
         "q",
         "residual",
+        "saved",
         "seq_lens",
         "threads",
         "v",
@@ -120,6 +126,7 @@ class _Replay:
         self.k: F32 | None = None
         self.v: F32 | None = None
         self.seq_lens: Tensor | None = None
+        self.saved: dict[str, Tensor] = {}  # as `TorchState.saved`: the ops' own torch tensors
 
 
 Step = Callable[[_Replay], None]
@@ -139,6 +146,7 @@ def _on_module(op: Op) -> Step:
     def run(s: _Replay) -> None:
         ts = TorchState(s.positions, s.ctx, s.seq_lens, torch.from_numpy(s.x), _torch(s.residual))
         ts.q, ts.k, ts.v = _torch(s.q), _torch(s.k), _torch(s.v)
+        ts.saved = s.saved
         op.run(ts)
         s.x, s.residual = ts.x.numpy(), _numpy(ts.residual)
         s.q, s.k, s.v = _numpy(ts.q), _numpy(ts.k), _numpy(ts.v)
@@ -274,6 +282,8 @@ def _head_norm(op: HeadNorm) -> Step:
 def _rope(op: Rope) -> Step:
     m = op.module
     cached_neox = m.is_neox_style and m.long_cos_sin_cache is None and m.rope_type != "dynamic"
+    if isinstance(m, MRotaryEmbedding):  # [3, T] positions: each pair's angle from its axis, as the module
+        return _on_module(op)
     if not (m.cpu_fused and cached_neox and _f32_cpu(m.cos_sin_cache)):
         return _on_module(op)
     cos_sin, head_size, rotary_dim = m.cos_sin_cache.numpy(), m.head_size, m.rotary_dim
@@ -288,7 +298,8 @@ def _rope(op: Rope) -> Step:
 def _attend(op: Attend) -> Step:
     """The K/V store and the paged decode-attention kernel, as the torch backend runs a decode step."""
     a = op.module
-    h, kvh, hs, layer = a.num_heads, a.num_kv_heads, a.head_size, a.layer_idx
+    # a layer sharing another's KV reads and writes that layer's cache slice (given that layer's k/v)
+    h, kvh, hs, layer = a.num_heads, a.num_kv_heads, a.head_size, a.kv_layer
     scale, window, cap = float(a.scale), a.sliding_window, a.logits_soft_cap
     sinks = None if a.sinks is None else a.sinks.detach().to(torch.float32).contiguous().numpy()
 
@@ -352,6 +363,15 @@ def _compile(op: Op) -> Step:
             return _act(op)
         case Block():
             return _block(op)
+        case ProjectQKV() | SavedBlock():  # modules reading the forward's saved tensors: called as they are
+            return _on_module(op)
+
+
+def _split(unit: object) -> bool:
+    """Whether a module (or the module of a bound method) holds a linear layer split over ranks."""
+    owner = getattr(unit, "__self__", unit)
+    modules = owner.modules() if isinstance(owner, torch.nn.Module) else ()
+    return any(getattr(m, "tp_size", 1) != 1 for m in modules)
 
 
 def _why_not(desc: ModelDesc) -> str | None:
@@ -365,6 +385,8 @@ def _why_not(desc: ModelDesc) -> str | None:
                     return "a linear layer is not quantized"
             if isinstance(op, Block) and getattr(getattr(op.module, "tp", None), "size", 1) != 1:
                 return "a block is split over tensor-parallel ranks"
+            if isinstance(op, (ProjectQKV, SavedBlock)) and _split(op.module):
+                return "a projection is split over tensor-parallel ranks"
     return None
 
 
@@ -402,7 +424,10 @@ class CpuDecodeStep:
         layers = self.layers if ctx.exit_layer is None else self.layers[: ctx.exit_layer]
         if not layers:
             return None
-        s = _Replay(self.desc.embed(input_ids).numpy(), positions, ctx, caches, full, groups)
+        x = self.desc.embed(input_ids)
+        s = _Replay(x.numpy(), positions, ctx, caches, full, groups)
+        if self.desc.saved is not None:
+            s.saved = self.desc.saved(input_ids, x)
         if self.desc.long_rope:
             s.seq_lens = token_seq_lens(meta)
         for steps in layers:

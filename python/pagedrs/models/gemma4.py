@@ -17,8 +17,12 @@ layers by `layer_types`, optional final logit soft cap) with Gemma 4's changes:
 - Each layer's output is multiplied by a learned scalar (`layer_scalar`).
 - The MoE variant (`enable_moe_block`) adds routed experts beside the dense MLP (`gemma4_moe`).
 
-Parameter names are HF's (separate q/k/v projections) except gate/up fused into `gate_up_proj`. The decoder
-stack runs its modules: it has no layer description, so the quantized CPU decode step does not replay it.
+Parameter names are HF's (separate q/k/v projections) except gate/up fused into `gate_up_proj`. A layer is
+its description (`describe`: pagedrs.models.layer_desc), which the forward runs and the quantized CPU
+decode step replays: the q/k/v unit (`ProjectQKV`: projections, per-head norms, RoPE, the k/v a shared-KV
+layer is handed, saved by its owner in the forward's `saved` tensors), paged attention, the o projection,
+the sandwich norms, the dense MLP as linear ops (or, with the MoE block, the whole feed-forward as one
+`SavedBlock`), and the per-layer input with the layer scalar (`SavedBlock` over the saved per-layer inputs).
 """
 
 from __future__ import annotations
@@ -45,6 +49,21 @@ from pagedrs.layers.rotary import RotaryEmbedding, get_rope
 from pagedrs.models.gemma import _RopeView
 from pagedrs.models.gemma4_moe import Gemma4Experts, Gemma4Router
 from pagedrs.models.interface import CausalLM
+from pagedrs.models.layer_desc import (
+    Act,
+    AddResidual,
+    Attend,
+    DescribedModel,
+    Linear,
+    ModelDesc,
+    Norm,
+    Op,
+    ProjectQKV,
+    Residual,
+    SavedBlock,
+    TorchState,
+    run_ops,
+)
 from pagedrs.models.llama import _layer_windows
 from pagedrs.models.utils import StackedParam, load_weights_into
 from pagedrs.multimodal import MultiModalBatch
@@ -52,7 +71,7 @@ from pagedrs.multimodal import MultiModalBatch
 __all__ = ["Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Gemma4RMSNorm"]
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
-SharedKV = dict[str, tuple[Tensor, Tensor]]
+_PER_LAYER = "per_layer"  # the saved per-layer inputs [T, layers, d]
 
 
 class Gemma4RMSNorm(torch.nn.Module):
@@ -95,6 +114,21 @@ def kv_sharing(config: PretrainedConfig) -> list[int | None]:
     return out
 
 
+def kv_group(tp: TPGroup, kv_heads: int) -> TPGroup:
+    """The split of a layer's KV heads over the ranks: as the query heads' with at least as many KV heads
+    as ranks; with fewer, each KV head replicated on tp / kv ranks, rank r holding the one its query heads
+    read (no collective: the k/v projections are column layers)."""
+    if kv_heads >= tp.size:
+        if kv_heads % tp.size:
+            raise ValueError(f"{kv_heads} KV heads are not divisible by the tensor-parallel size ({tp.size})")
+        return tp
+    if tp.size % kv_heads:
+        raise ValueError(
+            f"the tensor-parallel size ({tp.size}) must be a multiple of the number of KV heads ({kv_heads})"
+        )
+    return TPGroup(tp.position // (tp.size // kv_heads), kv_heads)
+
+
 def attn_dims(config: PretrainedConfig, layer: int) -> tuple[int, int]:
     """(head size, KV heads) of one layer: the global layers' own where the config gives them."""
     per_layer = getattr(config, "per_layer_config", None)
@@ -119,6 +153,7 @@ class Gemma4Attention(torch.nn.Module):
         window: int | None,
         kv_owner: int | None,
         *,
+        tp: TPGroup,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
@@ -132,28 +167,38 @@ class Gemma4Attention(torch.nn.Module):
         sharing = kv_sharing(config)
         self.stores_kv = kv_owner is None and layer_idx in sharing
         kw: dict[str, Any] = dict(dtype=dtype, device=device)
-        self.q_proj = ColumnParallelLinear(hidden, heads * head, bias=bias, **kw)
+        self.q_proj = ColumnParallelLinear(hidden, heads * head, bias=bias, tp=tp, **kw)
         self.q_norm = Gemma4RMSNorm(head, eps, **kw)
         self.k_proj = self.v_proj = None
         self.k_norm = self.v_norm = None
+        kv_tp = kv_group(tp, kv_heads)
         if kv_owner is None:
-            self.k_proj = ColumnParallelLinear(hidden, kv_heads * head, bias=bias, **kw)
+            self.k_proj = ColumnParallelLinear(hidden, kv_heads * head, bias=bias, tp=kv_tp, **kw)
             k_eq_v = bool(getattr(config, "attention_k_eq_v", False)) and self.layer_type != _SLIDING
             if not k_eq_v:
-                self.v_proj = ColumnParallelLinear(hidden, kv_heads * head, bias=bias, **kw)
+                self.v_proj = ColumnParallelLinear(hidden, kv_heads * head, bias=bias, tp=kv_tp, **kw)
             self.k_norm = Gemma4RMSNorm(head, eps, **kw)
             self.v_norm = Gemma4RMSNorm(head, eps, with_scale=False, **kw)
-        self.o_proj = RowParallelLinear(heads * head, hidden, bias=bias, **kw)
+        self.o_proj = RowParallelLinear(heads * head, hidden, bias=bias, tp=tp, **kw)
         self.rotary_emb = rotary_emb  # shared by the layers of one type; registered on the model
         self.attn = Attention(
-            heads, head, kv_heads, layer_idx, scale=1.0, sliding_window=window, kv_layer=kv_owner
+            self.q_proj.output_size_per_partition // head,  # this rank's heads
+            head,
+            kv_heads // kv_tp.size,
+            layer_idx,
+            scale=1.0,
+            sliding_window=window,
+            kv_layer=kv_owner,
         )
 
-    def forward(self, positions: Tensor, x: Tensor, shared: SharedKV, ctx: ForwardContext) -> Tensor:
+    def qkv(self, positions: Tensor, x: Tensor, saved: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v [T, heads * head] of the normed rows x, RoPE applied; a layer sharing KV takes the k/v its
+        owner saved in `saved` this forward, the owner saves its own."""
         t, d = x.shape[0], self.head_size
         q = self.q_norm(self.q_proj(x).view(t, -1, d)).view(t, -1)
+        key_k, key_v = f"k:{self.layer_type}", f"v:{self.layer_type}"
         if self.k_proj is None:
-            k, v = shared[self.layer_type]
+            k, v = saved[key_k], saved[key_v]
             q, _ = self.rotary_emb(positions, q, q.clone())
         else:
             kr = self.k_proj(x)
@@ -163,23 +208,29 @@ class Gemma4Attention(torch.nn.Module):
             v = self.v_norm(vr.view(t, -1, d)).view(t, -1)
             q, k = self.rotary_emb(positions, q, k)
             if self.stores_kv:
-                shared[self.layer_type] = (k, v)
-        return self.o_proj(self.attn(q, k, v, ctx))
+                saved[key_k], saved[key_v] = k, v
+        return q, k, v
+
+    def describe(self) -> tuple[Op, ...]:
+        return (ProjectQKV(self), Attend(self.attn), Linear(self.o_proj))
 
 
 class Gemma4MLP(torch.nn.Module):
     """down(act(gate(x)) * up(x)) over `inter` intermediate units (twice the config's on double-wide layers)."""
 
     def __init__(
-        self, config: PretrainedConfig, inter: int, *, dtype: torch.dtype, device: torch.device
+        self, config: PretrainedConfig, inter: int, *, tp: TPGroup, dtype: torch.dtype, device: torch.device
     ) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden, [inter, inter], bias=False, dtype=dtype, device=device
+            hidden, [inter, inter], bias=False, tp=tp, dtype=dtype, device=device
         )
-        self.down_proj = RowParallelLinear(inter, hidden, bias=False, dtype=dtype, device=device)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=False, tp=tp, dtype=dtype, device=device)
         self.act_fn = get_act_and_mul_fn(str(config.hidden_activation or "gelu_pytorch_tanh"))
+
+    def describe(self) -> tuple[Op, ...]:
+        return (Linear(self.gate_up_proj), Act(self.act_fn), Linear(self.down_proj))
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -191,15 +242,17 @@ class Gemma4DecoderLayer(torch.nn.Module):
         config: PretrainedConfig,
         attn: Gemma4Attention,
         *,
+        tp: TPGroup,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         kw: dict[str, Any] = dict(dtype=dtype, device=device)
+        self.layer_idx = attn.attn.layer_idx
         self.self_attn = attn
         wide = bool(getattr(config, "use_double_wide_mlp", False)) and attn.kv_owner is not None
-        self.mlp = Gemma4MLP(config, config.intermediate_size * (2 if wide else 1), **kw)
+        self.mlp = Gemma4MLP(config, config.intermediate_size * (2 if wide else 1), tp=tp, **kw)
         self.input_layernorm = Gemma4RMSNorm(hidden, eps, **kw)
         self.post_attention_layernorm = Gemma4RMSNorm(hidden, eps, **kw)
         self.pre_feedforward_layernorm = Gemma4RMSNorm(hidden, eps, **kw)
@@ -220,30 +273,51 @@ class Gemma4DecoderLayer(torch.nn.Module):
             self.per_layer_projection = RowParallelLinear(ple, hidden, bias=False, **kw)
             self.post_per_layer_input_norm = Gemma4RMSNorm(hidden, eps, **kw)
 
-    def forward(
-        self,
-        positions: Tensor,
-        x: Tensor,
-        per_layer_input: Tensor | None,
-        shared: SharedKV,
-        ctx: ForwardContext,
-    ) -> Tensor:
-        h = self.self_attn(positions, self.input_layernorm(x), shared, ctx)
-        x = x + self.post_attention_layernorm(h)
+    def describe(self) -> tuple[Op, ...]:
+        """Sandwich norms around the attention and the feed-forward (each pre-norm's input kept as the
+        residual, added after the post-norm), then the per-layer input and the layer scalar."""
+        ffn: tuple[Op, ...] = (SavedBlock(self.moe_feed_forward),)
+        if self.router is None:
+            ffn = (
+                Norm(self.pre_feedforward_layernorm, Residual.SAVE),
+                *self.mlp.describe(),
+                Norm(self.post_feedforward_layernorm, Residual.NONE),
+                AddResidual(),
+            )
+        return (
+            Norm(self.input_layernorm, Residual.SAVE),
+            *self.self_attn.describe(),
+            Norm(self.post_attention_layernorm, Residual.NONE),
+            AddResidual(),
+            *ffn,
+            SavedBlock(self.layer_output),
+        )
+
+    def moe_feed_forward(self, x: Tensor, saved: dict[str, Tensor]) -> Tensor:
+        """x + the post-normed sum of the dense MLP and the routed experts (each post-normed), both read
+        from the residual x through their own pre-norms."""
+        assert self.router is not None and self.experts is not None
         h = self.mlp(self.pre_feedforward_layernorm(x))
-        if self.router is not None and self.experts is not None:  # experts beside the dense MLP
-            weights, ids = self.router(x)
-            routed = self.experts(self.pre_feedforward_layernorm_2(x), weights, ids)
-            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
-        x = x + self.post_feedforward_layernorm(h)
+        weights, ids = self.router(x)
+        routed = self.experts(self.pre_feedforward_layernorm_2(x), weights, ids)
+        h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
+        return x + self.post_feedforward_layernorm(h)
+
+    def layer_output(self, x: Tensor, saved: dict[str, Tensor]) -> Tensor:
+        """x with this layer's per-layer input mixed in through its gate, times the layer scalar."""
         if self.per_layer_input_gate is not None:
-            assert per_layer_input is not None
             assert self.per_layer_projection is not None and self.post_per_layer_input_norm is not None
             gate = self.per_layer_input_gate(x)
             # the gated activation takes [gate | up]: up = the layer's per-layer input
-            h = self.per_layer_act(torch.cat([gate, per_layer_input], dim=-1))
+            h = self.per_layer_act(torch.cat([gate, saved[_PER_LAYER][:, self.layer_idx]], dim=-1))
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(h))
         return x * self.layer_scalar
+
+    def forward(self, positions: Tensor, x: Tensor, ctx: ForwardContext, saved: dict[str, Tensor]) -> Tensor:
+        s = TorchState(positions, ctx, None, x)
+        s.saved = saved
+        run_ops(self.describe(), s)
+        return s.x
 
 
 def _rope(config: PretrainedConfig, layer_type: str, head: int, device: torch.device) -> RotaryEmbedding:
@@ -252,20 +326,26 @@ def _rope(config: PretrainedConfig, layer_type: str, head: int, device: torch.de
     return get_rope(view, head, device=device)
 
 
-class Gemma4Model(torch.nn.Module):
-    def __init__(self, config: PretrainedConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+class Gemma4Model(DescribedModel):
+    """Under tensor parallelism the attention heads, the MLPs and the embedding tables are split; the
+    per-layer input projections and the MoE router and experts are whole on every rank (each computes
+    them in full)."""
+
+    def __init__(
+        self, config: PretrainedConfig, *, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         hidden, n = config.hidden_size, config.num_hidden_layers
         kw: dict[str, Any] = dict(dtype=dtype, device=device)
         types, windows, owners = list(config.layer_types), _layer_windows(config), kv_sharing(config)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, **kw)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp=tp, **kw)
         # HF: float32 scalars cast to the weights' dtype before the multiply
         self.normalizer: Tensor
         self.register_buffer("normalizer", torch.tensor(hidden**0.5).to(**kw), persistent=False)
         self.ple = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
         if self.ple:
             vocab_pl = int(getattr(config, "vocab_size_per_layer_input", None) or config.vocab_size)
-            self.embed_tokens_per_layer = VocabParallelEmbedding(vocab_pl, n * self.ple, **kw)
+            self.embed_tokens_per_layer = VocabParallelEmbedding(vocab_pl, n * self.ple, tp=tp, **kw)
             self.ple_normalizer: Tensor
             self.register_buffer("ple_normalizer", torch.tensor(self.ple**0.5).to(**kw), persistent=False)
             self.per_layer_model_projection = ColumnParallelLinear(hidden, n * self.ple, bias=False, **kw)
@@ -274,7 +354,10 @@ class Gemma4Model(torch.nn.Module):
         self.rotary_embs = torch.nn.ModuleDict(ropes)
         self.layers = torch.nn.ModuleList(
             Gemma4DecoderLayer(
-                config, Gemma4Attention(config, i, ropes[types[i]], windows[i], owners[i], **kw), **kw
+                config,
+                Gemma4Attention(config, i, ropes[types[i]], windows[i], owners[i], tp=tp, **kw),
+                tp=tp,
+                **kw,
             )
             for i in range(n)
         )
@@ -291,18 +374,20 @@ class Gemma4Model(torch.nn.Module):
         proj = self.per_layer_projection_norm(proj.view(t, -1, self.ple))
         return (proj + token) * 2.0**-0.5
 
-    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
-        x = self.embed_tokens(input_ids) * self.normalizer
-        pli = self.per_layer_inputs(input_ids, x)
-        shared: SharedKV = {}
-        layers = self.layers if ctx.exit_layer is None else self.layers[: ctx.exit_layer]
-        for i, layer in enumerate(layers):
-            x = layer(positions, x, None if pli is None else pli[:, i], shared, ctx)
-        return self.norm(x)
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.embed_tokens(input_ids) * self.normalizer
+
+    def saved(self, input_ids: Tensor, embeds: Tensor) -> dict[str, Tensor]:
+        pli = self.per_layer_inputs(input_ids, embeds)
+        return {} if pli is None else {_PER_LAYER: pli}
+
+    def describe(self) -> ModelDesc:
+        layers = [cast(Gemma4DecoderLayer, layer).describe() for layer in self.layers]
+        return ModelDesc.of(self.embed, layers, Norm(self.norm, Residual.NONE), self.saved)
 
 
 class Gemma4ForCausalLM(CausalLM):
-    """Gemma 4 text. Tensor parallelism is not supported (one rank holds every head)."""
+    """Gemma 4 text (tensor parallelism: `Gemma4Model`)."""
 
     stacked_params = (
         StackedParam(".gate_proj.", ".gate_up_proj.", 0),
@@ -319,15 +404,14 @@ class Gemma4ForCausalLM(CausalLM):
         tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
-        if tp is not None and tp.size > 1:
-            raise ValueError("Gemma 4 does not support tensor parallelism yet (tensor_parallel_size=1)")
         device = torch.device(device)
+        tp = tp or TPGroup()
         self.config = config
         text = self.text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.dtype = dtype
-        self.model = Gemma4Model(text, dtype=dtype, device=device)
+        self.model = Gemma4Model(text, tp=tp, dtype=dtype, device=device)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size, dtype=dtype, device=device)
+        self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size, tp=tp, dtype=dtype, device=device)
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
         cap = getattr(text, "final_logit_softcapping", None)

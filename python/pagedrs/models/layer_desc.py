@@ -20,8 +20,14 @@ the attention block:
   sliding window, logit soft cap and sinks), then `Linear` (o proj).
 - The MLP: `Linear` (gate|up), `Act` (SiLU or GeLU-tanh gate-and-mul), `Linear` (down); or `Block`, a
   module called as one op (a mixture-of-experts block, through its own forward).
+- `ProjectQKV`: q/k/v from a module that computes them as one unit from the normed rows and the forward's
+  saved tensors (Gemma 4: separate projections, per-head norms, RoPE, a shared-KV layer taking the k/v an
+  earlier layer saved). `SavedBlock`: a module called on x and the saved tensors (Gemma 4's per-layer
+  input mixed into the layer's output).
 
-The model: `embed` (its embedding, with Gemma's sqrt(hidden) scale), the layers, the final norm. The final
+The model: `embed` (its embedding, with Gemma's sqrt(hidden) scale), `saved` (the tensors a forward
+computes once from the ids and the embeddings for its layers' ops, Gemma 4's per-layer inputs), the layers,
+the final norm. The final
 logit soft cap (Gemma 2) is the LM head's (`compute_logits`), after either path.
 """
 
@@ -52,8 +58,10 @@ __all__ = [
     "Norm",
     "Op",
     "QKVProj",
+    "ProjectQKV",
     "Residual",
     "Rope",
+    "SavedBlock",
     "TorchState",
     "run_ops",
 ]
@@ -70,7 +78,7 @@ class Residual(enum.Enum):
 class TorchState:
     """The rows one forward carries through the ops, on the module path (torch tensors)."""
 
-    __slots__ = ("ctx", "k", "positions", "q", "residual", "seq_lens", "v", "x")
+    __slots__ = ("ctx", "k", "positions", "q", "residual", "saved", "seq_lens", "v", "x")
 
     def __init__(
         self,
@@ -85,6 +93,8 @@ class TorchState:
         self.q: Tensor | None = None
         self.k: Tensor | None = None
         self.v: Tensor | None = None
+        # tensors of this forward that later ops read (`ModelDesc.saved`, a shared-KV layer's k/v)
+        self.saved: dict[str, Tensor] = {}
 
 
 def _tensor(t: Tensor | None) -> Tensor:
@@ -174,7 +184,37 @@ class Block:
         s.x = self.module(s.x)
 
 
-Op = Norm | AddResidual | QKVProj | HeadNorm | Rope | Attend | Linear | Act | Block
+class QKVModule(Protocol):
+    def qkv(
+        self, positions: Tensor, x: Tensor, saved: dict[str, Tensor]
+    ) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ProjectQKV:
+    """q, k, v (RoPE applied) of the normed rows from a module that computes them as one unit."""
+
+    module: QKVModule
+
+    def run(self, s: TorchState) -> None:
+        s.q, s.k, s.v = self.module.qkv(s.positions, s.x, s.saved)
+
+
+class SavedModule(Protocol):
+    def __call__(self, x: Tensor, saved: dict[str, Tensor]) -> Tensor: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SavedBlock:
+    """x = module(x, saved): a module reading the forward's saved tensors (Gemma 4's per-layer input)."""
+
+    module: SavedModule
+
+    def run(self, s: TorchState) -> None:
+        s.x = self.module(s.x, s.saved)
+
+
+Op = Norm | AddResidual | QKVProj | HeadNorm | Rope | Attend | Linear | Act | Block | ProjectQKV | SavedBlock
 
 
 def run_ops(ops: tuple[Op, ...], s: TorchState) -> None:
@@ -188,13 +228,21 @@ class ModelDesc:
     layers: tuple[tuple[Op, ...], ...]
     final: Norm
     long_rope: bool  # a layer's rotary embedding picks its factors per request (longrope: `seq_lens`)
+    # (input ids [T], embedded rows [T, hidden]) -> the tensors the layers' ops read (`TorchState.saved`)
+    saved: Callable[[Tensor, Tensor], dict[str, Tensor]] | None = None
 
     @classmethod
-    def of(cls, embed: Callable[[Tensor], Tensor], layers: list[tuple[Op, ...]], final: Norm) -> ModelDesc:
+    def of(
+        cls,
+        embed: Callable[[Tensor], Tensor],
+        layers: list[tuple[Op, ...]],
+        final: Norm,
+        saved: Callable[[Tensor, Tensor], dict[str, Tensor]] | None = None,
+    ) -> ModelDesc:
         long_rope = any(
             isinstance(op, Rope) and op.module.long_cos_sin_cache is not None for ops in layers for op in ops
         )
-        return cls(embed, tuple(layers), final, long_rope)
+        return cls(embed, tuple(layers), final, long_rope, saved)
 
 
 class DecodeFastPath(Protocol):
@@ -238,6 +286,8 @@ class DescribedModel(torch.nn.Module):
             seq_lens = token_seq_lens(ctx.attn_metadata)
         x = desc.embed(input_ids) if inputs_embeds is None else inputs_embeds
         s = TorchState(positions, ctx, seq_lens, x)
+        if desc.saved is not None:
+            s.saved = desc.saved(input_ids, x)
         for layer in desc.layers if ctx.exit_layer is None else desc.layers[: ctx.exit_layer]:
             run_ops(layer, s)
         desc.final.run(s)

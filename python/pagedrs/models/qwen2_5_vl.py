@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -49,7 +49,10 @@ def multimodal_forward(
 ) -> Tensor:
     """The decoder stack's description run with the encoder rows scattered into the embeddings and
     (DeepStack) the next `hidden`-wide slices added to those rows' hidden states after each of the first
-    `deepstack_layers` layers, as HF's Qwen3-VL `_deepstack_process`."""
+    `deepstack_layers` layers, as HF's Qwen3-VL `_deepstack_process`. A step without encoder rows (every
+    decode step) is the stack's own forward, which a quantized CPU model's decode step replaces."""
+    if mm is None or not mm.embeds.shape[0]:
+        return cast(Tensor, model(input_ids, positions, ctx))
     desc = model.desc
     x = desc.embed(input_ids)
     width = x.shape[-1]

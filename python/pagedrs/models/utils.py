@@ -27,14 +27,26 @@ def check_tensor_parallel(config: PretrainedConfig, tp_size: int) -> None:
 
     Query heads must divide evenly. KV heads are split when there are at least as many as ranks
     (and must divide evenly), and replicated when there are fewer (the rank count must then be a
-    multiple of them: Llama-3's 8 KV heads at TP 16 put each head on 2 ranks)."""
-    heads = int(config.num_attention_heads)
-    kv = int(getattr(config, "num_key_value_heads", None) or heads)
+    multiple of them: Llama-3's 8 KV heads at TP 16 put each head on 2 ranks). A config with per-layer
+    attention (Gemma 4's global layers: `per_layer_config`) is checked for each layer's KV heads."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    per_layer = getattr(text, "per_layer_config", None)
+    if per_layer is not None:
+        heads = int(text.num_attention_heads)
+        counts = sorted({int(per_layer[i].num_key_value_heads) for i in range(int(text.num_hidden_layers))})
+    else:
+        heads = int(config.num_attention_heads)
+        counts = [int(getattr(config, "num_key_value_heads", None) or heads)]
     if heads % tp_size:
         raise ValueError(
             f"tensor_parallel_size={tp_size} does not divide the model's {heads} attention heads; "
             f"use a tensor_parallel_size that divides {heads}"
         )
+    for kv in counts:
+        _check_kv_heads(kv, tp_size)
+
+
+def _check_kv_heads(kv: int, tp_size: int) -> None:
     if kv >= tp_size and kv % tp_size:
         raise ValueError(
             f"tensor_parallel_size={tp_size} does not divide the model's {kv} KV heads; "
