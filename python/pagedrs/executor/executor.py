@@ -172,6 +172,10 @@ class UniProcExecutor:
     def drop_mm_request(self, seq_ids: Sequence[int]) -> None:
         self.runner.drop_mm_request(seq_ids)
 
+    def encoder_cache_changes(self) -> tuple[list[str], list[str]]:
+        """Image hashes whose encoder outputs the runner stored, and evicted, since the last call."""
+        return self.runner.encoder_cache_changes()
+
     def check_health(self) -> None:
         """Raise ExecutorDeadError if a step can no longer run."""
 

@@ -49,6 +49,10 @@ class MultiModalStepMixin:
         if self.encoder_cache is not None:
             self.encoder_cache.drop(seq_ids)
 
+    def encoder_cache_changes(self) -> tuple[list[str], list[str]]:
+        """Image hashes whose encoder outputs were stored, and those evicted, since the last call."""
+        return self.encoder_cache.take_changes() if self.encoder_cache is not None else ([], [])
+
     def _mm_step(self, plan: StepPlan) -> MultiModalStep | None:
         cache = self.encoder_cache
         assert cache is not None
