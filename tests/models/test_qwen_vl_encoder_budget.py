@@ -88,7 +88,9 @@ def test_an_image_is_charged_once(folder: Path, hf: Any) -> None:
     ledger = StepLedger(engine)
     small, large = (Image.fromarray(a) for a in images())  # 4 and 12 encoder rows
     same_twice = TWO.replace("zz", "")
-    run_wave(engine, hf, [("a", ONE, [small]), ("b", ONE + "e", [small]), ("c", same_twice, [small, small])], 4)
+    run_wave(
+        engine, hf, [("a", ONE, [small]), ("b", ONE + "e", [small]), ("c", same_twice, [small, small])], 4
+    )
     assert ledger.charged[0] == ledger.ran[0] == 4, ledger.charged
     assert sum(ledger.charged) == 4
     first = len(ledger.charged)
