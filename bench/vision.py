@@ -89,7 +89,9 @@ def main() -> None:
     p.add_argument(
         "--sizes", default="224x224,448x320,896x896", help="image resolutions, HxW, comma separated"
     )
-    p.add_argument("--quick", action="store_true", help="2 requests, 1 and 2 images, 4 tokens")
+    p.add_argument(
+        "--quick", action="store_true", help="2 requests, 1 and 2 images, 4 tokens, the first size only"
+    )
     p.add_argument("--json", default="bench/results/vision.json")
     add_commit_arg(p)
     args = p.parse_args()
@@ -97,6 +99,7 @@ def main() -> None:
     requests = 2 if args.quick else args.requests
     max_tokens = 4 if args.quick else args.max_tokens
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
+    sizes = sizes[:1] if args.quick else sizes
     model = args.model
     if args.random_qwen2_5_vl is not None:
         from _vision_model import make_qwen2_5_vl
