@@ -445,8 +445,13 @@ class Scheduler:
         """Prompt ranges (start, end) of `seq_id` a prefill chunk takes whole (never ends inside one)."""
     def set_encoder_budget(self, max_num_encoder_input_tokens: int) -> None:
         """The encoder rows (image tokens) one step may reach first (`max_num_encoder_input_tokens`)."""
-    def set_encoder_spans(self, seq_id: int, spans: Sequence[tuple[int, int]]) -> None:
-        """Image spans (start, end) of `seq_id`, charged to the step whose chunk reaches each first."""
+    def set_encoder_spans(self, seq_id: int, spans: Sequence[tuple[int, int, str]]) -> None:
+        """Image spans (start, end, image hash) of `seq_id`, charged to the step whose chunk reaches
+        each first, unless its output is cached or the step charged its hash already."""
+    def update_encoder_cache(self, added: Sequence[str], removed: Sequence[str]) -> None:
+        """The runner's encoder cache changed: `added` image hashes are held now, `removed` ones not."""
+    def encoder_rows_charged(self) -> int:
+        """Encoder rows the last scheduled step charged to its budget."""
     def schedule(self) -> StepPlan: ...
     def block_table_view(self) -> npt.NDArray[np.int32]:
         """Zero-copy, read-only view of the persistent block table: int32 [max_num_seqs, width],

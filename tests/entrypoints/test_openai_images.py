@@ -1,8 +1,9 @@
 """Images through the OpenAI server, with the `openai` client: chat `image_url` parts (data: URLs) and the
 Responses API's `input_image` on a tiny random Gemma 3 with its processor, equal to the same conversation
 run offline (`LLM.chat`'s path, itself checked against HF transformers in tests/multimodal); streamed equal
-to whole; every bad image a 400 in OpenAI's error shape naming `messages`, the server serving on; a model
-that takes no images refuses an image part with a 400."""
+to whole; every bad image (undecodable, too many bytes, more encoder tokens than a step's encoder budget)
+a 400 in OpenAI's error shape naming the problem, the server serving on; a model that takes no images
+refuses an image part with a 400."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from helpers_tools import ScriptedEngine, server_args
 from pagedrs import SamplingParams
 from pagedrs.engine.llm_engine import LLMEngine
 from pagedrs.entrypoints.openai.server.app import build_app
+from pagedrs.multimodal import media
 from pagedrs.multimodal.inputs import chat_prompt
 from tests.engine.conftest import make_engine, run_all
 from tests.multimodal.helpers_vision import data_url, make_gemma3_vision, random_image
@@ -64,12 +66,17 @@ def offline(engine: LLMEngine) -> str:
 
 
 @pytest.fixture(scope="module")
-def client(
+def server(
     engine: LLMEngine, offline: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[openai.OpenAI]:
+) -> Iterator[ThreadedServer]:
     args = server_args(tmp_path_factory.mktemp("images"), served_model_name=["gemma3v"])
     with ThreadedServer(build_app(engine, args)) as s:
-        yield openai.OpenAI(base_url=f"{s.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: ThreadedServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
 def _chat(client: openai.OpenAI, messages: list[dict[str, Any]], **kw: Any) -> Any:
@@ -128,6 +135,39 @@ def test_bad_images_are_400s(client: openai.OpenAI, url: str | None, count: int,
     assert (
         _chat(client, [{"role": "user", "content": "still serving"}]).choices[0].message.content is not None
     )
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "param", "match"),
+    [
+        ("budget", 3, "multi_modal_data", "4 encoder tokens does not fit max_num_encoder_input_tokens=3"),
+        ("bytes", 100, "messages", "larger than 100 bytes"),
+    ],
+)
+def test_too_large_images_are_400s(
+    server: ThreadedServer,
+    client: openai.OpenAI,
+    monkeypatch: pytest.MonkeyPatch,
+    setting: str,
+    value: int,
+    param: str,
+    match: str,
+) -> None:
+    """An image of more encoder tokens than a step's encoder budget (`max_num_encoder_input_tokens`; each
+    image here is 4) or of more bytes than the server takes: a 400 in OpenAI's error shape naming the
+    problem, and the next request with an image is served."""
+    if setting == "budget":
+        inputs = server.server.config.app.state.server.engine.input_processor
+        monkeypatch.setattr(inputs, "max_num_encoder_input_tokens", value)
+    else:
+        monkeypatch.setattr(media, "MAX_IMAGE_BYTES", value)
+    with pytest.raises(openai.BadRequestError) as err:
+        _chat(client, _messages(data_url(IMG)))
+    body = err.value.body
+    assert isinstance(body, dict) and body.get("param") == param and match in body["message"], body
+    assert body.get("type") == "invalid_request_error", body
+    monkeypatch.undo()
+    assert _chat(client, _messages(data_url(IMG))).choices[0].message.content is not None
 
 
 def test_text_model_refuses_an_image(tmp_path: Path) -> None:

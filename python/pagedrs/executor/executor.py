@@ -3,7 +3,9 @@
 - `UniProcExecutor`: one device, the model runner in this process.
 - `TPExecutor`: tensor parallelism. This process is rank 0 (it samples); each step it broadcasts the plan
   (`step_packet`: two int64 tensors over the gloo group, every KV-cache group's tables included) to ranks
-  1..N-1, then runs its own shard; the all-reduces inside the forward keep the ranks in step.
+  1..N-1, then runs its own shard; the all-reduces inside the forward keep the ranks in step. Requests'
+  images stay on rank 0, which runs the vision tower and broadcasts the step's encoder rows
+  (`runner.mm_share`).
 
 A tensor-parallel failure (a rank that raised or died, or a collective that broke) is fatal to the
 group: the executor names the rank, stops every worker and refuses further steps (`ExecutorDeadError`).
@@ -172,6 +174,10 @@ class UniProcExecutor:
     def drop_mm_request(self, seq_ids: Sequence[int]) -> None:
         self.runner.drop_mm_request(seq_ids)
 
+    def encoder_cache_changes(self) -> tuple[list[str], list[str]]:
+        """Image hashes whose encoder outputs the runner stored, and evicted, since the last call."""
+        return self.runner.encoder_cache_changes()
+
     def check_health(self) -> None:
         """Raise ExecutorDeadError if a step can no longer run."""
 
@@ -233,11 +239,6 @@ class TPExecutor(UniProcExecutor):
         self.bcast.broadcast_cpu(header)
         if payload.numel():
             self.bcast.broadcast_cpu(payload)
-
-    def add_mm_request(
-        self, seq_ids: Sequence[int], items: list[MultiModalItem], mrope: MRopeTable | None = None
-    ) -> None:
-        raise ValueError("images are not supported under tensor parallelism yet (tensor_parallel_size 1)")
 
     def execute(
         self,

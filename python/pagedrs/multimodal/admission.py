@@ -2,7 +2,9 @@
 takes the prompt with hash-derived ids at the placeholders (the prefix-cache key) and, for a model whose
 image tokens attend both ways, each item as a span a prefill chunk takes whole; with an encoder budget
 (`max_num_encoder_input_tokens`, as vLLM's scheduler) each item as a span charged to the step whose chunk
-reaches it first, an item larger than the whole budget refused."""
+reaches it first, an item larger than the whole budget refused. An item is charged once per image hash, as
+vLLM's encoder cache manager: before each step the scheduler learns which outputs the runner's encoder cache
+holds (`sync`), and a held one, or one the step already charged, costs nothing."""
 
 from __future__ import annotations
 
@@ -62,10 +64,17 @@ class ImageAdmission:
             for sid in seq_ids:
                 self.scheduler.set_atomic_spans(sid, atomic_spans(items))
         if budget is not None:
-            spans = [(it.offset, it.offset + it.length) for it in items]
+            spans = [(it.offset, it.offset + it.length, it.hash) for it in items]
             for sid in seq_ids:
                 self.scheduler.set_encoder_spans(sid, spans)
         return scheduler_token_ids(prompt, items, self.vocab_size)
+
+    def sync(self) -> None:
+        """Before a step: the runner's encoder-cache changes into the scheduler's budget (with a budget)."""
+        if self.encoder_budget is not None:
+            added, removed = self.executor.encoder_cache_changes()
+            if added or removed:
+                self.scheduler.update_encoder_cache(added, removed)
 
     def release(self, seq_ids: Sequence[int]) -> None:
         self.executor.drop_mm_request(seq_ids)

@@ -54,6 +54,7 @@ class EncoderCache:
         self.hits = 0  # items a step needed whose output was cached
         self.runs = 0  # items the encoder ran for
         self.split_slices = 0  # slices of an item that a prefill chunk boundary cut (part of the item)
+        self._changed: set[str] = set()  # hashes stored or evicted since `take_changes`
 
     def add(
         self, seq_ids: Sequence[int], items: list[MultiModalItem], mrope: MRopeTable | None = None
@@ -121,9 +122,18 @@ class EncoderCache:
     def _store(self, key: str, out: Tensor) -> None:
         self.outputs[key] = out
         self.num_rows += out.shape[0]
+        self._changed.add(key)
         while self.num_rows > self.cache_tokens and len(self.outputs) > 1:
-            _, old = self.outputs.popitem(last=False)
+            old_key, old = self.outputs.popitem(last=False)
             self.num_rows -= old.shape[0]
+            self._changed.add(old_key)
+
+    def take_changes(self) -> tuple[list[str], list[str]]:
+        """The hashes stored and those evicted since the last call (for the scheduler's encoder budget,
+        which charges nothing for a cached output)."""
+        changed, self._changed = self._changed, set()
+        held = [k for k in changed if k in self.outputs]
+        return held, [k for k in changed if k not in self.outputs]
 
     def step(
         self,

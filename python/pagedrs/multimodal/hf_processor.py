@@ -6,7 +6,8 @@ with it: seconds at every process start). pagedrs serves images, not video, so t
 dependency: when `AutoProcessor` stops at the missing video processor, the processor is put together from
 what images need — `AutoImageProcessor` (transformers' PIL backend), the tokenizer, the image token (the
 token of the config's `image_token_id`) and the processor class's own `replace_image_token`, which reads
-only those.
+only those, and a chat template read as the processor would read it (the folder's `chat_template.jinja` or
+`chat_template.json`, else the tokenizer's), rendered by the tokenizer.
 """
 
 from __future__ import annotations
@@ -54,4 +55,24 @@ def load_hf_processor(folder: str, hf_config: Any) -> Any:
         image_token=tokenizer.convert_ids_to_tokens(int(token_id)),
     )
     proc.replace_image_token = functools.partial(replace, proc)
+    proc.apply_chat_template = functools.partial(_apply_chat_template, tokenizer, _chat_template(folder))
     return proc
+
+
+def _chat_template(folder: str) -> str | None:
+    """The processor's own chat template in `folder` (None: the tokenizer's is used)."""
+    jinja, as_json = Path(folder) / "chat_template.jinja", Path(folder) / "chat_template.json"
+    if jinja.is_file():
+        return jinja.read_text()
+    if as_json.is_file():
+        template = json.loads(as_json.read_text()).get("chat_template")
+        return str(template) if template else None
+    return None
+
+
+def _apply_chat_template(tokenizer: Any, template: str | None, conversation: Any, **kwargs: Any) -> Any:
+    """`ProcessorMixin.apply_chat_template` for the image half: the conversation's parts as they are
+    (`{"type": "image"}`, `{"type": "text", ...}`), the processor's template where it has one."""
+    if template is not None:
+        kwargs.setdefault("chat_template", template)
+    return tokenizer.apply_chat_template(conversation, **kwargs)

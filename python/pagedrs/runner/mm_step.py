@@ -11,10 +11,12 @@ import torch
 from torch import Tensor
 
 from pagedrs._core import StepPlan
+from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.attention import ForwardContext
 from pagedrs.multimodal import MultiModalItem
 from pagedrs.multimodal.encoder_cache import EncoderCache, MultiModalStep
 from pagedrs.multimodal.mrope import MRopeTable, step_mrope_positions
+from pagedrs.runner.mm_share import share_mm_step, share_positions
 
 if TYPE_CHECKING:
     from pagedrs.models.interface import CausalLM
@@ -27,6 +29,7 @@ class MultiModalStepMixin:
     model: CausalLM
     device: torch.device
     encoder_cache: EncoderCache | None
+    tp: TPGroup
 
     def add_mm_request(
         self, seq_ids: Sequence[int], items: list[MultiModalItem], mrope: MRopeTable | None = None
@@ -43,13 +46,26 @@ class MultiModalStepMixin:
             return positions
         tables = self.encoder_cache.mrope if self.encoder_cache is not None else {}
         rows = step_mrope_positions(plan.positions, plan.query_start_loc, plan.req_ids, tables)
-        return torch.from_numpy(rows).to(positions.device)
+        out = torch.from_numpy(rows).to(positions.device)
+        return share_positions(self.tp, out) if self.tp.size > 1 else out  # rank 0 holds the tables
 
     def drop_mm_request(self, seq_ids: Sequence[int]) -> None:
         if self.encoder_cache is not None:
             self.encoder_cache.drop(seq_ids)
 
+    def encoder_cache_changes(self) -> tuple[list[str], list[str]]:
+        """Image hashes whose encoder outputs were stored, and those evicted, since the last call."""
+        return self.encoder_cache.take_changes() if self.encoder_cache is not None else ([], [])
+
     def _mm_step(self, plan: StepPlan) -> MultiModalStep | None:
+        """This step's image rows: run here on rank 0 (it holds the requests' images), broadcast to the
+        other tensor-parallel ranks (`runner.mm_share`)."""
+        mm = self._run_mm_step(plan) if self.tp.is_driver else None
+        if self.tp.size > 1:
+            mm = share_mm_step(self.tp, mm, int(plan.num_tokens), self.device)
+        return mm
+
+    def _run_mm_step(self, plan: StepPlan) -> MultiModalStep | None:
         cache = self.encoder_cache
         assert cache is not None
         return cache.step(

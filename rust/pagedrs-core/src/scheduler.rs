@@ -271,10 +271,21 @@ impl Scheduler {
         self.encoder.set_limit(max_num_encoder_input_tokens);
     }
 
-    /// Image spans `(start, end)` of `seq_id`, each charged to the encoder budget of the step whose
-    /// chunk reaches it first.
-    pub fn set_encoder_spans(&mut self, seq_id: i64, spans: Vec<(usize, usize)>) {
+    /// Image spans `(start, end, image hash)` of `seq_id`, each charged to the encoder budget of the
+    /// step whose chunk reaches it first, unless its output is cached or the step charged its hash.
+    pub fn set_encoder_spans(&mut self, seq_id: i64, spans: Vec<(usize, usize, String)>) {
         self.encoder.set(seq_id, spans);
+    }
+
+    /// The runner's encoder cache changed since the last call: `added` image hashes are held now,
+    /// `removed` ones are not (an image whose output is held costs no encoder budget).
+    pub fn update_encoder_cache(&mut self, added: Vec<String>, removed: Vec<String>) {
+        self.encoder.update_cached(added, removed);
+    }
+
+    /// Encoder rows the last scheduled step charged to its budget.
+    pub fn encoder_rows_charged(&self) -> usize {
+        self.encoder.charged()
     }
 
     /// `num_new` tokens from `nc` cut to the step's encoder budget, then off the atomic spans.

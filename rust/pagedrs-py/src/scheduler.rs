@@ -186,14 +186,30 @@ impl PyScheduler {
         self.with(py, |s| s.set_encoder_budget(max_num_encoder_input_tokens))
     }
 
-    /// Image spans (start, end) of `seq_id`, charged to the step whose chunk reaches each first.
+    /// Image spans (start, end, image hash) of `seq_id`, charged to the step whose chunk reaches
+    /// each first, unless its output is cached or the step charged its hash already.
     fn set_encoder_spans(
         &self,
         py: Python<'_>,
         seq_id: i64,
-        spans: Vec<(usize, usize)>,
+        spans: Vec<(usize, usize, String)>,
     ) -> PyResult<()> {
         self.with(py, |s| s.set_encoder_spans(seq_id, spans))
+    }
+
+    /// The runner's encoder cache changed: `added` image hashes are held now, `removed` ones not.
+    fn update_encoder_cache(
+        &self,
+        py: Python<'_>,
+        added: Vec<String>,
+        removed: Vec<String>,
+    ) -> PyResult<()> {
+        self.with(py, |s| s.update_encoder_cache(added, removed))
+    }
+
+    /// Encoder rows the last scheduled step charged to its budget.
+    fn encoder_rows_charged(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |s| s.encoder_rows_charged())
     }
 
     fn schedule(slf: &Bound<'_, Self>) -> PyResult<PyStepPlan> {

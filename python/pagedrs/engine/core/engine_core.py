@@ -366,6 +366,7 @@ class EngineCore(CoreUtilitiesMixin):
 
     def _step(self) -> EngineCoreOutputs:
         start = time.perf_counter()
+        self._images.sync()
         plan = self.scheduler.schedule()
         self._num_steps += 1
         self._log_batch(plan)

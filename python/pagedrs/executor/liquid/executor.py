@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 
 from pagedrs.executor.executor import TPExecutor
 from pagedrs.executor.liquid.log import memory_info
@@ -24,6 +25,8 @@ from pagedrs.executor.liquid.shards import (
 )
 from pagedrs.executor.rank_processes import RankProcesses
 from pagedrs.executor.step_packet import liquid_header
+from pagedrs.multimodal import MultiModalItem
+from pagedrs.multimodal.mrope import MRopeTable
 from pagedrs.runner.kv_cache import KVCachePool
 from pagedrs.runner.model_runner import ModelRunner
 
@@ -43,6 +46,13 @@ class LiquidExecutor(TPExecutor):
         self.events: list[LiquidStats] = []
         self._budget = 0  # bytes of KV pool per rank, from the first sizing
         self._weights = self._replicated = 0  # parameter bytes at degree 1, and of those replicated
+
+    def add_mm_request(
+        self, seq_ids: Sequence[int], items: list[MultiModalItem], mrope: MRopeTable | None = None
+    ) -> None:
+        raise ValueError(
+            "images are not supported under liquid scaling (the active group changes under them)"
+        )
 
     @property
     def degree(self) -> int:
