@@ -52,7 +52,8 @@ pub trait KvGroup: std::fmt::Debug + Send {
     }
     /// The group's own pool (None for a group that allocates nothing).
     fn pool(&self) -> Option<&BlockPool>;
-    /// The same, to record its prefix-cache events ([`KvGroups::set_kv_events`]).
+    /// The pool whose prefix cache the group keeps (its own pool, a recurrent group's snapshot
+    /// pool), to record its prefix-cache events ([`KvGroups::set_kv_events`]).
     fn pool_mut(&mut self) -> Option<&mut BlockPool> {
         None
     }
