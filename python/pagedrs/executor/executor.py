@@ -72,6 +72,7 @@ class KVCacheSpec:
     # State slots of the linear-attention layers' recurrent group (0: none), added after `groups`.
     recurrent_slots: int = 0
     recurrent_snapshots: int = 0  # and its snapshot slots for prefix caching
+    recurrent_layers: int = 0  # and the linear-attention layers whose state they hold
 
     @property
     def has_full_layers(self) -> bool:
@@ -105,8 +106,9 @@ class UniProcExecutor:
             pool.num_tier_blocks,
             self.runner.recurrent.num_slots if self.runner.recurrent is not None else 0,
             self.runner.recurrent.num_snapshots if self.runner.recurrent is not None else 0,
+            int(self.runner.model.recurrent_shape.num_layers) if self.runner.recurrent is not None else 0,
         )
-        if spec.groups:
+        if spec.groups or spec.recurrent_slots:
             cfg = self.runner.config
             logger.info(
                 kv_pools_line(
@@ -116,6 +118,7 @@ class UniProcExecutor:
                     self.runner.block_size,
                     cfg.scheduler.max_model_len,
                     step_tokens(cfg),
+                    (spec.recurrent_slots, spec.recurrent_layers),
                 )
             )
         self._log_tier(pool)
