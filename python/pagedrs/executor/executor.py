@@ -96,6 +96,7 @@ class UniProcExecutor:
     def init_kv_cache(self) -> KVCacheSpec:
         """Size and allocate the KV pool (and on CUDA capture the decode graphs)."""
         pool = self._init_pool()
+        rec = self.runner.recurrent
         spec = KVCacheSpec(
             pool.num_blocks,
             pool.num_swap_blocks,
@@ -104,9 +105,9 @@ class UniProcExecutor:
             self.runner.kv_groups,
             pool.num_layers,
             pool.num_tier_blocks,
-            self.runner.recurrent.num_slots if self.runner.recurrent is not None else 0,
-            self.runner.recurrent.num_snapshots if self.runner.recurrent is not None else 0,
-            int(self.runner.model.recurrent_shape.num_layers) if self.runner.recurrent is not None else 0,
+            rec.num_slots if rec is not None else 0,
+            rec.num_snapshots if rec is not None else 0,
+            rec.num_layers if rec is not None else 0,
         )
         if spec.groups or spec.recurrent_slots:
             cfg = self.runner.config

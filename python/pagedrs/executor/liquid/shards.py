@@ -371,19 +371,20 @@ def receive_shards(
     weight_bytes = xfer.bytes
     t1 = time.perf_counter()
     if scale_out:
-        spec = pool_spec
-        layer_blocks = {i: n for g, n in zip(spec.groups, spec.group_blocks, strict=True) for i in g}
+        layer_blocks = {
+            i: n for g, n in zip(pool_spec.groups, pool_spec.group_blocks, strict=True) for i in g
+        }
         pool = KVCachePool(
             num_layers=int(new_model.num_layers),
             num_kv_heads=int(new_model.num_kv_heads),
             head_size=int(new_model.head_size),
-            block_size=spec.block_size,
-            num_blocks=spec.num_blocks,
-            dtype=spec.dtype,  # the model's dtype, or fp8 (kv_cache_dtype)
+            block_size=pool_spec.block_size,
+            num_blocks=pool_spec.num_blocks,
+            dtype=pool_spec.dtype,  # the model's dtype, or fp8 (kv_cache_dtype)
             device=_device_of(new_model),
-            num_swap_blocks=spec.num_swap_blocks,
+            num_swap_blocks=pool_spec.num_swap_blocks,
             layer_blocks=layer_blocks,
-            groups=spec.groups,
+            groups=pool_spec.groups,
         )
     assert pool is not None
     new_pool = _move_kv(pool, xfer, partner, scale_out, sending=False)
