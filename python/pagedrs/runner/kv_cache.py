@@ -291,8 +291,8 @@ class KVCachePool:
         """Each group's pool to `sizes[group]` blocks (the plan's `group_num_blocks`), only where that grows
         it (`grow`) or only where it shrinks it."""
         for g, layers in enumerate(self.groups):
-            n = int(sizes[g])
-            if n > self.group_num_blocks(g) if grow else n < self.group_num_blocks(g):
+            n, cur = int(sizes[g]), self.group_num_blocks(g)
+            if (n > cur) if grow else (n < cur):
                 self._resize_layers(layers, n)
 
     def _resize_layers(self, layers: Iterable[int], num_blocks: int) -> None:
