@@ -3,9 +3,9 @@
 //! its `SingleTypeKVCacheManager`s).
 //!
 //! The primary full-attention pool stays in the scheduler: it carries the persistent block table,
-//! pool resize and the chained prefix hashes every group keys its cache by (each group's pool
-//! records its own prefix-cache events, [`KvGroups::take_kv_events`]). Each
-//! group here holds the state of some other layers in a pool of its own, with its own
+//! the size a pool resize names and the chained prefix hashes every group keys its cache by (each
+//! group's pool records its own prefix-cache events, [`KvGroups::take_kv_events`]). Each group
+//! here holds the state of some other layers in a pool of its own, with its own
 //! per-sequence tables and its own prefix-cache rule. The scheduler calls the coordinator at each
 //! point where it changes a sequence's primary table, and never learns which kinds exist:
 //!
@@ -19,6 +19,7 @@
 //! | finish, abort, recompute preemption    | `free`                                    |
 //! | swap preemption, swap back in          | `can_swap_out`, `swap_out`; `fits_swap_in`, `swap_in` |
 //! | `n > 1` fork                           | `fork`                                    |
+//! | pool resize                            | `resize_targets`, `check_resize`, `resize` |
 //!
 //! A request's prefix hit is the longest prefix every group can serve: the primary pool's hit,
 //! capped by each group in turn until none caps it further ([`KvGroups::cap_hit`]).

@@ -17,8 +17,8 @@ pub struct PlanOps {
 }
 
 /// One step. Row `b` of the batch is sequence `req_ids[b]`; tokens are flattened over rows.
-/// Runner order: grow the pools, `tier_store`, `block_moves` (and `group_block_moves`), `swap_out`, `swap_in`, `tier_load`,
-/// `copies`, forward, shrink.
+/// Runner order: grow the pools, `tier_store`, `block_moves` (and `group_block_moves`),
+/// `swap_out`, `swap_in`, `tier_load`, `copies`, forward, shrink.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct StepPlan {
     pub step_id: u64,

@@ -18,7 +18,7 @@ impl Scheduler {
                 u32::MAX
             )));
         }
-        // Every pool is checked before any changes, so a refused resize leaves them all as they were.
+        // Every pool is checked before any changes: a refused resize leaves them all as they were.
         let in_use = self.pool.num_used();
         if in_use > num_blocks {
             return Err(Error::ResizeTooSmall {
