@@ -324,6 +324,13 @@ class StepPlan:
         """int64 [k, 3]: (group, swap block, device block) of every group's blocks to swap in (after
         `swap_in`)."""
     @property
+    def group_block_moves(self) -> npt.NDArray[np.int64]:
+        """int64 [k, 3]: (group, src, dst) moves of every group's blocks by a pool resize (with
+        `block_moves`, before the other block ops)."""
+    @property
+    def group_num_blocks(self) -> npt.NDArray[np.int64]:
+        """int64 [G]: each group's pool size after this plan (0 for a group without a pool)."""
+    @property
     def swap_out(self) -> npt.NDArray[np.int64]: ...
     @property
     def swap_in(self) -> npt.NDArray[np.int64]: ...

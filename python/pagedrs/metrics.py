@@ -55,7 +55,8 @@ class EngineStats(msgspec.Struct, array_like=True):
     spec_num_accepted_tokens: int = 0
     spec_num_pauses: int = 0  # engine-wide pauses: speculation measured slower than plain decoding
     # Each KV pool's usage (0..1) by KV-cache group: `full` (the full-attention pool, unless every layer
-    # is windowed) and `window:W` per sliding-window group; `kv_usage` is the fullest's.
+    # is windowed), `window:W` per sliding-window group and `recurrent` (state slots); `kv_usage` is the
+    # fullest's.
     kv_group_usage: dict[str, float] = msgspec.field(default_factory=dict)
     # The host KV tier (`kv_offloading_size`): its blocks and those in use, prompt tokens looked up in it
     # after the device pool's prefix hit ended and found there (vLLM's external prefix cache), bytes

@@ -295,3 +295,36 @@ def test_fp8_cache_moves_as_bytes(tmp_path: Path) -> None:
         assert_pool_free(engine)
     finally:
         engine.shutdown()
+
+
+def test_scale_out_and_in_with_a_sliding_window_pool(tmp_path: Path) -> None:
+    """A model whose layers all attend to a 6-token window keeps them in a window pool of its own under
+    liquid scaling too: the pool moves its KV heads with the others, grows with the full-attention pool after
+    the scale-out (the rank that joins builds it at rank 0's size) and shrinks back before the scale-in, and
+    the greedy ids equal a run with no events."""
+    folder = make_tiny_llama(
+        tmp_path, arch="mistral", sliding_window=6, num_attention_heads=8, num_key_value_heads=4
+    )
+    prompts = _prompts(8, 12)
+    want = _run(_engine(folder, 80, max_num_seqs=8), prompts)
+    engine = _engine(folder, 80, max_num_seqs=8, liquid_gpu_range=[0, 1], liquid_total_num_shards=2)
+    try:
+        core = engine.engine_core
+        assert [g.window for g in engine.runner.kv_groups] == [6]
+        sizes: list[int] = []
+        inner = core.liquid
+
+        def liquid(target: int) -> list[dict]:
+            events = inner(target)
+            ((_, _, n, _),) = engine.scheduler.kv_group_pools()
+            sizes.append(n)
+            return events
+
+        ((_, _, start, _),) = engine.scheduler.kv_group_pools()
+        core.liquid = liquid  # type: ignore[method-assign]
+        got = _run(engine, prompts, {3: 2, 9: 1})
+        assert got == want
+        assert sizes[0] > start and sizes[1] == start, (start, sizes)
+        assert_pool_free(engine)
+    finally:
+        engine.shutdown()

@@ -1,6 +1,7 @@
 """KV events of a model with sliding-window pools: every pool that stores KV publishes its own events,
 with its KV-cache group as vLLM names it (`group_idx`, `kv_cache_spec_kind`, `kv_cache_spec_sliding_window`);
-a model whose every layer is windowed publishes its window pool's (its full-attention pool is bookkeeping);
+a model whose every layer is windowed publishes its window pool's (its full-attention pool is bookkeeping); a
+hybrid's recurrent group publishes its state snapshots' (a prefix hit needs one);
 a subscriber replaying each group's stream never sees a block removed that the group did not store."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pagedrs.sampling_params import SamplingParams
 from tests.engine.helpers_kv_events import BlockRemoved, BlockStored, Subscriber, free_tcp_ports
 from tests.helpers import make_tiny_llama, make_tiny_model
 from tests.models.helpers_families import gemma3_config
+from tests.models.helpers_qwen3_5 import qwen3_5_config
 
 BS = 4
 WINDOW = 8
@@ -64,11 +66,15 @@ def test_event_groups_name_each_published_pool() -> None:
     assert event_groups(["window:8"]) == [EventGroup(0, "sliding_window", 8)]
 
 
-@pytest.mark.parametrize("all_windowed", [False, True])
-def test_every_pool_publishes_its_group(tmp_path: Path, all_windowed: bool) -> None:
+@pytest.mark.parametrize("kind", ["mixed", "all_windowed", "hybrid"])
+def test_every_pool_publishes_its_group(tmp_path: Path, kind: str) -> None:
+    all_windowed = kind == "all_windowed"
     if all_windowed:
         model = make_tiny_llama(tmp_path / "mistral", arch="mistral", sliding_window=WINDOW)
         want = {0: ("sliding_window", WINDOW)}
+    elif kind == "hybrid":  # the recurrent group publishes its state snapshots' cache, as vLLM's mamba group
+        model = make_tiny_model(tmp_path / "qwen3_5", qwen3_5_config())
+        want = {0: ("full_attention", None), 1: ("mamba", None)}
     else:
         model = make_tiny_model(tmp_path / "gemma3", gemma3_config())
         want = {0: ("full_attention", None), 1: ("sliding_window", WINDOW)}

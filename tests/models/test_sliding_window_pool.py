@@ -152,12 +152,6 @@ def test_ngram_speculation_rolls_back_only_above_the_window(gemma3: Path) -> Non
     engine.scheduler.check_invariants()
 
 
-def test_resize_is_refused_with_a_window_pool(gemma3: Path) -> None:
-    engine = _engine(gemma3, num_kv_blocks=40)
-    with pytest.raises(ValueError, match="window:8"):
-        engine.scheduler.resize(48)
-
-
 def test_gemma3_1b_shape_figure() -> None:
     """The docs' figure: 8192-token requests in 4 GiB of bf16 KV, Gemma-3-1B shape (22 local layers with
     a 512-token window, 4 global, one KV head of 256), blocks of 16, a 2048-token step."""

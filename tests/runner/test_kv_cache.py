@@ -143,6 +143,8 @@ def test_group_swap_ops_move_only_their_own_layers() -> None:
         copies=pairs(),
         group_swap_out=triples((0, 5, 1), (1, 4, 1), (1, 3, 2)),
         group_swap_in=triples(),
+        group_block_moves=triples(),
+        group_num_blocks=np.array([6, 5]),
         tier_store=pairs(),
         tier_load=pairs(),
     )
@@ -156,6 +158,47 @@ def test_group_swap_ops_move_only_their_own_layers() -> None:
     assert block_values(pool, 0) == [0, 1, 7, 3, 4, 5, 6, 7]
     assert block_values(pool, 1) == [105, 101, 102, 103, 104, 105]
     assert block_values(pool, 2) == [204, 203, 202, 203, 204]
+
+
+def test_group_pools_resize_and_move_on_their_own_layers() -> None:
+    """A plan's group sizes grow each group's layers before the block ops and shrink them after the forward;
+    its (group, src, dst) moves copy on that group's layers only, the primary pool's moves on the others."""
+    pool = KVCachePool(
+        num_layers=3,
+        num_kv_heads=1,
+        head_size=2,
+        block_size=2,
+        num_blocks=8,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        layer_blocks={1: 6, 2: 5},
+        groups=[(1,), (2,)],
+    )
+    for layer, kv in enumerate(pool.kv_caches):
+        for b in range(kv.shape[1]):
+            kv[:, b] = 100 * layer + b
+    triples = lambda *t: np.array(t, dtype=np.int64).reshape(-1, 3)  # noqa: E731
+    plan = SimpleNamespace(
+        num_blocks=4,
+        block_moves=pairs((6, 1)),
+        swap_out=pairs(),
+        swap_in=pairs(),
+        copies=pairs(),
+        group_swap_out=triples(),
+        group_swap_in=triples(),
+        group_block_moves=triples((0, 5, 0), (1, 4, 2), (1, 2, 1)),
+        group_num_blocks=np.array([3, 7]),
+        tier_store=pairs(),
+        tier_load=pairs(),
+    )
+    pool.apply_plan_ops(plan)  # type: ignore[arg-type]
+    assert [pool.group_num_blocks(0), pool.group_num_blocks(1)] == [6, 7]  # grown before, shrunk after
+    assert block_values(pool, 0) == [0, 6, 2, 3, 4, 5, 6, 7]
+    assert block_values(pool, 1) == [105, 101, 102, 103, 104, 105]
+    assert block_values(pool, 2) == [200, 202, 204, 203, 204, 0, 0]  # sources read before any write
+    pool.apply_plan_shrink(plan)  # type: ignore[arg-type]
+    assert (pool.num_blocks, pool.group_num_blocks(0), pool.group_num_blocks(1)) == (4, 3, 7)
+    assert block_values(pool, 0) == [0, 6, 2, 3] and block_values(pool, 1) == [105, 101, 102]
 
 
 def test_host_tier_stores_before_moves_and_loads_after_swap_in() -> None:

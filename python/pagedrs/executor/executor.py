@@ -74,6 +74,7 @@ class KVCacheSpec:
     # State slots of the linear-attention layers' recurrent group (0: none), added after `groups`.
     recurrent_slots: int = 0
     recurrent_snapshots: int = 0  # and its snapshot slots for prefix caching
+    recurrent_layers: int = 0  # and the linear-attention layers whose state they hold
 
     @property
     def has_full_layers(self) -> bool:
@@ -97,6 +98,7 @@ class UniProcExecutor:
     def init_kv_cache(self) -> KVCacheSpec:
         """Size and allocate the KV pool (and on CUDA capture the decode graphs)."""
         pool = self._init_pool()
+        rec = self.runner.recurrent
         spec = KVCacheSpec(
             pool.num_blocks,
             pool.num_swap_blocks,
@@ -105,10 +107,11 @@ class UniProcExecutor:
             self.runner.kv_groups,
             pool.num_layers,
             pool.num_tier_blocks,
-            self.runner.recurrent.num_slots if self.runner.recurrent is not None else 0,
-            self.runner.recurrent.num_snapshots if self.runner.recurrent is not None else 0,
+            rec.num_slots if rec is not None else 0,
+            rec.num_snapshots if rec is not None else 0,
+            rec.num_layers if rec is not None else 0,
         )
-        if spec.groups:
+        if spec.groups or spec.recurrent_slots:
             cfg = self.runner.config
             logger.info(
                 kv_pools_line(
@@ -118,6 +121,7 @@ class UniProcExecutor:
                     self.runner.block_size,
                     cfg.scheduler.max_model_len,
                     step_tokens(cfg),
+                    (spec.recurrent_slots, spec.recurrent_layers),
                 )
             )
         self._log_tier(pool)

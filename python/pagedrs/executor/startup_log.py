@@ -146,11 +146,13 @@ def pool_concurrency(
     block_size: int,
     max_model_len: int,
     step: int,
+    recurrent_slots: int = 0,
 ) -> list[tuple[str, int, float]]:
     """Per KV pool that stores some layer's KV: (label, blocks, requests of the full context length it holds
     at once). The full-attention pool (label `full`, absent when every layer is windowed: it is bookkeeping)
     holds a request's every block, a window group's pool (`window:W`) only its live window blocks at the
-    largest step, as vLLM's `SlidingWindowSpec.max_memory_usage_bytes`."""
+    largest step, as vLLM's `SlidingWindowSpec.max_memory_usage_bytes`, and the recurrent group's
+    `recurrent_slots` state slots (`recurrent`) one slot per request, however long."""
     per_request = math.ceil(max_model_len / block_size)
     out = []
     if num_layers > sum(len(g.layers) for g in groups):
@@ -158,6 +160,8 @@ def pool_concurrency(
     for g in groups:
         need = min(per_request, max_live_blocks(g.window, block_size, step))
         out.append((f"window:{g.window}", g.num_blocks, g.num_blocks / need))
+    if recurrent_slots:
+        out.append(("recurrent", recurrent_slots, float(recurrent_slots)))
     return out
 
 
@@ -168,15 +172,16 @@ def log_kv_cache_size(
     groups: Sequence[WindowGroup] = (),
     num_layers: int = 0,
     step: int = 0,
+    recurrent_slots: int = 0,
 ) -> None:
     """vLLM's KV cache lines: the pool's size in tokens and how many requests of the full context length
     it holds at once (labelled "GPU" on every device, as vLLM prints it). With KV-cache groups
     (`groups` of a model of `num_layers` layers, `step` tokens at the largest step) the concurrency is the
     tightest pool's, and the size the full-attention pool's tokens (with every layer windowed, the
-    smallest window pool's)."""
+    smallest window pool's); `recurrent_slots`: the recurrent group's state slots, one per request."""
     # Without groups every layer is in the full-attention pool, however many layers there are.
     layers = num_layers if groups else max(num_layers, 1)
-    pools = pool_concurrency(num_blocks, groups, layers, block_size, max_model_len, step)
+    pools = pool_concurrency(num_blocks, groups, layers, block_size, max_model_len, step, recurrent_slots)
     tokens = (pools[0][1] if pools[0][0] == "full" else min(n for _, n, _ in pools)) * block_size
     logger.info("GPU KV cache size: %s tokens", f"{tokens:,}")
     logger.info(
@@ -193,11 +198,14 @@ def kv_pools_line(
     block_size: int,
     max_model_len: int,
     step: int,
+    recurrent: tuple[int, int] = (0, 0),
 ) -> str:
-    """One line naming each KV pool's size (the full-attention pool and every window group's) and the
-    requests of the full context length they hold at once: the least over the pools, a window group's
-    request holding only its live window blocks (a pool of no layer is bookkeeping and holds nothing)."""
-    pools = pool_concurrency(num_blocks, groups, num_layers, block_size, max_model_len, step)
+    """One line naming each KV pool's size (the full-attention pool, every window group's and the recurrent
+    group's `recurrent` = (state slots, linear-attention layers)) and the requests of the full context length
+    they hold at once: the least over the pools, a window group's request holding only its live window
+    blocks, a recurrent one one state slot (a pool of no layer is bookkeeping and holds nothing)."""
+    slots, recurrent_layers = recurrent
+    pools = pool_concurrency(num_blocks, groups, num_layers, block_size, max_model_len, step, slots)
     full_layers = num_layers - sum(len(g.layers) for g in groups)
     parts = []
     if full_layers:
@@ -205,6 +213,8 @@ def kv_pools_line(
     else:
         parts.append("full attention: no layer (its pool is bookkeeping only)")
     parts += [f"window {g.window} {g.num_blocks:,} blocks ({len(g.layers)} layers)" for g in groups]
+    if slots:
+        parts.append(f"recurrent state {slots:,} slots ({recurrent_layers} layers)")
     return (
         f"KV cache pools: {'; '.join(parts)}; maximum concurrency for {max_model_len:,} tokens per request "
         f"over every pool: {min(fits for _, _, fits in pools):.2f}x"
@@ -221,7 +231,13 @@ def log_engine_ready(core: Any, kv: Any) -> None:
         log.info("# CPU blocks: %d (device pool), # swap blocks: %d", num_blocks, num_swap)
     block_size = core.config.cache.block_size
     log_kv_cache_size(
-        num_blocks, block_size, core.max_model_len, kv.groups, kv.num_layers, step_tokens(core.config)
+        num_blocks,
+        block_size,
+        core.max_model_len,
+        kv.groups,
+        kv.num_layers,
+        step_tokens(core.config),
+        kv.recurrent_slots,
     )
     log.info(
         "engine ready: model=%s device=%s tp=%d dtype=%s max_model_len=%d kv blocks=%d x %d tokens "

@@ -11,6 +11,7 @@ group's tables travel inside the plan itself.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import IntEnum
 
 import numpy as np
@@ -21,6 +22,7 @@ from pagedrs import _core
 __all__ = [
     "HEADER_LEN",
     "Op",
+    "liquid_group_blocks",
     "liquid_header",
     "lora_header",
     "pack_step",
@@ -34,7 +36,9 @@ HEADER_LEN: int = _core.STEP_WIRE_HEADER_LEN
 class Op(IntEnum):
     EXECUTE = 1  # the header and payload of `StepPlan.to_wire`
     SHUTDOWN = 2
-    LIQUID = 3  # header[2:6] = from degree, to degree, pool blocks, swap blocks
+    LIQUID = (
+        3  # header[2:7] = from degree, to degree, pool blocks, swap blocks, G; [7:7+G] each group's blocks
+    )
     LORA = 4  # header[1] = bytes of the LoRA message that follows
 
 
@@ -63,8 +67,19 @@ def shutdown_header() -> torch.Tensor:
     return _control(Op.SHUTDOWN)
 
 
-def liquid_header(src: int, dst: int, num_blocks: int, num_swap_blocks: int) -> torch.Tensor:
-    return _control(Op.LIQUID, src, dst, num_blocks, num_swap_blocks)
+def liquid_header(
+    src: int, dst: int, num_blocks: int, num_swap_blocks: int, group_blocks: Sequence[int] = ()
+) -> torch.Tensor:
+    """A liquid event: the degrees, and the pools a rank that was idle builds (`group_blocks`: the blocks of
+    each KV-cache group's own pool)."""
+    if 7 + len(group_blocks) > HEADER_LEN:
+        raise ValueError(f"{len(group_blocks)} KV-cache groups do not fit a step header of {HEADER_LEN}")
+    return _control(Op.LIQUID, src, dst, num_blocks, num_swap_blocks, len(group_blocks), *group_blocks)
+
+
+def liquid_group_blocks(header: np.ndarray) -> tuple[int, ...]:
+    """Each KV-cache group's blocks of a `liquid_header`."""
+    return tuple(int(n) for n in header[7 : 7 + int(header[6])])
 
 
 def lora_header(num_bytes: int) -> torch.Tensor:

@@ -276,22 +276,45 @@ class KVCachePool:
     # Block ops, in the runner's order: grow, tier stores, moves, swap out, swap in, tier loads, copies,
     # (forward), shrink.
     def resize(self, num_blocks: int) -> None:
-        """Grow (new blocks zeroed) or shrink (blocks past num_blocks dropped; the plan moved any in use)."""
-        cur = self.num_blocks
-        if num_blocks == cur:
+        """Grow (new blocks zeroed) or shrink (blocks past num_blocks dropped; the plan moved any in use) the
+        full-attention pool's layers."""
+        if num_blocks == self.num_blocks:
             return
-        if self.group_layers:
-            raise RuntimeError("the KV pool cannot be resized with KV-cache groups of their own")
-        if num_blocks > cur:
-            new = []
-            for i, kv in enumerate(self.kv_caches):
+        self._resize_layers([i for i in range(self.num_layers) if i not in self.group_layers], num_blocks)
+        self._num_blocks = num_blocks
+
+    def group_num_blocks(self, group: int) -> int:
+        """The blocks of group `group`'s own pool."""
+        return int(self.kv_caches[self.groups[group][0]].shape[1])
+
+    def resize_groups(self, sizes: np.ndarray, *, grow: bool) -> None:
+        """Each group's pool to `sizes[group]` blocks (the plan's `group_num_blocks`), only where that grows
+        it (`grow`) or only where it shrinks it."""
+        for g, layers in enumerate(self.groups):
+            n, cur = int(sizes[g]), self.group_num_blocks(g)
+            if (n > cur) if grow else (n < cur):
+                self._resize_layers(layers, n)
+
+    def _resize_layers(self, layers: Iterable[int], num_blocks: int) -> None:
+        for i in layers:
+            kv = self.kv_caches[i]
+            cur = int(kv.shape[1])
+            if num_blocks > cur:
                 t = self._alloc(num_blocks, self.device, i)
                 t[:, :cur].copy_(kv)
-                new.append(t)
-        else:
-            new = [kv[:, :num_blocks].clone() for kv in self.kv_caches]
-        self.kv_caches = new
-        self._num_blocks = num_blocks
+            else:
+                t = kv[:, :num_blocks].clone()
+            self.kv_caches[i] = t
+
+    def move_group_blocks(self, triples: np.ndarray) -> None:
+        """(group, src, dst) moves of the groups' blocks by a resize, each group's on its own layers."""
+        for g, layers in enumerate(self.groups):
+            pairs = triples[triples[:, 0] == g, 1:]
+            if len(pairs):
+                src, dst = _pairs(pairs, self.device)
+                for i in layers:
+                    kv = as_bytes(self.kv_caches[i])
+                    kv[:, dst] = kv[:, src]
 
     def move_blocks(self, pairs: np.ndarray) -> None:
         """(src, dst) device blocks; all sources are read before any destination is written."""
@@ -351,12 +374,16 @@ class KVCachePool:
         num_blocks = int(plan.num_blocks)
         if num_blocks > self.num_blocks:
             self.resize(num_blocks)
+        if self.groups:
+            self.resize_groups(plan.group_num_blocks, grow=True)
         # Stores read blocks as the last step left them; they run off the step, and nothing in this plan
         # writes a block one of them still reads.
         if self.tier is not None:
             self.tier.store(self.kv_caches, plan.tier_store, self.device)
             self.tier.wait_blocks(written_blocks(plan, self.block_size))
         self.move_blocks(plan.block_moves)
+        if self.groups and len(plan.group_block_moves):
+            self.move_group_blocks(plan.group_block_moves)
         self.swap_out(plan.swap_out)
         if self.groups:
             self.swap_groups(plan.group_swap_out, out=True)
@@ -373,3 +400,5 @@ class KVCachePool:
         num_blocks = int(plan.num_blocks)
         if num_blocks < self.num_blocks:
             self.resize(num_blocks)
+        if self.groups:
+            self.resize_groups(plan.group_num_blocks, grow=False)

@@ -126,30 +126,16 @@ def split_pools(
     return num_full_blocks, sizes
 
 
-def _unsupported(runner: Any) -> str | None:
-    """Why `runner` cannot keep its window group in a pool of its own (None: it can)."""
-    if runner.config.parallel.liquid_gpu_range is not None:
-        return "a liquid device range"
-    return None
-
-
 def plan_window_pools(runner: Any, num_blocks: int) -> tuple[int, tuple[WindowGroup, ...]]:
     """The full-attention pool's blocks and the window groups of `runner`'s model, out of the budget of
     `num_blocks` blocks over all layers. No group (every layer keeps all its blocks, as before) for a model
-    without a window shorter than the context, and where groups are not supported: a liquid device range, and
-    a budget too small for the pools' minimum (one sequence's live window blocks at the largest step). A draft
-    model's own pool (every one of its layers, through the full-attention tables) is part of the
-    full-attention pool's block. With every layer windowed and no draft pool the full-attention pool stores
+    without a window shorter than the context, and for a budget too small for the pools' minimum (one
+    sequence's live window blocks at the largest step). A draft model's own pool (every one of its layers,
+    through the full-attention tables) is part of the full-attention pool's block. With every layer windowed and no draft pool the full-attention pool stores
     nothing; it is sized so that it never limits admission."""
     cfg = runner.config
     groups = window_groups_for(layer_windows(runner.model), cfg.scheduler.max_model_len)
     if not groups:
-        return num_blocks, ()
-    reason = _unsupported(runner)
-    if reason is not None:
-        logger.info(
-            "sliding-window layers keep all their blocks: their own pool is not supported with %s", reason
-        )
         return num_blocks, ()
     per_block = runner.bytes_per_block
     draft_bytes = runner.drafter.kv_bytes_per_block if runner.drafter is not None else 0

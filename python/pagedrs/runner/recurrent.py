@@ -42,6 +42,7 @@ class RecurrentState:
 
     def __init__(self, model: Any, num_live: int, num_snapshots: int, device: torch.device) -> None:
         shape = model.recurrent_shape
+        self.num_layers = int(shape.num_layers)
         self.num_slots = num_live
         self.num_snapshots = num_snapshots
         self.bytes_per_slot = int(shape.bytes_per_slot)

@@ -3,9 +3,9 @@
 //! its `SingleTypeKVCacheManager`s).
 //!
 //! The primary full-attention pool stays in the scheduler: it carries the persistent block table,
-//! pool resize and the chained prefix hashes every group keys its cache by (each group's pool
-//! records its own prefix-cache events, [`KvGroups::take_kv_events`]). Each
-//! group here holds the state of some other layers in a pool of its own, with its own
+//! the size a pool resize names and the chained prefix hashes every group keys its cache by (each
+//! group's pool records its own prefix-cache events, [`KvGroups::take_kv_events`]). Each group
+//! here holds the state of some other layers in a pool of its own, with its own
 //! per-sequence tables and its own prefix-cache rule. The scheduler calls the coordinator at each
 //! point where it changes a sequence's primary table, and never learns which kinds exist:
 //!
@@ -19,6 +19,7 @@
 //! | finish, abort, recompute preemption    | `free`                                    |
 //! | swap preemption, swap back in          | `can_swap_out`, `swap_out`; `fits_swap_in`, `swap_in` |
 //! | `n > 1` fork                           | `fork`                                    |
+//! | pool resize                            | `resize_targets`, `check_resize`, `resize` |
 //!
 //! A request's prefix hit is the longest prefix every group can serve: the primary pool's hit,
 //! capped by each group in turn until none caps it further ([`KvGroups::cap_hit`]).
@@ -52,7 +53,8 @@ pub trait KvGroup: std::fmt::Debug + Send {
     }
     /// The group's own pool (None for a group that allocates nothing).
     fn pool(&self) -> Option<&BlockPool>;
-    /// The same, to record its prefix-cache events ([`KvGroups::set_kv_events`]).
+    /// The pool whose prefix cache the group keeps (its own pool, a recurrent group's snapshot
+    /// pool), to record its prefix-cache events ([`KvGroups::set_kv_events`]).
     fn pool_mut(&mut self) -> Option<&mut BlockPool> {
         None
     }
@@ -111,6 +113,19 @@ pub trait KvGroup: std::fmt::Debug + Send {
     /// Copy pairs (src, dst), flattened, to apply to the group's blocks before the next forward;
     /// handed over once.
     fn take_copies(&mut self) -> Vec<i64>;
+    /// The size of the group's pool once the primary pool, `base` blocks at start, is resized to
+    /// `num_blocks` (None: the group keeps its size, as it does by default).
+    fn resize_target(&self, _base: usize, _num_blocks: usize) -> Option<usize> {
+        None
+    }
+    /// Resizes the group's pool to `num_blocks` (its blocks in use fit, checked by the caller),
+    /// moving in-use blocks past the end into free low blocks and rewriting its tables; the moves
+    /// ride on the next plan ([`KvGroup::take_moves`]), applied before any other block op.
+    fn resize(&mut self, _num_blocks: usize) {}
+    /// Block moves (src, dst) of resizes since the last plan, flattened; handed over once.
+    fn take_moves(&mut self) -> Vec<i64> {
+        Vec::new()
+    }
     /// Drops the group's prefix cache; false (nothing done) while anything is in use.
     fn reset_prefix_cache(&mut self) -> bool;
     /// The group's entries for `slot` ([`crate::sliding_window::NULL_BLOCK`] where it holds
@@ -133,6 +148,10 @@ pub struct GroupTables {
     pub copies: Vec<i64>,
     /// `[G]`: pairs of each group.
     pub num_copies: Vec<i32>,
+    /// `(group, src, dst)` block moves of resizes, flattened.
+    pub moves: Vec<i64>,
+    /// `[G]`: each group's pool size (0 for a group without a pool).
+    pub num_blocks: Vec<i64>,
 }
 
 /// Usage of one group's pool, as `Scheduler::kv_group_stats` reports it.
@@ -313,9 +332,15 @@ impl KvGroups {
     pub fn plan_tables(&mut self, rows: &[(u32, usize, usize)], max_blocks: usize) -> GroupTables {
         let mut out = GroupTables {
             num_copies: Vec::with_capacity(self.groups.len()),
+            num_blocks: Vec::with_capacity(self.groups.len()),
             ..Default::default()
         };
-        for g in &mut self.groups {
+        for (i, g) in self.groups.iter_mut().enumerate() {
+            let moves = g.take_moves();
+            out.moves
+                .extend(moves.chunks(2).flat_map(|m| [i as i64, m[0], m[1]]));
+            out.num_blocks
+                .push(g.pool().map_or(0, |p| p.num_blocks() as i64));
             for &(slot, start, end) in rows {
                 g.plan_row(
                     slot,
@@ -331,6 +356,40 @@ impl KvGroups {
             out.copies.extend(copies);
         }
         out
+    }
+
+    /// Each group's pool size once the primary pool, `base` blocks at start, is resized to
+    /// `num_blocks` (None: unchanged).
+    pub fn resize_targets(&self, base: usize, num_blocks: usize) -> Vec<Option<usize>> {
+        self.iter()
+            .map(|g| g.resize_target(base, num_blocks))
+            .collect()
+    }
+
+    /// Whether each group's blocks in use fit its `targets` size; the error names the numbers.
+    pub fn check_resize(&self, targets: &[Option<usize>]) -> Result<(), String> {
+        for (g, t) in self.iter().zip(targets) {
+            if let (Some(t), Some(p)) = (*t, g.pool()) {
+                if p.num_used() > t {
+                    return Err(format!(
+                        "the {} group's pool cannot shrink from {} to {t} blocks: {} are in use",
+                        g.name(),
+                        p.num_blocks(),
+                        p.num_used()
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Resizes each group's pool to its target (checked with `check_resize`).
+    pub fn resize(&mut self, targets: &[Option<usize>]) {
+        for (g, t) in self.groups.iter_mut().zip(targets) {
+            if let Some(t) = *t {
+                g.resize(t);
+            }
+        }
     }
 
     /// Starts (an empty log) or stops recording every group pool's prefix-cache events.

@@ -28,6 +28,12 @@ pub struct PagedGroup {
     swap: SwapPool,
     /// Indexed by sequence slot: a swapped-out sequence's table, its live entries swap blocks.
     swapped: Vec<SlidingTable>,
+    /// Resize moves (src, dst) not yet handed to a plan, flattened.
+    pending_moves: Vec<i64>,
+    /// The pool's size at start (resizes scale it with the primary pool's).
+    base_blocks: usize,
+    /// The fewest blocks the pool may have: one sequence's live blocks at the largest step.
+    least: usize,
 }
 
 impl PagedGroup {
@@ -52,7 +58,9 @@ impl PagedGroup {
                  (window {window}, block size {block_size}, step {step_tokens} tokens)"
             )));
         }
-        Ok(Self::new(Some(window), num_blocks, block_size))
+        let mut g = Self::new(Some(window), num_blocks, block_size);
+        g.least = least;
+        Ok(g)
     }
 
     /// A group of full-attention layers with a pool of its own of `num_blocks` blocks.
@@ -68,6 +76,9 @@ impl PagedGroup {
             pending_copies: Vec::new(),
             swap: SwapPool::new(0),
             swapped: Vec::new(),
+            pending_moves: Vec::new(),
+            base_blocks: num_blocks,
+            least: 1,
         }
     }
 
@@ -358,6 +369,40 @@ impl KvGroup for PagedGroup {
 
     fn take_copies(&mut self) -> Vec<i64> {
         std::mem::take(&mut self.pending_copies)
+    }
+
+    /// In proportion to the primary pool (rounded up), never below one sequence's live blocks.
+    fn resize_target(&self, base: usize, num_blocks: usize) -> Option<usize> {
+        let scaled = (self.base_blocks * num_blocks).div_ceil(base.max(1));
+        Some(scaled.max(self.least))
+    }
+
+    fn resize(&mut self, num_blocks: usize) {
+        let old = self.pool.num_blocks();
+        if num_blocks >= old {
+            self.pool.grow(num_blocks);
+            return;
+        }
+        let moves = self
+            .pool
+            .shrink(num_blocks)
+            .expect("group blocks in use checked before shrinking");
+        crate::resize::compose_moves(&mut self.pending_moves, &moves, num_blocks);
+        if moves.is_empty() {
+            return;
+        }
+        let mut remap: Vec<u32> = (0..old as u32).collect();
+        for &(src, dst) in &moves {
+            remap[src.0 as usize] = dst.0;
+        }
+        // Swapped-out tables hold swap blocks, which a resize leaves alone.
+        for t in &mut self.tables {
+            t.remap(|b| remap[b as usize]);
+        }
+    }
+
+    fn take_moves(&mut self) -> Vec<i64> {
+        std::mem::take(&mut self.pending_moves)
     }
 
     fn reset_prefix_cache(&mut self) -> bool {

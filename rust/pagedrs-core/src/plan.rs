@@ -17,8 +17,8 @@ pub struct PlanOps {
 }
 
 /// One step. Row `b` of the batch is sequence `req_ids[b]`; tokens are flattened over rows.
-/// Runner order: grow the pool, `tier_store`, `block_moves`, `swap_out`, `swap_in`, `tier_load`,
-/// `copies`, forward, shrink.
+/// Runner order: grow the pools, `tier_store`, `block_moves` (and `group_block_moves`),
+/// `swap_out`, `swap_in`, `tier_load`, `copies`, forward, shrink.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct StepPlan {
     pub step_id: u64,
@@ -72,6 +72,11 @@ pub struct StepPlan {
     /// the forward, after `swap_out`, and (group, swap block, device block) back, after `swap_in`.
     pub group_swap_out: Vec<i64>,
     pub group_swap_in: Vec<i64>,
+    /// `[k, 3]` triples, flattened: (group, src, dst) moves of a group's blocks by a pool resize,
+    /// applied as `block_moves` are, on the group's layers.
+    pub group_block_moves: Vec<i64>,
+    /// `[G]`: each group's pool size after this plan (0 for a group without a pool).
+    pub group_num_blocks: Vec<i64>,
     /// Pool size after this plan.
     pub num_blocks: usize,
     pub num_prefill_tokens: usize,
@@ -219,6 +224,7 @@ impl Scheduler {
         let g = self.kv.plan_tables(&group_rows, max_blocks);
         (p.group_slot_mapping, p.group_block_tables) = (g.slot_mapping, g.block_tables);
         (p.group_copies, p.group_num_copies) = (g.copies, g.num_copies);
+        (p.group_block_moves, p.group_num_blocks) = (g.moves, g.num_blocks);
         // Forked children got their rows above: they are written now, with everything else that
         // changed since the last plan.
         self.tables.flush(&self.seqs, &mut p.changed_rows);
@@ -268,6 +274,8 @@ impl Scheduler {
             group_num_copies: Vec::new(),
             group_swap_out: ops.group_swap_out,
             group_swap_in: ops.group_swap_in,
+            group_block_moves: Vec::new(),
+            group_num_blocks: Vec::new(),
             num_blocks: self.pool.num_blocks(),
             num_prefill_tokens: 0,
             num_decode_tokens: 0,

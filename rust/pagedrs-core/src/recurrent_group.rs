@@ -133,6 +133,11 @@ impl KvGroup for RecurrentGroup {
         Some(&self.live)
     }
 
+    /// The snapshot pool: the one whose prefix cache the group keeps (its events are the group's).
+    fn pool_mut(&mut self) -> Option<&mut BlockPool> {
+        Some(&mut self.snaps)
+    }
+
     fn longest_hit(&self, max_blocks: usize, chain: &[u64], tokens: &[u32]) -> (usize, Vec<u32>) {
         let bs = self.block_size;
         for i in (1..=max_blocks).rev() {

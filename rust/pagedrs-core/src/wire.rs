@@ -15,7 +15,7 @@ use crate::plan::StepPlan;
 pub const OP_EXECUTE: i64 = 1;
 
 const NUM_SCALARS: usize = 6; // step_id, num_blocks, num_prefill, num_decode, num_tokens, max_blocks
-const NUM_ARRAYS: usize = 30; // the plan's 28 arrays, block tables, extra logits rows
+const NUM_ARRAYS: usize = 32; // the plan's 30 arrays, block tables, extra logits rows
 
 /// Length of the header of every message on the step channel.
 pub const WIRE_HEADER_LEN: usize = 2 + NUM_SCALARS + NUM_ARRAYS;
@@ -56,19 +56,22 @@ fn check_groups(p: &StepPlan) -> Result<()> {
         || p.group_block_tables.len() != g * p.num_reqs() * p.max_blocks
         || p.group_num_copies.iter().any(|&c| c < 0)
         || pairs * 2 != p.group_copies.len() as i64
-        || [&p.group_swap_out, &p.group_swap_in]
+        || p.group_num_blocks.len() != g
+        || [&p.group_swap_out, &p.group_swap_in, &p.group_block_moves]
             .iter()
             .any(|t| t.len() % 3 != 0 || t.chunks(3).any(|c| c[0] < 0 || c[0] as usize >= g))
     {
         return Err(Error::InvalidRequest(format!(
             "step wire: group arrays ({} slots, {} table entries, {} copy ids, {} + {} swap ids) \
-             do not fit {g} groups of {} tokens, {} rows x {} blocks, {pairs} copy pairs and swap \
-             triples (group, block, block)",
+             {} move ids, {} pool sizes) do not fit {g} groups of {} tokens, {} rows x {} blocks, \
+             {pairs} copy pairs, swap and move triples (group, block, block)",
             p.group_slot_mapping.len(),
             p.group_block_tables.len(),
             p.group_copies.len(),
             p.group_swap_out.len(),
             p.group_swap_in.len(),
+            p.group_block_moves.len(),
+            p.group_num_blocks.len(),
             p.positions.len(),
             p.num_reqs(),
             p.max_blocks
@@ -131,6 +134,8 @@ impl StepPlan {
         push(&mut self.group_swap_in.iter().copied());
         push(&mut self.tier_store.iter().copied());
         push(&mut self.tier_load.iter().copied());
+        push(&mut self.group_block_moves.iter().copied());
+        push(&mut self.group_num_blocks.iter().copied());
         push(&mut i32s(block_tables));
         push(&mut extra_logits_indices.iter().copied());
         debug_assert_eq!(lens.len(), NUM_ARRAYS);
@@ -194,13 +199,15 @@ impl StepPlan {
             group_swap_in: parts[25].to_vec(),
             tier_store: parts[26].to_vec(),
             tier_load: parts[27].to_vec(),
+            group_block_moves: parts[28].to_vec(),
+            group_num_blocks: parts[29].to_vec(),
             num_blocks: count("num_blocks", s[1])?,
             num_prefill_tokens: count("num_prefill_tokens", s[2])?,
             num_decode_tokens: count("num_decode_tokens", s[3])?,
             num_tokens: count("num_tokens", s[4])?,
         };
         check_groups(&plan)?;
-        let block_tables = narrow("block_tables", parts[28])?;
+        let block_tables = narrow("block_tables", parts[30])?;
         if block_tables.len() != plan.num_reqs() * plan.max_blocks {
             return Err(Error::InvalidRequest(format!(
                 "step wire: {} block-table entries for {} requests x {} blocks",
@@ -212,7 +219,7 @@ impl StepPlan {
         Ok(WirePlan {
             plan,
             block_tables,
-            extra_logits_indices: parts[29].to_vec(),
+            extra_logits_indices: parts[31].to_vec(),
         })
     }
 }
@@ -253,6 +260,8 @@ mod tests {
             group_swap_in: vec![0, 2, 8, 0, 4, 9],
             tier_store: vec![3, 0],
             tier_load: vec![1, 6, 2, 7],
+            group_block_moves: vec![0, 9, 1],
+            group_num_blocks: vec![12],
             num_blocks: 40,
             num_prefill_tokens: 2,
             num_decode_tokens: 1,
@@ -299,5 +308,14 @@ mod tests {
         stray.group_swap_out[0] = 1;
         let (h6, p6) = stray.to_wire(&[1, 0, 2, 3], &[]);
         assert!(StepPlan::from_wire(&h6, &p6).is_err());
+        // A move naming a group the plan does not have, and a pool size per group missing.
+        let mut moved = plan.clone();
+        moved.group_block_moves[0] = 1;
+        let (h7, p7) = moved.to_wire(&[1, 0, 2, 3], &[]);
+        assert!(StepPlan::from_wire(&h7, &p7).is_err());
+        let mut sizes = plan.clone();
+        sizes.group_num_blocks.clear();
+        let (h8, p8) = sizes.to_wire(&[1, 0, 2, 3], &[]);
+        assert!(StepPlan::from_wire(&h8, &p8).is_err());
     }
 }

@@ -100,6 +100,8 @@ pub struct PyStepPlan {
     group_num_copies: Arr<i32>,
     group_swap_out: Arr<i64>,
     group_swap_in: Arr<i64>,
+    group_block_moves: Arr<i64>,
+    group_num_blocks: Arr<i64>,
     #[pyo3(get)]
     num_groups: usize,
     #[pyo3(get)]
@@ -157,6 +159,8 @@ impl PyStepPlan {
             group_num_copies: Arr::Raw(p.group_num_copies),
             group_swap_out: Arr::Raw(p.group_swap_out),
             group_swap_in: Arr::Raw(p.group_swap_in),
+            group_block_moves: Arr::Raw(p.group_block_moves),
+            group_num_blocks: Arr::Raw(p.group_num_blocks),
             num_blocks: p.num_blocks,
             num_prefill_tokens: p.num_prefill_tokens,
             num_decode_tokens: p.num_decode_tokens,
@@ -325,6 +329,16 @@ impl PyStepPlan {
     fn group_swap_in(&mut self, py: Python<'_>) -> Py<PyAny> {
         self.group_swap_in.get(py, 3)
     }
+    /// int64 [k, 3]: (group, src, dst) moves of every group's blocks by a pool resize.
+    #[getter]
+    fn group_block_moves(&mut self, py: Python<'_>) -> Py<PyAny> {
+        self.group_block_moves.get(py, 3)
+    }
+    /// int64 [G]: each group's pool size after this plan (0 for a group without a pool).
+    #[getter]
+    fn group_num_blocks(&mut self, py: Python<'_>) -> Py<PyAny> {
+        self.group_num_blocks.get(py, 0)
+    }
 
     /// `(header, payload)`: this plan, its dense block tables and `extra_logits_indices` as two
     /// int64 arrays for the tensor-parallel step broadcast (`StepPlan.from_wire` reads them).
@@ -371,6 +385,8 @@ impl PyStepPlan {
             group_num_copies: self.group_num_copies.to_vec(py)?,
             group_swap_out: self.group_swap_out.to_vec(py)?,
             group_swap_in: self.group_swap_in.to_vec(py)?,
+            group_block_moves: self.group_block_moves.to_vec(py)?,
+            group_num_blocks: self.group_num_blocks.to_vec(py)?,
             num_blocks: self.num_blocks,
             num_prefill_tokens: self.num_prefill_tokens,
             num_decode_tokens: self.num_decode_tokens,

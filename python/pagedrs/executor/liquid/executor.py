@@ -18,6 +18,7 @@ from pagedrs.executor.executor import TPExecutor
 from pagedrs.executor.liquid.log import memory_info
 from pagedrs.executor.liquid.shards import (
     LiquidStats,
+    PoolSpec,
     rebuild_model,
     receive_shards,
     send_shards,
@@ -107,7 +108,10 @@ class LiquidExecutor(TPExecutor):
         stats = LiquidStats(src, dst, pool.num_blocks, pool.num_blocks)
         start = time.perf_counter()
         try:
-            self.world.broadcast_cpu(liquid_header(src, dst, pool.num_blocks, pool.num_swap_blocks))
+            group_blocks = [pool.group_num_blocks(g) for g in range(len(pool.groups))]
+            self.world.broadcast_cpu(
+                liquid_header(src, dst, pool.num_blocks, pool.num_swap_blocks, group_blocks)
+            )
             if dst > src:  # rank 0 keeps the first half of its shards, rank `src` takes the rest
                 model, new_pool = send_shards(
                     runner.model,
@@ -127,7 +131,7 @@ class LiquidExecutor(TPExecutor):
                     partner=dst,
                     scale_out=False,
                     new_model=rebuild_model(type(m), m.config, m.dtype, runner.device, self.groups[dst]),
-                    pool_spec=(pool.num_blocks, pool.num_swap_blocks, pool.block_size, pool.dtype),
+                    pool_spec=PoolSpec(pool.num_blocks, pool.num_swap_blocks, pool.block_size, pool.dtype),
                     stats=stats,
                 )
         except Exception as exc:

@@ -14,15 +14,17 @@ from pagedrs.distributed.group import TPGroup
 from pagedrs.executor.liquid.log import log_sends, memory_info, shard_moves
 from pagedrs.executor.liquid.shards import (
     LiquidStats,
+    PoolSpec,
     abort_groups,
     connect_liquid_groups,
     rebuild_model,
     receive_shards,
     send_shards,
 )
-from pagedrs.executor.step_packet import HEADER_LEN, Op, unpack_step
+from pagedrs.executor.step_packet import HEADER_LEN, Op, liquid_group_blocks, unpack_step
 from pagedrs.launch_config import LaunchConfig
 from pagedrs.models.interface import CausalLM
+from pagedrs.runner.kv_groups import WindowGroup, layer_windows, window_groups_for
 
 __all__ = ["LiquidRank"]
 
@@ -82,13 +84,16 @@ class LiquidRank:
                     plan, extra = unpack_step(h, payload.numpy())
                     self.runner.execute_model(plan, extra)
             elif op == Op.LIQUID:
-                self.scale(int(h[2]), int(h[3]), int(h[4]), int(h[5]))
+                self.scale(int(h[2]), int(h[3]), int(h[4]), int(h[5]), liquid_group_blocks(h))
             else:
                 raise RuntimeError(f"unknown step opcode {op}")
 
-    def scale(self, src: int, dst: int, num_blocks: int, num_swap: int) -> None:
-        """This rank's part of one liquid event (send or receive shards, resize its pool, log). Long
-        because scale-out and scale-in are mirror images kept side by side."""
+    def scale(
+        self, src: int, dst: int, num_blocks: int, num_swap: int, group_blocks: tuple[int, ...] = ()
+    ) -> None:
+        """This rank's part of one liquid event (send or receive shards, resize its pool, log); `group_blocks`:
+        the blocks of each KV-cache group's own pool. Long because scale-out and scale-in are mirror images
+        kept side by side."""
         from pagedrs.runner.model_runner import ModelRunner
 
         stats = LiquidStats(src, dst, num_blocks, num_blocks)
@@ -107,18 +112,29 @@ class LiquidRank:
                 self._rebind(model, pool, self.groups[dst])
             elif r < dst:
                 tp = self.groups[dst]
+                new_model = self._build(tp)
+                kv_groups = self._kv_groups(new_model, group_blocks)
+                spec = PoolSpec(
+                    num_blocks,
+                    num_swap,
+                    self.config.cache.block_size,
+                    self.kv_dtype,
+                    tuple(g.layers for g in kv_groups),
+                    group_blocks,
+                )
                 model, pool = receive_shards(
                     None,
                     None,
                     world=self.world,
                     partner=r - src,
                     scale_out=True,
-                    new_model=self._build(tp),
-                    pool_spec=(num_blocks, num_swap, self.config.cache.block_size, self.kv_dtype),
+                    new_model=new_model,
+                    pool_spec=spec,
                     stats=stats,
                 )
                 self.runner = ModelRunner(self.config, model, tp=tp)
                 self.runner.kv_pool = pool
+                self.runner.kv_groups = kv_groups
         elif src == 2 * dst:  # scale in
             if r < dst:
                 tp = self.groups[dst]
@@ -129,7 +145,7 @@ class LiquidRank:
                     partner=r + dst,
                     scale_out=False,
                     new_model=self._build(tp),
-                    pool_spec=(num_blocks, num_swap, self.config.cache.block_size, self.kv_dtype),
+                    pool_spec=PoolSpec(num_blocks, num_swap, self.config.cache.block_size, self.kv_dtype),
                     stats=stats,
                 )
                 self._rebind(model, pool, tp)
@@ -158,6 +174,18 @@ class LiquidRank:
             held += sum(t.numel() * t.element_size() for t in self.runner.kv_pool.kv_caches)
             devices = list(self.config.parallel.liquid_gpu_range or range(self.world.size))
             logger.info("After liquid kvc, %s", memory_info(self.device, devices[r], held))
+
+    def _kv_groups(self, model: CausalLM, group_blocks: tuple[int, ...]) -> tuple[WindowGroup, ...]:
+        """The sliding-window groups rank 0's runner keeps in pools of their own (`runner.kv_groups`), with
+        `group_blocks` blocks each: none when it keeps none."""
+        if not group_blocks:
+            return ()
+        groups = window_groups_for(layer_windows(model), self.config.scheduler.max_model_len)
+        if len(groups) != len(group_blocks):
+            raise RuntimeError(
+                f"liquid: {len(group_blocks)} KV-cache group pools for {len(groups)} window groups"
+            )
+        return tuple(dataclasses.replace(g, num_blocks=n) for g, n in zip(groups, group_blocks, strict=True))
 
     def _rebind(self, model: torch.nn.Module | None, pool: Any, tp: TPGroup) -> None:
         self.runner.model = model

@@ -248,6 +248,20 @@ def rebuild_model(
         return model_cls(config, dtype=dtype, device=device, tp=tp).eval()
 
 
+@dataclass(frozen=True)
+class PoolSpec:
+    """The pool a rank that was idle builds on a scale-out, as rank 0's: the full-attention pool's blocks, the
+    swap blocks, block size and KV element type, and the layers and blocks of each KV-cache group's own pool
+    (`runner.kv_groups`, the sliding-window layers)."""
+
+    num_blocks: int
+    num_swap_blocks: int
+    block_size: int
+    dtype: torch.dtype
+    groups: tuple[tuple[int, ...], ...] = ()
+    group_blocks: tuple[int, ...] = ()
+
+
 def _rebind_pool(pool: KVCachePool, kv: list[Tensor], swap: list[Tensor]) -> KVCachePool:
     pool.kv_caches = kv
     pool.swap_caches = swap
@@ -328,13 +342,13 @@ def receive_shards(
     partner: int,
     scale_out: bool,
     new_model: CausalLM,
-    pool_spec: tuple[int, int, int, torch.dtype],
+    pool_spec: PoolSpec,
     stats: LiquidStats,
 ) -> tuple[CausalLM, KVCachePool]:
     """The other side. `new_model`: an empty model at the new degree (`rebuild_model`).
 
-    Scale out (this rank was idle): receive every tensor, and the KV heads into a new pool of
-    `pool_spec` = (blocks, swap blocks, block size, KV element type). Scale in: receive the partner's halves and join
+    Scale out (this rank was idle): receive every tensor, and the KV heads into a new pool of `pool_spec`
+    (each group's layers with their own pool's blocks). Scale in: receive the partner's halves and join
     them onto this rank's own."""
     xfer = _Transfer(world)
     t0 = time.perf_counter()
@@ -357,16 +371,20 @@ def receive_shards(
     weight_bytes = xfer.bytes
     t1 = time.perf_counter()
     if scale_out:
-        num_blocks, num_swap, block_size, kv_dtype = pool_spec
+        layer_blocks = {
+            i: n for g, n in zip(pool_spec.groups, pool_spec.group_blocks, strict=True) for i in g
+        }
         pool = KVCachePool(
             num_layers=int(new_model.num_layers),
             num_kv_heads=int(new_model.num_kv_heads),
             head_size=int(new_model.head_size),
-            block_size=block_size,
-            num_blocks=num_blocks,
-            dtype=kv_dtype,  # the model's dtype, or fp8 (kv_cache_dtype)
+            block_size=pool_spec.block_size,
+            num_blocks=pool_spec.num_blocks,
+            dtype=pool_spec.dtype,  # the model's dtype, or fp8 (kv_cache_dtype)
             device=_device_of(new_model),
-            num_swap_blocks=num_swap,
+            num_swap_blocks=pool_spec.num_swap_blocks,
+            layer_blocks=layer_blocks,
+            groups=pool_spec.groups,
         )
     assert pool is not None
     new_pool = _move_kv(pool, xfer, partner, scale_out, sending=False)

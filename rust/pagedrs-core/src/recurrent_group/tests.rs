@@ -144,3 +144,32 @@ fn a_full_snapshot_pool_evicts_the_least_recently_used_snapshot() {
     assert!(g.reset_prefix_cache());
     assert_eq!(g.longest_hit(4, &c, &q.tokens).0, 0);
 }
+
+#[test]
+fn snapshots_cached_and_evicted_are_the_groups_kv_events() {
+    use crate::kv_events::KvEventKind::{Removed, Stored};
+    let q = seq(20, 0);
+    let c = chain(&q.tokens, 5);
+    let mut g = RecurrentGroup::new(1, 2, BS);
+    g.pool_mut().unwrap().set_kv_events(true);
+    g.admit(0, Vec::new(), 8);
+    g.cache(&items(&c, &[0, 1]), std::slice::from_ref(&q));
+    g.release(0, 8);
+    let ev = g.pool_mut().unwrap().take_kv_events();
+    assert_eq!(
+        (ev.kinds, ev.hashes),
+        (vec![Stored, Stored], vec![c[1], c[2]])
+    );
+    assert_eq!(ev.tokens, q.tokens[..2 * BS].to_vec());
+    // The next step's boundaries reuse both cached snapshots: each eviction is an event.
+    let mut q2 = q.clone();
+    q2.num_computed = 8;
+    g.grow(0, &q2, 16);
+    let ev = g.pool_mut().unwrap().take_kv_events();
+    assert_eq!(ev.kinds, vec![Removed, Removed]);
+    let mut removed = ev.hashes.clone();
+    removed.sort_unstable();
+    let mut want = vec![c[1], c[2]];
+    want.sort_unstable();
+    assert_eq!(removed, want);
+}

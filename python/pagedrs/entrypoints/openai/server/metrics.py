@@ -214,7 +214,7 @@ class _EngineStatsCollector(Collector):
 
     @staticmethod
     def _group_usage(rows: list[tuple[list[str], Any]], labels: list[str]) -> GaugeMetricFamily:
-        """Each KV pool's usage by KV-cache group (label `kv_group`: `full`, `window:W`); a snapshot
+        """Each KV pool's usage by KV-cache group (label `kv_group`: `full`, `window:W`, `recurrent`); a snapshot
         without the per-group figures serves its overall usage as the `full` pool's."""
         m = GaugeMetricFamily(
             "pagedrs:kv_cache_group_usage_perc",
