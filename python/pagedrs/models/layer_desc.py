@@ -20,6 +20,11 @@ the attention block:
   sliding window, logit soft cap and sinks), then `Linear` (o proj).
 - The MLP: `Linear` (gate|up), `Act` (SiLU or GeLU-tanh gate-and-mul), `Linear` (down); or `Block`, a
   module called as one op (a mixture-of-experts block, through its own forward).
+- Gated attention (Qwen3.5's full-attention layers): `GatedQKVProj` (separate q|gate, k and v projections;
+  the per-head output gate kept in `gate`), then the attention ops, then `OutputGate` (x * sigmoid(gate))
+  before the o proj.
+- `LinearAttention`: a linear-attention mixer (Qwen3.5's Gated DeltaNet) on x, with its recurrent state in
+  the step's state slots (`ctx.attn_metadata.recurrent`).
 
 The model: `embed` (its embedding, with Gemma's sqrt(hidden) scale), the layers, the final norm. The final
 logit soft cap (Gemma 2) is the LM head's (`compute_logits`), after either path.
@@ -46,11 +51,14 @@ __all__ = [
     "Block",
     "DecodeFastPath",
     "DescribedModel",
+    "GatedQKVProj",
     "HeadNorm",
     "Linear",
+    "LinearAttention",
     "ModelDesc",
     "Norm",
     "Op",
+    "OutputGate",
     "QKVProj",
     "Residual",
     "Rope",
@@ -70,7 +78,7 @@ class Residual(enum.Enum):
 class TorchState:
     """The rows one forward carries through the ops, on the module path (torch tensors)."""
 
-    __slots__ = ("ctx", "k", "positions", "q", "residual", "seq_lens", "v", "x")
+    __slots__ = ("ctx", "gate", "k", "positions", "q", "residual", "seq_lens", "v", "x")
 
     def __init__(
         self,
@@ -85,6 +93,7 @@ class TorchState:
         self.q: Tensor | None = None
         self.k: Tensor | None = None
         self.v: Tensor | None = None
+        self.gate: Tensor | None = None  # a gated attention's output gate [T, heads * head_size]
 
 
 def _tensor(t: Tensor | None) -> Tensor:
@@ -174,7 +183,56 @@ class Block:
         s.x = self.module(s.x)
 
 
-Op = Norm | AddResidual | QKVProj | HeadNorm | Rope | Attend | Linear | Act | Block
+@dataclass(frozen=True, slots=True)
+class GatedQKVProj:
+    """q with its output gate (one projection giving [q | gate] per head), k and v (one projection each):
+    q, k, v and gate, each a contiguous [T, heads * head_size]."""
+
+    q_proj: torch.nn.Module
+    k_proj: torch.nn.Module
+    v_proj: torch.nn.Module
+    head_size: int
+
+    def run(self, s: TorchState) -> None:
+        t, hs = s.x.shape[0], self.head_size
+        qg = self.q_proj(s.x).view(t, -1, 2 * hs)
+        s.q, s.gate = qg[..., :hs].reshape(t, -1), qg[..., hs:].reshape(t, -1)
+        s.k, s.v = self.k_proj(s.x), self.v_proj(s.x)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputGate:
+    """x * sigmoid(gate): the attention output gated per channel (after `GatedQKVProj`)."""
+
+    def run(self, s: TorchState) -> None:
+        s.x = s.x * torch.sigmoid(_tensor(s.gate))
+
+
+@dataclass(frozen=True, slots=True)
+class LinearAttention:
+    """A linear-attention mixer (Gated DeltaNet: projections, causal conv1d, gated delta rule, gated norm,
+    out proj) on x, its recurrent state in the step's state slots."""
+
+    module: torch.nn.Module  # called as module(x, ctx)
+
+    def run(self, s: TorchState) -> None:
+        s.x = self.module(s.x, s.ctx)
+
+
+Op = (
+    Norm
+    | AddResidual
+    | QKVProj
+    | HeadNorm
+    | Rope
+    | Attend
+    | Linear
+    | Act
+    | Block
+    | GatedQKVProj
+    | OutputGate
+    | LinearAttention
+)
 
 
 def run_ops(ops: tuple[Op, ...], s: TorchState) -> None:

@@ -12,14 +12,14 @@ Gated DeltaNet linear-attention layers interleaved with gated full-attention lay
 The recurrent state (conv window and delta-rule state of every linear-attention layer) lives in a state slot per
 sequence (`pagedrs.runner.recurrent`); the step's metadata says each row's slot and whether it starts at
 position 0 (a zeroed state). Only the full-attention layers have paged KV: `num_layers` counts those, and
-their `Attention.layer_idx` is their index among them. The model runs on its torch modules (no fast CPU decode
-step); under tensor parallelism each rank holds its share of the heads of every layer and of the state.
+their `Attention.layer_idx` is their index among them. A layer is its description (`describe`:
+pagedrs.models.layer_desc), which the forward runs and the CPU decode step replays; under tensor parallelism each rank holds its share of the heads of every layer and of the state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -46,6 +46,24 @@ from pagedrs.layers.linear import (
 from pagedrs.layers.linear_form import copy_checked, no_shard
 from pagedrs.layers.rotary import get_rope
 from pagedrs.models.interface import CausalLM
+from pagedrs.models.layer_desc import (
+    AddResidual,
+    Attend,
+    Block,
+    DescribedModel,
+    GatedQKVProj,
+    HeadNorm,
+    Linear,
+    LinearAttention,
+    ModelDesc,
+    Norm,
+    Op,
+    OutputGate,
+    Residual,
+    Rope,
+    TorchState,
+    run_ops,
+)
 from pagedrs.models.utils import load_weights_into
 from pagedrs.multimodal import MultiModalBatch
 
@@ -297,15 +315,17 @@ class GatedAttention(torch.nn.Module):
         self.rotary_emb = rotary  # shared; registered on the model
         self.attn = Attention(self.num_heads, hs, self.num_kv_heads, index, scale=hs**-0.5)
 
-    def forward(self, positions: Tensor, x: Tensor, ctx: ForwardContext) -> Tensor:
-        t, hs = x.shape[0], self.head_size
-        q, gate = torch.chunk(self.q_proj(x).view(t, self.num_heads, hs * 2), 2, dim=-1)
-        gate = gate.reshape(t, -1)
-        q = self.q_norm(q).reshape(t, -1)
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, hs)).reshape(t, -1)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, self.v_proj(x), ctx)
-        return self.o_proj(out * torch.sigmoid(gate))
+    def describe(self) -> tuple[Op, ...]:
+        """q|gate, k, v projections, zero-centred per-head q/k norm, partial rotary, attention, output gate,
+        o proj."""
+        return (
+            GatedQKVProj(self.q_proj, self.k_proj, self.v_proj, self.head_size),
+            HeadNorm(self.q_norm, self.k_norm, self.head_size),
+            Rope(self.rotary_emb),
+            Attend(self.attn),
+            OutputGate(),
+            Linear(self.o_proj),
+        )
 
 
 class Qwen3_5MLP(torch.nn.Module):
@@ -336,15 +356,27 @@ class Qwen3_5DecoderLayer(torch.nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
 
-    def forward(self, positions: Tensor, x: Tensor, ctx: ForwardContext) -> Tensor:
-        h = self.input_layernorm(x)
+    def describe(self) -> tuple[Op, ...]:
+        """Pre-norm (its input kept as the residual), the mixer (linear or gated full attention), the residual
+        added; pre-norm, the MLP (dense or MoE, one op), the residual added."""
         mixer = getattr(self, "linear_attn", None)
-        h = mixer(h, ctx) if mixer is not None else self.self_attn(positions, h, ctx)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        mixer_ops = (LinearAttention(mixer),) if mixer is not None else self.self_attn.describe()
+        return (
+            Norm(self.input_layernorm, Residual.SAVE),
+            *mixer_ops,
+            AddResidual(),
+            Norm(self.post_attention_layernorm, Residual.SAVE),
+            Block(self.mlp),
+            AddResidual(),
+        )
+
+    def forward(self, positions: Tensor, x: Tensor, ctx: ForwardContext) -> Tensor:
+        s = TorchState(positions, ctx, None, x)
+        run_ops(self.describe(), s)
+        return s.x
 
 
-class Qwen3_5Model(torch.nn.Module):
+class Qwen3_5Model(DescribedModel):
     def __init__(
         self,
         config: PretrainedConfig,
@@ -372,12 +404,9 @@ class Qwen3_5Model(torch.nn.Module):
         self.layers = torch.nn.ModuleList(layers)
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
-        x = self.embed_tokens(input_ids)
-        layers = self.layers if ctx.exit_layer is None else self.layers[: ctx.exit_layer]
-        for layer in layers:
-            x = layer(positions, x, ctx)
-        return self.norm(x)
+    def describe(self) -> ModelDesc:
+        layers = [cast(Qwen3_5DecoderLayer, layer).describe() for layer in self.layers]
+        return ModelDesc.of(self.embed_tokens, layers, Norm(self.norm, Residual.NONE))
 
 
 def text_weights(weights: Iterable[tuple[str, Loaded]]) -> Iterator[tuple[str, Loaded]]:

@@ -1,0 +1,86 @@
+"""The CPU decode step replays Qwen3.5's hybrid description (`models.layer_desc`): tiny random Qwen3.5 dense and
+MoE models quantized at load (`quantization="q8_0"`) take the fast step on their decode steps (and only there),
+with the same token ids and top-5 logprobs as the modules (PAGEDRS_CPU_DECODE=0) under forced preemption (the
+recurrent state recomputed), chunked prefill (the state carried across chunks), prefix-cache hits (the state
+resumed from a snapshot) and n=2 (the state forked). The description is the family: Gated DeltaNet mixers on the
+linear-attention layers, gated attention (q|gate projection, zero-centred q/k norms, partial rotary, output
+gate) on the full-attention layer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagedrs.models.cpu_decode import CpuDecodeStep
+from pagedrs.models.layer_desc import (
+    Block,
+    GatedQKVProj,
+    HeadNorm,
+    LinearAttention,
+    ModelDesc,
+    OutputGate,
+    Rope,
+)
+from tests.distributed.helpers_tp import check_forced, run_workload, run_workload_logprobs, tp_engine
+from tests.helpers import make_tiny_model
+from tests.models.helpers_qwen3_5 import LAYER_TYPES, qwen3_5_config, qwen3_5_moe_config
+
+FAMILIES: dict[str, Callable[[Path], Path]] = {
+    "qwen3_5": lambda d: make_tiny_model(d / "qwen3_5", qwen3_5_config()),
+    "qwen3_5_moe": lambda d: make_tiny_model(d / "qwen3_5_moe", qwen3_5_moe_config()),
+}
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """[taken, declined] steps of the fast path."""
+    calls = [0, 0]
+    real = CpuDecodeStep.forward
+
+    def spy(step: CpuDecodeStep, *args: Any) -> Any:
+        out = real(step, *args)
+        calls[out is None] += 1
+        return out
+
+    monkeypatch.setattr(CpuDecodeStep, "forward", spy)
+    return calls
+
+
+def _check_description(desc: ModelDesc) -> None:
+    kinds = [[type(op) for op in layer] for layer in desc.layers]
+    for kind, ops in zip(LAYER_TYPES, kinds, strict=True):
+        full = kind == "full_attention"
+        assert (LinearAttention in ops) != full
+        for op in (GatedQKVProj, HeadNorm, Rope, OutputGate):
+            assert (op in ops) == full, (kind, ops)
+        assert ops.count(Block) == 1  # the MLP (dense or MoE) as one op
+    rope = next(op for layer in desc.layers for op in layer if isinstance(op, Rope)).module
+    assert rope.rotary_dim < rope.head_size  # partial rotary
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fast_step_replays_qwen3_5_as_the_modules(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = FAMILIES[family](tmp_path)
+    calls = _spy(monkeypatch)
+    kw = {"quantization": "q8_0"}
+    fast = tp_engine(path, 1, **kw)
+    step = fast.runner.model.model.cpu_decode
+    assert isinstance(step, CpuDecodeStep), "a model quantized at load on one CPU rank takes the fast step"
+    _check_description(step.desc)
+    ids, spy = run_workload(fast)
+    check_forced(fast, spy)
+    assert calls[0] > 0 and calls[1] > 0, calls  # decode steps taken, prefill steps declined
+    got = run_workload_logprobs(tp_engine(path, 1, **kw))
+
+    monkeypatch.setenv("PAGEDRS_CPU_DECODE", "0")
+    slow = tp_engine(path, 1, **kw)
+    assert slow.runner.model.model.cpu_decode is None
+    taken = calls[0]
+    want_ids, _ = run_workload(slow)
+    assert calls[0] == taken  # off: never called
+    assert ids == want_ids
+    assert got == run_workload_logprobs(tp_engine(path, 1, **kw))
