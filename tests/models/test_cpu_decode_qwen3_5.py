@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from pagedrs.models import qwen3_5
 from pagedrs.models.cpu_decode import CpuDecodeStep
 from pagedrs.models.layer_desc import (
     Block,
@@ -48,6 +49,19 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+def _kernel_spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Rows the Gated DeltaNet layers' decode steps ran through the Rust kernel."""
+    rows = [0]
+    real = qwen3_5.cpu_gated_delta_decode
+
+    def spy(qkv: Any, *args: Any) -> Any:
+        rows[0] += qkv.shape[0]
+        return real(qkv, *args)
+
+    monkeypatch.setattr(qwen3_5, "cpu_gated_delta_decode", spy)
+    return rows
+
+
 def _check_description(desc: ModelDesc) -> None:
     kinds = [[type(op) for op in layer] for layer in desc.layers]
     for kind, ops in zip(LAYER_TYPES, kinds, strict=True):
@@ -65,7 +79,7 @@ def test_fast_step_replays_qwen3_5_as_the_modules(
     family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = FAMILIES[family](tmp_path)
-    calls = _spy(monkeypatch)
+    calls, kernel = _spy(monkeypatch), _kernel_spy(monkeypatch)
     kw = {"quantization": "q8_0"}
     fast = tp_engine(path, 1, **kw)
     step = fast.runner.model.model.cpu_decode
@@ -74,6 +88,7 @@ def test_fast_step_replays_qwen3_5_as_the_modules(
     ids, spy = run_workload(fast)
     check_forced(fast, spy)
     assert calls[0] > 0 and calls[1] > 0, calls  # decode steps taken, prefill steps declined
+    assert kernel[0] > 0  # the linear-attention decode rows on the Rust kernel (both paths: the same bits)
     got = run_workload_logprobs(tp_engine(path, 1, **kw))
 
     monkeypatch.setenv("PAGEDRS_CPU_DECODE", "0")

@@ -1,6 +1,6 @@
 """The quantized CPU path's fused ops: RMSNorms, SiLU-and-muls and rotary embeddings switched to the Rust
 CPU ops (one call each instead of several torch ops; the norm's residual add fused in, norm and rotary in
-place). For the quantized CPU path only, whose results already differ from the float32 oracle's by more
+place), and the layers that declare a Rust op of their own (`cpu_fusable`: a Gated DeltaNet's decode step). For the quantized CPU path only, whose results already differ from the float32 oracle's by more
 than the ops' summation order does."""
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ class CpuFusedOps(DeviceForm):
         return opts.cpu_quantized
 
     def visit(self, name: str, module: torch.nn.Module) -> None:
-        if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)):
+        # a layer elsewhere with a Rust CPU op of its own says so (`cpu_fusable`: Gated DeltaNet's decode)
+        if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)) or getattr(
+            module, "cpu_fusable", False
+        ):
             module.cpu_fused = True
             self.count += 1
 

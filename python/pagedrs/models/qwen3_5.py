@@ -33,6 +33,7 @@ from pagedrs.layers.delta_rule import (
     causal_conv1d,
     causal_conv1d_update,
     chunk_gated_delta_rule_states,
+    cpu_gated_delta_decode,
     recurrent_gated_delta_rule,
 )
 from pagedrs.layers.linear import (
@@ -163,6 +164,10 @@ def _split_param(shape: tuple[int, ...], pieces: list[int], tp: TPGroup, fill: f
 
 
 class GatedDeltaNet(torch.nn.Module):
+    # Set on the quantized CPU path (`layers.cpu_fused`): decode rows take the Rust kernel.
+    cpu_fused = False
+    cpu_fusable = True
+
     def __init__(
         self, config: PretrainedConfig, index: int, *, tp: TPGroup, dtype: torch.dtype, device: torch.device
     ) -> None:
@@ -232,7 +237,12 @@ class GatedDeltaNet(torch.nn.Module):
 
     def _decode(self, qkv: Tensor, a: Tensor, b: Tensor, conv: Tensor, ssm: Tensor, idx: Tensor) -> Tensor:
         """One token of each of B sequences [B, ...], all at once, from their slots `idx` of the layer's `conv`
-        and `ssm` (gathered, stepped, scattered back) -> [B, value_dim]."""
+        and `ssm` (gathered, stepped, scattered back; on the quantized CPU path one Rust call in place) ->
+        [B, value_dim]."""
+        if self.cpu_fused and conv.device.type == "cpu" and qkv.dtype == conv.dtype == torch.float32:
+            w = self.conv1d.weight[:, 0]
+            nk = self.key_dim // self.head_k_dim
+            return cpu_gated_delta_decode(qkv, a, b, w, self.A_log, self.dt_bias, conv, ssm, idx, nk)
         window, state = conv.index_select(0, idx), ssm.index_select(0, idx)
         mixed = causal_conv1d_update(qkv, self.conv1d.weight[:, 0], window)
         q, k, v = self._heads(mixed[:, None])
