@@ -8,13 +8,14 @@ gate) on the full-attention layer."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pagedrs.models import qwen3_5
+from pagedrs import _core
 from pagedrs.models.cpu_decode import CpuDecodeStep
 from pagedrs.models.layer_desc import (
     Block,
@@ -49,16 +50,18 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def _kernel_spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Rows the Gated DeltaNet layers' decode steps ran through the Rust kernel."""
-    rows = [0]
-    real = qwen3_5.cpu_gated_delta_decode
+def _kernel_spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Rows the Gated DeltaNet layers' decode steps ran through the Rust kernel, by the calling module (the
+    fast step's or the layer's)."""
+    rows: dict[str, int] = {}
+    real = _core.cpu_gated_delta_decode
 
-    def spy(qkv: Any, *args: Any) -> Any:
-        rows[0] += qkv.shape[0]
-        return real(qkv, *args)
+    def spy(qkv: Any, *args: Any, **kw: Any) -> Any:
+        caller = sys._getframe(1).f_globals["__name__"]
+        rows[caller] = rows.get(caller, 0) + qkv.shape[0]
+        return real(qkv, *args, **kw)
 
-    monkeypatch.setattr(qwen3_5, "cpu_gated_delta_decode", spy)
+    monkeypatch.setattr(_core, "cpu_gated_delta_decode", spy)
     return rows
 
 
@@ -88,14 +91,16 @@ def test_fast_step_replays_qwen3_5_as_the_modules(
     ids, spy = run_workload(fast)
     check_forced(fast, spy)
     assert calls[0] > 0 and calls[1] > 0, calls  # decode steps taken, prefill steps declined
-    assert kernel[0] > 0  # the linear-attention decode rows on the Rust kernel (both paths: the same bits)
+    assert kernel.get("pagedrs.models.cpu_decode_hybrid", 0) > 0  # the fast step's decode rows on the kernel
     got = run_workload_logprobs(tp_engine(path, 1, **kw))
 
     monkeypatch.setenv("PAGEDRS_CPU_DECODE", "0")
     slow = tp_engine(path, 1, **kw)
     assert slow.runner.model.model.cpu_decode is None
     taken = calls[0]
+    kernel.clear()
     want_ids, _ = run_workload(slow)
     assert calls[0] == taken  # off: never called
+    assert kernel.get("pagedrs.layers.delta_rule", 0) > 0  # the modules' decode rows: the same kernel
     assert ids == want_ids
     assert got == run_workload_logprobs(tp_engine(path, 1, **kw))
