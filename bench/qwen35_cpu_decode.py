@@ -29,9 +29,42 @@ from typing import Any
 
 import torch
 from _common import add_commit_arg, command_line, git_info, json_safe, machine_info, write_json
-from hybrid_prefix import LinearTimer, make_model
+from hybrid_prefix import make_model
 
 from pagedrs import EngineArgs, LLMEngine, SamplingParams
+from pagedrs.models.layer_desc import LinearAttention
+from pagedrs.models.qwen3_5 import GatedDeltaNet
+
+
+class LinearTimer:
+    """Wall time spent in the linear-attention layers while `on`: their modules' forward (the module path) and
+    the fast step's compiled steps of their `LinearAttention` ops, wrapped (no hooks: a hook would send the
+    fast step through the module)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.on, self.total, self._inside = False, 0.0, False
+        model: Any = engine.runner.model
+        for m in model.modules():
+            if isinstance(m, GatedDeltaNet):
+                m.forward = self._timed(m.forward)  # type: ignore[method-assign]
+        fast = model.model.cpu_decode
+        for ops, steps in zip(fast.desc.layers, fast.layers, strict=True):
+            for j, op in enumerate(ops):
+                if isinstance(op, LinearAttention):
+                    steps[j] = self._timed(steps[j])
+
+    def _timed(self, fn: Any) -> Any:
+        def run(*args: Any) -> Any:
+            if not self.on or self._inside:
+                return fn(*args)
+            self._inside, t0 = True, time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.total += time.perf_counter() - t0
+                self._inside = False
+
+        return run
 
 
 def make_engine(model: str, args: argparse.Namespace) -> LLMEngine:
@@ -58,7 +91,7 @@ def until_decoding(engine: LLMEngine, n: int) -> None:
     done: set[str] = set()
     while len(done) < n:
         for out in engine.step():
-            if out.outputs and out.outputs[0].token_ids:
+            if isinstance(out.outputs, list) and out.outputs and out.outputs[0].token_ids:
                 done.add(out.request_id)
 
 
@@ -85,9 +118,8 @@ def timed_steps(engine: LLMEngine, timer: LinearTimer, steps: int) -> dict[str, 
 
 def context(model: str, length: int, args: argparse.Namespace) -> dict[str, Any]:
     engine = make_engine(model, args)
-    assert engine.runner.model.model.cpu_decode is not None, (
-        "the quantized model was meant to take the fast step"
-    )
+    loaded: Any = engine.runner.model
+    assert loaded.model.cpu_decode is not None, "the quantized model was meant to take the fast step"
     timer = LinearTimer(engine)
     rng = random.Random(length)
     prompt = [rng.randrange(args.vocab) for _ in range(length)]

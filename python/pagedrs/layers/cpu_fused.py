@@ -5,6 +5,8 @@ than the ops' summation order does."""
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 
 from pagedrs.layers.activation import SiluAndMul
@@ -26,11 +28,11 @@ class CpuFusedOps(DeviceForm):
         return opts.cpu_quantized
 
     def visit(self, name: str, module: torch.nn.Module) -> None:
-        # a layer elsewhere with a Rust CPU op of its own says so (`cpu_fusable`: Gated DeltaNet's decode)
-        if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)) or getattr(
-            module, "cpu_fusable", False
-        ):
+        if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)):
             module.cpu_fused = True
+            self.count += 1
+        elif getattr(module, "cpu_fusable", False):  # a layer with a Rust CPU op of its own (Gated DeltaNet)
+            cast(Any, module).cpu_fused = True
             self.count += 1
 
     def finish(self, model: torch.nn.Module) -> int:

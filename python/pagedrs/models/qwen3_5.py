@@ -370,7 +370,10 @@ class Qwen3_5DecoderLayer(torch.nn.Module):
         """Pre-norm (its input kept as the residual), the mixer (linear or gated full attention), the residual
         added; pre-norm, the MLP (dense or MoE, one op), the residual added."""
         mixer = getattr(self, "linear_attn", None)
-        mixer_ops = (LinearAttention(mixer),) if mixer is not None else self.self_attn.describe()
+        if mixer is not None:
+            mixer_ops: tuple[Op, ...] = (LinearAttention(mixer),)
+        else:
+            mixer_ops = cast(GatedAttention, self.self_attn).describe()
         return (
             Norm(self.input_layernorm, Residual.SAVE),
             *mixer_ops,

@@ -120,7 +120,13 @@ pub fn gated_delta_decode(
     for (r, &slot) in rows.slots.iter().enumerate() {
         let slot = slot as usize;
         let window = &mut state.conv[slot * conv_slot..(slot + 1) * conv_slot];
-        conv_step(&rows.qkv[r * c..(r + 1) * c], params.conv_weight, window, kk, &mut mixed);
+        conv_step(
+            &rows.qkv[r * c..(r + 1) * c],
+            params.conv_weight,
+            window,
+            kk,
+            &mut mixed,
+        );
         let s = &mut state.ssm[slot * ssm_slot..(slot + 1) * ssm_slot];
         let o = &mut out[r * dims.value_dim()..(r + 1) * dims.value_dim()];
         let gates = (&rows.a[r * hv..(r + 1) * hv], &rows.b[r * hv..(r + 1) * hv]);
@@ -301,7 +307,13 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn add_axpy(row: &mut [f32], ki: f32, delta: &[f32], qi: f32, out: &mut [f32]) {
+    pub(super) unsafe fn add_axpy(
+        row: &mut [f32],
+        ki: f32,
+        delta: &[f32],
+        qi: f32,
+        out: &mut [f32],
+    ) {
         let n = row.len().min(delta.len()).min(out.len());
         let (vk, vq) = (_mm256_set1_ps(ki), _mm256_set1_ps(qi));
         let mut i = 0;
@@ -358,14 +370,25 @@ mod tests {
         };
         let slots = [2i64, 0];
         let steps: Vec<_> = (0..3)
-            .map(|_| (rand(&mut seed, 2 * c), rand(&mut seed, 6), rand(&mut seed, 6)))
+            .map(|_| {
+                (
+                    rand(&mut seed, 2 * c),
+                    rand(&mut seed, 6),
+                    rand(&mut seed, 6),
+                )
+            })
             .collect();
         let run = |isa: Isa| {
             let mut conv = vec![0.1f32; 3 * c * 3];
             let mut ssm = vec![0.05f32; 3 * 3 * 5 * 11];
             let mut outs = Vec::new();
             for (qkv, a, b) in &steps {
-                let rows = DeltaRows { qkv, a, b, slots: &slots };
+                let rows = DeltaRows {
+                    qkv,
+                    a,
+                    b,
+                    slots: &slots,
+                };
                 let mut out = vec![0.0f32; 2 * 33];
                 let mut st = DeltaState {
                     conv: &mut conv,
@@ -381,7 +404,10 @@ mod tests {
         for isa in Isa::supported() {
             let got = run(isa);
             for (x, y) in [(&got.0, &want.0), (&got.1, &want.1), (&got.2, &want.2)] {
-                assert!(x.iter().zip(y).all(|(a, b)| (a - b).abs() <= 1e-5), "{isa:?}");
+                assert!(
+                    x.iter().zip(y).all(|(a, b)| (a - b).abs() <= 1e-5),
+                    "{isa:?}"
+                );
             }
         }
     }
@@ -416,7 +442,14 @@ mod tests {
             ssm: &mut ssm,
         };
         let err = gated_delta_decode(Isa::Portable, &dims, &params, &rows, &mut st, &mut out);
-        assert_eq!(err, Err(KernelError::Row { index: 0, id: 1, n: 1 }));
+        assert_eq!(
+            err,
+            Err(KernelError::Row {
+                index: 0,
+                id: 1,
+                n: 1
+            })
+        );
         dims.num_k_heads = 2;
         let err = gated_delta_decode(Isa::Portable, &dims, &params, &rows, &mut st, &mut out);
         assert!(matches!(err, Err(KernelError::Heads { .. })));
