@@ -1,7 +1,8 @@
 """The quantized CPU path's fused ops: RMSNorms, SiLU-and-muls and rotary embeddings switched to the Rust
 CPU ops (one call each instead of several torch ops; the norm's residual add fused in, norm and rotary in
-place), and the layers that declare a Rust op of their own (`cpu_fusable`: a Gated DeltaNet's decode step). For the quantized CPU path only, whose results already differ from the float32 oracle's by more
-than the ops' summation order does."""
+place), and the layers that declare a Rust op of their own (`cpu_fusable`: a Gated DeltaNet's decode
+step). For the quantized CPU path only, whose results already differ from the float32 oracle's by more than
+the ops' summation order does."""
 
 from __future__ import annotations
 
