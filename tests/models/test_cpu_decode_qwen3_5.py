@@ -4,7 +4,7 @@ with the same token ids and top-5 logprobs as the modules (PAGEDRS_CPU_DECODE=0)
 recurrent state recomputed), chunked prefill (the state carried across chunks), prefix-cache hits (the state
 resumed from a snapshot) and n=2 (the state forked). The description is the family: Gated DeltaNet mixers on the
 linear-attention layers, gated attention (q|gate projection, zero-centred q/k norms, partial rotary, output
-gate) on the full-attention layer."""
+gate) on the full-attention layer. A Q8_0 GGUF file of the family takes the step too."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import transformers
 
 from pagedrs import _core
 from pagedrs.models.cpu_decode import CpuDecodeStep
@@ -27,7 +29,9 @@ from pagedrs.models.layer_desc import (
     Rope,
 )
 from tests.distributed.helpers_tp import check_forced, run_workload, run_workload_logprobs, tp_engine
+from tests.engine.conftest import PlanSpy, greedy, make_engine, random_prompts, run_all
 from tests.helpers import make_tiny_model
+from tests.models import helpers_gguf_hybrid
 from tests.models.helpers_qwen3_5 import LAYER_TYPES, qwen3_5_config, qwen3_5_moe_config
 
 FAMILIES: dict[str, Callable[[Path], Path]] = {
@@ -104,3 +108,30 @@ def test_fast_step_replays_qwen3_5_as_the_modules(
     assert kernel.get("pagedrs.layers.delta_rule", 0) > 0  # the modules' decode rows: the same kernel
     assert ids == want_ids
     assert got == run_workload_logprobs(tp_engine(path, 1, **kw))
+
+
+def test_a_q8_0_gguf_takes_the_fast_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Qwen3.5 GGUF with every projection in Q8_0 (as llama.cpp's converter writes it) takes the fast step on
+    its decode steps, with the modules' greedy ids (prompts chunked, the pool forcing preemption)."""
+    monkeypatch.setenv("PAGEDRS_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(qwen3_5_config(linear_value_head_dim=32)).eval()
+    q8_0 = tuple(n for n, _ in hf.named_parameters() if n.endswith("proj.weight"))
+    real = helpers_gguf_hybrid._round
+    monkeypatch.setattr(helpers_gguf_hybrid, "_round", lambda m: real(m, q8_0, ()))
+    path = helpers_gguf_hybrid.write_qwen35_gguf(hf, tmp_path / "tiny-qwen35.gguf", "qwen35")
+    calls = _spy(monkeypatch)
+
+    def run() -> dict[str, list[int]]:
+        engine = make_engine(path, block_size=4, max_num_batched_tokens=8, num_kv_blocks=14)
+        spy = PlanSpy().attach(engine)
+        for i, prompt in enumerate(random_prompts([13, 6, 20], seed=3)):
+            engine.add_request(str(i), prompt, greedy(12))
+        outs = run_all(engine)
+        assert spy.preemptions > 0 and spy.chunked_prefills > 0
+        return {rid: list(o.outputs[0].token_ids) for rid, o in outs.items()}
+
+    ids = run()
+    assert calls[0] > 0 and calls[1] > 0, calls
+    monkeypatch.setenv("PAGEDRS_CPU_DECODE", "0")
+    assert run() == ids
