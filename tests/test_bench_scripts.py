@@ -90,7 +90,9 @@ def test_no_script_changes_sys_path(script: Path) -> None:
     assert _touches_sys_path(ast.parse(script.read_text())) == [], f"{script.name} changes sys.path"
 
 
-@pytest.mark.parametrize("script", ["liquid.py", "memory.py", "serving.py", "gpu_summary.py"])
+@pytest.mark.parametrize(
+    "script", ["liquid.py", "memory.py", "serving.py", "gpu_summary.py", "qwen35_cpu_decode.py"]
+)
 def test_scripts_import_from_outside_the_repo(script: str, tmp_path: Path) -> None:
     proc = _run(script, "--help", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -175,6 +175,25 @@ def cpu_rope_neox(
     """Rotary embedding (neox) in place on q [T, Hq*D] and k [T, Hk*D] (rows may be spaced, last dim
     contiguous); cos_sin float32 [P, rotary_dim] (cos | sin)."""
 
+def cpu_gated_delta_decode(
+    qkv: npt.NDArray[np.float32],
+    a: npt.NDArray[np.float32],
+    b: npt.NDArray[np.float32],
+    slots: npt.NDArray[np.int64],
+    conv_weight: npt.NDArray[np.float32],
+    a_log: npt.NDArray[np.float32],
+    dt_bias: npt.NDArray[np.float32],
+    conv_state: npt.NDArray[np.float32],
+    ssm_state: npt.NDArray[np.float32],
+    out: npt.NDArray[np.float32],
+    num_k_heads: int,
+    isa: str | None = None,
+) -> None:
+    """One token per row through a Gated DeltaNet layer's causal conv1d (SiLU) and gated delta rule, in place
+    on the state pools: qkv [B, conv_dim], a/b [B, value heads], slots int64 [B], conv_weight [conv_dim,
+    kernel], a_log/dt_bias [value heads], conv_state [slots, conv_dim, kernel - 1], ssm_state [slots, value
+    heads, head_k, head_v], out [B, value heads * head_v]; float32, C-contiguous."""
+
 class FinishReason:
     """Why the scheduler finished a sequence. `value` is OpenAI's name: "stop" or "length"."""
 

@@ -1,9 +1,12 @@
 """The quantized CPU path's fused ops: RMSNorms, SiLU-and-muls and rotary embeddings switched to the Rust
 CPU ops (one call each instead of several torch ops; the norm's residual add fused in, norm and rotary in
-place). For the quantized CPU path only, whose results already differ from the float32 oracle's by more
-than the ops' summation order does."""
+place), and the layers that declare a Rust op of their own (`cpu_fusable`: a Gated DeltaNet's decode
+step). For the quantized CPU path only, whose results already differ from the float32 oracle's by more than
+the ops' summation order does."""
 
 from __future__ import annotations
+
+from typing import Any, cast
 
 import torch
 
@@ -28,6 +31,9 @@ class CpuFusedOps(DeviceForm):
     def visit(self, name: str, module: torch.nn.Module) -> None:
         if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)):
             module.cpu_fused = True
+            self.count += 1
+        elif getattr(module, "cpu_fusable", False):  # a layer with a Rust CPU op of its own (Gated DeltaNet)
+            cast(Any, module).cpu_fused = True
             self.count += 1
 
     def finish(self, model: torch.nn.Module) -> int:

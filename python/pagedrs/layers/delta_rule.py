@@ -5,22 +5,27 @@ transformers' torch fallbacks compute them (`torch_chunk_gated_delta_rule`, `tor
 Per value head the state S [k_dim, v_dim] evolves token by token: S = S * exp(g); S += k (beta (v - S^T k))^T;
 the output is S^T q, with q and k L2-normalised and q scaled by k_dim^-0.5. The chunked form computes the same
 in chunks of 64 tokens (a triangular solve within a chunk, one state update per chunk) for prefill; the
-recurrent form steps one token at a time for decode.
+recurrent form steps one token at a time for decode. On the quantized CPU path a decode step (the conv update
+and one step of the rule, in place on the state pools) is one Rust call (`cpu_gated_delta_decode`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from pagedrs import _core
 
 __all__ = [
     "causal_conv1d",
     "causal_conv1d_update",
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_states",
+    "cpu_gated_delta_decode",
     "recurrent_gated_delta_rule",
 ]
 
@@ -140,3 +145,41 @@ def chunk_gated_delta_rule_states(
         s = s * chunk_decay[:, :, i] + k_end[:, :, i].transpose(-1, -2) @ v_new
     out = out.reshape(b, h, -1, dv)[:, :, :n]
     return out.transpose(1, 2).contiguous().to(dtype), s, states
+
+
+def cpu_gated_delta_decode(
+    qkv: Tensor,
+    a: Tensor,
+    b: Tensor,
+    conv_weight: Tensor,
+    a_log: Tensor,
+    dt_bias: Tensor,
+    conv: Tensor,
+    ssm: Tensor,
+    slots: Tensor,
+    num_k_heads: int,
+) -> Tensor:
+    """One token per row on the Rust kernel: `causal_conv1d_update` then `recurrent_gated_delta_rule` with the
+    gates g = -exp(a_log) * softplus(a + dt_bias), beta = sigmoid(b), each row's state at its slot (int64
+    `slots` [B]) of the pools `conv` [S, C, K - 1] and `ssm` [S, Hv, Dk, Dv], updated in place. qkv [B, C]
+    (the projection's [q | k | v]), a/b [B, Hv], conv_weight [C, K]; float32 CPU tensors -> [B, Hv * Dv]."""
+    n, hv, dv = qkv.shape[0], ssm.shape[1], ssm.shape[3]
+    out = np.empty((n, hv * dv), dtype=np.float32)
+
+    def arr(t: Tensor) -> np.ndarray:
+        return t.detach().contiguous().numpy()
+
+    _core.cpu_gated_delta_decode(
+        arr(qkv),
+        arr(a),
+        arr(b),
+        arr(slots),
+        arr(conv_weight),
+        arr(a_log),
+        arr(dt_bias),
+        conv.detach().numpy(),
+        ssm.detach().numpy(),
+        out,
+        num_k_heads,
+    )
+    return torch.from_numpy(out)

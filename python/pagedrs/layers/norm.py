@@ -8,7 +8,7 @@ from torch import Tensor
 
 from pagedrs.layers.kernel_switch import KernelLayer
 
-__all__ = ["GemmaRMSNorm", "LayerNorm", "RMSNorm"]
+__all__ = ["GatedRMSNorm", "GemmaRMSNorm", "LayerNorm", "RMSNorm", "ZeroCenteredRMSNorm"]
 
 
 def cpu_rows(*tensors: Tensor) -> bool:
@@ -132,3 +132,33 @@ class LayerNorm(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * (1 + weight), in float32 (HF's Qwen3_5RMSNorm)."""
+
+    def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(size, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(torch.nn.Module):
+    """RMSNorm of x (times weight), then times silu(gate) (HF's Qwen3_5RMSNormGated)."""
+
+    def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * xf.to(dtype)
+        return (out * F.silu(gate.float())).to(dtype)

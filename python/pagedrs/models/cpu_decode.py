@@ -43,17 +43,21 @@ from pagedrs.layers.device_form import DeviceForm, PrepareOptions
 from pagedrs.layers.mrope import MRotaryEmbedding
 from pagedrs.layers.norm import RMSNorm
 from pagedrs.layers.quantized import QuantizedWeight
+from pagedrs.models import cpu_decode_hybrid as hybrid
 from pagedrs.models.layer_desc import (
     Act,
     AddResidual,
     Attend,
     Block,
     DescribedModel,
+    GatedQKVProj,
     HeadNorm,
     Linear,
+    LinearAttention,
     ModelDesc,
     Norm,
     Op,
+    OutputGate,
     ProjectQKV,
     QKVProj,
     Residual,
@@ -95,6 +99,7 @@ class _Replay:
         "caches",
         "ctx",
         "full",
+        "gate",
         "groups",
         "k",
         "pos",
@@ -125,6 +130,7 @@ class _Replay:
         self.q: F32 | None = None
         self.k: F32 | None = None
         self.v: F32 | None = None
+        self.gate: F32 | None = None
         self.seq_lens: Tensor | None = None
         self.saved: dict[str, Tensor] = {}  # as `TorchState.saved`: the ops' own torch tensors
 
@@ -145,11 +151,11 @@ def _on_module(op: Op) -> Step:
 
     def run(s: _Replay) -> None:
         ts = TorchState(s.positions, s.ctx, s.seq_lens, torch.from_numpy(s.x), _torch(s.residual))
-        ts.q, ts.k, ts.v = _torch(s.q), _torch(s.k), _torch(s.v)
+        ts.q, ts.k, ts.v, ts.gate = _torch(s.q), _torch(s.k), _torch(s.v), _torch(s.gate)
         ts.saved = s.saved
         op.run(ts)
         s.x, s.residual = ts.x.numpy(), _numpy(ts.residual)
-        s.q, s.k, s.v = _numpy(ts.q), _numpy(ts.k), _numpy(ts.v)
+        s.q, s.k, s.v, s.gate = _numpy(ts.q), _numpy(ts.k), _numpy(ts.v), _numpy(ts.gate)
 
     return run
 
@@ -365,6 +371,13 @@ def _compile(op: Op) -> Step:
             return _block(op)
         case ProjectQKV() | SavedBlock():  # modules reading the forward's saved tensors: called as they are
             return _on_module(op)
+
+        case GatedQKVProj():
+            return hybrid.gated_qkv_step(op, _on_module(op))
+        case OutputGate():
+            return hybrid.output_gate_step(op)
+        case LinearAttention():
+            return hybrid.linear_attention_step(op)
 
 
 def _split(unit: object) -> bool:

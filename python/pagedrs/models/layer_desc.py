@@ -24,6 +24,11 @@ the attention block:
   saved tensors (Gemma 4: separate projections, per-head norms, RoPE, a shared-KV layer taking the k/v an
   earlier layer saved). `SavedBlock`: a module called on x and the saved tensors (Gemma 4's per-layer
   input mixed into the layer's output).
+- Gated attention (Qwen3.5's full-attention layers): `GatedQKVProj` (separate q|gate, k and v projections;
+  the per-head output gate kept in `gate`), then the attention ops, then `OutputGate` (x * sigmoid(gate))
+  before the o proj.
+- `LinearAttention`: a linear-attention mixer (Qwen3.5's Gated DeltaNet) on x, with its recurrent state in
+  the step's state slots (`ctx.attn_metadata.recurrent`).
 
 The model: `embed` (its embedding, with Gemma's sqrt(hidden) scale), `saved` (the tensors a forward
 computes once from the ids and the embeddings for its layers' ops, Gemma 4's per-layer inputs), the layers,
@@ -52,11 +57,14 @@ __all__ = [
     "Block",
     "DecodeFastPath",
     "DescribedModel",
+    "GatedQKVProj",
     "HeadNorm",
     "Linear",
+    "LinearAttention",
     "ModelDesc",
     "Norm",
     "Op",
+    "OutputGate",
     "QKVProj",
     "ProjectQKV",
     "Residual",
@@ -78,7 +86,7 @@ class Residual(enum.Enum):
 class TorchState:
     """The rows one forward carries through the ops, on the module path (torch tensors)."""
 
-    __slots__ = ("ctx", "k", "positions", "q", "residual", "saved", "seq_lens", "v", "x")
+    __slots__ = ("ctx", "gate", "k", "positions", "q", "residual", "saved", "seq_lens", "v", "x")
 
     def __init__(
         self,
@@ -95,6 +103,7 @@ class TorchState:
         self.v: Tensor | None = None
         # tensors of this forward that later ops read (`ModelDesc.saved`, a shared-KV layer's k/v)
         self.saved: dict[str, Tensor] = {}
+        self.gate: Tensor | None = None  # a gated attention's output gate [T, heads * head_size]
 
 
 def _tensor(t: Tensor | None) -> Tensor:
@@ -214,7 +223,58 @@ class SavedBlock:
         s.x = self.module(s.x, s.saved)
 
 
-Op = Norm | AddResidual | QKVProj | HeadNorm | Rope | Attend | Linear | Act | Block | ProjectQKV | SavedBlock
+@dataclass(frozen=True, slots=True)
+class GatedQKVProj:
+    """q with its output gate (one projection giving [q | gate] per head), k and v (one projection each):
+    q, k, v and gate, each a contiguous [T, heads * head_size]."""
+
+    q_proj: torch.nn.Module
+    k_proj: torch.nn.Module
+    v_proj: torch.nn.Module
+    head_size: int
+
+    def run(self, s: TorchState) -> None:
+        t, hs = s.x.shape[0], self.head_size
+        qg = self.q_proj(s.x).view(t, -1, 2 * hs)
+        s.q, s.gate = qg[..., :hs].reshape(t, -1), qg[..., hs:].reshape(t, -1)
+        s.k, s.v = self.k_proj(s.x), self.v_proj(s.x)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputGate:
+    """x * sigmoid(gate): the attention output gated per channel (after `GatedQKVProj`)."""
+
+    def run(self, s: TorchState) -> None:
+        s.x = s.x * torch.sigmoid(_tensor(s.gate))
+
+
+@dataclass(frozen=True, slots=True)
+class LinearAttention:
+    """A linear-attention mixer (Gated DeltaNet: projections, causal conv1d, gated delta rule, gated norm,
+    out proj) on x, its recurrent state in the step's state slots."""
+
+    module: torch.nn.Module  # called as module(x, ctx)
+
+    def run(self, s: TorchState) -> None:
+        s.x = self.module(s.x, s.ctx)
+
+
+Op = (
+    Norm
+    | AddResidual
+    | QKVProj
+    | HeadNorm
+    | Rope
+    | Attend
+    | Linear
+    | Act
+    | Block
+    | GatedQKVProj
+    | OutputGate
+    | LinearAttention
+    | ProjectQKV
+    | SavedBlock
+)
 
 
 def run_ops(ops: tuple[Op, ...], s: TorchState) -> None:

@@ -12,14 +12,14 @@ Gated DeltaNet linear-attention layers interleaved with gated full-attention lay
 The recurrent state (conv window and delta-rule state of every linear-attention layer) lives in a state slot per
 sequence (`pagedrs.runner.recurrent`); the step's metadata says each row's slot and whether it starts at
 position 0 (a zeroed state). Only the full-attention layers have paged KV: `num_layers` counts those, and
-their `Attention.layer_idx` is their index among them. The model runs on its torch modules (no fast CPU decode
-step; with the layer kernels on, decode rows of the linear-attention layers take cuda/delta_rule.cu); under tensor parallelism each rank holds its share of the heads of every layer and of the state.
+their `Attention.layer_idx` is their index among them. A layer is its description (`describe`:
+pagedrs.models.layer_desc), which the forward runs and the CPU decode step replays; with the layer kernels on (CUDA), decode rows of the linear-attention layers take cuda/delta_rule.cu; under tensor parallelism each rank holds its share of the heads of every layer and of the state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ from pagedrs.layers.delta_rule import (
     causal_conv1d,
     causal_conv1d_update,
     chunk_gated_delta_rule_states,
+    cpu_gated_delta_decode,
     recurrent_gated_delta_rule,
 )
 from pagedrs.layers.linear import (
@@ -45,8 +46,27 @@ from pagedrs.layers.linear import (
     VocabParallelEmbedding,
 )
 from pagedrs.layers.linear_form import copy_checked, no_shard
+from pagedrs.layers.norm import GatedRMSNorm, ZeroCenteredRMSNorm
 from pagedrs.layers.rotary import get_rope
 from pagedrs.models.interface import CausalLM
+from pagedrs.models.layer_desc import (
+    AddResidual,
+    Attend,
+    Block,
+    DescribedModel,
+    GatedQKVProj,
+    HeadNorm,
+    Linear,
+    LinearAttention,
+    ModelDesc,
+    Norm,
+    Op,
+    OutputGate,
+    Residual,
+    Rope,
+    TorchState,
+    run_ops,
+)
 from pagedrs.models.utils import load_weights_into
 from pagedrs.multimodal import MultiModalBatch
 
@@ -80,36 +100,6 @@ class RecurrentShape:
         conv = self.conv[0] * self.conv[1]
         ssm = self.ssm[0] * self.ssm[1] * self.ssm[2]
         return self.num_layers * (conv + ssm) * 4
-
-
-class ZeroCenteredRMSNorm(torch.nn.Module):
-    """x * rsqrt(mean(x^2) + eps) * (1 + weight), in float32 (HF's Qwen3_5RMSNorm)."""
-
-    def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.zeros(size, dtype=dtype, device=device), requires_grad=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).type_as(x)
-
-
-class GatedRMSNorm(torch.nn.Module):
-    """RMSNorm of x (times weight), then times silu(gate) (HF's Qwen3_5RMSNormGated)."""
-
-    def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
-
-    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(dtype)
-        return (out * F.silu(gate.float())).to(dtype)
 
 
 class _ConvWeight(torch.nn.Module):
@@ -146,6 +136,10 @@ def _split_param(shape: tuple[int, ...], pieces: list[int], tp: TPGroup, fill: f
 
 
 class GatedDeltaNet(torch.nn.Module):
+    # Set on the quantized CPU path (`layers.cpu_fused`): decode rows take the Rust kernel.
+    cpu_fused = False
+    cpu_fusable = True
+
     def __init__(
         self, config: PretrainedConfig, index: int, *, tp: TPGroup, dtype: torch.dtype, device: torch.device
     ) -> None:
@@ -224,12 +218,17 @@ class GatedDeltaNet(torch.nn.Module):
 
     def _decode(self, qkv: Tensor, a: Tensor, b: Tensor, conv: Tensor, ssm: Tensor, idx: Tensor) -> Tensor:
         """One token of each of B sequences [B, ...], all at once, from their slots `idx` of the layer's `conv`
-        and `ssm` (gathered, stepped, scattered back; in place on the fused CUDA step) -> [B, value_dim]."""
+        and `ssm` (gathered, stepped, scattered back; in place on the fused CUDA step, and on the quantized CPU
+        path one Rust call) -> [B, value_dim]."""
         if self.cuda_kernels and qkv.dtype == self.dt_bias.dtype:
             w = self.conv1d.weight[:, 0]
             k_heads = self.key_dim // self.head_k_dim
             slots = idx.to(torch.int32)
             return gated_delta_decode(qkv, a, b, w, self.dt_bias, self.A_log, conv, ssm, slots, k_heads)
+        if self.cpu_fused and conv.device.type == "cpu" and qkv.dtype == conv.dtype == torch.float32:
+            w = self.conv1d.weight[:, 0]
+            nk = self.key_dim // self.head_k_dim
+            return cpu_gated_delta_decode(qkv, a, b, w, self.A_log, self.dt_bias, conv, ssm, idx, nk)
         window, state = conv.index_select(0, idx), ssm.index_select(0, idx)
         mixed = causal_conv1d_update(qkv, self.conv1d.weight[:, 0], window)
         q, k, v = self._heads(mixed[:, None])
@@ -312,15 +311,17 @@ class GatedAttention(torch.nn.Module):
         self.rotary_emb = rotary  # shared; registered on the model
         self.attn = Attention(self.num_heads, hs, self.num_kv_heads, index, scale=hs**-0.5)
 
-    def forward(self, positions: Tensor, x: Tensor, ctx: ForwardContext) -> Tensor:
-        t, hs = x.shape[0], self.head_size
-        q, gate = torch.chunk(self.q_proj(x).view(t, self.num_heads, hs * 2), 2, dim=-1)
-        gate = gate.reshape(t, -1)
-        q = self.q_norm(q).reshape(t, -1)
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, hs)).reshape(t, -1)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, self.v_proj(x), ctx)
-        return self.o_proj(out * torch.sigmoid(gate))
+    def describe(self) -> tuple[Op, ...]:
+        """q|gate, k, v projections, zero-centred per-head q/k norm, partial rotary, attention, output gate,
+        o proj."""
+        return (
+            GatedQKVProj(self.q_proj, self.k_proj, self.v_proj, self.head_size),
+            HeadNorm(self.q_norm, self.k_norm, self.head_size),
+            Rope(self.rotary_emb),
+            Attend(self.attn),
+            OutputGate(),
+            Linear(self.o_proj),
+        )
 
 
 class Qwen3_5MLP(torch.nn.Module):
@@ -351,15 +352,30 @@ class Qwen3_5DecoderLayer(torch.nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
 
-    def forward(self, positions: Tensor, x: Tensor, ctx: ForwardContext) -> Tensor:
-        h = self.input_layernorm(x)
+    def describe(self) -> tuple[Op, ...]:
+        """Pre-norm (its input kept as the residual), the mixer (linear or gated full attention), the residual
+        added; pre-norm, the MLP (dense or MoE, one op), the residual added."""
         mixer = getattr(self, "linear_attn", None)
-        h = mixer(h, ctx) if mixer is not None else self.self_attn(positions, h, ctx)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if mixer is not None:
+            mixer_ops: tuple[Op, ...] = (LinearAttention(mixer),)
+        else:
+            mixer_ops = cast(GatedAttention, self.self_attn).describe()
+        return (
+            Norm(self.input_layernorm, Residual.SAVE),
+            *mixer_ops,
+            AddResidual(),
+            Norm(self.post_attention_layernorm, Residual.SAVE),
+            Block(self.mlp),
+            AddResidual(),
+        )
+
+    def forward(self, positions: Tensor, x: Tensor, ctx: ForwardContext) -> Tensor:
+        s = TorchState(positions, ctx, None, x)
+        run_ops(self.describe(), s)
+        return s.x
 
 
-class Qwen3_5Model(torch.nn.Module):
+class Qwen3_5Model(DescribedModel):
     def __init__(
         self,
         config: PretrainedConfig,
@@ -387,12 +403,9 @@ class Qwen3_5Model(torch.nn.Module):
         self.layers = torch.nn.ModuleList(layers)
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
-        x = self.embed_tokens(input_ids)
-        layers = self.layers if ctx.exit_layer is None else self.layers[: ctx.exit_layer]
-        for layer in layers:
-            x = layer(positions, x, ctx)
-        return self.norm(x)
+    def describe(self) -> ModelDesc:
+        layers = [cast(Qwen3_5DecoderLayer, layer).describe() for layer in self.layers]
+        return ModelDesc.of(self.embed_tokens, layers, Norm(self.norm, Residual.NONE))
 
 
 def text_weights(weights: Iterable[tuple[str, Loaded]]) -> Iterator[tuple[str, Loaded]]:

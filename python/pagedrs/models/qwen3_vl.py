@@ -12,7 +12,7 @@ are built here too."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,7 +22,11 @@ from pagedrs.distributed.group import TPGroup
 from pagedrs.layers.attention import ForwardContext
 from pagedrs.layers.linear import Loaded
 from pagedrs.layers.mrope import get_mrope
-from pagedrs.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, QwenVisionParts, scatter_rows
+from pagedrs.models.qwen2_5_vl import (
+    Qwen2_5_VLForConditionalGeneration,
+    QwenVisionParts,
+    multimodal_forward,
+)
 from pagedrs.models.qwen3_5 import GatedAttention, Qwen3_5ForCausalLM
 from pagedrs.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from pagedrs.models.vision import Qwen3VisionTransformer
@@ -77,12 +81,9 @@ def _qwen3_5_vl(base: type[Qwen3_5ForCausalLM]) -> Any:
         def forward(
             self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext, mm: MultiModalBatch | None = None
         ) -> Tensor:
-            """input_ids [T], positions [3, T] (or [T]: text only) -> hidden states [T, hidden]."""
-            x = scatter_rows(self.model.embed_tokens(input_ids), mm, positions)
-            layers = self.model.layers if ctx.exit_layer is None else self.model.layers[: ctx.exit_layer]
-            for layer in layers:
-                x = layer(positions, x, ctx)
-            return cast(Tensor, self.model.norm(x))
+            """input_ids [T], positions [3, T] (or [T]: text only) -> hidden states [T, hidden]: the text
+            decoder's description run with the image rows scattered in."""
+            return multimodal_forward(self.model, input_ids, positions, ctx, mm)
 
         def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
             """The text model's tensors as the text class loads them, the tower's (`model.visual.*` or

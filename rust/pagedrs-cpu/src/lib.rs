@@ -1,11 +1,13 @@
 //! CPU kernels (pure Rust, no Python): the decode attention over the paged KV cache used by the torch
 //! backend on CPU instead of its gather + batched matmul, and matmuls over GGUF-quantized weights
-//! (`quant`), run on a warm thread pool (`pool`), and small fused per-token ops (`ops`).
+//! (`quant`), run on a warm thread pool (`pool`), small fused per-token ops (`ops`), and the decode step of
+//! a Gated DeltaNet layer (`delta_rule`).
 //!
 //! KV cache layout (as everywhere in pagedrs): `[2, num_blocks, block_size, num_kv_heads, head_size]`,
 //! index 0 = K, 1 = V.
 
 mod decode;
+pub mod delta_rule;
 pub mod lora;
 pub mod moe;
 pub mod ops;

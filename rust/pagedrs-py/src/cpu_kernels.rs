@@ -1,9 +1,10 @@
 //! The CPU kernels for Python: numpy arrays checked and converted, then `pagedrs_cpu` with the GIL
 //! released. `attention` (`paged_decode_attention`), `quantized` (the GGUF-quantized matmuls, `quant_*`),
-//! `ops` (the fused per-token ops), `lora` (`cpu_lora_add`), `experts` (`moe_experts`); here the
+//! `ops` (the fused per-token ops), `delta_rule` (`cpu_gated_delta_decode`), `lora` (`cpu_lora_add`), `experts` (`moe_experts`); here the
 //! argument checks they share.
 
 mod attention;
+mod delta_rule;
 mod experts;
 mod lora;
 mod ops;
@@ -18,6 +19,7 @@ use pyo3::prelude::*;
 use pagedrs_cpu::quant::{Isa, QuantType};
 
 pub use attention::paged_decode_attention;
+pub use delta_rule::cpu_gated_delta_decode;
 pub use experts::moe_experts;
 pub use lora::cpu_lora_add;
 pub use ops::{
