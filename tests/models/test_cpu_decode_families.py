@@ -24,6 +24,7 @@ from tests.distributed.helpers_tp import (
 )
 from tests.helpers import make_tiny_llama, make_tiny_model
 from tests.models.helpers_configs import longrope_overrides, phi3_config
+from tests.models.helpers_cpu_decode import spy_fast_step
 from tests.models.helpers_families import gemma2_config, gemma3_config, qwen3_config, smollm3_config
 
 FAMILIES: dict[str, Callable[[Path], Path]] = {
@@ -37,20 +38,6 @@ FAMILIES: dict[str, Callable[[Path], Path]] = {
     # longrope: the rotary op runs its module (per-request factors), the other ops the Rust calls
     "phi3-longrope": lambda d: make_tiny_model(d / "phi3", phi3_config(**longrope_overrides())),
 }
-
-
-def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """[taken, declined] steps of the fast path."""
-    calls = [0, 0]
-    real = CpuDecodeStep.forward
-
-    def spy(step: CpuDecodeStep, *args: Any) -> Any:
-        out = real(step, *args)
-        calls[out is None] += 1
-        return out
-
-    monkeypatch.setattr(CpuDecodeStep, "forward", spy)
-    return calls
 
 
 def _ops(desc: ModelDesc, kind: type) -> list[list[Any]]:
@@ -74,7 +61,7 @@ def test_fast_step_replays_each_family_as_the_modules(
     family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = FAMILIES[family](tmp_path)
-    calls = _spy(monkeypatch)
+    calls = spy_fast_step(monkeypatch)
     kw = {"quantization": "q8_0", **ENGINE_FOR.get(family, {})}  # a pool that forces preemption
     fast = tp_engine(path, 1, **kw)
     step = fast.runner.model.model.cpu_decode

@@ -7,32 +7,17 @@ on the file's dequantized weights (equal up to a near tie the 8-bit activations 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from pagedrs.models.cpu_decode import CpuDecodeStep
 from pagedrs.models.layer_desc import Block
 from tests.distributed.helpers_tp import PROMPTS, check_forced, run_workload, run_workload_logprobs, tp_engine
 from tests.helpers import hf_greedy_q8_0_rounded
+from tests.models.helpers_cpu_decode import spy_fast_step
 from tests.models.helpers_moe import make_tiny_moe_gguf
 
 # the largest logprob gap at which a Q8_0 run may pick another token than float32 HF
 NEAR_TIE_NATS = 0.1
-
-
-def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """[taken, declined] steps of the fast path."""
-    calls = [0, 0]
-    real = CpuDecodeStep.forward
-
-    def spy(step: CpuDecodeStep, *args: Any) -> Any:
-        out = real(step, *args)
-        calls[out is None] += 1
-        return out
-
-    monkeypatch.setattr(CpuDecodeStep, "forward", spy)
-    return calls
 
 
 def _hf_greedy(src: Path, prompt: list[int], n: int) -> list[int]:
@@ -52,7 +37,7 @@ def test_moe_fast_path_equals_the_modules_and_hf(
 ) -> None:
     monkeypatch.setenv("PAGEDRS_CACHE", str(tmp_path / "cache"))
     path = make_tiny_moe_gguf(tmp_path, kind, qtype="Q8_0")
-    calls = _spy(monkeypatch)
+    calls = spy_fast_step(monkeypatch)
     fast = tp_engine(path, 1, dtype="auto")
     step = fast.runner.model.model.cpu_decode
     assert step is not None and any(isinstance(op, Block) for layer in step.desc.layers for op in layer)

@@ -32,26 +32,13 @@ from tests.distributed.helpers_tp import check_forced, run_workload, run_workloa
 from tests.engine.conftest import PlanSpy, greedy, make_engine, random_prompts, run_all
 from tests.helpers import make_tiny_model
 from tests.models import helpers_gguf_hybrid
+from tests.models.helpers_cpu_decode import spy_fast_step
 from tests.models.helpers_qwen3_5 import LAYER_TYPES, qwen3_5_config, qwen3_5_moe_config
 
 FAMILIES: dict[str, Callable[[Path], Path]] = {
     "qwen3_5": lambda d: make_tiny_model(d / "qwen3_5", qwen3_5_config()),
     "qwen3_5_moe": lambda d: make_tiny_model(d / "qwen3_5_moe", qwen3_5_moe_config()),
 }
-
-
-def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """[taken, declined] steps of the fast path."""
-    calls = [0, 0]
-    real = CpuDecodeStep.forward
-
-    def spy(step: CpuDecodeStep, *args: Any) -> Any:
-        out = real(step, *args)
-        calls[out is None] += 1
-        return out
-
-    monkeypatch.setattr(CpuDecodeStep, "forward", spy)
-    return calls
 
 
 def _kernel_spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
@@ -86,7 +73,7 @@ def test_fast_step_replays_qwen3_5_as_the_modules(
     family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = FAMILIES[family](tmp_path)
-    calls, kernel = _spy(monkeypatch), _kernel_spy(monkeypatch)
+    calls, kernel = spy_fast_step(monkeypatch), _kernel_spy(monkeypatch)
     kw = {"quantization": "q8_0"}
     fast = tp_engine(path, 1, **kw)
     step = fast.runner.model.model.cpu_decode
@@ -120,7 +107,7 @@ def test_a_q8_0_gguf_takes_the_fast_step(tmp_path: Path, monkeypatch: pytest.Mon
     real = helpers_gguf_hybrid._round
     monkeypatch.setattr(helpers_gguf_hybrid, "_round", lambda m: real(m, q8_0, ()))
     path = helpers_gguf_hybrid.write_qwen35_gguf(hf, tmp_path / "tiny-qwen35.gguf", "qwen35")
-    calls = _spy(monkeypatch)
+    calls = spy_fast_step(monkeypatch)
 
     def run() -> dict[str, list[int]]:
         engine = make_engine(path, block_size=4, max_num_batched_tokens=8, num_kv_blocks=14)
