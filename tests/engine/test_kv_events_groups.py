@@ -27,7 +27,14 @@ WINDOW = 8
 
 
 def _core(model: Path, port: int, num_kv_blocks: int) -> EngineCore:
-    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": "kv"}
+    # the replay endpoint fills in what a subscriber that joins late missed (a PUB socket drops it)
+    cfg = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{port}",
+        "replay_endpoint": f"tcp://*:{port + 1}",
+        "topic": "kv",
+    }
     args = EngineArgs(
         model=str(model),
         device="cpu",
@@ -53,6 +60,7 @@ def _serve(core: EngineCore, sub: Subscriber) -> list[BlockStored | BlockRemoved
     deadline, quiet = time.monotonic() + 10, 0
     while time.monotonic() < deadline and quiet < 3:  # until the stream stays quiet for 3 polls
         quiet = 0 if sub.poll(200) or not sub.batches else quiet + 1
+    sub.catch_up(sub.next_seq)  # anything the stream dropped before the subscriber joined
     return [e for b in sub.batches for e in b.events]
 
 
@@ -78,9 +86,9 @@ def test_every_pool_publishes_its_group(tmp_path: Path, kind: str) -> None:
     else:
         model = make_tiny_model(tmp_path / "gemma3", gemma3_config())
         want = {0: ("full_attention", None), 1: ("sliding_window", WINDOW)}
-    port = free_tcp_ports(1)
+    port = free_tcp_ports(2)
     core = _core(model, port, num_kv_blocks=24)
-    sub = Subscriber(f"tcp://127.0.0.1:{port}", None, topic="kv")
+    sub = Subscriber(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", topic="kv")
     try:
         assert core.scheduler.kv_group_pools() != []
         events = _serve(core, sub)

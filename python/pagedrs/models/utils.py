@@ -30,19 +30,24 @@ def check_tensor_parallel(config: PretrainedConfig, tp_size: int) -> None:
     multiple of them: Llama-3's 8 KV heads at TP 16 put each head on 2 ranks). A config with per-layer
     attention (Gemma 4's global layers: `per_layer_config`) is checked for each layer's KV heads."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(text.num_attention_heads)
+    try:
+        counts = {int(getattr(text, "num_key_value_heads", None) or heads)}
+    except RuntimeError:  # transformers refuses the global value of an attribute that varies per layer
+        counts = set()
+    # transformers gives every config a per-layer view; a layer without its own KV heads has none
     per_layer = getattr(text, "per_layer_config", None)
     if per_layer is not None:
-        heads = int(text.num_attention_heads)
-        counts = sorted({int(per_layer[i].num_key_value_heads) for i in range(int(text.num_hidden_layers))})
-    else:
-        heads = int(config.num_attention_heads)
-        counts = [int(getattr(config, "num_key_value_heads", None) or heads)]
+        for i in range(int(text.num_hidden_layers)):
+            kv = getattr(per_layer[i], "num_key_value_heads", None)
+            if kv:
+                counts.add(int(kv))
     if heads % tp_size:
         raise ValueError(
             f"tensor_parallel_size={tp_size} does not divide the model's {heads} attention heads; "
             f"use a tensor_parallel_size that divides {heads}"
         )
-    for kv in counts:
+    for kv in sorted(counts):
         _check_kv_heads(kv, tp_size)
 
 
