@@ -16,9 +16,9 @@ Weights are random blocks: random quant bytes with f16 scales sized so that each
 about 0.02, so activations stay finite in both engines; the figures measure speed, not text. The
 tokenizer is the embedded default model's (SmolLM2's byte-level BPE, 49152 entries) padded with normal
 tokens `<extra_N>` to the family's vocabulary, which both llama-server and pagedrs load. For Gemma 3 the
-two do not cut text alike: transformers (which loads pagedrs's GGUF tokenizers) picks its converter by
-architecture, and its Gemma converter makes about 2.2x the tokens of llama.cpp's byte-level BPE from the
-same words, so compare prompt tokens per second there, not TTFT.
+two do not cut text alike: pagedrs's tokenizer for that file (a transformers `GemmaTokenizer`) makes
+each space a token of its own, about 2.2x the tokens llama.cpp makes from the same words, so compare
+prompt tokens per second there, not TTFT.
 """
 
 from __future__ import annotations
