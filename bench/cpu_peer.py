@@ -25,6 +25,11 @@ token ids pagedrs fed its engine (POST /completion, greedy, `ignore_eos`, no pro
 logprobs at each position), and its outputs are compared with both pagedrs paths the same way, with its
 first-token logprobs against pagedrs's and the logprob gap at each first difference (the `llama_cpp` key
 of --json); without one that part is skipped with a message.
+
+--prompt-tokens 512,2048: prefill instead of decode. Each server (llama-server with one slot) gets
+--prefill-requests prompts of about N words (N tokens with the default byte-level tokenizer; the rows give
+the prompt token count each server reports), one at a time, each a non-streamed completion of one token:
+its latency is the TTFT. Every prompt is drawn afresh, so neither prompt cache reuses one.
 """
 
 from __future__ import annotations
@@ -206,6 +211,61 @@ def bench_server(
         return rows
     finally:
         stop_process_group(proc, 10)
+
+
+def make_long_prompt(words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def bench_prefill(name: str, start: Any, lengths: list[int], reps: int, seed: int) -> list[dict[str, Any]]:
+    """Per prompt length: the latency of one-token completions (the TTFT), sent one at a time."""
+    proc, url = start()
+    try:
+        model = served_model(url)
+        body = {"model": model, "max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+        http_post_json(f"{url}/v1/completions", {**body, "prompt": make_long_prompt(64, -1)}, timeout=900)
+        rows = []
+        for n in lengths:
+            times, tokens = [], []
+            for k in range(reps):
+                prompt = make_long_prompt(n, seed * 1000 + n + k)
+                t0 = time.perf_counter()
+                out = http_post_json(f"{url}/v1/completions", {**body, "prompt": prompt}, timeout=900)
+                times.append(time.perf_counter() - t0)
+                tokens.append(int(out["usage"]["prompt_tokens"]))
+            times.sort()
+            row = {
+                "server": name,
+                "prompt_words": n,
+                "prompt_tokens": tokens,
+                "ttft_ms": [t * 1e3 for t in times],
+                "ttft_p50_ms": times[len(times) // 2] * 1e3,
+                "prefill_tok_s": sum(tokens) / sum(times),
+            }
+            rows.append(row)
+            print(
+                f"  {name:9} prompt ~{n} tokens ({tokens[0]}): TTFT p50 {row['ttft_p50_ms']:8.1f} ms, "
+                f"{row['prefill_tok_s']:7.1f} prompt tok/s",
+                flush=True,
+            )
+        return rows
+    finally:
+        stop_process_group(proc, 10)
+
+
+def prefill_lines(ours: list[dict[str, Any]], peer: list[dict[str, Any]]) -> list[str]:
+    by_len = {r["prompt_words"]: r for r in peer}
+    lines = []
+    for r in ours:
+        p = by_len.get(r["prompt_words"])
+        head = f"prompt {r['prompt_tokens'][0]} tokens: TTFT p50 {r['ttft_p50_ms']:.0f} ms (pagedrs)"
+        if p is None:
+            lines.append(f"{head}; llama.cpp not run")
+            continue
+        a, b = r["ttft_p50_ms"], p["ttft_p50_ms"]
+        lines.append(f"{head} vs {b:.0f} ms (llama.cpp, {p['prompt_tokens'][0]} tokens) = {a / b:.2f}x")
+    return lines
 
 
 def summary_lines(ours: list[dict[str, Any]], peer: list[dict[str, Any]]) -> list[str]:
@@ -490,6 +550,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=None)
     p.add_argument("--skip-pagedrs", action="store_true", help="run llama.cpp only")
     p.add_argument("--quality", type=int, default=0, help="only the offline quality check, on N prompts")
+    p.add_argument(
+        "--roofline", action="store_true", help="also the concurrency-1 TPOT over the memory roofline"
+    )
+    p.add_argument("--prompt-tokens", default="", help="prefill mode: comma-separated prompt lengths")
+    p.add_argument("--prefill-requests", type=int, default=3, help="prompts per length in prefill mode")
     add_commit_arg(p)
     args, server_extra = p.parse_known_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -519,6 +584,16 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(json_safe(out), indent=2))
         return 0
     ctx_per_slot = 256 + args.max_tokens + 64  # 120 words are well under 256 tokens
+    lengths = [int(n) for n in args.prompt_tokens.split(",") if n]
+    slots = max(levels)
+
+    def bench(name: str, start: Any) -> list[dict[str, Any]]:
+        if lengths:
+            return bench_prefill(name, start, lengths, args.prefill_requests, args.seed)
+        return bench_server(name, start, prompts_by_level, args.max_tokens)
+
+    if lengths:  # one slot, room for the longest prompt at two tokens a word
+        slots, ctx_per_slot = 1, 2 * max(lengths) + 64
 
     binary = find_llama_server(args.llama_server)
     peer_rows: list[dict[str, Any]] = []
@@ -532,15 +607,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         log = str(logs / "cpu_peer_llama_server.log")
-        commands["llama.cpp"] = f"{binary} -m {model} -t {args.threads} -np {max(levels)}"
+        commands["llama.cpp"] = f"{binary} -m {model} -t {args.threads} -np {slots}"
         print(f"llama.cpp: {commands['llama.cpp']} (log {log})", flush=True)
-        peer_rows = bench_server(
+        peer_rows = bench(
             "llama.cpp",
             lambda: start_llama_server(
-                binary, model, args.threads, max(levels), ctx_per_slot, log, args.start_timeout
+                binary, model, args.threads, slots, ctx_per_slot, log, args.start_timeout
             ),
-            prompts_by_level,
-            args.max_tokens,
         )
 
     our_rows: list[dict[str, Any]] = []
@@ -551,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
             "--device",
             "cpu",
             "--max-num-seqs",
-            str(max(levels)),
+            str(slots),
             *server_extra,
         ]
         # torch's intra-op threads (and so the quantized kernels') come from OMP_NUM_THREADS
@@ -560,25 +633,41 @@ def main(argv: list[str] | None = None) -> int:
         commands["pagedrs"] = f"OMP_NUM_THREADS={args.threads} pagedrs serve " + " ".join(server_args)
         print(f"pagedrs: {commands['pagedrs']} (log {log})", flush=True)
         with_data = Path(logs / f"cpu_peer_data_{os.getpid()}")
-        our_rows = bench_server(
-            "pagedrs",
-            lambda: start_server(server_args, log, str(with_data), args.start_timeout),
-            prompts_by_level,
-            args.max_tokens,
+        our_rows = bench(
+            "pagedrs", lambda: start_server(server_args, log, str(with_data), args.start_timeout)
         )
         shutil.rmtree(with_data, ignore_errors=True)
 
-    lines = summary_lines(our_rows, peer_rows)
+    lines = prefill_lines(our_rows, peer_rows) if lengths else summary_lines(our_rows, peer_rows)
+    roof = None
+    if args.roofline and not lengths and 1 in levels:
+        from _cpu_roofline import roofline
+
+        roof = roofline(model, args.threads)
+        for name, rows in (("pagedrs", our_rows), ("llama.cpp", peer_rows)):
+            row = next((r for r in rows if r["max_concurrency"] == 1), None)
+            if row is not None:
+                roof[f"{name}_vs_roofline"] = row["tpot_p50_ms"] / roof["roofline_tpot_ms"]
+        lines.append(
+            f"roofline at batch 1: {roof['bytes_per_token'] / 2**20:.0f} MiB of weights a token / "
+            f"{roof['read_bandwidth_gbs']:.1f} GB/s read here = {roof['roofline_tpot_ms']:.1f} ms; TPOT p50 / "
+            "roofline: "
+            + ", ".join(
+                f"{k[: -len('_vs_roofline')]} {v:.2f}x" for k, v in roof.items() if k.endswith("_roofline")
+            )
+        )
     for line in lines:
         print(line)
     if args.json:
         out = {
             "benchmark": "cpu_peer",
             "model": model,
-            "max_tokens": args.max_tokens,
+            "mode": "prefill" if lengths else "decode",
+            "max_tokens": 1 if lengths else args.max_tokens,
             "threads": args.threads,
             "commands": commands,
             "summary": lines,
+            "roofline": roof,
             "pagedrs": our_rows,
             "llama.cpp": peer_rows,
             "machine": machine_info(),
@@ -587,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(json_safe(out), indent=2))
-    if args.plot:
+    if args.plot and not lengths:
         plot(our_rows, peer_rows, args.plot)
     return 0
 
