@@ -125,8 +125,10 @@ unsafe fn x8_rows<const R: usize>(
 ) {
     let rows: [ActRow<'_>; R] = std::array::from_fn(|r| acts.row(i + r));
     let acc = match (vnni, qt) {
-        (_, QuantType::Q5_0) => avx2::x8_group_q5::<R, false>(w, nb, &rows),
-        (_, QuantType::Q5_1) => avx2::x8_group_q5::<R, true>(w, nb, &rows),
+        (false, QuantType::Q5_0) => avx2::x8_group_q5::<R, false, false>(w, nb, &rows),
+        (false, QuantType::Q5_1) => avx2::x8_group_q5::<R, true, false>(w, nb, &rows),
+        (true, QuantType::Q5_0) => avx2::x8_group_q5::<R, false, true>(w, nb, &rows),
+        (true, QuantType::Q5_1) => avx2::x8_group_q5::<R, true, true>(w, nb, &rows),
         (_, QuantType::Q4_K) => avx2::x8_group_k45::<R, false>(w, nb, &rows),
         (_, QuantType::Q5_K) => avx2::x8_group_k45::<R, true>(w, nb, &rows),
         (_, QuantType::Q6_K) => avx2::x8_group_q6k::<R>(w, nb, &rows),

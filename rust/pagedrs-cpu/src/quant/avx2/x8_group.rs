@@ -29,7 +29,7 @@ unsafe fn dpbusd(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
 /// readable for 4 bytes.
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn dpbusd_bcast(acc: __m256i, a: __m256i, x: *const i32) -> __m256i {
+pub(super) unsafe fn dpbusd_bcast(acc: __m256i, a: __m256i, x: *const i32) -> __m256i {
     let mut acc = acc;
     std::arch::asm!(
         "vpdpbusd {acc}, {a}, dword ptr [{x}]{{1to8}}",

@@ -4,6 +4,7 @@
 //! rows' scales. Integer sums are exact in any order, so a row gets the same bits for any R (and from
 //! `x8k::group_portable`).
 
+use super::x8_group::dpbusd_bcast;
 use super::*;
 
 /// A 32-bit lane per row: `v` shifted right by `n` bits (`n` in 0..32).
@@ -49,9 +50,12 @@ unsafe fn pair16(v: __m256i) -> __m256i {
     )
 }
 
-/// Q5_0 (`Q51` false) / Q5_1 packed groups: the 8 outputs for each of the `R` activation rows.
+/// Q5_0 (`Q51` false) / Q5_1 packed groups: the 8 outputs for each of the `R` activation rows. `VNNI` (the
+/// CPU must have AVX512VL and AVX512-VNNI): each `maddubs` pair and its `madd` become `vpdpbusd` into 32
+/// bits with the activations broadcast from memory; the integer sums are exact either way, so the bits are
+/// the same.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(in crate::quant) unsafe fn x8_group_q5<const R: usize, const Q51: bool>(
+pub(in crate::quant) unsafe fn x8_group_q5<const R: usize, const Q51: bool, const VNNI: bool>(
     w: *const u8,
     nb: usize,
     a: &[ActRow<'_>; R],
@@ -72,12 +76,20 @@ pub(in crate::quant) unsafe fn x8_group_q5<const R: usize, const Q51: bool>(
                 let hi = _mm256_or_si256(hi, bit_to_4(h, 4 + t));
                 for r in 0..R {
                     let x = 32 * b + 4 * t;
-                    s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, bx(&a[r], x)));
-                    s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(hi, bx(&a[r], x + 16)));
+                    if VNNI {
+                        let xp = a[r].qs.as_ptr().add(x);
+                        s32[r] = dpbusd_bcast(s32[r], lo, xp.cast());
+                        s32[r] = dpbusd_bcast(s32[r], hi, xp.add(16).cast());
+                    } else {
+                        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, bx(&a[r], x)));
+                        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(hi, bx(&a[r], x + 16)));
+                    }
                 }
             }
-            for r in 0..R {
-                s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(s[r], ones));
+            if !VNNI {
+                for r in 0..R {
+                    s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(s[r], ones));
+                }
             }
         }
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
