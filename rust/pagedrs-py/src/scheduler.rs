@@ -443,8 +443,7 @@ impl PyScheduler {
         self.with(py, |s| s.take_kv_events()).map(PyKVEvents::from)
     }
 
-    /// The host KV tier's events since the last call: blocks stored into it and evicted from it
-    /// (published with medium "CPU"); empty without a tier or when recording is off.
+    /// The host KV tier's stored and evicted blocks since the last call (medium "CPU"), if recording.
     fn take_tier_kv_events(&self, py: Python<'_>) -> PyResult<PyKVEvents> {
         self.with(py, |s| s.take_tier_kv_events())
             .map(PyKVEvents::from)
