@@ -82,7 +82,7 @@ def linear_attention_step(op: LinearAttention) -> Step:
     qkv_w, z_w, a_w, b_w, out_w = (w for w in ws if w is not None)
     conv_w = m.conv1d.weight.detach()[:, 0].contiguous().numpy()
     a_log, dt_bias = m.A_log.detach().numpy(), m.dt_bias.detach().numpy()
-    num_k, hv_dim, value_dim = m.key_dim // m.head_k_dim, m.head_v_dim, m.value_dim
+    num_k, hv_dim, value_dim = m.num_k_heads, m.head_v_dim, m.value_dim
 
     def run(s: Any) -> None:
         rec = s.ctx.attn_metadata.recurrent

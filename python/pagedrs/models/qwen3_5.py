@@ -153,6 +153,7 @@ class GatedDeltaNet(torch.nn.Module):
         full_key = self.head_k_dim * config.linear_num_key_heads
         full_value = self.head_v_dim * config.linear_num_value_heads
         self.key_dim, self.value_dim = full_key // tp.size, full_value // tp.size
+        self.num_k_heads = self.key_dim // self.head_k_dim  # this rank's key heads
         conv_dim = self.key_dim * 2 + self.value_dim
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         pieces = [full_key, full_key, full_value]
@@ -220,17 +221,14 @@ class GatedDeltaNet(torch.nn.Module):
         """One token of each of B sequences [B, ...], all at once, from their slots `idx` of the layer's `conv`
         and `ssm` (gathered, stepped, scattered back; in place on the fused CUDA step, and on the quantized CPU
         path one Rust call) -> [B, value_dim]."""
+        w, nk = self.conv1d.weight[:, 0], self.num_k_heads
         if self.cuda_kernels and qkv.dtype == self.dt_bias.dtype:
-            w = self.conv1d.weight[:, 0]
-            k_heads = self.key_dim // self.head_k_dim
             slots = idx.to(torch.int32)
-            return gated_delta_decode(qkv, a, b, w, self.dt_bias, self.A_log, conv, ssm, slots, k_heads)
+            return gated_delta_decode(qkv, a, b, w, self.dt_bias, self.A_log, conv, ssm, slots, nk)
         if self.cpu_fused and conv.device.type == "cpu" and qkv.dtype == conv.dtype == torch.float32:
-            w = self.conv1d.weight[:, 0]
-            nk = self.key_dim // self.head_k_dim
             return cpu_gated_delta_decode(qkv, a, b, w, self.A_log, self.dt_bias, conv, ssm, idx, nk)
         window, state = conv.index_select(0, idx), ssm.index_select(0, idx)
-        mixed = causal_conv1d_update(qkv, self.conv1d.weight[:, 0], window)
+        mixed = causal_conv1d_update(qkv, w, window)
         q, k, v = self._heads(mixed[:, None])
         g, beta = self._gates(a, b)
         out, state = recurrent_gated_delta_rule(q, k, v, g[:, None], beta[:, None], state)
