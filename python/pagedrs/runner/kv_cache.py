@@ -12,7 +12,7 @@ copies, grow and shrink.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -308,26 +308,27 @@ class KVCachePool:
 
     def move_group_blocks(self, triples: np.ndarray) -> None:
         """(group, src, dst) moves of the groups' blocks by a resize, each group's on its own layers."""
+        for layers, pairs in self._per_group(triples):
+            self.copy_blocks(pairs, layers)
+
+    def _per_group(self, triples: np.ndarray) -> Iterator[tuple[tuple[int, ...], np.ndarray]]:
+        """Each group's layers and its (a, b) pairs of the plan's (group, a, b) triples."""
         for g, layers in enumerate(self.groups):
-            pairs = triples[triples[:, 0] == g, 1:]
-            if len(pairs):
-                src, dst = _pairs(pairs, self.device)
-                for i in layers:
-                    kv = as_bytes(self.kv_caches[i])
-                    kv[:, dst] = kv[:, src]
+            yield layers, (triples[triples[:, 0] == g, 1:] if len(triples) else triples)
 
     def move_blocks(self, pairs: np.ndarray) -> None:
         """(src, dst) device blocks; all sources are read before any destination is written."""
         self.copy_blocks(pairs)
 
-    def copy_blocks(self, pairs: np.ndarray) -> None:
+    def copy_blocks(self, pairs: np.ndarray, layers: Iterable[int] | None = None) -> None:
+        """(src, dst) device blocks of `layers` (default: the full-attention pool's; a group's pool of its own
+        numbers its blocks apart)."""
         if len(pairs) == 0:
             return
         src, dst = _pairs(pairs, self.device)
-        # full-attention layers only: layers in a group's pool of their own number blocks apart
-        for i, kv in enumerate(map(as_bytes, self.kv_caches)):
-            if i not in self.group_layers:
-                kv[:, dst] = kv[:, src]
+        for i in self._swap_layers(layers):
+            kv = as_bytes(self.kv_caches[i])
+            kv[:, dst] = kv[:, src]
 
     def swap_out(self, pairs: np.ndarray, layers: Iterable[int] | None = None) -> None:
         """(device_block, swap_block) pairs: device -> CPU swap pool, of `layers` (default: the full-attention
@@ -361,8 +362,7 @@ class KVCachePool:
     def swap_groups(self, triples: np.ndarray, *, out: bool) -> None:
         """(group, block, block) triples of the KV-cache groups' swap ops: device -> host (`out`) or back,
         each group's pairs on its own layers."""
-        for g, layers in enumerate(self.groups):
-            pairs = triples[triples[:, 0] == g, 1:] if len(triples) else triples
+        for layers, pairs in self._per_group(triples):
             (self.swap_out if out else self.swap_in)(pairs, layers)
 
     def _check_swap(self, n: int) -> None:
